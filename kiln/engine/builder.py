@@ -1,0 +1,151 @@
+"""The builder: ONNX -> IR -> passes -> tactic per layer (with explicit Reformat layers) -> memory plan -> Plan."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+import kiln
+from kiln.engine.memory import plan_memory
+from kiln.engine.plan import Arg, Layer, Plan, TensorDesc
+from kiln.frontend import import_onnx
+from kiln.ir import Graph, Node
+from kiln.ops import lookup
+from kiln.passes import DEFAULT_PIPELINE, run_passes
+from kiln.tactics import ANY, HWC, LINEAR, LayerView, choose, tactic_value
+from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
+
+log = logging.getLogger("kiln.build")
+
+TACTIC_SOURCES = frozenset({"torch", "torch-onednn"})
+PARAMETER_TYPES = {"Conv": "Convolution", "Gemm": "MatrixMultiply", "MatMul": "MatrixMultiply",
+                   "PointWise": "PointWise", "Shuffle": "Shuffle"}
+RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution"}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    disabled_passes: frozenset[str] = frozenset()
+    tactic_sources: frozenset[str] | None = None
+    verify_each: bool = False
+
+
+def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
+    start = time.perf_counter()
+    g = import_onnx(model, options.input_shapes)
+    stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
+    layers, weights = lower(g, options.tactic_sources)
+    inputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs)
+    outputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.outputs)
+    memory = plan_memory(layers, inputs, outputs)
+    log.debug("Total Activation Memory: %d bytes (%d bytes without reuse)", memory.total_bytes, memory.unshared_bytes)
+    log.debug("Total Weights Memory: %d bytes", sum(w.nbytes for w in weights.values()))
+    info = {
+        "kiln_version": kiln.__version__, "torch_version": torch.__version__, "opset": g.opset,
+        "build_time_s": round(time.perf_counter() - start, 6), "device": "cpu",
+        "passes": [{"name": s.name, "matches": s.matches, "rejections": s.rejections,
+                    "layers_before": s.layers_before, "layers_after": s.layers_after} for s in stats],
+    }
+    log.info("Engine built in %.5f sec.", info["build_time_s"])
+    return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info)
+
+
+class _Lowering:
+    """Walks the optimized graph in order, choosing tactics and inserting Reformat layers between layouts."""
+
+    def __init__(self, g: Graph, sources: frozenset[str] | None):
+        self.g, self.sources = g, sources
+        self.layers: list[Layer] = []
+        self.weights: dict[str, np.ndarray] = {}
+        self.formats: dict[str, str] = {v.name: LINEAR for v in g.inputs}
+        self.descs: dict[str, TensorDesc] = {v.name: TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs}
+        self.reformatted: dict[tuple[str, str], str] = {}
+
+    def weight(self, v) -> Arg:
+        self.weights.setdefault(v.name, np.ascontiguousarray(v.const))
+        return Arg("weight", v.name)
+
+    def reformat(self, src: str, target: str, consumer: str, index: int, public_name: str | None = None) -> str:
+        """Insert a Reformat layer copying `src` into `target` layout (TensorRT's naming), reused per tensor."""
+        if public_name is None and (src, target) in self.reformatted:
+            return self.reformatted[(src, target)]
+        d = self.descs[src]
+        if public_name is None:
+            name, new = f"Reformatting CopyNode for Input Tensor {index} to {consumer}", \
+                f"Reformatted Input Tensor {index} to {consumer}"
+            self.reformatted[(src, target)] = new
+        else:
+            name, new = f"Reformatting CopyNode for Output Tensor {index} to {consumer}", public_name
+        out = TensorDesc(new, d.dims, d.dtype, target)
+        noop = is_noop_reformat(d.dims)
+        tactic = NOOP_TACTIC if noop else REFORMAT_TACTIC
+        self.layers.append(Layer(name, "Reformat", "kiln", "NoOp" if noop else "Reformat", "Reformat",
+                                 (Arg("tensor", src),), (d,), (out,), {"origin": "REFORMAT", "target_format": target},
+                                 tactic, tactic_value(tactic), ()))
+        self.formats[new], self.descs[new] = target, out
+        return new
+
+    def lower_node(self, node: Node) -> None:
+        const_inputs = {i: torch.from_numpy(np.array(v.const)) for i, v in enumerate(node.inputs)
+                        if v is not None and v.is_const}
+        view = LayerView(node.op_type, node.domain, node.attrs, tuple(None if v is None else v.shape for v in node.inputs),
+                         tuple(None if v is None else str(v.dtype) for v in node.inputs), const_inputs)
+        tactic = choose(view, self.sources)
+        wanted = tactic.input_formats(view)
+        args, in_descs, in_formats = [], [], []
+        for i, v in enumerate(node.inputs):
+            if v is None:
+                args.append(Arg("none"))
+                continue
+            if v.is_const:
+                args.append(self.weight(v))
+                continue
+            name = v.name
+            have = self.formats[name]
+            if wanted[i] != ANY and wanted[i] != have and len(v.shape) == 4:
+                name = self.reformat(name, wanted[i], node.name, i)
+            args.append(Arg("tensor", name))
+            in_descs.append(self.descs[name])
+            in_formats.append(self.formats[name])
+        out_format = tactic.output_format(view, in_formats)
+        outs = []
+        for j, v in enumerate(node.outputs):
+            fmt = out_format if len(v.shape) == 4 else LINEAR
+            name = v.name
+            public = self.g.is_output(v) and fmt != LINEAR
+            if public:
+                name = f"Reformatted Output Tensor {j} to {node.name}"
+            desc = TensorDesc(name, v.shape, str(v.dtype), fmt)
+            self.descs[name], self.formats[name] = desc, fmt
+            outs.append(desc)
+        ptype = PARAMETER_TYPES.get(node.op_type) or lookup(node.op_type, node.domain).trt_layer
+        runner = RUNNER_TYPES.get(tactic.name, ptype)
+        self.layers.append(Layer(node.name, node.op_type, node.domain, runner, ptype, tuple(args), tuple(in_descs),
+                                 tuple(outs), _jsonable_attrs(node.attrs), tactic.name, tactic_value(tactic.name),
+                                 node.origin))
+        for j, v in enumerate(node.outputs):
+            if outs[j].name != v.name:
+                self.reformat(outs[j].name, LINEAR, node.name, j, public_name=v.name)
+
+
+def lower(g: Graph, sources: frozenset[str] | None) -> tuple[list[Layer], dict[str, np.ndarray]]:
+    low = _Lowering(g, sources)
+    for node in g.nodes:
+        low.lower_node(node)
+    for v in g.outputs:
+        if v.is_const:   # an output computed entirely at build time
+            low.layers.append(Layer(f"{v.name} [Constant]", "Constant", "kiln", "Constant", "Constant",
+                                    (low.weight(v),), (), (TensorDesc(v.name, v.shape, str(v.dtype)),), {},
+                                    "kiln.constant", tactic_value("kiln.constant"), ()))
+    return low.layers, low.weights
+
+
+def _jsonable_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in attrs.items() if k != "auto_pad"}

@@ -1,0 +1,206 @@
+"""Layer information in trtexec's --exportLayerInfo schema (none / layer_names_only / detailed) and its
+one-line text form (--dumpLayerInfo)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kiln.engine.plan import Layer, Plan, TensorDesc
+from kiln.errors import Error
+from kiln.passes.patterns import ACTIVATIONS
+
+VERBOSITIES = ("none", "layer_names_only", "detailed")
+METADATA_SEP = "\u001e"
+
+
+def tensor_info(t: TensorDesc) -> dict[str, Any]:
+    return {"Name": t.name, "Location": "Device", "Dimensions": list(t.dims), "Format/Datatype": t.format_string()}
+
+
+def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:
+    """The layer-info document. Unlike trtexec, kiln's default verbosity is `detailed`."""
+    if verbosity not in VERBOSITIES:
+        raise Error(f"unknown profiling verbosity '{verbosity}'; use one of {', '.join(VERBOSITIES)}")
+    bindings = [t.name for t in plan.inputs] + [t.name for t in plan.outputs]
+    if verbosity == "none":
+        return {"Layers": [], "Bindings": bindings}
+    if verbosity == "layer_names_only":
+        return {"Layers": [l.name for l in plan.layers], "Bindings": bindings}
+    return {"Layers": [detailed_layer(plan, l) for l in plan.layers], "Bindings": bindings}
+
+
+def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:
+    d: dict[str, Any] = {"Name": layer.name, "LayerType": layer.layer_type,
+                         "Inputs": [tensor_info(t) for t in layer.inputs],
+                         "Outputs": [tensor_info(t) for t in layer.outputs]}
+    if layer.layer_type != "NoOp":
+        d["ParameterType"] = layer.parameter_type
+        d.update(PARAMETERS.get(layer.parameter_type, _generic)(plan, layer))
+        d["TacticName"] = layer.tactic_name
+    d["TacticValue"] = f"0x{layer.tactic_value:016x}"
+    d["StreamId"] = 0
+    d["Metadata"] = METADATA_SEP.join(f"[ONNX Layer: {o}]" for o in layer.origin)
+    return d
+
+
+def _weight_info(plan: Plan, layer: Layer, index: int) -> dict[str, Any]:
+    from kiln.ops.dtypes import TRT_WEIGHT_TYPE
+
+    import numpy as np
+
+    if index >= len(layer.args) or layer.args[index].kind != "weight":
+        return {"Type": "Float", "Count": 0}
+    w = plan.weights[layer.args[index].name]
+    return {"Type": TRT_WEIGHT_TYPE.get(np.dtype(w.dtype), str(w.dtype)), "Count": int(w.size)}
+
+
+def _padding_mode(attrs: dict) -> str:
+    mode = attrs.get("padding_mode")
+    if mode in ("SAME_UPPER", "SAME_LOWER"):
+        return f"k{mode}"
+    return "kEXPLICIT_ROUND_UP" if attrs.get("ceil_mode") else "kEXPLICIT_ROUND_DOWN"
+
+
+def _activation(attrs: dict) -> str:
+    spec = attrs.get("activation")
+    return ACTIVATIONS.get(spec["op"], "GENERIC") if spec else "NONE"
+
+
+def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:
+    a = layer.attrs
+    n = len(a["kernel_shape"])
+    has_bias = len(layer.args) > 2 and layer.args[2].kind == "weight"
+    has_res = len(layer.args) > 3 and layer.args[3].kind == "tensor"
+    act = _activation(a)
+    return {"Kernel": list(a["kernel_shape"]), "PaddingMode": _padding_mode(a), "PrePadding": list(a["pads"][:n]),
+            "PostPadding": list(a["pads"][n:]), "Stride": list(a["strides"]), "Dilation": list(a["dilations"]),
+            "OutMaps": int(layer.outputs[0].dims[1]), "Groups": int(a.get("group", 1)),
+            "Weights": _weight_info(plan, layer, 1),
+            "Bias": _weight_info(plan, layer, 2) if has_bias else {"Type": "Float", "Count": 0},
+            "HasBias": int(has_bias), "HasReLU": int(act == "RELU"), "HasSparseWeights": 0, "HasDynamicFilter": 0,
+            "HasDynamicBias": 0, "HasResidual": int(has_res), "ConvXAsActInputIdx": -1, "BiasAsActInputIdx": -1,
+            "ResAsActInputIdx": -1, "Activation": act}
+
+
+def _pooling(plan: Plan, layer: Layer) -> dict[str, Any]:
+    a, op = layer.attrs, layer.op_type
+    if op.startswith("Global"):
+        window = list(layer.inputs[0].dims[2:])
+        pads, strides = [0] * (2 * len(window)), [1] * len(window)
+    else:
+        window, pads = list(a["kernel_shape"]), list(a["pads"])
+        strides = list(a.get("strides") or [1] * len(window))
+    n = len(window)
+    return {"PoolingType": "MAX" if "Max" in op else "AVERAGE", "WindowSize": window, "PaddingMode": _padding_mode(a),
+            "PrePadding": pads[:n], "PostPadding": pads[n:], "Stride": strides, "BlendFactor": 0,
+            "AverageCountExcludesPadding": int(not a.get("count_include_pad", 0))}
+
+
+def _shuffle(plan: Plan, layer: Layer) -> dict[str, Any]:
+    steps = layer.attrs["steps"]
+    rank_in, rank_out = len(layer.inputs[0].dims) if layer.inputs else 0, len(layer.outputs[0].dims)
+    first, reshape, second = list(range(rank_in)), None, list(range(rank_out))
+    rest = list(steps)
+    if rest and "transpose" in rest[0]:
+        first = rest.pop(0)["transpose"]
+    if rest and "reshape" in rest[0]:
+        reshape = rest.pop(0)["reshape"]
+    if rest and "transpose" in rest[0]:
+        second = rest.pop(0)["transpose"]
+    d = {"FirstTranspose": first, "Reshape": list(reshape) if reshape is not None else "nbDims=-1",
+         "SecondTranspose": second, "ZeroIsPlaceholder": 0}
+    if rest:   # chains TensorRT's three-step shuffle cannot express: kiln lists every step
+        d["Steps"] = steps
+    return d
+
+
+def _matmul(plan: Plan, layer: Layer) -> dict[str, Any]:
+    a = layer.attrs
+    has_bias = len(layer.args) > 2 and layer.args[2].kind != "none"
+    return {"MatrixOpA": "kTRANSPOSE" if a.get("transA") else "kNONE",
+            "MatrixOpB": "kTRANSPOSE" if a.get("transB") else "kNONE",
+            "Weights": _weight_info(plan, layer, 1), "HasBias": int(has_bias),
+            "Bias": _weight_info(plan, layer, 2) if has_bias else {"Type": "Float", "Count": 0},
+            "Alpha": a.get("alpha", 1.0), "Beta": a.get("beta", 1.0), "Activation": _activation(a)}
+
+
+def _pointwise(plan: Plan, layer: Layer) -> dict[str, Any]:
+    steps = layer.attrs["program"]
+    n_inputs = sum(1 for a in layer.args if a.kind != "none")
+    literals: list[str] = []
+    ops = []
+    for k, step in enumerate(steps):
+        args = []
+        for a in step["args"]:
+            if a is None:
+                continue
+            if isinstance(a, dict):
+                literals.append(repr(a["const"]))
+                args.append(f"literal{len(literals) - 1}")
+            else:
+                args.append(("arg" if a[0] == "x" else "var") + a[1:])
+        attrs = "".join(f", {k}={v}" for k, v in step.get("attrs", {}).items())
+        ops.append(f"const auto var{k} = pwgen::i{step['op']}({', '.join(args)}{attrs});")
+    return {"ParameterSubType": "PointWiseExpression", "NbInputArgs": n_inputs,
+            "InputArgs": [f"arg{i}" for i in range(n_inputs)], "NbOutputVars": 1, "OutputVars": [f"var{len(steps) - 1}"],
+            "NbParams": 0, "Params": [], "NbLiterals": len(literals), "Literals": literals,
+            "NbOperations": len(ops), "Operations": ops}
+
+
+def _softmax(plan: Plan, layer: Layer) -> dict[str, Any]:
+    rank = len(layer.outputs[0].dims)
+    axis = layer.attrs.get("axis", -1) % max(rank, 1)
+    return {"Axes": 1 << axis, "HasLog": int(layer.op_type == "LogSoftmax")}
+
+
+def _reformat(plan: Plan, layer: Layer) -> dict[str, Any]:
+    return {"Origin": layer.attrs.get("origin", "REFORMAT")}
+
+
+def _generic(plan: Plan, layer: Layer) -> dict[str, Any]:
+    """Layers TensorRT has no published key set for: kiln names the ONNX op and its attributes."""
+    attrs = {k: v for k, v in layer.attrs.items() if not k.startswith("_")}
+    return {"Operation": layer.op_type, "Attributes": attrs}
+
+
+PARAMETERS = {"Convolution": _conv, "Pooling": _pooling, "Shuffle": _shuffle, "MatrixMultiply": _matmul,
+              "PointWise": _pointwise, "SoftMax": _softmax, "Reformat": _reformat}
+
+
+def dumps(info: dict[str, Any]) -> str:
+    return json.dumps(info, indent=2, default=_json_default) + "\n"
+
+
+def _json_default(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def oneline(info: dict[str, Any]) -> str:
+    """trtexec's --dumpLayerInfo text: "Layers:" then one `Name: ..., LayerType: ...` line per layer."""
+    lines = ["Layers:"]
+    for layer in info["Layers"]:
+        if isinstance(layer, str):
+            lines.append(layer)
+            continue
+        parts = []
+        for k, v in layer.items():
+            if k in ("Inputs", "Outputs"):
+                items = ", ".join("{ " + ", ".join(f"{kk}: {_plain(vv)}" for kk, vv in t.items()) + " }" for t in v)
+                parts.append(f"{k}: [ {items}]" if v else f"{k}: []")
+            else:
+                parts.append(f"{k}: {_plain(v)}")
+        lines.append(", ".join(parts))
+    lines.append("")
+    lines.append("Bindings:")
+    lines.extend(info["Bindings"])
+    return "\n".join(lines)
+
+
+def _plain(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+        return "[" + ",".join(str(x) for x in v) + "]"
+    return json.dumps(v, default=_json_default)

@@ -1,0 +1,49 @@
+"""Activation memory planning: last-use analysis and a best-fit arena with buffer reuse."""
+from __future__ import annotations
+
+from kiln.engine.plan import Layer, MemoryPlan, TensorDesc
+
+ALIGN_BYTES = 64
+
+
+def last_uses(layers: list[Layer] | tuple[Layer, ...], keep: set[str]) -> dict[str, int]:
+    """Index of the last layer reading each tensor; tensors in `keep` live to the end."""
+    last: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        for a in layer.args:
+            if a.kind == "tensor":
+                last[a.name] = i
+        for t in layer.outputs:
+            last.setdefault(t.name, i)
+    end = len(layers)
+    for name in keep:
+        last[name] = end
+    return last
+
+
+def plan_memory(layers: list[Layer], graph_inputs: tuple[TensorDesc, ...], graph_outputs: tuple[TensorDesc, ...]) -> MemoryPlan:
+    outputs = {t.name for t in graph_outputs}
+    last = last_uses(layers, outputs)
+    intervals = []
+    for i, layer in enumerate(layers):
+        for t in layer.outputs:
+            size = -(-t.size_bytes // ALIGN_BYTES) * ALIGN_BYTES
+            intervals.append((t.name, i, last[t.name], size))
+    offsets: dict[str, int] = {}
+    placed: list[tuple[int, int, int, int]] = []   # (start, end, offset, size)
+    for name, start, end, size in sorted(intervals, key=lambda x: (-x[3], x[1])):
+        busy = sorted((o, o + s) for (a, b, o, s) in placed if not (b < start or end < a))
+        offset = 0
+        for lo, hi in busy:
+            if offset + size <= lo:
+                break
+            offset = max(offset, hi)
+        offsets[name] = offset
+        placed.append((start, end, offset, size))
+    total = max((o + s for (_, _, o, s) in placed), default=0)
+    inputs = {t.name for t in graph_inputs}
+    free_after = [[] for _ in layers]
+    for name, idx in last.items():
+        if idx < len(layers) and name not in outputs and name not in inputs:
+            free_after[idx].append(name)
+    return MemoryPlan(total, sum(x[3] for x in intervals), offsets, tuple(tuple(f) for f in free_after))

@@ -1,0 +1,81 @@
+"""The frozen engine plan: layers with chosen tactics, tensor descriptions, weights and the memory plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.ops.dtypes import TRT_FORMAT_TYPE
+
+LINEAR, HWC = "linear", "hwc"
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    name: str
+    dims: tuple[int, ...]
+    dtype: str
+    format: str = LINEAR
+
+    @property
+    def size_bytes(self) -> int:
+        return int(np.prod(self.dims, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def format_string(self) -> str:
+        """TensorRT's "Format/Datatype" text for this tensor."""
+        t = TRT_FORMAT_TYPE.get(np.dtype(self.dtype), self.dtype)
+        if self.format == HWC:
+            return f"Channel major {t} format"
+        return {"FP32": "Row major linear FP32", "Int32": "Row major linear Int32", "Bool": "Row major linear BOOL",
+                "Int8": "Row major Int8 format"}.get(t, f"Row major linear {t} format")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One positional input of a layer's kernel: an activation tensor, a weight, or absent."""
+
+    kind: str          # "tensor" | "weight" | "none"
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    op_type: str
+    domain: str
+    layer_type: str                 # the runner, TensorRT's "LayerType"
+    parameter_type: str             # the layer kind, TensorRT's "ParameterType"
+    args: tuple[Arg, ...]
+    inputs: tuple[TensorDesc, ...]  # activation inputs, in argument order
+    outputs: tuple[TensorDesc, ...]
+    attrs: dict[str, Any]
+    tactic_name: str
+    tactic_value: int
+    origin: tuple[str, ...]
+    precision: str = "FP32"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Activation arena: each tensor's byte offset; tensors whose lifetimes do not overlap share bytes."""
+
+    total_bytes: int
+    unshared_bytes: int
+    offsets: dict[str, int]
+    free_after: tuple[tuple[str, ...], ...]   # per layer: tensors whose last use is that layer
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    inputs: tuple[TensorDesc, ...]
+    outputs: tuple[TensorDesc, ...]
+    layers: tuple[Layer, ...]
+    weights: dict[str, np.ndarray]
+    memory: MemoryPlan
+    build_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights.values())

@@ -1,0 +1,169 @@
+"""Engine files (.kiln): a fixed header, a JSON plan and safetensors weights, checksummed; never pickle.
+
+Layout: magic "KILNPLAN" | format version u32 | flags u32 | JSON length u64 | weights length u64 |
+SHA-256 of (JSON + weights) | JSON bytes | safetensors bytes. Writes go to a temp file, then rename.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from kiln.engine.plan import Arg, Layer, MemoryPlan, Plan, TensorDesc
+from kiln.errors import EngineFormatError, Error
+
+MAGIC = b"KILNPLAN"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sIIQQ32s")
+MAX_JSON_BYTES = 1 << 30
+
+
+def atomic_write_bytes(path: str | os.PathLike, chunks: list[bytes]) -> None:
+    """Write to a temp file beside `path`, fsync, then rename: readers never see a half-written file."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise Error(f"cannot write {path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise Error(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, [text.encode("utf-8")])
+
+
+def encode_value(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return {"__ndarray__": v.tolist(), "dtype": str(v.dtype), "shape": list(v.shape)}
+    if isinstance(v, (np.integer, np.floating, np.bool_)):
+        return v.item()
+    if isinstance(v, dict):
+        return {k: encode_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [encode_value(x) for x in v]
+    return v
+
+
+def decode_value(v: Any) -> Any:
+    if isinstance(v, dict):
+        if "__ndarray__" in v:
+            return np.array(v["__ndarray__"], dtype=np.dtype(v["dtype"])).reshape(v["shape"])
+        return {k: decode_value(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    return v
+
+
+def _tensor(d: TensorDesc) -> dict:
+    return {"name": d.name, "dims": list(d.dims), "dtype": d.dtype, "format": d.format}
+
+
+def plan_to_json(plan: Plan) -> dict:
+    layers = [{
+        "name": l.name, "op_type": l.op_type, "domain": l.domain, "layer_type": l.layer_type,
+        "parameter_type": l.parameter_type, "args": [[a.kind, a.name] for a in l.args],
+        "inputs": [_tensor(t) for t in l.inputs], "outputs": [_tensor(t) for t in l.outputs],
+        "attrs": encode_value(l.attrs), "tactic_name": l.tactic_name, "tactic_value": l.tactic_value,
+        "origin": list(l.origin), "precision": l.precision,
+    } for l in plan.layers]
+    m = plan.memory
+    return {
+        "format_version": FORMAT_VERSION, "name": plan.name,
+        "inputs": [_tensor(t) for t in plan.inputs], "outputs": [_tensor(t) for t in plan.outputs],
+        "layers": layers, "build_info": plan.build_info,
+        "memory": {"total_bytes": m.total_bytes, "unshared_bytes": m.unshared_bytes, "offsets": m.offsets,
+                   "free_after": [list(f) for f in m.free_after]},
+    }
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    body = json.dumps(plan_to_json(plan), separators=(",", ":")).encode("utf-8")
+    weights = st_save({k: np.ascontiguousarray(v) for k, v in plan.weights.items()}) if plan.weights else b""
+    digest = hashlib.sha256(body + weights).digest()
+    header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), len(weights), digest)
+    atomic_write_bytes(path, [header, body, weights])
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise EngineFormatError(f"{path}: cannot read engine file ({exc.strerror or exc})") from None
+    return plan_from_bytes(data, str(path))
+
+
+def plan_from_bytes(data: bytes, where: str = "<bytes>") -> Plan:
+    if len(data) < HEADER.size or data[:8] != MAGIC:
+        raise EngineFormatError(f"{where}: not a kiln engine file (bad magic); build one with `kiln build`")
+    magic, version, _flags, json_len, weights_len, digest = HEADER.unpack_from(data)
+    if version > FORMAT_VERSION:
+        raise EngineFormatError(f"{where}: engine format version {version} is newer than this kiln supports "
+                                f"({FORMAT_VERSION}); upgrade kiln or rebuild the engine")
+    if version < 1:
+        raise EngineFormatError(f"{where}: engine format version {version} is not valid")
+    expected = HEADER.size + json_len + weights_len
+    if json_len > MAX_JSON_BYTES or len(data) < expected:
+        raise EngineFormatError(f"{where}: engine file is truncated ({len(data)} bytes, header promises {expected})")
+    if len(data) > expected:
+        raise EngineFormatError(f"{where}: engine file has {len(data) - expected} unexpected trailing bytes")
+    body = data[HEADER.size:HEADER.size + json_len]
+    weights = data[HEADER.size + json_len:expected]
+    if hashlib.sha256(body + weights).digest() != digest:
+        raise EngineFormatError(f"{where}: checksum mismatch: the engine file was modified or corrupted; rebuild it")
+    try:
+        doc = json.loads(body)
+        tensors = st_load(weights) if weights_len else {}
+        return _plan_from_json(doc, tensors)
+    except EngineFormatError:
+        raise
+    except Exception as exc:
+        raise EngineFormatError(f"{where}: engine contents are invalid ({type(exc).__name__}: {exc})") from None
+
+
+def _desc(d: dict) -> TensorDesc:
+    return TensorDesc(str(d["name"]), tuple(int(x) for x in d["dims"]), str(np.dtype(d["dtype"])), str(d["format"]))
+
+
+def _plan_from_json(doc: dict, weights: dict[str, np.ndarray]) -> Plan:
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise EngineFormatError(f"engine JSON declares format version {doc.get('format_version')}")
+    layers = tuple(Layer(
+        name=l["name"], op_type=l["op_type"], domain=l["domain"], layer_type=l["layer_type"],
+        parameter_type=l["parameter_type"], args=tuple(Arg(k, n) for k, n in l["args"]),
+        inputs=tuple(_desc(t) for t in l["inputs"]), outputs=tuple(_desc(t) for t in l["outputs"]),
+        attrs=decode_value(l["attrs"]), tactic_name=l["tactic_name"], tactic_value=int(l["tactic_value"]),
+        origin=tuple(l["origin"]), precision=l.get("precision", "FP32"),
+    ) for l in doc["layers"])
+    for layer in layers:
+        for a in layer.args:
+            if a.kind == "weight" and a.name not in weights:
+                raise EngineFormatError(f"layer '{layer.name}' refers to missing weight '{a.name}'")
+    m = doc["memory"]
+    memory = MemoryPlan(int(m["total_bytes"]), int(m["unshared_bytes"]), {k: int(v) for k, v in m["offsets"].items()},
+                        tuple(tuple(f) for f in m["free_after"]))
+    return Plan(doc["name"], tuple(_desc(t) for t in doc["inputs"]), tuple(_desc(t) for t in doc["outputs"]),
+                layers, weights, memory, doc.get("build_info", {}))

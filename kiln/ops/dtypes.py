@@ -1,0 +1,61 @@
+"""Data-type tables: ONNX element types, numpy dtypes, torch dtypes and TensorRT's names for them."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from onnx import TensorProto
+
+ONNX_TO_NUMPY: dict[int, np.dtype] = {
+    TensorProto.FLOAT: np.dtype("float32"),
+    TensorProto.DOUBLE: np.dtype("float64"),
+    TensorProto.FLOAT16: np.dtype("float16"),
+    TensorProto.INT64: np.dtype("int64"),
+    TensorProto.INT32: np.dtype("int32"),
+    TensorProto.INT16: np.dtype("int16"),
+    TensorProto.INT8: np.dtype("int8"),
+    TensorProto.UINT8: np.dtype("uint8"),
+    TensorProto.BOOL: np.dtype("bool"),
+}
+
+NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
+    np.dtype("float32"): torch.float32,
+    np.dtype("float64"): torch.float64,
+    np.dtype("float16"): torch.float16,
+    np.dtype("int64"): torch.int64,
+    np.dtype("int32"): torch.int32,
+    np.dtype("int16"): torch.int16,
+    np.dtype("int8"): torch.int8,
+    np.dtype("uint8"): torch.uint8,
+    np.dtype("bool"): torch.bool,
+}
+TORCH_TO_NUMPY = {t: n for n, t in NUMPY_TO_TORCH.items()}
+
+# TensorRT's DataType names as they appear in layer info ("Float", "Half", "Int8", ...).
+TRT_WEIGHT_TYPE = {
+    np.dtype("float32"): "Float", np.dtype("float16"): "Half", np.dtype("int8"): "Int8",
+    np.dtype("int32"): "Int32", np.dtype("int64"): "Int64", np.dtype("bool"): "Bool", np.dtype("uint8"): "UInt8",
+    np.dtype("float64"): "Double",
+}
+# Short names used in "Format/Datatype" strings.
+TRT_FORMAT_TYPE = {
+    np.dtype("float32"): "FP32", np.dtype("float16"): "FP16", np.dtype("int8"): "Int8",
+    np.dtype("int32"): "Int32", np.dtype("int64"): "Int64", np.dtype("bool"): "Bool", np.dtype("uint8"): "UInt8",
+    np.dtype("float64"): "FP64",
+}
+
+
+def onnx_to_numpy(elem_type: int, where: str) -> np.dtype:
+    from kiln.errors import ModelError
+
+    if elem_type not in ONNX_TO_NUMPY:
+        name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
+        raise ModelError(f"{where}: element type {name} is not supported (supported: float32/16/64, int8-64, uint8, bool)")
+    return ONNX_TO_NUMPY[elem_type]
+
+
+def to_torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return NUMPY_TO_TORCH[np.dtype(dtype)]
+
+
+def to_numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return TORCH_TO_NUMPY[dtype]

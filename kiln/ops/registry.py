@@ -1,0 +1,69 @@
+"""Reference semantics of every ONNX op kiln supports: one `OpDef` per op, each with a category (TVM-style).
+
+An op's `impl(attrs, inputs)` takes torch tensors (host inputs already converted to Python lists) and
+returns a list of tensors. The same function does constant folding, shape inference (on meta tensors)
+and serves as the always-available "reference" tactic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+
+
+class OpKind(str, Enum):
+    """Fusion categories: which ops a pointwise chain may absorb, which layer may absorb what follows."""
+
+    ELEMENTWISE = "elementwise"   # same-shape or broadcast, one output element from one element of each input
+    INJECTIVE = "injective"       # data movement: reshape, transpose, slice, concat, gather
+    REDUCTION = "reduction"       # pooling, softmax, reductions
+    COMPLEX = "complex"           # conv, gemm, matmul: can absorb elementwise ops after them
+    SHAPE = "shape"               # produces shape information only
+    OPAQUE = "opaque"
+
+
+Impl = Callable[[dict[str, Any], list[Any]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    op_type: str
+    kind: OpKind
+    impl: Impl
+    host_inputs: tuple[int, ...] = ()   # inputs that must be build-time constants (shapes, axes, pads)
+    trt_layer: str = "ElementWise"      # TensorRT's layer kind for this op when unfused
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register(op_type: str, kind: OpKind, host_inputs: tuple[int, ...] = (), trt_layer: str = "ElementWise"):
+    def wrap(fn: Impl) -> Impl:
+        OPS[op_type] = OpDef(op_type, kind, fn, host_inputs, trt_layer)
+        return fn
+    return wrap
+
+
+def lookup(op_type: str, domain: str = "") -> OpDef | None:
+    if domain == "kiln":
+        from kiln.ops.fused import KILN_OPS
+
+        return KILN_OPS.get(op_type)
+    if domain not in ("", "ai.onnx"):
+        return None
+    return OPS.get(op_type)
+
+
+def call(op_type: str, attrs: dict[str, Any], inputs: list[Any]) -> list[torch.Tensor]:
+    """Run an op's reference implementation; host inputs given as tensors are converted here."""
+    opdef = OPS[op_type]
+    args = [host_value(x) if i in opdef.host_inputs else x for i, x in enumerate(inputs)]
+    return opdef.impl(attrs, args)
+
+
+def host_value(x: Any) -> Any:
+    if x is None or isinstance(x, (list, int, float)):
+        return x
+    return x.tolist()

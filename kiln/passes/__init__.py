@@ -1,0 +1,32 @@
+"""Graph passes and the default pipeline (one ordered list, with the reason for the order beside it)."""
+from __future__ import annotations
+
+from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
+from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_gemm_activation, fuse_residual_add
+from kiln.passes.gemm import fuse_matmul_bias
+from kiln.passes.manager import Pass, PassStat, run_passes
+from kiln.passes.pointwise import fuse_pointwise
+from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
+
+DEFAULT_PIPELINE: list[Pass] = [
+    Pass("DeadLayerRemoval", remove_dead_layers, "dead-layer removal"),
+    # Identity/Dropout first so that every later pattern sees producers directly.
+    Pass("IdentityRemoval", remove_identities, "identity removal"),
+    # Folding turns shape arithmetic (Shape->Gather->Concat->Reshape) into constant reshape targets.
+    Pass("ConstantFolding", fold_constants, "constant folding"),
+    Pass("DeadLayerRemoval", remove_dead_layers),
+    Pass("ShuffleShuffleFusion", fuse_shuffles),
+    Pass("ShuffleErasure", erase_noop_shuffles, "shuffle fusions"),
+    # BN folds before activations and sums so the fused conv stays one kernel with post-ops.
+    Pass("ConvScaleFusion", fold_batchnorm_into_conv),
+    # The residual sum must be absorbed before the activation (post-op order: sum, then activation).
+    Pass("ConvEltwiseSumFusion", fuse_residual_add),
+    Pass("ConvReluFusion", fuse_activation),
+    Pass("MatMulAddFusion", fuse_matmul_bias),
+    Pass("GemmActFusion", fuse_gemm_activation, "vertical fusions"),
+    # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
+    Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
+    Pass("DeadLayerRemoval", remove_dead_layers, "final dead-layer removal"),
+]
+
+__all__ = ["DEFAULT_PIPELINE", "Pass", "PassStat", "run_passes"]

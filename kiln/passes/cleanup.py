@@ -1,0 +1,82 @@
+"""Clean-up passes: dead-layer removal, Identity/Dropout removal, constant folding."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kiln.frontend.shape_inference import evaluate_node
+from kiln.ir import Graph
+from kiln.passes.manager import PassLog
+
+PASSTHROUGH_OPS = ("Identity", "Dropout")
+FOLD_MAX_ELEMENTS = 1 << 24   # never materialize constants larger than 64 MiB of float32
+
+
+def remove_dead_layers(g: Graph, plog: PassLog) -> None:
+    """Drop nodes none of whose outputs reach a graph output."""
+    live = {id(v) for v in g.outputs}
+    keep = []
+    for node in reversed(g.nodes):
+        if any(id(v) in live for v in node.outputs):
+            keep.append(node)
+            live.update(id(v) for v in node.inputs if v is not None)
+        else:
+            plog.removing(node)
+    for node in [n for n in g.nodes if n not in keep]:
+        g.remove_node(node)
+
+
+def remove_identities(g: Graph, plog: PassLog) -> None:
+    """Identity and inference-mode Dropout forward their input; Cast to the same dtype too."""
+    for node in list(g.nodes):
+        same_cast = node.op_type == "Cast" and node.inputs[0].dtype == node.outputs[0].dtype
+        if node.op_type not in PASSTHROUGH_OPS and not same_cast:
+            continue
+        if node.op_type == "Dropout" and len(node.outputs) > 1 and node.outputs[1].users:
+            plog.note(f"keeping {node.name}: its mask output is used")
+            continue
+        src, out = node.inputs[0], node.outputs[0]
+        plog.running(node)
+        if g.is_output(out) and (g.is_output(src) or src in g.inputs):
+            plog.note(f"keeping {node.name}: it copies one graph binding to another")
+            continue
+        g.remove_node(node)
+        if g.is_output(out):
+            _rename_into(g, src, out)   # keep the public output name
+        else:
+            g.replace_all_uses(out, src)
+        plog.removing(node)
+
+
+def _rename_into(g: Graph, src, out) -> None:
+    """Make `src`'s producer write `out` (a graph output) and point `src`'s other users at `out`."""
+    producer = src.producer
+    if producer is None:   # a constant feeding an output through Identity
+        out.const, out.shape, out.dtype = src.const, src.shape, src.dtype
+        return
+    producer.outputs = [out if v is src else v for v in producer.outputs]
+    out.producer, src.producer = producer, None
+    for user in list(src.users):
+        for i, v in enumerate(user.inputs):
+            if v is src:
+                g.set_input(user, i, out)
+
+
+def fold_constants(g: Graph, plog: PassLog) -> None:
+    """Evaluate nodes whose inputs are all constant (and Shape/Size of static tensors) at build time."""
+    for node in list(g.nodes):
+        is_shape = node.op_type in ("Shape", "Size")
+        if not is_shape and not all(v is None or v.is_const for v in node.inputs):
+            continue
+        if any(v.shape is not None and np.prod(v.shape) > FOLD_MAX_ELEMENTS for v in node.outputs):
+            plog.note(f"not folding {node.name}: output too large")
+            continue
+        if any(g.is_output(v) for v in node.outputs):
+            continue
+        plog.running(node)
+        known = {id(v): torch.from_numpy(np.array(v.const)) for v in node.inputs if v is not None and v.is_const}
+        outs = evaluate_node(node, known)
+        g.remove_node(node)
+        for v, t in zip(node.outputs, outs):
+            v.const = np.ascontiguousarray(t.numpy())
+        plog.removing(node)

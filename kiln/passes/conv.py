@@ -1,0 +1,115 @@
+"""Convolution fusions: fold BatchNormalization, absorb a residual Add, absorb an activation."""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.ir import Graph, Node
+from kiln.passes.manager import PassLog
+from kiln.passes.patterns import activation_spec, fused_name, replace_nodes, sole_consumer, why_not_sole_consumer
+
+
+def _is_conv(node: Node | None) -> bool:
+    return node is not None and node.op_type == "Conv" and node.domain in ("", "ai.onnx")
+
+
+def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
+    """ConvScaleFusion:  x -> Conv(W, b) -> BatchNormalization(s, B, mean, var)  ==>  Conv(W*k, (b-mean)*k + B)."""
+    for bn in [n for n in g.nodes if n.op_type == "BatchNormalization"]:
+        conv = bn.inputs[0].producer
+        if not _is_conv(conv):
+            continue
+        plog.running(conv)
+        if sole_consumer(g, conv) is not bn:
+            plog.not_fused(conv, bn, why_not_sole_consumer(g, conv))
+            continue
+        if "activation" in conv.attrs or len(conv.inputs) > 3:
+            plog.not_fused(conv, bn, f"{conv.name} already has a fused activation or residual")
+            continue
+        params = [v.const if v is not None and v.is_const else None for v in bn.inputs[1:5]]
+        if any(p is None for p in params) or not conv.inputs[1].is_const:
+            plog.not_fused(conv, bn, "BatchNormalization parameters or convolution weights are not constant")
+            continue
+        scale, shift, mean, var = (p.astype(np.float64) for p in params)
+        k = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
+        w = conv.inputs[1].const
+        b = conv.inputs[2].const if len(conv.inputs) > 2 and conv.inputs[2] is not None else np.zeros(w.shape[0])
+        new_w = (w.astype(np.float64) * k.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
+        new_b = ((b.astype(np.float64) - mean) * k + shift).astype(w.dtype)
+        name, origin = fused_name([conv, bn])
+        inputs = [conv.inputs[0], g.add_const(f"{name}.weight", new_w), g.add_const(f"{name}.bias", new_b)]
+        plog.fusing(conv, bn)
+        replace_nodes(g, [conv, bn], Node(name, "Conv", inputs, [bn.outputs[0]], dict(conv.attrs), "", origin))
+
+
+def fuse_residual_add(g: Graph, plog: PassLog) -> None:
+    """ConvEltwiseSumFusion:  Conv(x) + r  ==>  Conv(x, residual=r)  (same shapes, conv read only by the Add)."""
+    for add in [n for n in g.nodes if n.op_type == "Add"]:
+        a, b = add.inputs
+        candidates = [(v, other) for v, other in ((a, b), (b, a)) if _is_conv(v.producer)]
+        if not candidates:
+            continue
+        # prefer the later convolution: the other operand is then computed already
+        candidates.sort(key=lambda c: g.nodes.index(c[0].producer), reverse=True)
+        reasons = []
+        for conv_out, other in candidates:
+            conv = conv_out.producer
+            plog.running(conv)
+            reason = _residual_blocker(g, conv, add, conv_out, other)
+            if reason is None:
+                name, origin = fused_name([conv, add])
+                bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+                inputs = [conv.inputs[0], conv.inputs[1], bias, other]
+                plog.fusing(conv, add)
+                replace_nodes(g, [conv, add], Node(name, "Conv", inputs, [add.outputs[0]], dict(conv.attrs), "", origin))
+                break
+            reasons.append((conv, reason))
+        else:
+            for conv, reason in reasons:
+                plog.not_fused(conv, add, reason)
+
+
+def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str | None:
+    if sole_consumer(g, conv) is not add:
+        return why_not_sole_consumer(g, conv)
+    if "activation" in conv.attrs:
+        return f"{conv.name} already applies an activation before the sum"
+    if len(conv.inputs) > 3:
+        return f"{conv.name} already has a residual input"
+    if other.is_const:
+        return "the other operand is a constant (a bias, not a residual)"
+    if other.shape != conv_out.shape:
+        return f"shapes differ ({list(other.shape)} vs {list(conv_out.shape)}): broadcasting sum is not fusable"
+    if other.dtype != conv_out.dtype:
+        return "operand data types differ"
+    return None
+
+
+def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv",)) -> None:
+    """ConvReluFusion:  Conv(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  Conv(..., activation=...)."""
+    for node in [n for n in g.nodes if n.op_type in producer_ops and n.domain in ("", "ai.onnx")]:
+        users = node.outputs[0].users
+        if len(users) != 1:
+            if any(activation_spec(g, u) for u in users):
+                act = next(u for u in users if activation_spec(g, u))
+                plog.not_fused(node, act, why_not_sole_consumer(g, node))
+            continue
+        act = users[0]
+        spec = activation_spec(g, act)
+        if spec is None:
+            continue
+        plog.running(node)
+        if g.is_output(node.outputs[0]):
+            plog.not_fused(node, act, why_not_sole_consumer(g, node))
+            continue
+        if "activation" in node.attrs:
+            plog.not_fused(node, act, f"{node.name} already applies {node.attrs['activation']['op']}")
+            continue
+        name, origin = fused_name([node, act])
+        attrs = dict(node.attrs, activation=spec)
+        plog.fusing(node, act)
+        replace_nodes(g, [node, act], Node(name, node.op_type, list(node.inputs), [act.outputs[0]], attrs, "", origin))
+
+
+def fuse_gemm_activation(g: Graph, plog: PassLog) -> None:
+    """GemmActFusion:  Gemm/MatMul(...) -> activation  ==>  one MatrixMultiply layer with the activation."""
+    fuse_activation(g, plog, producer_ops=("Gemm", "MatMul"))

@@ -1,0 +1,86 @@
+"""Pass manager: runs named passes in order, logs them the way trtexec --verbose does, counts layers."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kiln.ir import Graph, Node
+
+log = logging.getLogger("kiln.build")
+
+
+class PassLog:
+    """What a pass reports: the verbose lines trtexec prints, plus reasons for fusions that did not fire."""
+
+    def __init__(self, pass_name: str):
+        self.pass_name = pass_name
+        self.matches = 0
+        self.rejections = 0
+
+    def running(self, node: Node | str) -> None:
+        log.debug("Running: %s on %s", self.pass_name, _name(node))
+
+    def fusing(self, a: Node | str, b: Node | str) -> None:
+        self.matches += 1
+        log.debug("%s: Fusing %s with %s", self.pass_name, _name(a), _name(b))
+
+    def removing(self, node: Node | str) -> None:
+        self.matches += 1
+        log.debug("Removing %s", _name(node))
+
+    def note(self, message: str) -> None:
+        log.debug("%s: %s", self.pass_name, message)
+
+    def not_fused(self, a: Node | str, b: Node | str, reason: str) -> None:
+        """kiln's addition: one line per candidate that did not fuse, naming the unmet condition."""
+        self.rejections += 1
+        log.debug("%s: Not fusing %s with %s: %s", self.pass_name, _name(a), _name(b), reason)
+
+
+def _name(x: Node | str) -> str:
+    return x if isinstance(x, str) else x.name
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A named graph rewrite. `run` returns nothing; it reports matches through the PassLog."""
+
+    name: str
+    run: Callable[[Graph, PassLog], None]
+    milestone: str | None = None   # "After <milestone>: N layers" is logged after this pass
+
+
+@dataclass(frozen=True)
+class PassStat:
+    name: str
+    matches: int
+    rejections: int
+    layers_before: int
+    layers_after: int
+    time_ms: float
+
+
+def run_passes(g: Graph, passes: list[Pass], disabled: frozenset[str] = frozenset(),
+               verify_each: bool = False) -> list[PassStat]:
+    start = time.perf_counter()
+    log.debug("Applying generic optimizations to the graph for inference.")
+    log.debug("Original: %d layers", len(g.nodes))
+    stats = []
+    for p in passes:
+        if p.name in disabled:
+            log.debug("Skipping %s (disabled)", p.name)
+            continue
+        before, t0 = len(g.nodes), time.perf_counter()
+        plog = PassLog(p.name)
+        p.run(g, plog)
+        g.prune_values()
+        if verify_each:
+            g.verify()
+        stats.append(PassStat(p.name, plog.matches, plog.rejections, before, len(g.nodes),
+                              (time.perf_counter() - t0) * 1e3))
+        if p.milestone:
+            log.debug("After %s: %d layers", p.milestone, len(g.nodes))
+    log.debug("Graph construction and optimization completed in %.6f seconds.", time.perf_counter() - start)
+    return stats

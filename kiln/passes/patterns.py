@@ -1,0 +1,71 @@
+"""Small matching helpers shared by the fusion passes."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kiln.ir import Graph, Node, Value
+from kiln.ops import OPS, OpKind
+
+# ONNX activation op -> TensorRT ActivationType name (layer info "Activation" key).
+ACTIVATIONS: dict[str, str] = {
+    "Relu": "RELU", "LeakyRelu": "LEAKY_RELU", "Clip": "CLIP", "Sigmoid": "SIGMOID", "Tanh": "TANH",
+    "HardSigmoid": "HARD_SIGMOID", "Elu": "ELU", "Selu": "SELU", "Softplus": "SOFTPLUS", "Softsign": "SOFTSIGN",
+    "ThresholdedRelu": "THRESHOLDED_RELU", "HardSwish": "HARD_SWISH", "Mish": "MISH", "Gelu": "GELU_ERF",
+}
+
+
+def sole_consumer(g: Graph, node: Node) -> Node | None:
+    """The only node reading `node`'s single output, if that output is not also a graph output."""
+    if len(node.outputs) != 1 or g.is_output(node.outputs[0]) or len(node.outputs[0].users) != 1:
+        return None
+    return node.outputs[0].users[0]
+
+
+def why_not_sole_consumer(g: Graph, node: Node) -> str:
+    out = node.outputs[0]
+    if g.is_output(out):
+        return f"{node.name}'s output '{out.name}' is a network output"
+    return f"{node.name}'s output '{out.name}' has {len(out.users)} consumers"
+
+
+def replace_nodes(g: Graph, old: list[Node], new: Node) -> Node:
+    """Swap a fused group for one node placed where the last of the group was (all inputs ready there)."""
+    index = max(g.nodes.index(n) for n in old)
+    before = sum(1 for n in old if g.nodes.index(n) < index)
+    for n in old:
+        g.remove_node(n)
+    return g.add_node(new, index - before)
+
+
+def fused_name(nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
+    origin = tuple(o for n in nodes for o in n.origin)
+    return " + ".join(origin), origin
+
+
+def is_elementwise(node: Node) -> bool:
+    if node.op_type == "PointWise" and node.domain == "kiln":
+        return True
+    opdef = OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    return opdef is not None and opdef.kind == OpKind.ELEMENTWISE and node.op_type not in ("Identity", "Dropout")
+
+
+def activation_spec(g: Graph, node: Node) -> dict[str, Any] | None:
+    """The activation a conv/gemm could absorb: {"op", "attrs"}; None if `node` is not a foldable activation."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ACTIVATIONS:
+        return None
+    attrs = {k: v for k, v in node.attrs.items()}
+    if node.op_type == "Clip":
+        for i, key in ((1, "min"), (2, "max")):
+            v = node.inputs[i] if len(node.inputs) > i else None
+            if v is None:
+                continue
+            if not v.is_const:
+                return None
+            attrs[key] = float(np.asarray(v.const).reshape(-1)[0])
+    return {"op": node.op_type, "attrs": attrs}
+
+
+def const_value(v: Value | None) -> np.ndarray | None:
+    return None if v is None or not v.is_const else v.const

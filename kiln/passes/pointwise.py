@@ -1,0 +1,77 @@
+"""PointWiseFusion: chains of elementwise ops become one PointWise layer named `PWN(a, b, c)`.
+
+    x ─► Sigmoid ─► Mul ◄─ x          ==>   x ─► PWN(Sigmoid, Mul)
+Each PointWise node carries a small program: steps that read layer inputs ("x0") or earlier steps ("t1").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.ir import Graph, Node, Value
+from kiln.ops import OPS
+from kiln.passes.manager import PassLog
+from kiln.passes.patterns import is_elementwise, replace_nodes, sole_consumer
+
+
+def as_program(node: Node) -> tuple[list[dict[str, Any]], list[Value]]:
+    """(steps, inputs) of a PointWise node, or a one-step program for a plain elementwise op."""
+    if node.op_type == "PointWise":
+        return node.attrs["program"], list(node.inputs)
+    host = OPS[node.op_type].host_inputs
+    args: list[Any] = []
+    inputs: list[Value] = []
+    for i, v in enumerate(node.inputs):
+        if v is None:
+            args.append(None)
+        elif i in host:
+            args.append({"const": v.const.tolist()})
+        else:
+            args.append(f"x{len(inputs)}")
+            inputs.append(v)
+    return [{"op": node.op_type, "attrs": _plain_attrs(node.attrs), "args": args}], inputs
+
+
+def _plain_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in attrs.items()}
+
+
+def merge_programs(first: Node, second: Node) -> tuple[list[dict[str, Any]], list[Value]]:
+    """Inline `first` (whose output feeds `second`) into `second`'s program."""
+    steps1, ins1 = as_program(first)
+    steps2, ins2 = as_program(second)
+    inputs = list(ins1)
+    remap: dict[str, str] = {}
+    produced = first.outputs[0]
+    for i, v in enumerate(ins2):
+        if v is produced:
+            remap[f"x{i}"] = f"t{len(steps1) - 1}"
+        elif any(v is u for u in inputs):
+            remap[f"x{i}"] = f"x{next(j for j, u in enumerate(inputs) if u is v)}"
+        else:
+            remap[f"x{i}"] = f"x{len(inputs)}"
+            inputs.append(v)
+    shift = len(steps1)
+    merged = list(steps1)
+    for step in steps2:
+        args = [remap.get(a, f"t{int(a[1:]) + shift}" if isinstance(a, str) and a[0] == "t" else a)
+                if isinstance(a, str) else a for a in step["args"]]
+        merged.append(dict(step, args=args))
+    return merged, inputs
+
+
+def pwn_name(origin: tuple[str, ...]) -> str:
+    return f"PWN({', '.join(origin)})"
+
+
+def fuse_pointwise(g: Graph, plog: PassLog) -> None:
+    for node in list(g.nodes):
+        while node in g.nodes and is_elementwise(node):
+            consumer = sole_consumer(g, node)
+            if consumer is None or not is_elementwise(consumer):
+                break
+            plog.running(node)
+            steps, inputs = merge_programs(node, consumer)
+            origin = node.origin + consumer.origin
+            plog.fusing(node, consumer)
+            node = replace_nodes(g, [node, consumer], Node(pwn_name(origin), "PointWise", inputs,
+                                                           list(consumer.outputs), {"program": steps}, "kiln", origin))

@@ -1,0 +1,81 @@
+"""`Engine`: a loaded plan plus its prepared kernels; `run()` for one-off calls, contexts for threads."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.engine.layer_info import layer_info
+from kiln.engine.plan import Plan
+from kiln.engine.serialize import load_plan, save_plan
+from kiln.runtime.executor import ExecutionContext, prepare_kernels
+
+
+class Engine:
+    """A built kiln engine. Thread-safety: `create_execution_context()` per thread; weights are shared."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._kernels = None
+        self._lock = threading.Lock()
+        self._default_context: ExecutionContext | None = None
+
+    @property
+    def kernels(self):
+        with self._lock:
+            if self._kernels is None:
+                self._kernels = prepare_kernels(self.plan)
+            return self._kernels
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.plan.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.plan.outputs]
+
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {t.name: t.dims for t in self.plan.inputs}
+
+    def create_execution_context(self) -> ExecutionContext:
+        return ExecutionContext(self.plan, self.kernels)
+
+    def run(self, feeds: dict[str, np.ndarray], profiler=None) -> dict[str, np.ndarray]:
+        if self._default_context is None:
+            self._default_context = self.create_execution_context()
+        return self._default_context.execute(feeds, profiler)
+
+    def random_inputs(self, seed: int = 0) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        feeds = {}
+        for t in self.plan.inputs:
+            if np.issubdtype(np.dtype(t.dtype), np.floating):
+                feeds[t.name] = rng.standard_normal(t.dims).astype(t.dtype)
+            elif t.dtype == "bool":
+                feeds[t.name] = rng.integers(0, 2, t.dims).astype(bool)
+            else:
+                feeds[t.name] = rng.integers(0, 4, t.dims).astype(t.dtype)
+        return feeds
+
+    def save(self, path: str | os.PathLike) -> None:
+        save_plan(self.plan, path)
+
+    def layer_info(self, verbosity: str = "detailed") -> dict[str, Any]:
+        return layer_info(self.plan, verbosity)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.plan.layers)
+
+
+def load(path: str | os.PathLike) -> Engine:
+    return Engine(load_plan(path))
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        torch.set_num_threads(n)

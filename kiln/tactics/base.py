@@ -1,0 +1,47 @@
+"""The tactic interface: one kernel implementation for a layer, with the tensor formats it reads and writes."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+LINEAR, HWC, ANY = "linear", "hwc", "any"
+
+Kernel = Callable[[list[torch.Tensor | None]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """What a tactic sees of a layer at build time and at load time."""
+
+    op_type: str
+    domain: str
+    attrs: dict[str, Any]
+    input_shapes: tuple[tuple[int, ...] | None, ...]
+    input_dtypes: tuple[str | None, ...]
+    const_inputs: dict[int, Any] = field(default_factory=dict)   # index -> torch tensor (weights)
+
+
+class Tactic(Protocol):
+    name: str
+    source: str
+
+    def supports(self, layer: LayerView) -> bool: ...
+
+    def input_formats(self, layer: LayerView) -> list[str]: ...
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str: ...
+
+    def prepare(self, layer: LayerView) -> Kernel: ...
+
+
+def tactic_value(name: str) -> int:
+    """A stable 64-bit identifier for a tactic name (TensorRT's TacticValue)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def format_of_output(shape: tuple[int, ...] | None, input_formats: list[str]) -> str:
+    """Format-agnostic kernels keep the channel-major layout of a 4-D input."""
+    return HWC if shape is not None and len(shape) == 4 and HWC in input_formats else LINEAR

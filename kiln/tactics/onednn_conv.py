@@ -1,0 +1,80 @@
+"""oneDNN convolution through torch: channel-major (NHWC) activations, weights prepacked once at load,
+bias, residual sum and activation fused as post-ops (`torch.ops.mkldnn._convolution_pointwise`)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.nn import _torch_pad, apply_activation
+from kiln.tactics.base import HWC, Kernel, LayerView
+
+# kiln activation -> (oneDNN unary attr, scalars from attrs, algorithm); None: applied after the kernel.
+_UNARY = {
+    "Relu": lambda a: ("relu", [], None),
+    "Sigmoid": lambda a: ("sigmoid", [], None),
+    "Tanh": lambda a: ("tanh", [], None),
+    "HardSwish": lambda a: ("hardswish", [], None),
+    "HardSigmoid": lambda a: ("hardsigmoid", [], None) if (a.get("alpha", 0.2), a.get("beta", 0.5)) == (1 / 6, 0.5) else None,
+    "LeakyRelu": lambda a: ("leaky_relu", [a.get("alpha", 0.01)], None),
+    "Clip": lambda a: ("hardtanh", [a.get("min", float("-inf")), a.get("max", float("inf"))], None),
+    "Gelu": lambda a: ("gelu", [], a.get("approximate", "none")),
+}
+_BINARY_UNARY = {"Relu"}   # the only activation oneDNN accepts after a fused sum here
+
+
+def _unary(spec):
+    if not spec or spec["op"] not in _UNARY:
+        return None
+    return _UNARY[spec["op"]](spec.get("attrs", {}))
+
+
+class OneDnnConvTactic:
+    name = "onednn.conv2d_nhwc_prepacked"
+    source = "torch-onednn"
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx"):
+            return False
+        shapes = layer.input_shapes
+        return (len(shapes[0]) == 4 and layer.input_dtypes[0] == "float32" and 1 in layer.const_inputs
+                and torch.backends.mkldnn.is_available())
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [HWC] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return HWC
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        a = layer.attrs
+        w = layer.const_inputs[1].contiguous()
+        bias = layer.const_inputs.get(2)
+        pads, strides, dilations, groups = a["pads"], a["strides"], a["dilations"], a.get("group", 1)
+        begin, end = pads[:2], pads[2:]
+        explicit_pad = None if begin == end else _torch_pad(pads)
+        padding = begin if explicit_pad is None else [0, 0]
+        in_shape = list(layer.input_shapes[0])
+        if explicit_pad is not None:
+            in_shape = [in_shape[0], in_shape[1], in_shape[2] + pads[0] + pads[2], in_shape[3] + pads[1] + pads[3]]
+        packed = torch.ops.mkldnn._reorder_convolution_weight(w, padding, strides, dilations, groups, in_shape)
+        spec = a.get("activation")
+        has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
+        fused = _unary(spec)
+        if has_residual and spec and spec["op"] not in _BINARY_UNARY:
+            fused = None
+        post = None if (not spec or fused is not None) else spec
+        pointwise = torch.ops.mkldnn._convolution_pointwise
+
+        def run(xs):
+            x = xs[0]
+            if explicit_pad is not None:
+                x = F.pad(x, explicit_pad).contiguous(memory_format=torch.channels_last)
+            if has_residual:
+                unary, scalars, alg = fused if fused else (None, [], None)
+                y = pointwise.binary(x, xs[3], packed, bias, padding, strides, dilations, groups,
+                                     "add", 1.0, unary, scalars, alg)
+            else:
+                unary, scalars, alg = fused if fused else ("none", [], None)
+                y = pointwise(x, packed, bias, padding, strides, dilations, groups, unary, scalars, alg)
+            return [apply_activation(post, y) if post else y]
+        return run

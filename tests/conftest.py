@@ -1,0 +1,35 @@
+"""Shared test helpers: onnxruntime reference runs and the tolerance rule."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+
+
+def run_ort(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    data = model if isinstance(model, (str, bytes)) else model.SerializeToString()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def assert_close_to_ort(actual: np.ndarray, expected: np.ndarray, rel: float = 1e-4) -> None:
+    """The project's rule: max |kiln - ort| <= rel * max |ort| (exact match for non-float outputs)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if not np.issubdtype(expected.dtype, np.floating):
+        np.testing.assert_array_equal(actual, expected)
+        return
+    scale = max(float(np.abs(expected).max()), 1e-12)
+    err = float(np.abs(actual.astype(np.float64) - expected).max())
+    assert err <= rel * scale, f"max abs error {err:.3g} > {rel} * {scale:.3g}"
+
+
+@pytest.fixture
+def tmp_engine(tmp_path):
+    return tmp_path / "model.kiln"
