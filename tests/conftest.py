@@ -33,3 +33,13 @@ def assert_close_to_ort(actual: np.ndarray, expected: np.ndarray, rel: float = 1
 @pytest.fixture
 def tmp_engine(tmp_path):
     return tmp_path / "model.kiln"
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset: int = 17, name: str = "test"):
+    """A ModelProto onnxruntime accepts (onnx >= 1.23 defaults to an IR version newer than ORT reads)."""
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, name, inputs, outputs, list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model

@@ -4,7 +4,7 @@ import onnx
 from onnx import helper, numpy_helper, TensorProto
 
 import kiln
-from tests.conftest import assert_close_to_ort, run_ort
+from tests.conftest import assert_close_to_ort, make_model, run_ort
 
 
 def tiny_conv_model() -> onnx.ModelProto:
@@ -13,9 +13,8 @@ def tiny_conv_model() -> onnx.ModelProto:
     b = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b")
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["y"], name="relu")]
-    g = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [w, b])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [w, b])
 
 
 def test_tiny_conv_relu_matches_ort_and_round_trips(tmp_engine):
