@@ -1,0 +1,6 @@
+"""`python -m kiln` runs the CLI."""
+import sys
+
+from kiln.cli.main import main
+
+sys.exit(main())

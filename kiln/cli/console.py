@@ -1,0 +1,55 @@
+"""Console output in trtexec's style: `[MM/DD/YYYY-HH:MM:SS] [I] message`, plus kiln's layer table."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+LEVEL_TAGS = {logging.DEBUG: "V", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "E"}
+
+
+class TrtexecFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%m/%d/%Y-%H:%M:%S", time.localtime(record.created))
+        tag = "[kiln] " if record.name.startswith("kiln") else ""
+        return f"[{stamp}] [{LEVEL_TAGS.get(record.levelno, 'I')}] {tag}{record.getMessage()}"
+
+
+def setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(TrtexecFormatter())
+    root = logging.getLogger("kiln")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+
+
+def info(message: str = "") -> None:
+    print(f"[{time.strftime('%m/%d/%Y-%H:%M:%S')}] [I] {message}")
+
+
+def error(message: str) -> None:
+    print(f"[{time.strftime('%m/%d/%Y-%H:%M:%S')}] [E] {message}", file=sys.stderr)
+
+
+def layer_table(plan, profile=None) -> None:
+    """A readable table of the engine's layers: type, tactic, output format, shape, origin count, time."""
+    from rich.console import Console
+    from rich.table import Table
+
+    times = {t.name: t for t in profile.summary()} if profile else {}
+    table = Table(title=f"{plan.name}: {len(plan.layers)} layers", show_lines=False)
+    for col in ("#", "Layer", "Type", "Tactic", "Output", "Format/Datatype"):
+        table.add_column(col, overflow="fold")
+    if times:
+        table.add_column("median ms", justify="right")
+        table.add_column("%", justify="right")
+    for i, layer in enumerate(plan.layers):
+        out = layer.outputs[0] if layer.outputs else None
+        row = [str(i), layer.name, layer.layer_type, layer.tactic_name,
+               "x".join(map(str, out.dims)) if out else "", out.format_string() if out else ""]
+        if times:
+            t = times.get(layer.name)
+            row += [f"{t.median_ms:.4f}" if t else "", f"{t.percentage:.1f}" if t else ""]
+        table.add_row(*row)
+    Console(width=200).print(table)

@@ -1,0 +1,45 @@
+"""The `kiln` command: a registry of subcommands, each its own module; kiln errors exit with code 2."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "build": "kiln.cli.build",
+    "run": "kiln.cli.run",
+    "inspect": "kiln.cli.inspect_cmd",
+    "trtexec": "kiln.cli.trtexec",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="Build, run and explain ONNX inference engines on CPU.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sp = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
+                            description=module.__doc__, allow_abbrev=False)
+        module.add_arguments(sp)
+        sp.set_defaults(module=module)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kiln.cli import console
+    from kiln.errors import Error
+
+    args = parser().parse_args(argv)
+    console.setup_logging(getattr(args, "verbose", False))
+    try:
+        return args.module.run(args)
+    except Error as exc:
+        console.error(str(exc))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""kiln run ENGINE.kiln: run an engine, print trtexec's performance summary, export profile/times/outputs."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from kiln.errors import Error, InputError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("engine", help="engine file (.kiln)")
+    p.add_argument("--inputs", metavar="IN.npz", help="inputs by name (default: random values)")
+    p.add_argument("--export-output", metavar="OUT.npz", help="write the outputs of the first inference")
+    p.add_argument("--iterations", type=int, default=10, help="timed inferences (at least)")
+    p.add_argument("--duration", type=float, default=0.0, help="run at least this many seconds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed inferences first")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--percentile", default="90,95,99", help="latency percentiles to report")
+    p.add_argument("--export-profile", metavar="F", help="per-layer profile JSON (trtexec --exportProfile)")
+    p.add_argument("--export-times", metavar="F", help="per-inference times JSON (trtexec --exportTimes)")
+    p.add_argument("--dump-profile", action="store_true", help="print the per-layer profile table")
+    p.add_argument("--dump-layer-info", action="store_true", help="print layer info (one line per layer)")
+
+
+def load_inputs(path: str | None, engine) -> dict[str, np.ndarray]:
+    if not path:
+        return engine.random_inputs()
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: cannot read inputs ({exc}); expected an .npz with one array per input name") from None
+
+
+def measure(engine, feeds, iterations: int, warmup: int, duration_s: float):
+    from kiln.runtime.profiler import InferenceTime
+
+    ctx = engine.create_execution_context()
+    for _ in range(warmup):
+        ctx.execute(feeds)
+    times, origin = [], time.perf_counter()
+    while len(times) < iterations or (time.perf_counter() - origin) < duration_s:
+        t0 = time.perf_counter()
+        ctx.execute(feeds)
+        times.append(InferenceTime((t0 - origin) * 1e3, (time.perf_counter() - origin) * 1e3))
+    return times
+
+
+def profile(engine, feeds, iterations: int):
+    from kiln.runtime.profiler import LayerProfiler
+
+    prof = LayerProfiler()
+    ctx = engine.create_execution_context()
+    for _ in range(iterations):
+        ctx.execute(feeds, prof)
+        prof.end_inference()
+    return prof
+
+
+def report(engine, args, feeds, percentiles) -> int:
+    from kiln.cli import console
+    from kiln.engine.layer_info import oneline
+    from kiln.engine.serialize import atomic_write_bytes, atomic_write_text
+    from kiln.runtime.profiler import performance_summary, profile_json, profile_table, times_json
+
+    outputs = engine.run(feeds)
+    if args.export_output:
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, **outputs)
+        atomic_write_bytes(args.export_output, [buf.getvalue()])
+    times = measure(engine, feeds, max(args.iterations, 1), args.warmup, args.duration)
+    console.info(f"Timing trace has {len(times)} queries over {(times[-1].end_ms - times[0].start_ms) / 1000:g} s")
+    console.info()
+    for line in performance_summary(times, percentiles):
+        console.info(line)
+    if args.export_times:
+        atomic_write_text(args.export_times, times_json(times))
+    if args.export_profile or args.dump_profile:
+        prof = profile(engine, feeds, max(args.iterations, 1))
+        if args.export_profile:
+            atomic_write_text(args.export_profile, profile_json(prof))
+        if args.dump_profile:
+            console.info()
+            for line in profile_table(prof).splitlines():
+                console.info(line)
+    if args.dump_layer_info:
+        console.info("Layer Information:")
+        print(oneline(engine.layer_info("detailed")))
+    return 0
+
+
+def parse_percentiles(spec: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in spec.split(",") if p.strip())
+    except ValueError:
+        raise Error(f"bad --percentile '{spec}': expected numbers like 90,95,99") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import kiln
+    from kiln.runtime.engine import set_threads
+
+    set_threads(args.threads)
+    engine = kiln.load(args.engine)
+    return report(engine, args, load_inputs(args.inputs, engine), parse_percentiles(args.percentile))
