@@ -45,6 +45,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     inputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs)
     outputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.outputs)
     memory = plan_memory(layers, inputs, outputs)
+    log_engine_layers(layers)
     log.debug("Total Activation Memory: %d bytes (%d bytes without reuse)", memory.total_bytes, memory.unshared_bytes)
     log.debug("Total Weights Memory: %d bytes", sum(w.nbytes for w in weights.values()))
     info = {
@@ -55,6 +56,22 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     }
     log.info("Engine built in %.5f sec.", info["build_time_s"])
     return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info)
+
+
+def _tensor_text(t: TensorDesc) -> str:
+    from kiln.ops.dtypes import TRT_WEIGHT_TYPE
+
+    dtype = TRT_WEIGHT_TYPE.get(np.dtype(t.dtype), t.dtype)
+    return f"{t.name}[{dtype}({','.join(map(str, t.dims))})]"
+
+
+def log_engine_layers(layers: list[Layer]) -> None:
+    """TensorRT's verbose "Engine Layer Information" dump, one line per layer."""
+    log.debug("Engine Layer Information:")
+    for layer in layers:
+        ins = ", ".join(_tensor_text(t) for t in layer.inputs)
+        outs = ", ".join(_tensor_text(t) for t in layer.outputs)
+        log.debug("Layer(%s): %s, Tactic: 0x%016x, %s -> %s", layer.layer_type, layer.name, layer.tactic_value, ins, outs)
 
 
 class _Lowering:
@@ -69,7 +86,7 @@ class _Lowering:
         self.reformatted: dict[tuple[str, str], str] = {}
 
     def weight(self, v) -> Arg:
-        self.weights.setdefault(v.name, np.ascontiguousarray(v.const))
+        self.weights.setdefault(v.name, np.ascontiguousarray(v.const).reshape(v.const.shape))
         return Arg("weight", v.name)
 
     def reformat(self, src: str, target: str, consumer: str, index: int, public_name: str | None = None) -> str:

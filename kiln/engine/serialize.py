@@ -101,7 +101,7 @@ def plan_to_json(plan: Plan) -> dict:
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     body = json.dumps(plan_to_json(plan), separators=(",", ":")).encode("utf-8")
-    weights = st_save({k: np.ascontiguousarray(v) for k, v in plan.weights.items()}) if plan.weights else b""
+    weights = st_save({k: np.ascontiguousarray(v).reshape(v.shape) for k, v in plan.weights.items()}) if plan.weights else b""
     digest = hashlib.sha256(body + weights).digest()
     header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), len(weights), digest)
     atomic_write_bytes(path, [header, body, weights])

@@ -74,7 +74,7 @@ class Graph:
 
     def add_const(self, name: str, data: np.ndarray) -> Value:
         v = self.value(self.fresh_name(name) if name in self.values else name)
-        v.const = np.ascontiguousarray(data)
+        v.const = np.ascontiguousarray(data).reshape(np.shape(data))   # keep 0-d scalars 0-d
         v.shape, v.dtype = tuple(data.shape), data.dtype
         return v
 

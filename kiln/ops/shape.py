@@ -29,7 +29,8 @@ def reshape(attrs, xs):
 @register("Flatten", INJ, trt_layer="Shuffle")
 def flatten(attrs, xs):
     x = xs[0]
-    axis = attrs.get("axis", 1) % (x.dim() + 1) if x.dim() else 0
+    axis = attrs.get("axis", 1)
+    axis = axis + x.dim() if axis < 0 else axis   # ONNX: axis in [-r, r], negative counts from the back
     return [x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))]
 
 

@@ -78,5 +78,5 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
         outs = evaluate_node(node, known)
         g.remove_node(node)
         for v, t in zip(node.outputs, outs):
-            v.const = np.ascontiguousarray(t.numpy())
+            v.const = np.ascontiguousarray(t.numpy()).reshape(tuple(t.shape))   # ascontiguousarray makes 0-d 1-d
         plog.removing(node)

@@ -10,7 +10,7 @@ from typing import Any
 from kiln.ir import Graph, Node, Value
 from kiln.ops import OPS
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import is_elementwise, replace_nodes, sole_consumer
+from kiln.passes.patterns import is_elementwise, replace_nodes, sole_consumer, why_not_sole_consumer
 
 
 def as_program(node: Node) -> tuple[list[dict[str, Any]], list[Value]]:
@@ -67,7 +67,11 @@ def fuse_pointwise(g: Graph, plog: PassLog) -> None:
     for node in list(g.nodes):
         while node in g.nodes and is_elementwise(node):
             consumer = sole_consumer(g, node)
-            if consumer is None or not is_elementwise(consumer):
+            if consumer is None:
+                for user in (u for u in node.outputs[0].users if is_elementwise(u)):
+                    plog.not_fused(node, user, why_not_sole_consumer(g, node))
+                break
+            if not is_elementwise(consumer):
                 break
             plog.running(node)
             steps, inputs = merge_programs(node, consumer)

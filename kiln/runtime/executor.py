@@ -82,10 +82,12 @@ class ExecutionContext:
                 raise InputError(f"input '{name}': shape {list(arr.shape)} does not match the engine's "
                                  f"{list(desc.dims)} (rebuild with --shapes {name}:{'x'.join(map(str, arr.shape))})")
             if arr.dtype != np.dtype(desc.dtype):
-                if not np.can_cast(arr.dtype, desc.dtype, casting="same_kind"):
-                    raise InputError(f"input '{name}': dtype {arr.dtype} cannot be used for the engine's {desc.dtype}")
+                # float->float and int->int convert (numpy defaults to float64); anything else is an error
+                if arr.dtype.kind != np.dtype(desc.dtype).kind or arr.dtype.kind not in "fiu":
+                    raise InputError(f"input '{name}': dtype {arr.dtype} cannot be used for the engine's "
+                                     f"{desc.dtype}; convert it with .astype('{desc.dtype}')")
                 arr = arr.astype(desc.dtype)
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
         return tensors
 
     def execute(self, feeds: dict[str, np.ndarray], profiler=None) -> dict[str, np.ndarray]:
