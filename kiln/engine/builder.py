@@ -165,4 +165,4 @@ def lower(g: Graph, sources: frozenset[str] | None) -> tuple[list[Layer], dict[s
 
 
 def _jsonable_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in attrs.items() if k != "auto_pad"}
+    return dict(attrs)

@@ -143,7 +143,41 @@ class VGGish(nn.Module):
         return self.classifier(torch.flatten(self.features(x), 1))
 
 
-ZOO = {"mobilenetv2": MobileNetV2ish, "mobilenetv3": MobileNetV3ish, "efficientnet": EfficientNetish,
+class UNetish(nn.Module):           # encoder/decoder: transposed conv, bilinear + nearest upsampling, skip concat
+    def __init__(self):
+        super().__init__()
+        self.enc1, self.enc2 = cbr(3, 8), cbr(8, 16, s=2)
+        self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.dec = cbr(16, 8)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        a = self.enc1(x)
+        b = self.enc2(a)
+        y = self.dec(torch.cat([self.up(b), a], 1))
+        y = y + F.interpolate(F.avg_pool2d(y, 2), scale_factor=2, mode="nearest")
+        y = F.interpolate(self.out(y), scale_factor=0.5, mode="bilinear", align_corners=False)
+        return F.interpolate(y, size=(20, 24), mode="bilinear", align_corners=True)
+
+
+class ConvNeXtish(nn.Module):        # depthwise 7x7, channels-last LayerNorm via permute, GELU MLP, layer scale
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 4, 4)
+        self.dw = nn.Conv2d(16, 16, 7, padding=3, groups=16)
+        self.norm = nn.LayerNorm(16, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.gamma = nn.Parameter(torch.full((16,), 0.5))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        y = (self.fc2(F.gelu(self.fc1(y))) * self.gamma).permute(0, 3, 1, 2)
+        return self.head((x + y).mean((2, 3)))
+
+
+ZOO = {"unet": UNetish, "convnext": ConvNeXtish, "mobilenetv2": MobileNetV2ish, "mobilenetv3": MobileNetV3ish, "efficientnet": EfficientNetish,
        "densenet": DenseNetish, "squeezenet": SqueezeNetish, "inception": Inceptionish,
        "shufflenet": ShuffleNetish, "vgg": VGGish}
 
