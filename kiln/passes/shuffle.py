@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer
+from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer, why_not_sole_consumer
 
 SHUFFLE_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose")
 
@@ -40,12 +40,17 @@ def fuse_shuffles(g: Graph, plog: PassLog) -> None:
     """ShuffleShuffleFusion: consecutive shuffles whose middle tensor has one reader become one Shuffle."""
     for node in [n for n in g.nodes if n.op_type in SHUFFLE_OPS and n.domain in ("", "ai.onnx")]:
         replace_nodes(g, [node], _as_shuffle(node))
-    changed = True
+    changed, seen = True, set()
     while changed:
         changed = False
         for first in [n for n in g.nodes if n.op_type == "Shuffle"]:
             second = sole_consumer(g, first)
-            if second is None or second.op_type != "Shuffle":
+            if second is None:
+                for user in (u for u in first.outputs[0].users if u.op_type == "Shuffle" and (first, u) not in seen):
+                    seen.add((first, user))
+                    plog.not_fused(first, user, why_not_sole_consumer(g, first))
+                continue
+            if second.op_type != "Shuffle":
                 continue
             plog.running(first)
             plog.fusing(first, second)
