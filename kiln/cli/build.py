@@ -16,6 +16,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", metavar="SPEC", help="input shapes, e.g. input:1x3x224x224,mask:1x128")
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass by name")
     p.add_argument("--verify-each", action="store_true", help="verify the IR after every pass")
+    add_tactic_arguments(p)
+
+
+def add_tactic_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tactic-sources", metavar="SPEC",
+                   help="kernel sources: '+onnxruntime,-torch-onednn' edits the default set, 'torch' alone replaces it "
+                        "(sources: torch-onednn, torch, onnxruntime)")
+    p.add_argument("--timing-cache", metavar="F", help="read and update this timing cache file (JSON)")
+    p.add_argument("--avg-timing", type=int, default=8, help="runs averaged per timing measurement")
+    p.add_argument("--min-timing", type=int, default=3, help="measurements per tactic (median wins)")
+    p.add_argument("--builder-optimization-level", type=int, default=3, choices=range(0, 6), metavar="0-5",
+                   help="0: no timing, take each layer's first eligible kernel; >=1: time every candidate")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads to tune and run with")
 
 
 def parse_shapes(spec: str | None) -> dict[str, tuple[int, ...]]:
@@ -35,11 +48,21 @@ def parse_shapes(spec: str | None) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def tactic_options(args) -> dict:
+    from kiln.tactics import parse_sources
+
+    return {"tactic_sources": parse_sources(args.tactic_sources), "timing_cache": args.timing_cache,
+            "avg_timing": max(1, args.avg_timing), "min_timing": max(1, args.min_timing),
+            "autotune": args.builder_optimization_level > 0}
+
+
 def build_engine(args):
     import kiln
+    from kiln.runtime.engine import set_threads
 
-    return kiln.build(args.model, input_shapes=parse_shapes(args.shapes),
-                      disabled_passes=frozenset(args.disable_pass), verify_each=args.verify_each)
+    set_threads(args.threads)
+    return kiln.build(args.model, input_shapes=parse_shapes(args.shapes), disabled_passes=frozenset(args.disable_pass),
+                      verify_each=args.verify_each, **tactic_options(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--optShapes", help="same as --shapes until optimization profiles land")
     a("--threads", type=int, default=None, help="kiln: intra-op CPU threads")
     a("--skipInference", action="store_true", help="build only")
+    a("--tacticSources", help="e.g. -onnxruntime,+torch-onednn")
+    a("--timingCacheFile", help="timing cache JSON")
+    a("--avgTiming", type=int, default=8)
+    a("--minTiming", type=int, default=3)
+    a("--builderOptimizationLevel", type=int, default=3)
 
 
 def _warmup_iterations(engine, feeds, warmup_ms: float) -> None:
@@ -58,7 +63,12 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.onnx) == bool(args.loadEngine):
         raise Error("give exactly one of --onnx=MODEL.onnx or --loadEngine=ENGINE.kiln")
     if args.onnx:
-        engine = kiln.build(args.onnx, input_shapes=parse_shapes(args.shapes or args.optShapes))
+        from kiln.cli.build import tactic_options
+
+        ns = SimpleNamespace(tactic_sources=args.tacticSources, timing_cache=args.timingCacheFile,
+                             avg_timing=args.avgTiming, min_timing=args.minTiming,
+                             builder_optimization_level=args.builderOptimizationLevel)
+        engine = kiln.build(args.onnx, input_shapes=parse_shapes(args.shapes or args.optShapes), **tactic_options(ns))
         if args.saveEngine:
             engine.save(args.saveEngine)
             console.info(f"Engine saved to {args.saveEngine}")

@@ -18,7 +18,9 @@ from kiln.frontend import import_onnx
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.passes import DEFAULT_PIPELINE, run_passes
-from kiln.tactics import ANY, HWC, LINEAR, LayerView, choose, tactic_value
+from kiln.tactics import ANY, HWC, LINEAR, LayerView, available_sources, candidates, tactic_value
+from kiln.tactics.autotune import Autotuner, TimingOptions
+from kiln.tactics.timing_cache import TimingCache, device_description
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
 
 log = logging.getLogger("kiln.build")
@@ -29,19 +31,34 @@ PARAMETER_TYPES = {"Conv": "Convolution", "Gemm": "MatrixMultiply", "MatMul": "M
 RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution"}
 
 
+def runner_type(tactic_name: str, parameter_type: str) -> str:
+    """TensorRT's LayerType names the runner: kiln names the kernel library and the layer kind."""
+    if tactic_name.startswith("onnxruntime."):
+        return f"OnnxRuntime{parameter_type}"
+    return RUNNER_TYPES.get(tactic_name, parameter_type)
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     disabled_passes: frozenset[str] = frozenset()
     tactic_sources: frozenset[str] | None = None
     verify_each: bool = False
+    autotune: bool = True
+    timing_cache: str | None = None
+    avg_timing: int = 8
+    min_timing: int = 3
 
 
 def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
     start = time.perf_counter()
     g = import_onnx(model, options.input_shapes)
     stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
-    layers, weights = lower(g, options.tactic_sources)
+    sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
+    cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache)
+    tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
+    layers, weights = lower(g, sources, tuner)
+    cache.save()
     inputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs)
     outputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.outputs)
     memory = plan_memory(layers, inputs, outputs)
@@ -51,6 +68,8 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     info = {
         "kiln_version": kiln.__version__, "torch_version": torch.__version__, "opset": g.opset,
         "build_time_s": round(time.perf_counter() - start, 6), "device": "cpu",
+        "tactic_sources_available": sorted(available_sources()), "tactic_sources": sorted(sources),
+        "timing_cache": {"hits": cache.hits, "misses": cache.misses}, "device_description": cache.device,
         "passes": [{"name": s.name, "matches": s.matches, "rejections": s.rejections,
                     "layers_before": s.layers_before, "layers_after": s.layers_after} for s in stats],
     }
@@ -77,8 +96,8 @@ def log_engine_layers(layers: list[Layer]) -> None:
 class _Lowering:
     """Walks the optimized graph in order, choosing tactics and inserting Reformat layers between layouts."""
 
-    def __init__(self, g: Graph, sources: frozenset[str] | None):
-        self.g, self.sources = g, sources
+    def __init__(self, g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None):
+        self.g, self.sources, self.tuner = g, sources, tuner
         self.layers: list[Layer] = []
         self.weights: dict[str, np.ndarray] = {}
         self.formats: dict[str, str] = {v.name: LINEAR for v in g.inputs}
@@ -109,12 +128,26 @@ class _Lowering:
         self.formats[new], self.descs[new] = target, out
         return new
 
+    @staticmethod
+    def parameter_type(node: Node) -> str:
+        return PARAMETER_TYPES.get(node.op_type) or lookup(node.op_type, node.domain).trt_layer
+
+    def pick(self, node: Node, view: LayerView):
+        found = candidates(view, self.sources)
+        if len(found) == 1 or self.tuner is None:
+            return found[0]
+        have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
+        ptype = self.parameter_type(node)
+        names = {t.name: runner_type(t.name, ptype) for t in found}
+        return self.tuner.choose(node.name, view, found, have, names).tactic
+
     def lower_node(self, node: Node) -> None:
         const_inputs = {i: torch.from_numpy(np.array(v.const)) for i, v in enumerate(node.inputs)
                         if v is not None and v.is_const}
         view = LayerView(node.op_type, node.domain, node.attrs, tuple(None if v is None else v.shape for v in node.inputs),
-                         tuple(None if v is None else str(v.dtype) for v in node.inputs), const_inputs)
-        tactic = choose(view, self.sources)
+                         tuple(None if v is None else str(v.dtype) for v in node.inputs), const_inputs,
+                         tuple(str(v.dtype) for v in node.outputs), self.g.opset)
+        tactic = self.pick(node, view)
         wanted = tactic.input_formats(view)
         args, in_descs, in_formats = [], [], []
         for i, v in enumerate(node.inputs):
@@ -142,8 +175,8 @@ class _Lowering:
             desc = TensorDesc(name, v.shape, str(v.dtype), fmt)
             self.descs[name], self.formats[name] = desc, fmt
             outs.append(desc)
-        ptype = PARAMETER_TYPES.get(node.op_type) or lookup(node.op_type, node.domain).trt_layer
-        runner = RUNNER_TYPES.get(tactic.name, ptype)
+        ptype = self.parameter_type(node)
+        runner = runner_type(tactic.name, ptype)
         self.layers.append(Layer(node.name, node.op_type, node.domain, runner, ptype, tuple(args), tuple(in_descs),
                                  tuple(outs), _jsonable_attrs(node.attrs), tactic.name, tactic_value(tactic.name),
                                  node.origin))
@@ -152,8 +185,9 @@ class _Lowering:
                 self.reformat(outs[j].name, LINEAR, node.name, j, public_name=v.name)
 
 
-def lower(g: Graph, sources: frozenset[str] | None) -> tuple[list[Layer], dict[str, np.ndarray]]:
-    low = _Lowering(g, sources)
+def lower(g: Graph, sources: frozenset[str] | None,
+          tuner: Autotuner | None = None) -> tuple[list[Layer], dict[str, np.ndarray]]:
+    low = _Lowering(g, sources, tuner)
     for node in g.nodes:
         low.lower_node(node)
     for v in g.outputs:

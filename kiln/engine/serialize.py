@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,41 +17,13 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from kiln.engine.plan import Arg, Layer, MemoryPlan, Plan, TensorDesc
+from kiln.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from kiln.errors import EngineFormatError, Error
 
 MAGIC = b"KILNPLAN"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIQQ32s")
 MAX_JSON_BYTES = 1 << 30
-
-
-def atomic_write_bytes(path: str | os.PathLike, chunks: list[bytes]) -> None:
-    """Write to a temp file beside `path`, fsync, then rename: readers never see a half-written file."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    except OSError as exc:
-        raise Error(f"cannot write {path}: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise Error(f"cannot write {path}: {exc.strerror or exc}") from None
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, [text.encode("utf-8")])
 
 
 def encode_value(v: Any) -> Any:

@@ -37,7 +37,8 @@ def prepare_kernels(plan: Plan) -> list[Kernel]:
         view = LayerView(layer.op_type, layer.domain, layer.attrs,
                          tuple(_arg_shape(a, shapes, plan) for a in layer.args),
                          tuple(_arg_dtype(a, shapes, plan) for a in layer.args),
-                         {i: weights[a.name] for i, a in enumerate(layer.args) if a.kind == "weight"})
+                         {i: weights[a.name] for i, a in enumerate(layer.args) if a.kind == "weight"},
+                         tuple(t.dtype for t in layer.outputs), int(plan.build_info.get("opset", 17)))
         kernels.append(tactic.prepare(view))
     return kernels
 

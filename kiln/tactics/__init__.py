@@ -2,21 +2,46 @@
 from __future__ import annotations
 
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView, Tactic, tactic_value
+from kiln.errors import Error
 from kiln.tactics.onednn_conv import OneDnnConvTactic
+from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
+from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.reference import ReferenceTactic
 
-# Candidates per op type, in preference order; "*" applies to every op. The autotuner (next step) times them.
-REGISTRY: dict[str, list[Tactic]] = {
-    "Conv": [OneDnnConvTactic()],
-    "*": [ReferenceTactic()],
-}
-TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for ts in REGISTRY.values() for t in ts}
+# Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
+REGISTRY: dict[str, list[Tactic]] = {"Conv": [OneDnnConvTactic()]}
+GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
+TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
+ALL_SOURCES = ("torch-onednn", "torch", "onnxruntime")
+
+
+def available_sources() -> frozenset[str]:
+    return frozenset(s for s in ALL_SOURCES if s != "onnxruntime" or onnxruntime_available())
+
+
+def parse_sources(spec: str | None) -> frozenset[str]:
+    """trtexec's --tacticSources spelling: "+onnxruntime,-torch-onednn" edits the default set; bare names replace it."""
+    sources = set(available_sources())
+    if not spec:
+        return frozenset(sources)
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if all(s[0] not in "+-" for s in items):
+        sources = set()
+    for item in items:
+        sign, name = (item[0], item[1:]) if item[0] in "+-" else ("+", item)
+        name = name.lower()
+        if name not in ALL_SOURCES:
+            raise Error(f"unknown tactic source '{name}'; known sources: {', '.join(ALL_SOURCES)}")
+        if sign == "+" and name not in available_sources():
+            raise Error(f"tactic source '{name}' is not available on this machine (is the package installed?)")
+        (sources.add if sign == "+" else sources.discard)(name)
+    return frozenset(sources)   # layers no chosen source supports fall back to torch's reference kernels
 
 
 def candidates(layer: LayerView, sources: frozenset[str] | None = None) -> list[Tactic]:
-    found = [t for t in REGISTRY.get(layer.op_type, []) + REGISTRY["*"] if t.supports(layer)]
+    found = [t for t in REGISTRY.get(layer.op_type, []) + GENERIC if t.supports(layer)]
     if sources is not None:
-        found = [t for t in found if t.source in sources] or found[-1:]
+        found = [t for t in found if t.source in sources] or [t for t in found if t.source == "torch"]
     return found
 
 
@@ -24,5 +49,5 @@ def choose(layer: LayerView, sources: frozenset[str] | None = None) -> Tactic:
     return candidates(layer, sources)[0]
 
 
-__all__ = ["ANY", "HWC", "LINEAR", "Kernel", "LayerView", "Tactic", "TACTICS_BY_NAME", "candidates", "choose",
-           "tactic_value"]
+__all__ = ["ALL_SOURCES", "ANY", "HWC", "LINEAR", "Kernel", "LayerView", "Tactic", "TACTICS_BY_NAME",
+           "available_sources", "candidates", "choose", "parse_sources", "tactic_value"]

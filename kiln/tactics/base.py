@@ -22,6 +22,8 @@ class LayerView:
     input_shapes: tuple[tuple[int, ...] | None, ...]
     input_dtypes: tuple[str | None, ...]
     const_inputs: dict[int, Any] = field(default_factory=dict)   # index -> torch tensor (weights)
+    output_dtypes: tuple[str, ...] = ("float32",)
+    opset: int = 17
 
 
 class Tactic(Protocol):

@@ -1,0 +1,37 @@
+"""Atomic file writes: a temp file beside the target, fsync, rename; readers never see half a file."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from kiln.errors import Error
+
+
+def atomic_write_bytes(path: str | os.PathLike, chunks: list[bytes]) -> None:
+    """Write to a temp file beside `path`, fsync, then rename: readers never see a half-written file."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise Error(f"cannot write {path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise Error(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, [text.encode("utf-8")])

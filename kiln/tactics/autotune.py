@@ -1,0 +1,130 @@
+"""The autotuner: times every eligible tactic of a layer on its real shapes and picks the cheapest, counting
+the Reformat copies a tactic's layout would add; logs trtexec-style timing tables and the reason."""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.tactics.base import ANY, HWC, LINEAR, LayerView, Tactic, tactic_value
+from kiln.tactics.timing_cache import TimingCache, digest
+
+log = logging.getLogger("kiln.build")
+
+
+@dataclass(frozen=True)
+class TimingOptions:
+    avg_timing: int = 8      # inferences averaged per measurement (trtexec --avgTiming)
+    min_timing: int = 3      # measurements per tactic; the median counts (trtexec --minTiming)
+
+
+@dataclass(frozen=True)
+class Choice:
+    tactic: Tactic
+    kernel_ms: float
+    reformat_ms: float
+    timings_ms: dict[str, float]
+
+
+def layer_signature(view: LayerView, have_formats: list[str | None]) -> str:
+    return digest({"op": view.op_type, "domain": view.domain, "attrs": view.attrs,
+                   "inputs": list(zip(view.input_shapes, view.input_dtypes, have_formats)),
+                   "weights": sorted((i, list(t.shape), str(t.dtype)) for i, t in view.const_inputs.items())})
+
+
+def _example(shape, dtype: str, fmt: str) -> torch.Tensor:
+    from kiln.ops.dtypes import to_torch_dtype
+
+    tdtype = to_torch_dtype(np.dtype(dtype))
+    if tdtype.is_floating_point:
+        t = torch.randn(shape, dtype=tdtype)
+    elif tdtype == torch.bool:
+        t = torch.zeros(shape, dtype=torch.bool)
+    else:
+        t = torch.zeros(shape, dtype=tdtype)
+    return t.contiguous(memory_format=torch.channels_last) if fmt == HWC and len(shape) == 4 else t
+
+
+def _time_ms(fn, options: TimingOptions) -> list[float]:
+    fn()
+    runs = []
+    for _ in range(options.min_timing):
+        start = time.perf_counter()
+        for _ in range(options.avg_timing):
+            fn()
+        runs.append((time.perf_counter() - start) * 1e3 / options.avg_timing)
+    return runs
+
+
+class Autotuner:
+    def __init__(self, cache: TimingCache, options: TimingOptions = TimingOptions()):
+        self.cache, self.options = cache, options
+
+    def reformat_ms(self, shape, dtype: str, target: str) -> float:
+        key = digest({"reformat": list(shape), "dtype": dtype, "to": target})
+        cached = self.cache.get(key, "reformat")
+        if cached is not None:
+            return cached
+        src = _example(shape, dtype, LINEAR if target == HWC else HWC)
+        fmt = torch.channels_last if target == HWC else torch.contiguous_format
+        ms = statistics.median(_time_ms(lambda: src.contiguous(memory_format=fmt), self.options))
+        self.cache.put(key, "reformat", ms)
+        return ms
+
+    def _measure(self, view: LayerView, tactics: list[Tactic], signature: str,
+                 have_formats: list[str | None]) -> dict[str, float]:
+        times: dict[str, float] = {}
+        pending = []
+        for t in tactics:
+            cached = self.cache.get(signature, t.name)
+            if cached is None:
+                pending.append(t)
+            else:
+                times[t.name] = cached
+        runners = []
+        for t in pending:
+            kernel = t.prepare(view)
+            wanted = t.input_formats(view)
+            # a layout-agnostic kernel is timed on the layout its producer really delivers
+            xs = [None if (s is None or i in view.const_inputs) else
+                  _example(s, view.input_dtypes[i], (have_formats[i] or LINEAR) if wanted[i] == ANY else wanted[i])
+                  for i, s in enumerate(view.input_shapes)]
+            runners.append((t, lambda kernel=kernel, xs=xs: kernel(xs), []))
+        with torch.inference_mode():
+            for _ in range(self.options.min_timing):   # interleave candidates so drift hits all alike
+                for t, fn, samples in runners:
+                    samples += _time_ms(fn, TimingOptions(self.options.avg_timing, 1))
+        for t, _, samples in runners:
+            times[t.name] = statistics.median(samples)
+            self.cache.put(signature, t.name, times[t.name])
+        return times
+
+    def choose(self, name: str, view: LayerView, tactics: list[Tactic], have_formats: list[str | None],
+               runner_names: dict[str, str]) -> Choice:
+        signature = layer_signature(view, have_formats)
+        log.debug("=============== Computing costs for %s", name)
+        times = self._measure(view, tactics, signature, have_formats)
+        best: Choice | None = None
+        for t in tactics:
+            runner = runner_names.get(t.name, t.source)
+            wanted = t.input_formats(view)
+            reformat = sum(self.reformat_ms(view.input_shapes[i], view.input_dtypes[i], w)
+                           for i, (w, have) in enumerate(zip(wanted, have_formats))
+                           if have is not None and w not in (ANY, have) and len(view.input_shapes[i]) == 4)
+            log.debug("--------------- Timing Runner: %s (%s)", name, runner)
+            log.debug("Tactic Name: %s Tactic: 0x%016x Time: %g", t.name, tactic_value(t.name), times[t.name])
+            if reformat:
+                log.debug("  + input reformat %g ms (layout %s)", reformat, "/".join(w for w in wanted))
+            total = times[t.name] + reformat
+            if best is None or total < best.kernel_ms + best.reformat_ms:
+                best = Choice(t, times[t.name], reformat, times)
+        log.debug(">>>>>>>>>>>>>>> Chose Runner Type: %s Tactic: 0x%016x", runner_names.get(best.tactic.name, best.tactic.source),
+                  tactic_value(best.tactic.name))
+        others = ", ".join(f"{k} {v:g} ms" for k, v in times.items() if k != best.tactic.name)
+        log.debug("Reason: %s is fastest at %g ms kernel + %g ms reformat (others: %s)", best.tactic.name,
+                  best.kernel_ms, best.reformat_ms, others or "none")
+        return best

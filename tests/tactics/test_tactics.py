@@ -1,0 +1,100 @@
+"""Tactic sources, the autotuner and the timing cache: each source forced in turn stays correct; a warm cache
+reproduces the same choices without timing; bad caches and source specs give clear errors."""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln.tactics import available_sources, parse_sources
+from tests.conftest import assert_close_to_ort, run_ort
+from tests.models.test_zoo import export
+from tests.models.zoo import make_zoo
+
+SOURCE_OF = {"onednn.conv2d_nhwc_prepacked": "torch-onednn", "torch.reference": "torch",
+             "onnxruntime.layer": "onnxruntime"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zoo")
+    out = {}
+    for name in ("mobilenetv3", "inception", "unet"):
+        x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+        out[name] = (export(make_zoo(name), x, d / f"{name}.onnx", "legacy"), x.numpy())
+    return out
+
+
+@pytest.mark.parametrize("source", ["torch", "torch-onednn", "onnxruntime"])
+@pytest.mark.parametrize("name", ["mobilenetv3", "inception", "unet"])
+def test_each_source_forced_alone_is_correct(models, name, source):
+    proto, x = models[name]
+    engine = kiln.build(proto, tactic_sources=frozenset({source}))
+    used = {SOURCE_OF[l.tactic_name] for l in engine.plan.layers if l.tactic_name in SOURCE_OF}
+    assert used <= {source, "torch"}, used          # torch's reference kernels back what a source cannot run
+    if source != "torch":
+        assert source in used
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+
+
+def test_autotuned_build_logs_timing_table_and_stays_correct(models, caplog):
+    proto, x = models["mobilenetv3"]
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    engine = kiln.build(proto, avg_timing=2, min_timing=1)
+    text = caplog.text
+    for line in ("=============== Computing costs for", "--------------- Timing Runner:", "Tactic Name: ",
+                 ">>>>>>>>>>>>>>> Chose Runner Type:", "Reason: "):
+        assert line in text, line
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+    assert engine.plan.build_info["tactic_sources_available"] == sorted(available_sources())
+
+
+def test_warm_timing_cache_skips_timing_and_repeats_choices(models, tmp_path):
+    proto, _ = models["inception"]
+    cache = tmp_path / "timing.json"
+    cold = kiln.build(proto, timing_cache=str(cache), avg_timing=2, min_timing=1)
+    assert cold.plan.build_info["timing_cache"]["misses"] > 0
+    doc = json.loads(cache.read_text())
+    assert doc["kind"] == "kiln-timing-cache" and doc["version"] == 1 and doc["entries"]
+    warm = kiln.build(proto, timing_cache=str(cache), avg_timing=2, min_timing=1)
+    assert warm.plan.build_info["timing_cache"]["misses"] == 0
+    assert [(l.name, l.tactic_name) for l in warm.plan.layers] == [(l.name, l.tactic_name) for l in cold.plan.layers]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    ('{"kind": "something-else"}', "not a kiln timing cache"),
+    ('{"kind": "kiln-timing-cache", "version": 99, "entries": {}, "devices": {}}', "version 99"),
+    ('{"kind": "kiln-timing-cache", "version": 1, "entries": {"d": {"s": {"t": "fast"}}}, "devices": {}}', "malformed"),
+])
+def test_bad_timing_cache_is_a_clear_error(models, tmp_path, content, message):
+    cache = tmp_path / "timing.json"
+    cache.write_text(content)
+    with pytest.raises(kiln.Error, match=message):
+        kiln.build(models["mobilenetv3"][0], timing_cache=str(cache))
+    assert cache.read_text() == content   # a bad cache is reported, never overwritten
+
+
+def test_parse_sources_follows_trtexec_spelling():
+    everything = available_sources()
+    assert parse_sources(None) == everything
+    assert parse_sources("-onnxruntime") == everything - {"onnxruntime"}
+    assert parse_sources("torch") == {"torch"}
+    assert parse_sources("-TORCH-ONEDNN,+onnxruntime") == (everything - {"torch-onednn"}) | {"onnxruntime"}
+    with pytest.raises(kiln.Error, match="unknown tactic source 'cudnn'"):
+        parse_sources("+cudnn")
+
+
+def test_disabling_the_optimization_level_takes_first_kernels_without_timing(models, caplog):
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    engine = kiln.build(models["inception"][0], autotune=False)
+    assert "Computing costs" not in caplog.text
+    convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    assert convs and all(l.tactic_name == "onednn.conv2d_nhwc_prepacked" for l in convs)
