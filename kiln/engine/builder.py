@@ -19,7 +19,9 @@ from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.tactics import ANY, HWC, LINEAR, LayerView, available_sources, candidates, tactic_value
+from kiln.engine.regions import apply_regions, choose_regions
 from kiln.tactics.autotune import Autotuner, TimingOptions
+from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.timing_cache import TimingCache, device_description
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
 
@@ -45,6 +47,7 @@ class BuildOptions:
     tactic_sources: frozenset[str] | None = None
     verify_each: bool = False
     autotune: bool = True
+    regions: bool = True            # let onnxruntime run whole segments where that is faster
     timing_cache: str | None = None
     avg_timing: int = 8
     min_timing: int = 3
@@ -57,7 +60,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache)
     tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
-    layers, weights = lower(g, sources, tuner)
+    layers, weights = lower_with_regions(g, sources, tuner, options.regions)
     cache.save()
     inputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs)
     outputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.outputs)
@@ -96,8 +99,10 @@ def log_engine_layers(layers: list[Layer]) -> None:
 class _Lowering:
     """Walks the optimized graph in order, choosing tactics and inserting Reformat layers between layouts."""
 
-    def __init__(self, g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None):
-        self.g, self.sources, self.tuner = g, sources, tuner
+    def __init__(self, g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
+                 measure_all: bool = False):
+        self.g, self.sources, self.tuner, self.measure_all = g, sources, tuner, measure_all
+        self.node_ms: dict[str, float] = {}
         self.layers: list[Layer] = []
         self.weights: dict[str, np.ndarray] = {}
         self.formats: dict[str, str] = {v.name: LINEAR for v in g.inputs}
@@ -134,14 +139,53 @@ class _Lowering:
 
     def pick(self, node: Node, view: LayerView):
         found = candidates(view, self.sources)
-        if len(found) == 1 or self.tuner is None:
+        if self.tuner is None or (len(found) == 1 and not self.measure_all):
             return found[0]
         have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
         ptype = self.parameter_type(node)
         names = {t.name: runner_type(t.name, ptype) for t in found}
-        return self.tuner.choose(node.name, view, found, have, names).tactic
+        choice = self.tuner.choose(node.name, view, found, have, names)
+        self.node_ms[node.name] = choice.kernel_ms + choice.reformat_ms
+        return choice.tactic
+
+    def lower_region(self, node: Node) -> None:
+        """A Region node becomes one layer run by onnxruntime; its inner layers stay visible in layer info."""
+        args, in_descs, rename = [], [], {}
+        for i, v in enumerate(node.inputs):
+            if v.is_const:
+                args.append(self.weight(v))
+                continue
+            name = v.name
+            if self.formats[name] != LINEAR and len(v.shape) == 4:
+                name = self.reformat(name, LINEAR, node.name, i)
+            rename[v.name] = name
+            args.append(Arg("tensor", name))
+            in_descs.append(self.descs[name])
+        inner = []
+        for n in node.attrs["nodes"]:
+            iargs, idescs = [], []
+            for v in n.inputs:
+                if v is None:
+                    iargs.append(Arg("none"))
+                elif v.is_const:
+                    iargs.append(self.weight(v))
+                else:
+                    iargs.append(Arg("tensor", rename.get(v.name, v.name)))
+                    idescs.append(TensorDesc(rename.get(v.name, v.name), v.shape, str(v.dtype)))
+            ptype = self.parameter_type(n)
+            inner.append(Layer(n.name, n.op_type, n.domain, runner_type(REGION_TACTIC, ptype), ptype, tuple(iargs),
+                               tuple(idescs), tuple(TensorDesc(o.name, o.shape, str(o.dtype)) for o in n.outputs),
+                               _jsonable_attrs(n.attrs), REGION_TACTIC, tactic_value(REGION_TACTIC), n.origin))
+        outs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in node.outputs)
+        for t in outs:
+            self.descs[t.name], self.formats[t.name] = t, LINEAR
+        self.layers.append(Layer(node.name, "Region", "kiln", "OnnxRuntime", "ForeignNode", tuple(args), tuple(in_descs),
+                                 outs, {}, REGION_TACTIC, tactic_value(REGION_TACTIC), node.origin, inner=tuple(inner)))
 
     def lower_node(self, node: Node) -> None:
+        if node.op_type == "Region" and node.domain == "kiln":
+            self.lower_region(node)
+            return
         const_inputs = {i: torch.from_numpy(np.array(v.const)) for i, v in enumerate(node.inputs)
                         if v is not None and v.is_const}
         view = LayerView(node.op_type, node.domain, node.attrs, tuple(None if v is None else v.shape for v in node.inputs),
@@ -183,6 +227,37 @@ class _Lowering:
         for j, v in enumerate(node.outputs):
             if outs[j].name != v.name:
                 self.reformat(outs[j].name, LINEAR, node.name, j, public_name=v.name)
+
+
+def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | None, regions: bool):
+    """Lower once with per-layer tactics; if onnxruntime regions win some segments, group them and lower again."""
+    if tuner is None or not regions or "onnxruntime" not in sources:
+        return lower(g, sources, tuner)
+    first = _Lowering(g, sources, tuner, measure_all=True)
+    for node in g.nodes:
+        first.lower_node(node)
+    runs = choose_regions(g, first.node_ms, first.formats, tuner)
+    if not runs:
+        return lower(g, sources, tuner)
+    apply_regions(g, runs)
+    log.debug("After region formation: %d layers (%d onnxruntime region(s))", len(g.nodes), len(runs))
+    layers, weights = lower(g, sources, tuner)
+    return allow_spinning(layers), weights
+
+
+CHEAP_LAYERS = ("Reformat", "Shuffle", "Constant")
+
+
+def allow_spinning(layers: list[Layer]) -> list[Layer]:
+    """onnxruntime may spin its threads between operators only when no torch kernel shares the cores."""
+    import dataclasses
+
+    alone = all(l.tactic_name == REGION_TACTIC or l.op_type in CHEAP_LAYERS for l in layers)
+    regions = sum(1 for l in layers if l.tactic_name == REGION_TACTIC)
+    if not (alone and regions == 1):
+        return layers
+    return [dataclasses.replace(l, attrs={**l.attrs, "spinning": True}) if l.tactic_name == REGION_TACTIC else l
+            for l in layers]
 
 
 def lower(g: Graph, sources: frozenset[str] | None,

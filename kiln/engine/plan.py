@@ -54,6 +54,7 @@ class Layer:
     tactic_value: int
     origin: tuple[str, ...]
     precision: str = "FP32"
+    inner: tuple["Layer", ...] = ()   # the layers a region runs as one unit ({ForeignNode[first...last]})
 
 
 @dataclass(frozen=True)

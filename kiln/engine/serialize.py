@@ -52,14 +52,18 @@ def _tensor(d: TensorDesc) -> dict:
     return {"name": d.name, "dims": list(d.dims), "dtype": d.dtype, "format": d.format}
 
 
-def plan_to_json(plan: Plan) -> dict:
-    layers = [{
+def _layer_json(l: Layer) -> dict:
+    return {
         "name": l.name, "op_type": l.op_type, "domain": l.domain, "layer_type": l.layer_type,
         "parameter_type": l.parameter_type, "args": [[a.kind, a.name] for a in l.args],
         "inputs": [_tensor(t) for t in l.inputs], "outputs": [_tensor(t) for t in l.outputs],
         "attrs": encode_value(l.attrs), "tactic_name": l.tactic_name, "tactic_value": l.tactic_value,
-        "origin": list(l.origin), "precision": l.precision,
-    } for l in plan.layers]
+        "origin": list(l.origin), "precision": l.precision, "inner": [_layer_json(i) for i in l.inner],
+    }
+
+
+def plan_to_json(plan: Plan) -> dict:
+    layers = [_layer_json(l) for l in plan.layers]
     m = plan.memory
     return {
         "format_version": FORMAT_VERSION, "name": plan.name,
@@ -119,17 +123,22 @@ def _desc(d: dict) -> TensorDesc:
     return TensorDesc(str(d["name"]), tuple(int(x) for x in d["dims"]), str(np.dtype(d["dtype"])), str(d["format"]))
 
 
-def _plan_from_json(doc: dict, weights: dict[str, np.ndarray]) -> Plan:
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise EngineFormatError(f"engine JSON declares format version {doc.get('format_version')}")
-    layers = tuple(Layer(
+def _layer_from_json(l: dict) -> Layer:
+    return Layer(
         name=l["name"], op_type=l["op_type"], domain=l["domain"], layer_type=l["layer_type"],
         parameter_type=l["parameter_type"], args=tuple(Arg(k, n) for k, n in l["args"]),
         inputs=tuple(_desc(t) for t in l["inputs"]), outputs=tuple(_desc(t) for t in l["outputs"]),
         attrs=decode_value(l["attrs"]), tactic_name=l["tactic_name"], tactic_value=int(l["tactic_value"]),
         origin=tuple(l["origin"]), precision=l.get("precision", "FP32"),
-    ) for l in doc["layers"])
-    for layer in layers:
+        inner=tuple(_layer_from_json(i) for i in l.get("inner", [])),
+    )
+
+
+def _plan_from_json(doc: dict, weights: dict[str, np.ndarray]) -> Plan:
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise EngineFormatError(f"engine JSON declares format version {doc.get('format_version')}")
+    layers = tuple(_layer_from_json(l) for l in doc["layers"])
+    for layer in [x for l in layers for x in (l, *l.inner)]:
         for a in layer.args:
             if a.kind == "weight" and a.name not in weights:
                 raise EngineFormatError(f"layer '{layer.name}' refers to missing weight '{a.name}'")

@@ -9,10 +9,9 @@ import numpy as np
 import torch
 
 from kiln.engine.plan import Plan
-from kiln.errors import EngineFormatError, InputError
+from kiln.errors import InputError
 from kiln.ops.dtypes import to_torch_dtype
-from kiln.tactics import TACTICS_BY_NAME, LayerView
-from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, prepare_reformat
+from kiln.tactics.prepare import prepare_kernel
 
 Kernel = Callable[[list], list]
 
@@ -20,43 +19,8 @@ Kernel = Callable[[list], list]
 def prepare_kernels(plan: Plan) -> list[Kernel]:
     """Turn every layer into a callable; weights become torch tensors (prepacked by the tactic)."""
     weights = {k: torch.from_numpy(np.array(v)) for k, v in plan.weights.items()}
-    kernels: list[Kernel] = []
-    for layer in plan.layers:
-        if layer.tactic_name in (REFORMAT_TACTIC, NOOP_TACTIC):
-            kernels.append(prepare_reformat(layer.attrs["target_format"]))
-            continue
-        if layer.tactic_name == "kiln.constant":
-            value = weights[layer.args[0].name]
-            kernels.append(lambda xs, value=value: [value])
-            continue
-        tactic = TACTICS_BY_NAME.get(layer.tactic_name)
-        if tactic is None:
-            raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "
-                                    "rebuild the engine")
-        shapes = {t.name: t for t in layer.inputs}
-        view = LayerView(layer.op_type, layer.domain, layer.attrs,
-                         tuple(_arg_shape(a, shapes, plan) for a in layer.args),
-                         tuple(_arg_dtype(a, shapes, plan) for a in layer.args),
-                         {i: weights[a.name] for i, a in enumerate(layer.args) if a.kind == "weight"},
-                         tuple(t.dtype for t in layer.outputs), int(plan.build_info.get("opset", 17)))
-        kernels.append(tactic.prepare(view))
-    return kernels
-
-
-def _arg_shape(a, shapes, plan):
-    if a.kind == "tensor":
-        return shapes[a.name].dims
-    if a.kind == "weight":
-        return tuple(plan.weights[a.name].shape)
-    return None
-
-
-def _arg_dtype(a, shapes, plan):
-    if a.kind == "tensor":
-        return shapes[a.name].dtype
-    if a.kind == "weight":
-        return str(plan.weights[a.name].dtype)
-    return None
+    opset = int(plan.build_info.get("opset", 17))
+    return [prepare_kernel(layer, weights, plan.weights, opset) for layer in plan.layers]
 
 
 class ExecutionContext:

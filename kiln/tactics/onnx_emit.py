@@ -1,4 +1,4 @@
-"""Express one kiln layer (fused or not) as a small ONNX model, so an external library can run it."""
+"""Express kiln layers (fused or not) as ONNX, one layer or a whole region per model, for external libraries."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +8,6 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kiln.ops import lookup
-from kiln.ops.dtypes import NUMPY_TO_TORCH  # noqa: F401  (dtype table lives there)
 from kiln.tactics.base import LayerView
 
 KILN_ONLY_ATTRS = {"activation", "padding_mode"}
@@ -17,39 +16,40 @@ ONNX_ELEM = {np.dtype(k): v for k, v in {"float32": 1, "uint8": 2, "int8": 3, "i
                                          "bool": 9, "float16": 10, "float64": 11}.items()}
 
 
-class _Emitter:
-    def __init__(self, view: LayerView):
-        self.view = view
+class Emitter:
+    """Accumulates nodes, initializers and graph inputs of one ONNX graph."""
+
+    def __init__(self):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.known: set[str] = set()
         self.counter = 0
 
     def fresh(self, base: str = "t") -> str:
         self.counter += 1
-        return f"{base}{self.counter}"
+        return f"_{base}{self.counter}"
 
     def const(self, value: Any, dtype=np.float32) -> str:
         name = self.fresh("c")
         self.inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
         return name
 
-    def layer_inputs(self) -> list[str | None]:
-        names: list[str | None] = []
-        for i, shape in enumerate(self.view.input_shapes):
-            if shape is None:
-                names.append(None)
-            elif i in self.view.const_inputs:
-                arr = self.view.const_inputs[i].numpy()
-                name = f"w{i}"
-                self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr).reshape(arr.shape), name))
-                names.append(name)
-            else:
-                name = f"x{i}"
-                dtype = np.dtype(self.view.input_dtypes[i])
-                self.inputs.append(helper.make_tensor_value_info(name, ONNX_ELEM[dtype], list(shape)))
-                names.append(name)
-        return names
+    def add_weight(self, name: str, array: np.ndarray) -> str:
+        if name not in self.known:
+            self.known.add(name)
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array).reshape(array.shape), name))
+        return name
+
+    def add_input(self, name: str, shape, dtype: str) -> str:
+        if name not in self.known:
+            self.known.add(name)
+            self.inputs.append(helper.make_tensor_value_info(name, ONNX_ELEM[np.dtype(dtype)], list(shape)))
+        return name
+
+    def add_output(self, name: str, dtype: str) -> None:
+        self.outputs.append(helper.make_tensor_value_info(name, ONNX_ELEM[np.dtype(dtype)], None))
 
     def node(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None) -> str:
         out = self.fresh()
@@ -67,41 +67,64 @@ class _Emitter:
             return self.node("Clip", [x, None if lo is None else self.const(lo), None if hi is None else self.const(hi)])
         return self.node(spec["op"], [x], attrs)
 
+    def rename_result(self, result: str, name: str) -> None:
+        """Make the value `result` (just produced) carry the public name `name`."""
+        if self.nodes and self.nodes[-1].output[0] == result:
+            self.nodes[-1].output[0] = name
+        else:
+            self.nodes.append(helper.make_node("Identity", [result], [name]))
 
-def emit(view: LayerView, opset: int) -> onnx.ModelProto:
-    e = _Emitter(view)
-    xs = e.layer_inputs()
+    def model(self, opset: int, name: str = "kiln_layer") -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = 8
+        return model
+
+
+def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
+    """Append the nodes computing one layer whose inputs are the ONNX values `xs`; returns the result value."""
     a = view.attrs
     if view.op_type == "Conv":
         y = e.node("Conv", xs[:3], a)
         if len(xs) > 3 and xs[3]:
             y = e.node("Add", [y, xs[3]])
-        y = e.activation(y, a.get("activation"))
-    elif view.op_type in ("Gemm", "MatMul"):
+        return e.activation(y, a.get("activation"))
+    if view.op_type in ("Gemm", "MatMul"):
         y = e.node(view.op_type, xs[:3] if view.op_type == "Gemm" else xs[:2], a)
         if view.op_type == "MatMul" and len(xs) > 2 and xs[2]:
             y = e.node("Add", [y, xs[2]])
-        y = e.activation(y, a.get("activation"))
-    elif view.op_type == "PointWise":
-        y = _emit_program(e, xs, a["program"])
-    elif view.op_type == "Shuffle":
+        return e.activation(y, a.get("activation"))
+    if view.op_type == "PointWise":
+        return _emit_program(e, xs, a["program"])
+    if view.op_type == "Shuffle":
         y = xs[0]
         for step in a["steps"]:
             y = e.node("Transpose", [y], {"perm": step["transpose"]}) if "transpose" in step else \
                 e.node("Reshape", [y, e.const(step["reshape"], np.int64)])
-    elif view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
-        y = e.node(view.op_type, xs, {k: v for k, v in a.items() if k != "dilations"})
-    else:
-        y = e.node(view.op_type, xs, a)
-    out_type = ONNX_ELEM[np.dtype(view.output_dtypes[0])]
-    graph = helper.make_graph(e.nodes, "kiln_layer", e.inputs, [helper.make_tensor_value_info(y, out_type, None)],
-                              e.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
-    return model
+        return y
+    if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
+        return e.node(view.op_type, xs, {k: v for k, v in a.items() if k != "dilations"})
+    return e.node(view.op_type, xs, a)
 
 
-def _emit_program(e: _Emitter, xs: list[str | None], steps: list[dict]) -> str:
+def emit(view: LayerView, opset: int) -> onnx.ModelProto:
+    """One layer as a model: activations are inputs "x<i>", weights initializers "w<i>", one output."""
+    e = Emitter()
+    xs: list[str | None] = []
+    for i, shape in enumerate(view.input_shapes):
+        if shape is None:
+            xs.append(None)
+        elif i in view.const_inputs:
+            xs.append(e.add_weight(f"w{i}", view.const_inputs[i].numpy()))
+        else:
+            xs.append(e.add_input(f"x{i}", shape, view.input_dtypes[i]))
+    y = emit_layer(e, view, xs)
+    e.rename_result(y, "y")
+    e.add_output("y", view.output_dtypes[0])
+    return e.model(opset)
+
+
+def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
     temps: list[str] = []
     for step in steps:
         host = lookup(step["op"]).host_inputs
@@ -124,3 +147,17 @@ def supports(view: LayerView) -> bool:
     if view.op_type == "AveragePool" and view.opset < 19 and any(d != 1 for d in view.attrs.get("dilations") or [1]):
         return False
     return view.domain in ("", "ai.onnx") or (view.domain == "kiln" and view.op_type in ("PointWise", "Shuffle"))
+
+
+def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tuple[LayerView, list, str]],
+                outputs: list[tuple[str, str]], weights: dict[str, np.ndarray], opset: int) -> onnx.ModelProto:
+    """Several layers as one model. Each step: (view, args as ("tensor"|"weight", name) or None, output name)."""
+    e = Emitter()
+    for name, shape, dtype in inputs:
+        e.add_input(name, shape, dtype)
+    for view, args, out in steps:
+        xs = [None if a is None else (e.add_weight(a[1], weights[a[1]]) if a[0] == "weight" else a[1]) for a in args]
+        e.rename_result(emit_layer(e, view, xs), out)
+    for name, dtype in outputs:
+        e.add_output(name, dtype)
+    return e.model(opset, "kiln_region")

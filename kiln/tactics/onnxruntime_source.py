@@ -18,7 +18,7 @@ def available() -> bool:
     return True
 
 
-def session_options(threads: int):
+def session_options(threads: int, spinning: bool = False):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -26,7 +26,7 @@ def session_options(threads: int):
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # kiln interleaves onnxruntime and torch kernels: spinning threads would steal the cores torch needs next
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     so.log_severity_level = 3
     return so
 
@@ -58,10 +58,25 @@ class OnnxRuntimeLayerTactic:
         run = sess.run
 
         def kernel(xs):
-            feeds = {name: xs[i].numpy() for i, name in feeds_idx}
+            feeds = {name: np.ascontiguousarray(xs[i].numpy()) for i, name in feeds_idx}
             return [torch.from_numpy(run([out_name], feeds)[0])]
         return kernel
 
 
-def _contiguous(x: torch.Tensor) -> np.ndarray:
-    return x.contiguous().numpy()
+REGION_TACTIC = "onnxruntime.region"
+
+
+def region_kernel(model, input_names: list[str], output_names: list[str], spinning: bool = False) -> Kernel:
+    """Run a region (a multi-layer ONNX model) in one onnxruntime session; inputs/outputs row-major."""
+    import onnxruntime as ort
+
+    # spinning (as standalone onnxruntime does) only when the builder found no torch kernel sharing the cores
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(torch.get_num_threads(), spinning),
+                                providers=["CPUExecutionProvider"])
+    run = sess.run
+
+    def kernel(xs):
+        acts = [x for x in xs if x is not None]   # weights live inside the sub-model
+        feeds = {name: np.ascontiguousarray(x.numpy()) for name, x in zip(input_names, acts)}
+        return [torch.from_numpy(y) for y in run(output_names, feeds)]
+    return kernel

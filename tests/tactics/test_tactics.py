@@ -17,7 +17,7 @@ from tests.models.test_zoo import export
 from tests.models.zoo import make_zoo
 
 SOURCE_OF = {"onednn.conv2d_nhwc_prepacked": "torch-onednn", "torch.reference": "torch",
-             "onnxruntime.layer": "onnxruntime"}
+             "onnxruntime.layer": "onnxruntime", "onnxruntime.region": "onnxruntime"}
 
 
 @pytest.fixture(scope="module")

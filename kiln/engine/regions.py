@@ -1,0 +1,181 @@
+"""Region planning: hand whole segments of the graph to onnxruntime where that beats kiln's own kernels.
+
+A segment is the run of nodes between two points where exactly one tensor is live (block boundaries in
+CNNs). Each segment costs kiln's per-layer times (from the autotuner) or its time as one onnxruntime
+sub-model; a small dynamic program picks the cheapest mix, counting layout copies where sources switch.
+Adjacent onnxruntime segments merge into one `{ForeignNode[first...last]}` layer (TVM's external-library
+trade-off: a region cannot fuse with its neighbours, so it must win on its own).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from kiln.ir import Graph, Node
+from kiln.tactics import HWC, LINEAR, LayerView
+from kiln.tactics.autotune import Autotuner, _example, _time_ms
+from kiln.tactics.onnx_emit import emit_region, supports
+from kiln.tactics.timing_cache import digest
+
+log = logging.getLogger("kiln.build")
+
+# Handing control between torch's OpenMP pool and onnxruntime's pool costs more than a copy: threads of the
+# pool that just finished keep spinning while the other pool starts. Measured on 2 cores: ~2 ms per switch
+# in ResNet-50 (3 switches: 54-57 ms against 47 ms for one region). Charged per switch in the cost model.
+POOL_SWITCH_MS = 1.0
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    end: int                 # exclusive
+    kiln_ms: float
+    region_ms: float | None  # None: onnxruntime cannot run every node of it
+    boundary: str | None     # the single tensor live after the segment
+
+
+def segments(g: Graph) -> list[tuple[int, int, str | None]]:
+    """Cut the node order wherever exactly one activation is live."""
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(g.nodes):
+        for v in n.inputs:
+            if v is not None and not v.is_const:
+                last_use[v.name] = i
+    for v in g.outputs:
+        last_use[v.name] = len(g.nodes)
+    cuts, live, start = [], {}, 0
+    for i, n in enumerate(g.nodes):
+        for v in n.outputs:
+            if last_use.get(v.name, -1) > i:
+                live[v.name] = v
+        live = {k: v for k, v in live.items() if last_use.get(k, -1) > i}
+        if len(live) == 1 and i + 1 < len(g.nodes):
+            cuts.append((start, i + 1, next(iter(live))))
+            start = i + 1
+    cuts.append((start, len(g.nodes), None))
+    return cuts
+
+
+def region_io(nodes: list[Node], g: Graph):
+    inside = {id(v) for n in nodes for v in n.outputs}
+    ext_in, consts, outs = [], [], []
+    for n in nodes:
+        for v in n.inputs:
+            if v is None or id(v) in inside:
+                continue
+            target = consts if v.is_const else ext_in
+            if all(v is not x for x in target):
+                target.append(v)
+    later = {id(v) for n in g.nodes if n not in nodes for v in n.inputs if v is not None}
+    for n in nodes:
+        for v in n.outputs:
+            if id(v) in later or g.is_output(v):
+                outs.append(v)
+    return ext_in, consts, outs
+
+
+def _view(n: Node, opset: int) -> LayerView:
+    return LayerView(n.op_type, n.domain, n.attrs, tuple(None if v is None else v.shape for v in n.inputs),
+                     tuple(None if v is None else str(v.dtype) for v in n.inputs), {},
+                     tuple(str(v.dtype) for v in n.outputs), opset)
+
+
+def region_model(nodes: list[Node], g: Graph):
+    opset = max(13, g.opset)
+    ext_in, consts, outs = region_io(nodes, g)
+    steps = [(_view(n, opset), [None if v is None else ("weight" if v.is_const else "tensor", v.name) for v in n.inputs],
+              n.outputs[0].name) for n in nodes]
+    weights = {v.name: v.const for v in consts}
+    model = emit_region([(v.name, v.shape, str(v.dtype)) for v in ext_in], steps,
+                        [(v.name, str(v.dtype)) for v in outs], weights, opset)
+    return model, ext_in, outs
+
+
+def time_region(nodes: list[Node], g: Graph, tuner: Autotuner) -> float | None:
+    from kiln.tactics.onnxruntime_source import region_kernel
+
+    if not all(supports(_view(n, g.opset)) and len(n.outputs) == 1 for n in nodes):
+        return None
+    key = digest({"region": [(n.op_type, n.attrs, [None if v is None else (v.shape, str(v.dtype), v.is_const)
+                                                   for v in n.inputs]) for n in nodes]})
+    cached = tuner.cache.get(key, "onnxruntime.region")
+    if cached is not None:
+        return cached
+    model, ext_in, outs = region_model(nodes, g)
+    try:
+        kernel = region_kernel(model, [v.name for v in ext_in], [v.name for v in outs])
+    except Exception as exc:   # onnxruntime rejects the sub-model: that segment stays with kiln
+        log.debug("Region of %s...%s not runnable by onnxruntime: %s", nodes[0].name, nodes[-1].name, exc)
+        return None
+    xs = [_example(v.shape, str(v.dtype), LINEAR) for v in ext_in]
+    with torch.inference_mode():
+        ms = statistics.median(_time_ms(lambda: kernel(xs), tuner.options))
+    tuner.cache.put(key, "onnxruntime.region", ms)
+    return ms
+
+
+def choose_regions(g: Graph, node_ms: dict[str, float], formats: dict[str, str], tuner: Autotuner) -> list[list[Node]]:
+    """The runs of nodes that onnxruntime should run, each as one region."""
+    segs = []
+    for start, end, boundary in segments(g):
+        nodes = g.nodes[start:end]
+        kiln_ms = sum(node_ms.get(n.name, 0.0) for n in nodes)
+        segs.append(Segment(start, end, kiln_ms, time_region(nodes, g, tuner), boundary))
+    inf = float("inf")
+    cost = {"K": 0.0, "O": 0.0}
+    back: list[dict[str, str]] = []
+    prev_boundary = None
+    for seg in segs:
+        switch = _switch_ms(g, prev_boundary, formats, tuner)
+        k = seg.kiln_ms + min(cost["K"], cost["O"] + switch)
+        o = inf if seg.region_ms is None else seg.region_ms + min(cost["O"], cost["K"] + switch)
+        back.append({"K": "K" if cost["K"] <= cost["O"] + switch else "O",
+                     "O": "O" if cost["O"] <= cost["K"] + switch else "K"})
+        cost = {"K": k, "O": o}
+        prev_boundary = seg.boundary
+    state = "K" if cost["K"] <= cost["O"] else "O"
+    picks = []
+    for seg, b in zip(reversed(segs), reversed(back)):
+        picks.append(state)
+        state = b[state]
+    picks.reverse()
+    for seg, pick in zip(segs, picks):
+        log.debug("Segment %s...%s: kiln %.4g ms, onnxruntime region %s -> %s", g.nodes[seg.start].name,
+                  g.nodes[seg.end - 1].name, seg.kiln_ms, "n/a" if seg.region_ms is None else f"{seg.region_ms:.4g} ms",
+                  "onnxruntime" if pick == "O" else "kiln")
+    runs, current = [], []
+    for seg, pick in zip(segs, picks):
+        if pick == "O":
+            current += g.nodes[seg.start:seg.end]
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _switch_ms(g: Graph, boundary: str | None, formats: dict[str, str], tuner: Autotuner) -> float:
+    """Cost of changing source at a boundary: the pool hand-over, plus a layout copy for channel-major tensors."""
+    if boundary is None or boundary not in g.values:
+        return POOL_SWITCH_MS
+    v = g.values[boundary]
+    if v.shape is None or len(v.shape) != 4 or formats.get(boundary) != HWC:
+        return POOL_SWITCH_MS
+    return POOL_SWITCH_MS + tuner.reformat_ms(v.shape, str(v.dtype), LINEAR)
+
+
+def apply_regions(g: Graph, runs: list[list[Node]]) -> None:
+    """Replace each run of nodes by one Region node (domain "kiln") holding them."""
+    for nodes in runs:
+        ext_in, consts, outs = region_io(nodes, g)
+        name = f"{{ForeignNode[{nodes[0].name}...{nodes[-1].name}]}}"
+        origin = tuple(o for n in nodes for o in n.origin)
+        region = Node(name, "Region", [*ext_in, *consts], list(outs), {"nodes": list(nodes)}, "kiln", origin)
+        index = g.nodes.index(nodes[0])
+        for n in nodes:
+            g.remove_node(n)
+        g.add_node(region, index)

@@ -1,0 +1,59 @@
+"""Turn a planned layer (tactic name + arguments) into a callable kernel: one function for the executor and
+for build-time measurements of whole segments."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.errors import EngineFormatError
+from kiln.tactics.base import Kernel, LayerView
+from kiln.tactics.onnx_emit import emit_region
+from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
+from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, prepare_reformat
+
+
+def layer_view(layer: Any, weights: dict[str, Any], opset: int, with_consts: bool = True) -> LayerView:
+    shapes = {t.name: t for t in layer.inputs}
+
+    def shape(a):
+        return shapes[a.name].dims if a.kind == "tensor" else tuple(weights[a.name].shape) if a.kind == "weight" else None
+
+    def dtype(a):
+        if a.kind == "tensor":
+            return shapes[a.name].dtype
+        return str(np.dtype(str(weights[a.name].dtype).replace("torch.", ""))) if a.kind == "weight" else None
+
+    consts = {i: weights[a.name] for i, a in enumerate(layer.args) if a.kind == "weight"} if with_consts else {}
+    return LayerView(layer.op_type, layer.domain, layer.attrs, tuple(shape(a) for a in layer.args),
+                     tuple(dtype(a) for a in layer.args), consts, tuple(t.dtype for t in layer.outputs), opset)
+
+
+def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int) -> Kernel:
+    opset = max(13, opset)
+    steps = [(layer_view(inner, weights, opset, with_consts=False),
+              [None if a.kind == "none" else (a.kind, a.name) for a in inner.args], inner.outputs[0].name)
+             for inner in layer.inner]
+    model = emit_region([(t.name, t.dims, t.dtype) for t in layer.inputs], steps,
+                        [(t.name, t.dtype) for t in layer.outputs], weights, opset)
+    return region_kernel(model, [t.name for t in layer.inputs], [t.name for t in layer.outputs],
+                         bool(layer.attrs.get("spinning", False)))
+
+
+def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dict[str, np.ndarray],
+                   opset: int) -> Kernel:
+    from kiln.tactics import TACTICS_BY_NAME
+
+    if layer.tactic_name in (REFORMAT_TACTIC, NOOP_TACTIC):
+        return prepare_reformat(layer.attrs["target_format"])
+    if layer.tactic_name == "kiln.constant":
+        value = weights[layer.args[0].name]
+        return lambda xs: [value]
+    if layer.tactic_name == REGION_TACTIC:
+        return prepare_region(layer, np_weights, opset)
+    tactic = TACTICS_BY_NAME.get(layer.tactic_name)
+    if tactic is None:
+        raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "
+                                "rebuild the engine")
+    return tactic.prepare(layer_view(layer, weights, opset))
