@@ -103,6 +103,7 @@ class _Lowering:
                  measure_all: bool = False):
         self.g, self.sources, self.tuner, self.measure_all = g, sources, tuner, measure_all
         self.node_ms: dict[str, float] = {}
+        self.node_layers: dict[str, tuple[int, int]] = {}
         self.layers: list[Layer] = []
         self.weights: dict[str, np.ndarray] = {}
         self.formats: dict[str, str] = {v.name: LINEAR for v in g.inputs}
@@ -233,10 +234,12 @@ def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | Non
     """Lower once with per-layer tactics; if onnxruntime regions win some segments, group them and lower again."""
     if tuner is None or not regions or "onnxruntime" not in sources:
         return lower(g, sources, tuner)
-    first = _Lowering(g, sources, tuner, measure_all=True)
+    first = _Lowering(g, sources, tuner)
     for node in g.nodes:
+        start = len(first.layers)
         first.lower_node(node)
-    runs = choose_regions(g, first.node_ms, first.formats, tuner)
+        first.node_layers[node.name] = (start, len(first.layers))
+    runs = choose_regions(g, first.node_layers, first.layers, first.descs, first.weights, first.formats, tuner)
     if not runs:
         return lower(g, sources, tuner)
     apply_regions(g, runs)

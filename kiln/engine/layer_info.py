@@ -26,7 +26,8 @@ def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:
         return {"Layers": [], "Bindings": bindings}
     if verbosity == "layer_names_only":
         return {"Layers": [l.name for l in plan.layers], "Bindings": bindings}
-    return {"Layers": [detailed_layer(plan, l) for l in plan.layers], "Bindings": bindings}
+    # like TensorRT 10 with Myelin regions: names-only shows {ForeignNode[...]}, detailed lists its inner layers
+    return {"Layers": [detailed_layer(plan, i) for l in plan.layers for i in (l.inner or (l,))], "Bindings": bindings}
 
 
 def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:

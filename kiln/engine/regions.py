@@ -12,11 +12,12 @@ import logging
 import statistics
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.ir import Graph, Node
 from kiln.tactics import HWC, LINEAR, LayerView
-from kiln.tactics.autotune import Autotuner, _example, _time_ms
+from kiln.tactics.autotune import Autotuner, TimingOptions, _example, _time_ms
 from kiln.tactics.onnx_emit import emit_region, supports
 from kiln.tactics.timing_cache import digest
 
@@ -26,6 +27,7 @@ log = logging.getLogger("kiln.build")
 # pool that just finished keep spinning while the other pool starts. Measured on 2 cores: ~2 ms per switch
 # in ResNet-50 (3 switches: 54-57 ms against 47 ms for one region). Charged per switch in the cost model.
 POOL_SWITCH_MS = 1.0
+MIX_MARGIN = 0.05   # a mixed kiln/onnxruntime plan must beat one whole region by 5% to be taken
 
 
 @dataclass(frozen=True)
@@ -94,16 +96,12 @@ def region_model(nodes: list[Node], g: Graph):
     return model, ext_in, outs
 
 
-def time_region(nodes: list[Node], g: Graph, tuner: Autotuner) -> float | None:
+def _region_runner(nodes: list[Node], g: Graph):
+    """A callable running `nodes` as one onnxruntime region on example inputs, or None if it cannot."""
     from kiln.tactics.onnxruntime_source import region_kernel
 
     if not all(supports(_view(n, g.opset)) and len(n.outputs) == 1 for n in nodes):
         return None
-    key = digest({"region": [(n.op_type, n.attrs, [None if v is None else (v.shape, str(v.dtype), v.is_const)
-                                                   for v in n.inputs]) for n in nodes]})
-    cached = tuner.cache.get(key, "onnxruntime.region")
-    if cached is not None:
-        return cached
     model, ext_in, outs = region_model(nodes, g)
     try:
         kernel = region_kernel(model, [v.name for v in ext_in], [v.name for v in outs])
@@ -111,37 +109,68 @@ def time_region(nodes: list[Node], g: Graph, tuner: Autotuner) -> float | None:
         log.debug("Region of %s...%s not runnable by onnxruntime: %s", nodes[0].name, nodes[-1].name, exc)
         return None
     xs = [_example(v.shape, str(v.dtype), LINEAR) for v in ext_in]
+    return lambda: kernel(xs)
+
+
+def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int):
+    """A callable running kiln's own kernels for a run of planned layers on example inputs."""
+    from kiln.tactics.prepare import prepare_kernel
+
+    weights = {k: torch.from_numpy(np.array(v)) for k, v in weights_np.items()}
+    produced = {t.name for layer in layers for t in layer.outputs}
+    external = dict.fromkeys(a.name for layer in layers for a in layer.args
+                             if a.kind == "tensor" and a.name not in produced)
+    env0 = {n: _example(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
+    steps = [([(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
+              prepare_kernel(layer, weights, weights_np, opset)) for layer in layers]
+
+    def run():
+        env = dict(env0)
+        for args, outs, kernel in steps:
+            for n, r in zip(outs, kernel([env[n] if kind == "tensor" else None for kind, n in args])):
+                env[n] = r
+    return run
+
+
+def measure_segment(nodes: list[Node], layers: list, g: Graph, descs: dict, weights: dict,
+                    tuner: Autotuner) -> tuple[float, float | None]:
+    """(kiln ms, onnxruntime region ms) for one segment, timed interleaved so drift hits both alike."""
+    key = digest({"segment": [(n.op_type, n.attrs, [None if v is None else (v.shape, str(v.dtype), v.is_const)
+                                                    for v in n.inputs]) for n in nodes],
+                  "kiln": [(l.tactic_name, [(t.dims, t.format) for t in l.inputs]) for l in layers]})
+    kiln_ms, region_ms = tuner.cache.get(key, "kiln.segment"), tuner.cache.get(key, "onnxruntime.region")
+    if kiln_ms is not None and region_ms is not None:
+        return kiln_ms, (None if region_ms < 0 else region_ms)
+    runners = [_kiln_runner(layers, descs, weights, g.opset), _region_runner(nodes, g)]
+    samples: list[list[float]] = [[], []]
     with torch.inference_mode():
-        ms = statistics.median(_time_ms(lambda: kernel(xs), tuner.options))
-    tuner.cache.put(key, "onnxruntime.region", ms)
-    return ms
+        for _ in range(tuner.options.min_timing):
+            for i, run in enumerate(runners):
+                if run is not None:
+                    samples[i] += _time_ms(run, TimingOptions(tuner.options.avg_timing, 1))
+    kiln_ms = statistics.median(samples[0])
+    region_ms = statistics.median(samples[1]) if samples[1] else None
+    tuner.cache.put(key, "kiln.segment", kiln_ms)
+    tuner.cache.put(key, "onnxruntime.region", -1.0 if region_ms is None else region_ms)
+    return kiln_ms, region_ms
 
 
-def choose_regions(g: Graph, node_ms: dict[str, float], formats: dict[str, str], tuner: Autotuner) -> list[list[Node]]:
+def choose_regions(g: Graph, node_layers: dict[str, tuple[int, int]], layers: list, descs: dict, weights: dict,
+                   formats: dict[str, str], tuner: Autotuner) -> list[list[Node]]:
     """The runs of nodes that onnxruntime should run, each as one region."""
     segs = []
     for start, end, boundary in segments(g):
         nodes = g.nodes[start:end]
-        kiln_ms = sum(node_ms.get(n.name, 0.0) for n in nodes)
-        segs.append(Segment(start, end, kiln_ms, time_region(nodes, g, tuner), boundary))
-    inf = float("inf")
-    cost = {"K": 0.0, "O": 0.0}
-    back: list[dict[str, str]] = []
-    prev_boundary = None
-    for seg in segs:
-        switch = _switch_ms(g, prev_boundary, formats, tuner)
-        k = seg.kiln_ms + min(cost["K"], cost["O"] + switch)
-        o = inf if seg.region_ms is None else seg.region_ms + min(cost["O"], cost["K"] + switch)
-        back.append({"K": "K" if cost["K"] <= cost["O"] + switch else "O",
-                     "O": "O" if cost["O"] <= cost["K"] + switch else "K"})
-        cost = {"K": k, "O": o}
-        prev_boundary = seg.boundary
-    state = "K" if cost["K"] <= cost["O"] else "O"
-    picks = []
-    for seg, b in zip(reversed(segs), reversed(back)):
-        picks.append(state)
-        state = b[state]
-    picks.reverse()
+        first, last = node_layers[nodes[0].name][0], node_layers[nodes[-1].name][1]
+        kiln_ms, region_ms = measure_segment(nodes, layers[first:last], g, descs, weights, tuner)
+        segs.append(Segment(start, end, kiln_ms, region_ms, boundary))
+    picks, best = _dynamic_program(g, segs, formats, tuner)
+    if all(s.region_ms is not None for s in segs) and "K" in picks:
+        whole = sum(s.region_ms for s in segs)
+        if best > whole * (1 - MIX_MARGIN):   # mixing must clearly win: one region is predictable parity
+            log.debug("Mixed plan %.4g ms is within %d%% of one onnxruntime region (%.4g ms): taking one region",
+                      best, int(MIX_MARGIN * 100), whole)
+            picks = ["O"] * len(segs)
     for seg, pick in zip(segs, picks):
         log.debug("Segment %s...%s: kiln %.4g ms, onnxruntime region %s -> %s", g.nodes[seg.start].name,
                   g.nodes[seg.end - 1].name, seg.kiln_ms, "n/a" if seg.region_ms is None else f"{seg.region_ms:.4g} ms",
@@ -156,6 +185,30 @@ def choose_regions(g: Graph, node_ms: dict[str, float], formats: dict[str, str],
     if current:
         runs.append(current)
     return runs
+
+
+def _dynamic_program(g: Graph, segs: list[Segment], formats: dict[str, str], tuner: Autotuner):
+    """Cheapest source per segment; state = which source ran the previous segment."""
+    inf = float("inf")
+    cost = {"K": 0.0, "O": 0.0}
+    back: list[dict[str, str]] = []
+    prev_boundary = None
+    for seg in segs:
+        switch = _switch_ms(g, prev_boundary, formats, tuner)
+        k = seg.kiln_ms + min(cost["K"], cost["O"] + switch)
+        o = inf if seg.region_ms is None else seg.region_ms + min(cost["O"], cost["K"] + switch)
+        back.append({"K": "K" if cost["K"] <= cost["O"] + switch else "O",
+                     "O": "O" if cost["O"] <= cost["K"] + switch else "K"})
+        cost = {"K": k, "O": o}
+        prev_boundary = seg.boundary
+    state = "K" if cost["K"] <= cost["O"] else "O"
+    best = cost[state]
+    picks = []
+    for b in reversed(back):
+        picks.append(state)
+        state = b[state]
+    picks.reverse()
+    return picks, best
 
 
 def _switch_ms(g: Graph, boundary: str | None, formats: dict[str, str], tuner: Autotuner) -> float:

@@ -98,3 +98,26 @@ def test_disabling_the_optimization_level_takes_first_kernels_without_timing(mod
     assert "Computing costs" not in caplog.text
     convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
     assert convs and all(l.tactic_name == "onednn.conv2d_nhwc_prepacked" for l in convs)
+
+
+def test_region_layer_info_names_only_vs_detailed(models, monkeypatch, tmp_path):
+    import kiln.engine.regions as regions
+
+    monkeypatch.setattr(regions, "MIX_MARGIN", 1.0)   # any mixed plan loses: the whole graph becomes one region
+    proto, x = models["inception"]
+    engine = kiln.build(proto, avg_timing=1, min_timing=1)
+    regions_ = [l for l in engine.plan.layers if l.inner]
+    assert len(regions_) == 1 and regions_[0].name.startswith("{ForeignNode[") and regions_[0].name.endswith("]}")
+    names = engine.layer_info("layer_names_only")["Layers"]
+    assert regions_[0].name in names
+    detailed = engine.layer_info("detailed")["Layers"]
+    inner_names = [l.name for l in regions_[0].inner]
+    assert [d["Name"] for d in detailed if d["Name"] in inner_names] == inner_names
+    conv = next(d for d in detailed if d.get("ParameterType") == "Convolution")
+    assert conv["LayerType"] == "OnnxRuntimeConvolution" and conv["TacticName"] == "onnxruntime.region"
+    assert conv["Metadata"].startswith("[ONNX Layer: ")
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+    engine.save(tmp_path / "r.kiln")
+    again = kiln.load(tmp_path / "r.kiln")
+    np.testing.assert_array_equal(again.run(feeds)[engine.output_names[0]], engine.run(feeds)[engine.output_names[0]])
