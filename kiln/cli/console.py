@@ -45,11 +45,14 @@ def layer_table(plan, profile=None) -> None:
         table.add_column("median ms", justify="right")
         table.add_column("%", justify="right")
     for i, layer in enumerate(plan.layers):
-        out = layer.outputs[0] if layer.outputs else None
-        row = [str(i), layer.name, layer.layer_type, layer.tactic_name,
-               "x".join(map(str, out.dims)) if out else "", out.format_string() if out else ""]
-        if times:
-            t = times.get(layer.name)
-            row += [f"{t.median_ms:.4f}" if t else "", f"{t.percentage:.1f}" if t else ""]
-        table.add_row(*row)
+        rows = [(str(i), layer)] + [(f"  {i}.{j}", inner) for j, inner in enumerate(layer.inner)]
+        for label, item in rows:
+            out = item.outputs[0] if item.outputs else None
+            name = item.name if item is layer else f"└ {item.name}"
+            row = [label, name, item.layer_type, item.tactic_name,
+                   "x".join(map(str, out.dims)) if out else "", out.format_string() if out else ""]
+            if times:
+                t = times.get(item.name) if item is layer else None
+                row += [f"{t.median_ms:.4f}" if t else "", f"{t.percentage:.1f}" if t else ""]
+            table.add_row(*row)
     Console(width=200).print(table)

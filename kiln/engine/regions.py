@@ -91,9 +91,9 @@ def region_model(nodes: list[Node], g: Graph):
     steps = [(_view(n, opset), [None if v is None else ("weight" if v.is_const else "tensor", v.name) for v in n.inputs],
               n.outputs[0].name) for n in nodes]
     weights = {v.name: v.const for v in consts}
-    model = emit_region([(v.name, v.shape, str(v.dtype)) for v in ext_in], steps,
-                        [(v.name, str(v.dtype)) for v in outs], weights, opset)
-    return model, ext_in, outs
+    model, external = emit_region([(v.name, v.shape, str(v.dtype)) for v in ext_in], steps,
+                                  [(v.name, str(v.dtype)) for v in outs], weights, opset)
+    return model, external, ext_in, outs
 
 
 def _region_runner(nodes: list[Node], g: Graph):
@@ -102,9 +102,9 @@ def _region_runner(nodes: list[Node], g: Graph):
 
     if not all(supports(_view(n, g.opset)) and len(n.outputs) == 1 for n in nodes):
         return None
-    model, ext_in, outs = region_model(nodes, g)
+    model, external, ext_in, outs = region_model(nodes, g)
     try:
-        kernel = region_kernel(model, [v.name for v in ext_in], [v.name for v in outs])
+        kernel = region_kernel(model, external, [v.name for v in ext_in], [v.name for v in outs])
     except Exception as exc:   # onnxruntime rejects the sub-model: that segment stays with kiln
         log.debug("Region of %s...%s not runnable by onnxruntime: %s", nodes[0].name, nodes[-1].name, exc)
         return None
@@ -116,7 +116,9 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int):
     """A callable running kiln's own kernels for a run of planned layers on example inputs."""
     from kiln.tactics.prepare import prepare_kernel
 
-    weights = {k: torch.from_numpy(np.array(v)) for k, v in weights_np.items()}
+    from kiln.tactics.prepare import TorchWeights
+
+    weights = TorchWeights(weights_np)
     produced = {t.name for layer in layers for t in layer.outputs}
     external = dict.fromkeys(a.name for layer in layers for a in layer.args
                              if a.kind == "tensor" and a.name not in produced)

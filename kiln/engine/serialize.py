@@ -77,7 +77,9 @@ def plan_to_json(plan: Plan) -> dict:
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     body = json.dumps(plan_to_json(plan), separators=(",", ":")).encode("utf-8")
     weights = st_save({k: np.ascontiguousarray(v).reshape(v.shape) for k, v in plan.weights.items()}) if plan.weights else b""
-    digest = hashlib.sha256(body + weights).digest()
+    h = hashlib.sha256(body)
+    h.update(weights)
+    digest = h.digest()
     header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), len(weights), digest)
     atomic_write_bytes(path, [header, body, weights])
 
@@ -105,13 +107,14 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> Plan:
         raise EngineFormatError(f"{where}: engine file is truncated ({len(data)} bytes, header promises {expected})")
     if len(data) > expected:
         raise EngineFormatError(f"{where}: engine file has {len(data) - expected} unexpected trailing bytes")
-    body = data[HEADER.size:HEADER.size + json_len]
-    weights = data[HEADER.size + json_len:expected]
-    if hashlib.sha256(body + weights).digest() != digest:
+    view = memoryview(data)
+    body = bytes(view[HEADER.size:HEADER.size + json_len])
+    weights = view[HEADER.size + json_len:expected]
+    if hashlib.sha256(view[HEADER.size:expected]).digest() != digest:
         raise EngineFormatError(f"{where}: checksum mismatch: the engine file was modified or corrupted; rebuild it")
     try:
         doc = json.loads(body)
-        tensors = st_load(weights) if weights_len else {}
+        tensors = st_load(weights.tobytes() if not isinstance(weights, bytes) else weights) if weights_len else {}
         return _plan_from_json(doc, tensors)
     except EngineFormatError:
         raise

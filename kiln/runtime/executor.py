@@ -11,14 +11,14 @@ import torch
 from kiln.engine.plan import Plan
 from kiln.errors import InputError
 from kiln.ops.dtypes import to_torch_dtype
-from kiln.tactics.prepare import prepare_kernel
+from kiln.tactics.prepare import TorchWeights, prepare_kernel
 
 Kernel = Callable[[list], list]
 
 
 def prepare_kernels(plan: Plan) -> list[Kernel]:
     """Turn every layer into a callable; weights become torch tensors (prepacked by the tactic)."""
-    weights = {k: torch.from_numpy(np.array(v)) for k, v in plan.weights.items()}
+    weights = TorchWeights(plan.weights)
     opset = int(plan.build_info.get("opset", 17))
     return [prepare_kernel(layer, weights, plan.weights, opset) for layer in plan.layers]
 

@@ -12,6 +12,7 @@ from kiln.tactics.base import LayerView
 
 KILN_ONLY_ATTRS = {"activation", "padding_mode"}
 POOLS = ("MaxPool", "AveragePool")
+EXTERNAL_MIN_BYTES = 4096   # larger weights reach onnxruntime as external initializers: no protobuf copy
 ONNX_ELEM = {np.dtype(k): v for k, v in {"float32": 1, "uint8": 2, "int8": 3, "int16": 5, "int32": 6, "int64": 7,
                                          "bool": 9, "float16": 10, "float64": 11}.items()}
 
@@ -25,6 +26,7 @@ class Emitter:
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.known: set[str] = set()
+        self.external: dict[str, np.ndarray] = {}
         self.counter = 0
 
     def fresh(self, base: str = "t") -> str:
@@ -37,9 +39,19 @@ class Emitter:
         return name
 
     def add_weight(self, name: str, array: np.ndarray) -> str:
-        if name not in self.known:
-            self.known.add(name)
-            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array).reshape(array.shape), name))
+        if name in self.known:
+            return name
+        self.known.add(name)
+        array = np.ascontiguousarray(array).reshape(array.shape)
+        if array.nbytes < EXTERNAL_MIN_BYTES or array.dtype not in ONNX_ELEM:
+            self.inits.append(numpy_helper.from_array(array, name))
+            return name
+        t = onnx.TensorProto(name=name, data_type=ONNX_ELEM[array.dtype], dims=list(array.shape),
+                             data_location=onnx.TensorProto.EXTERNAL)
+        entry = t.external_data.add()
+        entry.key, entry.value = "location", "kiln-weights"
+        self.inits.append(t)
+        self.external[name] = array
         return name
 
     def add_input(self, name: str, shape, dtype: str) -> str:
@@ -75,6 +87,7 @@ class Emitter:
             self.nodes.append(helper.make_node("Identity", [result], [name]))
 
     def model(self, opset: int, name: str = "kiln_layer") -> onnx.ModelProto:
+        """The ONNX model; large weights are external: pass `self.external` to the session with them."""
         graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
         model.ir_version = 8
@@ -107,7 +120,7 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     return e.node(view.op_type, xs, a)
 
 
-def emit(view: LayerView, opset: int) -> onnx.ModelProto:
+def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """One layer as a model: activations are inputs "x<i>", weights initializers "w<i>", one output."""
     e = Emitter()
     xs: list[str | None] = []
@@ -121,7 +134,7 @@ def emit(view: LayerView, opset: int) -> onnx.ModelProto:
     y = emit_layer(e, view, xs)
     e.rename_result(y, "y")
     e.add_output("y", view.output_dtypes[0])
-    return e.model(opset)
+    return e.model(opset), e.external
 
 
 def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
@@ -150,7 +163,8 @@ def supports(view: LayerView) -> bool:
 
 
 def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tuple[LayerView, list, str]],
-                outputs: list[tuple[str, str]], weights: dict[str, np.ndarray], opset: int) -> onnx.ModelProto:
+                outputs: list[tuple[str, str]], weights: dict[str, np.ndarray],
+                opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """Several layers as one model. Each step: (view, args as ("tensor"|"weight", name) or None, output name)."""
     e = Emitter()
     for name, shape, dtype in inputs:
@@ -160,4 +174,4 @@ def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tupl
         e.rename_result(emit_layer(e, view, xs), out)
     for name, dtype in outputs:
         e.add_output(name, dtype)
-    return e.model(opset, "kiln_region")
+    return e.model(opset, "kiln_region"), e.external

@@ -18,6 +18,16 @@ def available() -> bool:
     return True
 
 
+def session(model, external: dict[str, np.ndarray], spinning: bool = False):
+    """An onnxruntime session for `model`, its large weights handed over from numpy without copies."""
+    import onnxruntime as ort
+
+    so = session_options(torch.get_num_threads(), spinning)
+    if external:
+        so.add_external_initializers(list(external), [ort.OrtValue.ortvalue_from_numpy(a) for a in external.values()])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
 def session_options(threads: int, spinning: bool = False):
     import onnxruntime as ort
 
@@ -47,11 +57,8 @@ class OnnxRuntimeLayerTactic:
         return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
-        import onnxruntime as ort
-
-        model = emit(layer, max(layer.opset, MIN_OPSET))
-        sess = ort.InferenceSession(model.SerializeToString(), session_options(torch.get_num_threads()),
-                                    providers=["CPUExecutionProvider"])
+        model, external = emit(layer, max(layer.opset, MIN_OPSET))
+        sess = session(model, external)
         feeds_idx = [(i, f"x{i}") for i, s in enumerate(layer.input_shapes)
                      if s is not None and i not in layer.const_inputs]
         out_name = sess.get_outputs()[0].name
@@ -66,13 +73,11 @@ class OnnxRuntimeLayerTactic:
 REGION_TACTIC = "onnxruntime.region"
 
 
-def region_kernel(model, input_names: list[str], output_names: list[str], spinning: bool = False) -> Kernel:
+def region_kernel(model, external: dict[str, np.ndarray], input_names: list[str], output_names: list[str],
+                  spinning: bool = False) -> Kernel:
     """Run a region (a multi-layer ONNX model) in one onnxruntime session; inputs/outputs row-major."""
-    import onnxruntime as ort
-
     # spinning (as standalone onnxruntime does) only when the builder found no torch kernel sharing the cores
-    sess = ort.InferenceSession(model.SerializeToString(), session_options(torch.get_num_threads(), spinning),
-                                providers=["CPUExecutionProvider"])
+    sess = session(model, external, spinning)
     run = sess.run
 
     def kernel(xs):

@@ -14,6 +14,19 @@ from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, prepare_reformat
 
 
+class TorchWeights(dict):
+    """Weights as torch tensors, converted on first use (a plan run entirely by onnxruntime converts none)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        super().__init__()
+        self.arrays = arrays
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        tensor = torch.from_numpy(np.array(self.arrays[name]))
+        self[name] = tensor
+        return tensor
+
+
 def layer_view(layer: Any, weights: dict[str, Any], opset: int, with_consts: bool = True) -> LayerView:
     shapes = {t.name: t for t in layer.inputs}
 
@@ -35,9 +48,9 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int) -> Ke
     steps = [(layer_view(inner, weights, opset, with_consts=False),
               [None if a.kind == "none" else (a.kind, a.name) for a in inner.args], inner.outputs[0].name)
              for inner in layer.inner]
-    model = emit_region([(t.name, t.dims, t.dtype) for t in layer.inputs], steps,
-                        [(t.name, t.dtype) for t in layer.outputs], weights, opset)
-    return region_kernel(model, [t.name for t in layer.inputs], [t.name for t in layer.outputs],
+    model, external = emit_region([(t.name, t.dims, t.dtype) for t in layer.inputs], steps,
+                                  [(t.name, t.dtype) for t in layer.outputs], weights, opset)
+    return region_kernel(model, external, [t.name for t in layer.inputs], [t.name for t in layer.outputs],
                          bool(layer.attrs.get("spinning", False)))
 
 
