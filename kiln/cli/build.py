@@ -24,6 +24,8 @@ def add_tactic_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernel sources: '+onnxruntime,-torch-onednn' edits the default set, 'torch' alone replaces it "
                         "(sources: torch-onednn, torch, onnxruntime)")
     p.add_argument("--timing-cache", metavar="F", help="read and update this timing cache file (JSON)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="use only timings recorded in --timing-cache (same choices as the build that recorded them)")
     p.add_argument("--avg-timing", type=int, default=8, help="runs averaged per timing measurement")
     p.add_argument("--min-timing", type=int, default=3, help="measurements per tactic (median wins)")
     p.add_argument("--builder-optimization-level", type=int, default=3, choices=range(0, 6), metavar="0-5",
@@ -53,7 +55,7 @@ def tactic_options(args) -> dict:
 
     return {"tactic_sources": parse_sources(args.tactic_sources), "timing_cache": args.timing_cache,
             "avg_timing": max(1, args.avg_timing), "min_timing": max(1, args.min_timing),
-            "autotune": args.builder_optimization_level > 0}
+            "autotune": args.builder_optimization_level > 0, "deterministic": getattr(args, "deterministic", False)}
 
 
 def build_engine(args):

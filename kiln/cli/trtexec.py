@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.onnx:
         from kiln.cli.build import tactic_options
 
-        ns = SimpleNamespace(tactic_sources=args.tacticSources, timing_cache=args.timingCacheFile,
+        ns = SimpleNamespace(tactic_sources=args.tacticSources, timing_cache=args.timingCacheFile, deterministic=False,
                              avg_timing=args.avgTiming, min_timing=args.minTiming,
                              builder_optimization_level=args.builderOptimizationLevel)
         engine = kiln.build(args.onnx, input_shapes=parse_shapes(args.shapes or args.optShapes), **tactic_options(ns))

@@ -49,6 +49,7 @@ class BuildOptions:
     autotune: bool = True
     regions: bool = True            # let onnxruntime run whole segments where that is faster
     timing_cache: str | None = None
+    deterministic: bool = False     # only recorded timings from the cache; never measure
     avg_timing: int = 8
     min_timing: int = 3
 
@@ -58,7 +59,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     g = import_onnx(model, options.input_shapes)
     stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
     sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
-    cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache)
+    cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
     tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
     layers, weights = lower_with_regions(g, sources, tuner, options.regions)
     cache.save()

@@ -140,7 +140,9 @@ def measure_segment(nodes: list[Node], layers: list, g: Graph, descs: dict, weig
     key = digest({"segment": [(n.op_type, n.attrs, [None if v is None else (v.shape, str(v.dtype), v.is_const)
                                                     for v in n.inputs]) for n in nodes],
                   "kiln": [(l.tactic_name, [(t.dims, t.format) for t in l.inputs]) for l in layers]})
-    kiln_ms, region_ms = tuner.cache.get(key, "kiln.segment"), tuner.cache.get(key, "onnxruntime.region")
+    what = f"segment {nodes[0].name}...{nodes[-1].name}"
+    kiln_ms = tuner.cache.get(key, "kiln.segment", what)
+    region_ms = tuner.cache.get(key, "onnxruntime.region", what)
     if kiln_ms is not None and region_ms is not None:
         return kiln_ms, (None if region_ms < 0 else region_ms)
     runners = [_kiln_runner(layers, descs, weights, g.opset), _region_runner(nodes, g)]

@@ -63,6 +63,7 @@ def _time_ms(fn, options: TimingOptions) -> list[float]:
 class Autotuner:
     def __init__(self, cache: TimingCache, options: TimingOptions = TimingOptions()):
         self.cache, self.options = cache, options
+        self.current = ""   # the layer being tuned, for messages
 
     def reformat_ms(self, shape, dtype: str, target: str) -> float:
         key = digest({"reformat": list(shape), "dtype": dtype, "to": target})
@@ -80,7 +81,7 @@ class Autotuner:
         times: dict[str, float] = {}
         pending = []
         for t in tactics:
-            cached = self.cache.get(signature, t.name)
+            cached = self.cache.get(signature, t.name, self.current)
             if cached is None:
                 pending.append(t)
             else:
@@ -106,6 +107,7 @@ class Autotuner:
     def choose(self, name: str, view: LayerView, tactics: list[Tactic], have_formats: list[str | None],
                runner_names: dict[str, str]) -> Choice:
         signature = layer_signature(view, have_formats)
+        self.current = f"layer '{name}'"
         log.debug("=============== Computing costs for %s", name)
         times = self._measure(view, tactics, signature, have_formats)
         best: Choice | None = None

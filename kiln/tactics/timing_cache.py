@@ -42,14 +42,18 @@ def digest(obj: Any) -> str:
 
 
 class TimingCache:
-    def __init__(self, device: dict[str, Any], path: str | os.PathLike | None = None):
+    def __init__(self, device: dict[str, Any], path: str | os.PathLike | None = None, deterministic: bool = False):
         self.device, self.device_id = device, digest(device)
+        self.deterministic = deterministic
         self.path = Path(path) if path else None
         self.devices: dict[str, Any] = {self.device_id: device}
         self.entries: dict[str, dict[str, dict[str, float]]] = {}
         self.hits = self.misses = 0
         if self.path is not None and self.path.exists():
             self._load()
+        elif deterministic:
+            raise Error(f"--deterministic needs an existing timing cache (got {self.path}); build once with "
+                        "--timing-cache to record the choices")
 
     def _load(self) -> None:
         try:
@@ -70,8 +74,11 @@ class TimingCache:
                 raise Error(f"{self.path}: timing cache entry for device {dev} is malformed")
         self.entries, self.devices = entries, {**devices, self.device_id: self.device}
 
-    def get(self, signature: str, tactic: str) -> float | None:
+    def get(self, signature: str, tactic: str, what: str = "") -> float | None:
         value = self.entries.get(self.device_id, {}).get(signature, {}).get(tactic)
+        if value is None and self.deterministic:
+            raise Error(f"deterministic build: the timing cache {self.path} has no timing of {tactic} for "
+                        f"{what or 'a layer'} on this device; rebuild without --deterministic to record it")
         if value is None:
             self.misses += 1
         else:

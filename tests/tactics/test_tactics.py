@@ -121,3 +121,16 @@ def test_region_layer_info_names_only_vs_detailed(models, monkeypatch, tmp_path)
     engine.save(tmp_path / "r.kiln")
     again = kiln.load(tmp_path / "r.kiln")
     np.testing.assert_array_equal(again.run(feeds)[engine.output_names[0]], engine.run(feeds)[engine.output_names[0]])
+
+
+def test_deterministic_build_replays_the_cache_and_refuses_to_measure(models, tmp_path):
+    proto, _ = models["unet"]
+    cache = tmp_path / "timing.json"
+    with pytest.raises(kiln.Error, match="--deterministic needs an existing timing cache"):
+        kiln.build(proto, timing_cache=str(cache), deterministic=True)
+    first = kiln.build(proto, timing_cache=str(cache), avg_timing=1, min_timing=1)
+    again = kiln.build(proto, timing_cache=str(cache), deterministic=True)
+    assert [(l.name, l.tactic_name) for l in again.plan.layers] == [(l.name, l.tactic_name) for l in first.plan.layers]
+    other, _ = models["mobilenetv3"]
+    with pytest.raises(kiln.Error, match="has no timing of"):
+        kiln.build(other, timing_cache=str(cache), deterministic=True)
