@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
 
 bench: $(STAMP)
-	$(PY) benchmarks/compare_cnn.py
+	$(PY) benchmarks/compare.py
 
 clean:
 	rm -rf $(VENV) demo_out build *.egg-info

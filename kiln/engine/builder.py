@@ -19,7 +19,8 @@ from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.tactics import ANY, HWC, LINEAR, LayerView, available_sources, candidates, tactic_value
-from kiln.engine.regions import apply_regions, choose_regions
+from kiln.engine.regions import _view, apply_regions, choose_regions, measure_plans, unapply_regions
+from kiln.tactics.onnx_emit import supports
 from kiln.tactics.autotune import Autotuner, TimingOptions
 from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.timing_cache import TimingCache, device_description
@@ -231,8 +232,12 @@ class _Lowering:
                 self.reformat(outs[j].name, LINEAR, node.name, j, public_name=v.name)
 
 
+PLAN_MARGIN = 0.03   # another plan must beat one whole onnxruntime region by 3% to be taken
+
+
 def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | None, regions: bool):
-    """Lower once with per-layer tactics; if onnxruntime regions win some segments, group them and lower again."""
+    """Lower with per-layer tactics; then time whole candidate plans end to end: all kiln kernels, the whole
+    graph as one onnxruntime region, and the mix the segment cost model proposes. Keep the fastest."""
     if tuner is None or not regions or "onnxruntime" not in sources:
         return lower(g, sources, tuner)
     first = _Lowering(g, sources, tuner)
@@ -241,12 +246,27 @@ def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | Non
         first.lower_node(node)
         first.node_layers[node.name] = (start, len(first.layers))
     runs = choose_regions(g, first.node_layers, first.layers, first.descs, first.weights, first.formats, tuner)
-    if not runs:
-        return lower(g, sources, tuner)
-    apply_regions(g, runs)
-    log.debug("After region formation: %d layers (%d onnxruntime region(s))", len(g.nodes), len(runs))
-    layers, weights = lower(g, sources, tuner)
-    return allow_spinning(layers), weights
+    proposals = {"kiln": []}
+    if all(supports(_view(n, g.opset)) for n in g.nodes):
+        proposals["onnxruntime"] = [list(g.nodes)]
+    if runs and runs != [list(g.nodes)]:
+        proposals["mixed"] = runs
+    candidates = {"kiln": (first.layers, first.weights)}
+    for name, proposal in proposals.items():
+        if proposal:
+            apply_regions(g, proposal)
+            layers, weights = lower(g, sources, tuner)
+            candidates[name] = (allow_spinning(layers), weights)
+            unapply_regions(g)
+    times = measure_plans(candidates, first.descs, g, tuner)
+    best = min(times, key=times.get)
+    if "onnxruntime" in times and times[best] > times["onnxruntime"] * (1 - PLAN_MARGIN):
+        best = "onnxruntime"
+    log.debug("Whole-plan latency: %s -> %s", ", ".join(f"{k} {v:.4g} ms" for k, v in times.items()), best)
+    if proposals[best]:
+        apply_regions(g, proposals[best])
+        log.debug("After region formation: %d layers (%d onnxruntime region(s))", len(g.nodes), len(proposals[best]))
+    return candidates[best]
 
 
 CHEAP_LAYERS = ("Reformat", "Shuffle", "Constant")

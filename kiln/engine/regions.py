@@ -89,7 +89,7 @@ def region_model(nodes: list[Node], g: Graph):
     opset = max(13, g.opset)
     ext_in, consts, outs = region_io(nodes, g)
     steps = [(_view(n, opset), [None if v is None else ("weight" if v.is_const else "tensor", v.name) for v in n.inputs],
-              n.outputs[0].name) for n in nodes]
+              n.outputs[0].name if len(n.outputs) == 1 else [v.name for v in n.outputs]) for n in nodes]
     weights = {v.name: v.const for v in consts}
     model, external = emit_region([(v.name, v.shape, str(v.dtype)) for v in ext_in], steps,
                                   [(v.name, str(v.dtype)) for v in outs], weights, opset)
@@ -100,7 +100,7 @@ def _region_runner(nodes: list[Node], g: Graph):
     """A callable running `nodes` as one onnxruntime region on example inputs, or None if it cannot."""
     from kiln.tactics.onnxruntime_source import region_kernel
 
-    if not all(supports(_view(n, g.opset)) and len(n.outputs) == 1 for n in nodes):
+    if not all(supports(_view(n, g.opset)) and (len(n.outputs) == 1 or n.domain != "kiln") for n in nodes):
         return None
     model, external, ext_in, outs = region_model(nodes, g)
     try:
@@ -213,6 +213,39 @@ def _dynamic_program(g: Graph, segs: list[Segment], formats: dict[str, str], tun
         state = b[state]
     picks.reverse()
     return picks, best
+
+
+def unapply_regions(g: Graph) -> None:
+    """Undo apply_regions: put each region's nodes back in its place."""
+    for region in [n for n in g.nodes if n.op_type == "Region" and n.domain == "kiln"]:
+        index = g.nodes.index(region)
+        g.remove_node(region)
+        for k, n in enumerate(region.attrs["nodes"]):
+            g.add_node(n, index + k)
+
+
+def plan_signature(layers: list) -> str:
+    return digest([(l.name, l.tactic_name, [(t.dims, t.format) for t in l.inputs]) for l in layers])
+
+
+def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Graph, tuner: Autotuner) -> dict[str, float]:
+    """Whole-plan latency of each candidate, timed interleaved (the deciding measurement)."""
+    times, runners = {}, {}
+    for name, (layers, weights) in candidates.items():
+        key = plan_signature(layers)
+        cached = tuner.cache.get(key, "plan", f"the {name} plan")
+        if cached is not None:
+            times[name] = cached
+        else:
+            runners[name] = (key, _kiln_runner(layers, descs, weights, g.opset), [])
+    with torch.inference_mode():
+        for _ in range(max(3, tuner.options.min_timing)):
+            for name, (_, run, samples) in runners.items():
+                samples += _time_ms(run, TimingOptions(max(2, tuner.options.avg_timing // 2), 1))
+    for name, (key, _, samples) in runners.items():
+        times[name] = statistics.median(samples)
+        tuner.cache.put(key, "plan", times[name])
+    return times
 
 
 def _switch_ms(g: Graph, boundary: str | None, formats: dict[str, str], tuner: Autotuner) -> float:

@@ -63,12 +63,12 @@ class Emitter:
     def add_output(self, name: str, dtype: str) -> None:
         self.outputs.append(helper.make_tensor_value_info(name, ONNX_ELEM[np.dtype(dtype)], None))
 
-    def node(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None) -> str:
-        out = self.fresh()
+    def node(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None, n_outputs: int = 1):
+        outs = [self.fresh() for _ in range(n_outputs)]
         clean = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in (attrs or {}).items()
                  if k not in KILN_ONLY_ATTRS and not k.startswith("_")}
-        self.nodes.append(helper.make_node(op, [x or "" for x in inputs], [out], **clean))
-        return out
+        self.nodes.append(helper.make_node(op, [x or "" for x in inputs], outs, **clean))
+        return outs[0] if n_outputs == 1 else outs
 
     def activation(self, x: str, spec: dict | None) -> str:
         if not spec:
@@ -79,10 +79,15 @@ class Emitter:
             return self.node("Clip", [x, None if lo is None else self.const(lo), None if hi is None else self.const(hi)])
         return self.node(spec["op"], [x], attrs)
 
-    def rename_result(self, result: str, name: str) -> None:
-        """Make the value `result` (just produced) carry the public name `name`."""
-        if self.nodes and self.nodes[-1].output[0] == result:
-            self.nodes[-1].output[0] = name
+    def rename_result(self, result: str | list[str], name: str | list[str]) -> None:
+        """Make the value(s) `result` (just produced) carry the public name(s) `name`."""
+        if isinstance(result, list):
+            for r, n in zip(result, name):
+                self.rename_result(r, n)
+            return
+        last = self.nodes[-1].output if self.nodes else []
+        if result in last:
+            last[list(last).index(result)] = name
         else:
             self.nodes.append(helper.make_node("Identity", [result], [name]))
 
@@ -117,7 +122,7 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return y
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
         return e.node(view.op_type, xs, {k: v for k, v in a.items() if k != "dilations"})
-    return e.node(view.op_type, xs, a)
+    return e.node(view.op_type, xs, a, len(view.output_dtypes))
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -165,7 +170,7 @@ def supports(view: LayerView) -> bool:
 def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tuple[LayerView, list, str]],
                 outputs: list[tuple[str, str]], weights: dict[str, np.ndarray],
                 opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """Several layers as one model. Each step: (view, args as ("tensor"|"weight", name) or None, output name)."""
+    """Several layers as one model. Each step: (view, args as ("tensor"|"weight", name) or None, output name(s))."""
     e = Emitter()
     for name, shape, dtype in inputs:
         e.add_input(name, shape, dtype)
