@@ -1,6 +1,7 @@
 """The builder: ONNX -> IR -> passes -> tactic per layer (with explicit Reformat layers) -> memory plan -> Plan."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from kiln.engine.regions import _view, apply_regions, choose_regions, measure_pl
 from kiln.tactics.onnx_emit import supports
 from kiln.tactics.autotune import Autotuner, TimingOptions
 from kiln.tactics.onnxruntime_source import REGION_TACTIC
+from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.timing_cache import TimingCache, device_description
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
 
@@ -182,8 +184,12 @@ class _Lowering:
         outs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in node.outputs)
         for t in outs:
             self.descs[t.name], self.formats[t.name] = t, LINEAR
-        self.layers.append(Layer(node.name, "Region", "kiln", "OnnxRuntime", "ForeignNode", tuple(args), tuple(in_descs),
-                                 outs, {}, REGION_TACTIC, tactic_value(REGION_TACTIC), node.origin, inner=tuple(inner)))
+        tactic, runner = (OPENVINO_REGION_TACTIC, "OpenVINO") if node.attrs.get("library") == "openvino" else \
+            (REGION_TACTIC, "OnnxRuntime")
+        inner = [dataclasses.replace(i, tactic_name=tactic, tactic_value=tactic_value(tactic),
+                                     layer_type=i.layer_type.replace("OnnxRuntime", runner)) for i in inner]
+        self.layers.append(Layer(node.name, "Region", "kiln", runner, "ForeignNode", tuple(args), tuple(in_descs),
+                                 outs, {}, tactic, tactic_value(tactic), node.origin, inner=tuple(inner)))
 
     def lower_node(self, node: Node) -> None:
         if node.op_type == "Region" and node.domain == "kiln":
@@ -238,25 +244,32 @@ PLAN_MARGIN = 0.03   # another plan must beat one whole onnxruntime region by 3%
 def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | None, regions: bool):
     """Lower with per-layer tactics; then time whole candidate plans end to end: all kiln kernels, the whole
     graph as one onnxruntime region, and the mix the segment cost model proposes. Keep the fastest."""
-    if tuner is None or not regions or "onnxruntime" not in sources:
+    if tuner is None or not regions or not ({"onnxruntime", "openvino"} & sources):
         return lower(g, sources, tuner)
     first = _Lowering(g, sources, tuner)
     for node in g.nodes:
         start = len(first.layers)
         first.lower_node(node)
         first.node_layers[node.name] = (start, len(first.layers))
-    runs = choose_regions(g, first.node_layers, first.layers, first.descs, first.weights, first.formats, tuner)
+    whole = all(supports(_view(n, g.opset)) for n in g.nodes)
     proposals = {"kiln": []}
-    if all(supports(_view(n, g.opset)) for n in g.nodes):
-        proposals["onnxruntime"] = [list(g.nodes)]
-    if runs and runs != [list(g.nodes)]:
-        proposals["mixed"] = runs
+    if "onnxruntime" in sources:
+        runs = choose_regions(g, first.node_layers, first.layers, first.descs, first.weights, first.formats, tuner)
+        if whole:
+            proposals["onnxruntime"] = [list(g.nodes)]
+        if runs and runs != [list(g.nodes)]:
+            proposals["mixed"] = runs
+    if "openvino" in sources and whole:
+        proposals["openvino"] = [list(g.nodes)]
     candidates = {"kiln": (first.layers, first.weights)}
     for name, proposal in proposals.items():
         if proposal:
-            apply_regions(g, proposal)
-            layers, weights = lower(g, sources, tuner)
-            candidates[name] = (allow_spinning(layers), weights)
+            apply_regions(g, proposal, "openvino" if name == "openvino" else "onnxruntime")
+            try:
+                layers, weights = lower(g, sources, tuner)
+                candidates[name] = (allow_spinning(layers), weights)
+            except Exception as exc:   # the library rejects the graph: that plan is simply not a candidate
+                log.debug("%s plan unavailable: %s", name, exc)
             unapply_regions(g)
     times = measure_plans(candidates, first.descs, g, tuner)
     best = min(times, key=times.get)
@@ -264,7 +277,7 @@ def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | Non
         best = "onnxruntime"
     log.debug("Whole-plan latency: %s -> %s", ", ".join(f"{k} {v:.4g} ms" for k, v in times.items()), best)
     if proposals[best]:
-        apply_regions(g, proposals[best])
+        apply_regions(g, proposals[best], "openvino" if best == "openvino" else "onnxruntime")
         log.debug("After region formation: %d layers (%d onnxruntime region(s))", len(g.nodes), len(proposals[best]))
     return candidates[best]
 

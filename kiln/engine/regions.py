@@ -238,10 +238,14 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
             times[name] = cached
         else:
             runners[name] = (key, _kiln_runner(layers, descs, weights, g.opset), [])
+    # blocks, each after its own warm-up runs: a library's idle threads keep spinning for a while after it
+    # returns, which would bill the next candidate if runs alternated one by one
     with torch.inference_mode():
         for _ in range(max(3, tuner.options.min_timing)):
             for name, (_, run, samples) in runners.items():
-                samples += _time_ms(run, TimingOptions(max(2, tuner.options.avg_timing // 2), 1))
+                run()
+                run()
+                samples += [_time_ms(run, TimingOptions(1, 1))[0] for _ in range(max(5, tuner.options.avg_timing))]
     for name, (key, _, samples) in runners.items():
         times[name] = statistics.median(samples)
         tuner.cache.put(key, "plan", times[name])
@@ -258,13 +262,14 @@ def _switch_ms(g: Graph, boundary: str | None, formats: dict[str, str], tuner: A
     return POOL_SWITCH_MS + tuner.reformat_ms(v.shape, str(v.dtype), LINEAR)
 
 
-def apply_regions(g: Graph, runs: list[list[Node]]) -> None:
-    """Replace each run of nodes by one Region node (domain "kiln") holding them."""
+def apply_regions(g: Graph, runs: list[list[Node]], library: str = "onnxruntime") -> None:
+    """Replace each run of nodes by one Region node (domain "kiln") holding them, run by `library`."""
     for nodes in runs:
         ext_in, consts, outs = region_io(nodes, g)
         name = f"{{ForeignNode[{nodes[0].name}...{nodes[-1].name}]}}"
         origin = tuple(o for n in nodes for o in n.origin)
-        region = Node(name, "Region", [*ext_in, *consts], list(outs), {"nodes": list(nodes)}, "kiln", origin)
+        region = Node(name, "Region", [*ext_in, *consts], list(outs), {"nodes": list(nodes), "library": library},
+                      "kiln", origin)
         index = g.nodes.index(nodes[0])
         for n in nodes:
             g.remove_node(n)

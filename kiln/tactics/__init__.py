@@ -12,11 +12,14 @@ from kiln.tactics.reference import ReferenceTactic
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [OneDnnConvTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
-ALL_SOURCES = ("torch-onednn", "torch", "onnxruntime")
+ALL_SOURCES = ("torch-onednn", "torch", "onnxruntime", "openvino")
 
 
 def available_sources() -> frozenset[str]:
-    return frozenset(s for s in ALL_SOURCES if s != "onnxruntime" or onnxruntime_available())
+    from kiln.tactics import openvino_source
+
+    present = {"onnxruntime": onnxruntime_available(), "openvino": openvino_source.available()}
+    return frozenset(s for s in ALL_SOURCES if present.get(s, True))
 
 
 def parse_sources(spec: str | None) -> frozenset[str]:

@@ -11,6 +11,7 @@ from kiln.errors import EngineFormatError
 from kiln.tactics.base import Kernel, LayerView
 from kiln.tactics.onnx_emit import emit_region
 from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
+from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, prepare_reformat
 
 
@@ -51,8 +52,15 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int) -> Ke
              for inner in layer.inner]
     model, external = emit_region([(t.name, t.dims, t.dtype) for t in layer.inputs], steps,
                                   [(t.name, t.dtype) for t in layer.outputs], weights, opset)
-    return region_kernel(model, external, [t.name for t in layer.inputs], [t.name for t in layer.outputs],
-                         bool(layer.attrs.get("spinning", False)))
+    names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
+    if layer.tactic_name == OPENVINO_REGION_TACTIC:
+        from kiln.tactics import openvino_source
+
+        if not openvino_source.available():
+            raise EngineFormatError(f"layer '{layer.name}' runs on OpenVINO, which is not installed here; "
+                                    "pip install openvino, or rebuild with --tactic-sources=-openvino")
+        return openvino_source.region_kernel(model, external, *names)
+    return region_kernel(model, external, *names, bool(layer.attrs.get("spinning", False)))
 
 
 def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dict[str, np.ndarray],
@@ -64,7 +72,7 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
     if layer.tactic_name == "kiln.constant":
         value = weights[layer.args[0].name]
         return lambda xs: [value]
-    if layer.tactic_name == REGION_TACTIC:
+    if layer.tactic_name in (REGION_TACTIC, OPENVINO_REGION_TACTIC):
         return prepare_region(layer, np_weights, opset)
     tactic = TACTICS_BY_NAME.get(layer.tactic_name)
     if tactic is None:

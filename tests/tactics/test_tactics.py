@@ -134,3 +134,33 @@ def test_deterministic_build_replays_the_cache_and_refuses_to_measure(models, tm
     other, _ = models["mobilenetv3"]
     with pytest.raises(kiln.Error, match="has no timing of"):
         kiln.build(other, timing_cache=str(cache), deterministic=True)
+
+
+def test_openvino_plan_is_correct_when_installed(models, monkeypatch):
+    pytest.importorskip("openvino")
+    import kiln.engine.builder as builder
+
+    proto, x = models["mobilenetv3"]
+    monkeypatch.setattr(builder, "PLAN_MARGIN", -10.0)   # never fall back to onnxruntime: keep the fastest of the rest
+    engine = kiln.build(proto, tactic_sources=frozenset({"openvino", "torch-onednn", "torch"}), avg_timing=1,
+                        min_timing=1)
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+    regions_ = [l for l in engine.plan.layers if l.inner]
+    if regions_:   # OpenVINO won the timing: its region and inner layers say so
+        assert regions_[0].layer_type == "OpenVINO" and regions_[0].tactic_name == "openvino.region"
+        assert all(i.layer_type.startswith("OpenVINO") for i in regions_[0].inner)
+
+
+def test_everything_works_without_openvino(models, monkeypatch):
+    from kiln.tactics import openvino_source
+
+    monkeypatch.setattr(openvino_source, "available", lambda: False)
+    assert "openvino" not in available_sources()
+    with pytest.raises(kiln.Error, match="not available"):
+        parse_sources("+openvino")
+    proto, x = models["unet"]
+    engine = kiln.build(proto, avg_timing=1, min_timing=1)
+    assert "openvino" not in engine.plan.build_info["tactic_sources_available"]
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
