@@ -112,8 +112,8 @@ def _region_runner(nodes: list[Node], g: Graph):
     return lambda: kernel(xs)
 
 
-def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int):
-    """A callable running kiln's own kernels for a run of planned layers on example inputs."""
+def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: dict | None = None):
+    """A callable running a run of planned layers on example inputs; it returns the final environment."""
     from kiln.tactics.prepare import prepare_kernel
 
     from kiln.tactics.prepare import TorchWeights
@@ -122,7 +122,8 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int):
     produced = {t.name for layer in layers for t in layer.outputs}
     external = dict.fromkeys(a.name for layer in layers for a in layer.args
                              if a.kind == "tensor" and a.name not in produced)
-    env0 = {n: _example(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
+    if env0 is None:
+        env0 = {n: _example(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
     steps = [([(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
               prepare_kernel(layer, weights, weights_np, opset)) for layer in layers]
 
@@ -131,6 +132,7 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int):
         for args, outs, kernel in steps:
             for n, r in zip(outs, kernel([env[n] if kind == "tensor" else None for kind, n in args])):
                 env[n] = r
+        return env
     return run
 
 
@@ -231,13 +233,27 @@ def plan_signature(layers: list) -> str:
 def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Graph, tuner: Autotuner) -> dict[str, float]:
     """Whole-plan latency of each candidate, timed interleaved (the deciding measurement)."""
     times, runners = {}, {}
+    inputs = {v.name: _example(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
+    reference = None
     for name, (layers, weights) in candidates.items():
         key = plan_signature(layers)
         cached = tuner.cache.get(key, "plan", f"the {name} plan")
         if cached is not None:
             times[name] = cached
-        else:
-            runners[name] = (key, _kiln_runner(layers, descs, weights, g.opset), [])
+            continue
+        try:
+            run = _kiln_runner(layers, descs, weights, g.opset, inputs)
+            with torch.inference_mode():
+                outputs = [run()[v.name] for v in g.outputs]
+        except Exception as exc:   # a library refused the plan: it is simply not a candidate
+            log.warning("The %s plan cannot run (%s: %s); leaving it out", name, type(exc).__name__, exc)
+            continue
+        if reference is None:
+            reference = outputs   # the first candidate is kiln's own kernels
+        elif not _agree(outputs, reference):
+            log.warning("The %s plan's outputs differ from kiln's kernels on the timing input; leaving it out", name)
+            continue
+        runners[name] = (key, run, [])
     # blocks, each after its own warm-up runs: a library's idle threads keep spinning for a while after it
     # returns, which would bill the next candidate if runs alternated one by one
     with torch.inference_mode():
@@ -250,6 +266,20 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
         times[name] = statistics.median(samples)
         tuner.cache.put(key, "plan", times[name])
     return times
+
+
+def _agree(got: list, want: list, rel: float = 1e-3) -> bool:
+    for a, b in zip(got, want):
+        a, b = a.double() if a.is_floating_point() else a, b.double() if b.is_floating_point() else b
+        if a.shape != b.shape:
+            return False
+        if a.is_floating_point():
+            scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-6)
+            if float((a - b).abs().max()) > rel * scale:
+                return False
+        elif not torch.equal(a, b):
+            return False
+    return True
 
 
 def _switch_ms(g: Graph, boundary: str | None, formats: dict[str, str], tuner: Autotuner) -> float:

@@ -164,3 +164,20 @@ def test_everything_works_without_openvino(models, monkeypatch):
     assert "openvino" not in engine.plan.build_info["tactic_sources_available"]
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+
+
+def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monkeypatch, caplog):
+    import kiln.tactics.prepare as prepare
+
+    def broken_region(model, external, input_names, output_names, spinning=False):
+        return lambda xs: [torch.zeros(1)] * len(output_names)
+
+    monkeypatch.setattr(prepare, "region_kernel", broken_region)
+    caplog.set_level(logging.WARNING, logger="kiln.build")
+    proto, x = models["inception"]
+    engine = kiln.build(proto, tactic_sources=frozenset({"onnxruntime", "torch-onednn", "torch"}), avg_timing=1,
+                        min_timing=1)
+    assert "plan's outputs differ from kiln's kernels" in caplog.text
+    assert not any(l.inner for l in engine.plan.layers)
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
