@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-times", metavar="F", help="per-inference times JSON (trtexec --exportTimes)")
     p.add_argument("--dump-profile", action="store_true", help="print the per-layer profile table")
     p.add_argument("--dump-layer-info", action="store_true", help="print layer info (one line per layer)")
+    p.add_argument("--profiling-verbosity", default="detailed", choices=["layer_names_only", "detailed"],
+                   help="detailed: a region's profile entry is split into its inner layers")
 
 
 def load_inputs(path: str | None, engine) -> dict[str, np.ndarray]:
@@ -56,6 +58,7 @@ def profile(engine, feeds, iterations: int):
     for _ in range(iterations):
         ctx.execute(feeds, prof)
         prof.end_inference()
+    prof.finish()
     return prof
 
 
@@ -81,11 +84,12 @@ def report(engine, args, feeds, percentiles) -> int:
         atomic_write_text(args.export_times, times_json(times))
     if args.export_profile or args.dump_profile:
         prof = profile(engine, feeds, max(args.iterations, 1))
+        verbosity = getattr(args, "profiling_verbosity", "detailed")
         if args.export_profile:
-            atomic_write_text(args.export_profile, profile_json(prof))
+            atomic_write_text(args.export_profile, profile_json(prof, verbosity))
         if args.dump_profile:
             console.info()
-            for line in profile_table(prof).splitlines():
+            for line in profile_table(prof, verbosity).splitlines():
                 console.info(line)
     if args.dump_layer_info:
         console.info("Layer Information:")

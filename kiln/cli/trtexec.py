@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         _warmup_iterations(engine, feeds, args.warmUp)
         ns = SimpleNamespace(export_output=args.exportOutput, iterations=args.iterations, warmup=0,
                              duration=args.duration, export_times=args.exportTimes, export_profile=args.exportProfile,
-                             dump_profile=args.dumpProfile, dump_layer_info=args.dumpLayerInfo)
+                             dump_profile=args.dumpProfile, dump_layer_info=args.dumpLayerInfo,
+                             profiling_verbosity=args.profilingVerbosity)
         report(engine, ns, feeds, parse_percentiles(args.percentile))
     elif args.dumpLayerInfo:
         from kiln.engine.layer_info import oneline

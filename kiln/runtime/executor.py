@@ -64,7 +64,11 @@ class ExecutionContext:
                     results = kernel(xs)
                 else:
                     t0 = time.perf_counter_ns()
-                    results = kernel(xs)
+                    if layer.inner and hasattr(kernel, "profiled_run"):
+                        results = kernel.profiled_run(xs)
+                        profiler.watch_region(layer.name, kernel)
+                    else:
+                        results = kernel(xs)
                     profiler.record(layer.name, (time.perf_counter_ns() - t0) / 1e6)
                 for n, r in zip(outs, results):
                     env[n] = r

@@ -21,17 +21,36 @@ class LayerProfiler:
     def __init__(self):
         self.times_ms: dict[str, list[float]] = {}
         self.count = 0
+        self.regions: dict[str, object] = {}            # region layer -> its kernel, while profiling
+        self.inner_ms: dict[str, dict[str, list[float]]] = {}
 
     def record(self, name: str, ms: float) -> None:
         self.times_ms.setdefault(name, []).append(ms)
 
+    def watch_region(self, name: str, kernel) -> None:
+        self.regions[name] = kernel
+
     def end_inference(self) -> None:
         self.count += 1
 
-    def summary(self) -> list[LayerTime]:
-        total = sum(sum(v) for v in self.times_ms.values()) or 1.0
+    def finish(self) -> None:
+        """Collect the per-inner-layer times of profiled regions (onnxruntime's own node profiler)."""
+        for name, kernel in self.regions.items():
+            self.inner_ms[name] = kernel.end_profiling()
+        self.regions = {}
+
+    def summary(self, verbosity: str = "layer_names_only") -> list[LayerTime]:
+        """Per layer; at `detailed`, a region's entry is replaced by its inner layers (their kernel times)."""
+        series: dict[str, list[float]] = {}
+        for name, values in self.times_ms.items():
+            inner = self.inner_ms.get(name) if verbosity == "detailed" else None
+            if inner:
+                series.update(inner)
+            else:
+                series[name] = values
+        total = sum(sum(v) for v in series.values()) or 1.0
         return [LayerTime(n, sum(v), sum(v) / len(v), statistics.median(v), sum(v) / total * 100)
-                for n, v in self.times_ms.items()]
+                for n, v in series.items() if v]
 
 
 def g6(x: float) -> str:
@@ -39,10 +58,10 @@ def g6(x: float) -> str:
     return f"{x:g}"
 
 
-def profile_json(profiler: LayerProfiler) -> str:
+def profile_json(profiler: LayerProfiler, verbosity: str = "detailed") -> str:
     """trtexec --exportProfile: a count record, then one 5-key record per layer."""
     lines = ["[", f'  {{ "count" : {profiler.count} }}']
-    for t in profiler.summary():
+    for t in profiler.summary(verbosity):
         lines.append(f'{", "}{{ "name" : {json.dumps(t.name)}, "timeMs" : {g6(t.total_ms)}, '
                      f'"averageMs" : {g6(t.average_ms)}, "medianMs" : {g6(t.median_ms)}, '
                      f'"percentage" : {g6(t.percentage)} }}')
@@ -72,16 +91,16 @@ def times_json(times: list[InferenceTime]) -> str:
     return "[\n" + "\n".join(rows) + ("\n" if rows else "") + "]\n"
 
 
-def profile_table(profiler: LayerProfiler) -> str:
+def profile_table(profiler: LayerProfiler, verbosity: str = "detailed") -> str:
     """trtexec --dumpProfile console table (TensorRT 8.6/10 layout)."""
     rows = [f"=== Profile ({profiler.count} iterations ) ===",
             "   Time(ms)     Avg.(ms)   Median(ms)   Time(%)   Layer"]
-    summary = profiler.summary()
+    summary = profiler.summary(verbosity)
     total = sum(t.total_ms for t in summary)
     for t in summary:
         if t.total_ms > 0:
             rows.append(f"{t.total_ms:11.2f}{t.average_ms:13.4f}{t.median_ms:13.4f}{t.percentage:10.1f}   {t.name}")
-    per_run = [sum(v[i] for v in profiler.times_ms.values() if i < len(v)) for i in range(profiler.count)]
+    per_run = [sum(v[i] for n, v in profiler.times_ms.items() if i < len(v)) for i in range(profiler.count)]
     median = statistics.median(per_run) if per_run else 0.0
     rows.append(f"{total:11.2f}{total / max(profiler.count, 1):13.4f}{median:13.4f}{100.0:10.1f}   Total")
     return "\n".join(rows)

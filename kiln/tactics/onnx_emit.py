@@ -28,6 +28,7 @@ class Emitter:
         self.known: set[str] = set()
         self.external: dict[str, np.ndarray] = {}
         self.counter = 0
+        self.prefix = ""   # node names "<kiln layer>|<n>": profiles map onnxruntime nodes back to layers
 
     def fresh(self, base: str = "t") -> str:
         self.counter += 1
@@ -67,7 +68,8 @@ class Emitter:
         outs = [self.fresh() for _ in range(n_outputs)]
         clean = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in (attrs or {}).items()
                  if k not in KILN_ONLY_ATTRS and not k.startswith("_")}
-        self.nodes.append(helper.make_node(op, [x or "" for x in inputs], outs, **clean))
+        name = f"{self.prefix}|{self.counter}" if self.prefix else None
+        self.nodes.append(helper.make_node(op, [x or "" for x in inputs], outs, name=name, **clean))
         return outs[0] if n_outputs == 1 else outs
 
     def activation(self, x: str, spec: dict | None) -> str:
@@ -174,7 +176,9 @@ def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tupl
     e = Emitter()
     for name, shape, dtype in inputs:
         e.add_input(name, shape, dtype)
-    for view, args, out in steps:
+    for step in steps:
+        view, args, out = step[:3]
+        e.prefix = step[3] if len(step) > 3 else ""
         xs = [None if a is None else (e.add_weight(a[1], weights[a[1]]) if a[0] == "weight" else a[1]) for a in args]
         e.rename_result(emit_layer(e, view, xs), out)
     for name, dtype in outputs:

@@ -73,15 +73,86 @@ class OnnxRuntimeLayerTactic:
 REGION_TACTIC = "onnxruntime.region"
 
 
+class RegionKernel:
+    """One onnxruntime session for a region; `profiled_run` uses a second, profiling session whose per-node
+    times are mapped back to kiln's inner layers (node names are "<layer>|<n>")."""
+
+    def __init__(self, model, external: dict[str, np.ndarray], input_names: list[str], output_names: list[str],
+                 spinning: bool):
+        self.model, self.external, self.spinning = model, external, spinning
+        self.input_names, self.output_names = input_names, output_names
+        # spinning (as standalone onnxruntime does) only when the builder found no torch kernel sharing the cores
+        self.run = session(model, external, spinning).run
+        self._profiling = None
+        self._tmp = None
+        # onnxruntime's graph rewrites rename nodes (often after their output value): map both back to layers
+        self.owner = {}
+        for node in model.graph.node:
+            if "|" in node.name:
+                layer = node.name.rsplit("|", 1)[0]
+                self.owner[node.name] = layer
+                self.owner.update({out: layer for out in node.output})
+
+    def _feeds(self, xs):
+        acts = [x for x in xs if x is not None]   # weights live inside the sub-model
+        return {name: np.ascontiguousarray(x.numpy()) for name, x in zip(self.input_names, acts)}
+
+    def __call__(self, xs):
+        return [torch.from_numpy(y) for y in self.run(self.output_names, self._feeds(xs))]
+
+    def profiled_run(self, xs):
+        if self._profiling is None:
+            import tempfile
+
+            import onnxruntime as ort
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="kiln-profile-")
+            so = session_options(torch.get_num_threads(), self.spinning)
+            so.enable_profiling = True
+            so.profile_file_prefix = f"{self._tmp.name}/region"
+            if self.external:
+                so.add_external_initializers(list(self.external),
+                                             [ort.OrtValue.ortvalue_from_numpy(a) for a in self.external.values()])
+            self._profiling = ort.InferenceSession(self.model.SerializeToString(), so,
+                                                   providers=["CPUExecutionProvider"])
+        return [torch.from_numpy(y) for y in self._profiling.run(self.output_names, self._feeds(xs))]
+
+    def end_profiling(self) -> dict[str, list[float]]:
+        """Per inner layer, its milliseconds in each profiled run (in the order layers first appear)."""
+        import json
+
+        if self._profiling is None:
+            return {}
+        path = self._profiling.end_profiling()
+        with open(path) as f:
+            events = json.load(f)
+        self._profiling = None
+        self._tmp.cleanup()
+        runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+        per_layer: dict[str, list[float]] = {}
+        for e in events:
+            name = e.get("name", "")
+            if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
+                continue
+            layer = self._owner_of(name[: -len("_kernel_time")])
+            if layer is None:
+                continue
+            index = next((i for i, (a, b) in enumerate(runs) if a <= e["ts"] <= b), None)
+            if index is None:
+                continue
+            times = per_layer.setdefault(layer, [0.0] * len(runs))
+            times[index] += e["dur"] / 1000.0
+        return per_layer
+
+
+    def _owner_of(self, node_name: str) -> str | None:
+        for candidate in (node_name, node_name.removesuffix("_nchwc"), node_name.split("_token_")[0]):
+            if candidate in self.owner:
+                return self.owner[candidate]
+        return None
+
+
 def region_kernel(model, external: dict[str, np.ndarray], input_names: list[str], output_names: list[str],
                   spinning: bool = False) -> Kernel:
     """Run a region (a multi-layer ONNX model) in one onnxruntime session; inputs/outputs row-major."""
-    # spinning (as standalone onnxruntime does) only when the builder found no torch kernel sharing the cores
-    sess = session(model, external, spinning)
-    run = sess.run
-
-    def kernel(xs):
-        acts = [x for x in xs if x is not None]   # weights live inside the sub-model
-        feeds = {name: np.ascontiguousarray(x.numpy()) for name, x in zip(input_names, acts)}
-        return [torch.from_numpy(y) for y in run(output_names, feeds)]
-    return kernel
+    return RegionKernel(model, external, input_names, output_names, spinning)

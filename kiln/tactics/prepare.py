@@ -48,7 +48,7 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int) -> Ke
     opset = max(13, opset)
     steps = [(layer_view(inner, weights, opset, with_consts=False),
               [None if a.kind == "none" else (a.kind, a.name) for a in inner.args],
-              inner.outputs[0].name if len(inner.outputs) == 1 else [t.name for t in inner.outputs])
+              inner.outputs[0].name if len(inner.outputs) == 1 else [t.name for t in inner.outputs], inner.name)
              for inner in layer.inner]
     model, external = emit_region([(t.name, t.dims, t.dtype) for t in layer.inputs], steps,
                                   [(t.name, t.dtype) for t in layer.outputs], weights, opset)

@@ -181,3 +181,27 @@ def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monk
     assert not any(l.inner for l in engine.plan.layers)
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+
+
+def test_region_profile_follows_the_layer_info_split(models, monkeypatch):
+    import kiln.engine.regions as regions
+    from kiln.runtime.profiler import LayerProfiler, profile_json
+
+    monkeypatch.setattr(regions, "MIX_MARGIN", 1.0)
+    proto, x = models["inception"]
+    engine = kiln.build(proto, avg_timing=1, min_timing=1)
+    region = next(l for l in engine.plan.layers if l.inner)
+    prof = LayerProfiler()
+    ctx = engine.create_execution_context()
+    for _ in range(3):
+        ctx.execute({engine.input_names[0]: x}, prof)
+        prof.end_inference()
+    prof.finish()
+    names_only = [r["name"] for r in json.loads(profile_json(prof, "layer_names_only"))[1:]]
+    assert region.name in names_only
+    detailed = json.loads(profile_json(prof, "detailed"))
+    assert detailed[0] == {"count": 3}
+    inner = {l.name for l in region.inner}
+    convs = [r for r in detailed[1:] if r["name"] in inner and "Conv" in r["name"]]
+    assert convs and region.name not in [r["name"] for r in detailed[1:]]
+    assert all(r["timeMs"] > 0 for r in convs)
