@@ -36,9 +36,10 @@ def layer_table(plan, profile=None) -> None:
     """A readable table of the engine's layers: type, tactic, output format, shape, origin count, time."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    times = {t.name: t for t in profile.summary()} if profile else {}
-    table = Table(title=f"{plan.name}: {len(plan.layers)} layers", show_lines=False)
+    times = {t.name: t for v in ("detailed", "layer_names_only") for t in profile.summary(v)} if profile else {}
+    table = Table(title=Text(f"{plan.name}: {len(plan.layers)} layers"), show_lines=False)
     for col in ("#", "Layer", "Type", "Tactic", "Output", "Format/Datatype"):
         table.add_column(col, overflow="fold")
     if times:
@@ -52,7 +53,7 @@ def layer_table(plan, profile=None) -> None:
             row = [label, name, item.layer_type, item.tactic_name,
                    "x".join(map(str, out.dims)) if out else "", out.format_string() if out else ""]
             if times:
-                t = times.get(item.name) if item is layer else None
+                t = times.get(item.name)
                 row += [f"{t.median_ms:.4f}" if t else "", f"{t.percentage:.1f}" if t else ""]
-            table.add_row(*row)
+            table.add_row(*(Text(c) for c in row))   # plain text: layer names contain "[/...]"
     Console(width=200).print(table)
