@@ -138,6 +138,14 @@ class _Lowering:
         self.formats[new], self.descs[new] = target, out
         return new
 
+    def finish(self) -> None:
+        """Outputs computed entirely at build time become Constant layers."""
+        for v in self.g.outputs:
+            if v.is_const:
+                self.layers.append(Layer(f"{v.name} [Constant]", "Constant", "kiln", "Constant", "Constant",
+                                         (self.weight(v),), (), (TensorDesc(v.name, v.shape, str(v.dtype)),), {},
+                                         "kiln.constant", tactic_value("kiln.constant"), ()))
+
     @staticmethod
     def parameter_type(node: Node) -> str:
         return PARAMETER_TYPES.get(node.op_type) or lookup(node.op_type, node.domain).trt_layer
@@ -251,6 +259,7 @@ def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | Non
         start = len(first.layers)
         first.lower_node(node)
         first.node_layers[node.name] = (start, len(first.layers))
+    first.finish()
     whole = all(supports(_view(n, g.opset)) for n in g.nodes)
     proposals = {"kiln": []}
     if "onnxruntime" in sources:
@@ -302,11 +311,7 @@ def lower(g: Graph, sources: frozenset[str] | None,
     low = _Lowering(g, sources, tuner)
     for node in g.nodes:
         low.lower_node(node)
-    for v in g.outputs:
-        if v.is_const:   # an output computed entirely at build time
-            low.layers.append(Layer(f"{v.name} [Constant]", "Constant", "kiln", "Constant", "Constant",
-                                    (low.weight(v),), (), (TensorDesc(v.name, v.shape, str(v.dtype)),), {},
-                                    "kiln.constant", tactic_value("kiln.constant"), ()))
+    low.finish()
     return low.layers, low.weights
 
 
