@@ -25,9 +25,18 @@ def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:
     if verbosity == "none":
         return {"Layers": [], "Bindings": bindings}
     if verbosity == "layer_names_only":
-        return {"Layers": [l.name for l in plan.layers], "Bindings": bindings}
+        return {"Layers": [l.name for l in plan.layers], "Bindings": bindings, "TacticSources": tactic_sources(plan)}
     # like TensorRT 10 with Myelin regions: names-only shows {ForeignNode[...]}, detailed lists its inner layers
-    return {"Layers": [detailed_layer(plan, i) for l in plan.layers for i in (l.inner or (l,))], "Bindings": bindings}
+    return {"Layers": [detailed_layer(plan, i) for l in plan.layers for i in (l.inner or (l,))], "Bindings": bindings,
+            "TacticSources": tactic_sources(plan)}
+
+
+def tactic_sources(plan: Plan) -> dict[str, list[str]]:
+    """kiln's addition: which kernel sources this machine had, which the build allowed, which layers use."""
+    info = plan.build_info
+    used = sorted({l.tactic_name.split(".")[0] for l in plan.layers})
+    return {"Available": list(info.get("tactic_sources_available", [])), "Enabled": list(info.get("tactic_sources", [])),
+            "Used": used}
 
 
 def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:
