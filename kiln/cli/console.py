@@ -57,3 +57,31 @@ def layer_table(plan, profile=None) -> None:
                 row += [f"{t.median_ms:.4f}" if t else "", f"{t.percentage:.1f}" if t else ""]
             table.add_row(*(Text(c) for c in row))   # plain text: layer names contain "[/...]"
     Console(width=200).print(table)
+
+
+def record_table(info, profile, title: str) -> None:
+    """A table of an inspected engine description (TensorRT or kiln), with times when a profile is given."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    times = {r.name: r for r in (profile or info.profile).records} if (profile or info.profile) else {}
+    table = Table(title=Text(f"{title}: {len(info.layers)} layers ({info.source}, {info.verbosity})"))
+    for col in ("#", "Layer", "Type", "Precision", "Tactic", "Output"):
+        table.add_column(col, overflow="fold")
+    if times:
+        table.add_column("avg ms", justify="right")
+    for i, layer in enumerate(info.layers):
+        out = layer.outputs[0] if layer.outputs else None
+        row = [str(i), layer.name, layer.layer_type or "", layer.precision or "", layer.tactic_name or "",
+               "x".join(map(str, out.dims)) if out and out.dims else ""]
+        if times:
+            t = times.get(layer.name)
+            row.append(f"{t.average_ms:.4f}" if t else "")
+        table.add_row(*(Text(c) for c in row))
+    Console(width=200).print(table)
+    info_line = ", ".join(f"{k}: {v}" for k, v in sorted(info.layer_types.items()))
+    print(f"Layer types: {info_line}")
+    print("Precisions: " + ", ".join(f"{k}: {v}" for k, v in sorted(info.precisions.items())))
+    for note in info.notes:
+        print(f"Note: {note}")

@@ -1,46 +1,88 @@
-"""kiln inspect ENGINE.kiln: the engine's layers, tactics, formats, memory (and --json for scripts)."""
+"""kiln inspect FILE: layers, types, precisions, tactics and memory of a kiln engine or of TensorRT's own
+artifacts (layer info JSON, one-line dumps in logs, profiles); --json for scripts."""
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("engine", help="engine file (.kiln)")
+    p.add_argument("file", help=".kiln engine, trtexec --exportLayerInfo JSON, or a log with a layer dump")
+    p.add_argument("--profile", metavar="P", help="trtexec/kiln --exportProfile JSON to show times")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--layer-info", metavar="VERBOSITY", choices=["none", "layer_names_only", "detailed"],
-                   help="print layer info JSON (trtexec schema) instead")
+                   help="(.kiln engines) print layer info JSON in trtexec's schema instead")
 
 
-def summary(engine) -> dict:
+def is_kiln_engine(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == b"KILNPLAN"
+    except OSError:
+        return False
+
+
+def load_engine_info(path: str):
+    from kiln.errors import ArtifactError
+    from kiln.inspect.model import EngineInfo
+    from kiln.inspect.readers import read_artifact
+
+    found = read_artifact(path)
+    if not isinstance(found, EngineInfo):
+        raise ArtifactError(f"{path}: this is a {type(found).__name__}, not an engine description; pass it with "
+                            "--profile (profiles) or inspect the layer-info JSON / engine instead")
+    return found
+
+
+def load_profile(path: str | None):
+    if not path:
+        return None
+    from kiln.errors import ArtifactError
+    from kiln.inspect.model import Profile
+    from kiln.inspect.readers import read_artifact
+
+    found = read_artifact(path)
+    if not isinstance(found, Profile):
+        raise ArtifactError(f"{path}: not a profile (expected trtexec --exportProfile JSON)")
+    return found
+
+
+def kiln_summary(engine) -> dict:
     plan = engine.plan
-    return {
-        "name": plan.name, "num_layers": len(plan.layers),
-        "inputs": [{"name": t.name, "dims": list(t.dims), "dtype": t.dtype} for t in plan.inputs],
-        "outputs": [{"name": t.name, "dims": list(t.dims), "dtype": t.dtype} for t in plan.outputs],
-        "activation_memory_bytes": plan.memory.total_bytes, "activation_memory_unshared_bytes": plan.memory.unshared_bytes,
-        "weights_bytes": plan.weight_bytes, "build_info": plan.build_info,
-        "layers": [{"name": l.name, "layer_type": l.layer_type, "parameter_type": l.parameter_type,
-                    "tactic": l.tactic_name, "precision": l.precision, "origin": list(l.origin),
-                    "outputs": [{"name": t.name, "dims": list(t.dims), "format": t.format_string()} for t in l.outputs]}
-                   for l in plan.layers],
-    }
+    return {"activation_memory_bytes": plan.memory.total_bytes,
+            "activation_memory_unshared_bytes": plan.memory.unshared_bytes,
+            "weights_bytes": plan.weight_bytes, "build_info": plan.build_info,
+            "inputs": [{"name": t.name, "dims": list(t.dims), "dtype": t.dtype} for t in plan.inputs],
+            "outputs": [{"name": t.name, "dims": list(t.dims), "dtype": t.dtype} for t in plan.outputs]}
 
 
 def run(args: argparse.Namespace) -> int:
     import kiln
     from kiln.cli import console
     from kiln.engine.layer_info import dumps
+    from kiln.inspect.summary import engine_json
 
-    engine = kiln.load(args.engine)
+    kiln_engine = kiln.load(args.file) if is_kiln_engine(args.file) or args.file.endswith(".kiln") else None
     if args.layer_info:
-        print(dumps(engine.layer_info(args.layer_info)), end="")
+        if kiln_engine is None:
+            from kiln.errors import ArtifactError
+
+            raise ArtifactError(f"{args.file}: --layer-info re-exports kiln engines only")
+        print(dumps(kiln_engine.layer_info(args.layer_info)), end="")
         return 0
+    info, profile = load_engine_info(args.file), load_profile(args.profile)
     if args.json:
-        print(json.dumps(summary(engine), indent=2))
+        doc = engine_json(info, profile)
+        if kiln_engine is not None:
+            doc.update(kiln_summary(kiln_engine))
+        print(json.dumps(doc, indent=2, default=str))
         return 0
-    console.layer_table(engine.plan)
-    mem = engine.plan.memory
-    console.info(f"Activation memory: {mem.total_bytes} bytes planned ({mem.unshared_bytes} without buffer reuse)")
-    console.info(f"Weights: {engine.plan.weight_bytes} bytes")
+    if kiln_engine is not None:
+        console.layer_table(kiln_engine.plan)
+        mem = kiln_engine.plan.memory
+        console.info(f"Activation memory: {mem.total_bytes} bytes planned ({mem.unshared_bytes} without buffer reuse)")
+        console.info(f"Weights: {kiln_engine.plan.weight_bytes} bytes")
+        return 0
+    console.record_table(info, profile, Path(args.file).name)
     return 0

@@ -10,6 +10,9 @@ SUBCOMMANDS = {
     "run": "kiln.cli.run",
     "inspect": "kiln.cli.inspect_cmd",
     "trtexec": "kiln.cli.trtexec",
+    "lint": "kiln.cli.lint_cmd",
+    "diff": "kiln.cli.diff_cmd",
+    "log": "kiln.cli.log_cmd",
 }
 
 

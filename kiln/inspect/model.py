@@ -1,0 +1,169 @@
+"""One typed model for every engine description kiln reads: TensorRT layer info (JSON, one-line dumps),
+kiln engines and exports, profiles, per-inference times and build logs. Rendering and lint read only this."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+METADATA_SEP = "\u001e"
+_ONNX_LAYER = re.compile(r"\[ONNX Layer: (.*?)\]")
+
+# Datatype words found in "Format/Datatype" strings and Myelin short types -> canonical precision names.
+_PRECISION_WORDS = [("BFloat16", "BF16"), ("FP8", "FP8"), ("FP16", "FP16"), ("Half", "FP16"), ("FP32", "FP32"),
+                    ("Float", "FP32"), ("Int8", "INT8"), ("INT8", "INT8"), ("Int32", "INT32"), ("Int64", "INT64"),
+                    ("UInt8", "UINT8"), ("BOOL", "BOOL"), ("Bool", "BOOL"), ("Double", "FP64"), ("Int4", "INT4")]
+
+
+def precision_of(format_datatype: str | None) -> str | None:
+    """"Row major linear FP32" -> "FP32"; "Thirty-two wide channel vectorized row major Int8 format" -> "INT8";
+    "Half" -> "FP16"; None when unknown (e.g. "N/A due to dynamic shapes")."""
+    if not format_datatype:
+        return None
+    for word, name in _PRECISION_WORDS:
+        if re.search(rf"\b{word}\b", format_datatype):
+            return name
+    return None
+
+
+def origins_from_metadata(metadata: str | None) -> tuple[str, ...]:
+    """TensorRT's Metadata "[ONNX Layer: a]\\u001e[ONNX Layer: b]" -> ("a", "b")."""
+    if not metadata:
+        return ()
+    found = _ONNX_LAYER.findall(metadata)
+    return tuple(found) if found else tuple(p for p in metadata.split(METADATA_SEP) if p)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...] | None = None          # -1 for dynamic dimensions
+    format: str | None = None                    # TensorRT's "Format/Datatype" text (or a short dtype)
+    location: str | None = None
+
+    @property
+    def precision(self) -> str | None:
+        return precision_of(self.format)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.dims is not None and any(d < 0 for d in self.dims)
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    name: str
+    layer_type: str | None = None                # the runner: CaskConvolution, Reformat, NoOp, Myelin, kgen, ...
+    parameter_type: str | None = None            # the layer kind: Convolution, Pooling, Reformat, Shuffle, ...
+    inputs: tuple[TensorInfo, ...] = ()
+    outputs: tuple[TensorInfo, ...] = ()
+    params: dict[str, Any] = field(default_factory=dict)   # every other key, as read
+    tactic_name: str | None = None
+    tactic_value: str | None = None
+    origin: tuple[str, ...] = ()                 # ONNX node names (Metadata / kiln origin)
+    region: str | None = None                    # the {ForeignNode[...]} this layer belongs to, if known
+
+    @property
+    def precision(self) -> str | None:
+        """The layer's compute precision as the outputs (else inputs) show it."""
+        for t in self.outputs + self.inputs:
+            if t.precision:
+                return t.precision
+        return None
+
+    @property
+    def is_reformat(self) -> bool:
+        return self.layer_type in ("Reformat", "NoOp") and (self.parameter_type in (None, "Reformat")) and \
+            (self.name.startswith("Reformatting CopyNode") or self.params.get("Origin") in ("REFORMAT", "QDQ")
+             or self.layer_type == "Reformat")
+
+    @property
+    def fused_names(self) -> tuple[str, ...]:
+        """The parts of a fused name: "a + b + c" -> (a, b, c); "a || b" -> (a, b)."""
+        parts = re.split(r" \+ | \|\| ", self.name)
+        return tuple(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class ProfileRecord:
+    name: str
+    time_ms: float
+    average_ms: float
+    median_ms: float | None
+    percentage: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    count: int | None
+    records: tuple[ProfileRecord, ...]
+
+    @property
+    def total_average_ms(self) -> float:
+        return sum(r.average_ms for r in self.records)
+
+
+@dataclass(frozen=True)
+class InferenceTimes:
+    latency_ms: tuple[float, ...]
+    compute_ms: tuple[float, ...]
+    key_set: str                                 # "trt8.4+", "trt8.0-8.3", "trt7"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """An engine as described by one artifact (or a kiln engine file)."""
+
+    source: str                                  # e.g. "trtexec-json", "trtexec-oneline", "kiln-engine"
+    verbosity: str                               # "layer_names_only" | "detailed"
+    layers: tuple[LayerRecord, ...]
+    bindings: tuple[str, ...] = ()
+    profile: Profile | None = None
+    notes: tuple[str, ...] = ()                  # what the reader noticed (unknown keys, truncated lines, ...)
+
+    @property
+    def layer_types(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            key = layer.layer_type or "unknown"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    @property
+    def precisions(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            key = layer.precision or "unknown"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+
+@dataclass(frozen=True)
+class PassEvent:
+    pass_name: str
+    kind: str                                    # "running" | "fusing" | "removing" | "swapping" | "merging" | ...
+    subjects: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TacticChoice:
+    layer: str
+    runner: str | None
+    tactic: str                                  # hex or decimal as printed
+    time_ms: float | None
+
+
+@dataclass(frozen=True)
+class BuildLog:
+    tool_version: str | None
+    options: dict[str, str]                      # "=== Build Options ===" etc. key: value lines
+    device: dict[str, str]
+    events: tuple[PassEvent, ...]
+    pass_counts: dict[str, int]                  # pass name -> number of "Running:" lines
+    layer_trajectory: tuple[tuple[str, int], ...]   # ("Original", 755), ("After dead-layer removal", 755), ...
+    tactic_choices: tuple[TacticChoice, ...]
+    timings: tuple[tuple[str, str, float], ...]  # (layer/runner, tactic, time_ms) from "Tactic: ... Time: ..."
+    memory: dict[str, str]
+    performance: dict[str, str]                  # "=== Performance summary ===" lines
+    engine: EngineInfo | None                    # an "Engine Layer Information" / "Layers:" dump, if present
+    notes: tuple[str, ...] = ()

@@ -1,0 +1,37 @@
+"""Machine-readable summaries (the `--json` outputs of inspect/lint/diff/log) built from the inspect model."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kiln.inspect.model import BuildLog, EngineInfo, LayerRecord, Profile
+
+
+def layer_json(layer: LayerRecord, times: dict[str, float]) -> dict[str, Any]:
+    d = {"name": layer.name, "layer_type": layer.layer_type, "parameter_type": layer.parameter_type,
+         "precision": layer.precision, "tactic_name": layer.tactic_name, "tactic_value": layer.tactic_value,
+         "origin": list(layer.origin), "region": layer.region,
+         "inputs": [dataclasses.asdict(t) for t in layer.inputs], "outputs": [dataclasses.asdict(t) for t in layer.outputs]}
+    if layer.name in times:
+        d["average_ms"] = times[layer.name]
+    return d
+
+
+def engine_json(engine: EngineInfo, profile: Profile | None = None) -> dict[str, Any]:
+    profile = profile or engine.profile
+    times = {r.name: r.average_ms for r in profile.records} if profile else {}
+    out = {"format": engine.source, "verbosity": engine.verbosity, "num_layers": len(engine.layers),
+           "layer_types": engine.layer_types, "precisions": engine.precisions, "bindings": list(engine.bindings),
+           "layers": [layer_json(l, times) for l in engine.layers], "notes": list(engine.notes)}
+    if profile:
+        out["total_average_ms"] = profile.total_average_ms
+        out["profile_count"] = profile.count
+    return out
+
+
+def log_json(log: BuildLog) -> dict[str, Any]:
+    return {"tool_version": log.tool_version, "options": log.options, "device": log.device,
+            "pass_counts": log.pass_counts, "layer_trajectory": [list(x) for x in log.layer_trajectory],
+            "tactic_choices": [dataclasses.asdict(c) for c in log.tactic_choices],
+            "num_timings": len(log.timings), "memory": log.memory, "performance": log.performance,
+            "engine_layers": len(log.engine.layers) if log.engine else None, "notes": list(log.notes)}
