@@ -307,7 +307,7 @@ def _notes(st: _State) -> list[str]:
         notes.append(f"{st.non_ascii} line(s) contain non-ASCII text (translated or corrupted?); "
                      "those not in TensorRT's own wording were skipped")
     for key, n in st.engine_dump.items():
-        notes.append(f"engine layer dump present: {n} '{key}' line(s), not read here (engine=None)")
+        notes.append(f"engine layer dump present: {n} '{key}' line(s)")
     if st.events and not st.choices and not st.timings:
         notes.append("no autotuning lines (Timing Runner / Chose Runner Type) found")
     notes.extend(f"performance warning: {w.lstrip('* ')}" for w in st.warnings)
@@ -326,4 +326,16 @@ def parse_build_log(text: str | bytes, where: str = "<log>") -> BuildLog:
     return BuildLog(tool_version=st.version, options=st.options, device=st.device, events=tuple(st.events),
                     pass_counts=_pass_counts(st), layer_trajectory=tuple(st.trajectory),
                     tactic_choices=tuple(st.choices), timings=tuple(st.timings), memory=st.memory,
-                    performance=st.performance, engine=None, notes=tuple(_notes(st)))
+                    performance=st.performance, engine=_engine_dump(text, where, st), notes=tuple(_notes(st)))
+
+
+def _engine_dump(text: str, where: str, st: _State):
+    """The layer dump inside the log ("Layers:" / "Engine Layer Information:"), read by the one-line reader."""
+    if not st.engine_dump:
+        return None
+    from kiln.inspect.readers import read_oneline
+
+    try:
+        return read_oneline(text, where)
+    except ArtifactError:
+        return None

@@ -96,7 +96,9 @@ def test_yolo_tactics_memory_notes(yolo):
     assert yolo.memory["Total per-runner host persistent memory"] == "168256"
     assert yolo.memory["activation device memory"] == "39865856"
     assert yolo.memory["MemUsageChange Init CUDA"] == "CPU +0, GPU +0, now: CPU 1606, GPU 13551 (MiB)"
-    assert yolo.engine is None
+    # the log's detailed "Layers:" dump is read by the one-line reader: Myelin, a QDQ Reformat, a convolution
+    assert yolo.engine is not None and [l.layer_type for l in yolo.engine.layers] == ["Myelin", "Reformat",
+                                                                                       "CaskConvolution"]
     notes = " | ".join(yolo.notes)
     assert "2 'Layer(...)' line(s)" in notes and "3 'Name: ...' line(s)" in notes
     assert "6 line(s) contain non-ASCII" in notes
