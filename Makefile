@@ -11,6 +11,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	@command -v dot >/dev/null || apt-get install -y -q graphviz >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1) || \
+	  echo "warning: could not install graphviz (kiln draw/report need 'dot'); its tests will be skipped"
+	@test -x /usr/bin/chromium || apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  echo "warning: could not install chromium (the headless report test will be skipped)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -22,6 +22,7 @@ def atomic_write_bytes(path: str | os.PathLike, chunks: list[bytes]) -> None:
                 f.write(c)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600 files; give the permissions a plain write would
         os.replace(tmp, path)
     except BaseException as exc:
         try:
@@ -35,3 +36,9 @@ def atomic_write_bytes(path: str | os.PathLike, chunks: list[bytes]) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, [text.encode("utf-8")])
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "lint": "kiln.cli.lint_cmd",
     "diff": "kiln.cli.diff_cmd",
     "log": "kiln.cli.log_cmd",
+    "draw": "kiln.cli.draw_cmd",
+    "report": "kiln.cli.report_cmd",
 }
 
 

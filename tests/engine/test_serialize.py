@@ -223,3 +223,16 @@ def test_kiln_source_never_imports_pickle():
     for p in KILN_SRC.rglob("*.py"):
         text = p.read_text()
         assert "torch.load(" not in text and "allow_pickle=True" not in text, p
+
+
+def test_written_files_get_ordinary_permissions(tmp_path):
+    import os
+    import stat
+
+    from kiln.fileio import atomic_write_text
+
+    atomic_write_text(tmp_path / "r.json", "{}")
+    mode = stat.S_IMODE(os.stat(tmp_path / "r.json").st_mode)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert mode == 0o666 & ~mask
