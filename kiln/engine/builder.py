@@ -15,7 +15,7 @@ import torch
 import kiln
 from kiln.engine.memory import plan_memory
 from kiln.engine.plan import Arg, Layer, Plan, TensorDesc
-from kiln.frontend import import_onnx
+from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.passes import DEFAULT_PIPELINE, run_passes
@@ -59,12 +59,13 @@ class BuildOptions:
 
 def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
     start = time.perf_counter()
-    g = import_onnx(model, options.input_shapes)
+    proto = load_model(model)
+    g = import_onnx(proto, options.input_shapes)
     stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
     sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
     tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
-    layers, weights = lower_with_regions(g, sources, tuner, options.regions)
+    layers, weights = lower_with_regions(g, sources, tuner, options.regions, onnxruntime_reference(proto))
     cache.save()
     inputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs)
     outputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.outputs)
@@ -249,7 +250,23 @@ class _Lowering:
 PLAN_MARGIN = 0.03   # another plan must beat one whole onnxruntime region by 3% to be taken
 
 
-def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | None, regions: bool):
+def onnxruntime_reference(proto: onnx.ModelProto):
+    """A function running the ORIGINAL model in onnxruntime (the ground truth plans are checked against), or None."""
+    try:
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as exc:   # not installed, too large to serialize, or a model it rejects: no reference
+        log.debug("No onnxruntime reference for plan checks: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        return None
+
+    def run(inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        feeds = {name: t.contiguous().numpy() for name, t in inputs.items()}
+        return [torch.from_numpy(np.asarray(y)) for y in sess.run(None, feeds)]
+    return run
+
+
+def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | None, regions: bool, reference=None):
     """Lower with per-layer tactics; then time whole candidate plans end to end: all kiln kernels, the whole
     graph as one onnxruntime region, and the mix the segment cost model proposes. Keep the fastest."""
     if tuner is None or not regions or not ({"onnxruntime", "openvino"} & sources):
@@ -280,7 +297,7 @@ def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | Non
             except Exception as exc:   # the library rejects the graph: that plan is simply not a candidate
                 log.debug("%s plan unavailable: %s", name, exc)
             unapply_regions(g)
-    times = measure_plans(candidates, first.descs, g, tuner)
+    times = measure_plans(candidates, first.descs, g, tuner, reference)
     best = min(times, key=times.get)
     if "onnxruntime" in times and times[best] > times["onnxruntime"] * (1 - PLAN_MARGIN):
         best = "onnxruntime"

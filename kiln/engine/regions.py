@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.errors import Error
 from kiln.ir import Graph, Node
 from kiln.tactics import HWC, LINEAR, LayerView
 from kiln.tactics.autotune import Autotuner, TimingOptions, _example, _time_ms
@@ -230,11 +231,14 @@ def plan_signature(layers: list) -> str:
     return digest([(l.name, l.tactic_name, [(t.dims, t.format) for t in l.inputs]) for l in layers])
 
 
-def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Graph, tuner: Autotuner) -> dict[str, float]:
-    """Whole-plan latency of each candidate, timed interleaved (the deciding measurement)."""
+def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Graph, tuner: Autotuner,
+                  reference_fn=None) -> dict[str, float]:
+    """Whole-plan latency of each candidate, timed in blocks (the deciding measurement). Each candidate's outputs
+    on the timing input are checked first: against the original model in onnxruntime when available, else
+    against kiln's own kernels (the first candidate)."""
     times, runners = {}, {}
     inputs = {v.name: _example(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
-    reference = None
+    reference = _reference_outputs(reference_fn, inputs)
     for name, (layers, weights) in candidates.items():
         key = plan_signature(layers)
         cached = tuner.cache.get(key, "plan", f"the {name} plan")
@@ -249,11 +253,15 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
             log.warning("The %s plan cannot run (%s: %s); leaving it out", name, type(exc).__name__, exc)
             continue
         if reference is None:
-            reference = outputs   # the first candidate is kiln's own kernels
+            reference = outputs   # no onnxruntime reference: the first candidate (kiln's own kernels) is the judge
         elif not _agree(outputs, reference):
-            log.warning("The %s plan's outputs differ from kiln's kernels on the timing input; leaving it out", name)
+            log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
+                        "the original model in onnxruntime" if reference_fn else "kiln's kernels")
             continue
         runners[name] = (key, run, [])
+    if not runners and not times and candidates:
+        raise Error("no plan reproduces the original model's outputs (checked against onnxruntime on a random "
+                    "input); rebuild with --builder-optimization-level 0 and compare with `kiln run`, then report it")
     # blocks, each after its own warm-up runs: a library's idle threads keep spinning for a while after it
     # returns, which would bill the next candidate if runs alternated one by one
     with torch.inference_mode():
@@ -266,6 +274,16 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
         times[name] = statistics.median(samples)
         tuner.cache.put(key, "plan", times[name])
     return times
+
+
+def _reference_outputs(reference_fn, inputs: dict) -> list | None:
+    if reference_fn is None:
+        return None
+    try:
+        return reference_fn(inputs)
+    except Exception as exc:
+        log.debug("onnxruntime reference run failed (%s); plans are checked against kiln's kernels", exc)
+        return None
 
 
 def _agree(got: list, want: list, rel: float = 1e-3) -> bool:

@@ -177,7 +177,7 @@ def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monk
     proto, x = models["inception"]
     engine = kiln.build(proto, tactic_sources=frozenset({"onnxruntime", "torch-onednn", "torch"}), avg_timing=1,
                         min_timing=1)
-    assert "plan's outputs differ from kiln's kernels" in caplog.text
+    assert "plan's outputs differ from the original model in onnxruntime" in caplog.text
     assert not any(l.inner for l in engine.plan.layers)
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
@@ -205,3 +205,23 @@ def test_region_profile_follows_the_layer_info_split(models, monkeypatch):
     convs = [r for r in detailed[1:] if r["name"] in inner and "Conv" in r["name"]]
     assert convs and region.name not in [r["name"] for r in detailed[1:]]
     assert all(r["timeMs"] > 0 for r in convs)
+
+
+def test_kiln_plan_that_disagrees_with_onnxruntime_is_left_out(models, monkeypatch, caplog):
+    """The ground truth is the original model in onnxruntime, not kiln's own kernels."""
+    from kiln.tactics.onednn_conv import OneDnnConvTactic
+    from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
+    from kiln.tactics.reference import ReferenceTactic
+
+    for cls in (ReferenceTactic, OneDnnConvTactic, OnnxRuntimeLayerTactic):   # every per-layer kernel is off
+        def broken_prepare(self, layer, _prepare=cls.prepare):
+            kernel = _prepare(self, layer)
+            return lambda xs: [y * 0.5 if y.is_floating_point() else y for y in kernel(xs)]
+        monkeypatch.setattr(cls, "prepare", broken_prepare)
+    caplog.set_level(logging.WARNING, logger="kiln.build")
+    proto, x = models["inception"]
+    engine = kiln.build(proto, avg_timing=1, min_timing=1)
+    assert "The kiln plan's outputs differ from the original model in onnxruntime" in caplog.text
+    assert any(l.inner for l in engine.plan.layers)
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
