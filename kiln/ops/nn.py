@@ -186,3 +186,33 @@ def _prod(x, dims, keep):
     for d in sorted(dims, reverse=True):
         x = x.prod(dim=d, keepdim=keep)
     return x
+
+
+@register("Einsum", OpKind.COMPLEX, trt_layer="Einsum")
+def einsum(attrs, xs):
+    return [torch.einsum(attrs["equation"].replace(" ", ""), *xs)]
+
+
+@register("TopK", OpKind.REDUCTION, host_inputs=(1,), trt_layer="TopK")
+def topk(attrs, xs):
+    x, k = xs[0], int(xs[1][0] if isinstance(xs[1], list) else xs[1])
+    values, indices = torch.topk(x, k, dim=attrs.get("axis", -1), largest=bool(attrs.get("largest", 1)),
+                                 sorted=True)
+    return [values, indices.to(torch.int64)]
+
+
+def _arg_reduce(largest: bool):
+    def impl(attrs, xs):
+        x = xs[0]
+        axis = attrs.get("axis", 0) % x.dim()
+        keep = bool(attrs.get("keepdims", 1))
+        if attrs.get("select_last_index", 0):
+            flipped = x.flip(axis)
+            idx = (flipped.argmax if largest else flipped.argmin)(dim=axis, keepdim=keep)
+            return [(x.shape[axis] - 1 - idx).to(torch.int64)]
+        return [(x.argmax if largest else x.argmin)(dim=axis, keepdim=keep).to(torch.int64)]
+    return impl
+
+
+register("ArgMax", OpKind.REDUCTION, trt_layer="TopK")(_arg_reduce(True))
+register("ArgMin", OpKind.REDUCTION, trt_layer="TopK")(_arg_reduce(False))

@@ -78,3 +78,45 @@ def test_resize(attrs, scales, sizes):
         inits += [("scales", np.array([], np.float32)), ("sizes", np.array(sizes, np.int64))]
         names += ["scales", "sizes"]
     check(helper.make_node("Resize", names, ["y"], **attrs), (1, 3, 4, 6), inits, opset=13)
+
+
+def run_both(model, feeds):
+    engine = kiln.build(model, autotune=False)
+    got = engine.run(feeds)
+    for out, want in zip(model.graph.output, run_ort(model, feeds)):
+        assert_close_to_ort(got[out.name], want)
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    ("bhqd,bhkd->bhqk", [(1, 2, 5, 4), (1, 2, 6, 4)]),
+    ("ij->ji", [(3, 4)]),
+    ("i,i->", [(5,), (5,)]),
+])
+def test_einsum(equation, shapes):
+    names = [f"x{i}" for i in range(len(shapes))]
+    model = make_model([helper.make_node("Einsum", names, ["y"], equation=equation)],
+                       [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(names, shapes)],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=13)
+    run_both(model, {n: RNG.standard_normal(s).astype(np.float32) for n, s in zip(names, shapes)})
+
+
+@pytest.mark.parametrize("axis, largest", [(-1, 1), (1, 0)])
+def test_topk(axis, largest):
+    k = numpy_helper.from_array(np.array([3], np.int64), "k")
+    model = make_model([helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=axis, largest=largest)],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6, 7])],
+                       [helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
+                        helper.make_tensor_value_info("i", TensorProto.INT64, None)], [k], opset=13)
+    x = RNG.permutation(84).reshape(2, 6, 7).astype(np.float32)   # distinct values: indices are unambiguous
+    run_both(model, {"x": x})
+
+
+@pytest.mark.parametrize("op", ["ArgMax", "ArgMin"])
+@pytest.mark.parametrize("keepdims, last", [(1, 0), (0, 1)])
+def test_arg_reduce(op, keepdims, last):
+    model = make_model([helper.make_node(op, ["x"], ["y"], axis=1, keepdims=keepdims, select_last_index=last)],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.INT64, None)], opset=13)
+    x = RNG.integers(0, 3, (3, 5, 4)).astype(np.float32)          # ties: select_last_index matters
+    run_both(model, {"x": x})
