@@ -5,6 +5,7 @@ from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_ident
 from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_gemm_activation, fuse_residual_add
 from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
+from kiln.passes.normalization import fuse_layer_norm
 from kiln.passes.pointwise import fuse_pointwise
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 
@@ -17,6 +18,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("DeadLayerRemoval", remove_dead_layers),
     Pass("ShuffleShuffleFusion", fuse_shuffles),
     Pass("ShuffleErasure", erase_noop_shuffles, "shuffle fusions"),
+    # LayerNorm before pointwise fusion, which would otherwise swallow its Sub/Pow/Add/Sqrt/Div into PWN layers.
+    Pass("LayerNormFusion", fuse_layer_norm),
     # BN folds before activations and sums so the fused conv stays one kernel with post-ops.
     Pass("ConvScaleFusion", fold_batchnorm_into_conv),
     # The residual sum must be absorbed before the activation (post-op order: sum, then activation).

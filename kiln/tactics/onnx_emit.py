@@ -127,6 +127,14 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     return e.node(view.op_type, xs, a, len(view.output_dtypes))
 
 
+NEEDS_OPSET = {"LayerNormalization": 17, "GroupNormalization": 21, "Gelu": 20}
+
+
+def opset_for(op_types, opset: int) -> int:
+    """Ops that kiln's passes create may be newer than the model's opset: raise it for them."""
+    return max([opset] + [NEEDS_OPSET.get(op, 0) for op in op_types])
+
+
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """One layer as a model: activations are inputs "x<i>", weights initializers "w<i>", one output."""
     e = Emitter()
@@ -141,7 +149,7 @@ def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.nda
     y = emit_layer(e, view, xs)
     e.rename_result(y, "y")
     e.add_output("y", view.output_dtypes[0])
-    return e.model(opset), e.external
+    return e.model(opset_for([n.op_type for n in e.nodes], opset)), e.external
 
 
 def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
@@ -183,4 +191,4 @@ def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tupl
         e.rename_result(emit_layer(e, view, xs), out)
     for name, dtype in outputs:
         e.add_output(name, dtype)
-    return e.model(opset, "kiln_region"), e.external
+    return e.model(opset_for([n.op_type for n in e.nodes], opset), "kiln_region"), e.external

@@ -1,0 +1,109 @@
+"""LayerNormFusion: the decomposed LayerNorm that exporters emit becomes one LayerNormalization layer.
+
+    m = ReduceMean(x, axes=A)  d = Sub(x, m)  v = ReduceMean(Pow(d, 2) | Mul(d, d), axes=A)
+    y = Div(d, Sqrt(Add(v, eps)))  [y = Mul(y, gamma)]  [y = Add(y, beta)]
+==> LayerNormalization(x, gamma, beta, axis=first of A, epsilon=eps), A being the trailing axes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.ir import Graph, Node, Value
+from kiln.passes.manager import PassLog
+from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer
+
+
+def _producer(v: Value | None, op: str) -> Node | None:
+    return v.producer if v is not None and v.producer is not None and v.producer.op_type == op else None
+
+
+def _reduce_axes(node: Node, rank: int) -> list[int] | None:
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None and node.inputs[1].is_const:
+        axes = node.inputs[1].const.reshape(-1).tolist()
+    if axes is None or not node.attrs.get("keepdims", 1):
+        return None
+    return sorted(a % rank for a in axes)
+
+
+def _scalar(v: Value | None) -> float | None:
+    if v is None or not v.is_const or v.const.size != 1:
+        return None
+    return float(v.const.reshape(-1)[0])
+
+
+def _match(g: Graph, div: Node) -> tuple[list[Node], Value, list[int], float] | str | None:
+    """(nodes, x, axes, eps) for a LayerNorm ending at `div`; a reason string when it almost matched."""
+    sub, sqrt = _producer(div.inputs[0], "Sub"), _producer(div.inputs[1], "Sqrt")
+    if sub is None or sqrt is None:
+        return None
+    add_eps = _producer(sqrt.inputs[0], "Add")
+    mean = _producer(sub.inputs[1], "ReduceMean")
+    if add_eps is None or mean is None or mean.inputs[0] is not sub.inputs[0]:
+        return None
+    var = _producer(add_eps.inputs[0], "ReduceMean")
+    eps = _scalar(add_eps.inputs[1])
+    if var is None:
+        return None
+    square = var.inputs[0].producer
+    d = sub.outputs[0]
+    is_square = square is not None and ((square.op_type == "Pow" and square.inputs[0] is d and
+                                         _scalar(square.inputs[1]) == 2.0) or
+                                        (square.op_type == "Mul" and square.inputs[0] is d and square.inputs[1] is d))
+    if not is_square:
+        return None
+    x = sub.inputs[0]
+    rank = len(x.shape)
+    axes, axes_var = _reduce_axes(mean, rank), _reduce_axes(var, rank)
+    if eps is None:
+        return "epsilon is not a constant scalar"
+    if axes is None or axes != axes_var or axes != list(range(rank - len(axes), rank)):
+        return f"reductions are not over the same trailing axes ({axes} vs {axes_var})"
+    nodes = [mean, sub, square, var, add_eps, sqrt, div]
+    inner = [mean, square, var, add_eps, sqrt]
+    if any(sole_consumer(g, n) is None for n in inner) or len(d.users) != 2 or g.is_output(d):
+        return "an intermediate value is also used outside the pattern"
+    return nodes, x, axes, eps
+
+
+def _affine(g: Graph, node: Node, op: str, width: int) -> tuple[Node, Value] | None:
+    """A following Mul/Add by a constant of the normalized width (gamma / beta)."""
+    nxt = sole_consumer(g, node)
+    if nxt is None or nxt.op_type != op:
+        return None
+    other = nxt.inputs[1] if nxt.inputs[0] is node.outputs[0] else nxt.inputs[0]
+    if not other.is_const or other.const.size != width:
+        return None
+    return nxt, other
+
+
+def fuse_layer_norm(g: Graph, plog: PassLog) -> None:
+    for div in [n for n in g.nodes if n.op_type == "Div"]:
+        if div not in g.nodes:
+            continue
+        found = _match(g, div)
+        if found is None:
+            continue
+        plog.running(div)
+        if isinstance(found, str):
+            plog.not_fused(div.inputs[0].producer, div, found)
+            continue
+        nodes, x, axes, eps = found
+        width = int(np.prod([x.shape[a] for a in axes]))
+        shape = tuple(x.shape[a] for a in axes)
+        last, gamma, beta = div, None, None
+        if (m := _affine(g, last, "Mul", width)) is not None:
+            last, gamma = m
+            nodes.append(last)
+        if (a := _affine(g, last, "Add", width)) is not None:
+            last, beta = a
+            nodes.append(last)
+        name, origin = fused_name(nodes)
+        dtype = x.dtype
+        gamma_v = g.add_const(f"{name}.scale", (gamma.const if gamma is not None else np.ones(shape)).astype(dtype)
+                              .reshape(shape))
+        beta_v = g.add_const(f"{name}.bias", (beta.const if beta is not None else np.zeros(shape)).astype(dtype)
+                             .reshape(shape))
+        plog.fusing(nodes[0], last)
+        replace_nodes(g, nodes, Node(name, "LayerNormalization", [x, gamma_v, beta_v], list(last.outputs),
+                                     {"axis": axes[0], "epsilon": eps}, "", origin))

@@ -1,0 +1,85 @@
+"""LayerNormFusion on real exports: the decomposed LayerNorm (legacy exporter, opset 13) becomes one layer;
+the native op (opset 17, dynamo) passes through; a pattern with a foreign reader of an intermediate does not fuse."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import kiln
+from tests.conftest import assert_close_to_ort, run_ort
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.norm(self.fc1(x))))
+
+
+def export(tmp_path, opset: int | None, dynamo: bool) -> onnx.ModelProto:
+    torch.manual_seed(0)
+    model = Block().eval()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    path = tmp_path / "block.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(model, (torch.randn(2, 5, 16),), str(path), dynamo=True)
+        else:
+            torch.onnx.export(model, (torch.randn(2, 5, 16),), str(path), dynamo=False, opset_version=opset)
+    proto = onnx.load(str(path))
+    proto.ir_version = min(proto.ir_version, 10)
+    return proto
+
+
+@pytest.mark.parametrize("opset, dynamo", [(13, False), (17, False), (None, True)])
+def test_layer_norm_is_one_layer_and_correct(tmp_path, caplog, opset, dynamo):
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    proto = export(tmp_path, opset, dynamo)
+    engine = kiln.build(proto, autotune=False)
+    norms = [l for l in engine.plan.layers if l.op_type == "LayerNormalization"]
+    assert len(norms) == 1, [l.name for l in engine.plan.layers]
+    if opset == 13:
+        assert "LayerNormFusion: Fusing" in caplog.text
+        assert len(norms[0].origin) == 9   # ReduceMean Sub Pow ReduceMean Add Sqrt Div Mul Add
+    x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+    tuned = kiln.build(proto, avg_timing=1, min_timing=1)   # regions re-emit the fused layer as ONNX too
+    assert_close_to_ort(tuned.run(feeds)[tuned.output_names[0]], run_ort(proto, feeds)[0])
+
+
+def test_no_fusion_when_an_intermediate_is_read_elsewhere(tmp_path, caplog):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tests.conftest import make_model
+
+    c = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)   # noqa: E731
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1], name="mean"),
+             helper.make_node("Sub", ["x", "m"], ["d"], name="sub"),
+             helper.make_node("Pow", ["d", "two"], ["p"], name="pow"),
+             helper.make_node("ReduceMean", ["p"], ["v"], axes=[-1], name="var"),
+             helper.make_node("Add", ["v", "eps"], ["ve"], name="add_eps"),
+             helper.make_node("Sqrt", ["ve"], ["s"], name="sqrt"),
+             helper.make_node("Div", ["d", "s"], ["y"], name="div")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                        helper.make_tensor_value_info("v", TensorProto.FLOAT, None)], [c("two", 2.0), c("eps", 1e-5)],
+                       opset=13)
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    engine = kiln.build(model, autotune=False)
+    assert not any(l.op_type == "LayerNormalization" for l in engine.plan.layers)
+    assert "LayerNormFusion: Not fusing" in caplog.text and "used outside the pattern" in caplog.text
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+    got = engine.run({"x": x})
+    for out, want in zip(model.graph.output, run_ort(model, {"x": x})):
+        assert_close_to_ort(got[out.name], want)
