@@ -65,7 +65,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
     tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
-    layers, weights = lower_with_regions(g, sources, tuner, options.regions, onnxruntime_reference(proto))
+    layers, weights = lower_with_regions(g, sources, tuner, options.regions, lambda: onnxruntime_reference(proto))
     cache.save()
     inputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs)
     outputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.outputs)
@@ -266,7 +266,8 @@ def onnxruntime_reference(proto: onnx.ModelProto):
     return run
 
 
-def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | None, regions: bool, reference=None):
+def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | None, regions: bool,
+                       make_reference=lambda: None):
     """Lower with per-layer tactics; then time whole candidate plans end to end: all kiln kernels, the whole
     graph as one onnxruntime region, and the mix the segment cost model proposes. Keep the fastest."""
     if tuner is None or not regions or not ({"onnxruntime", "openvino"} & sources):
@@ -297,7 +298,7 @@ def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | Non
             except Exception as exc:   # the library rejects the graph: that plan is simply not a candidate
                 log.debug("%s plan unavailable: %s", name, exc)
             unapply_regions(g)
-    times = measure_plans(candidates, first.descs, g, tuner, reference)
+    times = measure_plans(candidates, first.descs, g, tuner, make_reference())   # a session only when plans compete
     best = min(times, key=times.get)
     if "onnxruntime" in times and times[best] > times["onnxruntime"] * (1 - PLAN_MARGIN):
         best = "onnxruntime"
