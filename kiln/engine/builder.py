@@ -19,7 +19,7 @@ from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.passes import DEFAULT_PIPELINE, run_passes
-from kiln.tactics import ANY, HWC, LINEAR, LayerView, available_sources, candidates, tactic_value
+from kiln.tactics import ANY, LINEAR, LayerView, available_sources, candidates, tactic_value
 from kiln.engine.regions import _view, apply_regions, choose_regions, measure_plans, unapply_regions
 from kiln.tactics.onnx_emit import supports
 from kiln.tactics.autotune import Autotuner, TimingOptions

@@ -12,7 +12,6 @@ import logging
 import statistics
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kiln.errors import Error

@@ -18,7 +18,7 @@ from safetensors.numpy import save as st_save
 
 from kiln.engine.plan import Arg, Layer, MemoryPlan, Plan, TensorDesc
 from kiln.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
-from kiln.errors import EngineFormatError, Error
+from kiln.errors import EngineFormatError
 
 MAGIC = b"KILNPLAN"
 FORMAT_VERSION = 1

@@ -1,7 +1,6 @@
 """Executes a plan on CPU: kernels prepared once per engine (weights shared), state per execution context."""
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
@@ -10,7 +9,6 @@ import torch
 
 from kiln.engine.plan import Plan
 from kiln.errors import InputError
-from kiln.ops.dtypes import to_torch_dtype
 from kiln.tactics.prepare import TorchWeights, prepare_kernel
 
 Kernel = Callable[[list], list]
@@ -82,4 +80,3 @@ def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     return arr if arr.dtype == np.dtype(dtype) else arr.astype(dtype)
 
 
-_PREPARE_LOCK = threading.Lock()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import onnx
 import pytest
 import torch
