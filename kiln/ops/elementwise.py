@@ -1,7 +1,6 @@
 """Elementwise ONNX ops (unary, binary, variadic, comparisons) in torch."""
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -150,4 +149,3 @@ def batch_norm(attrs, xs):
     return [x * inv.reshape(shape) + (bias - mean_ * inv).reshape(shape)]
 
 
-SQRT_HALF = 1.0 / math.sqrt(2.0)

@@ -28,7 +28,6 @@ class ExecutionContext:
         self.plan, self.kernels = plan, kernels
         self._steps = [(layer, [(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
                         plan.memory.free_after[i]) for i, layer in enumerate(plan.layers)]
-        self._thread = None
 
     def check_inputs(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         expected = {t.name: t for t in self.plan.inputs}
