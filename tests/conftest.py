@@ -43,3 +43,14 @@ def make_model(nodes, inputs, outputs, initializers=(), opset: int = 17, name: s
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     return model
+
+
+def rand(shape, seed=0, positive=False):
+    a = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return np.abs(a) + 0.1 if positive else a
+
+
+def init(name, arr):
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.asarray(arr), name)

@@ -60,20 +60,21 @@ def is_qdq(layer: LayerRecord) -> bool:
     return layer.params.get("Origin") == "QDQ" or any(_QDQ_NAME.search(p) for p in layer.fused_names)
 
 
-def in_precision(layer: LayerRecord) -> str | None:
-    found = [t.precision for t in layer.inputs if t.precision]
+def _side_precision(layer: LayerRecord, tensors, index: int) -> str | None:
+    """The first known precision among `tensors`, else the tactic name's type group (0: input, 1: output)."""
+    found = [t.precision for t in tensors if t.precision]
     if found:
         return found[0]
     types = tactic_types(layer.tactic_name)
-    return types[0] if types else None
+    return types[index] if types else None
+
+
+def in_precision(layer: LayerRecord) -> str | None:
+    return _side_precision(layer, layer.inputs, 0)
 
 
 def out_precision(layer: LayerRecord) -> str | None:
-    found = [t.precision for t in layer.outputs if t.precision]
-    if found:
-        return found[0]
-    types = tactic_types(layer.tactic_name)
-    return types[1] if types else None
+    return _side_precision(layer, layer.outputs, 1)
 
 
 def majority_precision(engine: EngineInfo) -> str | None:

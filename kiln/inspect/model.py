@@ -3,6 +3,7 @@ kiln engines and exports, profiles, per-inference times and build logs. Renderin
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,19 +124,11 @@ class EngineInfo:
 
     @property
     def layer_types(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for layer in self.layers:
-            key = layer.layer_type or "unknown"
-            counts[key] = counts.get(key, 0) + 1
-        return counts
+        return dict(Counter(layer.layer_type or "unknown" for layer in self.layers))
 
     @property
     def precisions(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for layer in self.layers:
-            key = layer.precision or "unknown"
-            counts[key] = counts.get(key, 0) + 1
-        return counts
+        return dict(Counter(layer.precision or "unknown" for layer in self.layers))
 
 
 @dataclass(frozen=True)

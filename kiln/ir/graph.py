@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +115,6 @@ class Graph:
                 if v is old:
                     self.set_input(user, i, new)
         if old in self.outputs:
-            # graph outputs keep their public name: rename `new` to it when `new` is internal
             self.outputs = [new if v is old else v for v in self.outputs]
 
     def users_of(self, node: Node) -> list[Node]:
@@ -196,9 +195,3 @@ def _short(a: Any) -> str:
         return f"[{len(a)} items]"
     return repr(a)
 
-
-def iter_consts(nodes: Iterable[Node]) -> Iterable[Value]:
-    for n in nodes:
-        for v in n.inputs:
-            if v is not None and v.is_const:
-                yield v

@@ -56,12 +56,6 @@ def lookup(op_type: str, domain: str = "") -> OpDef | None:
     return OPS.get(op_type)
 
 
-def call(op_type: str, attrs: dict[str, Any], inputs: list[Any]) -> list[torch.Tensor]:
-    """Run an op's reference implementation; host inputs given as tensors are converted here."""
-    opdef = OPS[op_type]
-    args = [host_value(x) if i in opdef.host_inputs else x for i, x in enumerate(inputs)]
-    return opdef.impl(attrs, args)
-
 
 def host_value(x: Any) -> Any:
     if x is None or isinstance(x, (list, int, float)):

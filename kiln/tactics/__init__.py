@@ -48,9 +48,6 @@ def candidates(layer: LayerView, sources: frozenset[str] | None = None) -> list[
     return found
 
 
-def choose(layer: LayerView, sources: frozenset[str] | None = None) -> Tactic:
-    return candidates(layer, sources)[0]
-
 
 __all__ = ["ALL_SOURCES", "ANY", "HWC", "LINEAR", "Kernel", "LayerView", "Tactic", "TACTICS_BY_NAME",
-           "available_sources", "candidates", "choose", "parse_sources", "tactic_value"]
+           "available_sources", "candidates", "parse_sources", "tactic_value"]

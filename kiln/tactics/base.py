@@ -43,7 +43,3 @@ def tactic_value(name: str) -> int:
     """A stable 64-bit identifier for a tactic name (TensorRT's TacticValue)."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
-
-def format_of_output(shape: tuple[int, ...] | None, input_formats: list[str]) -> str:
-    """Format-agnostic kernels keep the channel-major layout of a 4-D input."""
-    return HWC if shape is not None and len(shape) == 4 and HWC in input_formats else LINEAR

@@ -18,11 +18,15 @@ def available() -> bool:
     return True
 
 
-def session(model, external: dict[str, np.ndarray], spinning: bool = False):
-    """An onnxruntime session for `model`, its large weights handed over from numpy without copies."""
+def session(model, external: dict[str, np.ndarray], spinning: bool = False, profile_prefix: str | None = None):
+    """An onnxruntime session for `model`, its large weights handed over from numpy without copies;
+    with `profile_prefix`, onnxruntime's per-node profiler writes there."""
     import onnxruntime as ort
 
     so = session_options(torch.get_num_threads(), spinning)
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
     if external:
         so.add_external_initializers(list(external), [ort.OrtValue.ortvalue_from_numpy(a) for a in external.values()])
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -104,17 +108,8 @@ class RegionKernel:
         if self._profiling is None:
             import tempfile
 
-            import onnxruntime as ort
-
             self._tmp = tempfile.TemporaryDirectory(prefix="kiln-profile-")
-            so = session_options(torch.get_num_threads(), self.spinning)
-            so.enable_profiling = True
-            so.profile_file_prefix = f"{self._tmp.name}/region"
-            if self.external:
-                so.add_external_initializers(list(self.external),
-                                             [ort.OrtValue.ortvalue_from_numpy(a) for a in self.external.values()])
-            self._profiling = ort.InferenceSession(self.model.SerializeToString(), so,
-                                                   providers=["CPUExecutionProvider"])
+            self._profiling = session(self.model, self.external, self.spinning, f"{self._tmp.name}/region")
         return [torch.from_numpy(y) for y in self._profiling.run(self.output_names, self._feeds(xs))]
 
     def end_profiling(self) -> dict[str, list[float]]:

@@ -2,21 +2,12 @@
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 import kiln
-from tests.conftest import assert_close_to_ort, make_model, run_ort
+from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
 
 F32 = TensorProto.FLOAT
-
-
-def rand(shape, seed=0, positive=False):
-    a = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    return np.abs(a) + 0.1 if positive else a
-
-
-def init(name, arr):
-    return numpy_helper.from_array(np.asarray(arr), name)
 
 
 def check(nodes, inputs, inits=(), opset=17, outputs=("y",), shapes=None, build_opts=None):

@@ -3,24 +3,15 @@ import logging
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 import kiln
 from kiln.frontend import import_onnx
 from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation
 from kiln.passes.manager import PassLog
-from tests.conftest import assert_close_to_ort, make_model, run_ort
+from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
 
 F32 = TensorProto.FLOAT
-
-
-def rand(shape, seed=0, positive=False):
-    a = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    return np.abs(a) + 0.1 if positive else a
-
-
-def init(name, arr):
-    return numpy_helper.from_array(np.asarray(arr), name)
 
 
 def vi(name, shape, dtype=F32):
