@@ -13,10 +13,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-layer-info", metavar="F", help="write layer info JSON (trtexec --exportLayerInfo schema)")
     p.add_argument("--profiling-verbosity", default="detailed", choices=["none", "layer_names_only", "detailed"],
                    help="layer-info verbosity (default: detailed, unlike trtexec)")
-    p.add_argument("--shapes", metavar="SPEC", help="input shapes, e.g. input:1x3x224x224,mask:1x128")
+    p.add_argument("--shapes", metavar="SPEC", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128")
+    add_profile_arguments(p)
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass by name")
     p.add_argument("--verify-each", action="store_true", help="verify the IR after every pass")
     add_tactic_arguments(p)
+
+
+def add_profile_arguments(p: argparse.ArgumentParser, spelling: str = "kebab") -> None:
+    """Optimization profiles: the k-th --min/--opt/--max-shapes flags make profile k (trtexec's rule)."""
+    for bound in ("min", "opt", "max"):
+        flag = f"--{bound}-shapes" if spelling == "kebab" else f"--{bound}Shapes"
+        p.add_argument(flag, dest=f"{bound}_shapes", action="append", default=[], metavar="SPEC",
+                       help=f"{bound} shapes of a dynamic-shape profile, e.g. input_ids:1x16,attention_mask:1x16; "
+                            "repeat the min/opt/max trio for more profiles" if bound == "min" else
+                            f"{bound} shapes of the profile (see --min-shapes)")
+
+
+def profile_options(args) -> dict:
+    from kiln.frontend.profiles import profiles_from_specs
+
+    return {"profiles": tuple(profiles_from_specs(args.min_shapes, args.opt_shapes, args.max_shapes))}
 
 
 def add_tactic_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,19 +52,9 @@ def add_tactic_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_shapes(spec: str | None) -> dict[str, tuple[int, ...]]:
     """`name:1x3x224x224,other:1x16` (trtexec spelling; quotes around names allowed)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    if not spec:
-        return shapes
-    for item in spec.split(","):
-        name, sep, dims = item.strip().rpartition(":")
-        name = name.strip("'\"")
-        try:
-            if not sep or not name:
-                raise ValueError
-            shapes[name] = tuple(int(d) for d in dims.split("x"))
-        except ValueError:
-            raise Error(f"bad shape spec '{item}': expected name:DxDxD, e.g. input:1x3x224x224") from None
-    return shapes
+    from kiln.frontend.profiles import parse_shape_list
+
+    return parse_shape_list(spec) if spec else {}
 
 
 def tactic_options(args) -> dict:
@@ -64,7 +71,7 @@ def build_engine(args):
 
     set_threads(args.threads)
     return kiln.build(args.model, input_shapes=parse_shapes(args.shapes), disabled_passes=frozenset(args.disable_pass),
-                      verify_each=args.verify_each, **tactic_options(args))
+                      verify_each=args.verify_each, **profile_options(args), **tactic_options(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ from kiln.errors import Error, InputError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("engine", help="engine file (.kiln)")
     p.add_argument("--inputs", metavar="IN.npz", help="inputs by name (default: random values)")
+    p.add_argument("--shapes", metavar="SPEC", help="run-time shapes of dynamic inputs for random values, "
+                                                    "e.g. input_ids:4x77 (default: the profile's opt shapes)")
     p.add_argument("--export-output", metavar="OUT.npz", help="write the outputs of the first inference")
     p.add_argument("--iterations", type=int, default=10, help="timed inferences (at least)")
     p.add_argument("--duration", type=float, default=0.0, help="run at least this many seconds")
@@ -26,9 +28,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="detailed: a region's profile entry is split into its inner layers")
 
 
-def load_inputs(path: str | None, engine) -> dict[str, np.ndarray]:
+def load_inputs(path: str | None, engine, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
     if not path:
-        return engine.random_inputs()
+        from kiln.runtime.executor import check_shapes
+
+        unknown = sorted(set(shapes or {}) - set(engine.input_names))
+        if unknown:
+            raise InputError(f"--shapes names unknown input(s) {unknown}; the engine's inputs are {engine.input_names}")
+        feeds = engine.random_inputs(shapes=shapes)
+        check_shapes(engine.plan, {k: v.shape for k, v in feeds.items()})
+        return feeds
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
@@ -110,4 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     engine = kiln.load(args.engine)
-    return report(engine, args, load_inputs(args.inputs, engine), parse_percentiles(args.percentile))
+    from kiln.cli.build import parse_shapes
+
+    feeds = load_inputs(args.inputs, engine, parse_shapes(args.shapes))
+    return report(engine, args, feeds, parse_percentiles(args.percentile))

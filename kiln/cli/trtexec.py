@@ -5,6 +5,7 @@ import argparse
 import sys
 from types import SimpleNamespace
 
+from kiln.cli.build import add_profile_arguments
 from kiln.errors import Error
 
 
@@ -28,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--duration", type=float, default=3.0, help="minimum timed seconds")
     a("--avgRuns", type=int, default=10, help="accepted for compatibility")
     a("--percentile", default="90,95,99")
-    a("--shapes", help="name:1x3x224x224,... (static shapes for dynamic inputs)")
-    a("--optShapes", help="same as --shapes until optimization profiles land")
+    a("--shapes", help="name:1x3x224x224,...: run-time shapes; with no --min/opt/maxShapes also the build's shapes")
+    add_profile_arguments(p, spelling="camel")
     a("--threads", type=int, default=None, help="kiln: intra-op CPU threads")
     a("--skipInference", action="store_true", help="build only")
     a("--tacticSources", help="e.g. -onnxruntime,+torch-onednn")
@@ -68,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
         ns = SimpleNamespace(tactic_sources=args.tacticSources, timing_cache=args.timingCacheFile, deterministic=False,
                              avg_timing=args.avgTiming, min_timing=args.minTiming,
                              builder_optimization_level=args.builderOptimizationLevel)
-        engine = kiln.build(args.onnx, input_shapes=parse_shapes(args.shapes or args.optShapes), **tactic_options(ns))
+        from kiln.cli.build import profile_options
+
+        profiles = profile_options(args)
+        fixed = {} if profiles["profiles"] else parse_shapes(args.shapes)
+        engine = kiln.build(args.onnx, input_shapes=fixed, **profiles, **tactic_options(ns))
         if args.saveEngine:
             engine.save(args.saveEngine)
             console.info(f"Engine saved to {args.saveEngine}")
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.exportLayerInfo:
         atomic_write_text(args.exportLayerInfo, dumps(engine.layer_info(args.profilingVerbosity)))
     if not args.skipInference:
-        feeds = load_inputs(args.loadInputs, engine)
+        feeds = load_inputs(args.loadInputs, engine, parse_shapes(args.shapes))
         _warmup_iterations(engine, feeds, args.warmUp)
         ns = SimpleNamespace(export_output=args.exportOutput, iterations=args.iterations, warmup=0,
                              duration=args.duration, export_times=args.exportTimes, export_profile=args.exportProfile,

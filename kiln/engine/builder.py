@@ -46,6 +46,7 @@ def runner_type(tactic_name: str, parameter_type: str) -> str:
 @dataclass(frozen=True)
 class BuildOptions:
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    profiles: tuple[dict[str, tuple], ...] = ()   # per profile: input -> (min, opt, max) shapes
     disabled_passes: frozenset[str] = frozenset()
     tactic_sources: frozenset[str] | None = None
     verify_each: bool = False
@@ -60,15 +61,15 @@ class BuildOptions:
 def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
     start = time.perf_counter()
     proto = load_model(model)
-    g = import_onnx(proto, options.input_shapes)
+    g = import_onnx(proto, options.input_shapes, list(options.profiles))
     stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
     sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
     tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
     layers, weights = lower_with_regions(g, sources, tuner, options.regions, lambda: onnxruntime_reference(proto))
     cache.save()
-    inputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs)
-    outputs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.outputs)
+    inputs = tuple(desc_of(v) for v in g.inputs)
+    outputs = tuple(desc_of(v) for v in g.outputs)
     memory = plan_memory(layers, inputs, outputs)
     log_engine_layers(layers)
     log.debug("Total Activation Memory: %d bytes (%d bytes without reuse)", memory.total_bytes, memory.unshared_bytes)
@@ -82,14 +83,18 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
                     "layers_before": s.layers_before, "layers_after": s.layers_after} for s in stats],
     }
     log.info("Engine built in %.5f sec.", info["build_time_s"])
-    return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info)
+    return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info, tuple(g.profiles))
+
+
+def desc_of(v, name: str | None = None, fmt: str = LINEAR) -> TensorDesc:
+    return TensorDesc(name or v.name, v.shape, str(v.dtype), fmt, tuple(v.dyn_dims))
 
 
 def _tensor_text(t: TensorDesc) -> str:
     from kiln.ops.dtypes import TRT_WEIGHT_TYPE
 
     dtype = TRT_WEIGHT_TYPE.get(np.dtype(t.dtype), t.dtype)
-    return f"{t.name}[{dtype}({','.join(map(str, t.dims))})]"
+    return f"{t.name}[{dtype}({','.join(map(str, t.shape_spec))})]"
 
 
 def log_engine_layers(layers: list[Layer]) -> None:
@@ -112,7 +117,7 @@ class _Lowering:
         self.layers: list[Layer] = []
         self.weights: dict[str, np.ndarray] = {}
         self.formats: dict[str, str] = {v.name: LINEAR for v in g.inputs}
-        self.descs: dict[str, TensorDesc] = {v.name: TensorDesc(v.name, v.shape, str(v.dtype)) for v in g.inputs}
+        self.descs: dict[str, TensorDesc] = {v.name: desc_of(v) for v in g.inputs}
         self.reformatted: dict[tuple[str, str], str] = {}
 
     def weight(self, v) -> Arg:
@@ -130,8 +135,8 @@ class _Lowering:
             self.reformatted[(src, target)] = new
         else:
             name, new = f"Reformatting CopyNode for Output Tensor {index} to {consumer}", public_name
-        out = TensorDesc(new, d.dims, d.dtype, target)
-        noop = is_noop_reformat(d.dims)
+        out = dataclasses.replace(d, name=new, format=target)
+        noop = is_noop_reformat(d.dims) and not d.dynamic
         tactic = NOOP_TACTIC if noop else REFORMAT_TACTIC
         self.layers.append(Layer(name, "Reformat", "kiln", "NoOp" if noop else "Reformat", "Reformat",
                                  (Arg("tensor", src),), (d,), (out,), {"origin": "REFORMAT", "target_format": target},
@@ -144,7 +149,7 @@ class _Lowering:
         for v in self.g.outputs:
             if v.is_const:
                 self.layers.append(Layer(f"{v.name} [Constant]", "Constant", "kiln", "Constant", "Constant",
-                                         (self.weight(v),), (), (TensorDesc(v.name, v.shape, str(v.dtype)),), {},
+                                         (self.weight(v),), (), (desc_of(v),), {},
                                          "kiln.constant", tactic_value("kiln.constant"), ()))
 
     @staticmethod
@@ -185,12 +190,12 @@ class _Lowering:
                     iargs.append(self.weight(v))
                 else:
                     iargs.append(Arg("tensor", rename.get(v.name, v.name)))
-                    idescs.append(TensorDesc(rename.get(v.name, v.name), v.shape, str(v.dtype)))
+                    idescs.append(desc_of(v, rename.get(v.name, v.name)))
             ptype = self.parameter_type(n)
             inner.append(Layer(n.name, n.op_type, n.domain, runner_type(REGION_TACTIC, ptype), ptype, tuple(iargs),
-                               tuple(idescs), tuple(TensorDesc(o.name, o.shape, str(o.dtype)) for o in n.outputs),
+                               tuple(idescs), tuple(desc_of(o) for o in n.outputs),
                                _jsonable_attrs(n.attrs), REGION_TACTIC, tactic_value(REGION_TACTIC), n.origin))
-        outs = tuple(TensorDesc(v.name, v.shape, str(v.dtype)) for v in node.outputs)
+        outs = tuple(desc_of(v) for v in node.outputs)
         for t in outs:
             self.descs[t.name], self.formats[t.name] = t, LINEAR
         tactic, runner = (OPENVINO_REGION_TACTIC, "OpenVINO") if node.attrs.get("library") == "openvino" else \
@@ -208,7 +213,8 @@ class _Lowering:
                         if v is not None and v.is_const}
         view = LayerView(node.op_type, node.domain, node.attrs, tuple(None if v is None else v.shape for v in node.inputs),
                          tuple(None if v is None else str(v.dtype) for v in node.inputs), const_inputs,
-                         tuple(str(v.dtype) for v in node.outputs), self.g.opset)
+                         tuple(str(v.dtype) for v in node.outputs), self.g.opset,
+                         tuple(() if v is None else v.dyn_dims for v in node.inputs))
         tactic = self.pick(node, view)
         wanted = tactic.input_formats(view)
         args, in_descs, in_formats = [], [], []
@@ -234,7 +240,7 @@ class _Lowering:
             public = self.g.is_output(v) and fmt != LINEAR
             if public:
                 name = f"Reformatted Output Tensor {j} to {node.name}"
-            desc = TensorDesc(name, v.shape, str(v.dtype), fmt)
+            desc = desc_of(v, name, fmt)
             self.descs[name], self.formats[name] = desc, fmt
             outs.append(desc)
         ptype = self.parameter_type(node)

@@ -14,7 +14,7 @@ METADATA_SEP = "\u001e"
 
 
 def tensor_info(t: TensorDesc) -> dict[str, Any]:
-    return {"Name": t.name, "Location": "Device", "Dimensions": list(t.dims), "Format/Datatype": t.format_string()}
+    return {"Name": t.name, "Location": "Device", "Dimensions": list(t.shape_spec), "Format/Datatype": t.format_string()}
 
 
 def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:

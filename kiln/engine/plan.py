@@ -13,10 +13,18 @@ LINEAR, HWC = "linear", "hwc"
 
 @dataclass(frozen=True)
 class TensorDesc:
+    """A tensor as the engine sees it: `dims` at the optimization profile's opt point, `dynamic` the axes
+    that vary with the input shapes (layer info shows them as -1, as TensorRT does)."""
+
     name: str
     dims: tuple[int, ...]
     dtype: str
     format: str = LINEAR
+    dynamic: tuple[int, ...] = ()
+
+    @property
+    def shape_spec(self) -> tuple[int, ...]:
+        return tuple(-1 if i in self.dynamic else d for i, d in enumerate(self.dims))
 
     @property
     def size_bytes(self) -> int:
@@ -76,6 +84,7 @@ class Plan:
     weights: dict[str, np.ndarray]
     memory: MemoryPlan
     build_info: dict[str, Any] = field(default_factory=dict)
+    profiles: tuple[dict[str, Any], ...] = ()   # optimization profiles: input -> ShapeRange (dynamic engines)
 
     @property
     def weight_bytes(self) -> int:

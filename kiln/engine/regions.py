@@ -82,7 +82,12 @@ def region_io(nodes: list[Node], g: Graph):
 def _view(n: Node, opset: int) -> LayerView:
     return LayerView(n.op_type, n.domain, n.attrs, tuple(None if v is None else v.shape for v in n.inputs),
                      tuple(None if v is None else str(v.dtype) for v in n.inputs), {},
-                     tuple(str(v.dtype) for v in n.outputs), opset)
+                     tuple(str(v.dtype) for v in n.outputs), opset,
+                     tuple(() if v is None else v.dyn_dims for v in n.inputs))
+
+
+def _spec(v) -> tuple[int, ...]:
+    return tuple(-1 if i in v.dyn_dims else d for i, d in enumerate(v.shape))
 
 
 def region_model(nodes: list[Node], g: Graph):
@@ -91,7 +96,7 @@ def region_model(nodes: list[Node], g: Graph):
     steps = [(_view(n, opset), [None if v is None else ("weight" if v.is_const else "tensor", v.name) for v in n.inputs],
               n.outputs[0].name if len(n.outputs) == 1 else [v.name for v in n.outputs]) for n in nodes]
     weights = {v.name: v.const for v in consts}
-    model, external = emit_region([(v.name, v.shape, str(v.dtype)) for v in ext_in], steps,
+    model, external = emit_region([(v.name, _spec(v), str(v.dtype)) for v in ext_in], steps,
                                   [(v.name, str(v.dtype)) for v in outs], weights, opset)
     return model, external, ext_in, outs
 

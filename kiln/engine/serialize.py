@@ -19,6 +19,7 @@ from safetensors.numpy import save as st_save
 from kiln.engine.plan import Arg, Layer, MemoryPlan, Plan, TensorDesc
 from kiln.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from kiln.errors import EngineFormatError
+from kiln.frontend.profiles import ShapeRange
 
 MAGIC = b"KILNPLAN"
 FORMAT_VERSION = 1
@@ -49,7 +50,23 @@ def decode_value(v: Any) -> Any:
 
 
 def _tensor(d: TensorDesc) -> dict:
-    return {"name": d.name, "dims": list(d.dims), "dtype": d.dtype, "format": d.format}
+    out = {"name": d.name, "dims": list(d.dims), "dtype": d.dtype, "format": d.format}
+    if d.dynamic:
+        out["dynamic"] = list(d.dynamic)
+    return out
+
+
+def _profiles_json(plan: Plan) -> list[dict]:
+    return [{name: {"min": list(r.min), "opt": list(r.opt), "max": list(r.max)} for name, r in p.items()}
+            for p in plan.profiles]
+
+
+def _profiles_from_json(doc: list) -> tuple[dict[str, ShapeRange], ...]:
+    def shape(x) -> tuple[int, ...]:
+        return tuple(int(d) for d in x)
+
+    return tuple({str(name): ShapeRange(shape(r["min"]), shape(r["opt"]), shape(r["max"])) for name, r in p.items()}
+                 for p in doc)
 
 
 def _layer_json(l: Layer) -> dict:
@@ -68,7 +85,7 @@ def plan_to_json(plan: Plan) -> dict:
     return {
         "format_version": FORMAT_VERSION, "name": plan.name,
         "inputs": [_tensor(t) for t in plan.inputs], "outputs": [_tensor(t) for t in plan.outputs],
-        "layers": layers, "build_info": plan.build_info,
+        "layers": layers, "build_info": plan.build_info, "profiles": _profiles_json(plan),
         "memory": {"total_bytes": m.total_bytes, "unshared_bytes": m.unshared_bytes, "offsets": m.offsets,
                    "free_after": [list(f) for f in m.free_after]},
     }
@@ -123,7 +140,8 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> Plan:
 
 
 def _desc(d: dict) -> TensorDesc:
-    return TensorDesc(str(d["name"]), tuple(int(x) for x in d["dims"]), str(np.dtype(d["dtype"])), str(d["format"]))
+    return TensorDesc(str(d["name"]), tuple(int(x) for x in d["dims"]), str(np.dtype(d["dtype"])), str(d["format"]),
+                      tuple(int(x) for x in d.get("dynamic", ())))
 
 
 def _layer_from_json(l: dict) -> Layer:
@@ -149,4 +167,4 @@ def _plan_from_json(doc: dict, weights: dict[str, np.ndarray]) -> Plan:
     memory = MemoryPlan(int(m["total_bytes"]), int(m["unshared_bytes"]), {k: int(v) for k, v in m["offsets"].items()},
                         tuple(tuple(f) for f in m["free_after"]))
     return Plan(doc["name"], tuple(_desc(t) for t in doc["inputs"]), tuple(_desc(t) for t in doc["outputs"]),
-                layers, weights, memory, doc.get("build_info", {}))
+                layers, weights, memory, doc.get("build_info", {}), _profiles_from_json(doc.get("profiles", [])))

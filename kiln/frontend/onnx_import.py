@@ -11,6 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from kiln.errors import ModelError, UnsupportedOpError
+from kiln.frontend.profiles import Profile, opt_and_probe_shapes, resolve_profiles
 from kiln.frontend.shape_inference import infer_shapes
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
@@ -110,23 +111,59 @@ def check_supported(proto: onnx.ModelProto, opset: int) -> None:
 
 
 def import_onnx(model: str | os.PathLike | onnx.ModelProto,
-                input_shapes: dict[str, tuple[int, ...]] | None = None) -> Graph:
-    """Build a kiln Graph from ONNX. Dynamic input dims take `input_shapes` or default to 1 (with a warning)."""
+                input_shapes: dict[str, tuple[int, ...]] | None = None,
+                profiles: list[dict[str, tuple]] | None = None) -> Graph:
+    """Build a kiln Graph from ONNX, shapes inferred at profile 0's opt point. `input_shapes` fix inputs;
+    `profiles` give min/opt/max per input; dynamic inputs given neither are fixed to 1 (with a warning).
+    The resolved profiles are kept in `graph.profiles`; values' `dyn_dims` mark the axes that vary."""
     proto = _normalize_opset(load_model(model))
     opset = model_opset(proto)
     check_supported(proto, opset)
+    resolved = resolve_profiles(proto, input_shapes, profiles)
+    opt, probe = opt_and_probe_shapes(resolved)
     g = Graph(proto.graph.name or "model", opset)
     _import_initializers(g, proto)
-    _import_inputs(g, proto, input_shapes or {})
+    _import_inputs(g, proto, opt)
     _import_nodes(g, proto)
     for out in proto.graph.output:
         if out.name not in g.values:
             raise ModelError(f"graph output '{out.name}' is not produced by any node")
         g.outputs.append(g.values[out.name])
     g.toposort()
+    probed = _probe_shapes(g, probe, opt) if probe else {}
     infer_shapes(g)
+    _mark_dynamic_axes(g, probed)
+    g.profiles = resolved if probe else []
     g.verify()
     return g
+
+
+def _probe_shapes(g: Graph, probe: dict[str, tuple[int, ...]], opt: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+    """Infer every value's shape at the probe point, then restore the graph for inference at opt."""
+    saved = [dict(n.attrs) for n in g.nodes]
+    for v in g.inputs:
+        v.shape = probe.get(v.name, v.shape)
+    try:
+        infer_shapes(g)
+    except ModelError as exc:
+        raise ModelError(f"at input shapes {probe} (a profile bound): {exc}") from None
+    shapes = {name: v.shape for name, v in g.values.items() if not v.is_const}
+    for n, attrs in zip(g.nodes, saved):
+        n.attrs = attrs
+    for v in g.inputs:
+        v.shape = opt[v.name]
+    return shapes
+
+
+def _mark_dynamic_axes(g: Graph, probed: dict[str, tuple]) -> None:
+    for name, shape in probed.items():
+        v = g.values[name]
+        if v.shape is None or shape is None:
+            continue
+        if len(shape) != len(v.shape):
+            v.dyn_dims = tuple(range(len(v.shape)))
+        else:
+            v.dyn_dims = tuple(i for i, (a, b) in enumerate(zip(shape, v.shape)) if a != b)
 
 
 def _import_initializers(g: Graph, proto: onnx.ModelProto) -> None:
@@ -141,30 +178,12 @@ def _import_initializers(g: Graph, proto: onnx.ModelProto) -> None:
 
 def _import_inputs(g: Graph, proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:
     known = {i.name for i in proto.graph.initializer}
-    unknown = set(shapes) - {i.name for i in proto.graph.input}
-    if unknown:
-        raise ModelError(f"shape given for unknown input(s) {sorted(unknown)}; "
-                         f"model inputs are {[i.name for i in proto.graph.input if i.name not in known]}")
     for inp in proto.graph.input:
         if inp.name in known:
             continue
-        ttype = inp.type.tensor_type
-        dtype = onnx_to_numpy(ttype.elem_type, f"input '{inp.name}'")
-        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in ttype.shape.dim]
-        if inp.name in shapes:
-            given = tuple(int(d) for d in shapes[inp.name])
-            if len(given) != len(dims) or any(d not in (-1, s) for d, s in zip(dims, given)):
-                raise ModelError(f"input '{inp.name}': shape {list(given)} does not match the model's {dims}")
-            dims = list(given)
-        elif -1 in dims:
-            fixed = [1 if d == -1 else d for d in dims]
-            log.warning("Dynamic dimensions required for input: %s, but no shapes were provided. "
-                        "Automatically overriding shape to: %s", inp.name, "x".join(map(str, fixed)))
-            dims = fixed
-        if any(d <= 0 for d in dims):
-            raise ModelError(f"input '{inp.name}': dimension sizes must be positive, got {dims}")
+        dtype = onnx_to_numpy(inp.type.tensor_type.elem_type, f"input '{inp.name}'")
         v = g.value(inp.name)
-        v.shape, v.dtype = tuple(dims), dtype
+        v.shape, v.dtype = tuple(shapes[inp.name]), dtype
         g.inputs.append(v)
 
 

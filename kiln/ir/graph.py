@@ -11,10 +11,12 @@ from kiln.errors import ModelError
 
 @dataclass(eq=False)
 class Value:
-    """A tensor edge. `const` holds data for initializers and folded constants."""
+    """A tensor edge. `const` holds data for initializers and folded constants. `shape` is the shape at the
+    optimization profile's opt point; `dyn_dims` lists the axes that vary with the input shapes."""
 
     name: str
     shape: tuple[int, ...] | None = None
+    dyn_dims: tuple[int, ...] = ()
     dtype: np.dtype | None = None
     const: np.ndarray | None = None
     producer: "Node | None" = None
@@ -44,8 +46,10 @@ class Node:
         return f"Node({self.name!r}, {self.op_type})"
 
 
-def format_shape(shape: tuple[int, ...] | None) -> str:
-    return "?" if shape is None else "x".join(str(d) for d in shape) or "scalar"
+def format_shape(shape: tuple[int, ...] | None, dyn_dims: tuple[int, ...] = ()) -> str:
+    if shape is None:
+        return "?"
+    return "x".join("-1" if i in dyn_dims else str(d) for i, d in enumerate(shape)) or "scalar"
 
 
 class Graph:
@@ -58,6 +62,7 @@ class Graph:
         self.inputs: list[Value] = []
         self.outputs: list[Value] = []
         self.values: dict[str, Value] = {}
+        self.profiles: list = []   # optimization profiles (frontend.profiles.Profile) when inputs are dynamic
 
     # ---- construction -------------------------------------------------------------------------
     def value(self, name: str) -> Value:
@@ -177,11 +182,11 @@ class Graph:
                 raise ModelError(f"graph output '{v.name}' is never produced")
 
     def __str__(self) -> str:
-        lines = [f"graph {self.name}(" + ", ".join(f"%{v.name}: {format_shape(v.shape)}" for v in self.inputs) + "):"]
+        lines = [f"graph {self.name}(" + ", ".join(f"%{v.name}: {format_shape(v.shape, v.dyn_dims)}" for v in self.inputs) + "):"]
         for n in self.nodes:
             args = ", ".join("None" if v is None else (f"const %{v.name}" if v.is_const else f"%{v.name}")
                              for v in n.inputs)
-            outs = ", ".join(f"%{v.name}: {format_shape(v.shape)}" for v in n.outputs)
+            outs = ", ".join(f"%{v.name}: {format_shape(v.shape, v.dyn_dims)}" for v in n.outputs)
             attrs = "".join(f" {k}={_short(a)}" for k, a in sorted(n.attrs.items()))
             lines.append(f"  {outs} = {n.op_type}({args}){attrs}  # {n.name}")
         lines.append("  return " + ", ".join(f"%{v.name}" for v in self.outputs))

@@ -11,7 +11,10 @@ KILN_OPS: dict[str, OpDef] = {}
 def shuffle(attrs, xs):
     x = xs[0]
     for step in attrs["steps"]:
-        x = x.permute(*step["transpose"]) if "transpose" in step else x.reshape(step["reshape"])
+        if "transpose" in step:
+            x = x.permute(*step["transpose"])
+        else:   # ONNX Reshape semantics: 0 copies the input's axis
+            x = x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(step["reshape"])])
     return [x]
 
 

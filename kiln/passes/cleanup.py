@@ -66,6 +66,8 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
     """Evaluate nodes whose inputs are all constant (and Shape/Size of static tensors) at build time."""
     for node in list(g.nodes):
         is_shape = node.op_type in ("Shape", "Size")
+        if is_shape and _reads_dynamic_axes(node):
+            continue
         if not is_shape and not all(v is None or v.is_const for v in node.inputs):
             continue
         if any(v.shape is not None and np.prod(v.shape) > FOLD_MAX_ELEMENTS for v in node.outputs):
@@ -80,3 +82,16 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
         for v, t in zip(node.outputs, outs):
             v.const = np.ascontiguousarray(t.numpy()).reshape(tuple(t.shape))   # ascontiguousarray makes 0-d 1-d
         plog.removing(node)
+
+
+def _reads_dynamic_axes(node) -> bool:
+    """Shape/Size whose result depends on an axis that varies with the input shapes cannot be folded."""
+    x = node.inputs[0]
+    if not x.dyn_dims:
+        return False
+    if node.op_type == "Size":
+        return True
+    rank = len(x.shape)
+    start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
+    start, end = (max(0, min(rank, a + rank if a < 0 else a)) for a in (start, end))
+    return any(start <= i < end for i in x.dyn_dims)

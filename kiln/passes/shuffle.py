@@ -1,21 +1,44 @@
 """Shuffle fusions: Reshape/Flatten/Squeeze/Unsqueeze/Transpose become Shuffle layers; chains merge; no-ops go."""
 from __future__ import annotations
 
-from kiln.ir import Graph, Node
+from kiln.ir import Graph, Node, format_shape
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer, why_not_sole_consumer
 
 SHUFFLE_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose")
 
 
-def _as_shuffle(node: Node) -> Node:
-    """A data-movement op as a Shuffle with explicit steps (static shapes make every reshape concrete)."""
+def _as_shuffle(node: Node) -> Node | None:
+    """A data-movement op as a Shuffle with explicit steps; None when its target cannot be written down."""
     if node.op_type == "Transpose":
         perm = node.attrs.get("perm") or list(reversed(range(len(node.inputs[0].shape))))
         steps = [{"transpose": list(perm)}]
     else:
-        steps = [{"reshape": list(node.outputs[0].shape)}]
+        target = reshape_target(node.inputs[0], node.outputs[0])
+        if target is None:
+            return None
+        steps = [{"reshape": target}]
     return Node(node.name, "Shuffle", [node.inputs[0]], list(node.outputs), {"steps": steps}, "kiln", node.origin)
+
+
+def reshape_target(src, out) -> list[int] | None:
+    """The Reshape target (ONNX semantics: 0 copies the input's axis, -1 is inferred) reaching `out`'s shape
+    for every input shape: static axes literally, dynamic axes copied from the same input axis, at most one
+    other dynamic axis as -1. None if that is not enough (e.g. two merged dynamic axes)."""
+    target = list(out.shape)
+    if 0 in target:
+        return None   # a zero-size axis would read as "copy"
+    rest = []
+    for i in out.dyn_dims:
+        if i in src.dyn_dims and i < len(src.shape) and src.shape[i] == out.shape[i]:
+            target[i] = 0
+        else:
+            rest.append(i)
+    if len(rest) > 1:
+        return None
+    for i in rest:
+        target[i] = -1
+    return target
 
 
 def _simplify(steps: list[dict]) -> list[dict]:
@@ -24,8 +47,10 @@ def _simplify(steps: list[dict]) -> list[dict]:
         if "transpose" in step and step["transpose"] == sorted(step["transpose"]):
             continue
         if out and "reshape" in step and "reshape" in out[-1]:
-            out[-1] = step
-            continue
+            merged = _merge_reshapes(out[-1]["reshape"], step["reshape"])
+            if merged is not None:
+                out[-1] = {"reshape": merged}
+                continue
         if out and "transpose" in step and "transpose" in out[-1]:
             first = out[-1]["transpose"]
             out[-1] = {"transpose": [first[i] for i in step["transpose"]]}
@@ -36,10 +61,29 @@ def _simplify(steps: list[dict]) -> list[dict]:
     return out
 
 
+def _merge_reshapes(first: list[int], second: list[int]) -> list[int] | None:
+    """One reshape doing both: the second's copied axes (0) come from the first's target."""
+    merged = []
+    for i, d in enumerate(second):
+        if d != 0:
+            merged.append(d)
+        elif i < len(first) and first[i] >= 0:
+            merged.append(first[i])
+        else:
+            return None
+    return merged if merged.count(-1) <= 1 else None
+
+
 def fuse_shuffles(g: Graph, plog: PassLog) -> None:
     """ShuffleShuffleFusion: consecutive shuffles whose middle tensor has one reader become one Shuffle."""
     for node in [n for n in g.nodes if n.op_type in SHUFFLE_OPS and n.domain in ("", "ai.onnx")]:
-        replace_nodes(g, [node], _as_shuffle(node))
+        shuffle = _as_shuffle(node)
+        if shuffle is None:
+            out = node.outputs[0]
+            plog.note(f"keeping {node.name} as {node.op_type}: its output shape "
+                      f"{format_shape(out.shape, out.dyn_dims)} cannot be written as one reshape target")
+            continue
+        replace_nodes(g, [node], shuffle)
     changed, seen = True, set()
     while changed:
         changed = False
@@ -67,7 +111,7 @@ def erase_noop_shuffles(g: Graph, plog: PassLog) -> None:
     for node in [n for n in g.nodes if n.op_type == "Shuffle"]:
         src, out = node.inputs[0], node.outputs[0]
         steps = _simplify(node.attrs["steps"])
-        if any("transpose" in s for s in steps) or src.shape != out.shape:
+        if any("transpose" in s for s in steps) or src.shape != out.shape or src.dyn_dims != out.dyn_dims:
             continue
         if g.is_output(out) or src.is_const:
             continue

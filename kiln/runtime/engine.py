@@ -41,24 +41,32 @@ class Engine:
     def input_shapes(self) -> dict[str, tuple[int, ...]]:
         return {t.name: t.dims for t in self.plan.inputs}
 
-    def create_execution_context(self) -> ExecutionContext:
-        return ExecutionContext(self.plan, self.kernels)
+    @property
+    def profiles(self) -> list[dict[str, Any]]:
+        """Optimization profiles: per profile, input -> ShapeRange(min, opt, max); empty for static engines."""
+        return list(self.plan.profiles)
+
+    def create_execution_context(self, profile: int | None = None) -> ExecutionContext:
+        """A context for one thread; `profile` pins an optimization profile (default: the first that fits)."""
+        return ExecutionContext(self.plan, self.kernels, profile)
 
     def run(self, feeds: dict[str, np.ndarray], profiler=None) -> dict[str, np.ndarray]:
         if self._default_context is None:
             self._default_context = self.create_execution_context()
         return self._default_context.execute(feeds, profiler)
 
-    def random_inputs(self, seed: int = 0) -> dict[str, np.ndarray]:
+    def random_inputs(self, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
+        """Random feeds at the opt shapes, or at `shapes` (trtexec's --shapes) for dynamic inputs."""
         rng = np.random.default_rng(seed)
         feeds = {}
         for t in self.plan.inputs:
+            dims = tuple((shapes or {}).get(t.name, t.dims))
             if np.issubdtype(np.dtype(t.dtype), np.floating):
-                feeds[t.name] = rng.standard_normal(t.dims).astype(t.dtype)
+                feeds[t.name] = rng.standard_normal(dims).astype(t.dtype)
             elif t.dtype == "bool":
-                feeds[t.name] = rng.integers(0, 2, t.dims).astype(bool)
+                feeds[t.name] = rng.integers(0, 2, dims).astype(bool)
             else:
-                feeds[t.name] = rng.integers(0, 4, t.dims).astype(t.dtype)
+                feeds[t.name] = rng.integers(0, 4, dims).astype(t.dtype)
         return feeds
 
     def save(self, path: str | os.PathLike) -> None:

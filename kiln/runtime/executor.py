@@ -24,8 +24,12 @@ def prepare_kernels(plan: Plan) -> list[Kernel]:
 class ExecutionContext:
     """Runs inferences. Each context owns its activations; share one engine across threads, one context each."""
 
-    def __init__(self, plan: Plan, kernels: list[Kernel]):
+    def __init__(self, plan: Plan, kernels: list[Kernel], profile: int | None = None):
         self.plan, self.kernels = plan, kernels
+        if profile is not None and not 0 <= profile < max(1, len(plan.profiles)):
+            raise InputError(f"optimization profile {profile} does not exist; the engine has "
+                             f"{max(1, len(plan.profiles))} (0..{max(1, len(plan.profiles)) - 1})")
+        self.profile = profile   # None: the first profile that contains the input shapes
         self._steps = [(layer, [(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
                         plan.memory.free_after[i]) for i, layer in enumerate(plan.layers)]
 
@@ -37,12 +41,11 @@ class ExecutionContext:
         missing = sorted(set(expected) - set(feeds))
         if missing:
             raise InputError(f"missing input(s) {missing}; the engine's inputs are {sorted(expected)}")
+        shapes = {name: tuple(np.shape(feeds[name])) for name in expected}
+        check_shapes(self.plan, shapes, self.profile)
         tensors = {}
         for name, desc in expected.items():
             arr = np.asarray(feeds[name])
-            if tuple(arr.shape) != desc.dims:
-                raise InputError(f"input '{name}': shape {list(arr.shape)} does not match the engine's "
-                                 f"{list(desc.dims)} (rebuild with --shapes {name}:{'x'.join(map(str, arr.shape))})")
             if arr.dtype != np.dtype(desc.dtype):
                 # float->float and int->int convert (numpy defaults to float64); anything else is an error
                 if arr.dtype.kind != np.dtype(desc.dtype).kind or arr.dtype.kind not in "fiu":
@@ -79,3 +82,26 @@ def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     return arr if arr.dtype == np.dtype(dtype) else arr.astype(dtype)
 
 
+
+
+def check_shapes(plan: Plan, shapes: dict[str, tuple[int, ...]], profile: int | None = None) -> int:
+    """The profile the input shapes fall in (0 for static engines); an InputError naming the input, its shape
+    and the allowed ranges otherwise."""
+    if not plan.profiles:
+        for desc in plan.inputs:
+            if shapes[desc.name] != desc.dims:
+                shape = "x".join(map(str, shapes[desc.name]))
+                raise InputError(f"input '{desc.name}': shape {list(shapes[desc.name])} does not match the engine's "
+                                 f"{list(desc.dims)} (rebuild with --shapes {desc.name}:{shape}, or with "
+                                 "--min-shapes/--opt-shapes/--max-shapes for a dynamic engine)")
+        return 0
+    indices = range(len(plan.profiles)) if profile is None else [profile]
+    for k in indices:
+        if all(plan.profiles[k][n].contains(s) for n, s in shapes.items()):
+            return k
+    k = indices[0]
+    bad = next(n for n, s in shapes.items() if not plan.profiles[k][n].contains(s))
+    allowed = "; ".join(f"profile {i}: {plan.profiles[i][bad].text()}" for i in indices)
+    raise InputError(f"input '{bad}': shape {list(shapes[bad])} is outside the engine's optimization "
+                     f"profile{'s' if len(indices) > 1 else ''} ({allowed}); rebuild with a wider "
+                     f"--max-shapes/--min-shapes for '{bad}'")

@@ -24,6 +24,12 @@ class LayerView:
     const_inputs: dict[int, Any] = field(default_factory=dict)   # index -> torch tensor (weights)
     output_dtypes: tuple[str, ...] = ("float32",)
     opset: int = 17
+    input_dynamic: tuple[tuple[int, ...], ...] = ()   # per input: axes that vary with the input shapes
+
+    def input_spec(self, i: int) -> tuple[int, ...] | None:
+        """Input i's shape with -1 on dynamic axes."""
+        shape, dyn = self.input_shapes[i], self.input_dynamic[i] if i < len(self.input_dynamic) else ()
+        return None if shape is None else tuple(-1 if k in dyn else d for k, d in enumerate(shape))
 
 
 class Tactic(Protocol):

@@ -58,7 +58,8 @@ class Emitter:
     def add_input(self, name: str, shape, dtype: str) -> str:
         if name not in self.known:
             self.known.add(name)
-            self.inputs.append(helper.make_tensor_value_info(name, ONNX_ELEM[np.dtype(dtype)], list(shape)))
+            dims = [f"d{i}" if d < 0 else d for i, d in enumerate(shape)]   # -1: a dynamic axis
+            self.inputs.append(helper.make_tensor_value_info(name, ONNX_ELEM[np.dtype(dtype)], dims))
         return name
 
     def add_output(self, name: str, dtype: str) -> None:
@@ -139,7 +140,8 @@ def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.nda
     """One layer as a model: activations are inputs "x<i>", weights initializers "w<i>", one output."""
     e = Emitter()
     xs: list[str | None] = []
-    for i, shape in enumerate(view.input_shapes):
+    for i in range(len(view.input_shapes)):
+        shape = view.input_spec(i)
         if shape is None:
             xs.append(None)
         elif i in view.const_inputs:

@@ -40,8 +40,9 @@ def layer_view(layer: Any, weights: dict[str, Any], opset: int, with_consts: boo
         return str(np.dtype(str(weights[a.name].dtype).replace("torch.", ""))) if a.kind == "weight" else None
 
     consts = {i: weights[a.name] for i, a in enumerate(layer.args) if a.kind == "weight"} if with_consts else {}
+    dynamic = tuple(shapes[a.name].dynamic if a.kind == "tensor" else () for a in layer.args)
     return LayerView(layer.op_type, layer.domain, layer.attrs, tuple(shape(a) for a in layer.args),
-                     tuple(dtype(a) for a in layer.args), consts, tuple(t.dtype for t in layer.outputs), opset)
+                     tuple(dtype(a) for a in layer.args), consts, tuple(t.dtype for t in layer.outputs), opset, dynamic)
 
 
 def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int) -> Kernel:
@@ -50,7 +51,7 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int) -> Ke
               [None if a.kind == "none" else (a.kind, a.name) for a in inner.args],
               inner.outputs[0].name if len(inner.outputs) == 1 else [t.name for t in inner.outputs], inner.name)
              for inner in layer.inner]
-    model, external = emit_region([(t.name, t.dims, t.dtype) for t in layer.inputs], steps,
+    model, external = emit_region([(t.name, t.shape_spec, t.dtype) for t in layer.inputs], steps,
                                   [(t.name, t.dtype) for t in layer.outputs], weights, opset)
     names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
     if layer.tactic_name == OPENVINO_REGION_TACTIC:

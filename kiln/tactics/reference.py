@@ -35,9 +35,12 @@ class ReferenceTactic:
         consts = {i: t for i, t in layer.const_inputs.items() if i not in opdef.host_inputs}
         impl = opdef.impl
         n = len(layer.input_shapes)
+        runtime_host = [i for i in opdef.host_inputs if i < n and i not in host and layer.input_shapes[i] is not None]
 
         def run(xs):
             args = [host[i] if i in host else consts[i] if i in consts else xs[i] for i in range(n)]
+            for i in runtime_host:   # shape arithmetic that depends on dynamic input axes
+                args[i] = host_value(args[i])
             return impl(attrs, args)
         return run
 

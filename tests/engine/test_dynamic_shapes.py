@@ -1,0 +1,150 @@
+"""Dynamic shapes: optimization profiles (min/opt/max per input), any shape inside runs correctly, outside is a
+clear error, layer info shows -1 for dynamic axes, profiles survive serialization and the CLI takes them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln.errors import InputError, ModelError
+from tests.conftest import assert_close_to_ort, run_ort
+
+SEQ_PROFILE = {"ids": ((1, 4), (2, 16), (4, 64)), "mask": ((1, 4), (2, 16), (4, 64))}
+
+
+class TinyEncoder(torch.nn.Module):
+    """Embedding, fused QKV projection split into heads, masked softmax attention, residual + LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(100, 64)
+        self.qkv, self.o, self.ln = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)
+
+    def forward(self, ids, mask):
+        x = self.emb(ids)
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, 4, 16).transpose(1, 2) for z in self.qkv(x).split(64, -1))
+        scores = q @ k.transpose(-1, -2) / 4.0 + (1 - mask[:, None, None, :]) * -1e4
+        a = torch.softmax(scores, -1) @ v
+        return self.ln(x + self.o(a.transpose(1, 2).reshape(b, t, d)))
+
+
+@pytest.fixture(scope="module", params=["legacy", "dynamo"])
+def encoder_onnx(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("dyn") / f"encoder_{request.param}.onnx"
+    ids, mask = torch.randint(0, 100, (2, 16)), torch.ones(2, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if request.param == "legacy":
+            axes = {0: "batch", 1: "seq"}
+            torch.onnx.export(TinyEncoder().eval(), (ids, mask), str(path), input_names=["ids", "mask"],
+                              output_names=["y"], dynamic_axes={"ids": axes, "mask": axes}, dynamo=False,
+                              opset_version=17)
+        else:
+            dims = {0: torch.export.Dim("batch", max=8), 1: torch.export.Dim("seq", max=128)}
+            torch.onnx.export(TinyEncoder().eval(), (ids, mask), str(path), input_names=["ids", "mask"],
+                              output_names=["y"], dynamic_shapes={"ids": dims, "mask": dims}, dynamo=True,
+                              verbose=False)
+    return str(path)
+
+
+def feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.float32)
+    mask[:, seq - seq // 4:] = 0   # padded tail
+    return {"ids": rng.integers(0, 100, (batch, seq)).astype(np.int64), "mask": mask}
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_one_engine_runs_every_shape_in_its_profile(encoder_onnx, autotune):
+    engine = kiln.build(encoder_onnx, profiles=[SEQ_PROFILE], autotune=autotune)
+    assert [t.dynamic for t in engine.plan.inputs] == [(0, 1), (0, 1)]
+    for batch, seq in [(2, 16), (1, 4), (4, 64), (3, 37), (1, 63)]:
+        f = feeds(batch, seq)
+        assert_close_to_ort(engine.run(f)["y"], run_ort(encoder_onnx, f)[0])
+
+
+def test_shape_outside_profile_names_input_shape_and_range(encoder_onnx):
+    engine = kiln.build(encoder_onnx, profiles=[SEQ_PROFILE], autotune=False)
+    with pytest.raises(InputError, match=r"input 'ids': shape \[1, 65\] is outside the engine's optimization "
+                                         r"profile \(profile 0: \[1\.\.4, 4\.\.64\]\)"):
+        engine.run(feeds(1, 65))
+    with pytest.raises(InputError, match="'ids'.*shape \\[5, 8\\]"):
+        engine.run(feeds(5, 8))
+
+
+def test_layer_info_shows_minus_one_for_dynamic_axes_and_profiles_survive_save(encoder_onnx, tmp_path):
+    engine = kiln.build(encoder_onnx, profiles=[SEQ_PROFILE], autotune=False)
+    info = engine.layer_info("detailed")
+    first = info["Layers"][0]
+    assert first["Inputs"][0]["Dimensions"] == [-1, -1]
+    assert info["Layers"][-1]["Outputs"][0]["Dimensions"] == [-1, -1, 64]
+    engine.save(tmp_path / "e.kiln")
+    loaded = kiln.load(tmp_path / "e.kiln")
+    assert loaded.profiles[0]["ids"].max == (4, 64) and loaded.profiles[0]["mask"].opt == (2, 16)
+    f = feeds(3, 20)
+    np.testing.assert_array_equal(loaded.run(f)["y"], engine.run(f)["y"])
+
+
+def test_two_profiles_each_cover_their_range(encoder_onnx):
+    small = {"ids": ((1, 1), (1, 8), (1, 16)), "mask": ((1, 1), (1, 8), (1, 16))}
+    large = {"ids": ((2, 32), (4, 64), (8, 128)), "mask": ((2, 32), (4, 64), (8, 128))}
+    engine = kiln.build(encoder_onnx, profiles=[small, large], autotune=False)
+    for batch, seq in [(1, 3), (1, 16), (2, 32), (8, 100)]:
+        f = feeds(batch, seq)
+        assert_close_to_ort(engine.run(f)["y"], run_ort(encoder_onnx, f)[0])
+    with pytest.raises(InputError, match=r"profile 0: \[1, 1\.\.16\]; profile 1: \[2\.\.8, 32\.\.128\]"):
+        engine.run(feeds(1, 20))
+    ctx = engine.create_execution_context(profile=1)
+    with pytest.raises(InputError, match=r"profile 1: \[2\.\.8, 32\.\.128\]"):
+        ctx.execute(feeds(1, 3))
+    with pytest.raises(InputError, match="optimization profile 2 does not exist"):
+        engine.create_execution_context(profile=2)
+
+
+@pytest.mark.parametrize("profile, message", [
+    ({"ids": ((1, 16), (1, 8), (1, 32))}, "need min <= opt <= max"),
+    ({"idz": ((1, 4), (1, 8), (1, 16))}, r"unknown input\(s\) \['idz'\]"),
+    ({"ids": ((1, 4, 1), (1, 8, 1), (1, 16, 1))}, "does not match the model's"),
+])
+def test_bad_profiles_are_rejected(encoder_onnx, profile, message):
+    with pytest.raises(ModelError, match=message):
+        kiln.build(encoder_onnx, profiles=[profile], autotune=False)
+
+
+def test_dynamic_batch_and_resolution_cnn(tmp_path):
+    from tests.models.nets import make
+
+    path = tmp_path / "r18.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(make("resnet18"), (torch.randn(2, 3, 64, 64),), str(path), input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "b", 2: "h", 3: "w"}}, dynamo=False)
+    profile = {"x": ((1, 3, 32, 32), (2, 3, 64, 64), (3, 3, 96, 96))}
+    for sources in ("torch-onednn", "torch"):
+        engine = kiln.build(str(path), profiles=[profile], tactic_sources=frozenset({sources}), autotune=False)
+        for shape in [(1, 3, 32, 32), (3, 3, 50, 70)]:
+            x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+            assert_close_to_ort(engine.run({"x": x})["y"], run_ort(str(path), {"x": x})[0])
+
+
+def test_trtexec_min_opt_max_shapes_and_run_shapes(encoder_onnx, tmp_path):
+    engine, info = tmp_path / "e.kiln", tmp_path / "li.json"
+    cmd = [sys.executable, "-m", "kiln.cli.main", "trtexec", f"--onnx={encoder_onnx}", "--minShapes=ids:1x4,mask:1x4",
+           "--optShapes=ids:2x16,mask:2x16", "--maxShapes=ids:4x64,mask:4x64", "--shapes=ids:3x40,mask:3x40",
+           f"--saveEngine={engine}", f"--exportLayerInfo={info}", "--builderOptimizationLevel=0", "--duration=0",
+           "--iterations=2", "--warmUp=0"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(info.read_text())["Layers"][0]["Inputs"][0]["Dimensions"] == [-1, -1]
+    bad = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(engine), "--shapes", "ids:1x70,mask:1x70"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "input 'ids': shape [1, 70] is outside" in bad.stderr + bad.stdout
