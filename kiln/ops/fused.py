@@ -1,21 +1,51 @@
-"""kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps) and PointWise (fused programs)."""
+"""kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
+Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it) and SkipLayerNormalization."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kiln.ops.registry import OPS, OpDef, OpKind
 
 KILN_OPS: dict[str, OpDef] = {}
 
 
-def shuffle(attrs, xs):
-    x = xs[0]
-    for step in attrs["steps"]:
+def apply_steps(x: torch.Tensor, steps: list[dict]) -> torch.Tensor:
+    """Data-movement steps: {"transpose": perm}, {"reshape": target} (ONNX semantics: 0 copies the input's
+    axis, -1 is inferred) and {"slice": [axis, start, end]}."""
+    for step in steps:
         if "transpose" in step:
             x = x.permute(*step["transpose"])
-        else:   # ONNX Reshape semantics: 0 copies the input's axis
+        elif "reshape" in step:
             x = x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(step["reshape"])])
-    return [x]
+        else:
+            axis, start, end = step["slice"]
+            x = x.narrow(axis, start, end - start)
+    return x
+
+
+def shuffle(attrs, xs):
+    return [apply_steps(xs[0], attrs["steps"])]
+
+
+def attention(attrs, xs):
+    """Inputs q, kᵀ, v (after their steps: [..., Sq, D], [..., D, Sk], [..., Sk, D]) and an optional additive
+    mask broadcastable to [..., Sq, Sk]; `scale` multiplies Q·Kᵀ before the mask is added."""
+    q = apply_steps(xs[0], attrs.get("q_steps", []))
+    k = apply_steps(xs[1], attrs.get("k_steps", [])).transpose(-1, -2)
+    v = apply_steps(xs[2], attrs.get("v_steps", []))
+    mask = xs[3] if len(xs) > 3 else None
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=float(attrs["scale"]))
+    return [apply_steps(out, attrs.get("out_steps", []))]
+
+
+def skip_layer_norm(attrs, xs):
+    """LayerNormalization(x + skip) over the trailing axes from `axis` (inputs x, skip, scale, bias)."""
+    x = xs[0] + xs[1]
+    axis = attrs.get("axis", -1) % x.dim()
+    return [F.layer_norm(x, x.shape[axis:], xs[2], xs[3] if len(xs) > 3 else None, attrs.get("epsilon", 1e-5))]
 
 
 def run_program(steps, xs):
@@ -40,3 +70,5 @@ def pointwise(attrs, xs):
 
 KILN_OPS["Shuffle"] = OpDef("Shuffle", OpKind.INJECTIVE, shuffle, (), "Shuffle")
 KILN_OPS["PointWise"] = OpDef("PointWise", OpKind.ELEMENTWISE, pointwise, (), "PointWise")
+KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention, (), "Attention")
+KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm, (), "Normalization")

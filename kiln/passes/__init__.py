@@ -1,6 +1,7 @@
 """Graph passes and the default pipeline (one ordered list, with the reason for the order beside it)."""
 from __future__ import annotations
 
+from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_norm, merge_matmuls
 from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
 from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_gemm_activation, fuse_residual_add
 from kiln.passes.gemm import fuse_matmul_bias
@@ -20,12 +21,18 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("ShuffleErasure", erase_noop_shuffles, "shuffle fusions"),
     # LayerNorm before pointwise fusion, which would otherwise swallow its Sub/Pow/Add/Sqrt/Div into PWN layers.
     Pass("LayerNormFusion", fuse_layer_norm),
+    # GELU's erf form becomes one Gelu op before pointwise fusion could split it, so a MatMul can absorb it.
+    Pass("GeluFusion", fuse_gelu),
     # BN folds before activations and sums so the fused conv stays one kernel with post-ops.
     Pass("ConvScaleFusion", fold_batchnorm_into_conv),
     # The residual sum must be absorbed before the activation (post-op order: sum, then activation).
     Pass("ConvEltwiseSumFusion", fuse_residual_add),
     Pass("ConvReluFusion", fuse_activation),
     Pass("MatMulAddFusion", fuse_matmul_bias),
+    # Q/K/V projections merge once their biases are inside; attention then absorbs the Split and the shuffles.
+    Pass("MatMulHorizontalMerge", merge_matmuls),
+    Pass("AttentionFusion", fuse_attention),
+    Pass("SkipLayerNormFusion", fuse_skip_layer_norm),
     Pass("GemmActFusion", fuse_gemm_activation, "vertical fusions"),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),

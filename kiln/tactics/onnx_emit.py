@@ -118,16 +118,39 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     if view.op_type == "PointWise":
         return _emit_program(e, xs, a["program"])
     if view.op_type == "Shuffle":
-        y = xs[0]
-        for step in a["steps"]:
-            y = e.node("Transpose", [y], {"perm": step["transpose"]}) if "transpose" in step else \
-                e.node("Reshape", [y, e.const(step["reshape"], np.int64)])
-        return y
+        return _emit_steps(e, xs[0], a["steps"])
+    if view.op_type == "Attention" and view.domain == "kiln":
+        return _emit_attention(e, xs, a)
+    if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
+        return e.node("LayerNormalization", [e.node("Add", xs[:2])] + xs[2:], a)
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
         return e.node(view.op_type, xs, {k: v for k, v in a.items() if k != "dilations"})
     return e.node(view.op_type, xs, a, len(view.output_dtypes))
 
 
+def _emit_steps(e: Emitter, y: str, steps: list[dict]) -> str:
+    for step in steps:
+        if "transpose" in step:
+            y = e.node("Transpose", [y], {"perm": step["transpose"]})
+        elif "reshape" in step:
+            y = e.node("Reshape", [y, e.const(step["reshape"], np.int64)])
+        else:
+            axis, start, end = step["slice"]
+            y = e.node("Slice", [y, e.const([start], np.int64), e.const([end], np.int64), e.const([axis], np.int64)])
+    return y
+
+
+def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
+    """kiln's Attention as the plain ONNX ops it stands for (what an external library can run)."""
+    q, kt, v = (_emit_steps(e, x, a.get(key, [])) for x, key in zip(xs, ("q_steps", "k_steps", "v_steps")))
+    scores = e.node("Mul", [e.node("MatMul", [q, kt]), e.const(a["scale"])])
+    if len(xs) > 3 and xs[3]:
+        scores = e.node("Add", [scores, xs[3]])
+    out = e.node("MatMul", [e.node("Softmax", [scores], {"axis": -1}), v])
+    return _emit_steps(e, out, a.get("out_steps", []))
+
+
+KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization")
 NEEDS_OPSET = {"LayerNormalization": 17, "GroupNormalization": 21, "Gelu": 20}
 
 
@@ -176,7 +199,7 @@ def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
 def supports(view: LayerView) -> bool:
     if view.op_type == "AveragePool" and view.opset < 19 and any(d != 1 for d in view.attrs.get("dilations") or [1]):
         return False
-    return view.domain in ("", "ai.onnx") or (view.domain == "kiln" and view.op_type in ("PointWise", "Shuffle"))
+    return view.domain in ("", "ai.onnx") or (view.domain == "kiln" and view.op_type in KILN_EMITTABLE)
 
 
 def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tuple[LayerView, list, str]],

@@ -51,10 +51,11 @@ def test_layer_norm_is_one_layer_and_correct(tmp_path, caplog, opset, dynamo):
     if opset == 13:
         assert "LayerNormFusion: Fusing" in caplog.text
         assert len(norms[0].origin) == 9   # ReduceMean Sub Pow ReduceMean Add Sqrt Div Mul Add
-        # the whole block: MatMul+bias, LayerNorm, GELU (Div Erf Add Mul Mul) as one PointWise layer, MatMul+bias
-        assert [l.parameter_type for l in engine.plan.layers] == ["MatrixMultiply", "Normalization", "PointWise",
+        # the whole block: MatMul+bias, LayerNorm, GELU (Div Erf Add Mul Mul) as one Gelu layer, MatMul+bias
+        assert [l.parameter_type for l in engine.plan.layers] == ["MatrixMultiply", "Normalization", "Activation",
                                                                   "MatrixMultiply"]
-        assert engine.plan.layers[2].name == "PWN(/Div, /Erf, /Add, /Mul, /Mul_1)"
+        assert engine.plan.layers[2].name == "/Div + /Erf + /Add + /Mul + /Mul_1"
+        assert engine.plan.layers[2].op_type == "Gelu"
     x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])

@@ -1,0 +1,263 @@
+"""Transformer fusions: GELU, horizontal merge of matrix products sharing an input (`q || k || v`), attention
+(Q·Kᵀ, scale, mask, softmax, ·V and the data movement around it) and residual-add + LayerNorm.
+
+    GeluFusion:          x * 0.5 * (1 + Erf(x / √2))                        ==>  Gelu(x)
+    MatMulHorizontalMerge: MatMul(x, Wq [+bq]), MatMul(x, Wk [+bk]), ...     ==>  MatMul(x, [Wq|Wk|..]) -> Split
+    AttentionFusion:     [Shuffle] MatMul(q, kᵀ) [*s] [+mask] Softmax MatMul(·, v) [Shuffle]  ==>  Attention
+    SkipLayerNormFusion: LayerNormalization(a + b)                           ==>  SkipLayerNormalization(a, b)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.ir import Graph, Node, Value
+from kiln.passes.manager import PassLog
+from kiln.passes.patterns import replace_nodes, sole_consumer
+
+ONNX = ("", "ai.onnx")
+
+
+def _is(node: Node | None, op: str) -> bool:
+    return node is not None and node.op_type == op and node.domain in ONNX
+
+
+def _scalar(v: Value | None) -> float | None:
+    if v is None or not v.is_const or v.const.size != 1 or v.const.dtype.kind != "f":
+        return None
+    return float(v.const.reshape(-1)[0])
+
+
+def _other(node: Node, v: Value) -> Value | None:
+    a, b = node.inputs[0], node.inputs[1]
+    return b if a is v else a if b is v else None
+
+
+def _graph_order(g: Graph, nodes: list[Node]) -> list[Node]:
+    index = {id(n): i for i, n in enumerate(g.nodes)}
+    return sorted(set(nodes), key=lambda n: index[id(n)])
+
+
+def _fused(g: Graph, nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
+    origin = tuple(o for n in _graph_order(g, nodes) for o in n.origin)
+    return " + ".join(origin), origin
+
+
+# ---- GELU ---------------------------------------------------------------------------------------------
+def fuse_gelu(g: Graph, plog: PassLog) -> None:
+    """GeluFusion: the erf form exporters write for nn.GELU becomes one Gelu op (which a MatMul can absorb)."""
+    for erf in [n for n in g.nodes if _is(n, "Erf")]:
+        plog.running(erf)
+        found = _match_gelu(g, erf)
+        if isinstance(found, str):
+            plog.note(f"Not fusing {erf.name} into Gelu: {found}")
+            continue
+        nodes, x = found
+        name, origin = _fused(g, nodes)
+        for n in nodes[:-1]:
+            plog.fusing(n, nodes[-1])
+        replace_nodes(g, nodes, Node(name, "Gelu", [x], [nodes[-1].outputs[0]], {}, "", origin))
+
+
+def _match_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
+    scale = erf.inputs[0].producer
+    if not (_is(scale, "Div") or _is(scale, "Mul")) or sole_consumer(g, scale) is not erf:
+        return "its input is not x/√2 computed for it alone"
+    x, c = scale.inputs
+    factor = _scalar(c)
+    if factor is None or not np.isclose(factor if scale.op_type == "Mul" else 1 / factor, 2 ** -0.5, rtol=1e-3):
+        return "its input is not x/√2"
+    add = sole_consumer(g, erf)
+    if not _is(add, "Add") or _scalar(_other(add, erf.outputs[0])) != 1.0:
+        return "it is not followed by +1"
+    nodes, consts, xs, cur = [scale, erf, add], [], 0, add
+    for _ in range(2):
+        mul = sole_consumer(g, cur)
+        if not _is(mul, "Mul"):
+            break
+        other = _other(mul, cur.outputs[0])
+        half = other.producer if other is not None else None
+        if other is x:
+            xs += 1
+        elif _scalar(other) is not None:
+            consts.append(_scalar(other))
+        elif _is(half, "Mul") and x in half.inputs and _scalar(_other(half, x)) is not None and \
+                len(half.outputs[0].users) == 1 and not g.is_output(half.outputs[0]):
+            xs, consts = xs + 1, consts + [_scalar(_other(half, x))]
+            nodes.append(half)
+        else:
+            break
+        nodes.append(mul)
+        cur = mul
+        if xs == 1 and consts and np.isclose(np.prod(consts), 0.5):
+            return nodes, x
+    return "the product with x and 0.5 is not there"
+
+
+# ---- horizontal MatMul merge ---------------------------------------------------------------------------
+def merge_matmuls(g: Graph, plog: PassLog) -> None:
+    """MatMulHorizontalMerge: matrix products of one activation with constant weights (Q, K, V projections)
+    become one wider product and a Split, named `a || b || c` as TensorRT names horizontal merges."""
+    for x in [v for v in list(g.values.values()) if len(v.users) > 1 and not v.is_const]:
+        group = [n for n in x.users if _mergeable(n, x)]
+        if len(group) < 2:
+            continue
+        k = group[0].inputs[1].shape[0]
+        with_bias = [n for n in group if _bias(n) is not None]
+        group = [n for n in group if n.inputs[1].shape[0] == k and (_bias(n) is not None) == (len(with_bias) > 1)]
+        if len(group) < 2:
+            continue
+        group = _graph_order(g, group)
+        for n in group[1:]:
+            plog.running(group[0])
+            plog.fusing(group[0], n)
+        _merge(g, group, x)
+
+
+def _bias(n: Node) -> Value | None:
+    return n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] is not None else None
+
+
+def _mergeable(n: Node, x: Value) -> bool:
+    w = n.inputs[1] if len(n.inputs) > 1 else None
+    bias = _bias(n)
+    return (_is(n, "MatMul") and n.inputs[0] is x and w is not None and w.is_const and w.const.ndim == 2
+            and "activation" not in n.attrs and (bias is None or (bias.is_const and bias.const.size == w.shape[1])))
+
+
+def _merge(g: Graph, group: list[Node], x: Value) -> None:
+    widths = [n.inputs[1].shape[1] for n in group]
+    weight = g.add_const(g.fresh_name("merged_weight"), np.concatenate([n.inputs[1].const for n in group], axis=1))
+    inputs = [x, weight]
+    if _bias(group[0]) is not None:
+        bias = np.concatenate([n.inputs[2].const.reshape(-1) for n in group])
+        inputs.append(g.add_const(g.fresh_name("merged_bias"), bias.astype(group[0].inputs[2].const.dtype)))
+    name = " || ".join(n.name for n in group)
+    out = g.value(g.fresh_name(f"{group[0].outputs[0].name}_merged"))
+    out.shape = group[0].outputs[0].shape[:-1] + (sum(widths),)
+    out.dtype, out.dyn_dims = group[0].outputs[0].dtype, group[0].outputs[0].dyn_dims
+    sizes = g.add_const(g.fresh_name("merged_split"), np.array(widths, dtype=np.int64))
+    outputs = [n.outputs[0] for n in group]
+    origin = tuple(o for n in group for o in n.origin)
+    index = min(g.nodes.index(n) for n in group)
+    for n in group:
+        g.remove_node(n)
+    g.add_node(Node(f"{name} [Split]", "Split", [out, sizes], outputs, {"axis": -1}, "", ()), index)
+    g.add_node(Node(name, "MatMul", inputs, [out], {}, "", origin), index)
+
+
+# ---- attention -----------------------------------------------------------------------------------------
+def fuse_attention(g: Graph, plog: PassLog) -> None:
+    """AttentionFusion: one Attention layer per softmax(Q·Kᵀ·s + mask)·V, with the head split/merge shuffles."""
+    for sm in [n for n in g.nodes if _is(n, "Softmax")]:
+        plog.running(sm)
+        found = _match_core(g, sm)
+        if isinstance(found, str):
+            pv = sole_consumer(g, sm)
+            plog.not_fused(sm, pv.name if pv is not None else "its consumers", found)
+            continue
+        nodes, inputs, attrs = found
+        out = _absorb_movement(g, nodes, inputs, attrs)
+        name, origin = _fused(g, nodes)
+        plog.fusing(nodes[0], name)
+        replace_nodes(g, nodes, Node(name, "Attention", inputs, [out], attrs, "kiln", origin))
+
+
+def _match_core(g: Graph, sm: Node):
+    s = sm.inputs[0]
+    rank = len(s.shape)
+    if sm.attrs.get("axis", -1) % rank != rank - 1:
+        return "softmax is not over the last axis"
+    pv = sole_consumer(g, sm)
+    if not _is(pv, "MatMul") or pv.inputs[0] is not sm.outputs[0] or len(pv.inputs) > 2:
+        return "its output is not multiplied by V"
+    nodes, mask, scale, cur = [sm, pv], None, 1.0, s.producer
+    if _is(cur, "Add") and sole_consumer(g, cur) is not None:
+        chain_in = next((v for v in cur.inputs if v.producer is not None and
+                         v.producer.op_type in ("MatMul", "Mul", "Div")), None)
+        if chain_in is None:
+            return "the mask add does not follow Q·Kᵀ"
+        mask, nodes, cur = _other(cur, chain_in), nodes + [cur], chain_in.producer
+    while (_is(cur, "Mul") or _is(cur, "Div")) and sole_consumer(g, cur) is not None:
+        c = _scalar(cur.inputs[1])
+        if c is None:
+            break
+        scale *= c if cur.op_type == "Mul" else 1 / c
+        nodes, cur = nodes + [cur], cur.inputs[0].producer
+    if not _is(cur, "MatMul") or len(cur.inputs) > 2 or sole_consumer(g, cur) is None:
+        return "the scores are not Q·Kᵀ (a MatMul read only by the scaling, mask and softmax)"
+    if mask is not None and (mask.dtype is None or np.dtype(mask.dtype).kind != "f"):
+        return "the mask is not additive floating point"
+    q, kt = cur.inputs
+    nodes.append(cur)
+    q, scale = _absorb_scale(g, q, scale, nodes)
+    kt, scale = _absorb_scale(g, kt, scale, nodes)
+    inputs = [q, kt, pv.inputs[1]] + ([mask] if mask is not None else [])
+    return nodes, inputs, {"scale": float(scale)}
+
+
+def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[Value, float]:
+    p = v.producer
+    if (_is(p, "Mul") or _is(p, "Div")) and sole_consumer(g, p) is not None and _scalar(p.inputs[1]) is not None:
+        c = _scalar(p.inputs[1])
+        nodes.append(p)
+        return p.inputs[0], scale * (c if p.op_type == "Mul" else 1 / c)
+    return v, scale
+
+
+def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dict) -> Value:
+    """Shuffles feeding Q/Kᵀ/V (and one reading the output) join the layer as steps; so does a Split whose
+    every output feeds this attention (a merged QKV projection). Returns the layer's output value."""
+    for i, key in enumerate(("q_steps", "k_steps", "v_steps")):
+        v, steps = inputs[i], []
+        p = v.producer
+        if p is not None and p.op_type == "Shuffle" and p.domain == "kiln" and len(v.users) == 1 \
+                and not g.is_output(v):
+            steps, v = list(p.attrs["steps"]), p.inputs[0]
+            nodes.append(p)
+        inputs[i], attrs[key] = v, steps
+    split = inputs[0].producer
+    if _is(split, "Split") and all(inputs[i].producer is split for i in range(3)) and \
+            len({id(inputs[i]) for i in range(3)}) == 3 and all(len(o.users) == 1 for o in split.outputs) \
+            and len(split.outputs) == 3 and \
+            all((split.attrs.get("axis", 0) % len(o.shape)) not in o.dyn_dims for o in split.outputs):
+        axis = split.attrs.get("axis", 0) % len(split.inputs[0].shape)
+        sizes = [o.shape[axis] for o in split.outputs]
+        bounds = {id(o): (s0, s0 + n) for o, s0, n in zip(split.outputs, np.cumsum([0] + sizes[:-1]), sizes)}
+        for i, key in enumerate(("q_steps", "k_steps", "v_steps")):
+            lo, hi = bounds[id(inputs[i])]
+            attrs[key] = [{"slice": [axis, int(lo), int(hi)]}] + attrs[key]
+            inputs[i] = split.inputs[0]
+        nodes.append(split)
+    pv = nodes[1]
+    reader = sole_consumer(g, pv)
+    attrs["out_steps"] = []
+    if reader is not None and reader.op_type == "Shuffle" and reader.domain == "kiln":
+        attrs["out_steps"] = list(reader.attrs["steps"])
+        nodes.append(reader)
+        return reader.outputs[0]
+    return pv.outputs[0]
+
+
+# ---- residual add + LayerNorm --------------------------------------------------------------------------
+def fuse_skip_layer_norm(g: Graph, plog: PassLog) -> None:
+    """SkipLayerNormFusion: LayerNormalization(a + b) of two same-shape activations (the residual sum)."""
+    for ln in [n for n in g.nodes if _is(n, "LayerNormalization")]:
+        add = ln.inputs[0].producer
+        if not _is(add, "Add"):
+            continue
+        plog.running(add)
+        a, b = add.inputs
+        if sole_consumer(g, add) is not ln:
+            plog.not_fused(add, ln, f"the sum '{add.outputs[0].name}' is also read elsewhere")
+            continue
+        if a.is_const or b.is_const or a.shape != b.shape or a.dyn_dims != b.dyn_dims:
+            plog.not_fused(add, ln, "the sum is not of two same-shape activations (a residual)")
+            continue
+        if len(ln.outputs) > 1 and any(o.users for o in ln.outputs[1:]):
+            plog.not_fused(add, ln, "the LayerNorm's mean/inv-std outputs are used")
+            continue
+        plog.fusing(add, ln)
+        name, origin = _fused(g, [add, ln])
+        attrs = {k: v for k, v in ln.attrs.items() if k in ("axis", "epsilon")}
+        replace_nodes(g, [add, ln], Node(name, "SkipLayerNormalization", [a, b] + list(ln.inputs[1:]),
+                                         [ln.outputs[0]], attrs, "kiln", origin))
