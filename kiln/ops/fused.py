@@ -38,6 +38,8 @@ def attention(attrs, xs):
     if mask is not None and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=float(attrs["scale"]))
+    if attrs.get("nan_to_zero"):   # rows whose every key is masked with -inf
+        out = torch.where(out.isnan(), 0.0, out)
     return [apply_steps(out, attrs.get("out_steps", []))]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from kiln.ops.registry import OpKind, register
@@ -132,7 +133,7 @@ def constant_of_shape(attrs, xs):
     value = attrs.get("value")
     if value is None:
         return [torch.zeros(list(xs[0]), dtype=torch.float32)]
-    t = torch.as_tensor(value).reshape(-1)
+    t = torch.from_numpy(np.array(value)).reshape(())   # a copy: attribute arrays are read-only
     return [t.expand(list(xs[0])).clone()]
 
 

@@ -167,10 +167,13 @@ def _match_core(g: Graph, sm: Node):
     rank = len(s.shape)
     if sm.attrs.get("axis", -1) % rank != rank - 1:
         return "softmax is not over the last axis"
-    pv = sole_consumer(g, sm)
-    if not _is(pv, "MatMul") or pv.inputs[0] is not sm.outputs[0] or len(pv.inputs) > 2:
+    probs, guard = sm.outputs[0], _nan_guard(g, sm)
+    if guard:
+        probs = guard[-1].outputs[0]
+    pv = probs.users[0] if len(probs.users) == 1 and not g.is_output(probs) else None
+    if not _is(pv, "MatMul") or pv.inputs[0] is not probs or len(pv.inputs) > 2:
         return "its output is not multiplied by V"
-    nodes, mask, scale, cur = [sm, pv], None, 1.0, s.producer
+    nodes, mask, scale, cur = [sm, pv] + guard, None, 1.0, s.producer
     if _is(cur, "Add") and sole_consumer(g, cur) is not None:
         chain_in = next((v for v in cur.inputs if v.producer is not None and
                          v.producer.op_type in ("MatMul", "Mul", "Div")), None)
@@ -192,7 +195,22 @@ def _match_core(g: Graph, sm: Node):
     q, scale = _absorb_scale(g, q, scale, nodes)
     kt, scale = _absorb_scale(g, kt, scale, nodes)
     inputs = [q, kt, pv.inputs[1]] + ([mask] if mask is not None else [])
-    return nodes, inputs, {"scale": float(scale)}
+    return nodes, inputs, {"scale": float(scale), "nan_to_zero": bool(guard)}
+
+
+def _nan_guard(g: Graph, sm: Node) -> list[Node]:
+    """Where(IsNaN(p), 0, p) after the softmax (SDPA exports: fully masked rows give 0, not NaN)."""
+    p = sm.outputs[0]
+    if len(p.users) != 2 or g.is_output(p):
+        return []
+    isnan = next((u for u in p.users if _is(u, "IsNaN")), None)
+    where = next((u for u in p.users if _is(u, "Where")), None)
+    if isnan is None or where is None or sole_consumer(g, isnan) is not where:
+        return []
+    cond, zero, kept = where.inputs
+    if cond is not isnan.outputs[0] or kept is not p or _scalar(zero) != 0.0:
+        return []
+    return [isnan, where]
 
 
 def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[Value, float]:

@@ -146,7 +146,10 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     scores = e.node("Mul", [e.node("MatMul", [q, kt]), e.const(a["scale"])])
     if len(xs) > 3 and xs[3]:
         scores = e.node("Add", [scores, xs[3]])
-    out = e.node("MatMul", [e.node("Softmax", [scores], {"axis": -1}), v])
+    probs = e.node("Softmax", [scores], {"axis": -1})
+    if a.get("nan_to_zero"):
+        probs = e.node("Where", [e.node("IsNaN", [probs]), e.const(0.0), probs])
+    out = e.node("MatMul", [probs, v])
     return _emit_steps(e, out, a.get("out_steps", []))
 
 
