@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -158,7 +159,10 @@ def measure_segment(nodes: list[Node], layers: list, g: Graph, descs: dict, weig
         for _ in range(tuner.options.min_timing):
             for i, run in enumerate(runners):
                 if run is not None:
-                    samples[i] += _time_ms(run, TimingOptions(tuner.options.avg_timing, 1))
+                    runs = tuner.options.avg_timing
+                    if samples[i]:   # long segments: fewer runs per measurement (about BLOCK_MS / 4 each)
+                        runs = max(2, min(runs, int(BLOCK_MS / 4 / max(statistics.median(samples[i]), 1e-3))))
+                    samples[i] += _time_ms(run, TimingOptions(runs, 1))
     kiln_ms = statistics.median(samples[0])
     region_ms = statistics.median(samples[1]) if samples[1] else None
     tuner.cache.put(key, "kiln.segment", kiln_ms)
@@ -231,6 +235,10 @@ def unapply_regions(g: Graph) -> None:
             g.add_node(n, index + k)
 
 
+BLOCK_MS = 600.0     # whole-plan timing: a block of runs lasts about this long for slow models
+PRUNE_RATIO = 1.15   # a plan this much slower than the best after one round is not timed further
+
+
 def plan_signature(layers: list) -> str:
     return digest([(l.name, l.tactic_name, [(t.dims, t.format) for t in l.inputs]) for l in layers])
 
@@ -267,17 +275,31 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
         raise Error("no plan reproduces the original model's outputs (checked against onnxruntime on a random "
                     "input); rebuild with --builder-optimization-level 0 and compare with `kiln run`, then report it")
     # blocks, each after its own warm-up runs: a library's idle threads keep spinning for a while after it
-    # returns, which would bill the next candidate if runs alternated one by one
+    # returns, which would bill the next candidate if runs alternated one by one. After the first round a plan
+    # far behind the best is out; blocks of slow models are capped near BLOCK_MS.
     with torch.inference_mode():
-        for _ in range(max(3, tuner.options.min_timing)):
+        for round_index in range(max(3, tuner.options.min_timing)):
             for name, (_, run, samples) in runners.items():
-                run()
-                run()
-                samples += [_time_ms(run, TimingOptions(1, 1))[0] for _ in range(max(5, tuner.options.avg_timing))]
+                start = time.perf_counter()
+                run()   # warm-up, and the first estimate of this plan's latency
+                estimate_ms = statistics.median(samples) if samples else (time.perf_counter() - start) * 1e3
+                runs = max(3, min(max(5, tuner.options.avg_timing), int(BLOCK_MS / max(estimate_ms, 1e-3))))
+                samples += [_once_ms(run) for _ in range(runs)]
+            if round_index == 0 and len(runners) > 1:
+                best = min(statistics.median(r[2]) for r in runners.values())
+                for name in [n for n, r in runners.items() if statistics.median(r[2]) > PRUNE_RATIO * best]:
+                    times[name] = statistics.median(runners.pop(name)[2])
+                    log.debug("The %s plan (%.4g ms) is out after the first round", name, times[name])
     for name, (key, _, samples) in runners.items():
         times[name] = statistics.median(samples)
         tuner.cache.put(key, "plan", times[name])
     return times
+
+
+def _once_ms(run) -> float:
+    start = time.perf_counter()
+    run()
+    return (time.perf_counter() - start) * 1e3
 
 
 def _reference_outputs(reference_fn, inputs: dict) -> list | None:
