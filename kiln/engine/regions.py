@@ -288,7 +288,9 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
             if round_index == 0 and len(runners) > 1:
                 best = min(statistics.median(r[2]) for r in runners.values())
                 for name in [n for n, r in runners.items() if statistics.median(r[2]) > PRUNE_RATIO * best]:
-                    times[name] = statistics.median(runners.pop(name)[2])
+                    key, _, samples = runners.pop(name)
+                    times[name] = statistics.median(samples)
+                    tuner.cache.put(key, "plan", times[name])
                     log.debug("The %s plan (%.4g ms) is out after the first round", name, times[name])
     for name, (key, _, samples) in runners.items():
         times[name] = statistics.median(samples)
