@@ -13,10 +13,17 @@ from kiln.errors import EngineFormatError, Error, InputError, ModelError, Unsupp
 
 
 def build(model, **options):
-    """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.engine.builder.BuildOptions`."""
+    """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.engine.builder.BuildOptions`; the
+    precision ones may be given flat: fp16, bf16, int8, layer_precisions, precision_constraints."""
     from kiln.engine.builder import BuildOptions, build_plan
+    from kiln.precision.policy import PrecisionOptions
     from kiln.runtime.engine import Engine
 
+    flat = {k: options.pop(k) for k in ("fp16", "bf16", "int8", "layer_precisions") if k in options}
+    if "precision_constraints" in options:
+        flat["constraints"] = options.pop("precision_constraints")
+    if flat:
+        options["precision"] = PrecisionOptions(**flat)
     opts = BuildOptions(**{k: (frozenset(v) if k in ("disabled_passes", "tactic_sources") and v is not None else v)
                            for k, v in options.items()})
     return Engine(build_plan(model, opts))

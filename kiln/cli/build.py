@@ -15,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layer-info verbosity (default: detailed, unlike trtexec)")
     p.add_argument("--shapes", metavar="SPEC", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128")
     add_profile_arguments(p)
+    add_precision_arguments(p)
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass by name")
     p.add_argument("--verify-each", action="store_true", help="verify the IR after every pass")
     add_tactic_arguments(p)
@@ -28,6 +29,34 @@ def add_profile_arguments(p: argparse.ArgumentParser, spelling: str = "kebab") -
                        help=f"{bound} shapes of a dynamic-shape profile, e.g. input_ids:1x16,attention_mask:1x16; "
                             "repeat the min/opt/max trio for more profiles" if bound == "min" else
                             f"{bound} shapes of the profile (see --min-shapes)")
+
+
+def add_precision_arguments(p: argparse.ArgumentParser, spelling: str = "kebab") -> None:
+    kebab = spelling == "kebab"
+    p.add_argument("--fp16", action="store_true", help="allow FP16 layers (granted only where faster kernels exist)")
+    p.add_argument("--bf16", action="store_true", help="allow BF16 layers (granted only where faster kernels exist)")
+    p.add_argument("--int8", action="store_true", help="INT8 for conv/matmul layers: from the model's Q/DQ, or "
+                                                       "calibrated with --calib")
+    p.add_argument("--calib", metavar="DATA", help="calibration data (.npz or a folder of .npz) or a calibration "
+                                                   "cache (.json) for --int8")
+    p.add_argument("--layer-precisions" if kebab else "--layerPrecisions", dest="layer_precisions", metavar="SPEC",
+                   help="per-layer precision, e.g. conv1:fp16,*:fp32")
+    p.add_argument("--layer-output-types" if kebab else "--layerOutputTypes", dest="layer_output_types",
+                   metavar="SPEC", help="per-layer output type (same spelling; recorded as the layer's request)")
+    p.add_argument("--precision-constraints" if kebab else "--precisionConstraints", dest="precision_constraints",
+                   default="none", choices=["none", "prefer", "obey"],
+                   help="obey: an unmet precision request fails the build, naming the layer and why")
+
+
+def precision_options(args) -> dict:
+    from kiln.precision.policy import PrecisionOptions, parse_layer_precisions
+
+    layers = {**parse_layer_precisions(getattr(args, "layer_output_types", None)),
+              **parse_layer_precisions(getattr(args, "layer_precisions", None))}
+    options = {"precision": PrecisionOptions(args.fp16, args.bf16, args.int8, layers, args.precision_constraints)}
+    if getattr(args, "calib", None):
+        options["calibration"] = args.calib
+    return options
 
 
 def profile_options(args) -> dict:
@@ -71,7 +100,8 @@ def build_engine(args):
 
     set_threads(args.threads)
     return kiln.build(args.model, input_shapes=parse_shapes(args.shapes), disabled_passes=frozenset(args.disable_pass),
-                      verify_each=args.verify_each, **profile_options(args), **tactic_options(args))
+                      verify_each=args.verify_each, **profile_options(args), **tactic_options(args),
+                      **precision_options(args))
 
 
 def run(args: argparse.Namespace) -> int:

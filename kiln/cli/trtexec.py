@@ -5,7 +5,7 @@ import argparse
 import sys
 from types import SimpleNamespace
 
-from kiln.cli.build import add_profile_arguments
+from kiln.cli.build import add_precision_arguments, add_profile_arguments
 from kiln.errors import Error
 
 
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--percentile", default="90,95,99")
     a("--shapes", help="name:1x3x224x224,...: run-time shapes; with no --min/opt/maxShapes also the build's shapes")
     add_profile_arguments(p, spelling="camel")
+    add_precision_arguments(p, spelling="camel")
     a("--threads", type=int, default=None, help="kiln: intra-op CPU threads")
     a("--skipInference", action="store_true", help="build only")
     a("--tacticSources", help="e.g. -onnxruntime,+torch-onednn")
@@ -73,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
         profiles = profile_options(args)
         fixed = {} if profiles["profiles"] else parse_shapes(args.shapes)
-        engine = kiln.build(args.onnx, input_shapes=fixed, **profiles, **tactic_options(ns))
+        from kiln.cli.build import precision_options
+
+        engine = kiln.build(args.onnx, input_shapes=fixed, **profiles, **tactic_options(ns), **precision_options(args))
         if args.saveEngine:
             engine.save(args.saveEngine)
             console.info(f"Engine saved to {args.saveEngine}")

@@ -19,6 +19,8 @@ from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.passes import DEFAULT_PIPELINE, run_passes
+from kiln.precision.policy import PrecisionOptions
+from kiln.precision.policy import assign as assign_precisions
 from kiln.tactics import ANY, LINEAR, LayerView, available_sources, candidates, tactic_value
 from kiln.engine.regions import _view, apply_regions, choose_regions, measure_plans, unapply_regions
 from kiln.tactics.onnx_emit import supports
@@ -32,6 +34,7 @@ log = logging.getLogger("kiln.build")
 
 TACTIC_SOURCES = frozenset({"torch", "torch-onednn"})
 PARAMETER_TYPES = {"Conv": "Convolution", "Gemm": "MatrixMultiply", "MatMul": "MatrixMultiply",
+                   "QConv": "Convolution", "QGemm": "MatrixMultiply", "QMatMul": "MatrixMultiply",
                    "PointWise": "PointWise", "Shuffle": "Shuffle"}
 RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution"}
 
@@ -56,6 +59,8 @@ class BuildOptions:
     deterministic: bool = False     # only recorded timings from the cache; never measure
     avg_timing: int = 8
     min_timing: int = 3
+    precision: PrecisionOptions = PrecisionOptions()
+    calibration: str | None = None   # --int8 without Q/DQ: calibration data (.npz / folder) or cache (.json)
 
 
 def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
@@ -67,6 +72,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
     tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
     layers, weights = lower_with_regions(g, sources, tuner, options.regions, lambda: onnxruntime_reference(proto))
+    layers = assign_precisions(layers, options.precision)
     cache.save()
     inputs = tuple(desc_of(v) for v in g.inputs)
     outputs = tuple(desc_of(v) for v in g.outputs)

@@ -48,6 +48,11 @@ def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:
         d.update(PARAMETERS.get(layer.parameter_type, _generic)(plan, layer))
         d["TacticName"] = layer.tactic_name
     d["TacticValue"] = f"0x{layer.tactic_value:016x}"
+    if layer.requested_precision:   # kiln's addition: TensorRT never says why it fell back
+        d["RequestedPrecision"] = layer.requested_precision
+        d["GrantedPrecision"] = layer.precision
+        if layer.precision_reason:
+            d["PrecisionReason"] = layer.precision_reason
     d["StreamId"] = 0
     d["Metadata"] = METADATA_SEP.join(f"[ONNX Layer: {o}]" for o in layer.origin)
     return d
@@ -164,6 +169,8 @@ def _softmax(plan: Plan, layer: Layer) -> dict[str, Any]:
 
 
 def _reformat(plan: Plan, layer: Layer) -> dict[str, Any]:
+    if layer.op_type in ("QuantizeLinear", "DequantizeLinear"):   # an unfused Q/DQ, as trtexec reports it
+        return {"Origin": "QDQ"}
     return {"Origin": layer.attrs.get("origin", "REFORMAT")}
 
 

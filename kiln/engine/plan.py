@@ -61,8 +61,10 @@ class Layer:
     tactic_name: str
     tactic_value: int
     origin: tuple[str, ...]
-    precision: str = "FP32"
+    precision: str = "FP32"           # granted precision
     inner: tuple["Layer", ...] = ()   # the layers a region runs as one unit ({ForeignNode[first...last]})
+    requested_precision: str = ""     # what the build asked for (flags, per-layer constraints, Q/DQ)
+    precision_reason: str = ""        # why the granted precision differs from the requested one
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ def _layer_json(l: Layer) -> dict:
         "inputs": [_tensor(t) for t in l.inputs], "outputs": [_tensor(t) for t in l.outputs],
         "attrs": encode_value(l.attrs), "tactic_name": l.tactic_name, "tactic_value": l.tactic_value,
         "origin": list(l.origin), "precision": l.precision, "inner": [_layer_json(i) for i in l.inner],
+        "requested_precision": l.requested_precision, "precision_reason": l.precision_reason,
     }
 
 
@@ -152,6 +153,7 @@ def _layer_from_json(l: dict) -> Layer:
         attrs=decode_value(l["attrs"]), tactic_name=l["tactic_name"], tactic_value=int(l["tactic_value"]),
         origin=tuple(l["origin"]), precision=l.get("precision", "FP32"),
         inner=tuple(_layer_from_json(i) for i in l.get("inner", [])),
+        requested_precision=str(l.get("requested_precision", "")), precision_reason=str(l.get("precision_reason", "")),
     )
 
 

@@ -131,7 +131,7 @@ def rule_int8_float_output(engine: EngineInfo, profile: Profile | None) -> Itera
         yield Finding("INT8_FLOAT_OUTPUT", layer.name, "warning",
                       f"{layer.name} computes in INT8 ({evidence}) but {how} says it writes {out} to {tensor}: "
                       f"no output scale, so it dequantizes to {out}; {note}",
-                      f"add a QuantizeLinear/DequantizeLinear pair after {layer.name}'s output ({tensor}) so TensorRT "
+                      f"add a QuantizeLinear/DequantizeLinear pair after {layer.name}'s output ({tensor}) so the builder "
                       f"can emit INT8 (or accept the float output)")
 
 

@@ -2,6 +2,7 @@
 Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it) and SkipLayerNormalization."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,5 +73,38 @@ def pointwise(attrs, xs):
 
 KILN_OPS["Shuffle"] = OpDef("Shuffle", OpKind.INJECTIVE, shuffle, (), "Shuffle")
 KILN_OPS["PointWise"] = OpDef("PointWise", OpKind.ELEMENTWISE, pointwise, (), "PointWise")
+def dequantized_weights(attrs, w: torch.Tensor) -> torch.Tensor:
+    from kiln.ops.quantize import dequantize
+
+    q = attrs["quant"]
+    return dequantize(w, torch.tensor(q["w_scale"]), torch.tensor(q["w_zero_point"]), q["w_axis"])
+
+
+def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: list) -> torch.Tensor:
+    """An INT8 layer: dequantize the input, run the float op with (already dequantized) weights `w`, then
+    quantize with the output scale if the layer has one (else the output stays FP32)."""
+    from kiln.ops.dtypes import to_torch_dtype
+    from kiln.ops.quantize import dequantize, quantize
+
+    q = attrs["quant"]
+    x = dequantize(x_q, q["x_scale"], q["x_zero_point"])
+    base_attrs = {k: v for k, v in attrs.items() if k != "quant"}
+    y = OPS[base].impl(base_attrs, [x, w] + list(rest))[0]
+    if "y_scale" in q:
+        y = quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))
+    return y
+
+
+def _quantized(base: str):
+    def impl(attrs, xs):
+        return [run_quantized(base, attrs, xs[0], dequantized_weights(attrs, xs[1]), xs[2:])]
+    return impl
+
+
+QUANTIZED_BASE = {"QConv": "Conv", "QMatMul": "MatMul", "QGemm": "Gemm"}
+for _name, _base in QUANTIZED_BASE.items():
+    KILN_OPS[_name] = OpDef(_name, OpKind.COMPLEX, _quantized(_base), (),
+                            "Convolution" if _base == "Conv" else "MatrixMultiply")
+
 KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention, (), "Attention")
 KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm, (), "Normalization")

@@ -9,6 +9,7 @@ from kiln.ir import Graph
 from kiln.passes.manager import PassLog
 
 PASSTHROUGH_OPS = ("Identity", "Dropout")
+INT8_TYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 FOLD_MAX_ELEMENTS = 1 << 24   # never materialize constants larger than 64 MiB of float32
 
 
@@ -70,6 +71,8 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
             continue
         if not is_shape and not all(v is None or v.is_const for v in node.inputs):
             continue
+        if node.op_type == "DequantizeLinear" and node.inputs[0].dtype in INT8_TYPES:
+            continue   # INT8 weights stay INT8: QuantizeDoubleInputNodes reads them with their scales
         if any(v.shape is not None and np.prod(v.shape) > FOLD_MAX_ELEMENTS for v in node.outputs):
             plog.note(f"not folding {node.name}: output too large")
             continue

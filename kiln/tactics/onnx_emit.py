@@ -8,6 +8,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kiln.ops import lookup
+from kiln.ops.fused import QUANTIZED_BASE
 from kiln.tactics.base import LayerView
 
 KILN_ONLY_ATTRS = {"activation", "padding_mode"}
@@ -121,6 +122,8 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return _emit_steps(e, xs[0], a["steps"])
     if view.op_type == "Attention" and view.domain == "kiln":
         return _emit_attention(e, xs, a)
+    if view.domain == "kiln" and view.op_type in QUANTIZED_BASE:
+        return _emit_quantized(e, view, xs)
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
         return e.node("LayerNormalization", [e.node("Add", xs[:2])] + xs[2:], a)
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
@@ -140,6 +143,26 @@ def _emit_steps(e: Emitter, y: str, steps: list[dict]) -> str:
     return y
 
 
+def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
+    """An INT8 layer as the Q/DQ graph it came from: DQ(x) -> op(DQ(W)) -> [Q] (onnxruntime fuses it again)."""
+    import dataclasses
+
+    q = view.attrs["quant"]
+    x_type = np.dtype(q["x_dtype"])
+    x = e.node("DequantizeLinear", [xs[0], e.const(q["x_scale"]), e.const(q["x_zero_point"], x_type)])
+    w_scale, w_zp = np.array(q["w_scale"], np.float32), np.array(q["w_zero_point"])
+    w_type = np.dtype(view.input_dtypes[1]) if view.input_dtypes[1] else np.dtype(np.int8)
+    scalar = w_scale.size == 1
+    w = e.node("DequantizeLinear", [xs[1], e.const(w_scale[0] if scalar else w_scale),
+                                    e.const(w_zp[0] if scalar else w_zp, w_type)], {} if scalar else {"axis": q["w_axis"]})
+    base = dataclasses.replace(view, op_type=QUANTIZED_BASE[view.op_type], domain="",
+                               attrs={k: v for k, v in view.attrs.items() if k != "quant"})
+    y = emit_layer(e, base, [x, w] + xs[2:])
+    if "y_scale" in q:
+        y = e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
+    return y
+
+
 def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     """kiln's Attention as the plain ONNX ops it stands for (what an external library can run)."""
     q, kt, v = (_emit_steps(e, x, a.get(key, [])) for x, key in zip(xs, ("q_steps", "k_steps", "v_steps")))
@@ -153,7 +176,7 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     return _emit_steps(e, out, a.get("out_steps", []))
 
 
-KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization")
+KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", *QUANTIZED_BASE)
 NEEDS_OPSET = {"LayerNormalization": 17, "GroupNormalization": 21, "Gelu": 20}
 
 

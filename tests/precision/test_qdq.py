@@ -1,0 +1,127 @@
+"""Explicit quantization: Q/DQ models (onnxruntime's quantize_static in QDQ format, hand-built ones) build into
+INT8 layers, match onnxruntime's own execution, report requested/granted precision; the classic
+"INT8 conv with FP32 output" case is warned about at build time and named by `kiln lint`."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import kiln
+from tests.conftest import init, make_model, run_ort
+
+
+def cosine(a, b) -> float:
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="module")
+def qdq_resnet(tmp_path_factory):
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from tests.models.nets import export, make
+
+    folder = tmp_path_factory.mktemp("qdq")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export(make("resnet18"), torch.randn(1, 3, 64, 64), folder / "fp32.onnx", "legacy")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"input": np.random.default_rng(i).standard_normal((1, 3, 64, 64))
+                                  .astype(np.float32)} for i in range(4)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quant_pre_process(str(folder / "fp32.onnx"), str(folder / "pre.onnx"))
+    quantize_static(str(folder / "pre.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    return str(folder / "qdq.onnx")
+
+
+def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_resnet, caplog):
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    engine = kiln.build(qdq_resnet, autotune=False)
+    convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    assert len(convs) == 20 and all(l.op_type == "QConv" and l.precision == "INT8" for l in convs)
+    assert sum(l.op_type == "QGemm" for l in engine.plan.layers) == 1
+    assert "QuantizeDoubleInputNodes: Fusing" in caplog.text
+    assert engine.plan.weights[convs[0].args[1].name].dtype == np.int8   # weights stay INT8
+    x = np.random.default_rng(7).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    got, want = engine.run({"input": x})["output"], run_ort(qdq_resnet, {"input": x})[0]
+    assert cosine(got, want) >= 0.999 and got.argmax() == want.argmax()
+    info = engine.layer_info()
+    conv = next(l for l in info["Layers"] if l["Name"] == convs[0].name)
+    assert conv["RequestedPrecision"] == conv["GrantedPrecision"] == "INT8"
+    assert conv["Inputs"][0]["Format/Datatype"] == "Row major linear UInt8 format"
+    dq = next(l for l in info["Layers"] if l["Name"].endswith("_DequantizeLinear"))
+    assert dq["LayerType"] == "Reformat" and dq["Origin"] == "QDQ"
+
+
+def test_int8_plan_through_onnxruntime_region_is_exact(qdq_resnet):
+    engine = kiln.build(qdq_resnet, avg_timing=1, min_timing=1)
+    x = np.random.default_rng(3).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    got, want = engine.run({"input": x})["output"], run_ort(qdq_resnet, {"input": x})[0]
+    assert cosine(got, want) >= 0.999 and got.argmax() == want.argmax()
+
+
+def classic_model():
+    """Reshape [-1,25088] -> [-1,128,14,14], Q/DQ, 3x3 conv with 12 outputs and no Q after it (TensorRT issue)."""
+    rng = np.random.default_rng(0)
+    w = rng.integers(-127, 128, (12, 128, 3, 3)).astype(np.int8)
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"),
+             helper.make_node("QuantizeLinear", ["r", "sx", "zx"], ["rq"], name="quant"),
+             helper.make_node("DequantizeLinear", ["rq", "sx", "zx"], ["rd"], name="dequant"),
+             helper.make_node("DequantizeLinear", ["w", "sw", "zw"], ["wd"], axis=0, name="dequant_w"),
+             helper.make_node("Conv", ["rd", "wd", "b"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv")]
+    inits = [init("shape", np.array([-1, 128, 14, 14], np.int64)), init("sx", np.array(0.02, np.float32)),
+             init("zx", np.array(0, np.int8)), init("w", w), init("sw", rng.uniform(1e-3, 3e-3, 12).astype(np.float32)),
+             init("zw", np.zeros(12, np.int8)), init("b", rng.standard_normal(12).astype(np.float32))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 25088])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+
+
+def test_classic_int8_conv_with_fp32_output_is_warned_and_linted(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    model = classic_model()
+    profile = {"x": ((1, 25088), (2, 25088), (4, 25088))}
+    engine = kiln.build(model, autotune=False, profiles=[profile])
+    conv = next(l for l in engine.plan.layers if l.parameter_type == "Convolution")
+    assert conv.precision == "INT8" and conv.inputs[0].dtype == "int8" and conv.outputs[0].dtype == "float32"
+    assert "conv runs in INT8 but its output stays FP32" in caplog.text
+    assert "Add a QuantizeLinear/DequantizeLinear pair after its output 'y'" in caplog.text
+    for n in (1, 3):
+        x = np.random.default_rng(n).standard_normal((n, 25088)).astype(np.float32)
+        got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
+        assert cosine(got, want) >= 0.9999
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps(engine.layer_info()))
+    lint = subprocess.run([sys.executable, "-m", "kiln.cli.main", "lint", str(path)], capture_output=True, text=True)
+    out = lint.stdout + lint.stderr
+    assert "INT8_FLOAT_OUTPUT" in out and conv.name in out
+    assert "add a QuantizeLinear/DequantizeLinear pair after" in out
+
+
+def test_fp16_request_is_recorded_with_its_reason_and_obey_fails(qdq_resnet, tmp_path):
+    engine = kiln.build(qdq_resnet, autotune=False, fp16=True)
+    pool = next(l for l in engine.layer_info()["Layers"] if l["LayerType"] == "Pooling")
+    assert pool["RequestedPrecision"] == "FP16" and pool["GrantedPrecision"] == "FP32"
+    assert "FP16" in pool["PrecisionReason"]
+    with pytest.raises(kiln.ModelError, match=r"layer '.*MaxPool' \(MaxPool\): --precision-constraints obey asks "
+                                              r"for INT8, which kiln cannot give: no INT8 kernel for MaxPool"):
+        kiln.build(qdq_resnet, autotune=False, layer_precisions={"*": "INT8"}, precision_constraints="obey")
+    saved = tmp_path / "e.kiln"
+    engine.save(saved)
+    again = kiln.load(saved).plan.layers
+    assert [(l.requested_precision, l.precision_reason) for l in again] == \
+        [(l.requested_precision, l.precision_reason) for l in engine.plan.layers]
