@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean conformance
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
+
+# ONNX backend conformance (onnx==1.23.2 node tests for kiln's ops; also part of `make test`)
+conformance: $(STAMP)
+	$(PY) -m pytest -n 2 tests/conformance
 
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py

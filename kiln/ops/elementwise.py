@@ -58,10 +58,19 @@ def clip(attrs, xs):
     return [torch.clamp(x, lo, hi)]
 
 
-@register("Dropout", E, trt_layer="Identity")
+@register("Dropout", E, host_inputs=(1, 2), trt_layer="Identity")
 def dropout(attrs, xs):
+    """Inference Dropout: the identity and an all-true mask. Training mode drops at random: only ratio 0."""
     x = xs[0]
+    ratio, training = (_host_scalar(xs[i]) if len(xs) > i else None for i in (1, 2))
+    if training and ratio != 0:   # ratio defaults to 0.5
+        raise NotImplementedError("Dropout with training_mode=true drops at random; kiln runs inference only")
     return [x, torch.ones(x.shape, dtype=torch.bool, device=x.device)]
+
+
+def _host_scalar(v):
+    """A scalar build-time input (a Python value, or a one-element list), or None where absent."""
+    return v[0] if isinstance(v, list) and len(v) == 1 else v
 
 
 def _binary(op_type: str, fn):
@@ -142,6 +151,8 @@ def cast(attrs, xs):
 
 @register("BatchNormalization", E, trt_layer="Scale")
 def batch_norm(attrs, xs):
+    if attrs.get("training_mode", 0):
+        raise NotImplementedError("BatchNormalization with training_mode=1 (batch statistics); kiln runs inference")
     x, scale, bias, mean_, var = xs[:5]
     eps = attrs.get("epsilon", 1e-5)
     shape = [1, -1] + [1] * (x.dim() - 2)

@@ -84,25 +84,46 @@ def max_pool(attrs, xs):
                         attrs.get("dilations") or [1] * n, bool(attrs.get("ceil_mode", 0)))]
 
 
+def pool_output_size(size: int, k: int, s: int, d: int, begin: int, end: int, ceil: bool) -> int:
+    """ONNX pooling output length; in ceil mode the last window must start inside the input or its begin pad."""
+    span = size + begin + end - d * (k - 1) - 1
+    out = (-(-span // s) if ceil else span // s) + 1
+    if ceil and (out - 1) * s >= size + begin:
+        out -= 1
+    return out
+
+
+def _window_sums(x, k, strides, dilations):
+    """Sum over every (strided, dilated) pooling window: a depthwise convolution with a ones kernel."""
+    planes = x.reshape(-1, 1, *x.shape[2:])
+    ones = torch.ones((1, 1, *k), dtype=x.dtype, device=x.device)
+    out = _CONV[len(k)](planes, ones, None, strides, 0, dilations)
+    return out.reshape(*x.shape[:2], *out.shape[2:])
+
+
 @register("AveragePool", OpKind.REDUCTION, trt_layer="Pooling")
 def average_pool(attrs, xs):
     x = xs[0]
     k = attrs["kernel_shape"]
     n = len(k)
     strides = attrs.get("strides") or [1] * n
+    dilations = attrs.get("dilations") or [1] * n
     pads = attrs.get("pads") or [0] * (2 * n)
     include = bool(attrs.get("count_include_pad", 0))
     ceil = bool(attrs.get("ceil_mode", 0))
     begin, end = pads[:n], pads[n:]
-    if begin == end and all(p * 2 <= kk for p, kk in zip(begin, k)):
+    if begin == end and all(p * 2 <= kk for p, kk in zip(begin, k)) and all(d == 1 for d in dilations):
         return [_AVGPOOL[n](x, k, strides, begin, ceil, include)]
-    # asymmetric padding: sum-pool the zero-padded input and divide by the (padded or real) element count
-    xp = F.pad(x, _torch_pad(pads))
-    sums = _AVGPOOL[n](xp, k, strides, 0, ceil, True) * math.prod(k)
-    mask = torch.ones((1, 1) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-    mask = F.pad(mask, _torch_pad(pads), value=1.0 if include else 0.0)
-    counts = _AVGPOOL[n](mask, k, strides, 0, ceil, True) * math.prod(k)
-    return [sums / counts]
+    # asymmetric pads or dilations: window sums of the zero-padded input over the count of elements that
+    # count (padding only with count_include_pad; the ceil-mode overhang past the padding never)
+    outs = [pool_output_size(*a, ceil) for a in zip(x.shape[2:], k, strides, dilations, begin, end)]
+    need = [(o - 1) * s + d * (kk - 1) + 1 for o, s, d, kk in zip(outs, strides, dilations, k)]
+    over = _torch_pad([0] * n + [max(0, q - size - b - e) for q, size, b, e in zip(need, x.shape[2:], begin, end)])
+    mask = torch.ones((1, 1, *x.shape[2:]), dtype=x.dtype, device=x.device)
+    mask = F.pad(F.pad(mask, _torch_pad(pads), value=1.0 if include else 0.0), over)
+    xp = F.pad(F.pad(x, _torch_pad(pads)), over)
+    crop = (slice(None), slice(None), *(slice(0, o) for o in outs))
+    return [(_window_sums(xp, k, strides, dilations) / _window_sums(mask, k, strides, dilations))[crop]]
 
 
 @register("GlobalAveragePool", OpKind.REDUCTION, trt_layer="Pooling")
@@ -195,10 +216,31 @@ def einsum(attrs, xs):
 
 @register("TopK", OpKind.REDUCTION, host_inputs=(1,), trt_layer="TopK")
 def topk(attrs, xs):
+    """ONNX TopK: of equal values the lower index is taken and listed first, which torch.topk does not promise."""
     x, k = xs[0], int(xs[1][0] if isinstance(xs[1], list) else xs[1])
-    values, indices = torch.topk(x, k, dim=attrs.get("axis", -1), largest=bool(attrs.get("largest", 1)),
-                                 sorted=True)
-    return [values, indices.to(torch.int64)]
+    axis, largest = attrs.get("axis", -1) % x.dim(), bool(attrs.get("largest", 1))
+    values, indices = torch.topk(x, k, dim=axis, largest=largest, sorted=True)
+    if k == 0 or x.device.type == "meta" or x.shape[axis] == 0:
+        return [values, indices.to(torch.int64)]
+    rows, best, top = x.movedim(axis, -1), indices.movedim(axis, -1), values.movedim(axis, -1)
+    kth = top[..., k - 1:k]
+    if not torch.equal((rows == kth).sum(-1), (top == kth).sum(-1)):   # a tie crosses the k-th place
+        best = _lowest_index_set(rows, kth, k, largest)
+    if best is None:   # NaNs among the k best: torch's choice and order
+        return [values, indices.to(torch.int64)]
+    best = best.sort(-1).values
+    values, order = torch.sort(torch.gather(rows, -1, best), dim=-1, descending=largest, stable=True)
+    return [values.movedim(-1, axis), torch.gather(best, -1, order).movedim(-1, axis).to(torch.int64)]
+
+
+def _lowest_index_set(rows, kth, k: int, largest: bool):
+    """Positions of the k best of each row (last axis), ties at the k-th value going to lower indices."""
+    better = rows > kth if largest else rows < kth
+    tied = rows == kth
+    keep = better | (tied & (tied.cumsum(-1) <= k - better.sum(-1, keepdim=True)))
+    if int(keep.sum()) != keep.numel() // rows.shape[-1] * k:
+        return None
+    return torch.arange(rows.shape[-1], device=rows.device).expand(rows.shape)[keep].reshape(*rows.shape[:-1], k)
 
 
 def _arg_reduce(largest: bool):

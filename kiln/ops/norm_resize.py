@@ -17,14 +17,19 @@ def prelu(attrs, xs):
 
 @register("LayerNormalization", OpKind.REDUCTION, trt_layer="Normalization")
 def layer_norm(attrs, xs):
+    """ONNX LayerNormalization: Y, and the optional Mean and InvStdDev (computed in float32 by default)."""
     x, scale = xs[0], xs[1]
     bias = xs[2] if len(xs) > 2 else None
     axis = attrs.get("axis", -1) % x.dim()
     dims = tuple(range(axis, x.dim()))
-    mean = x.mean(dim=dims, keepdim=True)
-    var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)
-    y = (x - mean) / torch.sqrt(var + attrs.get("epsilon", 1e-5)) * scale
-    return [y + bias if bias is not None else y]
+    h = x.to(_STASH_TYPES.get(attrs.get("stash_type", 1), torch.float32))
+    mean = h.mean(dim=dims, keepdim=True)
+    inv_std = torch.rsqrt(((h - mean) ** 2).mean(dim=dims, keepdim=True) + attrs.get("epsilon", 1e-5))
+    y = ((h - mean) * inv_std).to(x.dtype) * scale
+    return [y + bias if bias is not None else y, mean, inv_std]
+
+
+_STASH_TYPES = {1: torch.float32, 10: torch.float16, 11: torch.float64}   # ONNX element type -> torch
 
 
 @register("InstanceNormalization", OpKind.REDUCTION, trt_layer="Normalization")
@@ -87,7 +92,9 @@ def conv_transpose(attrs, xs):
     return [y]
 
 
-def _source_coords(out_size: int, in_size: int, scale: float, mode: str, roi=None) -> torch.Tensor:
+def _source_coords(out_size: int, in_size: int, scale: float, mode: str, roi) -> torch.Tensor:
+    """Each output index's coordinate in the input. align_corners and tf_crop_and_resize divide by the output
+    length, as the spec text, onnxruntime and PyTorch do (onnx's reference uses scale * in_size unrounded)."""
     x = torch.arange(out_size, dtype=torch.float64)
     if mode == "asymmetric":
         return x / scale
@@ -96,8 +103,7 @@ def _source_coords(out_size: int, in_size: int, scale: float, mode: str, roi=Non
     if mode == "pytorch_half_pixel":
         return (x + 0.5) / scale - 0.5 if out_size > 1 else torch.zeros_like(x)
     if mode == "half_pixel_symmetric":
-        adj = out_size / (scale * in_size)
-        center = in_size / 2 * (1 - adj)
+        center = in_size / 2 * (1 - out_size / (scale * in_size))
         return center + (x + 0.5) / scale - 0.5
     if mode == "tf_crop_and_resize":
         start, end = roi
@@ -116,46 +122,120 @@ def _nearest_index(coords: torch.Tensor, mode: str, in_size: int) -> torch.Tenso
         idx = torch.floor(coords + 0.5)
     else:   # round_prefer_floor (default)
         idx = torch.ceil(coords - 0.5)
-    return idx.clamp(0, in_size - 1).to(torch.int64)
+    return idx.clamp(0, in_size - 1).to(torch.int64)[:, None]
+
+
+def _linear_weights(ratio: torch.Tensor, scale: float, attrs) -> torch.Tensor:
+    if not attrs.get("antialias", 0):
+        return torch.stack([1 - ratio, ratio], dim=1)
+    s = min(scale, 1.0)   # antialiasing widens the kernel only when downsampling
+    start = math.floor(-1 / s) + 1
+    args = (torch.arange(start, 2 - start, dtype=torch.float64)[None, :] - ratio[:, None]) * s
+    w = (1 - args.abs()).clamp(0, 1)
+    return w / w.sum(dim=1, keepdim=True)
+
+
+def _cubic_kernel(x: torch.Tensor, a: float) -> torch.Tensor:
+    x = x.abs()
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return torch.where(x <= 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+def _cubic_weights(ratio: torch.Tensor, scale: float, attrs) -> torch.Tensor:
+    a = attrs.get("cubic_coeff_a", -0.75)
+    if not attrs.get("antialias", 0):
+        return _cubic_kernel(torch.stack([ratio + 1, ratio, 1 - ratio, 2 - ratio], dim=1), a)
+    s = min(scale, 1.0)
+    start = math.floor(-2 / s) + 1
+    w = _cubic_kernel((torch.arange(start, 2 - start, dtype=torch.float64)[None, :] - ratio[:, None]) * s, a)
+    return w / w.sum(dim=1, keepdim=True)
+
+
+_WEIGHTS = {"linear": _linear_weights, "cubic": _cubic_weights}
+
+
+def _taps(coords: torch.Tensor, in_size: int, scale: float, attrs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Input indices [out, n] (clamped: edge padding) and weights [out, n] (None: nearest, one tap)."""
+    mode = attrs.get("mode", "nearest")
+    if mode == "nearest":
+        return _nearest_index(coords, attrs.get("nearest_mode", "round_prefer_floor"), in_size), None
+    if mode not in _WEIGHTS:
+        raise NotImplementedError(f"Resize mode '{mode}' (kiln supports nearest, linear and cubic)")
+    base = torch.floor(coords)
+    weights = _WEIGHTS[mode](torch.where(coords == base, 1.0, coords - base), scale, attrs)
+    n = weights.shape[1]
+    # the n input positions nearest the coordinate, ties to the lower index (a ratio of 1 at integers)
+    frac = coords - base
+    if n % 2 == 0:
+        first = base + torch.where(frac == 0, -(n // 2), 1 - n // 2)
+    else:
+        first = base + torch.where(frac <= 0.5, -((n - 1) // 2), 1 - (n - 1) // 2)
+    idx = first.to(torch.int64)[:, None] + torch.arange(n)[None, :]
+    if attrs.get("exclude_outside", 0):
+        weights = torch.where((idx < 0) | (idx >= in_size), 0.0, weights)
+        total = weights.sum(dim=1, keepdim=True)
+        weights = weights / torch.where(total == 0, 1.0, total)
+    return idx.clamp(0, in_size - 1), weights
+
+
+def _resize_axis(y: torch.Tensor, axis: int, out_size: int, scale: float, roi, attrs) -> torch.Tensor:
+    in_size = y.shape[axis]
+    coords = _source_coords(out_size, in_size, scale, attrs.get("coordinate_transformation_mode", "half_pixel"), roi)
+    idx, weights = _taps(coords, in_size, scale, attrs)
+    idx = idx.to(y.device)
+    if weights is None:
+        y = torch.index_select(y, axis, idx[:, 0])
+    else:   # a weighted sum of the n taps, one gather each
+        w = weights.to(y.dtype).to(y.device).reshape(out_size, idx.shape[1], *[1] * (y.dim() - axis - 1))
+        taps = [torch.index_select(y, axis, idx[:, j]) for j in range(idx.shape[1])]
+        y = taps[0] * w[:, 0]
+        for j in range(1, len(taps)):
+            y.addcmul_(taps[j], w[:, j])
+    if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        outside = ((coords < 0) | (coords > in_size - 1)).reshape(out_size, *[1] * (y.dim() - axis - 1))
+        fill = torch.tensor(attrs.get("extrapolation_value", 0.0), dtype=y.dtype, device=y.device)
+        y = torch.where(outside.to(y.device), fill, y)
+    return y
+
+
+def _resize_targets(shape: list[int], scales, sizes, axes: list[int], attrs) -> tuple[list[int], list[float]]:
+    """Output size and scale per axis, from `sizes` (with keep_aspect_ratio_policy) or `scales`."""
+    rank = len(shape)
+    if not sizes:
+        scale = [1.0] * rank
+        for a, s in zip(axes, scales):
+            scale[a] = float(s)
+        return [math.floor(shape[a] * scale[a]) for a in range(rank)], scale
+    out = list(shape)
+    for a, s in zip(axes, sizes):
+        out[a] = int(s)
+    policy = attrs.get("keep_aspect_ratio_policy", "stretch")
+    if policy == "stretch":
+        return out, [out[a] / shape[a] for a in range(rank)]
+    pick = min if policy == "not_larger" else max
+    common = pick(out[a] / shape[a] for a in axes)
+    return ([int(common * shape[a] + 0.5) if a in axes else shape[a] for a in range(rank)],
+            [common if a in axes else 1.0 for a in range(rank)])
 
 
 @register("Resize", OpKind.INJECTIVE, host_inputs=(1, 2, 3), trt_layer="Resize")
 def resize(attrs, xs):
-    """ONNX Resize (nearest, linear; separable per axis; every coordinate transformation mode)."""
+    """ONNX Resize (nearest, linear, cubic; antialias; every coordinate transformation mode), one axis at a time."""
     x = xs[0]
     roi, scales, sizes = (xs[i] if len(xs) > i else None for i in (1, 2, 3))
     rank = x.dim()
     axes = [a % rank for a in attrs.get("axes", list(range(rank)))]
-    if sizes:
-        out = list(x.shape)
-        for a, s in zip(axes, sizes):
-            out[a] = int(s)
-        scale_list = [out[a] / x.shape[a] for a in range(rank)]
-    else:
-        scale_list = [1.0] * rank
-        for a, s in zip(axes, scales):
-            scale_list[a] = float(s)
-        out = [int(math.floor(x.shape[a] * scale_list[a])) for a in range(rank)]
-    mode = attrs.get("mode", "nearest")
-    coord_mode = attrs.get("coordinate_transformation_mode", "half_pixel")
-    y = x
-    for a in range(rank):
-        if out[a] == x.shape[a] and scale_list[a] == 1.0:
-            continue
-        r = (roi[a], roi[a + rank]) if roi else (0.0, 1.0)
-        coords = _source_coords(out[a], x.shape[a], scale_list[a], coord_mode, r)
-        if mode == "nearest":
-            idx = _nearest_index(coords, attrs.get("nearest_mode", "round_prefer_floor"), x.shape[a])
-            y = torch.index_select(y, a, idx.to(y.device))
-        elif mode == "linear":
-            coords = coords.clamp(0, x.shape[a] - 1)
-            lo = torch.floor(coords).to(torch.int64)
-            hi = (lo + 1).clamp(max=x.shape[a] - 1)
-            frac = (coords - lo).to(y.dtype)
-            shape = [1] * rank
-            shape[a] = -1
-            y0, y1 = torch.index_select(y, a, lo.to(y.device)), torch.index_select(y, a, hi.to(y.device))
-            y = y0 + (y1 - y0) * frac.reshape(shape).to(y.device)
-        else:
-            raise NotImplementedError(f"Resize mode '{mode}' (kiln supports nearest and linear)")
-    return [y]
+    out, scale = _resize_targets(list(x.shape), scales, sizes, axes, attrs)
+    rois = {a: (0.0, 1.0) for a in range(rank)}
+    for i, a in enumerate(axes if roi else ()):
+        rois[a] = (float(roi[i]), float(roi[i + len(axes)]))
+    exact = attrs.get("mode", "nearest") == "nearest" or x.dtype in (torch.float32, torch.float64)
+    y = x if exact else x.to(torch.float32)   # interpolate narrow floats and integers in float32
+    for a in axes:
+        if out[a] != x.shape[a] or not math.isclose(scale[a], 1.0) or rois[a] != (0.0, 1.0):
+            y = _resize_axis(y, a, out[a], scale[a], rois[a], attrs)
+    if y.dtype == x.dtype or x.dtype.is_floating_point:
+        return [y.to(x.dtype)]
+    info = torch.iinfo(x.dtype)   # integers round and saturate, as the ONNX reference does
+    return [torch.round(y).clamp(info.min, info.max).to(x.dtype)]
