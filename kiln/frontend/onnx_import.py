@@ -206,6 +206,8 @@ def _import_nodes(g: Graph, proto: onnx.ModelProto) -> None:
             continue
         inputs = [g.value(x) if x else None for x in pnode.input]
         outputs = [g.value(x) for x in pnode.output if x]
+        if pnode.op_type == "Split" and len(inputs) < 2 and "split" not in attrs:
+            attrs.setdefault("num_outputs", len(outputs))   # before opset 18: as many equal parts as outputs
         g.add_node(Node(name, pnode.op_type, inputs, outputs, attrs, pnode.domain, (name,)))
 
 

@@ -106,6 +106,8 @@ def opt_and_probe_shapes(profiles: list[Profile]) -> tuple[dict[str, Shape], dic
     opt = {name: r.opt for name, r in profiles[0].items()}
     probe = {}
     for name, axes in dynamic_axes(profiles).items():
+        if not axes:
+            continue
         shape = list(opt[name])
         for i in axes:
             options = [v for p in profiles for v in (p[name].max[i], p[name].min[i]) if v != opt[name][i]]
