@@ -106,5 +106,18 @@ for _name, _base in QUANTIZED_BASE.items():
     KILN_OPS[_name] = OpDef(_name, OpKind.COMPLEX, _quantized(_base), (),
                             "Convolution" if _base == "Conv" else "MatrixMultiply")
 
+def quantized_add(attrs, xs):
+    """INT8 residual add: dequantize both inputs, add, activation, quantize with the output scale."""
+    from kiln.ops.dtypes import to_torch_dtype
+    from kiln.ops.nn import apply_activation
+    from kiln.ops.quantize import dequantize, quantize
+
+    q = attrs["quant"]
+    y = dequantize(xs[0], q["a_scale"], q["a_zero_point"]) + dequantize(xs[1], q["b_scale"], q["b_zero_point"])
+    y = apply_activation(attrs.get("activation"), y)
+    return [quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
+
+
+KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add, (), "ElementWise")
 KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention, (), "Attention")
 KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm, (), "Normalization")

@@ -8,7 +8,8 @@ from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_layer_norm
 from kiln.passes.pointwise import fuse_pointwise
-from kiln.passes.quantization import fuse_quantized_layers
+from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, merge_duplicate_qdq,
+                                     swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 
 DEFAULT_PIPELINE: list[Pass] = [
@@ -36,7 +37,10 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("SkipLayerNormFusion", fuse_skip_layer_norm),
     Pass("GemmActFusion", fuse_gemm_activation),
     # Q/DQ last among the vertical fusions: the conv/gemm has its bias, residual and activation by now.
-    Pass("QuantizeDoubleInputNodes", fuse_quantized_layers, "vertical fusions"),
+    Pass("HorizontalMergeQNodes", merge_duplicate_qdq),
+    Pass("VanillaSwapWithFollowingQ", swap_dq_q_around_movement),
+    Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
+    Pass("QuantizedAddFusion", fuse_quantized_add, "vertical fusions"),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
     Pass("DeadLayerRemoval", remove_dead_layers, "final dead-layer removal"),

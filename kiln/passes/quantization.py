@@ -88,3 +88,82 @@ def _blocker(dqx: Node | None, dqw: Node) -> str | None:
     if np.dtype(dqw.inputs[0].dtype) not in (np.dtype(np.int8), np.dtype(np.uint8)):
         return f"weights of type {dqw.inputs[0].dtype} are not INT8"
     return None
+
+
+def _same_params(a: Node, b: Node) -> bool:
+    pa, pb = _params(a), _params(b)
+    return pa is not None and pb is not None and np.array_equal(pa[0], pb[0]) and np.array_equal(pa[1], pb[1]) \
+        and a.attrs.get("axis", 1) == b.attrs.get("axis", 1)
+
+
+def merge_duplicate_qdq(g: Graph, plog: PassLog) -> None:
+    """HorizontalMergeQNodes: QuantizeLinear (or DequantizeLinear) nodes reading one tensor with the same scale
+    and zero point compute the same thing once."""
+    for v in [v for v in list(g.values.values()) if len(v.users) > 1]:
+        for op in ("QuantizeLinear", "DequantizeLinear"):
+            group = [n for n in v.users if n.op_type == op and n.inputs[0] is v and _params(n) is not None]
+            keep = group[0] if group else None
+            for dup in group[1:]:
+                if not _same_params(keep, dup) or g.is_output(dup.outputs[0]) or dup not in g.nodes:
+                    continue
+                plog.running(keep)
+                plog.fusing(keep, dup)
+                g.remove_node(dup)
+                g.replace_all_uses(dup.outputs[0], keep.outputs[0])
+
+
+SWAPPABLE = ("MaxPool", "Shuffle", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def swap_dq_q_around_movement(g: Graph, plog: PassLog) -> None:
+    """VanillaSwapWithFollowingQ: DQ -> (max pooling or data movement) -> Q with equal scales runs the op on the
+    INT8 tensor itself (max and moves commute with a monotonic per-tensor quantization)."""
+    for op in [n for n in g.nodes if n.op_type in SWAPPABLE and n.domain in ("", "ai.onnx", "kiln")]:
+        dq, q = _dq(op.inputs[0]), sole_consumer(g, op)
+        if dq is None or q is None or q.op_type != "QuantizeLinear" or len(dq.outputs[0].users) != 1:
+            continue
+        if not _same_params(dq, q) or _params(q)[0].size != 1 or g.is_output(dq.outputs[0]):
+            continue
+        if q.outputs[0].dtype != dq.inputs[0].dtype:
+            continue
+        plog.running(op)
+        plog.fusing(dq, op)
+        plog.fusing(op, q)
+        out = q.outputs[0]
+        g.remove_node(q)
+        g.remove_node(dq)
+        g.set_input(op, 0, dq.inputs[0])
+        op.outputs[0].dtype = out.dtype
+        g.replace_all_uses(out, op.outputs[0])
+
+
+def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
+    """INT8 residual add: Q(act(DQ(a) + DQ(b))) with per-tensor scales becomes one INT8 ElementWise layer."""
+    from kiln.passes.patterns import activation_spec
+
+    for add in [n for n in g.nodes if n.op_type == "Add" and n.domain in ("", "ai.onnx")]:
+        dqs = [_dq(v) for v in add.inputs]
+        if any(d is None or _params(d) is None or _params(d)[0].size != 1 or d.inputs[0].is_const for d in dqs):
+            continue
+        nodes, act, nxt = [add], None, sole_consumer(g, add)
+        if nxt is not None and activation_spec(g, nxt) is not None:
+            act, nodes, nxt = activation_spec(g, nxt), nodes + [nxt], sole_consumer(g, nxt)
+        plog.running(add)
+        if nxt is None or nxt.op_type != "QuantizeLinear" or _params(nxt) is None or _params(nxt)[0].size != 1:
+            plog.not_fused(add, nxt.name if nxt is not None else "its consumers",
+                           "no per-tensor QuantizeLinear after the sum: it stays an FP32 add")
+            continue
+        (sa, za), (sb, zb), (sy, zy) = _params(dqs[0]), _params(dqs[1]), _params(nxt)
+        quant = {"a_scale": float(sa.reshape(-1)[0]), "a_zero_point": int(za.reshape(-1)[0]),
+                 "b_scale": float(sb.reshape(-1)[0]), "b_zero_point": int(zb.reshape(-1)[0]),
+                 "y_scale": float(sy.reshape(-1)[0]), "y_zero_point": int(zy.reshape(-1)[0]),
+                 "a_dtype": str(dqs[0].inputs[0].dtype), "b_dtype": str(dqs[1].inputs[0].dtype),
+                 "y_dtype": str(nxt.outputs[0].dtype)}
+        nodes.append(nxt)
+        for n in nodes[1:]:
+            plog.fusing(add, n)
+        origin = tuple(o for d in dqs if len(d.outputs[0].users) == 1 for o in d.origin) + \
+            tuple(o for n in nodes for o in n.origin)
+        attrs = {"quant": quant, **({"activation": act} if act else {})}
+        replace_nodes(g, nodes, Node(" + ".join(n.name for n in nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
+                                     [nxt.outputs[0]], attrs, "kiln", origin))

@@ -124,6 +124,13 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return _emit_attention(e, xs, a)
     if view.domain == "kiln" and view.op_type in QUANTIZED_BASE:
         return _emit_quantized(e, view, xs)
+    if view.domain == "kiln" and view.op_type == "QAdd":
+        q = a["quant"]
+        parts = [e.node("DequantizeLinear", [x, e.const(q[f"{k}_scale"]), e.const(q[f"{k}_zero_point"],
+                                                                                  np.dtype(q[f"{k}_dtype"]))])
+                 for x, k in zip(xs, "ab")]
+        y = e.activation(e.node("Add", parts), a.get("activation"))
+        return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
         return e.node("LayerNormalization", [e.node("Add", xs[:2])] + xs[2:], a)
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
@@ -176,7 +183,7 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     return _emit_steps(e, out, a.get("out_steps", []))
 
 
-KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", *QUANTIZED_BASE)
+KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", *QUANTIZED_BASE)
 NEEDS_OPSET = {"LayerNormalization": 17, "GroupNormalization": 21, "Gelu": 20}
 
 

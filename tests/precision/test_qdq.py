@@ -55,7 +55,13 @@ def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_r
     convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
     assert len(convs) == 20 and all(l.op_type == "QConv" and l.precision == "INT8" for l in convs)
     assert sum(l.op_type == "QGemm" for l in engine.plan.layers) == 1
-    assert "QuantizeDoubleInputNodes: Fusing" in caplog.text
+    assert sum(l.op_type == "QAdd" for l in engine.plan.layers) == 8      # INT8 residual adds
+    # 20 convs, 8 adds, the FC, maxpool on INT8 (Q/DQ swapped around it), pool + flatten and 4 Q/DQ left
+    assert len(engine.plan.layers) == 36, [l.name for l in engine.plan.layers]
+    maxpool = next(l for l in engine.plan.layers if l.op_type == "MaxPool")
+    assert maxpool.inputs[0].dtype == "uint8" and maxpool.outputs[0].dtype == "uint8"
+    for line in ("QuantizeDoubleInputNodes: Fusing", "VanillaSwapWithFollowingQ: Fusing", "QuantizedAddFusion: Fusing"):
+        assert line in caplog.text, line
     assert engine.plan.weights[convs[0].args[1].name].dtype == np.int8   # weights stay INT8
     x = np.random.default_rng(7).standard_normal((1, 3, 64, 64)).astype(np.float32)
     got, want = engine.run({"input": x})["output"], run_ort(qdq_resnet, {"input": x})[0]
