@@ -2,10 +2,11 @@
 and torch.compile (with --compile; its first call takes minutes).
 
     make bench                                     # = .venv/bin/python benchmarks/compare.py
-    .venv/bin/python benchmarks/compare.py --models resnet18,resnet50 --runs 30 --rounds 3 --threads 2
+    .venv/bin/python benchmarks/compare.py --models resnet18,resnet50,bert-base,yolov8n --runs 30 --rounds 3
 
-Networks are built from torch code (tests/models/nets.py, random weights, randomized BatchNorm statistics) and
-exported with the legacy exporter to a temporary folder. Every engine gets 5 warm-up runs; then timed blocks of
+Networks are built from torch code (tests/models/: ResNet-18/50 at 224x224, a BERT-base-shaped HF BertModel at
+seq 128, a YOLOv8n-shaped detector at 640x640; random weights, randomized BatchNorm statistics) and exported with
+the legacy exporter to a temporary folder. Every engine gets 5 warm-up runs; then timed blocks of
 --runs inferences rotate through the engines --rounds times, so drift hits all alike; medians are over all
 timed runs. Reported: median ms per engine, kiln's ratio to onnxruntime and to the best peer, kiln's build time
 (cold timing cache) and load time, and kiln's ratio to the compute lower bound (FLOPs / 186.6 GFLOP/s, the best
@@ -31,7 +32,7 @@ PEAK_GFLOPS = 186.6
 
 
 def flops(plan) -> float:
-    """Multiply-adds x2 of convolutions and matrix products in a kiln plan (regions included)."""
+    """Multiply-adds x2 of convolutions, matrix products and attention in a kiln plan (regions included)."""
     total = 0.0
     for layer in [i for l in plan.layers for i in (l.inner or (l,))]:
         out = layer.outputs[0].dims if layer.outputs else ()
@@ -41,10 +42,72 @@ def flops(plan) -> float:
         elif layer.op_type in ("Gemm", "MatMul") and layer.args[1].kind == "weight":
             k = plan.weights[layer.args[1].name].shape
             total += 2 * np.prod(out) * (k[1] if layer.attrs.get("transB") else k[0])
+        elif layer.op_type == "Attention" and len(out) == 3:   # Q·Kᵀ and P·V over [batch, seq, hidden]
+            total += 4 * out[0] * out[1] * out[1] * out[2]
     return float(total)
 
 
-def peers(onnx_path: str, model, x: np.ndarray, threads: int, with_compile: bool):
+def build_model(name: str, workdir: Path):
+    """(torch model, feeds by input name, ONNX path) for one benchmark model, exported with the legacy exporter.
+
+    resnet18/resnet50: tests/models/nets.py at 1x3x224x224. bert-base: HF BertModel at BERT-base shape (12 layers,
+    hidden 768, 12 heads, FFN 3072, random weights, eager attention), batch 1, seq 128, 20 padded tokens.
+    yolov8n: tests/models/detectors.py (YOLOv8n widths/depths, DFL head, anchors in the graph) at 1x3x640x640."""
+    import torch
+
+    path = workdir / f"{name}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name in ("resnet18", "resnet50", "resnet18-int8", "resnet50-int8"):
+            from tests.models.nets import export, make
+
+            model = make(name.removesuffix("-int8"), seed=0)
+            x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+            export(model, torch.from_numpy(x), path, "legacy")
+            if name.endswith("-int8"):
+                return model, {"input": x}, quantize_qdq(path, x)
+            return model, {"input": x}, path
+        if name == "bert-base":
+            from tests.models import encoders
+
+            model = encoders.make_bert(layers=12, hidden=768, heads=12, intermediate=3072, vocab=30522,
+                                       max_positions=512)
+            feeds = encoders.inputs(model, batch=1, seq=128)
+            feeds["attention_mask"][0, 108:] = 0
+            encoders.export(model, feeds, path, "legacy")
+            return model, feeds, path
+        if name == "yolov8n":
+            from tests.models import detectors
+
+            model = detectors.make("yolov8")
+            x = np.random.default_rng(0).random((1, 3, 640, 640)).astype(np.float32)
+            detectors.export(model, torch.from_numpy(x), path, "legacy")
+            return model, {"images": x}, path
+    raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, resnet18-int8, resnet50-int8, bert-base, yolov8n)")
+
+
+def quantize_qdq(path: Path, x: np.ndarray) -> Path:
+    """onnxruntime's quantize_static in QDQ format: per-channel INT8 weights, unsigned INT8 activations,
+    calibrated on 8 random inputs. The FP32 model stays at `path` for the kiln-FP32 comparison."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            rng = np.random.default_rng(1)
+            self.batches = iter([{"input": rng.standard_normal(x.shape).astype(np.float32)} for _ in range(8)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    pre, qdq = path.with_name(path.stem + "_pre.onnx"), path.with_name(path.stem + "_qdq.onnx")
+    quant_pre_process(str(path), str(pre))
+    quantize_static(str(pre), str(qdq), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    return qdq
+
+
+def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, with_compile: bool):
     """name -> zero-argument callable running one inference."""
     import onnxruntime as ort
     import torch
@@ -53,21 +116,22 @@ def peers(onnx_path: str, model, x: np.ndarray, threads: int, with_compile: bool
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     sess = ort.InferenceSession(onnx_path, so, providers=["CPUExecutionProvider"])
-    name = sess.get_inputs()[0].name
-    out["onnxruntime"] = lambda: sess.run(None, {name: x})
+    out["onnxruntime"] = lambda: sess.run(None, feeds)
     try:
         import openvino as ov
 
         compiled = ov.Core().compile_model(onnx_path, "CPU", {"INFERENCE_NUM_THREADS": threads})
         request = compiled.create_infer_request()
-        out["openvino"] = lambda: request.infer({0: x})
+        out["openvino"] = lambda: request.infer(feeds)
     except ImportError:
         pass
-    tx = torch.from_numpy(x)
-    out["torch eager"] = lambda: model(tx)
+    args = [torch.from_numpy(feeds[i.name]) for i in sess.get_inputs()]
+    if "_qdq" in Path(onnx_path).name:
+        return out   # torch runs the FP32 network: not a peer on the quantized model
+    out["torch eager"] = lambda: model(*args)
     if with_compile:
         compiled_model = torch.compile(model)
-        out["torch.compile"] = lambda: compiled_model(tx)
+        out["torch.compile"] = lambda: compiled_model(*args)
     return out
 
 
@@ -75,15 +139,9 @@ def bench(name: str, workdir: Path, args) -> dict:
     import torch
 
     import kiln
-    from tests.models.nets import export, make
 
     torch.set_num_threads(args.threads)
-    model = make(name, seed=0)
-    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    path = workdir / f"{name}.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export(model, torch.from_numpy(x), path, "legacy")
+    model, feeds, path = build_model(name, workdir)
     t0 = time.perf_counter()
     engine = kiln.build(str(path))
     build_s = time.perf_counter() - t0
@@ -93,8 +151,10 @@ def bench(name: str, workdir: Path, args) -> dict:
     engine.kernels   # load = read + verify + prepare every kernel
     load_s = time.perf_counter() - t0
     ctx = engine.create_execution_context()
-    feed = {engine.input_names[0]: x}
-    runners = {"kiln": lambda: ctx.execute(feed), **peers(str(path), model, x, args.threads, args.compile)}
+    runners = {"kiln": lambda: ctx.execute(feeds), **peers(str(path), model, feeds, args.threads, args.compile)}
+    if path.name.endswith("_qdq.onnx"):   # INT8 vs kiln's own FP32 engine of the same network
+        fp32 = kiln.build(str(path.with_name(path.name.replace("_qdq", "")))).create_execution_context()
+        runners["kiln fp32"] = lambda: fp32.execute(feeds)
     with torch.inference_mode():
         for fn in runners.values():
             for _ in range(WARMUP):
@@ -108,8 +168,9 @@ def bench(name: str, workdir: Path, args) -> dict:
                     samples[k].append((time.perf_counter() - t) * 1e3)
     medians = {k: statistics.median(v) for k, v in samples.items()}
     bound_ms = flops(engine.plan) / (PEAK_GFLOPS * 1e9) * 1e3
+    plan = ", ".join(sorted({l.layer_type for l in engine.plan.layers}))
     return {"name": name, "medians": medians, "build_s": build_s, "load_s": load_s, "bound_ms": bound_ms,
-            "layers": len(engine.plan.layers)}
+            "layers": len(engine.plan.layers), "plan": plan}
 
 
 def main(argv=None) -> int:
@@ -133,8 +194,13 @@ def main(argv=None) -> int:
     print(f"\n{'model':10}" + "".join(f"{n:>15}" for n in names) + f"{'kiln/ort':>10}{'kiln/best':>11}"
           f"{'kiln/bound':>12}{'build s':>9}{'load s':>8}")
     for r in results:
+        print(f"{r['name']}: kiln plan has {r['layers']} layer(s) run by {r['plan']}")
+        if "kiln fp32" in r["medians"]:
+            print(f"{r['name']}: kiln INT8 is {r['medians']['kiln fp32'] / r['medians']['kiln']:.2f}x faster than "
+                  "kiln FP32")
+    for r in results:
         m = r["medians"]
-        best = min(v for k, v in m.items() if k != "kiln")
+        best = min(v for k, v in m.items() if not k.startswith("kiln"))
         print(f"{r['name']:10}" + "".join(f"{m.get(n, float('nan')):>15.2f}" for n in names) +
               f"{m['kiln'] / m['onnxruntime']:>10.3f}{m['kiln'] / best:>11.3f}{m['kiln'] / r['bound_ms']:>12.2f}"
               f"{r['build_s']:>9.1f}{r['load_s']:>8.2f}")
