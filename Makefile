@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: demo test install bench clean conformance
+.PHONY: demo test install bench clean conformance fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ test: $(STAMP)
 # ONNX backend conformance (onnx==1.23.2 node tests for kiln's ops; also part of `make test`)
 conformance: $(STAMP)
 	$(PY) -m pytest -n 2 tests/conformance
+
+# coverage-guided fuzzing (atheris) of the engine loader, the ONNX importer and the TensorRT readers
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(PY) -m pip install --quiet atheris
+	for t in engine onnx trt; do $(PY) fuzz/run_atheris.py $$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 || exit 1; done
 
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py

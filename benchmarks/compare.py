@@ -36,10 +36,10 @@ def flops(plan) -> float:
     total = 0.0
     for layer in [i for l in plan.layers for i in (l.inner or (l,))]:
         out = layer.outputs[0].dims if layer.outputs else ()
-        if layer.op_type == "Conv":
+        if layer.op_type in ("Conv", "QConv"):
             w = plan.weights[layer.args[1].name].shape
             total += 2 * np.prod(out) * np.prod(w[1:])
-        elif layer.op_type in ("Gemm", "MatMul") and layer.args[1].kind == "weight":
+        elif layer.op_type in ("Gemm", "MatMul", "QGemm", "QMatMul") and layer.args[1].kind == "weight":
             k = plan.weights[layer.args[1].name].shape
             total += 2 * np.prod(out) * (k[1] if layer.attrs.get("transB") else k[0])
         elif layer.op_type == "Attention" and len(out) == 3:   # Q·Kᵀ and P·V over [batch, seq, hidden]
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         m = r["medians"]
         best = min(v for k, v in m.items() if not k.startswith("kiln"))
         print(f"{r['name']:10}" + "".join(f"{m.get(n, float('nan')):>15.2f}" for n in names) +
-              f"{m['kiln'] / m['onnxruntime']:>10.3f}{m['kiln'] / best:>11.3f}{m['kiln'] / r['bound_ms']:>12.2f}"
+              f"{m['kiln'] / m['onnxruntime']:>10.3f}{m['kiln'] / best:>11.3f}{m['kiln'] / max(r['bound_ms'], 1e-9):>12.2f}"
               f"{r['build_s']:>9.1f}{r['load_s']:>8.2f}")
     return 0
 

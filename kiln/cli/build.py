@@ -39,6 +39,10 @@ def add_precision_arguments(p: argparse.ArgumentParser, spelling: str = "kebab")
                                                        "calibrated with --calib")
     p.add_argument("--calib", metavar="DATA", help="calibration data (.npz or a folder of .npz) or a calibration "
                                                    "cache (.json) for --int8")
+    p.add_argument("--calib-method" if kebab else "--calibMethod", dest="calib_method", default="entropy",
+                   choices=["entropy", "minmax", "percentile"], help="calibrator for --int8 --calib")
+    p.add_argument("--calib-cache" if kebab else "--calibCache", dest="calib_cache", metavar="F",
+                   help="write the calibration scales to this JSON cache (read it back with --calib F)")
     p.add_argument("--layer-precisions" if kebab else "--layerPrecisions", dest="layer_precisions", metavar="SPEC",
                    help="per-layer precision, e.g. conv1:fp16,*:fp32")
     p.add_argument("--layer-output-types" if kebab else "--layerOutputTypes", dest="layer_output_types",
@@ -55,7 +59,8 @@ def precision_options(args) -> dict:
               **parse_layer_precisions(getattr(args, "layer_precisions", None))}
     options = {"precision": PrecisionOptions(args.fp16, args.bf16, args.int8, layers, args.precision_constraints)}
     if getattr(args, "calib", None):
-        options["calibration"] = args.calib
+        options.update(calibration=args.calib, calibration_method=args.calib_method,
+                       calibration_cache=args.calib_cache)
     return options
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 SUBCOMMANDS = {
@@ -15,6 +16,7 @@ SUBCOMMANDS = {
     "log": "kiln.cli.log_cmd",
     "draw": "kiln.cli.draw_cmd",
     "report": "kiln.cli.report_cmd",
+    "compare": "kiln.cli.compare_cmd",
 }
 
 
@@ -36,14 +38,19 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     console.setup_logging(getattr(args, "verbose", False))
+    signal.signal(signal.SIGTERM, _terminate)   # unwind like Ctrl-C: temp files are removed, targets untouched
     try:
         return args.module.run(args)
     except Error as exc:
         console.error(str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
-        console.error("interrupted")
+        console.error("interrupted; no output file was changed")
         return 130
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

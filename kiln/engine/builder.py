@@ -61,11 +61,15 @@ class BuildOptions:
     min_timing: int = 3
     precision: PrecisionOptions = PrecisionOptions()
     calibration: str | None = None   # --int8 without Q/DQ: calibration data (.npz / folder) or cache (.json)
+    calibration_method: str = "entropy"   # entropy (TensorRT's default), minmax, percentile
+    calibration_cache: str | None = None  # write the computed scales here (JSON)
 
 
 def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
     start = time.perf_counter()
     proto = load_model(model)
+    if options.calibration:
+        proto = calibrated(proto, options)
     g = import_onnx(proto, options.input_shapes, list(options.profiles))
     stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
     sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
@@ -90,6 +94,22 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     }
     log.info("Engine built in %.5f sec.", info["build_time_s"])
     return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info, tuple(g.profiles))
+
+
+def calibrated(proto: onnx.ModelProto, options: BuildOptions) -> onnx.ModelProto:
+    """Implicit INT8 (--int8 --calib): scales from calibration data or a cache become Q/DQ nodes, so the rest of
+    the build is the explicit-quantization path."""
+    from kiln.errors import ModelError
+    from kiln.precision.calibration import calibrate, quantize_with_qdq
+
+    if not options.precision.int8:
+        raise ModelError("calibration data was given without --int8; add --int8 (or drop --calib)")
+    if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in proto.graph.node):
+        raise ModelError("the model already has Q/DQ nodes (explicit quantization); build it without --calib")
+    scales = calibrate(proto, options.calibration, options.calibration_method, options.calibration_cache)
+    log.info("INT8 calibration (%s): %d activation scales from %s", options.calibration_method, len(scales),
+             options.calibration)
+    return quantize_with_qdq(proto, scales)
 
 
 def desc_of(v, name: str | None = None, fmt: str = LINEAR) -> TensorDesc:

@@ -204,11 +204,29 @@ def _import_nodes(g: Graph, proto: onnx.ModelProto) -> None:
         if pnode.op_type == "Constant":
             g.add_const(pnode.output[0], _constant_value(name, attrs))
             continue
+        _check_arity(pnode, name, g.opset)
         inputs = [g.value(x) if x else None for x in pnode.input]
         outputs = [g.value(x) for x in pnode.output if x]
         if pnode.op_type == "Split" and len(inputs) < 2 and "split" not in attrs:
             attrs.setdefault("num_outputs", len(outputs))   # before opset 18: as many equal parts as outputs
         g.add_node(Node(name, pnode.op_type, inputs, outputs, attrs, pnode.domain, (name,)))
+
+
+def _check_arity(pnode: onnx.NodeProto, name: str, opset: int) -> None:
+    """Input/output counts the ONNX schema allows (a malformed node fails here, not deep inside an op)."""
+    if pnode.domain not in ("", "ai.onnx"):
+        return
+    try:
+        schema = onnx.defs.get_schema(pnode.op_type, opset, "")
+    except Exception:
+        return
+    n_in, n_out = len(pnode.input), len([o for o in pnode.output if o])
+    if not schema.min_input <= n_in <= schema.max_input or not schema.min_output <= n_out <= schema.max_output:
+        raise ModelError(f"node '{name}' ({pnode.op_type}) has {n_in} input(s) and {n_out} output(s); opset {opset} "
+                         f"allows {schema.min_input}-{schema.max_input} inputs and {schema.min_output}-"
+                         f"{schema.max_output} outputs")
+    if any(not x for x in pnode.input[:schema.min_input]):
+        raise ModelError(f"node '{name}' ({pnode.op_type}) leaves a required input empty")
 
 
 def _constant_value(name: str, attrs: dict[str, Any]) -> np.ndarray:

@@ -44,7 +44,11 @@ def infer_shapes(g: Graph) -> None:
         for v in node.inputs:
             if v is not None and v.shape is None and id(v) not in known:
                 raise ModelError(f"node '{node.name}' ({node.op_type}) reads '{v.name}', which has no known shape")
-        normalize_attrs(node)
+        try:
+            normalize_attrs(node)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ModelError(f"node '{node.name}' ({node.op_type}) has malformed attributes or inputs: "
+                             f"{type(exc).__name__}: {exc}") from None
         outs = evaluate_node(node, known)
         if len(outs) < len(node.outputs):
             raise ModelError(f"node '{node.name}' ({node.op_type}) declares {len(node.outputs)} outputs, "

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from kiln.engine.plan import Plan
-from kiln.errors import InputError
+from kiln.errors import EngineFormatError, Error, InputError
 from kiln.tactics.prepare import TorchWeights, prepare_kernel
 
 Kernel = Callable[[list], list]
@@ -17,8 +17,17 @@ Kernel = Callable[[list], list]
 def prepare_kernels(plan: Plan) -> list[Kernel]:
     """Turn every layer into a callable; weights become torch tensors (prepacked by the tactic)."""
     weights = TorchWeights(plan.weights)
-    opset = int(plan.build_info.get("opset", 17))
-    return [prepare_kernel(layer, weights, plan.weights, opset) for layer in plan.layers]
+    opset = int(plan.build_info.get("opset", 17)) if str(plan.build_info.get("opset", 17)).isdigit() else 17
+    kernels = []
+    for layer in plan.layers:
+        try:
+            kernels.append(prepare_kernel(layer, weights, plan.weights, opset))
+        except Error:
+            raise
+        except Exception as exc:   # a plan that parsed but cannot be prepared: a damaged or hand-edited engine
+            raise EngineFormatError(f"layer '{layer.name}' ({layer.op_type}) cannot be prepared: "
+                                    f"{type(exc).__name__}: {exc}; rebuild the engine") from None
+    return kernels
 
 
 class ExecutionContext:
@@ -59,29 +68,37 @@ class ExecutionContext:
         env: dict[str, torch.Tensor] = self.check_inputs(feeds)
         with torch.inference_mode():
             for (layer, args, outs, free), kernel in zip(self._steps, self.kernels):
-                xs = [env[n] if k == "tensor" else None for k, n in args]
-                if profiler is None:
-                    results = kernel(xs)
-                else:
-                    t0 = time.perf_counter_ns()
-                    if layer.inner and hasattr(kernel, "profiled_run"):
-                        results = kernel.profiled_run(xs)
-                        profiler.watch_region(layer.name, kernel)
-                    else:
-                        results = kernel(xs)
-                    profiler.record(layer.name, (time.perf_counter_ns() - t0) / 1e6)
+                try:
+                    xs = [env[n] if k == "tensor" else None for k, n in args]
+                    results = kernel(xs) if profiler is None else _profiled(layer, kernel, xs, profiler)
+                except Error:
+                    raise
+                except Exception as exc:   # a damaged engine or a library failure: name the layer
+                    raise Error(f"layer '{layer.name}' ({layer.op_type}) failed: {type(exc).__name__}: {exc}") from None
                 for n, r in zip(outs, results):
                     env[n] = r
                 for n in free:
                     env.pop(n, None)
+        missing = [t.name for t in self.plan.outputs if t.name not in env]
+        if missing:
+            raise EngineFormatError(f"no layer of the engine produces output(s) {missing}; rebuild the engine")
         return {t.name: _to_numpy(env[t.name], t.dtype) for t in self.plan.outputs}
+
+
+def _profiled(layer, kernel, xs, profiler):
+    t0 = time.perf_counter_ns()
+    if layer.inner and hasattr(kernel, "profiled_run"):
+        results = kernel.profiled_run(xs)
+        profiler.watch_region(layer.name, kernel)
+    else:
+        results = kernel(xs)
+    profiler.record(layer.name, (time.perf_counter_ns() - t0) / 1e6)
+    return results
 
 
 def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     arr = t.contiguous().numpy()
     return arr if arr.dtype == np.dtype(dtype) else arr.astype(dtype)
-
-
 
 
 def check_shapes(plan: Plan, shapes: dict[str, tuple[int, ...]], profile: int | None = None) -> int:
