@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
             console.info(f"Engine saved to {args.saveEngine}")
     else:
         engine = kiln.load(args.loadEngine)
-    if args.exportLayerInfo:
-        atomic_write_text(args.exportLayerInfo, dumps(engine.layer_info(args.profilingVerbosity)))
+    if args.exportLayerInfo:   # with --shapes, dynamic dimensions are resolved as trtexec's context does
+        info = engine.layer_info(args.profilingVerbosity, parse_shapes(args.shapes) or None)
+        atomic_write_text(args.exportLayerInfo, dumps(info))
     if not args.skipInference:
         feeds = load_inputs(args.loadInputs, engine, parse_shapes(args.shapes))
         _warmup_iterations(engine, feeds, args.warmUp)

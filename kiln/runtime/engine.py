@@ -72,12 +72,34 @@ class Engine:
     def save(self, path: str | os.PathLike) -> None:
         save_plan(self.plan, path)
 
-    def layer_info(self, verbosity: str = "detailed") -> dict[str, Any]:
-        return layer_info(self.plan, verbosity)
+    def layer_info(self, verbosity: str = "detailed", shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+        """trtexec's layer info. Dynamic dimensions show as -1 unless run-time `shapes` are given (as with
+        trtexec --shapes): then one inference at those shapes fills in every tensor kiln can see (tensors inside
+        a region keep -1)."""
+        if not shapes or not self.plan.profiles:
+            return layer_info(self.plan, verbosity)
+        seen: dict[str, tuple[int, ...]] = {}
+        feeds = self.random_inputs(shapes=shapes)
+        seen.update({k: tuple(v.shape) for k, v in feeds.items()})
+        self.create_execution_context().execute(feeds, observe=lambda n, t: seen.__setitem__(n, tuple(t.shape)))
+        return layer_info(_with_shapes(self.plan, seen), verbosity)
 
     @property
     def num_layers(self) -> int:
         return len(self.plan.layers)
+
+
+def _with_shapes(plan: Plan, seen: dict[str, tuple[int, ...]]) -> Plan:
+    import dataclasses
+
+    def desc(t):
+        return dataclasses.replace(t, dims=seen[t.name], dynamic=()) if t.name in seen else t
+
+    def layer(l):
+        return dataclasses.replace(l, inputs=tuple(desc(t) for t in l.inputs), outputs=tuple(desc(t) for t in l.outputs),
+                                   inner=tuple(layer(i) for i in l.inner))
+    return dataclasses.replace(plan, layers=tuple(layer(l) for l in plan.layers),
+                               inputs=tuple(desc(t) for t in plan.inputs), outputs=tuple(desc(t) for t in plan.outputs))
 
 
 def load(path: str | os.PathLike) -> Engine:

@@ -64,7 +64,8 @@ class ExecutionContext:
             tensors[name] = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
         return tensors
 
-    def execute(self, feeds: dict[str, np.ndarray], profiler=None) -> dict[str, np.ndarray]:
+    def execute(self, feeds: dict[str, np.ndarray], profiler=None, observe=None) -> dict[str, np.ndarray]:
+        """Run one inference. `observe(name, tensor)`, if given, sees every tensor a layer produces."""
         env: dict[str, torch.Tensor] = self.check_inputs(feeds)
         with torch.inference_mode():
             for (layer, args, outs, free), kernel in zip(self._steps, self.kernels):
@@ -77,6 +78,8 @@ class ExecutionContext:
                     raise Error(f"layer '{layer.name}' ({layer.op_type}) failed: {type(exc).__name__}: {exc}") from None
                 for n, r in zip(outs, results):
                     env[n] = r
+                    if observe is not None:
+                        observe(n, r)
                 for n in free:
                     env.pop(n, None)
         missing = [t.name for t in self.plan.outputs if t.name not in env]

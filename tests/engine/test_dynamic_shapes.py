@@ -86,6 +86,8 @@ def test_layer_info_shows_minus_one_for_dynamic_axes_and_profiles_survive_save(e
     first = info["Layers"][0]
     assert first["Inputs"][0]["Dimensions"] == [-1, -1]
     assert info["Layers"][-1]["Outputs"][0]["Dimensions"] == [-1, -1, 64]
+    resolved = engine.layer_info("detailed", shapes={"ids": (3, 20), "mask": (3, 20)})
+    assert resolved["Layers"][-1]["Outputs"][0]["Dimensions"] == [3, 20, 64]
     engine.save(tmp_path / "e.kiln")
     loaded = kiln.load(tmp_path / "e.kiln")
     assert loaded.profiles[0]["ids"].max == (4, 64) and loaded.profiles[0]["mask"].opt == (2, 16)
@@ -143,7 +145,8 @@ def test_trtexec_min_opt_max_shapes_and_run_shapes(encoder_onnx, tmp_path):
            "--iterations=2", "--warmUp=0"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert json.loads(info.read_text())["Layers"][0]["Inputs"][0]["Dimensions"] == [-1, -1]
+    assert json.loads(info.read_text())["Layers"][0]["Inputs"][0]["Dimensions"] == [3, 40]   # --shapes resolve -1
+    assert kiln.load(engine).layer_info()["Layers"][0]["Inputs"][0]["Dimensions"] == [-1, -1]
     bad = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(engine), "--shapes", "ids:1x70,mask:1x70"],
                          capture_output=True, text=True)
     assert bad.returncode == 2

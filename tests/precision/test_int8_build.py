@@ -1,0 +1,62 @@
+"""Implicit INT8: `--int8 --calib DATA` calibrates (entropy by default), inserts Q/DQ and builds INT8 layers;
+the cache it writes rebuilds the same engine; misuse is a clear error."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kiln
+from tests.conftest import run_ort
+from tests.precision.models import conv_net
+
+
+def cosine(a, b) -> float:
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture
+def calib_data(tmp_path):
+    model = conv_net(relu2=False)
+    name = model.graph.input[0].name
+    dims = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", **{name: rng.standard_normal([16] + dims).astype(np.float32)})
+    return model, name, dims, tmp_path / "calib.npz"
+
+
+@pytest.mark.parametrize("method", ["entropy", "minmax", "percentile"])
+def test_calibrated_int8_build_has_int8_layers_and_stays_close(calib_data, tmp_path, method):
+    model, name, dims, data = calib_data
+    cache = tmp_path / f"{method}.json"
+    engine = kiln.build(model, autotune=False, int8=True, calibration=str(data), calibration_method=method,
+                        calibration_cache=str(cache))
+    int8 = [l for l in engine.plan.layers if l.precision == "INT8" and l.op_type.startswith("Q")]
+    assert {l.op_type for l in int8} >= {"QConv"}, [l.op_type for l in engine.plan.layers]
+    x = np.random.default_rng(5).standard_normal(dims).astype(np.float32)
+    got, want = engine.run({name: x})[engine.output_names[0]], run_ort(model, {name: x})[0]
+    assert cosine(got, want) >= 0.99
+    again = kiln.build(model, autotune=False, int8=True, calibration=str(cache))
+    np.testing.assert_array_equal(again.run({name: x})[engine.output_names[0]], got)
+
+
+def test_calibration_without_int8_and_on_qdq_models_is_refused(calib_data):
+    model, _, _, data = calib_data
+    with pytest.raises(kiln.ModelError, match="without --int8"):
+        kiln.build(model, autotune=False, calibration=str(data))
+
+
+def test_cli_int8_calib(calib_data, tmp_path):
+    model, _, _, data = calib_data
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    out = tmp_path / "m.kiln"
+    done = subprocess.run([sys.executable, "-m", "kiln.cli.main", "build", str(path), "-o", str(out), "--int8",
+                           "--calib", str(data), "--calib-method", "minmax", "--calib-cache", str(tmp_path / "c.json"),
+                           "--builder-optimization-level", "0"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert any(l.op_type == "QConv" for l in kiln.load(out).plan.layers)
+    assert "kiln-calibration-cache" in (tmp_path / "c.json").read_text()
