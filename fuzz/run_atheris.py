@@ -14,7 +14,16 @@ from pathlib import Path
 import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-with atheris.instrument_imports():
+import numpy  # noqa: E402,F401  (heavy dependencies first, uninstrumented)
+import onnx  # noqa: E402,F401
+import torch  # noqa: E402,F401
+
+with atheris.instrument_imports(include=["kiln", "fuzz"]):
+    import kiln.engine.serialize  # noqa: F401
+    import kiln.frontend  # noqa: F401
+    import kiln.inspect.build_log  # noqa: F401
+    import kiln.inspect.readers  # noqa: F401
+    import kiln.runtime.engine  # noqa: F401
     from fuzz import targets
 
 TARGETS = {"engine": (targets.target_engine, lambda: [targets.seed_engine()]),

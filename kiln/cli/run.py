@@ -12,6 +12,8 @@ from kiln.errors import Error, InputError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("engine", help="engine file (.kiln)")
     p.add_argument("--inputs", metavar="IN.npz", help="inputs by name (default: random values)")
+    p.add_argument("--check-nan", action="store_true",
+                   help="report the first layer whose output holds NaN/Inf (or an input that does); exit 1 if any")
     p.add_argument("--shapes", metavar="SPEC", help="run-time shapes of dynamic inputs for random values, "
                                                     "e.g. input_ids:4x77 (default: the profile's opt shapes)")
     p.add_argument("--export-output", metavar="OUT.npz", help="write the outputs of the first inference")
@@ -77,6 +79,14 @@ def report(engine, args, feeds, percentiles) -> int:
     from kiln.engine.serialize import atomic_write_bytes, atomic_write_text
     from kiln.runtime.profiler import performance_summary, profile_json, profile_table, times_json
 
+    if getattr(args, "check_nan", False):
+        bad = engine.first_nonfinite(feeds)
+        if bad:
+            layer, tensor, nans, infs = bad
+            where = f"input '{tensor}'" if layer == "(input)" else f"layer '{layer}' (output '{tensor}')"
+            console.error(f"first non-finite values: {where} has {nans} NaN and {infs} Inf")
+            return 1
+        console.info("check-nan: every layer output is finite")
     outputs = engine.run(feeds)
     if args.export_output:
         import io

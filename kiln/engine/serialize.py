@@ -157,6 +157,24 @@ def _layer_from_json(l: dict) -> Layer:
     )
 
 
+def _check_dataflow(doc: dict, layers: tuple[Layer, ...]) -> None:
+    """Every tensor a layer reads is an engine input or an earlier layer's output; every engine output is
+    produced; the memory plan has one entry per layer (a hand-edited plan fails here, not mid-inference)."""
+    known = {str(t["name"]) for t in doc["inputs"]}
+    for layer in layers:
+        for a in layer.args:
+            if a.kind not in ("tensor", "weight", "none"):
+                raise EngineFormatError(f"layer '{layer.name}' has an argument of unknown kind '{a.kind}'")
+            if a.kind == "tensor" and a.name not in known:
+                raise EngineFormatError(f"layer '{layer.name}' reads tensor '{a.name}', which no earlier layer produces")
+        known.update(t.name for t in layer.outputs)
+    missing = [str(t["name"]) for t in doc["outputs"] if str(t["name"]) not in known]
+    if missing:
+        raise EngineFormatError(f"engine output(s) {missing} are produced by no layer")
+    if len(doc["memory"]["free_after"]) != len(layers):
+        raise EngineFormatError(f"memory plan lists {len(doc['memory']['free_after'])} layers, the plan has {len(layers)}")
+
+
 def _plan_from_json(doc: dict, weights: dict[str, np.ndarray]) -> Plan:
     if doc.get("format_version") != FORMAT_VERSION:
         raise EngineFormatError(f"engine JSON declares format version {doc.get('format_version')}")
@@ -165,6 +183,7 @@ def _plan_from_json(doc: dict, weights: dict[str, np.ndarray]) -> Plan:
         for a in layer.args:
             if a.kind == "weight" and a.name not in weights:
                 raise EngineFormatError(f"layer '{layer.name}' refers to missing weight '{a.name}'")
+    _check_dataflow(doc, layers)
     m = doc["memory"]
     memory = MemoryPlan(int(m["total_bytes"]), int(m["unshared_bytes"]), {k: int(v) for k, v in m["offsets"].items()},
                         tuple(tuple(f) for f in m["free_after"]))

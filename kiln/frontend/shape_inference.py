@@ -12,7 +12,7 @@ from kiln.errors import ModelError
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.ops.dtypes import to_numpy_dtype
-from kiln.ops.nn import resolve_auto_pad
+from kiln.ops.nn import check_window_attrs, resolve_auto_pad
 from kiln.ops.registry import host_value
 
 SHAPE_OPS = ("Shape", "Size")
@@ -44,6 +44,9 @@ def infer_shapes(g: Graph) -> None:
         for v in node.inputs:
             if v is not None and v.shape is None and id(v) not in known:
                 raise ModelError(f"node '{node.name}' ({node.op_type}) reads '{v.name}', which has no known shape")
+        bad = check_window_attrs(node.op_type, node.attrs)
+        if bad:
+            raise ModelError(f"node '{node.name}' ({node.op_type}): {bad}")
         try:
             normalize_attrs(node)
         except (KeyError, IndexError, TypeError, ValueError) as exc:

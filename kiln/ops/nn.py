@@ -258,3 +258,22 @@ def _arg_reduce(largest: bool):
 
 register("ArgMax", OpKind.REDUCTION, trt_layer="TopK")(_arg_reduce(True))
 register("ArgMin", OpKind.REDUCTION, trt_layer="TopK")(_arg_reduce(False))
+
+
+WINDOW_OPS = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "QConv", "LpPool")
+
+
+def check_window_attrs(op_type: str, attrs: dict) -> str | None:
+    """Why a conv/pool's attributes are invalid (native kernels crash on e.g. a zero stride), or None."""
+    if op_type not in WINDOW_OPS:
+        return None
+    for key, least in (("strides", 1), ("dilations", 1), ("kernel_shape", 1), ("pads", 0), ("output_padding", 0)):
+        values = attrs.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and v >= least for v in values):
+            return f"{key} must be integers >= {least}, got {values!r}"
+    group = attrs.get("group", 1)
+    if not isinstance(group, int) or group < 1:
+        return f"group must be an integer >= 1, got {group!r}"
+    return None

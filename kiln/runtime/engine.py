@@ -55,6 +55,22 @@ class Engine:
             self._default_context = self.create_execution_context()
         return self._default_context.execute(feeds, profiler)
 
+    def first_nonfinite(self, feeds: dict[str, np.ndarray]) -> tuple[str, str, int, int] | None:
+        """(layer, tensor, NaN count, Inf count) for the first input or layer output holding NaN/Inf, else None.
+        Layers inside an external-library region are seen as one (its outputs)."""
+        for name, value in feeds.items():
+            arr = np.asarray(value)
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                return "(input)", name, int(np.isnan(arr).sum()), int(np.isinf(arr).sum())
+        producer = {t.name: l.name for l in self.plan.layers for t in l.outputs}
+        found: list = []
+
+        def observe(name, t):
+            if not found and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                found.append((producer.get(name, "?"), name, int(torch.isnan(t).sum()), int(torch.isinf(t).sum())))
+        self.create_execution_context().execute(feeds, observe=observe)
+        return found[0] if found else None
+
     def random_inputs(self, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
         """Random feeds at the opt shapes, or at `shapes` (trtexec's --shapes) for dynamic inputs."""
         rng = np.random.default_rng(seed)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kiln.errors import EngineFormatError
+from kiln.ops.nn import check_window_attrs
 from kiln.tactics.base import Kernel, LayerView
 from kiln.tactics.onnx_emit import emit_region
 from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
@@ -68,6 +69,10 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
                    opset: int) -> Kernel:
     from kiln.tactics import TACTICS_BY_NAME
 
+    for one in (layer, *layer.inner):
+        bad = check_window_attrs(one.op_type, one.attrs)
+        if bad:
+            raise EngineFormatError(f"layer '{one.name}' ({one.op_type}): {bad}; the engine is damaged, rebuild it")
     if layer.tactic_name in (REFORMAT_TACTIC, NOOP_TACTIC):
         return prepare_reformat(layer.attrs["target_format"])
     if layer.tactic_name == "kiln.constant":
