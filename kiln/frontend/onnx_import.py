@@ -99,6 +99,18 @@ def attr_value(attr: onnx.AttributeProto) -> Any:
     return value
 
 
+def check_names(proto: onnx.ModelProto) -> None:
+    """Every name is text (protobuf hands back bytes for strings that are not valid UTF-8)."""
+    g = proto.graph
+    named = [("graph input", v.name) for v in list(g.input) + list(g.output)] + \
+        [("initializer", t.name) for t in g.initializer]
+    for i, node in enumerate(g.node):
+        named += [(f"node #{i}", x) for x in [node.name, node.op_type, node.domain, *node.input, *node.output]]
+    for where, name in named:
+        if not isinstance(name, str):
+            raise ModelError(f"{where}: a name is not valid UTF-8 text ({name[:40]!r}); the file is damaged")
+
+
 def check_supported(proto: onnx.ModelProto, opset: int) -> None:
     """Fail on the first node kiln cannot build, naming node, op type, domain and opset."""
     for i, node in enumerate(proto.graph.node):
@@ -118,6 +130,7 @@ def import_onnx(model: str | os.PathLike | onnx.ModelProto,
     The resolved profiles are kept in `graph.profiles`; values' `dyn_dims` mark the axes that vary."""
     proto = _normalize_opset(load_model(model))
     opset = model_opset(proto)
+    check_names(proto)
     check_supported(proto, opset)
     resolved = resolve_profiles(proto, input_shapes, profiles)
     opt, probe = opt_and_probe_shapes(resolved)

@@ -48,7 +48,7 @@ def _output_dtype(attrs, zero_point) -> torch.dtype:
     return torch.uint8
 
 
-@register("QuantizeLinear", OpKind.OPAQUE, trt_layer="Reformat")
+@register("QuantizeLinear", OpKind.ELEMENTWISE, trt_layer="Reformat")
 def quantize_linear(attrs, xs):
     x, scale = xs[0], xs[1]
     zp = xs[2] if len(xs) > 2 else None
@@ -62,7 +62,7 @@ def quantize_linear(attrs, xs):
     return [quantize(x, scale, zp if zp is not None else 0, dtype, attrs.get("axis", 1))]
 
 
-@register("DequantizeLinear", OpKind.OPAQUE, trt_layer="Reformat")
+@register("DequantizeLinear", OpKind.ELEMENTWISE, trt_layer="Reformat")
 def dequantize_linear(attrs, xs):
     q, scale = xs[0], xs[1]
     zp = xs[2] if len(xs) > 2 else None

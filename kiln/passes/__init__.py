@@ -9,7 +9,7 @@ from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_layer_norm
 from kiln.passes.pointwise import fuse_pointwise
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, merge_duplicate_qdq,
-                                     swap_dq_q_around_movement)
+                                     split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 
 DEFAULT_PIPELINE: list[Pass] = [
@@ -39,6 +39,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     # Q/DQ last among the vertical fusions: the conv/gemm has its bias, residual and activation by now.
     Pass("HorizontalMergeQNodes", merge_duplicate_qdq),
     Pass("VanillaSwapWithFollowingQ", swap_dq_q_around_movement),
+    Pass("SplitQAcrossPrecedingFanIn", split_q_across_concat),
     Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
     Pass("QuantizedAddFusion", fuse_quantized_add, "vertical fusions"),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.

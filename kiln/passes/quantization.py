@@ -167,3 +167,31 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         attrs = {"quant": quant, **({"activation": act} if act else {})}
         replace_nodes(g, nodes, Node(" + ".join(n.name for n in nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
                                      [nxt.outputs[0]], attrs, "kiln", origin))
+
+
+def split_q_across_concat(g: Graph, plog: PassLog) -> None:
+    """SplitQAcrossPrecedingFanIn: Q(Concat(x1, x2, ...)) == Concat(Q(x1), Q(x2), ...) (Q is elementwise); where
+    an input is DQ with the same scale and zero point, Q(DQ(a)) is `a` itself, so the concat runs on INT8."""
+    for cat in [n for n in g.nodes if n.op_type == "Concat" and n.domain in ("", "ai.onnx")]:
+        q = sole_consumer(g, cat)
+        if q is None or q.op_type != "QuantizeLinear" or _params(q) is None or _params(q)[0].size != 1 \
+                or g.is_output(q.outputs[0]):
+            continue
+        plog.running(cat)
+        for i, x in enumerate(list(cat.inputs)):
+            dq = _dq(x)
+            if dq is not None and _same_params(dq, q) and len(x.users) == 1 and not g.is_output(x) \
+                    and dq.inputs[0].dtype == q.outputs[0].dtype:
+                g.set_input(cat, i, dq.inputs[0])
+                g.remove_node(dq)
+                continue
+            out = g.value(g.fresh_name(f"{x.name}_quantized"))
+            out.shape, out.dtype, out.dyn_dims = x.shape, q.outputs[0].dtype, x.dyn_dims
+            g.add_node(Node(f"{q.name} [{i}]", "QuantizeLinear", [x] + list(q.inputs[1:]), [out], dict(q.attrs), "",
+                            q.origin), g.nodes.index(cat))
+            g.set_input(cat, i, out)
+        plog.fusing(cat, q)
+        result = q.outputs[0]
+        g.remove_node(q)
+        cat.outputs[0].dtype = result.dtype
+        g.replace_all_uses(result, cat.outputs[0])

@@ -131,3 +131,36 @@ def test_fp16_request_is_recorded_with_its_reason_and_obey_fails(qdq_resnet, tmp
     again = kiln.load(saved).plan.layers
     assert [(l.requested_precision, l.precision_reason) for l in again] == \
         [(l.requested_precision, l.precision_reason) for l in engine.plan.layers]
+
+
+def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_path, caplog):
+    """YOLOv8-shaped detector through quantize_static: Q after Concat splits onto its inputs (the concat runs on
+    INT8), DQ -> Sigmoid -> Q -> DQ -> Mul -> Q chains become PointWise layers; 597 layers unfused -> under 300."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from tests.models import detectors
+
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    detectors.export(detectors.make("yolov8"), torch.rand(1, 3, 64, 64), tmp_path / "y.onnx", "legacy")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"images": np.random.default_rng(i).random((1, 3, 64, 64)).astype(np.float32)}
+                                 for i in range(3)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quant_pre_process(str(tmp_path / "y.onnx"), str(tmp_path / "pre.onnx"))
+    quantize_static(str(tmp_path / "pre.onnx"), str(tmp_path / "q.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
+    engine = kiln.build(str(tmp_path / "q.onnx"), autotune=False)
+    layers = engine.plan.layers
+    assert sum(l.op_type == "QConv" for l in layers) == 64 and len(layers) < 300
+    concats = [l for l in layers if l.op_type == "Concat"]
+    assert concats and all(l.outputs[0].dtype in ("uint8", "int8") for l in concats)
+    assert "SplitQAcrossPrecedingFanIn: Fusing" in caplog.text
+    x = np.random.default_rng(9).random((1, 3, 64, 64)).astype(np.float32)
+    got, want = engine.run({"images": x})["output0"], run_ort(str(tmp_path / "q.onnx"), {"images": x})[0]
+    assert cosine(got, want) >= 0.999

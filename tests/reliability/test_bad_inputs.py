@@ -57,3 +57,9 @@ def test_check_nan_names_the_first_layer_producing_nan(tmp_path):
                            "--check-nan"], capture_output=True, text=True)
     assert done.returncode == 1
     assert "first non-finite values: layer 'log' (output 'b') has 0 NaN and 1 Inf" in done.stdout + done.stderr
+
+
+def test_onnx_with_non_utf8_names_is_refused():   # found by make fuzz: a traceback from str.join before
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "fuzz" / "model_non_utf8_name.onnx"
+    with pytest.raises(kiln.ModelError, match="not valid UTF-8 text"):
+        kiln.build(str(path), autotune=False)
