@@ -29,11 +29,12 @@ def build(model, **options):
     return Engine(build_plan(model, opts))
 
 
-def load(path):
-    """Load an engine file written by `Engine.save` / `kiln build`."""
+def load(path, allow_other_device: bool = False):
+    """Load an engine file written by `Engine.save` / `kiln build` (refused if built on another CPU model unless
+    `allow_other_device`)."""
     from kiln.runtime.engine import load as _load
 
-    return _load(path)
+    return _load(path, allow_other_device)
 
 
 def __getattr__(name):

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.engine.layer_info import dumps
     from kiln.inspect.summary import engine_json
 
-    kiln_engine = kiln.load(args.file) if is_kiln_engine(args.file) or args.file.endswith(".kiln") else None
+    kiln_engine = kiln.load(args.file, allow_other_device=True) if is_kiln_engine(args.file) or args.file.endswith(".kiln") else None
     if args.layer_info:
         if kiln_engine is None:
             from kiln.errors import ArtifactError

@@ -12,6 +12,8 @@ from kiln.errors import Error, InputError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("engine", help="engine file (.kiln)")
     p.add_argument("--inputs", metavar="IN.npz", help="inputs by name (default: random values)")
+    p.add_argument("--allow-other-device", action="store_true",
+                   help="load an engine built on another CPU model (its tactic timings came from there)")
     p.add_argument("--check-nan", action="store_true",
                    help="report the first layer whose output holds NaN/Inf (or an input that does); exit 1 if any")
     p.add_argument("--shapes", metavar="SPEC", help="run-time shapes of dynamic inputs for random values, "
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.engine import set_threads
 
     set_threads(args.threads)
-    engine = kiln.load(args.engine)
+    engine = kiln.load(args.engine, allow_other_device=args.allow_other_device)
     from kiln.cli.build import parse_shapes
 
     feeds = load_inputs(args.inputs, engine, parse_shapes(args.shapes))

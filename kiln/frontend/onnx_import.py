@@ -145,6 +145,7 @@ def import_onnx(model: str | os.PathLike | onnx.ModelProto,
     g.toposort()
     probed = _probe_shapes(g, probe, opt) if probe else {}
     infer_shapes(g)
+    check_sizes(g)
     _mark_dynamic_axes(g, probed)
     g.profiles = resolved if probe else []
     g.verify()
@@ -160,12 +161,30 @@ def _probe_shapes(g: Graph, probe: dict[str, tuple[int, ...]], opt: dict[str, tu
         infer_shapes(g)
     except ModelError as exc:
         raise ModelError(f"at input shapes {probe} (a profile bound): {exc}") from None
+    check_sizes(g, f" at input shapes {probe}")
     shapes = {name: v.shape for name, v in g.values.items() if not v.is_const}
     for n, attrs in zip(g.nodes, saved):
         n.attrs = attrs
     for v in g.inputs:
         v.shape = opt[v.name]
     return shapes
+
+
+MAX_TENSOR_BYTES = 16 << 30   # one activation larger than this is a mistake in the shapes, not a workload
+
+
+def check_sizes(g: Graph, where: str = "") -> None:
+    """Refuse absurd activations (e.g. a 100000x100000 image) at build time, naming the tensor and its producer,
+    instead of failing to allocate at run time."""
+    for node in g.nodes:
+        for v in node.outputs:
+            if v.shape is None or v.dtype is None:
+                continue
+            size = int(np.prod(v.shape, dtype=np.float64)) * np.dtype(v.dtype).itemsize
+            if size > MAX_TENSOR_BYTES:
+                raise ModelError(f"node '{node.name}' ({node.op_type}) would produce '{v.name}' of shape "
+                                 f"{list(v.shape)}{where}: {size / 2**30:.1f} GiB, more than kiln allows for one "
+                                 f"tensor ({MAX_TENSOR_BYTES >> 30} GiB); check the input shapes")
 
 
 def _mark_dynamic_axes(g: Graph, probed: dict[str, tuple]) -> None:

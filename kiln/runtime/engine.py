@@ -118,8 +118,29 @@ def _with_shapes(plan: Plan, seen: dict[str, tuple[int, ...]]) -> Plan:
                                inputs=tuple(desc(t) for t in plan.inputs), outputs=tuple(desc(t) for t in plan.outputs))
 
 
-def load(path: str | os.PathLike) -> Engine:
-    return Engine(load_plan(path))
+def load(path: str | os.PathLike, allow_other_device: bool = False) -> Engine:
+    plan = load_plan(path)
+    check_device(plan, str(path), allow_other_device)
+    return Engine(plan)
+
+
+def check_device(plan: Plan, where: str, allow_other_device: bool = False) -> None:
+    """Like TensorRT, refuse an engine built on another device: its tactic choices were timed there. CPU
+    engines still compute correctly elsewhere, so `allow_other_device` loads them anyway (with a warning)."""
+    import logging
+
+    from kiln.errors import EngineFormatError
+    from kiln.tactics.timing_cache import device_description
+
+    built = (plan.build_info.get("device_description") or {}).get("cpu")
+    here = device_description(torch.get_num_threads())["cpu"]
+    if not built or built == here:
+        return
+    message = f"{where}: engine was built on '{built}'; this machine is '{here}'"
+    if not allow_other_device:
+        raise EngineFormatError(f"{message}. Its kernels were chosen by timing there: rebuild it here, or load it "
+                                "anyway with allow_other_device=True (CLI: --allow-other-device)")
+    logging.getLogger("kiln").warning("%s; loading anyway (tactic choices may not be the fastest here)", message)
 
 
 def set_threads(n: int | None) -> None:

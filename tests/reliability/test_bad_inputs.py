@@ -63,3 +63,71 @@ def test_onnx_with_non_utf8_names_is_refused():   # found by make fuzz: a traceb
     path = Path(__file__).resolve().parents[1] / "fixtures" / "fuzz" / "model_non_utf8_name.onnx"
     with pytest.raises(kiln.ModelError, match="not valid UTF-8 text"):
         kiln.build(str(path), autotune=False)
+
+
+def _conv_model(shape):
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return make_model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                      [init("w", np.ones((2, 3, 3, 3), np.float32))])
+
+
+def test_enormous_dimensions_are_refused_at_build_time():
+    with pytest.raises(kiln.ModelError, match=r"node 'conv' \(Conv\) would produce 'y' of shape \[1, 2, 100000, "
+                                              r"100000\]: 74\.5 GiB, more than kiln allows for one tensor"):
+        kiln.build(_conv_model([1, 3, 100000, 100000]), autotune=False)
+
+
+def test_zero_size_dimension_is_refused():
+    with pytest.raises(kiln.ModelError, match=r"input 'x': given shape \[1, 3, 0, 8\] has a dimension < 1"):
+        kiln.build(_conv_model([1, 3, "h", 8]), autotune=False, input_shapes={"x": (1, 3, 0, 8)})
+
+
+def test_cycle_is_refused():
+    nodes = [helper.make_node("Relu", ["b"], ["a"], name="first"), helper.make_node("Relu", ["a"], ["b"], name="second")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                       [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])
+    with pytest.raises(kiln.ModelError, match="graph has a cycle or reads undefined values at nodes: first, second"):
+        kiln.build(model, autotune=False)
+
+
+def test_engine_from_another_device_is_refused_unless_allowed(tmp_path):
+    import dataclasses
+
+    from kiln.engine.serialize import save_plan
+
+    engine = kiln.build(_conv_model([1, 3, 8, 8]), autotune=False)
+    info = {**engine.plan.build_info, "device_description": {"cpu": "Some Other CPU 9000", "threads": 2}}
+    path = tmp_path / "other.kiln"
+    save_plan(dataclasses.replace(engine.plan, build_info=info), path)
+    with pytest.raises(kiln.EngineFormatError, match=r"engine was built on 'Some Other CPU 9000'; this machine is "
+                                                     r"'.*'\. Its kernels were chosen by timing there"):
+        kiln.load(path)
+    loaded = kiln.load(path, allow_other_device=True)
+    x = np.ones((1, 3, 8, 8), np.float32)
+    np.testing.assert_array_equal(loaded.run({"x": x})["y"], engine.run({"x": x})["y"])
+
+
+def test_disk_full_and_read_only_targets_are_clean_errors(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    engine = kiln.build(_conv_model([1, 3, 8, 8]), autotune=False)
+    target = tmp_path / "e.kiln"
+    target.write_bytes(b"previous")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(kiln.Error, match=r"cannot write .*e\.kiln: No space left on device"):
+        engine.save(target)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["e.kiln"]
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("tempfile.mkstemp", read_only)
+    with pytest.raises(kiln.Error, match=r"cannot write .*e\.kiln: Read-only file system"):
+        engine.save(target)
