@@ -63,9 +63,12 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
             plog.fusing(node, q)
         else:
             plog.note(f"{node.name}: INT8 {node.op_type} with FP32 output (no QuantizeLinear after it)")
+            note = " It is a network output: if FP32 is what you want, nothing needs to change." \
+                if g.is_output(node.outputs[0]) else ""
             log.warning("%s runs in INT8 but its output stays FP32: no QuantizeLinear follows it, so there is no "
                         "output scale. Add a QuantizeLinear/DequantizeLinear pair after its output '%s' to keep "
-                        "the next layer in INT8 (TensorRT builds this silently).", node.name, node.outputs[0].name)
+                        "the next layer in INT8 (TensorRT builds this silently).%s", node.name, node.outputs[0].name,
+                        note)
         origin = tuple(o for n in [dqx, dqw] if len(n.outputs[0].users) == 1 for o in n.origin) + \
             tuple(o for n in nodes for o in n.origin)
         name = " + ".join(n.name for n in nodes)

@@ -164,3 +164,44 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
     x = np.random.default_rng(9).random((1, 3, 64, 64)).astype(np.float32)
     got, want = engine.run({"images": x})["output0"], run_ort(str(tmp_path / "q.onnx"), {"images": x})[0]
     assert cosine(got, want) >= 0.999
+
+
+class FakeQuantNet(torch.nn.Module):
+    """PyTorch fake-quant (QAT-style) export: per-tensor INT8 activations, per-channel INT8 weights."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8, 10)
+
+    @staticmethod
+    def act(x, scale):
+        return torch.fake_quantize_per_tensor_affine(x, scale, 0, -128, 127)
+
+    @staticmethod
+    def weight(m):
+        scale = m.weight.detach().abs().amax(dim=tuple(range(1, m.weight.dim()))) / 127
+        zero = torch.zeros_like(scale, dtype=torch.int32)
+        return torch.fake_quantize_per_channel_affine(m.weight, scale, zero, 0, -128, 127)
+
+    def forward(self, x):
+        x = torch.relu(torch.nn.functional.conv2d(self.act(x, 0.03), self.weight(self.c1), self.c1.bias, padding=1))
+        x = torch.nn.functional.conv2d(self.act(x, 0.02), self.weight(self.c2), self.c2.bias, padding=1)
+        x = self.act(self.act(x, 0.05).mean((2, 3)), 0.02)
+        return torch.nn.functional.linear(x, self.weight(self.fc), self.fc.bias)
+
+
+def test_pytorch_fake_quant_export_builds_int8_layers(tmp_path, caplog):
+    path = tmp_path / "fq.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(FakeQuantNet().eval(), (torch.randn(1, 3, 16, 16),), str(path), dynamo=False,
+                          opset_version=17, input_names=["x"], output_names=["y"])
+    engine = kiln.build(str(path), autotune=False)
+    assert [l.op_type for l in engine.plan.layers if l.op_type.startswith("Q")].count("QConv") == 2
+    assert any(l.op_type == "QGemm" for l in engine.plan.layers)
+    assert "It is a network output" in caplog.text   # the final Gemm writes FP32, as intended
+    x = np.random.default_rng(0).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    got, want = engine.run({"x": x})["y"], run_ort(str(path), {"x": x})[0]
+    assert cosine(got, want) >= 0.999 and got.argmax() == want.argmax()
