@@ -159,7 +159,11 @@ def fuse_attention(g: Graph, plog: PassLog) -> None:
         out = _absorb_movement(g, nodes, inputs, attrs)
         name, origin = _fused(g, nodes)
         plog.fusing(nodes[0], name)
-        replace_nodes(g, nodes, Node(name, "Attention", inputs, [out], attrs, "kiln", origin))
+        masks = inputs[3:]
+        attention = replace_nodes(g, nodes, Node(name, "Attention", inputs[:3] + [None] * bool(masks), [out], attrs,
+                                                 "kiln", origin))
+        if masks:   # several masks (padding + position bias) are summed once, before the attention layer
+            g.set_input(attention, 3, _sum_masks(g, masks, g.nodes.index(attention)))
 
 
 def _match_core(g: Graph, sm: Node):
@@ -173,13 +177,14 @@ def _match_core(g: Graph, sm: Node):
     pv = probs.users[0] if len(probs.users) == 1 and not g.is_output(probs) else None
     if not _is(pv, "MatMul") or pv.inputs[0] is not probs or len(pv.inputs) > 2:
         return "its output is not multiplied by V"
-    nodes, mask, scale, cur = [sm, pv] + guard, None, 1.0, s.producer
-    if _is(cur, "Add") and sole_consumer(g, cur) is not None:
+    nodes, masks, scale, cur = [sm, pv] + guard, [], 1.0, s.producer
+    while _is(cur, "Add") and sole_consumer(g, cur) is not None and len(masks) < 3:   # mask, position bias, ...
         chain_in = next((v for v in cur.inputs if v.producer is not None and
-                         v.producer.op_type in ("MatMul", "Mul", "Div")), None)
+                         v.producer.op_type in ("MatMul", "Mul", "Div", "Add")), None)
         if chain_in is None:
             return "the mask add does not follow Q·Kᵀ"
-        mask, nodes, cur = _other(cur, chain_in), nodes + [cur], chain_in.producer
+        masks.append(_other(cur, chain_in))
+        nodes, cur = nodes + [cur], chain_in.producer
     while (_is(cur, "Mul") or _is(cur, "Div")) and sole_consumer(g, cur) is not None:
         c = _scalar(cur.inputs[1])
         if c is None:
@@ -188,14 +193,27 @@ def _match_core(g: Graph, sm: Node):
         nodes, cur = nodes + [cur], cur.inputs[0].producer
     if not _is(cur, "MatMul") or len(cur.inputs) > 2 or sole_consumer(g, cur) is None:
         return "the scores are not Q·Kᵀ (a MatMul read only by the scaling, mask and softmax)"
-    if mask is not None and (mask.dtype is None or np.dtype(mask.dtype).kind != "f"):
+    if any(m.dtype is None or np.dtype(m.dtype).kind != "f" for m in masks):
         return "the mask is not additive floating point"
     q, kt = cur.inputs
     nodes.append(cur)
     q, scale = _absorb_scale(g, q, scale, nodes)
     kt, scale = _absorb_scale(g, kt, scale, nodes)
-    inputs = [q, kt, pv.inputs[1]] + ([mask] if mask is not None else [])
+    inputs = [q, kt, pv.inputs[1]] + masks
     return nodes, inputs, {"scale": float(scale), "nan_to_zero": bool(guard)}
+
+
+def _sum_masks(g: Graph, masks: list[Value], index: int) -> Value:
+    """One additive mask from several (a padding mask plus a relative-position bias): their sum."""
+    total = masks[0]
+    for k, m in enumerate(masks[1:]):
+        out = g.value(g.fresh_name(f"{total.name}_plus_mask"))
+        shape = np.broadcast_shapes(total.shape, m.shape)
+        out.shape, out.dtype = tuple(shape), total.dtype
+        out.dyn_dims = tuple(sorted(set(total.dyn_dims) | set(m.dyn_dims)))
+        g.add_node(Node(f"{out.name} [Add]", "Add", [total, m], [out], {}, "", ()), index + k)
+        total = out
+    return total
 
 
 def _nan_guard(g: Graph, sm: Node) -> list[Node]:

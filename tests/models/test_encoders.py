@@ -126,3 +126,59 @@ def test_op_isnan():
     x[0, 0, 0, :3] = np.nan
     got = kiln.build(model, autotune=False).run({"x": x})["y"]
     np.testing.assert_array_equal(got, run_ort(model, {"x": x})[0])
+
+
+def _hf_architecture(name: str):
+    """Tiny random-weight HF models whose attention differs from BERT's: RoBERTa (CumSum position ids), GPT-2
+    (causal mask, Conv1D projections), T5 (no scaling; relative position bias plus padding mask), ViT (patch
+    conv). Returns (module taking positional inputs, example tensors, input names)."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+                 max_position_embeddings=64)
+    if name == "vit":
+        cfg = T.ViTConfig(**{k: v for k, v in small.items() if k not in ("vocab_size", "max_position_embeddings")},
+                          image_size=32, patch_size=8)
+        model, args, names = T.ViTModel(cfg), (torch.randn(1, 3, 32, 32),), ["pixel_values"]
+    else:
+        cfg = {"roberta": lambda: T.RobertaConfig(**small, pad_token_id=1),
+               "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=64),
+               "t5": lambda: T.T5Config(d_model=64, d_kv=16, num_layers=2, num_heads=4, d_ff=128, vocab_size=100)}[name]()
+        model = T.T5EncoderModel(cfg) if name == "t5" else T.AutoModel.from_config(cfg)
+        ids = torch.randint(2, 100, (2, 12))
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        args, names = (ids, mask), ["input_ids", "attention_mask"]
+    model.config._attn_implementation = "eager"
+
+    class Positional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model.eval()
+
+        def forward(self, *xs):
+            return self.m(**dict(zip(names, xs)))[0]
+    return Positional().eval(), args, names
+
+
+@pytest.mark.parametrize("name", ["roberta", "gpt2", "t5", "vit"])
+def test_other_hf_attention_styles_fuse_and_match(name, tmp_path):
+    pytest.importorskip("transformers")
+    import warnings
+
+    import onnx
+    import torch
+
+    model, args, names = _hf_architecture(name)
+    path = tmp_path / f"{name}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, str(path), input_names=names, output_names=["out"], dynamo=False,
+                          opset_version=17)
+    proto = onnx.load(str(path))
+    engine = kiln.build(proto, autotune=False)
+    assert sum(layer.op_type == "Attention" for layer in engine.plan.layers) == 2
+    feeds = {n: a.numpy() for n, a in zip(names, args)}
+    assert_close_to_ort(engine.run(feeds)["out"], run_ort(proto, feeds)[0])
