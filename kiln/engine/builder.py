@@ -112,6 +112,13 @@ def calibrated(proto: onnx.ModelProto, options: BuildOptions) -> onnx.ModelProto
     return quantize_with_qdq(proto, scales)
 
 
+def runtime_shape_inputs(node: Node) -> bool:
+    """Whether a host input (a shape, axes, bounds) of `node` is computed at run time (dynamic shapes)."""
+    opdef = lookup(node.op_type, node.domain)
+    return opdef is not None and any(i < len(node.inputs) and node.inputs[i] is not None and
+                                     not node.inputs[i].is_const for i in opdef.host_inputs)
+
+
 def desc_of(v, name: str | None = None, fmt: str = LINEAR) -> TensorDesc:
     return TensorDesc(name or v.name, v.shape, str(v.dtype), fmt, tuple(v.dyn_dims))
 
@@ -184,8 +191,8 @@ class _Lowering:
 
     def pick(self, node: Node, view: LayerView):
         found = candidates(view, self.sources)
-        if self.tuner is None or (len(found) == 1 and not self.measure_all):
-            return found[0]
+        if self.tuner is None or (len(found) == 1 and not self.measure_all) or runtime_shape_inputs(node):
+            return found[0]   # shape arithmetic on dynamic axes: random timing inputs would be meaningless
         have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
         ptype = self.parameter_type(node)
         names = {t.name: runner_type(t.name, ptype) for t in found}

@@ -18,6 +18,13 @@ ONNX_ELEM = {np.dtype(k): v for k, v in {"float32": 1, "uint8": 2, "int8": 3, "i
                                          "bool": 9, "float16": 10, "float64": 11}.items()}
 
 
+def _attr(v: Any) -> Any:
+    """ONNX TENSOR attributes were imported as arrays (ConstantOfShape's value): emit them as tensors again."""
+    if isinstance(v, np.ndarray):
+        return numpy_helper.from_array(v)
+    return v.tolist() if hasattr(v, "tolist") else v
+
+
 class Emitter:
     """Accumulates nodes, initializers and graph inputs of one ONNX graph."""
 
@@ -68,8 +75,7 @@ class Emitter:
 
     def node(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None, n_outputs: int = 1):
         outs = [self.fresh() for _ in range(n_outputs)]
-        clean = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in (attrs or {}).items()
-                 if k not in KILN_ONLY_ATTRS and not k.startswith("_")}
+        clean = {k: _attr(v) for k, v in (attrs or {}).items() if k not in KILN_ONLY_ATTRS and not k.startswith("_")}
         name = f"{self.prefix}|{self.counter}" if self.prefix else None
         self.nodes.append(helper.make_node(op, [x or "" for x in inputs], outs, name=name, **clean))
         return outs[0] if n_outputs == 1 else outs
