@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.registry import OpKind, register
+from kiln.ops.registry import OpKind, register, register_ms
 
 RANGES = {torch.int8: (-128, 127), torch.uint8: (0, 255), torch.int16: (-32768, 32767),
           torch.uint16: (0, 65535), torch.int32: (-(2 ** 31), 2 ** 31 - 1)}
@@ -72,3 +72,126 @@ def dequantize_linear(attrs, xs):
         dtype = scale.dtype if scale.is_floating_point() else torch.float32
         return [torch.empty(q.shape, dtype=dtype, device="meta")]
     return [dequantize(q, scale, zp, attrs.get("axis", 1))]
+
+
+def _zp(xs, i):
+    return xs[i] if len(xs) > i and xs[i] is not None else 0
+
+
+def _meta(shape, dtype):
+    return [torch.empty(shape, dtype=dtype, device="meta")]
+
+
+@register("QLinearConv", OpKind.COMPLEX, trt_layer="Convolution")
+def qlinear_conv(attrs, xs):
+    """QOperator-format INT8 conv: x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp[, bias int32]."""
+    from kiln.ops.registry import OPS
+
+    x = dequantize(xs[0], xs[1], _zp(xs, 2))
+    w = dequantize(xs[3], xs[4], _zp(xs, 5), axis=0)
+    bias = xs[8] if len(xs) > 8 and xs[8] is not None else None
+    if bias is not None:
+        bias = dequantize(bias, torch.as_tensor(xs[1]).reshape(()) * torch.as_tensor(xs[4]).reshape(-1), 0, axis=0)
+    y = OPS["Conv"].impl(attrs, [x, w, bias])[0]
+    dtype = xs[7].dtype if len(xs) > 7 and xs[7] is not None else xs[0].dtype
+    return [quantize(y, xs[6], _zp(xs, 7), dtype)]
+
+
+@register("QLinearMatMul", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+def qlinear_matmul(attrs, xs):
+    """a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp (per-tensor, or per-column for b)."""
+    a = dequantize(xs[0], xs[1], xs[2])
+    b = dequantize(xs[3], xs[4], xs[5], axis=-1)
+    return [quantize(torch.matmul(a, b), xs[6], xs[7], xs[7].dtype)]
+
+
+@register("MatMulInteger", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+def matmul_integer(attrs, xs):
+    """int32 = (a - a_zp) @ (b - b_zp), exact (int64 accumulation, then int32)."""
+    a = xs[0].to(torch.int64) - torch.as_tensor(_zp(xs, 2)).to(torch.int64)
+    bz = torch.as_tensor(_zp(xs, 3)).to(torch.int64)
+    b = xs[1].to(torch.int64) - (bz.reshape(-1) if bz.dim() else bz)
+    if a.device.type == "meta" or b.device.type == "meta":
+        return _meta(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), torch.int32)
+    return [torch.matmul(a.to(torch.float64), b.to(torch.float64)).round().to(torch.int32)]
+
+
+@register("ConvInteger", OpKind.COMPLEX, trt_layer="Convolution")
+def conv_integer(attrs, xs):
+    from kiln.ops.registry import OPS
+
+    x = xs[0].to(torch.float64) - torch.as_tensor(_zp(xs, 2)).to(torch.float64)
+    wz = torch.as_tensor(_zp(xs, 3)).to(torch.float64)
+    w = xs[1].to(torch.float64) - (wz.reshape(-1, *([1] * (xs[1].dim() - 1))) if wz.dim() else wz)
+    return [OPS["Conv"].impl(attrs, [x, w, None])[0].round().to(torch.int32)]
+
+
+@register("DynamicQuantizeLinear", OpKind.OPAQUE, trt_layer="Reformat")
+def dynamic_quantize_linear(attrs, xs):
+    """uint8 quantization with the scale and zero point computed from the tensor's own range (ONNX formula)."""
+    x = xs[0]
+    if x.device.type == "meta":
+        return _meta(x.shape, torch.uint8) + _meta((), torch.float32) + _meta((), torch.uint8)
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    scale = (hi - lo) / 255.0 if hi > lo else 1.0
+    zero = int(min(max(round(-lo / scale), 0), 255))   # round half to even, as the spec's rint
+    y = quantize(x, scale, zero, torch.uint8)
+    return [y, torch.tensor(scale, dtype=torch.float32), torch.tensor(zero, dtype=torch.uint8)]
+
+
+# ---- com.microsoft QOperator ops (onnxruntime's quantize_static, QOperator format) ----
+def _binary(fn):
+    def impl(attrs, xs):
+        a = dequantize(xs[0], xs[1], _zp(xs, 2))
+        b = dequantize(xs[3], xs[4], _zp(xs, 5))
+        return [quantize(fn(a, b), xs[6], _zp(xs, 7), xs[0].dtype)]
+    return impl
+
+
+register_ms("QLinearAdd", OpKind.ELEMENTWISE)(_binary(torch.add))
+register_ms("QLinearMul", OpKind.ELEMENTWISE)(_binary(torch.mul))
+
+
+@register_ms("QLinearGlobalAveragePool", OpKind.REDUCTION, trt_layer="Pooling")
+def qlinear_global_average_pool(attrs, xs):
+    x = dequantize(xs[0], xs[1], _zp(xs, 2))
+    if attrs.get("channels_last", 0):
+        y = x.mean(dim=tuple(range(1, x.dim() - 1)), keepdim=True)
+    else:
+        y = x.mean(dim=tuple(range(2, x.dim())), keepdim=True)
+    return [quantize(y, xs[3], _zp(xs, 4), xs[0].dtype)]
+
+
+@register_ms("QLinearConcat", OpKind.INJECTIVE, trt_layer="Concatenation")
+def qlinear_concat(attrs, xs):
+    """y_scale, y_zp, then (x, x_scale, x_zp) per input."""
+    parts = [dequantize(xs[i], xs[i + 1], xs[i + 2]) for i in range(2, len(xs), 3)]
+    return [quantize(torch.cat(parts, attrs["axis"]), xs[0], xs[1], xs[2].dtype)]
+
+
+@register_ms("QLinearSigmoid", OpKind.ELEMENTWISE, trt_layer="Activation")
+def qlinear_sigmoid(attrs, xs):
+    return [quantize(torch.sigmoid(dequantize(xs[0], xs[1], _zp(xs, 2))), xs[3], _zp(xs, 4), xs[0].dtype)]
+
+
+@register_ms("QLinearLeakyRelu", OpKind.ELEMENTWISE, trt_layer="Activation")
+def qlinear_leaky_relu(attrs, xs):
+    y = torch.nn.functional.leaky_relu(dequantize(xs[0], xs[1], _zp(xs, 2)), attrs.get("alpha", 0.01))
+    return [quantize(y, xs[3], _zp(xs, 4), xs[0].dtype)]
+
+
+@register_ms("QGemm", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+def qgemm(attrs, xs):
+    """A, a_scale, a_zp, B, b_scale, b_zp, C (int32, scale a_scale*b_scale), y_scale, y_zp; float output without
+    y_scale."""
+    a = dequantize(xs[0], xs[1], _zp(xs, 2))
+    b = dequantize(xs[3], xs[4], _zp(xs, 5), axis=0 if attrs.get("transB", 0) else 1)
+    a = a.transpose(-1, -2) if attrs.get("transA", 0) else a
+    b = b.transpose(-1, -2) if attrs.get("transB", 0) else b
+    y = attrs.get("alpha", 1.0) * torch.matmul(a, b)
+    if len(xs) > 6 and xs[6] is not None:
+        scale = torch.as_tensor(xs[1]).reshape(()) * torch.as_tensor(xs[4]).reshape(-1)
+        y = y + dequantize(xs[6], scale, 0, axis=-1 if xs[6].dim() else 0)
+    if len(xs) > 7 and xs[7] is not None:
+        return [quantize(y, xs[7], _zp(xs, 8), xs[8].dtype if len(xs) > 8 and xs[8] is not None else torch.uint8)]
+    return [y]

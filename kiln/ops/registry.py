@@ -37,6 +37,7 @@ class OpDef:
 
 
 OPS: dict[str, OpDef] = {}
+MS_OPS: dict[str, OpDef] = {}   # onnxruntime's com.microsoft contrib ops that its quantizer writes
 
 
 def register(op_type: str, kind: OpKind, host_inputs: tuple[int, ...] = (), trt_layer: str = "ElementWise"):
@@ -51,9 +52,18 @@ def lookup(op_type: str, domain: str = "") -> OpDef | None:
         from kiln.ops.fused import KILN_OPS
 
         return KILN_OPS.get(op_type)
+    if domain == "com.microsoft":
+        return MS_OPS.get(op_type)
     if domain not in ("", "ai.onnx"):
         return None
     return OPS.get(op_type)
+
+
+def register_ms(op_type: str, kind: OpKind, trt_layer: str = "ElementWise"):
+    def wrap(fn: Impl) -> Impl:
+        MS_OPS[op_type] = OpDef(op_type, kind, fn, (), trt_layer)
+        return fn
+    return wrap
 
 
 

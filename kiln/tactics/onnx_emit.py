@@ -73,11 +73,13 @@ class Emitter:
     def add_output(self, name: str, dtype: str) -> None:
         self.outputs.append(helper.make_tensor_value_info(name, ONNX_ELEM[np.dtype(dtype)], None))
 
-    def node(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None, n_outputs: int = 1):
+    def node(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None, n_outputs: int = 1,
+             domain: str = ""):
         outs = [self.fresh() for _ in range(n_outputs)]
         clean = {k: _attr(v) for k, v in (attrs or {}).items() if k not in KILN_ONLY_ATTRS and not k.startswith("_")}
         name = f"{self.prefix}|{self.counter}" if self.prefix else None
-        self.nodes.append(helper.make_node(op, [x or "" for x in inputs], outs, name=name, **clean))
+        self.nodes.append(helper.make_node(op, [x or "" for x in inputs], outs, name=name, domain=domain or None,
+                                           **clean))
         return outs[0] if n_outputs == 1 else outs
 
     def activation(self, x: str, spec: dict | None) -> str:
@@ -104,7 +106,10 @@ class Emitter:
     def model(self, opset: int, name: str = "kiln_layer") -> onnx.ModelProto:
         """The ONNX model; large weights are external: pass `self.external` to the session with them."""
         graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        imports = [helper.make_opsetid("", opset)]
+        if any(n.domain == "com.microsoft" for n in self.nodes):
+            imports.append(helper.make_opsetid("com.microsoft", 1))
+        model = helper.make_model(graph, opset_imports=imports)
         model.ir_version = 8
         return model
 
@@ -141,7 +146,7 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return e.node("LayerNormalization", [e.node("Add", xs[:2])] + xs[2:], a)
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
         return e.node(view.op_type, xs, {k: v for k, v in a.items() if k != "dilations"})
-    return e.node(view.op_type, xs, a, len(view.output_dtypes))
+    return e.node(view.op_type, xs, a, len(view.output_dtypes), view.domain if view.domain != "ai.onnx" else "")
 
 
 def _emit_steps(e: Emitter, y: str, steps: list[dict]) -> str:
@@ -238,7 +243,7 @@ def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
 def supports(view: LayerView) -> bool:
     if view.op_type == "AveragePool" and view.opset < 19 and any(d != 1 for d in view.attrs.get("dilations") or [1]):
         return False
-    return view.domain in ("", "ai.onnx") or (view.domain == "kiln" and view.op_type in KILN_EMITTABLE)
+    return view.domain in ("", "ai.onnx", "com.microsoft") or (view.domain == "kiln" and view.op_type in KILN_EMITTABLE)
 
 
 def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tuple[LayerView, list, str]],

@@ -50,8 +50,8 @@ class OnnxRuntimeLayerTactic:
     source = "onnxruntime"
 
     def supports(self, layer: LayerView) -> bool:
-        if not available() or not supports(layer) or layer.op_type in ("Shuffle",):
-            return False
+        if not available() or not supports(layer) or layer.op_type in ("Shuffle",) or len(layer.output_dtypes) != 1:
+            return False   # one output per layer model (multi-output ops run in regions or on kiln's kernels)
         return all(d in ("float32", "int64", "bool", None) for d in layer.input_dtypes)
 
     def input_formats(self, layer: LayerView) -> list[str]:

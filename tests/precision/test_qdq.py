@@ -205,3 +205,45 @@ def test_pytorch_fake_quant_export_builds_int8_layers(tmp_path, caplog):
     x = np.random.default_rng(0).standard_normal((1, 3, 16, 16)).astype(np.float32)
     got, want = engine.run({"x": x})["y"], run_ort(str(path), {"x": x})[0]
     assert cosine(got, want) >= 0.999 and got.argmax() == want.argmax()
+
+
+def test_qoperator_format_and_dynamic_quantization_build_and_match(tmp_path):
+    """onnxruntime's other two formats: QOperator (QLinearConv/QLinearMatMul, static) on the ResNet, and
+    quantize_dynamic (DynamicQuantizeLinear + MatMulInteger) on a BERT-shaped encoder."""
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
+                                          quantize_static)
+
+    from tests.models import encoders
+    from tests.models.nets import export, make
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export(make("resnet18"), torch.randn(1, 3, 32, 32), tmp_path / "r.onnx", "legacy")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"input": np.random.default_rng(i).standard_normal((1, 3, 32, 32))
+                                  .astype(np.float32)} for i in range(3)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(str(tmp_path / "r.onnx"), str(tmp_path / "rq.onnx"), Reader(), quant_format=QuantFormat.QOperator,
+                    per_channel=True)
+    x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    engine = kiln.build(str(tmp_path / "rq.onnx"), autotune=False)
+    assert any(l.op_type == "QLinearConv" for l in engine.plan.layers)
+    got, want = engine.run({"input": x})["output"], run_ort(str(tmp_path / "rq.onnx"), {"input": x})[0]
+    assert cosine(got, want) >= 0.999 and got.argmax() == want.argmax()
+
+    model = encoders.make("bert")
+    feeds = encoders.inputs(model, 2, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        encoders.export(model, feeds, tmp_path / "b.onnx", "legacy")
+        quantize_dynamic(str(tmp_path / "b.onnx"), str(tmp_path / "bq.onnx"), weight_type=QuantType.QInt8)
+    for autotune in (False, True):
+        engine = kiln.build(str(tmp_path / "bq.onnx"), autotune=autotune, avg_timing=1, min_timing=1)
+        got = engine.run(feeds)["last_hidden_state"]
+        want = run_ort(str(tmp_path / "bq.onnx"), feeds)[0]
+        assert cosine(got, want) >= 0.9999
