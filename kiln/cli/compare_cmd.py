@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=float, default=1e-4, help="pass if max|kiln-ort| <= atol + rtol * max|ort|")
     p.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance (see --rtol)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--min-cosine", type=float, default=None,
+                   help="also pass a float tensor whose cosine similarity is at least this (default 0.999 for "
+                        "engines with INT8 layers, off otherwise)")
     p.add_argument("--json", metavar="OUT.json", help="write the report as JSON")
 
 
@@ -24,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.precision.accuracy import compare
 
     report = compare(args.model, args.engine, args.inputs, layerwise=args.layerwise, rtol=args.rtol,
-                     atol=args.atol, seed=args.seed)
+                     atol=args.atol, seed=args.seed, min_cosine=args.min_cosine)
     console.info(f"Inputs: {report.inputs}; tolerance: max abs err <= {report.atol:g} + {report.rtol:g} * max|ort|")
     if report.layerwise:
         _table(f"{report.engine}: {len(report.layers)} intermediate tensors vs onnxruntime", report.layers, True)

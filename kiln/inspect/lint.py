@@ -206,7 +206,7 @@ def rule_qdq_unfused(engine: EngineInfo, profile: Profile | None) -> Iterable[Fi
                                                                             for p in layer.fused_names)):
             yield Finding("QDQ_UNFUSED", layer.name, "warning",
                           f"{layer.name} ({layer.layer_type or 'unknown type'}) is a Q/DQ left as its own kernel: "
-                          "TensorRT could not fold it into a neighbouring compute layer",
+                          "the builder (TensorRT or kiln) could not fold it into a neighbouring compute layer",
                           f"move the QuantizeLinear/DequantizeLinear around {layer.name} so it directly feeds / "
                           "follows a Conv/Gemm input or weight (Q/DQ on inputs and weights, not after "
                           "non-quantizable ops), or remove the pair")

@@ -247,3 +247,12 @@ def test_qoperator_format_and_dynamic_quantization_build_and_match(tmp_path):
         got = engine.run(feeds)["last_hidden_state"]
         want = run_ort(str(tmp_path / "bq.onnx"), feeds)[0]
         assert cosine(got, want) >= 0.9999
+
+
+def test_compare_accepts_int8_rounding_by_cosine_but_not_a_broken_engine(qdq_resnet):
+    from kiln.precision.accuracy import compare
+
+    engine = kiln.build(qdq_resnet, autotune=False)
+    report = compare(qdq_resnet, engine)
+    assert report.passed and "INT8 rounding" in report.outputs[0].note   # rtol 1e-4 alone would fail INT8
+    assert not compare(qdq_resnet, engine, min_cosine=0.9999999).passed
