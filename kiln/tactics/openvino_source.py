@@ -19,6 +19,26 @@ def available() -> bool:
     return True
 
 
+CACHE_MIN_BYTES = 16 << 20   # only regions of loaded engines with this much weight use the compiled-model cache
+
+
+def compiled_model_cache() -> str | None:
+    """Folder for OpenVINO's compiled-model cache: $KILN_CACHE_DIR/openvino (default ~/.cache/kiln/openvino);
+    KILN_CACHE_DIR=off disables it. None if the folder cannot be created."""
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("KILN_CACHE_DIR", str(Path.home() / ".cache" / "kiln"))
+    if root.lower() in ("off", "0", "none", ""):
+        return None
+    folder = Path(root) / "openvino"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return str(folder)
+
+
 def _inline(model: onnx.ModelProto, external: dict[str, np.ndarray]) -> bytes:
     """OpenVINO reads weights from the model itself: put the external ones back inline."""
     for i, t in enumerate(model.graph.initializer):
@@ -28,12 +48,27 @@ def _inline(model: onnx.ModelProto, external: dict[str, np.ndarray]) -> bytes:
 
 
 def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input_names: list[str],
-                  output_names: list[str]) -> Kernel:
+                  output_names: list[str], cache_key: str | None = None) -> Kernel:
+    """`cache_key` (a loaded engine's checksum and the layer name) names the region without serializing it."""
     import openvino as ov
 
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(_inline(model, external)), "CPU",
-                                  {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY"})
+    config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY"}
+    big = sum(a.nbytes for a in external.values()) >= CACHE_MIN_BYTES
+    cache = compiled_model_cache() if cache_key and big else None
+    if cache:   # OpenVINO's model cache, keyed by the region file: a later load skips parsing and compiling
+        import hashlib
+        from pathlib import Path
+
+        from kiln.fileio import atomic_write_bytes
+
+        core.set_property({"CACHE_DIR": cache})
+        source = Path(cache) / f"region-{hashlib.sha256(cache_key.encode()).hexdigest()[:32]}.onnx"
+        if not source.is_file():
+            atomic_write_bytes(source, [_inline(model, external)])
+        compiled = core.compile_model(str(source), "CPU", config)
+    else:
+        compiled = core.compile_model(core.read_model(_inline(model, external)), "CPU", config)
     request = compiled.create_infer_request()
     outputs = [compiled.output(name) for name in output_names]
 

@@ -224,3 +224,27 @@ def test_kiln_plan_that_disagrees_with_onnxruntime_is_left_out(models, monkeypat
     assert any(l.inner for l in engine.plan.layers)
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+
+
+def test_openvino_compiled_model_cache_for_loaded_engines(models, tmp_path, monkeypatch):
+    """A loaded engine's OpenVINO region is compiled through OpenVINO's model cache (keyed by the engine checksum
+    and layer name), so the next load skips parsing and compiling; KILN_CACHE_DIR=off turns it off."""
+    pytest.importorskip("openvino")
+    import kiln.tactics.openvino_source as ovs
+
+    monkeypatch.setattr(ovs, "CACHE_MIN_BYTES", 0)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    proto, x = models["mobilenetv3"]
+    engine = kiln.build(proto, tactic_sources=frozenset({"openvino"}), avg_timing=1, min_timing=1)
+    assert engine.plan.layers[0].tactic_name == "openvino.region"
+    assert not (tmp_path / "cache").exists()   # builds never write the cache
+    engine.save(tmp_path / "e.kiln")
+    feeds = {engine.input_names[0]: x}
+    first = kiln.load(tmp_path / "e.kiln").run(feeds)
+    regions = list((tmp_path / "cache" / "openvino").glob("region-*.onnx"))
+    assert len(regions) == 1
+    second = kiln.load(tmp_path / "e.kiln").run(feeds)
+    np.testing.assert_array_equal(first[engine.output_names[0]], second[engine.output_names[0]])
+    assert_close_to_ort(second[engine.output_names[0]], run_ort(proto, feeds)[0])
+    monkeypatch.setenv("KILN_CACHE_DIR", "off")
+    assert ovs.compiled_model_cache() is None
