@@ -63,17 +63,23 @@ def requested(layer, options: PrecisionOptions) -> str:
             return kind
     if layer.op_type in INT8_LAYERS or layer.op_type in QDQ_OPS:
         return "INT8"
-    if options.int8 and layer.op_type in INT8_CAPABLE:
-        return "INT8"
+    if options.int8 and (layer.op_type in INT8_CAPABLE or _float_out(layer)):
+        return "INT8"   # --int8 allows INT8 everywhere, as TensorRT's flag does; kiln says where it was not given
     if options.bf16 or options.fp16:
         return "BF16" if options.bf16 and not options.fp16 else "FP16"
     return "FP32"
+
+
+def _float_out(layer) -> bool:
+    return any(np.dtype(t.dtype).kind == "f" for t in layer.outputs)
 
 
 def granted(layer) -> str:
     if layer.op_type in INT8_LAYERS or layer.op_type in QDQ_OPS:
         return "INT8"
     dtypes = [np.dtype(t.dtype) for t in layer.outputs]
+    if any(d in (np.dtype(np.int8), np.dtype(np.uint8)) for d in dtypes):
+        return "INT8"
     if any(d == np.float16 for d in dtypes):
         return "FP16"
     return "FP32"
