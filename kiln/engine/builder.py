@@ -113,10 +113,15 @@ def calibrated(proto: onnx.ModelProto, options: BuildOptions) -> onnx.ModelProto
 
 
 def runtime_shape_inputs(node: Node) -> bool:
-    """Whether a host input (a shape, axes, bounds) of `node` is computed at run time (dynamic shapes)."""
+    """Whether `node` reads shape arithmetic computed at run time (dynamic shapes): a host input (a shape, axes,
+    bounds), a run-time scalar (Range's bounds) or a small integer tensor. Random timing inputs would be meaningless."""
     opdef = lookup(node.op_type, node.domain)
-    return opdef is not None and any(i < len(node.inputs) and node.inputs[i] is not None and
-                                     not node.inputs[i].is_const for i in opdef.host_inputs)
+    if opdef is not None and any(i < len(node.inputs) and node.inputs[i] is not None and
+                                 not node.inputs[i].is_const for i in opdef.host_inputs):
+        return True
+    return any(v is not None and not v.is_const and v.shape is not None and v.dtype is not None and
+               (v.shape == () or (np.dtype(v.dtype).kind in "iu" and int(np.prod(v.shape)) <= 16))
+               for v in node.inputs)
 
 
 def desc_of(v, name: str | None = None, fmt: str = LINEAR) -> TensorDesc:

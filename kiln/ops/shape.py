@@ -137,9 +137,12 @@ def constant_of_shape(attrs, xs):
     return [t.expand(list(xs[0])).clone()]
 
 
-@register("Range", INJ, host_inputs=(0, 1, 2), trt_layer="Fill")
+@register("Range", INJ, trt_layer="Fill")
 def range_(attrs, xs):
-    return [torch.arange(xs[0], xs[1], xs[2])]
+    """Scalars as tensors (not host values) so the output keeps their dtype (int32 stays int32)."""
+    start, limit, delta = (torch.as_tensor(x) for x in xs)
+    cast = int if not start.is_floating_point() else float
+    return [torch.arange(cast(start), cast(limit), cast(delta), dtype=start.dtype)]
 
 
 @register("Split", INJ, host_inputs=(1,), trt_layer="Slice")

@@ -87,3 +87,15 @@ def test_is_nan_and_is_inf():
     x[0, 0], x[0, 1], x[1, 2] = np.nan, np.inf, -np.inf
     check(helper.make_node("IsNaN", ["x"], ["y"]), {"x": x}, out_type=TensorProto.BOOL)
     check(helper.make_node("IsInf", ["x"], ["y"], detect_negative=0), {"x": x}, out_type=TensorProto.BOOL)
+
+
+@pytest.mark.parametrize("elem, dtype", [(TensorProto.INT32, np.int32), (TensorProto.FLOAT, np.float32),
+                                          (TensorProto.INT64, np.int64)])
+def test_range_keeps_its_input_dtype(elem, dtype):   # int32 shape arithmetic (tf2onnx) stays int32
+    node = helper.make_node("Range", ["s", "l", "d"], ["y"])
+    model = make_model([node], [], [helper.make_tensor_value_info("y", elem, None)],
+                       [init("s", np.array(2, dtype)), init("l", np.array(12, dtype)), init("d", np.array(3, dtype))])
+    got = kiln.build(model, autotune=False).run({})["y"]
+    want = run_ort(model, {})[0]
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(got, want)
