@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.errors import Error
+from kiln.precision.policy import INT8_LAYERS, QDQ_OPS
 from kiln.ir import Graph, Node
 from kiln.tactics import HWC, LINEAR, LayerView
 from kiln.tactics.autotune import Autotuner, TimingOptions, _example, _time_ms
@@ -235,6 +236,7 @@ def unapply_regions(g: Graph) -> None:
             g.add_node(n, index + k)
 
 
+INT8_OPS = frozenset(INT8_LAYERS + QDQ_OPS)
 BLOCK_MS = 600.0     # whole-plan timing: a block of runs lasts about this long for slow models
 PRUNE_RATIO = 1.15   # a plan this much slower than the best after one round is not timed further
 
@@ -266,7 +268,7 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
             continue
         if reference is None:
             reference = outputs   # no onnxruntime reference: the first candidate (kiln's own kernels) is the judge
-        elif not _agree(outputs, reference, quantized=any(n.op_type.startswith("Q") for n in g.nodes)):
+        elif not _agree(outputs, reference, quantized=any(n.op_type in INT8_OPS for n in g.nodes)):
             log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
                         "the original model in onnxruntime" if reference_fn else "kiln's kernels")
             continue

@@ -88,8 +88,7 @@ def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: li
 
     q = attrs["quant"]
     x = dequantize(x_q, q["x_scale"], q["x_zero_point"])
-    base_attrs = {k: v for k, v in attrs.items() if k != "quant"}
-    y = OPS[base].impl(base_attrs, [x, w] + list(rest))[0]
+    y = OPS[base].impl(attrs, [x, w] + list(rest))[0]   # the base op ignores the extra "quant" attribute
     if "y_scale" in q:
         y = quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))
     return y
@@ -97,14 +96,19 @@ def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: li
 
 def _quantized(base: str):
     def impl(attrs, xs):
-        return [run_quantized(base, attrs, xs[0], dequantized_weights(attrs, xs[1]), xs[2:])]
+        w = xs[1] if xs[1].is_floating_point() else dequantized_weights(attrs, xs[1])   # float: prepared once
+        return [run_quantized(base, attrs, xs[0], w, xs[2:])]
     return impl
+
+
+def _dequantize_weight_once(attrs, consts: dict) -> dict:
+    return {**consts, 1: dequantized_weights(attrs, consts[1])} if 1 in consts else consts
 
 
 QUANTIZED_BASE = {"QConv": "Conv", "QMatMul": "MatMul", "QGemm": "Gemm"}
 for _name, _base in QUANTIZED_BASE.items():
     KILN_OPS[_name] = OpDef(_name, OpKind.COMPLEX, _quantized(_base), (),
-                            "Convolution" if _base == "Conv" else "MatrixMultiply")
+                            "Convolution" if _base == "Conv" else "MatrixMultiply", _dequantize_weight_once)
 
 def quantized_add(attrs, xs):
     """INT8 residual add: dequantize both inputs, add, activation, quantize with the output scale."""

@@ -48,12 +48,16 @@ def _output_dtype(attrs, zero_point) -> torch.dtype:
     return torch.uint8
 
 
-@register("QuantizeLinear", OpKind.ELEMENTWISE, trt_layer="Reformat")
-def quantize_linear(attrs, xs):
-    x, scale = xs[0], xs[1]
-    zp = xs[2] if len(xs) > 2 else None
+def _q_args(attrs, xs):
+    """(tensor, scale, zero point or None) of QuantizeLinear/DequantizeLinear; blocked quantization is refused."""
     if attrs.get("block_size"):
         raise NotImplementedError("blocked quantization (block_size) is not supported")
+    return xs[0], xs[1], xs[2] if len(xs) > 2 else None
+
+
+@register("QuantizeLinear", OpKind.ELEMENTWISE, trt_layer="Reformat")
+def quantize_linear(attrs, xs):
+    x, scale, zp = _q_args(attrs, xs)
     dtype = _output_dtype(attrs, zp)
     if dtype not in RANGES:
         raise NotImplementedError(f"QuantizeLinear to {dtype} is not supported (int8/uint8/int16/uint16/int32)")
@@ -64,10 +68,7 @@ def quantize_linear(attrs, xs):
 
 @register("DequantizeLinear", OpKind.ELEMENTWISE, trt_layer="Reformat")
 def dequantize_linear(attrs, xs):
-    q, scale = xs[0], xs[1]
-    zp = xs[2] if len(xs) > 2 else None
-    if attrs.get("block_size"):
-        raise NotImplementedError("blocked quantization (block_size) is not supported")
+    q, scale, zp = _q_args(attrs, xs)
     if q.device.type == "meta" or scale.device.type == "meta":
         dtype = scale.dtype if scale.is_floating_point() else torch.float32
         return [torch.empty(q.shape, dtype=dtype, device="meta")]

@@ -34,6 +34,8 @@ class OpDef:
     impl: Impl
     host_inputs: tuple[int, ...] = ()   # inputs that must be build-time constants (shapes, axes, pads)
     trt_layer: str = "ElementWise"      # TensorRT's layer kind for this op when unfused
+    # once per engine, not per inference: turn constant inputs into the form `impl` runs fastest with
+    prepare_consts: Callable[[dict[str, Any], dict[int, torch.Tensor]], dict[int, torch.Tensor]] | None = None
 
 
 OPS: dict[str, OpDef] = {}

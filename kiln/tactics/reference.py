@@ -33,6 +33,8 @@ class ReferenceTactic:
         attrs = layer.attrs
         host = {i: host_value(t) for i, t in layer.const_inputs.items() if i in opdef.host_inputs}
         consts = {i: t for i, t in layer.const_inputs.items() if i not in opdef.host_inputs}
+        if opdef.prepare_consts is not None:
+            consts = opdef.prepare_consts(attrs, consts)
         impl = opdef.impl
         n = len(layer.input_shapes)
         runtime_host = [i for i in opdef.host_inputs if i < n and i not in host and layer.input_shapes[i] is not None]

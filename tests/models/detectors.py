@@ -22,14 +22,12 @@ At 64x64 input the three levels are 8x8, 4x4 and 2x2 (84 anchor points for v8, 2
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-MAX_ORT_IR_VERSION = 10
 
 
 def make_divisible(x: float, divisor: int = 8) -> int:
@@ -223,7 +221,7 @@ def export(model: nn.Module, x: torch.Tensor, path, exporter: str = "legacy", op
     """Export on example image `x` (input "images", output "output0", as ultralytics names them); returns the
     loaded ModelProto (IR version capped for onnxruntime). legacy: opset 17, do_constant_folding=False, so
     the anchor construction (Shape/Gather/Range/Expand...) stays in the graph; dynamo: torch's default opset."""
-    import onnx
+    from tests.models.nets import load_for_ort
 
     path = Path(path)
     kwargs = dict(input_names=["images"], output_names=["output0"])
@@ -238,14 +236,4 @@ def export(model: nn.Module, x: torch.Tensor, path, exporter: str = "legacy", op
                               do_constant_folding=False, **kwargs)
         else:
             raise ValueError(f"unknown exporter {exporter!r}")
-    proto = onnx.load(str(path))
-    if proto.ir_version > MAX_ORT_IR_VERSION:
-        proto.ir_version = MAX_ORT_IR_VERSION
-        onnx.save(proto, str(path))
-    return proto
-
-
-def timed_export(*args, **kwargs):
-    t0 = time.perf_counter()
-    proto = export(*args, **kwargs)
-    return proto, time.perf_counter() - t0
+    return load_for_ort(path)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import time
 import warnings
 from pathlib import Path
 
@@ -26,7 +25,6 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-MAX_ORT_IR_VERSION = 10
 VOCAB = 100
 MAX_POSITIONS = 64
 
@@ -223,7 +221,7 @@ def export(model: nn.Module, example_inputs, path, exporter: str = "legacy", dyn
         with torch.export.Dim for dynamo. Use an example with batch >= 2 and seq >= 2 (torch.export
         specializes dimensions of size 0/1).
     """
-    import onnx
+    from tests.models.nets import load_for_ort
 
     names = list(model.input_names)
     if isinstance(example_inputs, dict):
@@ -258,14 +256,4 @@ def export(model: nn.Module, example_inputs, path, exporter: str = "legacy", dyn
             torch.onnx.export(model, args, str(path), dynamo=True, external_data=False, verbose=False, **kwargs)
         else:
             raise ValueError(f"unknown exporter {exporter!r}")
-    proto = onnx.load(str(path))
-    if proto.ir_version > MAX_ORT_IR_VERSION:
-        proto.ir_version = MAX_ORT_IR_VERSION
-        onnx.save(proto, str(path))
-    return proto
-
-
-def timed_export(*args, **kwargs):
-    t0 = time.perf_counter()
-    proto = export(*args, **kwargs)
-    return proto, time.perf_counter() - t0
+    return load_for_ort(path)

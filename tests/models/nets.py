@@ -144,8 +144,16 @@ def export(model: nn.Module, x: torch.Tensor, path, exporter: str = "legacy") ->
         else:
             raise ValueError(f"unknown exporter {exporter!r}")
     seconds = time.perf_counter() - t0
-    m = onnx.load(str(path))
-    if m.ir_version > MAX_ORT_IR_VERSION:
-        m.ir_version = MAX_ORT_IR_VERSION
-        onnx.save(m, str(path))
+    load_for_ort(path)
     return seconds
+
+
+def load_for_ort(path):
+    """The exported model, its IR version capped (in the file too) so onnxruntime can read it."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    if proto.ir_version > MAX_ORT_IR_VERSION:
+        proto.ir_version = MAX_ORT_IR_VERSION
+        onnx.save(proto, str(path))
+    return proto

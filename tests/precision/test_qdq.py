@@ -18,6 +18,21 @@ import kiln
 from tests.conftest import init, make_model, run_ort
 
 
+def calibration_reader(name: str, shape: tuple[int, ...], batches: int, uniform: bool = False):
+    """onnxruntime's CalibrationDataReader over seeded random batches for input `name`."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            rngs = [np.random.default_rng(i) for i in range(batches)]
+            self.batches = iter([{name: (r.random(shape) if uniform else r.standard_normal(shape)).astype(np.float32)}
+                                 for r in rngs])
+
+        def get_next(self):
+            return next(self.batches, None)
+    return Reader()
+
+
 def cosine(a, b) -> float:
     a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
@@ -25,7 +40,7 @@ def cosine(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def qdq_resnet(tmp_path_factory):
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from tests.models.nets import export, make
@@ -35,16 +50,9 @@ def qdq_resnet(tmp_path_factory):
         warnings.simplefilter("ignore")
         export(make("resnet18"), torch.randn(1, 3, 64, 64), folder / "fp32.onnx", "legacy")
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter([{"input": np.random.default_rng(i).standard_normal((1, 3, 64, 64))
-                                  .astype(np.float32)} for i in range(4)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
     quant_pre_process(str(folder / "fp32.onnx"), str(folder / "pre.onnx"))
-    quantize_static(str(folder / "pre.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+    quantize_static(str(folder / "pre.onnx"), str(folder / "qdq.onnx"), calibration_reader("input", (1, 3, 64, 64), 4),
+                    quant_format=QuantFormat.QDQ,
                     per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
     return str(folder / "qdq.onnx")
 
@@ -137,7 +145,7 @@ def test_fp16_request_is_recorded_with_its_reason_and_obey_fails(qdq_resnet, tmp
 def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_path, caplog):
     """YOLOv8-shaped detector through quantize_static: Q after Concat splits onto its inputs (the concat runs on
     INT8), DQ -> Sigmoid -> Q -> DQ -> Mul -> Q chains become PointWise layers; 597 layers unfused -> under 300."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+    from onnxruntime.quantization import QuantFormat, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from tests.models import detectors
@@ -145,16 +153,9 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
     caplog.set_level(logging.DEBUG, logger="kiln.build")
     detectors.export(detectors.make("yolov8"), torch.rand(1, 3, 64, 64), tmp_path / "y.onnx", "legacy")
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter([{"images": np.random.default_rng(i).random((1, 3, 64, 64)).astype(np.float32)}
-                                 for i in range(3)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
     quant_pre_process(str(tmp_path / "y.onnx"), str(tmp_path / "pre.onnx"))
-    quantize_static(str(tmp_path / "pre.onnx"), str(tmp_path / "q.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+    quantize_static(str(tmp_path / "pre.onnx"), str(tmp_path / "q.onnx"),
+                    calibration_reader("images", (1, 3, 64, 64), 3, uniform=True), quant_format=QuantFormat.QDQ,
                     per_channel=True)
     engine = kiln.build(str(tmp_path / "q.onnx"), autotune=False)
     layers = engine.plan.layers
@@ -211,8 +212,7 @@ def test_pytorch_fake_quant_export_builds_int8_layers(tmp_path, caplog):
 def test_qoperator_format_and_dynamic_quantization_build_and_match(tmp_path):
     """onnxruntime's other two formats: QOperator (QLinearConv/QLinearMatMul, static) on the ResNet, and
     quantize_dynamic (DynamicQuantizeLinear + MatMulInteger) on a BERT-shaped encoder."""
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
-                                          quantize_static)
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     from tests.models import encoders
     from tests.models.nets import export, make
@@ -221,15 +221,8 @@ def test_qoperator_format_and_dynamic_quantization_build_and_match(tmp_path):
         warnings.simplefilter("ignore")
         export(make("resnet18"), torch.randn(1, 3, 32, 32), tmp_path / "r.onnx", "legacy")
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter([{"input": np.random.default_rng(i).standard_normal((1, 3, 32, 32))
-                                  .astype(np.float32)} for i in range(3)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
-    quantize_static(str(tmp_path / "r.onnx"), str(tmp_path / "rq.onnx"), Reader(), quant_format=QuantFormat.QOperator,
+    quantize_static(str(tmp_path / "r.onnx"), str(tmp_path / "rq.onnx"), calibration_reader("input", (1, 3, 32, 32), 3),
+                    quant_format=QuantFormat.QOperator,
                     per_channel=True)
     x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
     engine = kiln.build(str(tmp_path / "rq.onnx"), autotune=False)
