@@ -7,12 +7,13 @@ from kiln.tactics.onednn_conv import OneDnnConvTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.reference import ReferenceTactic
+from kiln.tactics.winograd import WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
-REGISTRY: dict[str, list[Tactic]] = {"Conv": [OneDnnConvTactic()]}
+REGISTRY: dict[str, list[Tactic]] = {"Conv": [OneDnnConvTactic(), WinogradConvTactic(4), WinogradConvTactic(2)]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
-ALL_SOURCES = ("torch-onednn", "torch", "onnxruntime", "openvino")
+ALL_SOURCES = ("torch-onednn", "kiln", "torch", "onnxruntime", "openvino")
 
 
 def available_sources() -> frozenset[str]:

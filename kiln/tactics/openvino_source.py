@@ -53,7 +53,9 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
     import openvino as ov
 
     core = ov.Core()
-    config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY"}
+    # FP32 layers compute in FP32: OpenVINO's default on CPUs with AVX512-BF16/AMX is bf16 arithmetic
+    config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY",
+              "INFERENCE_PRECISION_HINT": "f32"}
     big = sum(a.nbytes for a in external.values()) >= CACHE_MIN_BYTES
     cache = compiled_model_cache() if cache_key and big else None
     if cache:   # OpenVINO's model cache, keyed by the region file: a later load skips parsing and compiling

@@ -1,0 +1,155 @@
+"""Winograd convolution (source "kiln"): every supported shape matches float64 convolution, unsupported layers
+are declined, threads do not share scratch state, and whole models forced onto it match onnxruntime."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln
+from kiln.tactics.base import LayerView
+from kiln.tactics.winograd import WinogradConvTactic, transform_weights
+from tests.conftest import assert_close_to_ort, run_ort
+from tests.models.nets import export
+
+
+def conv_view(c, cout, h, w, pads=(1, 1, 1, 1), bias=True, residual=False, activation=None, kernel=3, stride=1,
+              dilation=1, group=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(cout, c // group, kernel, kernel, generator=g) * (2 / (9 * c)) ** 0.5
+    consts = {1: weight}
+    if bias:
+        consts[2] = torch.randn(cout, generator=g) * 0.1
+    attrs = {"pads": list(pads), "strides": [stride] * 2, "dilations": [dilation] * 2, "group": group}
+    if activation:
+        attrs["activation"] = {"op": activation, "attrs": {}}
+    out_h, out_w = h + pads[0] + pads[2] - 2, w + pads[1] + pads[3] - 2
+    shapes = [(1, c, h, w), tuple(weight.shape), (cout,) if bias else None]
+    if residual:
+        shapes.append((1, cout, out_h, out_w))
+    return LayerView("Conv", "", attrs, tuple(shapes), tuple("float32" if s else None for s in shapes), consts,
+                     input_dynamic=((),) * len(shapes))
+
+
+def reference(view, xs):
+    """float64 convolution with the fused residual and activation."""
+    a = view.attrs
+    pt, pl, pb, pr = a["pads"]
+    bias = view.const_inputs.get(2)
+    y = F.conv2d(F.pad(xs[0].double(), [pl, pr, pt, pb]), view.const_inputs[1].double(),
+                 None if bias is None else bias.double())
+    if len(xs) > 3:
+        y = y + xs[3].double()
+    op = a.get("activation", {}).get("op")
+    return {"Relu": y.relu(), "Sigmoid": y.sigmoid()}.get(op, y)
+
+
+def channels_last(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).contiguous(
+        memory_format=torch.channels_last)
+
+
+CASES = [  # c, cout, h, w, pads, bias, residual, activation
+    (16, 32, 20, 17, (1, 1, 1, 1), True, False, "Relu"),       # partial tiles: cropped output
+    (8, 8, 9, 30, (0, 2, 1, 0), False, True, "Relu"),          # asymmetric pads, no bias, residual
+    (32, 16, 14, 14, (1, 1, 1, 1), True, True, None),
+    (16, 16, 12, 12, (1, 1, 1, 1), True, False, "Sigmoid"),    # activation applied after the kernel
+    (64, 64, 56, 56, (1, 1, 1, 1), True, True, "Relu"),        # a ResNet stage-1 layer
+]
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[2]}x{c[3]}")
+def test_matches_float64_convolution(tile, case):
+    c, cout, h, w, pads, bias, residual, activation = case
+    view = conv_view(c, cout, h, w, pads, bias, residual, activation)
+    tactic = WinogradConvTactic(tile)
+    assert tactic.supports(view)
+    xs = [channels_last(1, c, h, w), None, None]
+    if residual:
+        xs.append(channels_last(*view.input_shapes[3], seed=2))
+    got = tactic.prepare(view)(xs)[0]
+    want = reference(view, xs)
+    assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    assert err < (2e-6 if tile == 2 else 2e-5), err   # F(4,3)'s larger interpolation points cost some precision
+
+
+def test_weight_transform_round_trips_through_one_tile():
+    """U = G g Gᵀ for one 6x6 input tile gives exactly the 4x4 correlation output (checked in float64)."""
+    from kiln.tactics.winograd import transforms
+
+    bt, g, at = transforms(4)
+    weight, tile = torch.randn(1, 1, 3, 3, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
+    u = g @ weight[0, 0] @ g.T
+    y = at @ (u * (bt @ tile @ bt.T)) @ at.T
+    torch.testing.assert_close(y, F.conv2d(tile[None, None], weight)[0, 0], rtol=1e-12, atol=1e-12)
+    assert transform_weights(weight.float(), 4).shape == (36, 1, 1)
+
+
+@pytest.mark.parametrize("change", [dict(stride=2), dict(dilation=2, pads=(2, 2, 2, 2)), dict(group=2),
+                                    dict(kernel=5, pads=(2, 2, 2, 2)), dict(h=6, w=6)], ids=str)
+def test_declines_layers_it_cannot_run(change):
+    args = dict(c=16, cout=16, h=20, w=20) | change
+    assert not WinogradConvTactic(4).supports(conv_view(**args))
+
+
+def test_threads_do_not_share_scratch_state():
+    view = conv_view(32, 32, 28, 28, residual=True, activation="Relu")
+    kernel = WinogradConvTactic(4).prepare(view)
+    inputs = [[channels_last(1, 32, 28, 28, seed=s), None, None, channels_last(1, 32, 28, 28, seed=s + 100)]
+              for s in range(4)]
+    serial = [kernel(xs)[0].clone() for xs in inputs]
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def work(i):
+        results[i] = [kernel(inputs[i])[0].clone() for _ in range(20)]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        for got in results[i]:
+            assert torch.equal(got, serial[i])
+
+
+class Blocks(nn.Module):
+    """3x3 stride-1 convolutions of every flavour Winograd takes: bias/no bias, residual, odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, 1, 1)
+        self.a = nn.Conv2d(16, 16, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.b = nn.Conv2d(16, 24, 3, 1, 0)
+        self.head = nn.Conv2d(24, 8, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        x = torch.relu(self.bn(self.a(x)) + x)
+        return self.head(torch.sigmoid(self.b(x)))
+
+
+def test_model_forced_onto_winograd_matches_onnxruntime(tmp_path):
+    torch.manual_seed(0)
+    model = Blocks().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(1, 3, 30, 27)
+    export(model, x, tmp_path / "blocks.onnx")
+    engine = kiln.build(str(tmp_path / "blocks.onnx"), tactic_sources=frozenset({"kiln"}), avg_timing=1, min_timing=1)
+    runners = {l.name.split(" + ")[0]: l.layer_type for l in engine.plan.layers if l.op_type == "Conv"}
+    # the 3-channel stem and the 1x1 head are not Winograd's: torch's kernels back what a source cannot run
+    assert sorted(n for n, t in runners.items() if t == "WinogradConvolution") == ["/a/Conv", "/b/Conv"], runners
+    feeds = {engine.input_names[0]: x.numpy()}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(str(tmp_path / "blocks.onnx"), feeds)[0])
+    saved = tmp_path / "blocks.kiln"
+    engine.save(saved)
+    again = kiln.load(saved)
+    np.testing.assert_array_equal(again.run(feeds)[engine.output_names[0]], engine.run(feeds)[engine.output_names[0]])
