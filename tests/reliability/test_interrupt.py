@@ -17,7 +17,8 @@ def test_interrupted_build_keeps_previous_engine(tmp_path, sig):
     model.write_bytes(cnn().SerializeToString())
     engine = tmp_path / "m.kiln"
     engine.write_bytes(b"previous engine")
-    cmd = [sys.executable, "-m", "kiln.cli.main", "build", str(model), "-o", str(engine), "--verbose",
+    # -u: the log reaches the pipe line by line (block-buffered, "Timing Runner" could arrive only at the end)
+    cmd = [sys.executable, "-u", "-m", "kiln.cli.main", "build", str(model), "-o", str(engine), "--verbose",
            "--avg-timing", "50", "--min-timing", "20"]   # slow timing: the signal lands mid-build
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
