@@ -76,6 +76,7 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
 
     def kernel(xs):
         acts = [x for x in xs if x is not None]
-        result = request.infer({name: np.ascontiguousarray(x.numpy()) for name, x in zip(input_names, acts)})
+        result = request.infer({name: np.ascontiguousarray(x.numpy()) for name, x in zip(input_names, acts)},
+                               share_inputs=True)   # the arrays outlive the call: no copy into OpenVINO's tensors
         return [torch.from_numpy(np.array(result[o])) for o in outputs]   # copy: OpenVINO reuses its buffers
     return kernel
