@@ -39,8 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     console.setup_logging(getattr(args, "verbose", False))
     signal.signal(signal.SIGTERM, _terminate)   # unwind like Ctrl-C: temp files are removed, targets untouched
-    # a parent may hand down a mask blocking them (threads of test runners, some launchers): receive them anyway
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         return args.module.run(args)
     except Error as exc:
