@@ -36,15 +36,15 @@ log = logging.getLogger("kiln.build")
 PARAMETER_TYPES = {"Conv": "Convolution", "Gemm": "MatrixMultiply", "MatMul": "MatrixMultiply",
                    "QConv": "Convolution", "QGemm": "MatrixMultiply", "QMatMul": "MatrixMultiply",
                    "PointWise": "PointWise", "Shuffle": "Shuffle"}
-RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution",
-                "kiln.conv2d_winograd_f4x4_3x3_nhwc": "WinogradConvolution",
-                "kiln.conv2d_winograd_f2x2_3x3_nhwc": "WinogradConvolution"}
+RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution"}
 
 
 def runner_type(tactic_name: str, parameter_type: str) -> str:
     """TensorRT's LayerType names the runner: kiln names the kernel library and the layer kind."""
     if tactic_name.startswith("onnxruntime."):
         return f"OnnxRuntime{parameter_type}"
+    if tactic_name.startswith(WINOGRAD_PREFIX):   # every tile size
+        return "WinogradConvolution"
     return RUNNER_TYPES.get(tactic_name, parameter_type)
 
 
