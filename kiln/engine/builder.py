@@ -29,6 +29,7 @@ from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.timing_cache import TimingCache, device_description
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
+from kiln.tactics.codegen import CODEGEN_TACTIC
 from kiln.tactics.winograd import WINOGRAD_PREFIX
 
 log = logging.getLogger("kiln.build")
@@ -36,7 +37,7 @@ log = logging.getLogger("kiln.build")
 PARAMETER_TYPES = {"Conv": "Convolution", "Gemm": "MatrixMultiply", "MatMul": "MatrixMultiply",
                    "QConv": "Convolution", "QGemm": "MatrixMultiply", "QMatMul": "MatrixMultiply",
                    "PointWise": "PointWise", "Shuffle": "Shuffle"}
-RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution"}
+RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution", CODEGEN_TACTIC: "PointWiseV2"}
 
 
 def runner_type(tactic_name: str, parameter_type: str) -> str:

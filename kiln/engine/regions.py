@@ -239,6 +239,7 @@ def unapply_regions(g: Graph) -> None:
 INT8_OPS = frozenset(INT8_LAYERS + QDQ_OPS)
 BLOCK_MS = 600.0     # whole-plan timing: a block of runs lasts about this long for slow models
 PRUNE_RATIO = 1.15   # a plan this much slower than the best after one round is not timed further
+WARMUP_MS = 40.0     # warm-up per block: another library's idle threads spin this long after its last run
 
 
 def plan_signature(layers: list) -> str:
@@ -276,15 +277,16 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
     if not runners and not times and candidates:
         raise Error("no plan reproduces the original model's outputs (checked against onnxruntime on a random "
                     "input); rebuild with --builder-optimization-level 0 and compare with `kiln run`, then report it")
-    # blocks, each after its own warm-up runs: a library's idle threads keep spinning for a while after it
-    # returns, which would bill the next candidate if runs alternated one by one. After the first round a plan
+    # blocks, each after its own warm-up runs (at least WARMUP_MS): a library's idle threads keep spinning for a
+    # while after it returns, which would bill the next candidate if runs alternated one by one. After the first round a plan
     # far behind the best is out; blocks of slow models are capped near BLOCK_MS.
     with torch.inference_mode():
         for round_index in range(max(3, tuner.options.min_timing)):
             for name, (_, run, samples) in runners.items():
-                start = time.perf_counter()
-                run()   # warm-up, and the first estimate of this plan's latency
-                estimate_ms = statistics.median(samples) if samples else (time.perf_counter() - start) * 1e3
+                warmup = [_once_ms(run)]   # warm-up, and the first estimate of this plan's latency
+                while sum(warmup) < WARMUP_MS and len(warmup) < 50:
+                    warmup.append(_once_ms(run))
+                estimate_ms = statistics.median(samples) if samples else min(warmup)
                 runs = max(3, min(max(5, tuner.options.avg_timing), int(BLOCK_MS / max(estimate_ms, 1e-3))))
                 samples += [_once_ms(run) for _ in range(runs)]
             if round_index == 0 and len(runners) > 1:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView, Tactic, tactic_value
 from kiln.errors import Error
+from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.onednn_conv import OneDnnConvTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
@@ -10,16 +11,18 @@ from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.winograd import WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
-REGISTRY: dict[str, list[Tactic]] = {"Conv": [OneDnnConvTactic(), WinogradConvTactic(4), WinogradConvTactic(2)]}
+REGISTRY: dict[str, list[Tactic]] = {"Conv": [OneDnnConvTactic(), WinogradConvTactic(4), WinogradConvTactic(2)],
+                                     "PointWise": [CodegenPointWiseTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
-ALL_SOURCES = ("torch-onednn", "kiln", "torch", "onnxruntime", "openvino")
+ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")
 
 
 def available_sources() -> frozenset[str]:
-    from kiln.tactics import openvino_source
+    from kiln.tactics import codegen, openvino_source
 
-    present = {"onnxruntime": onnxruntime_available(), "openvino": openvino_source.available()}
+    present = {"onnxruntime": onnxruntime_available(), "openvino": openvino_source.available(),
+               "codegen": codegen.available()}
     return frozenset(s for s in ALL_SOURCES if present.get(s, True))
 
 

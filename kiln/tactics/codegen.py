@@ -1,0 +1,202 @@
+"""Generated code for fused pointwise layers (tactic source "codegen"): each PointWise program becomes one C
+loop nest (kiln.tactics.pointwise_c), compiled by the system C compiler for this CPU (vectorized libm,
+OpenMP on torch's own thread pool) and cached per source, compiler and CPU, so loading an engine again only
+maps the library. Without a C compiler the source is simply unavailable."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.errors import EngineFormatError
+from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.pointwise_c import HEADER, PLAIN_HEADER, expressible, generate, loop_nest
+
+log = logging.getLogger("kiln.build")
+
+CODEGEN_TACTIC = "codegen.pointwise_c_simd"
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+MAX_INPUTS = 32
+COMPILE_TIMEOUT_S = 60
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain() -> tuple[str, tuple[str, ...], bool] | None:
+    """(compiler, link flags, vectorized libm?) that build a probe kernel here, or None."""
+    cc = compiler()
+    if cc is None:
+        return None
+    probe = "float probe(float x) { return expf(x) + tanhf(x) + erff(x) + logf(x) + log1pf(x) + expm1f(x); }\n"
+    for header, libs, simd in ((HEADER, ("-lmvec", "-lm"), True), (PLAIN_HEADER, ("-lm",), False)):
+        with tempfile.TemporaryDirectory(prefix="kiln-cc-") as tmp:
+            if _compile(cc, header + probe, Path(tmp) / "probe.so", libs) is None:
+                return cc, libs, simd
+    log.debug("codegen source unavailable: %s cannot build a shared library with OpenMP", cc)
+    return None
+
+
+def available() -> bool:
+    return _toolchain() is not None
+
+
+def _compile(cc: str, source: str, target: Path, libs: tuple[str, ...]) -> str | None:
+    """Compile `source` into `target` atomically; None on success, else the compiler's message."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    src = tmp + ".c"
+    try:
+        Path(src).write_text(source)
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, src, *libs], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            return (done.stderr or done.stdout).strip()[-2000:] or f"{cc} exited with {done.returncode}"
+        os.replace(tmp, target)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        for leftover in (src, tmp):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_folder() -> Path:
+    """$KILN_CACHE_DIR/kernels (default ~/.cache/kiln/kernels); a private temp folder if that cannot be used."""
+    root = os.environ.get("KILN_CACHE_DIR", str(Path.home() / ".cache" / "kiln"))
+    if root.lower() not in ("off", "0", "none", ""):
+        folder = Path(root) / "kernels"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            pass
+    return Path(tempfile.mkdtemp(prefix="kiln-kernels-"))
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def load_library(source: str) -> ctypes.CDLL:
+    """The compiled `source`, from the cache when this compiler and CPU built it before."""
+    cc, libs, _ = _toolchain()
+    key = hashlib.sha256("\0".join([source, cc, *FLAGS, *libs, _cpu_identity()]).encode()).hexdigest()[:32]
+    if key in _LOADED:
+        return _LOADED[key]
+    target = kernel_folder() / f"pointwise-{key}.so"
+    if not target.is_file():
+        error = _compile(cc, source, target, libs)
+        if error is not None:
+            raise RuntimeError(f"the C compiler rejected a generated pointwise kernel: {error}")
+        log.debug("codegen: compiled %s", target)
+    lib = _LOADED[key] = ctypes.CDLL(str(target))
+    lib.kiln_pointwise.restype = None
+    lib.kiln_pointwise.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def _scalar_inputs(layer: LayerView) -> dict[int, float]:
+    return {i: float(t.reshape(-1)[0]) for i, t in layer.const_inputs.items() if t.numel() == 1}
+
+
+def _is_flat(layer: LayerView) -> bool:
+    """Every input read element for element (no broadcast, no tensor constant): any layout works."""
+    out = tuple(np.broadcast_shapes(*layer.input_shapes))
+    scalars = _scalar_inputs(layer)
+    return all(i in scalars or (i not in layer.const_inputs and tuple(s) == out)
+               for i, s in enumerate(layer.input_shapes))
+
+
+class CodegenPointWiseTactic:
+    name = CODEGEN_TACTIC
+    source = "codegen"
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type != "PointWise" or layer.domain != "kiln" or not layer.input_shapes:
+            return False
+        if len(layer.input_shapes) > MAX_INPUTS or any(s is None for s in layer.input_shapes):
+            return False
+        if any(layer.input_dynamic) or layer.output_dtypes != ("float32",):
+            return False
+        if any(d != "float32" for d in layer.input_dtypes):
+            return False
+        try:
+            np.broadcast_shapes(*layer.input_shapes)
+        except ValueError:
+            return False
+        return expressible(layer.attrs.get("program", []), len(layer.input_shapes)) and available()
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [ANY if _is_flat(layer) else LINEAR] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return HWC if HWC in input_formats and _is_flat(layer) else LINEAR
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        if not available():   # an engine built elsewhere, loaded where no C compiler is: same program, in torch
+            from kiln.tactics.reference import ReferenceTactic
+
+            log.warning("no C compiler here for kiln's generated pointwise kernels; running them with torch's")
+            return ReferenceTactic().prepare(layer)
+        out_shape = tuple(np.broadcast_shapes(*layer.input_shapes))
+        scalars = _scalar_inputs(layer)
+        flat = _is_flat(layer)
+        shapes = [out_shape if flat else s for s in layer.input_shapes]
+        nest = loop_nest(out_shape, shapes)
+        try:
+            source = generate(layer.attrs["program"], len(shapes), nest, scalars, simd_libm=_toolchain()[2])
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise EngineFormatError(f"a PointWise program cannot be compiled ({exc}); the engine is damaged, "
+                                    "rebuild it") from None
+        fn = load_library(source).kiln_pointwise
+        consts = {i: t.to(torch.float32).contiguous() for i, t in layer.const_inputs.items() if i not in scalars}
+        read = [i for i in range(len(shapes)) if i not in scalars and i not in consts]
+        pointers = (ctypes.c_void_p * len(shapes))()
+        for i, t in consts.items():
+            pointers[i] = t.data_ptr()
+
+        def run(xs):
+            ins = {i: xs[i] for i in read}
+            if flat:
+                ref = next(iter(ins.values()), None)
+                fmt = torch.channels_last if ref is not None and ref.dim() == 4 and not ref.is_contiguous() \
+                    and ref.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+                ins = {i: x if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
+                       for i, x in ins.items()}
+                out = torch.empty(out_shape, dtype=torch.float32, memory_format=fmt) if len(out_shape) == 4 \
+                    else torch.empty(out_shape, dtype=torch.float32)
+            else:
+                ins = {i: x.contiguous() for i, x in ins.items()}
+                out = torch.empty(out_shape, dtype=torch.float32)
+            for i, x in ins.items():
+                pointers[i] = x.data_ptr()
+            fn(pointers, out.data_ptr())
+            return [out]
+        run.generated_source = source
+        return run

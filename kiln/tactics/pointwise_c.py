@@ -1,0 +1,286 @@
+"""C source for a PointWise program: one loop nest reading every input once and writing the output once.
+
+    PWN(Sigmoid, Mul, Add)  ==>  for i: t0 = sig(x0[i]); t1 = t0 * x0[i]; t2 = t1 + x1[j(i)]; out[i] = t2
+
+Only numbers from the program reach the source (op names map through a fixed table, attribute values are
+formatted as floats), so an engine file cannot inject code. Broadcast inputs are addressed per row: the output
+is viewed as rows x inner, with each input's offset computed once per row and a stride 0 or 1 inside it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+HEADER = """#include <math.h>
+#include <stdint.h>
+#define DECL_SIMD _Pragma("omp declare simd notinbranch")
+DECL_SIMD float expf(float);
+DECL_SIMD float logf(float);
+DECL_SIMD float tanhf(float);
+DECL_SIMD float erff(float);
+DECL_SIMD float powf(float, float);
+DECL_SIMD float sinf(float);
+DECL_SIMD float cosf(float);
+DECL_SIMD float log1pf(float);
+DECL_SIMD float expm1f(float);
+static inline float k_max(float a, float b) { return (a != a || a > b) ? a : b; }   /* NaN wins, as in torch */
+static inline float k_min(float a, float b) { return (a != a || a < b) ? a : b; }
+static inline float k_clip(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+static inline float k_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+/* tanh and erf as rational polynomials in x*x (the approximations Eigen and MLAS use): branch-free, so the
+   loop vectorizes without library calls; a few float ulps from the exact value */
+static inline float k_tanh(float x) {
+  const float c = k_clip(x, -7.90531110763549805f, 7.90531110763549805f), x2 = c * c;
+  float p = -2.76076847742355e-16f;
+  p = p * x2 + 2.00018790482477e-13f; p = p * x2 - 8.60467152213735e-11f; p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f; p = p * x2 + 6.37261928875436e-04f; p = p * x2 + 4.89352455891786e-03f;
+  float q = 1.19825839466702e-06f;
+  q = q * x2 + 1.18534705686654e-04f; q = q * x2 + 2.26843463243900e-03f; q = q * x2 + 4.89352518554385e-03f;
+  return fabsf(x) < 0.0004f ? x : (x != x ? x : c * p / q);
+}
+static inline float k_erf(float x) {
+  const float c = k_clip(x, -4.0f, 4.0f), x2 = c * c;
+  float p = -2.72614225801306e-10f;
+  p = p * x2 + 2.77068142495902e-08f; p = p * x2 - 2.10102402082508e-06f; p = p * x2 - 5.69250639462346e-05f;
+  p = p * x2 - 7.34990630326855e-04f; p = p * x2 - 2.95459980854025e-03f; p = p * x2 - 1.60960333262415e-02f;
+  float q = -1.45660718464996e-05f;
+  q = q * x2 - 2.13374055278905e-04f; q = q * x2 - 1.68282697438203e-03f; q = q * x2 - 7.37332916720468e-03f;
+  q = q * x2 - 1.42647390514189e-02f;
+  return x != x ? x : c * p / q;
+}
+"""
+# the same file without vectorized libm declarations, for C libraries without libmvec
+PLAIN_HEADER = "\n".join(line for line in HEADER.splitlines() if not line.startswith(("#define DECL", "DECL_SIMD")))
+
+PARALLEL_MIN_ELEMENTS = 16384   # below this one thread does the whole loop (OpenMP start-up costs more)
+BLOCK_ELEMENTS = 8192           # elements per unit of work shared among threads
+
+
+def _f(value: Any) -> str:
+    """A float literal (raises for anything that is not a number)."""
+    v = float(value)
+    if math.isnan(v):
+        return "NAN"
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "(-INFINITY)"
+    return f"{v!r}f"
+
+
+def _gelu(a, x):
+    if a.get("approximate", "none") == "tanh":
+        return f"0.5f * {x} * (1.0f + k_tanh(0.7978845608028654f * ({x} + 0.044715f * {x} * {x} * {x})))"
+    if a.get("approximate", "none") != "none":
+        raise ValueError(f"Gelu approximate={a.get('approximate')!r}")
+    return f"0.5f * {x} * (1.0f + k_erf({x} * 0.7071067811865476f))"
+
+
+def _selu(a, x):
+    alpha, gamma = _f(a.get("alpha", 1.6732632423543772)), _f(a.get("gamma", 1.0507009873554805))
+    return f"{gamma} * ({x} > 0.0f ? {x} : {alpha} * expm1f({x}))"
+
+
+UNARY = {
+    "Relu": lambda a, x: f"({x} < 0.0f ? 0.0f : {x})",
+    "Sigmoid": lambda a, x: f"(1.0f / (1.0f + expf(-{x})))",
+    "Tanh": lambda a, x: f"k_tanh({x})",
+    "LeakyRelu": lambda a, x: f"({x} > 0.0f ? {x} : {x} * {_f(a.get('alpha', 0.01))})",
+    "Elu": lambda a, x: f"({x} > 0.0f ? {x} : {_f(a.get('alpha', 1.0))} * expm1f({x}))",
+    "Selu": _selu,
+    "Softplus": lambda a, x: f"k_softplus({x})",
+    "Softsign": lambda a, x: f"({x} / (1.0f + fabsf({x})))",
+    "HardSigmoid": lambda a, x: f"k_clip({_f(a.get('alpha', 0.2))} * {x} + {_f(a.get('beta', 0.5))}, 0.0f, 1.0f)",
+    "HardSwish": lambda a, x: f"({x} * k_clip({x} + 3.0f, 0.0f, 6.0f) / 6.0f)",
+    "Mish": lambda a, x: f"({x} * k_tanh(k_softplus({x})))",
+    "ThresholdedRelu": lambda a, x: f"({x} > {_f(a.get('alpha', 1.0))} ? {x} : 0.0f)",
+    "Gelu": _gelu,
+    "Sqrt": lambda a, x: f"sqrtf({x})",
+    "Exp": lambda a, x: f"expf({x})",
+    "Log": lambda a, x: f"logf({x})",
+    "Neg": lambda a, x: f"(-{x})",
+    "Abs": lambda a, x: f"fabsf({x})",
+    "Reciprocal": lambda a, x: f"(1.0f / {x})",
+    "Erf": lambda a, x: f"k_erf({x})",
+    "Floor": lambda a, x: f"floorf({x})",
+    "Ceil": lambda a, x: f"ceilf({x})",
+    "Round": lambda a, x: f"nearbyintf({x})",   # ONNX rounds half to even, the default rounding mode
+    "Sin": lambda a, x: f"sinf({x})",
+    "Cos": lambda a, x: f"cosf({x})",
+    "Identity": lambda a, x: x,
+}
+BINARY = {
+    "Add": "({a} + {b})", "Sub": "({a} - {b})", "Mul": "({a} * {b})", "Div": "({a} / {b})",
+    "PRelu": "({a} < 0.0f ? {a} * {b} : {a})",
+}
+VARIADIC = {"Max": "k_max({a}, {b})", "Min": "k_min({a}, {b})", "Sum": "({a} + {b})"}
+FLOAT = 1   # ONNX TensorProto.FLOAT, the only Cast target kept in a float program
+
+
+def _pow(b_const: float | None, a: str, b: str) -> str:
+    if b_const == 2.0:
+        return f"({a} * {a})"
+    if b_const == 3.0:
+        return f"({a} * {a} * {a})"
+    if b_const == 0.5:
+        return f"sqrtf({a})"
+    if b_const == 1.0:
+        return a
+    return f"powf({a}, {b})"
+
+
+def _scalar(value: Any) -> float | None:
+    """A host scalar argument ({"const": 0.5} or {"const": [0.5]}), None when absent."""
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ValueError("a host argument with more than one value")
+        value = value[0]
+    return None if value is None else float(value)
+
+
+def step_expression(step: dict, args: list[str], consts: list[float | None]) -> str:
+    """C expression for one program step; `args` are the argument expressions, `consts` their constant values."""
+    op, attrs = step["op"], step.get("attrs", {})
+    if op in UNARY:
+        return UNARY[op](attrs, args[0])
+    if op == "Clip":
+        lo = consts[1] if len(consts) > 1 and consts[1] is not None else attrs.get("min")
+        hi = consts[2] if len(consts) > 2 and consts[2] is not None else attrs.get("max")
+        lo_s = _f(lo) if lo is not None else "(-INFINITY)"
+        hi_s = _f(hi) if hi is not None else "INFINITY"
+        return f"k_clip({args[0]}, {lo_s}, {hi_s})"
+    if op == "Cast" and attrs.get("to") == FLOAT:
+        return args[0]
+    if op in BINARY and len(args) == 2:
+        return BINARY[op].format(a=args[0], b=args[1])
+    if op == "Pow" and len(args) == 2:
+        return _pow(consts[1], args[0], args[1])
+    if op in VARIADIC and args:
+        expr = args[0]
+        for b in args[1:]:
+            expr = VARIADIC[op].format(a=expr, b=b)
+        return expr
+    if op == "Mean" and args:
+        return "((" + " + ".join(args) + f") / {_f(len(args))})"
+    raise ValueError(f"op {op} has no C expression")
+
+
+def supported_step(step: dict) -> bool:
+    op, attrs = step.get("op"), step.get("attrs", {})
+    if op == "Cast":
+        return attrs.get("to") == FLOAT
+    if op == "Gelu":
+        return attrs.get("approximate", "none") in ("none", "tanh")
+    return op in UNARY or op in BINARY or op in VARIADIC or op in ("Clip", "Pow", "Mean")
+
+
+@dataclass(frozen=True)
+class LoopNest:
+    """The output viewed as [rows, inner] after merging axes; per input and axis, the element stride (0: broadcast)."""
+
+    dims: tuple[int, ...]
+    strides: tuple[tuple[int, ...], ...]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.dims)
+
+
+def loop_nest(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]) -> LoopNest:
+    """Contiguous strides of each input broadcast to `out_shape`, with adjacent axes merged where every input
+    agrees (both broadcast or both dense), so most programs become one flat loop."""
+    rank = len(out_shape)
+    padded = [(1,) * (rank - len(s)) + tuple(s) for s in in_shapes]
+    strides = []
+    for shape in padded:
+        st, acc = [0] * rank, 1
+        for k in range(rank - 1, -1, -1):
+            st[k] = 0 if shape[k] == 1 and out_shape[k] != 1 else acc
+            acc *= shape[k]
+        strides.append(st)
+    dims: list[int] = []
+    merged: list[list[int]] = [[] for _ in in_shapes]
+    for k in range(rank):
+        if out_shape[k] == 1:
+            continue
+        if dims and all((s[k] == 0) == (m[-1] == 0) and (s[k] == 0 or m[-1] == s[k] * out_shape[k])
+                        for s, m in zip(strides, merged)):
+            dims[-1] *= out_shape[k]
+            for s, m in zip(strides, merged):
+                m[-1] = s[k]
+            continue
+        dims.append(out_shape[k])
+        for s, m in zip(strides, merged):
+            m.append(s[k])
+    if not dims:
+        dims, merged = [1], [[1] for _ in in_shapes]
+    return LoopNest(tuple(dims), tuple(tuple(m) for m in merged))
+
+
+def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None,
+             simd_libm: bool = True) -> str:
+    """The C translation unit: `void kiln_pointwise(const float* const* in, float* out)`. Inputs in `scalars`
+    (one-element constants) become literals and are not read. The work is split in blocks of at most
+    BLOCK_ELEMENTS of one row, shared out among the OpenMP threads; each block is one vectorized loop."""
+    scalars = scalars or {}
+    rows, inner = math.prod(nest.dims[:-1]), nest.dims[-1]
+    chunk = min(inner, BLOCK_ELEMENTS)
+    per_row = -(-inner // chunk) if inner else 1
+    read = [i for i in range(n_inputs) if i not in scalars]
+    params = "".join(f"const float* restrict x{i}, " for i in read)
+    lines = [HEADER if simd_libm else PLAIN_HEADER,
+             f"static void k_block({params}float* restrict out, const int64_t r, const int64_t j0, const int64_t j1) {{"]
+    for i in read:
+        terms, div = [], 1
+        for k in range(len(nest.dims) - 2, -1, -1):
+            if nest.strides[i][k]:
+                terms.append(f"((r / {div}) % {nest.dims[k]}) * {nest.strides[i][k]}")
+            div *= nest.dims[k]
+        lines.append(f"  const float* restrict p{i} = x{i} + {' + '.join(terms) or '0'};")
+    lines.append("  #pragma omp simd")
+    lines.append("  for (int64_t j = j0; j < j1; ++j) {")
+    for i in range(n_inputs):
+        index = "j" if nest.strides[i][-1] else "0"
+        lines.append(f"    const float v{i} = {_f(scalars[i])};" if i in scalars else f"    const float v{i} = p{i}[{index}];")
+    lines += [f"    const float t{k} = {expr};" for k, expr in enumerate(_expressions(steps, n_inputs, scalars))]
+    lines += [f"    out[j] = t{len(steps) - 1};", "  }", "}", "",
+              "void kiln_pointwise(const float* const* in, float* out) {",
+              f"  #pragma omp parallel for schedule(static) if({int(nest.elements >= PARALLEL_MIN_ELEMENTS)})",
+              f"  for (int64_t b = 0; b < {rows * per_row}; ++b) {{",
+              f"    const int64_t r = b / {per_row}, j0 = (b % {per_row}) * {chunk};",
+              f"    const int64_t j1 = j0 + {chunk} < {inner} ? j0 + {chunk} : {inner};",
+              f"    k_block({''.join(f'in[{i}], ' for i in read)}out + r * {inner}, r, j0, j1);",
+              "  }", "}", ""]
+    return "\n".join(lines)
+
+
+def expressible(steps: list[dict], n_inputs: int) -> bool:
+    """Whether every step of the program has a C expression (ops, attributes and arguments all valid)."""
+    try:
+        _expressions(steps, n_inputs, {})
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return False
+    return all(supported_step(s) for s in steps)
+
+
+def _expressions(steps: list[dict], n_inputs: int, scalars: dict[int, float]) -> list[str]:
+    if not steps:
+        raise ValueError("an empty program")
+    out: list[str] = []
+    for step in steps:
+        args, consts = [], []
+        for a in step["args"]:
+            if a is None:
+                args.append("0.0f")
+                consts.append(None)
+            elif isinstance(a, dict):
+                value = _scalar(a["const"])
+                args.append("0.0f" if value is None else _f(value))
+                consts.append(value)
+            elif isinstance(a, str) and a[:1] in ("x", "t") and a[1:].isdigit() and \
+                    int(a[1:]) < (n_inputs if a[0] == "x" else len(out)):
+                args.append(("v" if a[0] == "x" else "t") + str(int(a[1:])))
+                consts.append(scalars.get(int(a[1:])) if a[0] == "x" else None)
+            else:
+                raise ValueError(f"argument {a!r}")
+        out.append(step_expression(step, args, consts))
+    return out

@@ -1,0 +1,203 @@
+"""Generated C pointwise kernels (source "codegen"): every op against torch's implementation, broadcasting and
+layouts, NaN propagation, refusal of damaged programs, the kernel cache, the missing-compiler path, and a model
+forced onto the source matching onnxruntime before and after save/load."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.errors import EngineFormatError
+from kiln.tactics import codegen
+from kiln.tactics.base import HWC, LINEAR, LayerView
+from kiln.tactics.codegen import CodegenPointWiseTactic
+from kiln.tactics.pointwise_c import LoopNest, expressible, loop_nest
+from kiln.tactics.reference import ReferenceTactic
+from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
+
+pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler that builds OpenMP shared libraries")
+
+TACTIC = CodegenPointWiseTactic()
+
+
+def view(program, shapes, consts=None):
+    return LayerView("PointWise", "kiln", {"program": program}, tuple(shapes), ("float32",) * len(shapes),
+                     consts or {}, ("float32",), 17, ((),) * len(shapes))
+
+
+def both(program, xs, consts=None, shapes=None):
+    v = view(program, shapes or [tuple(x.shape) for x in xs], consts)
+    assert TACTIC.supports(v)
+    return TACTIC.prepare(v)(xs)[0], ReferenceTactic().prepare(v)(xs)[0]
+
+
+def one(op, attrs=None, extra=()):
+    return [{"op": op, "attrs": attrs or {}, "args": ["x0", *extra]}]
+
+
+UNARY = ["Relu", "Sigmoid", "Tanh", "Softplus", "Softsign", "HardSwish", "Mish", "Exp", "Neg", "Abs", "Erf",
+         "Floor", "Ceil", "Round", "Sin", "Cos", "Identity"]
+WITH_ATTRS = [("LeakyRelu", {"alpha": 0.2}), ("Elu", {"alpha": 0.7}), ("Selu", {}), ("HardSigmoid", {"alpha": 0.3}),
+              ("ThresholdedRelu", {"alpha": 0.4}), ("Gelu", {}), ("Gelu", {"approximate": "tanh"})]
+POSITIVE = ["Sqrt", "Log", "Reciprocal"]
+
+
+@pytest.mark.parametrize("op, attrs", [(op, {}) for op in UNARY + POSITIVE] + WITH_ATTRS)
+def test_unary_ops_match_torch(op, attrs):
+    x = torch.randn(3, 37, 41) * 4   # 4551 elements: one thread, a vector tail
+    if op in POSITIVE:
+        x = x.abs() + 0.05
+    got, want = both(one(op, attrs), [x])
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Max", "Min", "Sum", "Mean", "Pow", "PRelu"])
+def test_binary_ops_with_broadcast_match_torch(op):
+    a = torch.rand(2, 16, 9, 11) + 0.5
+    b = torch.rand(16, 1, 11) + 0.5
+    got, want = both([{"op": op, "attrs": {}, "args": ["x0", "x1"]}], [a, b])
+    assert got.shape == (2, 16, 9, 11)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+def test_a_chain_with_constants_scalars_and_clip_bounds():
+    program = [{"op": "Sigmoid", "attrs": {}, "args": ["x0"]},
+               {"op": "Mul", "attrs": {}, "args": ["t0", "x0"]},
+               {"op": "Add", "attrs": {}, "args": ["t1", "x1"]},            # per-channel constant
+               {"op": "Mul", "attrs": {}, "args": ["t2", "x2"]},            # one-element constant: a literal
+               {"op": "Clip", "attrs": {}, "args": ["t3", {"const": -0.5}, {"const": 1.5}]},
+               {"op": "Pow", "attrs": {}, "args": ["t4", "x3"]}]            # exponent 2: a square
+    x = torch.randn(1, 24, 70, 70)   # 117600 elements: split among threads
+    consts = {1: torch.randn(24, 1, 1), 2: torch.tensor([0.75]), 3: torch.tensor(2.0)}
+    shapes = [(1, 24, 70, 70), (24, 1, 1), (1,), ()]
+    v = view(program, shapes, consts)
+    assert TACTIC.input_formats(v) == [LINEAR] * 4   # a tensor constant broadcasts: linear layout
+    got = TACTIC.prepare(v)([x, None, None, None])[0]
+    want = ReferenceTactic().prepare(v)([x, None, None, None])[0]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert "0.75f" in TACTIC.prepare(v).generated_source   # the scalar is compiled in
+
+
+def test_loop_nest_merges_axes_that_broadcast_alike():
+    assert loop_nest((1, 64, 56, 56), [(1, 64, 56, 56), (64, 1, 1)]) == LoopNest((64, 3136), ((3136, 1), (1, 0)))
+    assert loop_nest((2, 3, 4), [(2, 3, 4), (2, 3, 4)]) == LoopNest((24,), ((1,), (1,)))
+    assert loop_nest((4, 5), [(4, 1), (1, 5)]) == LoopNest((4, 5), ((1, 0), (0, 1)))
+
+
+def test_same_shape_inputs_keep_the_channels_last_layout():
+    program = [{"op": "Add", "attrs": {}, "args": ["x0", "x1"]}, {"op": "Relu", "attrs": {}, "args": ["t0"]}]
+    v = view(program, [(1, 8, 5, 6)] * 2)
+    assert TACTIC.input_formats(v) == ["any", "any"] and TACTIC.output_format(v, [HWC, HWC]) == HWC
+    a = torch.randn(1, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(1, 8, 5, 6)   # a different layout: read in the first input's
+    got = TACTIC.prepare(v)([a, b])[0]
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got, torch.relu(a + b), rtol=0, atol=0)
+
+
+def test_nan_propagates_as_in_torch():
+    x = torch.tensor([float("nan"), 1.0, -2.0, float("inf"), -float("inf")])
+    y = torch.tensor([0.0, float("nan"), -3.0, 1.0, 2.0])
+    for op in ("Max", "Min"):
+        got, want = both([{"op": op, "attrs": {}, "args": ["x0", "x1"]}], [x, y])
+        torch.testing.assert_close(got, want, equal_nan=True)
+    for op, attrs in (("Relu", {}), ("Tanh", {}), ("Erf", {}), ("Sigmoid", {}), ("Clip", {"min": 0.0, "max": 1.0})):
+        got, want = both(one(op, attrs), [x])
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("program", [
+    [{"op": "System", "attrs": {}, "args": ["x0"]}],                          # not an op in the table
+    [{"op": "LeakyRelu", "attrs": {"alpha": "0); abort(); (0"}, "args": ["x0"]}],  # text where a number goes
+    [{"op": "Add", "attrs": {}, "args": ["x0", "x7"]}],                       # an input that does not exist
+    [{"op": "Relu", "attrs": {}, "args": ["t3"]}],                            # a step not computed yet
+    [{"op": "Cast", "attrs": {"to": TensorProto.INT32}, "args": ["x0"]}],     # leaves float
+    [],
+])
+def test_damaged_programs_are_declined_and_refused_at_load(program):
+    v = view(program, [(4, 4), (4, 4)])
+    assert not TACTIC.supports(v)
+    if program and program[0]["op"] != "Cast":
+        with pytest.raises(EngineFormatError, match="PointWise program"):
+            TACTIC.prepare(v)
+
+
+def test_declines_dynamic_shapes_and_non_float_inputs():
+    program = one("Relu")
+    dynamic = LayerView("PointWise", "kiln", {"program": program}, ((1, 8),), ("float32",), {}, ("float32",), 17,
+                        ((1,),))
+    ints = LayerView("PointWise", "kiln", {"program": program}, ((1, 8),), ("int64",), {}, ("int64",), 17, ((),))
+    assert not TACTIC.supports(dynamic) and not TACTIC.supports(ints)
+    assert expressible(program, 1)
+
+
+def test_compiled_kernels_are_cached_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    codegen.kernel_folder.cache_clear()
+    monkeypatch.setattr(codegen, "_LOADED", {})
+    try:
+        program = one("HardSigmoid", {"alpha": 0.123})
+        x = torch.randn(10, 10)
+        first = TACTIC.prepare(view(program, [(10, 10)]))([x])[0]
+        files = sorted((tmp_path / "kernels").glob("*.so"))
+        assert len(files) == 1
+        mtime = files[0].stat().st_mtime_ns
+        monkeypatch.setattr(codegen, "_LOADED", {})   # a new process: the library is mapped again, not rebuilt
+        again = TACTIC.prepare(view(program, [(10, 10)]))([x])[0]
+        assert files[0].stat().st_mtime_ns == mtime and len(list((tmp_path / "kernels").glob("*"))) == 1
+        torch.testing.assert_close(first, again, rtol=0, atol=0)
+    finally:
+        codegen.kernel_folder.cache_clear()
+
+
+def test_without_a_compiler_the_source_is_unavailable_and_kernels_fall_back(monkeypatch):
+    from kiln.tactics import available_sources, parse_sources
+    from kiln.errors import Error
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(codegen.shutil, "which", lambda name: None)
+    codegen._toolchain.cache_clear()
+    try:
+        assert "codegen" not in available_sources()
+        with pytest.raises(Error, match="'codegen' is not available"):
+            parse_sources("+codegen")
+        v = view(one("Sigmoid"), [(3, 5)])
+        assert not TACTIC.supports(v)
+        x = torch.randn(3, 5)
+        torch.testing.assert_close(TACTIC.prepare(v)([x])[0], torch.sigmoid(x))   # an engine from elsewhere still runs
+    finally:
+        codegen._toolchain.cache_clear()
+
+
+def swish_model():
+    """x*sigmoid(x) + b, then tanh-GELU: two fused PointWise layers around a MatMul."""
+    c = 0.7978845608028654
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["sw"]),
+             helper.make_node("Add", ["sw", "b"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["m"]),
+             helper.make_node("Mul", ["m", "m"], ["m2"]), helper.make_node("Mul", ["m2", "m"], ["m3"]),
+             helper.make_node("Mul", ["m3", "k"], ["m3k"]), helper.make_node("Add", ["m", "m3k"], ["inner"]),
+             helper.make_node("Mul", ["inner", "c"], ["ic"]), helper.make_node("Tanh", ["ic"], ["t"]),
+             helper.make_node("Add", ["t", "one"], ["t1"]), helper.make_node("Mul", ["m", "t1"], ["mt"]),
+             helper.make_node("Mul", ["mt", "half"], ["y"])]
+    inits = [init("b", rand((64,), 1)), init("w", rand((64, 96), 2) * 0.1), init("k", np.float32(0.044715)),
+             init("c", np.float32(c)), init("one", np.float32(1.0)), init("half", np.float32(0.5))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128, 64])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 128, 96])], inits)
+
+
+def test_model_forced_onto_codegen_matches_onnxruntime(tmp_path):
+    model = swish_model()
+    engine = kiln.build(model, tactic_sources=frozenset({"codegen", "torch"}), avg_timing=1, min_timing=1)
+    generated = [l for l in engine.plan.layers if l.tactic_name == "codegen.pointwise_c_simd"]
+    assert len(generated) == 2 and all(l.layer_type == "PointWiseV2" for l in generated)
+    feeds = {"x": rand((2, 128, 64), 3)}
+    expected = run_ort(model, feeds)[0]
+    assert_close_to_ort(engine.run(feeds)["y"], expected)
+    info = engine.layer_info("detailed")
+    names = {l["TacticName"] for l in info["Layers"] if l.get("LayerType") == "PointWiseV2"}
+    assert names == {"codegen.pointwise_c_simd"}, names
+    engine.save(tmp_path / "m.kiln")
+    again = kiln.load(tmp_path / "m.kiln")
+    np.testing.assert_array_equal(again.run(feeds)["y"], engine.run(feeds)["y"])
