@@ -199,4 +199,5 @@ class CodegenPointWiseTactic:
             fn(pointers, out.data_ptr())
             return [out]
         run.generated_source = source
+        run.constants = consts   # the kernel reads them through raw pointers: they live as long as it does
         return run
