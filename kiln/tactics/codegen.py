@@ -103,21 +103,19 @@ def kernel_folder() -> Path:
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
-def load_library(source: str) -> ctypes.CDLL:
+def load_library(source: str, kind: str = "pointwise") -> ctypes.CDLL:
     """The compiled `source`, from the cache when this compiler and CPU built it before."""
     cc, libs, _ = _toolchain()
     key = hashlib.sha256("\0".join([source, cc, *FLAGS, *libs, _cpu_identity()]).encode()).hexdigest()[:32]
     if key in _LOADED:
         return _LOADED[key]
-    target = kernel_folder() / f"pointwise-{key}.so"
+    target = kernel_folder() / f"{kind}-{key}.so"
     if not target.is_file():
         error = _compile(cc, source, target, libs)
         if error is not None:
-            raise RuntimeError(f"the C compiler rejected a generated pointwise kernel: {error}")
+            raise RuntimeError(f"the C compiler rejected a generated {kind} kernel: {error}")
         log.debug("codegen: compiled %s", target)
     lib = _LOADED[key] = ctypes.CDLL(str(target))
-    lib.kiln_pointwise.restype = None
-    lib.kiln_pointwise.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -175,6 +173,7 @@ class CodegenPointWiseTactic:
             raise EngineFormatError(f"a PointWise program cannot be compiled ({exc}); the engine is damaged, "
                                     "rebuild it") from None
         fn = load_library(source).kiln_pointwise
+        fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
         consts = {i: t.to(torch.float32).contiguous() for i, t in layer.const_inputs.items() if i not in scalars}
         read = [i for i in range(len(shapes)) if i not in scalars and i not in consts]
         pointers = (ctypes.c_void_p * len(shapes))()

@@ -62,6 +62,23 @@ def scratch(numel: int) -> torch.Tensor:
     return buffer
 
 
+@lru_cache(maxsize=None)
+def _compiled(m: int):
+    """The C transforms for F(m x m, 3 x 3) (kiln.tactics.winograd_c), or None without a C compiler."""
+    import ctypes
+
+    from kiln.tactics import codegen, winograd_c
+
+    if not codegen.available():
+        return None
+    bt, _, at = _MATRICES[m]
+    lib = codegen.load_library(winograd_c.source(m, bt, at), "winograd")
+    lib.wino_input.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8
+    lib.wino_output.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
+    lib.wino_input.restype = lib.wino_output.restype = None
+    return lib
+
+
 def _fusable_relu(spec) -> bool:
     return bool(spec) and spec["op"] == "Relu"
 
@@ -112,6 +129,8 @@ class WinogradConvTactic:
         has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
         crop = (tiles_h * m, tiles_w * m) != (out_h, out_w)
 
+        if _compiled(m) is not None:
+            return self._prepare_compiled(layer, u, tiles_h, tiles_w, out_h, out_w)
         bt_rows, at_rows = bt.expand(alpha, alpha, alpha), at.expand(m, m, alpha)
         sizes = [n * (tiles_h * m + 2) * (tiles_w * m + 2) * c, alpha * alpha * tiles * c, alpha * alpha * tiles * c,
                  alpha * alpha * tiles * cout, m * alpha * tiles * cout, m * m * tiles * cout]
@@ -154,4 +173,39 @@ class WinogradConvTactic:
                 out.relu_()
             result = out.permute(0, 3, 1, 2)                          # NCHW view of channel-major memory
             return [result if relu or not spec else apply_activation(spec, result)]
+        return run
+
+    def _prepare_compiled(self, layer: LayerView, u: torch.Tensor, tiles_h: int, tiles_w: int,
+                          out_h: int, out_w: int) -> Kernel:
+        """One C pass in (tiles gathered and transformed straight from the NHWC input), the GEMMs, one C pass out
+        (bias, residual and ReLU applied as tiles are written)."""
+        m, a = self.m, layer.attrs
+        lib = _compiled(m)
+        n, c, h, w = layer.input_shapes[0]
+        cout, alpha2 = u.shape[2], (m + 2) ** 2
+        pt, pl = (a.get("pads") or [0, 0, 0, 0])[:2]
+        tiles = n * tiles_h * tiles_w
+        bias = layer.const_inputs.get(2)
+        bias = None if bias is None else bias.float().contiguous()
+        spec = a.get("activation")
+        relu = _fusable_relu(spec)
+        has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
+        last = torch.channels_last
+
+        def run(xs):
+            flat = scratch(alpha2 * tiles * (c + cout))
+            v = flat[:alpha2 * tiles * c].view(alpha2, tiles, c)
+            prod = flat[alpha2 * tiles * c:alpha2 * tiles * (c + cout)].view(alpha2, tiles, cout)
+            x = xs[0] if xs[0].is_contiguous(memory_format=last) else xs[0].contiguous(memory_format=last)
+            lib.wino_input(x.data_ptr(), v.data_ptr(), n, h, w, c, pt, pl, tiles_h, tiles_w)
+            torch.bmm(v, u, out=prod)
+            out = torch.empty((n, cout, out_h, out_w), memory_format=last)
+            res = None
+            if has_residual:
+                res = xs[3] if xs[3].is_contiguous(memory_format=last) else xs[3].contiguous(memory_format=last)
+            lib.wino_output(prod.data_ptr(), out.data_ptr(), None if bias is None else bias.data_ptr(),
+                            None if res is None else res.data_ptr(), int(relu), n, out_h, out_w, cout,
+                            tiles_h, tiles_w)
+            return [out if relu or not spec else apply_activation(spec, out)]
+        run.constants = (u, bias)
         return run
