@@ -62,9 +62,17 @@ CASES = [  # c, cout, h, w, pads, bias, residual, activation
 ]
 
 
+@pytest.mark.parametrize("path", ["c-transforms", "torch-transforms"])
 @pytest.mark.parametrize("tile", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[2]}x{c[3]}")
-def test_matches_float64_convolution(tile, case):
+def test_matches_float64_convolution(tile, case, path, monkeypatch):
+    """Both implementations of the transforms: compiled C (where a C compiler is) and torch's GEMMs."""
+    from kiln.tactics import codegen, winograd
+
+    if path == "torch-transforms":
+        monkeypatch.setattr(winograd, "_compiled", lambda m: None)
+    elif not codegen.available():
+        pytest.skip("no C compiler")
     c, cout, h, w, pads, bias, residual, activation = case
     view = conv_view(c, cout, h, w, pads, bias, residual, activation)
     tactic = WinogradConvTactic(tile)
