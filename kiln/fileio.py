@@ -38,6 +38,20 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, [text.encode("utf-8")])
 
 
+def cache_folder(name: str) -> Path | None:
+    """kiln's cache folder `name` under $KILN_CACHE_DIR (default ~/.cache/kiln), created if needed; None when
+    KILN_CACHE_DIR=off or the folder cannot be created or written."""
+    root = os.environ.get("KILN_CACHE_DIR", str(Path.home() / ".cache" / "kiln"))
+    if root.lower() in ("off", "0", "none", ""):
+        return None
+    folder = Path(root) / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) else None
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -278,8 +278,8 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
         raise Error("no plan reproduces the original model's outputs (checked against onnxruntime on a random "
                     "input); rebuild with --builder-optimization-level 0 and compare with `kiln run`, then report it")
     # blocks, each after its own warm-up runs (at least WARMUP_MS): a library's idle threads keep spinning for a
-    # while after it returns, which would bill the next candidate if runs alternated one by one. After the first round a plan
-    # far behind the best is out; blocks of slow models are capped near BLOCK_MS.
+    # while after it returns, which would bill the next candidate if runs alternated one by one. After the first
+    # round a plan far behind the best is out; blocks of slow models are capped near BLOCK_MS.
     with torch.inference_mode():
         for round_index in range(max(3, tuner.options.min_timing)):
             for name, (_, run, samples) in runners.items():

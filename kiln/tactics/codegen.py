@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kiln.errors import EngineFormatError
+from kiln.fileio import cache_folder
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
 from kiln.tactics.pointwise_c import HEADER, PLAIN_HEADER, expressible, generate, loop_nest
 
@@ -88,16 +89,7 @@ def _compile(cc: str, source: str, target: Path, libs: tuple[str, ...]) -> str |
 @functools.lru_cache(maxsize=None)
 def kernel_folder() -> Path:
     """$KILN_CACHE_DIR/kernels (default ~/.cache/kiln/kernels); a private temp folder if that cannot be used."""
-    root = os.environ.get("KILN_CACHE_DIR", str(Path.home() / ".cache" / "kiln"))
-    if root.lower() not in ("off", "0", "none", ""):
-        folder = Path(root) / "kernels"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            if os.access(folder, os.W_OK):
-                return folder
-        except OSError:
-            pass
-    return Path(tempfile.mkdtemp(prefix="kiln-kernels-"))
+    return cache_folder("kernels") or Path(tempfile.mkdtemp(prefix="kiln-kernels-"))
 
 
 _LOADED: dict[str, ctypes.CDLL] = {}
@@ -177,24 +169,20 @@ class CodegenPointWiseTactic:
         consts = {i: t.to(torch.float32).contiguous() for i, t in layer.const_inputs.items() if i not in scalars}
         read = [i for i in range(len(shapes)) if i not in scalars and i not in consts]
         pointers = (ctypes.c_void_p * len(shapes))()
+        last = torch.channels_last
         for i, t in consts.items():
             pointers[i] = t.data_ptr()
 
         def run(xs):
-            ins = {i: xs[i] for i in read}
-            if flat:
-                ref = next(iter(ins.values()), None)
-                fmt = torch.channels_last if ref is not None and ref.dim() == 4 and not ref.is_contiguous() \
-                    and ref.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-                ins = {i: x if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
-                       for i, x in ins.items()}
-                out = torch.empty(out_shape, dtype=torch.float32, memory_format=fmt) if len(out_shape) == 4 \
-                    else torch.empty(out_shape, dtype=torch.float32)
-            else:
-                ins = {i: x.contiguous() for i, x in ins.items()}
-                out = torch.empty(out_shape, dtype=torch.float32)
-            for i, x in ins.items():
+            fmt = torch.contiguous_format
+            if flat and read:   # same-shape inputs: read them all in the first one's layout
+                first = xs[read[0]]
+                if first.dim() == 4 and not first.is_contiguous() and first.is_contiguous(memory_format=last):
+                    fmt = last
+            ins = [xs[i].contiguous(memory_format=fmt) for i in read]   # no copy where already laid out so
+            for i, x in zip(read, ins):
                 pointers[i] = x.data_ptr()
+            out = torch.empty(out_shape, dtype=torch.float32, memory_format=fmt)
             fn(pointers, out.data_ptr())
             return [out]
         run.generated_source = source

@@ -25,18 +25,10 @@ CACHE_MIN_BYTES = 16 << 20   # only regions of loaded engines with this much wei
 def compiled_model_cache() -> str | None:
     """Folder for OpenVINO's compiled-model cache: $KILN_CACHE_DIR/openvino (default ~/.cache/kiln/openvino);
     KILN_CACHE_DIR=off disables it. None if the folder cannot be created."""
-    import os
-    from pathlib import Path
+    from kiln.fileio import cache_folder
 
-    root = os.environ.get("KILN_CACHE_DIR", str(Path.home() / ".cache" / "kiln"))
-    if root.lower() in ("off", "0", "none", ""):
-        return None
-    folder = Path(root) / "openvino"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return str(folder)
+    folder = cache_folder("openvino")
+    return None if folder is None else str(folder)
 
 
 def _inline(model: onnx.ModelProto, external: dict[str, np.ndarray]) -> bytes:

@@ -5,13 +5,15 @@ wins where activations are large and channels moderate (ResNet's 56x56 to 14x14 
 with 512 channels, where the transformed weights no longer fit in cache: the autotuner decides per layer.
 
 Layout: channel-major (NHWC) in and out, like the oneDNN tactic, so the two mix without Reformat layers.
-Steps per inference: pad; gather (m+2)x(m+2) tiles; input transform Bᵀ d B (two small GEMMs, one per axis); one
-batched GEMM per tile position against weights transformed once at load (G g Gᵀ); output transform Aᵀ M A;
-bias, residual and activation in the same pass that scatters tiles back into the image.
+Steps per inference: the input transform Bᵀ d B on (m+2)x(m+2) tiles read straight from the input; one batched
+GEMM per tile position against weights transformed once at load (G g Gᵀ); the output transform Aᵀ M A, with
+bias, residual and ReLU added as tiles are written. The transforms are C (kiln.tactics.winograd_c); where no C
+compiler is, they run as torch GEMMs with separate pad, gather and epilogue passes.
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -79,10 +81,6 @@ def _compiled(m: int):
     return lib
 
 
-def _fusable_relu(spec) -> bool:
-    return bool(spec) and spec["op"] == "Relu"
-
-
 class WinogradConvTactic:
     """One tactic per tile size: F(2x2, 3x3) and F(4x4, 3x3)."""
 
@@ -113,99 +111,124 @@ class WinogradConvTactic:
         return HWC
 
     def prepare(self, layer: LayerView) -> Kernel:
-        m, a = self.m, layer.attrs
-        alpha = m + 2
-        bt, _, at = (t.float() for t in transforms(m))
-        u = transform_weights(layer.const_inputs[1], m)
-        bias = layer.const_inputs.get(2)
+        g = _Geometry.of(layer, self.m)
+        u = transform_weights(layer.const_inputs[1], self.m)
+        lib = _compiled(self.m)
+        return _torch_kernel(g, u) if lib is None else _compiled_kernel(g, u, lib)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """One layer's shapes, tiling and fused epilogue, shared by both implementations."""
+
+    m: int
+    n: int
+    c: int
+    h: int
+    w: int
+    cout: int
+    pads: tuple[int, int, int, int]   # top, left, bottom, right
+    out_h: int
+    out_w: int
+    tiles_h: int
+    tiles_w: int
+    bias: torch.Tensor | None
+    spec: dict | None                 # the fused activation
+    has_residual: bool
+
+    @staticmethod
+    def of(layer: LayerView, m: int) -> "_Geometry":
         n, c, h, w = layer.input_shapes[0]
-        cout = u.shape[2]
-        pt, pl, pb, pr = (a.get("pads") or [0, 0, 0, 0])
+        pt, pl, pb, pr = layer.attrs.get("pads") or [0, 0, 0, 0]
         out_h, out_w = h + pt + pb - 2, w + pl + pr - 2
-        tiles_h, tiles_w = -(-out_h // m), -(-out_w // m)
-        tiles = n * tiles_h * tiles_w
-        spec = a.get("activation")
-        relu = _fusable_relu(spec)
-        has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
-        crop = (tiles_h * m, tiles_w * m) != (out_h, out_w)
-
-        if _compiled(m) is not None:
-            return self._prepare_compiled(layer, u, tiles_h, tiles_w, out_h, out_w)
-        bt_rows, at_rows = bt.expand(alpha, alpha, alpha), at.expand(m, m, alpha)
-        sizes = [n * (tiles_h * m + 2) * (tiles_w * m + 2) * c, alpha * alpha * tiles * c, alpha * alpha * tiles * c,
-                 alpha * alpha * tiles * cout, m * alpha * tiles * cout, m * m * tiles * cout]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        hp, wp = tiles_h * m + 2, tiles_w * m + 2
-
-        def workspace():
-            flat = scratch(offsets[-1])
-            padded, d, v, prod, t, y = (flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes)))
-            padded = padded.view(n, hp, wp, c)
-            for border in (padded[:, :pt], padded[:, pt + h:], padded[:, :, :pl], padded[:, :, pl + w:]):
-                border.zero_()
-            return (padded, padded[:, pt:pt + h, pl:pl + w], d.view(alpha, alpha, tiles * c),
-                    v.view(alpha, alpha, tiles * c), prod.view(alpha * alpha, tiles, cout),
-                    t.view(m, alpha, tiles * cout), y.view(m, m, tiles * cout))
-
-        def run(xs):
-            padded, interior, d, v, prod, t, y = workspace()
-            interior.copy_(xs[0].permute(0, 2, 3, 1))               # NHWC into the zero-bordered buffer
-            s = padded.stride()
-            d.view(alpha, alpha, n, tiles_h, tiles_w, c).copy_(
-                padded.as_strided((alpha, alpha, n, tiles_h, tiles_w, c), (s[1], s[2], s[0], m * s[1], m * s[2], 1)))
-            torch.mm(bt, d.view(alpha, -1), out=v.view(alpha, -1))     # Bᵀ along rows ...
-            torch.bmm(bt_rows, v, out=d)                               # ... and along columns
-            torch.bmm(d.view(alpha * alpha, tiles, c), u, out=prod)    # one GEMM per tile position
-            torch.mm(at, prod.view(alpha, -1), out=t.view(m, -1))      # Aᵀ along rows ...
-            torch.bmm(at_rows, t, out=y)                               # ... and along columns
-            tiled = y.view(m, m, n, tiles_h, tiles_w, cout).permute(2, 3, 0, 4, 1, 5)
-            out = torch.empty((n, tiles_h, m, tiles_w, m, cout))
-            if bias is not None:
-                torch.add(tiled, bias, out=out)
-            else:
-                out.copy_(tiled)
-            out = out.view(n, tiles_h * m, tiles_w * m, cout)
-            if crop:
-                out = out[:, :out_h, :out_w].contiguous()
-            if has_residual:
-                out.add_(xs[3].permute(0, 2, 3, 1))
-            if relu:
-                out.relu_()
-            result = out.permute(0, 3, 1, 2)                          # NCHW view of channel-major memory
-            return [result if relu or not spec else apply_activation(spec, result)]
-        return run
-
-    def _prepare_compiled(self, layer: LayerView, u: torch.Tensor, tiles_h: int, tiles_w: int,
-                          out_h: int, out_w: int) -> Kernel:
-        """One C pass in (tiles gathered and transformed straight from the NHWC input), the GEMMs, one C pass out
-        (bias, residual and ReLU applied as tiles are written)."""
-        m, a = self.m, layer.attrs
-        lib = _compiled(m)
-        n, c, h, w = layer.input_shapes[0]
-        cout, alpha2 = u.shape[2], (m + 2) ** 2
-        pt, pl = (a.get("pads") or [0, 0, 0, 0])[:2]
-        tiles = n * tiles_h * tiles_w
         bias = layer.const_inputs.get(2)
-        bias = None if bias is None else bias.float().contiguous()
-        spec = a.get("activation")
-        relu = _fusable_relu(spec)
-        has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
-        last = torch.channels_last
+        return _Geometry(m, n, c, h, w, layer.const_inputs[1].shape[0], (pt, pl, pb, pr), out_h, out_w,
+                         -(-out_h // m), -(-out_w // m), None if bias is None else bias.float().contiguous(),
+                         layer.attrs.get("activation"),
+                         len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
 
-        def run(xs):
-            flat = scratch(alpha2 * tiles * (c + cout))
-            v = flat[:alpha2 * tiles * c].view(alpha2, tiles, c)
-            prod = flat[alpha2 * tiles * c:alpha2 * tiles * (c + cout)].view(alpha2, tiles, cout)
-            x = xs[0] if xs[0].is_contiguous(memory_format=last) else xs[0].contiguous(memory_format=last)
-            lib.wino_input(x.data_ptr(), v.data_ptr(), n, h, w, c, pt, pl, tiles_h, tiles_w)
-            torch.bmm(v, u, out=prod)
-            out = torch.empty((n, cout, out_h, out_w), memory_format=last)
-            res = None
-            if has_residual:
-                res = xs[3] if xs[3].is_contiguous(memory_format=last) else xs[3].contiguous(memory_format=last)
-            lib.wino_output(prod.data_ptr(), out.data_ptr(), None if bias is None else bias.data_ptr(),
-                            None if res is None else res.data_ptr(), int(relu), n, out_h, out_w, cout,
-                            tiles_h, tiles_w)
-            return [out if relu or not spec else apply_activation(spec, out)]
-        run.constants = (u, bias)
-        return run
+    @property
+    def tiles(self) -> int:
+        return self.n * self.tiles_h * self.tiles_w
+
+    @property
+    def relu(self) -> bool:
+        """ReLU is applied while tiles are written; any other activation runs after the kernel."""
+        return bool(self.spec) and self.spec["op"] == "Relu"
+
+    def activate(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.relu or not self.spec else apply_activation(self.spec, out)
+
+
+def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
+    """One C pass in (tiles gathered and transformed straight from the NHWC input), the GEMMs, one C pass out
+    (bias, residual and ReLU applied as tiles are written)."""
+    alpha2, tiles, last = (g.m + 2) ** 2, g.tiles, torch.channels_last
+    bias_ptr = None if g.bias is None else g.bias.data_ptr()
+
+    def run(xs):
+        flat = scratch(alpha2 * tiles * (g.c + g.cout))
+        v = flat[:alpha2 * tiles * g.c].view(alpha2, tiles, g.c)
+        prod = flat[alpha2 * tiles * g.c:alpha2 * tiles * (g.c + g.cout)].view(alpha2, tiles, g.cout)
+        x = xs[0].contiguous(memory_format=last)   # no copy when the producer wrote NHWC
+        lib.wino_input(x.data_ptr(), v.data_ptr(), g.n, g.h, g.w, g.c, g.pads[0], g.pads[1], g.tiles_h, g.tiles_w)
+        torch.bmm(v, u, out=prod)
+        out = torch.empty((g.n, g.cout, g.out_h, g.out_w), memory_format=last)
+        res = xs[3].contiguous(memory_format=last) if g.has_residual else None
+        lib.wino_output(prod.data_ptr(), out.data_ptr(), bias_ptr, None if res is None else res.data_ptr(),
+                        int(g.relu), g.n, g.out_h, g.out_w, g.cout, g.tiles_h, g.tiles_w)
+        return [g.activate(out)]
+    run.constants = (u, g.bias)   # the C passes read them through raw pointers
+    return run
+
+
+def _torch_kernel(g: _Geometry, u: torch.Tensor) -> Kernel:
+    """The transforms as torch GEMMs (where no C compiler is): pad, gather tiles, Bᵀ d B, the GEMMs, Aᵀ M A, then
+    bias, crop, residual and ReLU as separate passes."""
+    m, alpha, n, c, h, w, cout, tiles = g.m, g.m + 2, g.n, g.c, g.h, g.w, g.cout, g.tiles
+    tiles_h, tiles_w = g.tiles_h, g.tiles_w
+    pt, pl = g.pads[:2]
+    bt, _, at = (t.float() for t in transforms(m))
+    bt_rows, at_rows = bt.expand(alpha, alpha, alpha), at.expand(m, m, alpha)
+    crop = (tiles_h * m, tiles_w * m) != (g.out_h, g.out_w)
+    sizes = [n * (tiles_h * m + 2) * (tiles_w * m + 2) * c, alpha * alpha * tiles * c, alpha * alpha * tiles * c,
+             alpha * alpha * tiles * cout, m * alpha * tiles * cout, m * m * tiles * cout]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    hp, wp = tiles_h * m + 2, tiles_w * m + 2
+
+    def workspace():
+        flat = scratch(offsets[-1])
+        padded, d, v, prod, t, y = (flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes)))
+        padded = padded.view(n, hp, wp, c)
+        for border in (padded[:, :pt], padded[:, pt + h:], padded[:, :, :pl], padded[:, :, pl + w:]):
+            border.zero_()
+        return (padded, padded[:, pt:pt + h, pl:pl + w], d.view(alpha, alpha, tiles * c),
+                v.view(alpha, alpha, tiles * c), prod.view(alpha * alpha, tiles, cout),
+                t.view(m, alpha, tiles * cout), y.view(m, m, tiles * cout))
+
+    def run(xs):
+        padded, interior, d, v, prod, t, y = workspace()
+        interior.copy_(xs[0].permute(0, 2, 3, 1))               # NHWC into the zero-bordered buffer
+        s = padded.stride()
+        d.view(alpha, alpha, n, tiles_h, tiles_w, c).copy_(
+            padded.as_strided((alpha, alpha, n, tiles_h, tiles_w, c), (s[1], s[2], s[0], m * s[1], m * s[2], 1)))
+        torch.mm(bt, d.view(alpha, -1), out=v.view(alpha, -1))     # Bᵀ along rows ...
+        torch.bmm(bt_rows, v, out=d)                               # ... and along columns
+        torch.bmm(d.view(alpha * alpha, tiles, c), u, out=prod)    # one GEMM per tile position
+        torch.mm(at, prod.view(alpha, -1), out=t.view(m, -1))      # Aᵀ along rows ...
+        torch.bmm(at_rows, t, out=y)                               # ... and along columns
+        tiled = y.view(m, m, n, tiles_h, tiles_w, cout).permute(2, 3, 0, 4, 1, 5)
+        out = torch.empty((n, tiles_h, m, tiles_w, m, cout))
+        if g.bias is not None:
+            torch.add(tiled, g.bias, out=out)
+        else:
+            out.copy_(tiled)
+        out = out.view(n, tiles_h * m, tiles_w * m, cout)
+        if crop:
+            out = out[:, :g.out_h, :g.out_w].contiguous()
+        if g.has_residual:
+            out.add_(xs[3].permute(0, 2, 3, 1))
+        if g.relu:
+            out.relu_()
+        return [g.activate(out.permute(0, 3, 1, 2))]             # NCHW view of channel-major memory
+    return run
