@@ -1,0 +1,61 @@
+"""The autotuner's choice rule: a later-listed (less fused, generic or external) tactic must beat an earlier one
+by PREFERENCE_MARGIN, and an external library's single layer pays the thread-pool hand-over."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kiln.tactics import LINEAR, LayerView
+from kiln.tactics.autotune import HANDOVER_MS, PREFERENCE_MARGIN, Autotuner
+from kiln.tactics.timing_cache import TimingCache
+
+
+class FakeTactic:
+    def __init__(self, name: str, source: str):
+        self.name, self.source = name, source
+
+    def supports(self, layer):
+        return True
+
+    def input_formats(self, layer):
+        return [LINEAR]
+
+    def output_format(self, layer, formats):
+        return LINEAR
+
+    def prepare(self, layer):
+        raise AssertionError("timings come from the cache in these tests")
+
+
+VIEW = LayerView("Relu", "", {}, ((1, 8),), ("float32",), {}, ("float32",), 17, ((),))
+
+
+def choose(timings: dict[str, float], sources: dict[str, str]):
+    tuner = Autotuner(TimingCache({"device": "test"}))
+    tuner._measure = lambda view, tactics, signature, have: dict(timings)
+    tactics = [FakeTactic(name, sources.get(name, "torch")) for name in timings]
+    return tuner.choose("layer", VIEW, tactics, [LINEAR], {})
+
+
+@pytest.mark.parametrize("later_ms, winner", [(0.97, "fused"), (0.90, "unfused"), (1.2, "fused")])
+def test_a_later_tactic_must_beat_an_earlier_one_by_the_margin(later_ms, winner):
+    assert PREFERENCE_MARGIN == 0.05
+    assert choose({"fused": 1.0, "unfused": later_ms}, {}).tactic.name == winner
+
+
+def test_margin_is_measured_against_the_current_best():
+    # c is 8% faster than a but only 3% faster than b, which already replaced a
+    choice = choose({"a": 1.0, "b": 0.94, "c": 0.92}, {})
+    assert choice.tactic.name == "b" and choice.kernel_ms == 0.94
+
+
+def test_an_external_single_layer_pays_the_thread_pool_handover(caplog):
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    gain = HANDOVER_MS["onnxruntime"] / 2   # faster alone, slower once the hand-over is counted
+    choice = choose({"torch.reference": 0.3, "onnxruntime.layer": 0.3 - gain}, {"onnxruntime.layer": "onnxruntime"})
+    assert choice.tactic.name == "torch.reference"
+    assert "thread-pool hand-over 0.1 ms (onnxruntime)" in caplog.text
+    choice = choose({"torch.reference": 1.0, "onnxruntime.layer": 0.5}, {"onnxruntime.layer": "onnxruntime"})
+    assert choice.tactic.name == "onnxruntime.layer" and choice.reformat_ms == pytest.approx(HANDOVER_MS["onnxruntime"])
+    assert "must be 5% faster" in caplog.text
