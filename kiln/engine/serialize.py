@@ -86,7 +86,7 @@ def plan_to_json(plan: Plan) -> dict:
     return {
         "format_version": FORMAT_VERSION, "name": plan.name,
         "inputs": [_tensor(t) for t in plan.inputs], "outputs": [_tensor(t) for t in plan.outputs],
-        "layers": layers, "build_info": {k: v for k, v in plan.build_info.items() if k != "engine_sha256"},
+        "layers": layers, "build_info": dict(plan.build_info),
         "profiles": _profiles_json(plan),
         "memory": {"total_bytes": m.total_bytes, "unshared_bytes": m.unshared_bytes, "offsets": m.offsets,
                    "free_after": [list(f) for f in m.free_after]},
@@ -135,7 +135,6 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> Plan:
         doc = json.loads(body)
         tensors = st_load(weights.tobytes() if not isinstance(weights, bytes) else weights) if weights_len else {}
         plan = _plan_from_json(doc, tensors)
-        plan.build_info["engine_sha256"] = digest.hex()   # identifies this engine's contents (caches key on it)
         return plan
     except EngineFormatError:
         raise

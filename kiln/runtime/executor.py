@@ -22,7 +22,7 @@ def prepare_kernels(plan: Plan) -> list[Kernel]:
     kernels = []
     for layer in plan.layers:
         try:
-            kernels.append(prepare_kernel(layer, weights, plan.weights, opset, plan.build_info.get("engine_sha256")))
+            kernels.append(prepare_kernel(layer, weights, plan.weights, opset, cached=True))
         except Error:
             raise
         except Exception as exc:   # a plan that parsed but cannot be prepared: a damaged or hand-edited engine

@@ -39,9 +39,22 @@ def _inline(model: onnx.ModelProto, external: dict[str, np.ndarray]) -> bytes:
     return model.SerializeToString()
 
 
+def content_key(model: onnx.ModelProto, external: dict[str, np.ndarray]) -> str:
+    """Names a region by what it computes: its graph (weights stored outside) and every weight's bytes. The same
+    region gets the same key at build and at every load, so a build can warm the cache its engine's loads read."""
+    import hashlib
+
+    h = hashlib.sha256(model.SerializeToString())
+    for name in sorted(external):
+        h.update(name.encode())
+        h.update(memoryview(np.ascontiguousarray(external[name])).cast("B"))
+    return h.hexdigest()[:32]
+
+
 def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input_names: list[str],
-                  output_names: list[str], cache_key: str | None = None) -> Kernel:
-    """`cache_key` (a loaded engine's checksum and the layer name) names the region without serializing it."""
+                  output_names: list[str], cached: bool = False) -> Kernel:
+    """`cached`: compile through OpenVINO's model cache (regions of at least CACHE_MIN_BYTES of weights), keyed by
+    the region's content; a later compile of the same region imports the compiled blob instead."""
     import openvino as ov
 
     core = ov.Core()
@@ -49,15 +62,14 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
     config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY",
               "INFERENCE_PRECISION_HINT": "f32"}
     big = sum(a.nbytes for a in external.values()) >= CACHE_MIN_BYTES
-    cache = compiled_model_cache() if cache_key and big else None
+    cache = compiled_model_cache() if cached and big else None
     if cache:   # OpenVINO's model cache, keyed by the region file: a later load skips parsing and compiling
-        import hashlib
         from pathlib import Path
 
         from kiln.fileio import atomic_write_bytes
 
         core.set_property({"CACHE_DIR": cache})
-        source = Path(cache) / f"region-{hashlib.sha256(cache_key.encode()).hexdigest()[:32]}.onnx"
+        source = Path(cache) / f"region-{content_key(model, external)}.onnx"
         if not source.is_file():
             atomic_write_bytes(source, [_inline(model, external)])
         compiled = core.compile_model(str(source), "CPU", config)

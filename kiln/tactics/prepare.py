@@ -46,7 +46,7 @@ def layer_view(layer: Any, weights: dict[str, Any], opset: int, with_consts: boo
                      tuple(dtype(a) for a in layer.args), consts, tuple(t.dtype for t in layer.outputs), opset, dynamic)
 
 
-def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, engine_key: str | None = None) -> Kernel:
+def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cached: bool = False) -> Kernel:
     opset = max(13, opset)
     steps = [(layer_view(inner, weights, opset, with_consts=False),
               [None if a.kind == "none" else (a.kind, a.name) for a in inner.args],
@@ -61,13 +61,13 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, engin
         if not openvino_source.available():
             raise EngineFormatError(f"layer '{layer.name}' runs on OpenVINO, which is not installed here; "
                                     "pip install openvino, or rebuild with --tactic-sources=-openvino")
-        key = f"{engine_key}/{layer.name}" if engine_key else None
-        return openvino_source.region_kernel(model, external, *names, cache_key=key)
+        return openvino_source.region_kernel(model, external, *names, cached=cached)
     return region_kernel(model, external, *names, bool(layer.attrs.get("spinning", False)))
 
 
 def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dict[str, np.ndarray],
-                   opset: int, engine_key: str | None = None) -> Kernel:
+                   opset: int, cached: bool = False) -> Kernel:
+    """`cached`: external libraries may use their compiled-model caches (loaded engines; not build candidates)."""
     from kiln.tactics import TACTICS_BY_NAME
 
     for one in (layer, *layer.inner):
@@ -80,7 +80,7 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
         value = weights[layer.args[0].name]
         return lambda xs: [value]
     if layer.tactic_name in (REGION_TACTIC, OPENVINO_REGION_TACTIC):
-        return prepare_region(layer, np_weights, opset, engine_key)
+        return prepare_region(layer, np_weights, opset, cached)
     tactic = TACTICS_BY_NAME.get(layer.tactic_name)
     if tactic is None:
         raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "

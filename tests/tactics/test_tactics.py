@@ -227,8 +227,8 @@ def test_kiln_plan_that_disagrees_with_onnxruntime_is_left_out(models, monkeypat
 
 
 def test_openvino_compiled_model_cache_for_loaded_engines(models, tmp_path, monkeypatch):
-    """A loaded engine's OpenVINO region is compiled through OpenVINO's model cache (keyed by the engine checksum
-    and layer name), so the next load skips parsing and compiling; KILN_CACHE_DIR=off turns it off."""
+    """The build compiles its chosen OpenVINO region once through OpenVINO's model cache (keyed by the region's
+    content), so even the engine's first load imports the compiled blob; KILN_CACHE_DIR=off turns it off."""
     pytest.importorskip("openvino")
     import kiln.tactics.openvino_source as ovs
 
@@ -237,13 +237,17 @@ def test_openvino_compiled_model_cache_for_loaded_engines(models, tmp_path, monk
     proto, x = models["mobilenetv3"]
     engine = kiln.build(proto, tactic_sources=frozenset({"openvino"}), avg_timing=1, min_timing=1)
     assert engine.plan.layers[0].tactic_name == "openvino.region"
-    assert not (tmp_path / "cache").exists()   # builds never write the cache
+    folder = tmp_path / "cache" / "openvino"
+    regions = sorted(folder.glob("region-*.onnx"))
+    assert len(regions) == 1   # the chosen region only
+    blobs = {p: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix != ".onnx"}
+    assert blobs, "OpenVINO wrote no compiled blob"
     engine.save(tmp_path / "e.kiln")
     feeds = {engine.input_names[0]: x}
     first = kiln.load(tmp_path / "e.kiln").run(feeds)
-    regions = list((tmp_path / "cache" / "openvino").glob("region-*.onnx"))
-    assert len(regions) == 1
     second = kiln.load(tmp_path / "e.kiln").run(feeds)
+    assert sorted(folder.glob("region-*.onnx")) == regions   # the loads found the build's entry
+    assert {p: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix != ".onnx"} == blobs
     np.testing.assert_array_equal(first[engine.output_names[0]], second[engine.output_names[0]])
     assert_close_to_ort(second[engine.output_names[0]], run_ort(proto, feeds)[0])
     monkeypatch.setenv("KILN_CACHE_DIR", "off")
