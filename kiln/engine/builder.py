@@ -220,7 +220,7 @@ class _Lowering:
         ptype = self.parameter_type(node)
         names = {t.name: runner_type(t.name, ptype) for t in found}
         choice = self.tuner.choose(node.name, view, found, have, names)
-        self.node_ms[node.name] = choice.kernel_ms + choice.reformat_ms
+        self.node_ms[node.name] = choice.kernel_ms + choice.overhead_ms
         return choice.tactic
 
     def lower_region(self, node: Node) -> None:

@@ -36,7 +36,7 @@ class TimingOptions:
 class Choice:
     tactic: Tactic
     kernel_ms: float
-    reformat_ms: float
+    overhead_ms: float   # Reformat copies of the inputs plus an external library's thread-pool hand-over
     timings_ms: dict[str, float]
 
 
@@ -135,12 +135,12 @@ class Autotuner:
             if handover:
                 log.debug("  + thread-pool hand-over %g ms (%s)", handover, t.source)
             total = times[t.name] + reformat + handover
-            if best is None or total < (best.kernel_ms + best.reformat_ms) * (1 - PREFERENCE_MARGIN):
+            if best is None or total < (best.kernel_ms + best.overhead_ms) * (1 - PREFERENCE_MARGIN):
                 best = Choice(t, times[t.name], reformat + handover, times)
         log.debug(">>>>>>>>>>>>>>> Chose Runner Type: %s Tactic: 0x%016x", runner_names.get(best.tactic.name, best.tactic.source),
                   tactic_value(best.tactic.name))
         others = ", ".join(f"{k} {v:g} ms" for k, v in times.items() if k != best.tactic.name)
         log.debug("Reason: %s wins at %g ms kernel + %g ms reformat/hand-over (others: %s; a later-listed "
-                  "tactic must be %d%% faster)", best.tactic.name, best.kernel_ms, best.reformat_ms, others or "none",
+                  "tactic must be %d%% faster)", best.tactic.name, best.kernel_ms, best.overhead_ms, others or "none",
                   round(PREFERENCE_MARGIN * 100))
         return best

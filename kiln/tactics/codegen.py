@@ -168,10 +168,9 @@ class CodegenPointWiseTactic:
         fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
         consts = {i: t.to(torch.float32).contiguous() for i, t in layer.const_inputs.items() if i not in scalars}
         read = [i for i in range(len(shapes)) if i not in scalars and i not in consts]
-        pointers = (ctypes.c_void_p * len(shapes))()
+        base = [consts[i].data_ptr() if i in consts else None for i in range(len(shapes))]
+        pointer_array = ctypes.c_void_p * len(shapes)
         last = torch.channels_last
-        for i, t in consts.items():
-            pointers[i] = t.data_ptr()
 
         def run(xs):
             fmt = torch.contiguous_format
@@ -180,6 +179,7 @@ class CodegenPointWiseTactic:
                 if first.dim() == 4 and not first.is_contiguous() and first.is_contiguous(memory_format=last):
                     fmt = last
             ins = [xs[i].contiguous(memory_format=fmt) for i in read]   # no copy where already laid out so
+            pointers = pointer_array(*base)   # per call: contexts on other threads share this kernel
             for i, x in zip(read, ins):
                 pointers[i] = x.data_ptr()
             out = torch.empty(out_shape, dtype=torch.float32, memory_format=fmt)

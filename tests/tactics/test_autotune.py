@@ -57,5 +57,5 @@ def test_an_external_single_layer_pays_the_thread_pool_handover(caplog):
     assert choice.tactic.name == "torch.reference"
     assert "thread-pool hand-over 0.1 ms (onnxruntime)" in caplog.text
     choice = choose({"torch.reference": 1.0, "onnxruntime.layer": 0.5}, {"onnxruntime.layer": "onnxruntime"})
-    assert choice.tactic.name == "onnxruntime.layer" and choice.reformat_ms == pytest.approx(HANDOVER_MS["onnxruntime"])
+    assert choice.tactic.name == "onnxruntime.layer" and choice.overhead_ms == pytest.approx(HANDOVER_MS["onnxruntime"])
     assert "must be 5% faster" in caplog.text
