@@ -9,22 +9,25 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from kiln.engine.plan import Arg, Layer, MemoryPlan, Plan, TensorDesc
 from kiln.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from kiln.errors import EngineFormatError
 from kiln.frontend.profiles import ShapeRange
+from kiln.engine.weights_view import weight_views
 
 MAGIC = b"KILNPLAN"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIQQ32s")
 MAX_JSON_BYTES = 1 << 30
+WEIGHTS_ALIGNMENT = 64
+READ_CHUNK_BYTES = 16 << 20
 
 
 def encode_value(v: Any) -> Any:
@@ -95,6 +98,7 @@ def plan_to_json(plan: Plan) -> dict:
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     body = json.dumps(plan_to_json(plan), separators=(",", ":")).encode("utf-8")
+    body += b" " * (-(HEADER.size + len(body)) % WEIGHTS_ALIGNMENT)   # weights start aligned: loads view them in place
     weights = st_save({k: np.ascontiguousarray(v).reshape(v.shape) for k, v in plan.weights.items()}) if plan.weights else b""
     h = hashlib.sha256(body)
     h.update(weights)
@@ -106,34 +110,57 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> None:
 def load_plan(path: str | os.PathLike) -> Plan:
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data, digest = _read_hashing(f, os.fstat(f.fileno()).st_size)
     except OSError as exc:
         raise EngineFormatError(f"{path}: cannot read engine file ({exc.strerror or exc})") from None
-    return plan_from_bytes(data, str(path))
+    return _plan_from_buffer(data, str(path), digest)
 
 
-def plan_from_bytes(data: bytes, where: str = "<bytes>") -> Plan:
-    if len(data) < HEADER.size or data[:8] != MAGIC:
+def _read_hashing(f, size: int) -> tuple[memoryview, bytes]:
+    """The file's bytes (writable: the weights view them) and the SHA-256 of all after the fixed header. A second
+    thread hashes each chunk while the next is read, so on two cores the checksum adds almost no load time."""
+    data = memoryview(np.empty(size, np.uint8))   # no zero-fill: every byte is read into
+    h = hashlib.sha256()
+    head = f.readinto(data[:HEADER.size])
+    pos = head
+    with ThreadPoolExecutor(1) as hasher:   # one worker: chunks are hashed in order
+        while pos < size:
+            n = f.readinto(data[pos:pos + READ_CHUNK_BYTES])
+            if not n:
+                break
+            hasher.submit(h.update, data[pos:pos + n])
+            pos += n
+    return data[:pos], h.digest() if head == HEADER.size else b""
+
+
+def plan_from_bytes(data: bytes | bytearray, where: str = "<bytes>") -> Plan:
+    """The plan in an engine file's bytes; its weights view a writable copy of the weights section."""
+    return _plan_from_buffer(memoryview(bytearray(data)), where, hashlib.sha256(memoryview(data)[HEADER.size:]).digest())
+
+
+def _plan_from_buffer(view: memoryview, where: str, rest_sha256: bytes) -> Plan:
+    """`view`: the whole file, writable (the weights are views into it); `rest_sha256`: hash of all after the header."""
+    if len(view) < HEADER.size or view[:8] != MAGIC:
         raise EngineFormatError(f"{where}: not a kiln engine file (bad magic); build one with `kiln build`")
-    magic, version, _flags, json_len, weights_len, digest = HEADER.unpack_from(data)
+    magic, version, _flags, json_len, weights_len, digest = HEADER.unpack_from(view)
     if version > FORMAT_VERSION:
         raise EngineFormatError(f"{where}: engine format version {version} is newer than this kiln supports "
                                 f"({FORMAT_VERSION}); upgrade kiln or rebuild the engine")
     if version < 1:
         raise EngineFormatError(f"{where}: engine format version {version} is not valid")
     expected = HEADER.size + json_len + weights_len
-    if json_len > MAX_JSON_BYTES or len(data) < expected:
-        raise EngineFormatError(f"{where}: engine file is truncated ({len(data)} bytes, header promises {expected})")
-    if len(data) > expected:
-        raise EngineFormatError(f"{where}: engine file has {len(data) - expected} unexpected trailing bytes")
-    view = memoryview(data)
+    if json_len > MAX_JSON_BYTES or len(view) < expected:
+        raise EngineFormatError(f"{where}: engine file is truncated ({len(view)} bytes, header promises {expected})")
+    if len(view) > expected:
+        raise EngineFormatError(f"{where}: engine file has {len(view) - expected} unexpected trailing bytes")
     body = bytes(view[HEADER.size:HEADER.size + json_len])
     weights = view[HEADER.size + json_len:expected]
-    if hashlib.sha256(view[HEADER.size:expected]).digest() != digest:
+    if rest_sha256 != digest:
         raise EngineFormatError(f"{where}: checksum mismatch: the engine file was modified or corrupted; rebuild it")
     try:
         doc = json.loads(body)
-        tensors = st_load(weights.tobytes() if not isinstance(weights, bytes) else weights) if weights_len else {}
+        tensors = weight_views(weights) if weights_len else {}
         plan = _plan_from_json(doc, tensors)
         return plan
     except EngineFormatError:

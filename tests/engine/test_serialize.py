@@ -236,3 +236,16 @@ def test_written_files_get_ordinary_permissions(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert mode == 0o666 & ~mask
+
+
+def test_loaded_weights_are_aligned_writable_views_of_one_buffer(engine, saved, tmp_engine):
+    """The loader views the weights in the file buffer (no per-tensor copy); the writer aligns the section."""
+    _, _, _, json_len, _, _ = HEADER.unpack_from(saved)
+    assert (HEADER.size + json_len) % 64 == 0
+    engine.save(tmp_engine)
+    weights = kiln.load(tmp_engine).plan.weights
+    bases = {id(w.base if w.base is not None else w) for w in weights.values()}
+    assert len(bases) == 1 and len(weights) > 1
+    for name, w in weights.items():
+        assert w.flags.writeable and w.ctypes.data % w.dtype.alignment == 0, name
+        np.testing.assert_array_equal(w, engine.plan.weights[name])
