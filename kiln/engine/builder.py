@@ -24,7 +24,7 @@ from kiln.precision.policy import assign as assign_precisions
 from kiln.tactics import ANY, LINEAR, LayerView, available_sources, candidates, tactic_value
 from kiln.engine.regions import _view, apply_regions, choose_regions, measure_plans, unapply_regions
 from kiln.tactics.onnx_emit import supports
-from kiln.tactics.autotune import Autotuner, TimingOptions
+from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
 from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.timing_cache import TimingCache, device_description
@@ -37,7 +37,8 @@ log = logging.getLogger("kiln.build")
 PARAMETER_TYPES = {"Conv": "Convolution", "Gemm": "MatrixMultiply", "MatMul": "MatrixMultiply",
                    "QConv": "Convolution", "QGemm": "MatrixMultiply", "QMatMul": "MatrixMultiply",
                    "PointWise": "PointWise", "Shuffle": "Shuffle"}
-RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution", CODEGEN_TACTIC: "PointWiseV2"}
+RUNNER_TYPES = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution", "onednn.linear_prepacked": "OneDnnMatrixMultiply",
+                CODEGEN_TACTIC: "PointWiseV2"}
 
 
 def runner_type(tactic_name: str, parameter_type: str) -> str:
@@ -77,7 +78,12 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
     sources = options.tactic_sources if options.tactic_sources is not None else available_sources()
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
-    tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing)) if options.autotune else None
+    weight_bytes, cache_bytes = sum(v.const.nbytes for v in g.values.values() if v.is_const), last_level_cache_bytes()
+    cold = weight_bytes > cache_bytes
+    if options.autotune:
+        log.info("Timing tactics with %s caches: %.1f MiB of weights %s the %.0f MiB last-level cache", "cold" if cold
+                 else "hot", weight_bytes / 2**20, "exceed" if cold else "fit in", cache_bytes / 2**20)
+    tuner = Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing), cold) if options.autotune else None
     layers, weights = lower_with_regions(g, sources, tuner, options.regions, lambda: onnxruntime_reference(proto))
     layers = assign_precisions(layers, options.precision)
     cache.save()

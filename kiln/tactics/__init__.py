@@ -5,6 +5,7 @@ from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView, Tactic, tacti
 from kiln.errors import Error
 from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.onednn_conv import OneDnnConvTactic
+from kiln.tactics.onednn_linear import OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.reference import ReferenceTactic
@@ -12,6 +13,7 @@ from kiln.tactics.winograd import WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [OneDnnConvTactic(), WinogradConvTactic(4), WinogradConvTactic(2)],
+                                     "Gemm": [OneDnnLinearTactic()], "MatMul": [OneDnnLinearTactic()],
                                      "PointWise": [CodegenPointWiseTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}

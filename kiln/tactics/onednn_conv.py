@@ -22,7 +22,8 @@ _UNARY = {
 _BINARY_UNARY = {"Relu"}   # the only activation oneDNN accepts after a fused sum here
 
 
-def _unary(spec):
+def fused_unary(spec):
+    """(oneDNN unary attr, scalars, algorithm) for a fused activation spec, or None where oneDNN has none."""
     if not spec or spec["op"] not in _UNARY:
         return None
     return _UNARY[spec["op"]](spec.get("attrs", {}))
@@ -59,11 +60,24 @@ class OneDnnConvTactic:
         packed = torch.ops.mkldnn._reorder_convolution_weight(w, padding, strides, dilations, groups, in_shape)
         spec = a.get("activation")
         has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
-        fused = _unary(spec)
+        fused = fused_unary(spec)
         if has_residual and spec and spec["op"] not in _BINARY_UNARY:
             fused = None
         post = None if (not spec or fused is not None) else spec
         pointwise = torch.ops.mkldnn._convolution_pointwise
+
+        def run_into_residual(xs):
+            """The residual as oneDNN's sum post-op: accumulate into its (dead) buffer, no new output to allocate
+            and one stream less to move; the executor calls this only when no live tensor shares that buffer."""
+            x, residual = xs[0], xs[3]
+            if residual.dtype != torch.float32 or not residual.is_contiguous(memory_format=torch.channels_last):
+                return run(xs)
+            if explicit_pad is not None:
+                x = F.pad(x, explicit_pad).contiguous(memory_format=torch.channels_last)
+            unary, scalars, alg = fused if fused else (None, [], None)
+            y = torch.ops.mkldnn._convolution_pointwise_.binary(residual, x, packed, bias, padding, strides,
+                                                                dilations, groups, "add", 1.0, unary, scalars, alg)
+            return [apply_activation(post, y) if post else y]
 
         def run(xs):
             x = xs[0]
@@ -77,4 +91,6 @@ class OneDnnConvTactic:
                 unary, scalars, alg = fused if fused else ("none", [], None)
                 y = pointwise(x, packed, bias, padding, strides, dilations, groups, unary, scalars, alg)
             return [apply_activation(post, y) if post else y]
+        if has_residual:
+            run.into_input = (3, run_into_residual)
         return run

@@ -59,3 +59,45 @@ def test_an_external_single_layer_pays_the_thread_pool_handover(caplog):
     choice = choose({"torch.reference": 1.0, "onnxruntime.layer": 0.5}, {"onnxruntime.layer": "onnxruntime"})
     assert choice.tactic.name == "onnxruntime.layer" and choice.overhead_ms == pytest.approx(HANDOVER_MS["onnxruntime"])
     assert "must be 5% faster" in caplog.text
+
+
+class CountingTactic(FakeTactic):
+    """A real kernel that counts its calls and records whether its input was in the evictor's wake."""
+
+    def __init__(self, name):
+        super().__init__(name, "torch")
+        self.calls = 0
+
+    def prepare(self, layer):
+        def run(xs):
+            self.calls += 1
+            return [xs[0]]
+        return run
+
+
+def test_cold_timing_evicts_before_every_run_and_is_cached_apart_from_hot(monkeypatch):
+    from kiln.tactics import autotune
+
+    monkeypatch.setattr(autotune, "last_level_cache_bytes", lambda: 1 << 20)
+    cache = TimingCache({"device": "test"})
+    hot, cold = CountingTactic("hot"), CountingTactic("cold")
+    Autotuner(cache).choose("layer", VIEW, [hot], [LINEAR], {})
+    tuner = Autotuner(cache, cold_weights=True)
+    assert tuner.evictor.buffer.numel() * 4 == (1 << 20) * 3 // 2
+    fills = []
+    monkeypatch.setattr(tuner.evictor.buffer, "fill_", lambda v: fills.append(v))
+    tuner.choose("layer", VIEW, [cold], [LINEAR], {})
+    timed = tuner.options.min_timing * tuner.options.avg_timing
+    assert cold.calls == 1 + timed and len(fills) == timed   # one untimed first call, then evict before each
+    # same layer, same cache: the hot entry did not answer the cold tuner, and each is found again by its kind
+    again_hot, again_cold = CountingTactic("hot"), CountingTactic("cold")
+    Autotuner(cache).choose("layer", VIEW, [again_hot], [LINEAR], {})
+    Autotuner(cache, cold_weights=True).choose("layer", VIEW, [again_cold], [LINEAR], {})
+    assert again_hot.calls == 0 and again_cold.calls == 0
+
+
+def test_last_level_cache_size_is_read_from_sysfs():
+    from kiln.tactics.autotune import last_level_cache_bytes
+
+    size = last_level_cache_bytes()
+    assert size >= 1 << 20 and size % 1024 == 0
