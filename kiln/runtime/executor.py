@@ -40,8 +40,9 @@ class ExecutionContext:
             raise InputError(f"optimization profile {profile} does not exist; the engine has "
                              f"{max(1, len(plan.profiles))} (0..{max(1, len(plan.profiles)) - 1})")
         self.profile = profile   # None: the first profile that contains the input shapes
+        engine_io = {t.name for t in (*plan.inputs, *plan.outputs)}
         self._steps = [(layer, [(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
-                        plan.memory.free_after[i], _donation(plan, layer, i, kernel))
+                        plan.memory.free_after[i], _donation(layer, plan.memory.free_after[i], engine_io, kernel))
                        for i, (layer, kernel) in enumerate(zip(plan.layers, kernels))]
 
     def check_inputs(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -89,15 +90,15 @@ class ExecutionContext:
         return {t.name: _to_numpy(env[t.name], t.dtype) for t in self.plan.outputs}
 
 
-def _donation(plan: Plan, layer, index: int, kernel) -> tuple[int, Kernel] | None:
+def _donation(layer, freed_here: tuple[str, ...], engine_io: set[str], kernel) -> tuple[int, Kernel] | None:
     """(input index, in-place kernel) where the kernel can write its output into an input's buffer and that
-    input dies here: its last reader, not an engine input or output, and not read twice by this layer."""
+    input dies here: its last reader, not an engine input or output (checked too: the free lists come from the
+    engine file), and not read twice by this layer."""
     into = getattr(kernel, "into_input", None)
     if into is None or into[0] >= len(layer.args) or layer.args[into[0]].kind != "tensor":
         return None
     name = layer.args[into[0]].name
-    engine_io = {t.name for t in (*plan.inputs, *plan.outputs)}
-    dies_here = name in plan.memory.free_after[index] and name not in engine_io
+    dies_here = name in freed_here and name not in engine_io
     read_once = sum(a.kind == "tensor" and a.name == name for a in layer.args) == 1
     return into if dies_here and read_once else None
 

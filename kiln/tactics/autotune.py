@@ -60,10 +60,13 @@ def _example(shape, dtype: str, fmt: str) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last) if fmt == HWC and len(shape) == 4 else t
 
 
-def last_level_cache_bytes() -> int:
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(folder: Path = CPU_CACHES) -> int:
     """The largest CPU cache that sysfs reports (L3 here), or 32 MiB where it cannot be read."""
     sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for entry in folder.glob("index*/size"):
         text = entry.read_text().strip() if entry.is_file() else ""
         if text[:-1].isdigit():
             sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}.get(text[-1].upper(), 0))

@@ -64,33 +64,31 @@ class OneDnnConvTactic:
         if has_residual and spec and spec["op"] not in _BINARY_UNARY:
             fused = None
         post = None if (not spec or fused is not None) else spec
-        pointwise = torch.ops.mkldnn._convolution_pointwise
+        unary, scalars, alg = fused if fused else (None if has_residual else "none", [], None)
+        conv, into = torch.ops.mkldnn._convolution_pointwise, torch.ops.mkldnn._convolution_pointwise_
+        last = torch.channels_last
+
+        def padded(x):
+            return x if explicit_pad is None else F.pad(x, explicit_pad).contiguous(memory_format=last)
+
+        def finish(y):
+            return [apply_activation(post, y) if post else y]
+
+        def run(xs):
+            x = padded(xs[0])
+            if has_residual:
+                return finish(conv.binary(x, xs[3], packed, bias, padding, strides, dilations, groups,
+                                          "add", 1.0, unary, scalars, alg))
+            return finish(conv(x, packed, bias, padding, strides, dilations, groups, unary, scalars, alg))
 
         def run_into_residual(xs):
             """The residual as oneDNN's sum post-op: accumulate into its (dead) buffer, no new output to allocate
             and one stream less to move; the executor calls this only when no live tensor shares that buffer."""
-            x, residual = xs[0], xs[3]
-            if residual.dtype != torch.float32 or not residual.is_contiguous(memory_format=torch.channels_last):
+            residual = xs[3]
+            if residual.dtype != torch.float32 or not residual.is_contiguous(memory_format=last):
                 return run(xs)
-            if explicit_pad is not None:
-                x = F.pad(x, explicit_pad).contiguous(memory_format=torch.channels_last)
-            unary, scalars, alg = fused if fused else (None, [], None)
-            y = torch.ops.mkldnn._convolution_pointwise_.binary(residual, x, packed, bias, padding, strides,
-                                                                dilations, groups, "add", 1.0, unary, scalars, alg)
-            return [apply_activation(post, y) if post else y]
-
-        def run(xs):
-            x = xs[0]
-            if explicit_pad is not None:
-                x = F.pad(x, explicit_pad).contiguous(memory_format=torch.channels_last)
-            if has_residual:
-                unary, scalars, alg = fused if fused else (None, [], None)
-                y = pointwise.binary(x, xs[3], packed, bias, padding, strides, dilations, groups,
-                                     "add", 1.0, unary, scalars, alg)
-            else:
-                unary, scalars, alg = fused if fused else ("none", [], None)
-                y = pointwise(x, packed, bias, padding, strides, dilations, groups, unary, scalars, alg)
-            return [apply_activation(post, y) if post else y]
+            return finish(into.binary(residual, padded(xs[0]), packed, bias, padding, strides, dilations, groups,
+                                      "add", 1.0, unary, scalars, alg))
         if has_residual:
             run.into_input = (3, run_into_residual)
         return run

@@ -96,8 +96,11 @@ def test_cold_timing_evicts_before_every_run_and_is_cached_apart_from_hot(monkey
     assert again_hot.calls == 0 and again_cold.calls == 0
 
 
-def test_last_level_cache_size_is_read_from_sysfs():
+def test_last_level_cache_size_is_the_largest_sysfs_cache(tmp_path):
     from kiln.tactics.autotune import last_level_cache_bytes
 
-    size = last_level_cache_bytes()
-    assert size >= 1 << 20 and size % 1024 == 0
+    for index, size in [("index0", "48K"), ("index2", "1024K"), ("index3", "8M"), ("index4", "junk")]:
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 8 << 20
+    assert last_level_cache_bytes(tmp_path / "missing") == 32 << 20   # unreadable: a common L3 size
