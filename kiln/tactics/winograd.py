@@ -19,6 +19,7 @@ from functools import lru_cache
 import torch
 
 from kiln.ops.nn import apply_activation
+from kiln.tactics import gemm_c
 from kiln.tactics.base import HWC, Kernel, LayerView
 
 # Transform matrices (Lavin & Gray 2016), interpolation points 0, ±1, ±2 (and ∞) for F(4,3); 0, ±1 for F(2,3).
@@ -102,7 +103,7 @@ class WinogradConvTactic:
         pads = a.get("pads") or [0, 0, 0, 0]
         out_h, out_w = x[2] + pads[0] + pads[2] - 2, x[3] + pads[1] + pads[3] - 2
         return (min(out_h, out_w) >= MIN_OUTPUT and min(w.shape[0], w.shape[1]) >= MIN_CHANNELS
-                and not any(layer.input_dynamic[0] if layer.input_dynamic else ()))
+                and not (layer.input_dynamic and layer.input_dynamic[0]))   # a dynamic batch (axis 0) too
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [HWC] * len(layer.input_shapes)
@@ -165,20 +166,39 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
     (bias, residual and ReLU applied as tiles are written)."""
     alpha2, tiles, last = (g.m + 2) ** 2, g.tiles, torch.channels_last
     bias_ptr = None if g.bias is None else g.bias.data_ptr()
+    gemm = gemm_c.library()
+    packed = gemm_c.pack_weights(u) if gemm is not None else u
+    panel_stride = packed[0].numel()
 
-    def run(xs):
+    def product(v, prod):
+        if gemm is None:
+            torch.bmm(v, u, out=prod)
+            return
+        gemm.kiln_gemm(v.data_ptr(), tiles * g.c, tiles, g.c, 0, packed.data_ptr(), panel_stride, prod.data_ptr(),
+                       tiles * g.cout, None, None, 0, alpha2, tiles, g.c, g.cout)
+
+    def run(xs, out=None):
         flat = scratch(alpha2 * tiles * (g.c + g.cout))
         v = flat[:alpha2 * tiles * g.c].view(alpha2, tiles, g.c)
         prod = flat[alpha2 * tiles * g.c:alpha2 * tiles * (g.c + g.cout)].view(alpha2, tiles, g.cout)
         x = xs[0].contiguous(memory_format=last)   # no copy when the producer wrote NHWC
         lib.wino_input(x.data_ptr(), v.data_ptr(), g.n, g.h, g.w, g.c, g.pads[0], g.pads[1], g.tiles_h, g.tiles_w)
-        torch.bmm(v, u, out=prod)
-        out = torch.empty((g.n, g.cout, g.out_h, g.out_w), memory_format=last)
+        product(v, prod)
+        if out is None:
+            out = torch.empty((g.n, g.cout, g.out_h, g.out_w), memory_format=last)
         res = xs[3].contiguous(memory_format=last) if g.has_residual else None
         lib.wino_output(prod.data_ptr(), out.data_ptr(), bias_ptr, None if res is None else res.data_ptr(),
                         int(g.relu), g.n, g.out_h, g.out_w, g.cout, g.tiles_h, g.tiles_w)
         return [g.activate(out)]
-    run.constants = (u, g.bias)   # the C passes read them through raw pointers
+
+    def run_into_residual(xs):
+        """Tiles written over the residual's (dead) buffer: each element is read just before it is written."""
+        r = xs[3]
+        ok = r.dtype == torch.float32 and r.is_contiguous(memory_format=last) and xs[0].data_ptr() != r.data_ptr()
+        return run(xs, r if ok else None)
+    if g.has_residual:
+        run.into_input = (3, run_into_residual)
+    run.constants = (u, packed, g.bias)   # the C passes read them through raw pointers
     return run
 
 

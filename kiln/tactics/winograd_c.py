@@ -1,7 +1,7 @@
 """C source for the Winograd transforms F(m x m, 3 x 3), one pass each, vectorized over channels.
 
     input  (NHWC, padding read as zeros) --wino_input-->  V[(m+2)^2][tiles][C]   (Bᵀ d B per tile)
-    V x U (one GEMM per tile position, MKL)           ->  M[(m+2)^2][tiles][Cout]
+    V x U (one GEMM per tile position, kiln.tactics.gemm_c)           ->  M[(m+2)^2][tiles][Cout]
     M --wino_output--> Aᵀ M A per tile, + bias, + residual, ReLU, cropped into the NHWC output
 
 The transform matrices are compiled in as literals (zero terms dropped), so each tile costs only the adds and
@@ -74,8 +74,8 @@ void wino_input(const float* restrict x, float* restrict v, const int64_t n, con
   }}
 }}
 
-void wino_output(const float* restrict mm, float* restrict y, const float* restrict bias,
-                 const float* restrict res, const int64_t relu, const int64_t n, const int64_t oh, const int64_t ow,
+void wino_output(const float* restrict mm, float* y, const float* restrict bias,
+                 const float* res, const int64_t relu, const int64_t n, const int64_t oh, const int64_t ow,
                  const int64_t co, const int64_t tiles_h, const int64_t tiles_w) {{
   const int64_t tiles = n * tiles_h * tiles_w, plane = tiles * co;
   #pragma omp parallel for schedule(static)

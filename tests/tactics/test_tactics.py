@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.tactics import available_sources, parse_sources
+from kiln.tactics import available_sources, codegen, parse_sources
 from tests.conftest import assert_close_to_ort, run_ort
 from tests.models.test_zoo import export
 from tests.models.zoo import make_zoo
@@ -96,7 +96,12 @@ def test_disabling_the_optimization_level_takes_first_kernels_without_timing(mod
     engine = kiln.build(models["inception"][0], autotune=False)
     assert "Computing costs" not in caplog.text
     convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
-    assert convs and all(l.tactic_name == "onednn.conv2d_nhwc_prepacked" for l in convs)
+    pointwise = [l for l in convs if tuple(l.attrs["kernel_shape"]) == (1, 1) and not any(l.attrs["pads"])]
+    # the registry's first candidate: kiln's GEMM for unpadded 1x1 convolutions (with a C compiler), else oneDNN
+    first_1x1 = "kiln.conv2d_1x1_gemm_nhwc" if codegen.available() else "onednn.conv2d_nhwc_prepacked"
+    assert pointwise and len(pointwise) < len(convs)
+    assert all(l.tactic_name == first_1x1 for l in pointwise)
+    assert all(l.tactic_name == "onednn.conv2d_nhwc_prepacked" for l in convs if l not in pointwise)
 
 
 def test_region_layer_info_names_only_vs_detailed(models, monkeypatch, tmp_path):

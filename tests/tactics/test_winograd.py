@@ -106,6 +106,34 @@ def test_declines_layers_it_cannot_run(change):
     assert not WinogradConvTactic(4).supports(conv_view(**args))
 
 
+@pytest.mark.parametrize("tile", [2, 4])
+def test_donated_residual_is_overwritten_with_the_same_result(tile):
+    from kiln.tactics import codegen
+
+    if not codegen.available():
+        pytest.skip("no C compiler")
+    view = conv_view(16, 24, 13, 11, residual=True, activation="Relu")
+    kernel = WinogradConvTactic(tile).prepare(view)
+    index, into = kernel.into_input
+    xs = [channels_last(1, 16, 13, 11), None, None, channels_last(*view.input_shapes[3], seed=2)]
+    fresh = kernel(xs)[0]
+    donated = xs[3].clone(memory_format=torch.channels_last)
+    got = into([xs[0], None, None, donated])[0]
+    assert index == 3 and got.data_ptr() == donated.data_ptr() and torch.equal(got, fresh)
+
+
+def test_declines_dynamic_shapes_the_batch_axis_included():
+    """Tiling is fixed when the kernel is prepared, so any dynamic input axis rules Winograd out (axis 0 once
+    slipped through a truthiness test)."""
+    import dataclasses
+
+    view = conv_view(16, 16, 20, 20)
+    for axes in [(0,), (2, 3)]:
+        dynamic = dataclasses.replace(view, input_dynamic=(axes,) + view.input_dynamic[1:])
+        assert not WinogradConvTactic(4).supports(dynamic)
+    assert WinogradConvTactic(4).supports(view)
+
+
 def test_threads_do_not_share_scratch_state():
     view = conv_view(32, 32, 28, 28, residual=True, activation="Relu")
     kernel = WinogradConvTactic(4).prepare(view)

@@ -1,0 +1,131 @@
+"""kiln's own float32 GEMM in C: C[m x n] = A[m x k] · B[k x n] (+ bias, + residual, ReLU), for 1x1 convolutions
+on channel-major (NHWC) activations and the per-tile-position products of Winograd convolutions.
+
+B (the weights) is packed once at load into panels of 32 columns, [n/32][k][32], so the inner loop reads it
+as two straight vectors per step; A is read in place, one row per output pixel (row r at
+`(r / row_width) * line_step + (r % row_width) * col_step`, which covers strided 1x1 convolutions without a
+copy). A 6 x 32 register tile (12 vector accumulators) is the micro-kernel; a partial tile of rows repeats its
+first row and stores only the real ones. The output may be the residual's own buffer (each element is read
+before it is written, by the same thread). Bias, residual and ReLU are applied as the tile is stored. OpenMP
+shares (batch, column panel, row chunk) units out on torch's own thread pool.
+
+Measured on the 2-core AVX-512 CPU of this project: 200-220 GFLOP/s on ResNet-50's Winograd products, where
+torch.bmm (MKL) reaches 120-190.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+PANEL = 32        # columns per packed weight panel: two 16-float vectors
+ROW_TILE = 6      # rows per register tile
+
+SOURCE = r"""
+#include <stdint.h>
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+#define MR 6
+#define NR 32
+#define CHUNK 8   /* register tiles per work unit: one weight panel stays in L1 across them */
+
+static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, int64_t relu) {
+  if (bias) v += *(const v16*)bias;
+  if (res) v += *(const v16*)res;
+  if (relu) v = (v16)((v16i)v & (v16i)(v > (v16){0}));
+  return v;
+}
+
+static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, const float* res,
+                      int64_t relu, int64_t cols) {
+  if (cols == NR) {
+    *(v16*)c = epilogue(lo, bias, res, relu);
+    *(v16*)(c + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? res + 16 : 0, relu);
+    return;
+  }
+  float tmp[NR];
+  *(v16*)tmp = lo;
+  *(v16*)(tmp + 16) = hi;
+  for (int64_t j = 0; j < cols; ++j) {
+    float v = tmp[j] + (bias ? bias[j] : 0.0f) + (res ? res[j] : 0.0f);
+    c[j] = (relu && !(v > 0.0f)) ? 0.0f : v;
+  }
+}
+
+static void tile(const float* const* restrict a, int64_t mr, int64_t k, const float* restrict b, float* c,
+                 int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t relu) {
+  v16 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+  v16 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+  for (int64_t l = 0; l < k; ++l) {
+    const v16 b0 = *(const v16*)(b + l * NR), b1 = *(const v16*)(b + l * NR + 16);
+    float x;
+    x = a0[l]; c00 += x * b0; c01 += x * b1;
+    x = a1[l]; c10 += x * b0; c11 += x * b1;
+    x = a2[l]; c20 += x * b0; c21 += x * b1;
+    x = a3[l]; c30 += x * b0; c31 += x * b1;
+    x = a4[l]; c40 += x * b0; c41 += x * b1;
+    x = a5[l]; c50 += x * b0; c51 += x * b1;
+  }
+  const v16 lo[MR] = {c00, c10, c20, c30, c40, c50}, hi[MR] = {c01, c11, c21, c31, c41, c51};
+  for (int64_t i = 0; i < mr; ++i)
+    store_row(c + i * ldc, lo[i], hi[i], bias, res ? res + i * ldc : 0, relu, cols);
+}
+
+void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
+               const float* restrict b, int64_t b_batch, float* c, int64_t c_batch,
+               const float* restrict bias, const float* res, int64_t relu,
+               int64_t batch, int64_t m, int64_t k, int64_t n) {
+  const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK;
+  #pragma omp parallel for schedule(static) collapse(3)
+  for (int64_t p = 0; p < batch; ++p)
+    for (int64_t nb = 0; nb < panels; ++nb)
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const float* bp = b + p * b_batch + nb * k * NR;
+        const int64_t cols = n - nb * NR < NR ? n - nb * NR : NR, last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
+        for (int64_t t = ch * CHUNK; t < last; ++t) {
+          const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+          const float* rows[MR];
+          for (int64_t i = 0; i < MR; ++i) {
+            const int64_t r = r0 + (i < mr ? i : 0);
+            rows[i] = a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+          }
+          const int64_t at = p * c_batch + r0 * n + nb * NR;
+          tile(rows, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, relu);
+        }
+      }
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def library():
+    """The compiled GEMM, or None without a C compiler (callers then keep their torch paths)."""
+    from kiln.tactics import codegen
+
+    if not codegen.available():
+        return None
+    lib = codegen.load_library(SOURCE, "gemm")
+    lib.kiln_gemm.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64,
+                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
+    lib.kiln_gemm.restype = None
+    return lib
+
+
+def pack_weights(b: torch.Tensor) -> torch.Tensor:
+    """[..., k, n] -> [..., panels, k, 32] float32, the columns zero-padded to whole panels."""
+    k, n = b.shape[-2:]
+    panels = -(-n // PANEL)
+    padded = torch.zeros((*b.shape[:-1], panels * PANEL), dtype=torch.float32)
+    padded[..., :n] = b
+    return padded.view(*b.shape[:-1], panels, PANEL).transpose(-3, -2).contiguous()
+
+
+def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The bias zero-padded to whole panels (the micro-kernel reads it 32 at a time)."""
+    if bias is None:
+        return None
+    padded = torch.zeros(-(-n // PANEL) * PANEL, dtype=torch.float32)
+    padded[:n] = bias.reshape(-1).float()
+    return padded

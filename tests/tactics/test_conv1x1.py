@@ -1,0 +1,153 @@
+"""kiln's own GEMM (kiln.tactics.gemm_c) and the 1x1 convolution tactic on it: every shape it takes matches
+float64, partial register tiles and column panels included; it writes into a donated residual exactly as into
+a fresh buffer; it declines what it cannot run; a model forced onto source "kiln" matches onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln
+from kiln.tactics import codegen, gemm_c
+from kiln.tactics.base import LayerView
+from kiln.tactics.conv1x1 import CONV1X1_TACTIC, Conv1x1GemmTactic
+from tests.conftest import assert_close_to_ort, run_ort
+from tests.models.nets import export
+
+pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
+
+
+def conv_view(c, cout, h, w, stride=1, n=1, bias=True, residual=False, activation="Relu", kernel=1, pads=(0, 0, 0, 0),
+              group=1, residual_shape=None, dynamic=False):
+    g = torch.Generator().manual_seed(c * 1000 + cout)
+    weight = torch.randn(cout, c // group, kernel, kernel, generator=g) * (2 / c) ** 0.5
+    consts = {1: weight}
+    if bias:
+        consts[2] = torch.randn(cout, generator=g) * 0.1
+    attrs = {"pads": list(pads), "strides": [stride] * 2, "dilations": [1, 1], "group": group}
+    if activation:
+        attrs["activation"] = {"op": activation, "attrs": {}}
+    oh, ow = (h - 1) // stride + 1, (w - 1) // stride + 1
+    shapes = [(n, c, h, w), tuple(weight.shape), (cout,) if bias else None]
+    if residual:
+        shapes.append(residual_shape or (n, cout, oh, ow))
+    dyn = ((0,),) if dynamic else ((),)
+    return LayerView("Conv", "", attrs, tuple(shapes), tuple("float32" if s else None for s in shapes), consts,
+                     input_dynamic=dyn + ((),) * (len(shapes) - 1))
+
+
+def channels_last(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).contiguous(
+        memory_format=torch.channels_last)
+
+
+def inputs(view, seed=1):
+    xs = [channels_last(*view.input_shapes[0], seed=seed), None, None]
+    if len(view.input_shapes) > 3:
+        xs.append(channels_last(*view.input_shapes[3], seed=seed + 1))
+    return xs
+
+
+def reference(view, xs):
+    a, bias = view.attrs, view.const_inputs.get(2)
+    y = F.conv2d(xs[0].double(), view.const_inputs[1].double(), None if bias is None else bias.double(),
+                 stride=a["strides"])
+    if len(xs) > 3:
+        y = y + xs[3].double()
+    op = (a.get("activation") or {}).get("op")
+    return {"Relu": y.relu(), "Sigmoid": y.sigmoid()}.get(op, y)
+
+
+CASES = [  # c, cout, h, w, stride, batch, bias, residual, activation
+    (64, 256, 56, 56, 1, 1, True, True, "Relu"),     # a ResNet-50 bottleneck's last layer
+    (256, 512, 56, 56, 2, 1, True, False, None),     # strided downsample: rows read in place
+    (3, 5, 7, 9, 1, 1, True, False, "Relu"),         # fewer rows than one register tile, one partial panel
+    (40, 33, 13, 11, 1, 2, False, True, "Relu"),     # batch 2, no bias, 33 = a whole panel + 1 column
+    (48, 80, 9, 7, 2, 3, True, True, None),          # odd maps with stride 2: per-image rows
+    (16, 24, 5, 5, 1, 1, True, False, "Sigmoid"),    # an activation applied after the kernel
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}x{c[3]}s{c[4]}n{c[5]}")
+def test_matches_float64_convolution(case):
+    c, cout, h, w, stride, n, bias, residual, activation = case
+    view = conv_view(c, cout, h, w, stride, n, bias, residual, activation)
+    tactic = Conv1x1GemmTactic()
+    assert tactic.supports(view)
+    xs = inputs(view)
+    got = tactic.prepare(view)(xs)[0]
+    want = reference(view, xs)
+    assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    assert err < 2e-6, err
+
+
+def test_donated_residual_is_overwritten_with_the_same_result():
+    view = conv_view(40, 33, 13, 11, n=2, residual=True)
+    kernel = Conv1x1GemmTactic().prepare(view)
+    index, into = kernel.into_input
+    assert index == 3
+    xs = inputs(view)
+    fresh = kernel(xs)[0]
+    donated = xs[3].clone(memory_format=torch.channels_last)
+    got = into([xs[0], None, None, donated])[0]
+    assert got.data_ptr() == donated.data_ptr() and torch.equal(got, fresh)
+    assert not hasattr(Conv1x1GemmTactic().prepare(conv_view(8, 8, 4, 4)), "into_input")
+
+
+@pytest.mark.parametrize("change", [dict(kernel=3, pads=(1, 1, 1, 1)), dict(pads=(1, 1, 1, 1)), dict(group=2),
+                                    dict(dynamic=True), dict(residual=True, residual_shape=(1, 16, 1, 1))], ids=str)
+def test_declines_layers_it_cannot_run(change):
+    assert not Conv1x1GemmTactic().supports(conv_view(**(dict(c=16, cout=16, h=6, w=6) | change)))
+
+
+def test_batched_product_with_separate_weights_per_batch():
+    """The Winograd use: one [m x k] · [k x n] per batch entry, each with its own packed weights."""
+    batch, m, k, n = 5, 23, 19, 70
+    a, b = torch.randn(batch, m, k), torch.randn(batch, k, n)
+    packed = gemm_c.pack_weights(b)
+    assert packed.shape == (batch, 3, k, gemm_c.PANEL)
+    c = torch.full((batch, m, n), float("nan"))
+    gemm_c.library().kiln_gemm(a.data_ptr(), m * k, m, k, 0, packed.data_ptr(), packed[0].numel(), c.data_ptr(),
+                               m * n, None, None, 0, batch, m, k, n)
+    torch.testing.assert_close(c, torch.bmm(a, b), rtol=1e-5, atol=1e-5)
+
+
+class Bottleneck(nn.Module):
+    """1x1 convolutions of every flavour: reduce, strided projection, expand with a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, 1, 1)
+        self.reduce = nn.Conv2d(32, 16, 1)
+        self.bn = nn.BatchNorm2d(16)
+        self.mid = nn.Conv2d(16, 16, 3, 2, 1)
+        self.expand = nn.Conv2d(16, 48, 1, bias=False)
+        self.project = nn.Conv2d(32, 48, 1, stride=2)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        y = torch.relu(self.mid(torch.relu(self.bn(self.reduce(x)))))
+        return torch.relu(self.expand(y) + self.project(x))
+
+
+def test_model_forced_onto_kiln_matches_onnxruntime(tmp_path):
+    torch.manual_seed(0)
+    model = Bottleneck().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(1, 3, 29, 30)
+    export(model, x, tmp_path / "bottleneck.onnx")
+    engine = kiln.build(str(tmp_path / "bottleneck.onnx"), tactic_sources=frozenset({"kiln"}), avg_timing=1,
+                        min_timing=1)
+    ones = sorted(l.name.split(" + ")[0] for l in engine.plan.layers if l.tactic_name == CONV1X1_TACTIC)
+    assert ones == ["/expand/Conv", "/project/Conv", "/reduce/Conv"], ones
+    feeds = {engine.input_names[0]: x.numpy()}
+    want = run_ort(str(tmp_path / "bottleneck.onnx"), feeds)[0]
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], want)
+    engine.save(tmp_path / "bottleneck.kiln")
+    again = kiln.load(tmp_path / "bottleneck.kiln").run(feeds)[engine.output_names[0]]
+    np.testing.assert_array_equal(again, engine.run(feeds)[engine.output_names[0]])
