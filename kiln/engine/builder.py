@@ -316,6 +316,11 @@ class _Lowering:
 
 
 PLAN_MARGIN = 0.03   # a mixed kiln/onnxruntime plan must beat one whole onnxruntime region by 3% to be taken
+# An external library's whole-graph region must beat kiln's own plan by this much: within it the two are a tie
+# under this machine's timing noise, and kiln's own plan is the one whose layers can be inspected, profiled and
+# fused (a region is one opaque layer).
+OWN_PLAN_MARGIN = 0.03
+OWN_PLANS = ("kiln", "kiln-direct")
 
 
 def onnxruntime_reference(proto: onnx.ModelProto):
@@ -375,6 +380,11 @@ def lower_with_regions(g: Graph, sources: frozenset[str], tuner: Autotuner | Non
     best = min(times, key=times.get)
     if best == "mixed" and "onnxruntime" in times and times[best] > times["onnxruntime"] * (1 - PLAN_MARGIN):
         best = "onnxruntime"   # torch and onnxruntime handing over cores: a mix must win clearly to be trusted
+    own = min((k for k in OWN_PLANS if k in times), key=times.get, default=None)
+    if best not in OWN_PLANS and own is not None and times[best] > times[own] * (1 - OWN_PLAN_MARGIN):
+        log.debug("The %s plan (%.4g ms) is within %d%% of kiln's own (%.4g ms): keeping kiln's own", best,
+                  times[best], round(OWN_PLAN_MARGIN * 100), times[own])
+        best = own
     log.debug("Whole-plan latency: %s -> %s", ", ".join(f"{k} {v:.4g} ms" for k, v in times.items()), best)
     if proposals[best]:
         apply_regions(g, proposals[best], "openvino" if best == "openvino" else "onnxruntime")

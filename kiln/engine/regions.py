@@ -119,11 +119,15 @@ def _region_runner(nodes: list[Node], g: Graph):
     return lambda: kernel(xs)
 
 
-def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: dict | None = None):
-    """A callable running a run of planned layers on example inputs; it returns the final environment."""
-    from kiln.tactics.prepare import prepare_kernel
-
-    from kiln.tactics.prepare import TorchWeights
+def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: dict | None = None,
+                 keep: set[str] | None = None):
+    """A callable running a run of planned layers on example inputs; it returns the final environment.
+    With `keep` (the graph's outputs) it runs as the executor does: each tensor is dropped after its last
+    reader (its memory goes back to the allocator while still in cache) and in-place kernels take a dying
+    residual's buffer. Without it every tensor stays (segment timing reads the boundary tensors)."""
+    from kiln.engine.memory import last_uses
+    from kiln.tactics.donation import donation, sole_owner
+    from kiln.tactics.prepare import TorchWeights, prepare_kernel
 
     weights = TorchWeights(weights_np)
     produced = {t.name for layer in layers for t in layer.outputs}
@@ -131,14 +135,28 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: 
                              if a.kind == "tensor" and a.name not in produced)
     if env0 is None:
         env0 = {n: _example(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
-    steps = [([(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
-              prepare_kernel(layer, weights, weights_np, opset)) for layer in layers]
+    frees: list[list[str]] = [[] for _ in layers]
+    if keep is not None:
+        for name, last in last_uses(layers, set(keep) | set(env0)).items():
+            if last < len(layers):
+                frees[last].append(name)
+    io = set(keep or ()) | set(env0)
+    steps = []
+    for layer, free in zip(layers, frees):
+        kernel = prepare_kernel(layer, weights, weights_np, opset)
+        steps.append(([(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs], kernel, free,
+                      donation(layer, free, io, kernel) if keep is not None else None))
 
     def run():
         env = dict(env0)
-        for args, outs, kernel in steps:
-            for n, r in zip(outs, kernel([env[n] if kind == "tensor" else None for kind, n in args])):
+        for args, outs, kernel, free, in_place in steps:
+            xs = [env[n] if kind == "tensor" else None for kind, n in args]
+            if in_place is not None and sole_owner(xs[in_place[0]], env):
+                kernel = in_place[1]
+            for n, r in zip(outs, kernel(xs)):
                 env[n] = r
+            for n in free:
+                env.pop(n, None)
         return env
     return run
 
@@ -261,7 +279,7 @@ def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Grap
             times[name] = cached
             continue
         try:
-            run = _kiln_runner(layers, descs, weights, g.opset, inputs)
+            run = _kiln_runner(layers, descs, weights, g.opset, inputs, keep={v.name for v in g.outputs})
             with torch.inference_mode():
                 outputs = [run()[v.name] for v in g.outputs]
         except Exception as exc:   # a library refused the plan: it is simply not a candidate

@@ -9,6 +9,7 @@ import torch
 
 from kiln.engine.plan import Plan
 from kiln.errors import EngineFormatError, Error, InputError
+from kiln.tactics.donation import donation, sole_owner
 from kiln.tactics.prepare import TorchWeights, prepare_kernel
 
 Kernel = Callable[[list], list]
@@ -42,7 +43,7 @@ class ExecutionContext:
         self.profile = profile   # None: the first profile that contains the input shapes
         engine_io = {t.name for t in (*plan.inputs, *plan.outputs)}
         self._steps = [(layer, [(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
-                        plan.memory.free_after[i], _donation(layer, plan.memory.free_after[i], engine_io, kernel))
+                        plan.memory.free_after[i], donation(layer, plan.memory.free_after[i], engine_io, kernel))
                        for i, (layer, kernel) in enumerate(zip(plan.layers, kernels))]
 
     def check_inputs(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -71,11 +72,11 @@ class ExecutionContext:
         """Run one inference. `observe(name, tensor)`, if given, sees every tensor a layer produces."""
         env: dict[str, torch.Tensor] = self.check_inputs(feeds)
         with torch.inference_mode():
-            for (layer, args, outs, free, donation), kernel in zip(self._steps, self.kernels):
+            for (layer, args, outs, free, in_place), kernel in zip(self._steps, self.kernels):
                 try:
                     xs = [env[n] if k == "tensor" else None for k, n in args]
-                    if donation is not None and _sole_owner(xs[donation[0]], env):
-                        kernel = donation[1]
+                    if in_place is not None and sole_owner(xs[in_place[0]], env):
+                        kernel = in_place[1]
                     results = kernel(xs) if profiler is None else _profiled(layer, kernel, xs, profiler)
                 except Error:
                     raise
@@ -88,26 +89,6 @@ class ExecutionContext:
                 for n in free:
                     env.pop(n, None)
         return {t.name: _to_numpy(env[t.name], t.dtype) for t in self.plan.outputs}
-
-
-def _donation(layer, freed_here: tuple[str, ...], engine_io: set[str], kernel) -> tuple[int, Kernel] | None:
-    """(input index, in-place kernel) where the kernel can write its output into an input's buffer and that
-    input dies here: its last reader, not an engine input or output (checked too: the free lists come from the
-    engine file), and not read twice by this layer."""
-    into = getattr(kernel, "into_input", None)
-    if into is None or into[0] >= len(layer.args) or layer.args[into[0]].kind != "tensor":
-        return None
-    name = layer.args[into[0]].name
-    dies_here = name in freed_here and name not in engine_io
-    read_once = sum(a.kind == "tensor" and a.name == name for a in layer.args) == 1
-    return into if dies_here and read_once else None
-
-
-def _sole_owner(tensor: torch.Tensor, env: dict[str, torch.Tensor]) -> bool:
-    """No other live tensor shares `tensor`'s buffer: not a view a reshape made, and not the caller's array
-    (engine inputs stay in `env` for the whole run, so a view of one is seen here too)."""
-    buffer = tensor.untyped_storage().data_ptr()
-    return sum(t.untyped_storage().data_ptr() == buffer for t in env.values()) == 1
 
 
 def _profiled(layer, kernel, xs, profiler):

@@ -9,6 +9,7 @@ from kiln.tactics.onednn_conv import OneDnnConvTactic
 from kiln.tactics.onednn_linear import OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
+from kiln.tactics.pool_c import NhwcPoolTactic
 from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.winograd import WinogradConvTactic
 
@@ -16,7 +17,8 @@ from kiln.tactics.winograd import WinogradConvTactic
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), WinogradConvTactic(4),
                                               WinogradConvTactic(2)],
                                      "Gemm": [OneDnnLinearTactic()], "MatMul": [OneDnnLinearTactic()],
-                                     "PointWise": [CodegenPointWiseTactic()]}
+                                     "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
+                                     "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")

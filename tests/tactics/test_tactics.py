@@ -257,3 +257,21 @@ def test_openvino_compiled_model_cache_for_loaded_engines(models, tmp_path, monk
     assert_close_to_ort(second[engine.output_names[0]], run_ort(proto, feeds)[0])
     monkeypatch.setenv("KILN_CACHE_DIR", "off")
     assert ovs.compiled_model_cache() is None
+
+
+@pytest.mark.parametrize("region_ms, region_wins", [(9.8, False), (9.0, True)])
+def test_a_library_region_must_clearly_beat_kilns_own_plan(models, monkeypatch, caplog, region_ms, region_wins):
+    """Within OWN_PLAN_MARGIN (3%) of kiln's own plan a whole-graph region is a tie under timing noise, and kiln's
+    own plan is kept: its layers stay visible in layer info and profiles."""
+    import kiln.engine.builder as builder
+
+    monkeypatch.setattr(builder, "measure_plans", lambda candidates, *a, **k: {
+        name: 10.0 if name in builder.OWN_PLANS else region_ms for name in candidates})
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    proto, x = models["inception"]
+    engine = kiln.build(proto, tactic_sources=frozenset({"onnxruntime", "torch-onednn", "torch"}), avg_timing=1,
+                        min_timing=1)
+    assert any(l.inner for l in engine.plan.layers) == region_wins
+    assert ("of kiln's own (10 ms): keeping kiln's own" in caplog.text) != region_wins
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])

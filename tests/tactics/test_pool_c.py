@@ -1,0 +1,90 @@
+"""kiln's NHWC pooling kernels (kiln.tactics.pool_c): equal to kiln's torch reference ops on every window
+geometry ONNX allows (ceil mode, dilation, asymmetric pads, batches), NaN propagated like torch, and declined
+where they do not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.ops.nn import global_average_pool, global_max_pool, max_pool
+from kiln.tactics import codegen
+from kiln.tactics.base import LayerView
+from kiln.tactics.pool_c import NhwcPoolTactic
+
+pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
+
+
+def view(op, shape, dynamic=(), outputs=("float32",), dtype="float32", **attrs):
+    return LayerView(op, "", attrs, (shape,), (dtype,), {}, outputs, input_dynamic=(dynamic,))
+
+
+def channels_last(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).contiguous(
+        memory_format=torch.channels_last)
+
+
+MAXPOOL_CASES = [  # input shape, attrs
+    ((1, 64, 112, 112), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),   # ResNet's stem
+    ((1, 32, 20, 20), dict(kernel_shape=[5, 5], strides=[1, 1], pads=[2, 2, 2, 2])),      # YOLOv8's SPPF
+    ((2, 10, 9, 7), dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),              # ceil mode, odd maps
+    ((1, 3, 11, 12), dict(kernel_shape=[3, 2], strides=[1, 2], dilations=[2, 1], pads=[2, 0, 1, 1])),
+    ((1, 70, 5, 5), dict(kernel_shape=[3, 3])),                                            # no pads, 70 channels
+]
+
+
+@pytest.mark.parametrize("shape,attrs", MAXPOOL_CASES, ids=lambda c: str(c))
+def test_maxpool_equals_the_reference(shape, attrs):
+    layer = view("MaxPool", shape, **attrs)
+    assert NhwcPoolTactic().supports(layer)
+    x = channels_last(shape)
+    got = NhwcPoolTactic().prepare(layer)([x])[0]
+    want = max_pool(attrs, [x.contiguous()])[0]
+    assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("op,reference", [("GlobalAveragePool", global_average_pool),
+                                          ("GlobalMaxPool", global_max_pool)])
+def test_global_pools_equal_the_reference(op, reference):
+    shape = (2, 130, 7, 9)
+    x = channels_last(shape)
+    got = NhwcPoolTactic().prepare(view(op, shape))([x])[0]
+    want = reference({}, [x.contiguous()])[0]
+    assert got.shape == want.shape == (2, 130, 1, 1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op,attrs", [("MaxPool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+                                      ("GlobalAveragePool", {}), ("GlobalMaxPool", {})])
+def test_nan_propagates_like_torch(op, attrs):
+    x = channels_last((1, 4, 6, 6))
+    x[0, 1, 2, 3] = float("nan")
+    got = NhwcPoolTactic().prepare(view(op, (1, 4, 6, 6), **attrs))([x])[0]
+    assert bool(got[0, 1].isnan().any()) and not bool(got[0, 0].isnan().any())
+
+
+@pytest.mark.parametrize("op,attrs", [("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+                                      ("GlobalAveragePool", {})])
+def test_channel_planar_input_runs_torchs_kernel_in_its_layout(op, attrs):
+    """The tactic takes the producer's layout (no Reformat layers): NCHW in, NCHW out, same values."""
+    layer = view(op, (1, 8, 10, 10), **attrs)
+    assert NhwcPoolTactic().input_formats(layer) == ["any"]
+    assert NhwcPoolTactic().output_format(layer, ["linear"]) == "linear"
+    assert NhwcPoolTactic().output_format(layer, ["hwc"]) == "hwc"
+    kernel = NhwcPoolTactic().prepare(layer)
+    x = channels_last((1, 8, 10, 10))
+    planar, major = kernel([x.contiguous()])[0], kernel([x])[0]
+    assert planar.is_contiguous() and torch.allclose(planar, major, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer", [
+    view("MaxPool", (1, 4, 8), kernel_shape=[2]),                                    # 1-D
+    view("MaxPool", (1, 4, 8, 8, 8), kernel_shape=[2, 2, 2]),                        # 3-D
+    view("MaxPool", (1, 4, 8, 8), outputs=("float32", "int64"), kernel_shape=[2, 2]),  # with indices
+    view("MaxPool", (1, 4, 8, 8), dynamic=(0,), kernel_shape=[2, 2]),                # dynamic batch
+    view("MaxPool", (1, 4, 8, 8), auto_pad="SAME_UPPER", kernel_shape=[2, 2]),
+    view("GlobalAveragePool", (1, 4, 8, 8), dtype="float16"),
+    view("AveragePool", (1, 4, 8, 8), kernel_shape=[2, 2]),
+], ids=range(7))
+def test_declines_what_it_cannot_run(layer):
+    assert not NhwcPoolTactic().supports(layer)
