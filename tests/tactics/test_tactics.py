@@ -275,3 +275,13 @@ def test_a_library_region_must_clearly_beat_kilns_own_plan(models, monkeypatch, 
     assert ("of kiln's own (10 ms): keeping kiln's own" in caplog.text) != region_wins
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+
+
+def test_whole_plan_blocks_never_follow_another_library_at_a_round_boundary():
+    from kiln.engine.regions import _block_order
+
+    names = ["kiln", "kiln-direct", "onnxruntime", "openvino"]
+    rounds = [_block_order(names, r) for r in range(4)]
+    assert rounds[0] == names and rounds[1] == names[::-1] and rounds[2] == names
+    for before, after in zip(rounds, rounds[1:]):
+        assert before[-1] == after[0]   # the first block of a round follows its own plan's block
