@@ -21,6 +21,15 @@ def last_uses(layers: list[Layer] | tuple[Layer, ...], keep: set[str]) -> dict[s
     return last
 
 
+def free_lists(layers: list[Layer] | tuple[Layer, ...], keep: set[str]) -> list[list[str]]:
+    """Per layer, the tensors whose last reader it is (tensors in `keep` are never freed)."""
+    frees: list[list[str]] = [[] for _ in layers]
+    for name, idx in last_uses(layers, keep).items():
+        if idx < len(layers):
+            frees[idx].append(name)
+    return frees
+
+
 def plan_memory(layers: list[Layer], graph_inputs: tuple[TensorDesc, ...], graph_outputs: tuple[TensorDesc, ...]) -> MemoryPlan:
     outputs = {t.name for t in graph_outputs}
     last = last_uses(layers, outputs)
@@ -41,9 +50,5 @@ def plan_memory(layers: list[Layer], graph_inputs: tuple[TensorDesc, ...], graph
         offsets[name] = offset
         placed.append((start, end, offset, size))
     total = max((o + s for (_, _, o, s) in placed), default=0)
-    inputs = {t.name for t in graph_inputs}
-    free_after = [[] for _ in layers]
-    for name, idx in last.items():
-        if idx < len(layers) and name not in outputs and name not in inputs:
-            free_after[idx].append(name)
+    free_after = free_lists(layers, outputs | {t.name for t in graph_inputs})
     return MemoryPlan(total, sum(x[3] for x in intervals), offsets, tuple(tuple(f) for f in free_after))

@@ -125,7 +125,7 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: 
     With `keep` (the graph's outputs) it runs as the executor does: each tensor is dropped after its last
     reader (its memory goes back to the allocator while still in cache) and in-place kernels take a dying
     residual's buffer. Without it every tensor stays (segment timing reads the boundary tensors)."""
-    from kiln.engine.memory import last_uses
+    from kiln.engine.memory import free_lists
     from kiln.tactics.donation import donation, sole_owner
     from kiln.tactics.prepare import TorchWeights, prepare_kernel
 
@@ -135,12 +135,8 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: 
                              if a.kind == "tensor" and a.name not in produced)
     if env0 is None:
         env0 = {n: _example(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
-    frees: list[list[str]] = [[] for _ in layers]
-    if keep is not None:
-        for name, last in last_uses(layers, set(keep) | set(env0)).items():
-            if last < len(layers):
-                frees[last].append(name)
     io = set(keep or ()) | set(env0)
+    frees = free_lists(layers, io) if keep is not None else [[] for _ in layers]
     steps = []
     for layer, free in zip(layers, frees):
         kernel = prepare_kernel(layer, weights, weights_np, opset)

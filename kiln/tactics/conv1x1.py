@@ -16,6 +16,12 @@ from kiln.tactics.base import HWC, Kernel, LayerView
 CONV1X1_TACTIC = "kiln.conv2d_1x1_gemm_nhwc"
 
 
+def _output_hw(layer: LayerView) -> tuple[int, int]:
+    _, _, h, w = layer.input_shapes[0]
+    sh, sw = layer.attrs.get("strides") or [1, 1]
+    return (h - 1) // sh + 1, (w - 1) // sw + 1
+
+
 class Conv1x1GemmTactic:
     name = CONV1X1_TACTIC
     source = "kiln"
@@ -32,8 +38,7 @@ class Conv1x1GemmTactic:
         if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and bias is None:
             return False
         if len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None:
-            sh, sw = a.get("strides") or [1, 1]
-            out = (x[0], w.shape[0], (x[2] - 1) // sh + 1, (x[3] - 1) // sw + 1)
+            out = (x[0], w.shape[0], *_output_hw(layer))
             if tuple(layer.input_shapes[3]) != out or layer.input_dtypes[3] != "float32":
                 return False   # a residual that broadcasts is added by the Add layer's own kernel
         dynamic = bool(layer.input_dynamic and layer.input_dynamic[0])   # any axis, the batch (0) included
@@ -50,8 +55,8 @@ class Conv1x1GemmTactic:
         n, c, h, w = layer.input_shapes[0]
         weight = layer.const_inputs[1]
         cout = weight.shape[0]
-        sh, sw = (layer.attrs.get("strides") or [1, 1])
-        oh, ow = (h - 1) // sh + 1, (w - 1) // sw + 1
+        sh, sw = layer.attrs.get("strides") or [1, 1]
+        oh, ow = _output_hw(layer)
         packed = gemm_c.pack_weights(weight.reshape(cout, c).t().float())
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         spec = layer.attrs.get("activation")
@@ -67,19 +72,15 @@ class Conv1x1GemmTactic:
                           int(relu), n, oh * ow, c, cout)
             return [apply_activation(post, out) if post else out]
 
-        def residual(xs):
-            r = xs[3]
-            return r if r.is_contiguous(memory_format=last) and r.dtype == torch.float32 else r.contiguous(memory_format=last).float()
-
         def run(xs):
             x = xs[0].contiguous(memory_format=last)
             out = torch.empty((n, cout, oh, ow), memory_format=last)
-            return gemm(x, out, residual(xs) if has_residual else None)
+            return gemm(x, out, xs[3].contiguous(memory_format=last) if has_residual else None)
 
         def run_into_residual(xs):
             """Accumulate into the residual's (dead) buffer: each element is read before it is overwritten."""
             r = xs[3]
-            if r.dtype != torch.float32 or not r.is_contiguous(memory_format=last):
+            if not r.is_contiguous(memory_format=last):
                 return run(xs)
             return gemm(xs[0].contiguous(memory_format=last), r, r)
         if has_residual:

@@ -19,7 +19,6 @@ from kiln.ops.nn import global_average_pool, global_max_pool, max_pool, pool_out
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
-CHANNEL_BLOCK = 64
 
 SOURCE = r"""
 #include <stdint.h>

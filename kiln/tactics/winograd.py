@@ -166,16 +166,9 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
     (bias, residual and ReLU applied as tiles are written)."""
     alpha2, tiles, last = (g.m + 2) ** 2, g.tiles, torch.channels_last
     bias_ptr = None if g.bias is None else g.bias.data_ptr()
-    gemm = gemm_c.library()
-    packed = gemm_c.pack_weights(u) if gemm is not None else u
+    gemm = gemm_c.library()   # compiled by the same toolchain as `lib`
+    packed = gemm_c.pack_weights(u)
     panel_stride = packed[0].numel()
-
-    def product(v, prod):
-        if gemm is None:
-            torch.bmm(v, u, out=prod)
-            return
-        gemm.kiln_gemm(v.data_ptr(), tiles * g.c, tiles, g.c, 0, packed.data_ptr(), panel_stride, prod.data_ptr(),
-                       tiles * g.cout, None, None, 0, alpha2, tiles, g.c, g.cout)
 
     def run(xs, out=None):
         flat = scratch(alpha2 * tiles * (g.c + g.cout))
@@ -183,7 +176,8 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
         prod = flat[alpha2 * tiles * g.c:alpha2 * tiles * (g.c + g.cout)].view(alpha2, tiles, g.cout)
         x = xs[0].contiguous(memory_format=last)   # no copy when the producer wrote NHWC
         lib.wino_input(x.data_ptr(), v.data_ptr(), g.n, g.h, g.w, g.c, g.pads[0], g.pads[1], g.tiles_h, g.tiles_w)
-        product(v, prod)
+        gemm.kiln_gemm(v.data_ptr(), tiles * g.c, tiles, g.c, 0, packed.data_ptr(), panel_stride, prod.data_ptr(),
+                       tiles * g.cout, None, None, 0, alpha2, tiles, g.c, g.cout)   # one product per tile position
         if out is None:
             out = torch.empty((g.n, g.cout, g.out_h, g.out_w), memory_format=last)
         res = xs[3].contiguous(memory_format=last) if g.has_residual else None
@@ -194,11 +188,10 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
     def run_into_residual(xs):
         """Tiles written over the residual's (dead) buffer: each element is read just before it is written."""
         r = xs[3]
-        ok = r.dtype == torch.float32 and r.is_contiguous(memory_format=last) and xs[0].data_ptr() != r.data_ptr()
-        return run(xs, r if ok else None)
+        return run(xs, r if r.is_contiguous(memory_format=last) else None)
     if g.has_residual:
         run.into_input = (3, run_into_residual)
-    run.constants = (u, packed, g.bias)   # the C passes read them through raw pointers
+    run.constants = (packed, g.bias)   # the C passes read them through raw pointers
     return run
 
 

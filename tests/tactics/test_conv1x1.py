@@ -3,18 +3,15 @@ float64, partial register tiles and column panels included; it writes into a don
 a fresh buffer; it declines what it cannot run; a model forced onto source "kiln" matches onnxruntime."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kiln
 from kiln.tactics import codegen, gemm_c
 from kiln.tactics.base import LayerView
 from kiln.tactics.conv1x1 import CONV1X1_TACTIC, Conv1x1GemmTactic
-from tests.conftest import assert_close_to_ort, run_ort
-from tests.models.nets import export
+from tests.tactics.forced import build_forced_onto
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
 
@@ -135,19 +132,6 @@ class Bottleneck(nn.Module):
 
 def test_model_forced_onto_kiln_matches_onnxruntime(tmp_path):
     torch.manual_seed(0)
-    model = Bottleneck().eval()
-    with torch.no_grad():
-        model.bn.running_mean.uniform_(-0.5, 0.5)
-        model.bn.running_var.uniform_(0.5, 2.0)
-    x = torch.randn(1, 3, 29, 30)
-    export(model, x, tmp_path / "bottleneck.onnx")
-    engine = kiln.build(str(tmp_path / "bottleneck.onnx"), tactic_sources=frozenset({"kiln"}), avg_timing=1,
-                        min_timing=1)
+    engine = build_forced_onto(Bottleneck().eval(), torch.randn(1, 3, 29, 30), tmp_path)
     ones = sorted(l.name.split(" + ")[0] for l in engine.plan.layers if l.tactic_name == CONV1X1_TACTIC)
     assert ones == ["/expand/Conv", "/project/Conv", "/reduce/Conv"], ones
-    feeds = {engine.input_names[0]: x.numpy()}
-    want = run_ort(str(tmp_path / "bottleneck.onnx"), feeds)[0]
-    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], want)
-    engine.save(tmp_path / "bottleneck.kiln")
-    again = kiln.load(tmp_path / "bottleneck.kiln").run(feeds)[engine.output_names[0]]
-    np.testing.assert_array_equal(again, engine.run(feeds)[engine.output_names[0]])
