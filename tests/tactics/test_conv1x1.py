@@ -59,7 +59,8 @@ def reference(view, xs):
 
 CASES = [  # c, cout, h, w, stride, batch, bias, residual, activation
     (64, 256, 56, 56, 1, 1, True, True, "Relu"),     # a ResNet-50 bottleneck's last layer
-    (256, 512, 56, 56, 2, 1, True, False, None),     # strided downsample: rows read in place
+    (256, 512, 56, 56, 2, 1, True, False, None),     # strided downsample: rows read in place (row chunks outermost)
+    (520, 264, 10, 6, 1, 2, True, True, "Relu"),     # weights over ROWS_OUTER_BYTES: column panels outermost
     (3, 5, 7, 9, 1, 1, True, False, "Relu"),         # fewer rows than one register tile, one partial panel
     (40, 33, 13, 11, 1, 2, False, True, "Relu"),     # batch 2, no bias, 33 = a whole panel + 1 column
     (48, 80, 9, 7, 2, 3, True, True, None),          # odd maps with stride 2: per-image rows
