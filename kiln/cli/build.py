@@ -78,7 +78,7 @@ def add_tactic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="use only timings recorded in --timing-cache (same choices as the build that recorded them)")
     p.add_argument("--avg-timing", type=int, default=8, help="runs averaged per timing measurement")
-    p.add_argument("--min-timing", type=int, default=3, help="measurements per tactic (median wins)")
+    p.add_argument("--min-timing", type=int, default=3, help="measurement rounds per tactic (the fastest round counts)")
     p.add_argument("--builder-optimization-level", type=int, default=3, choices=range(0, 6), metavar="0-5",
                    help="0: no timing, take each layer's first eligible kernel; >=1: time every candidate")
     p.add_argument("--threads", type=int, default=None, help="CPU threads to tune and run with")
