@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 
 PANEL = 32        # columns per packed weight panel: two 16-float vectors
+ROW_TILE = 6      # rows per register tile (MR)
 
 SOURCE = r"""
 #include <stdint.h>

@@ -5,10 +5,11 @@ wins where activations are large and channels moderate (ResNet's 56x56 to 14x14 
 with 512 channels, where the transformed weights no longer fit in cache: the autotuner decides per layer.
 
 Layout: channel-major (NHWC) in and out, like the oneDNN tactic, so the two mix without Reformat layers.
-Steps per inference: the input transform Bᵀ d B on (m+2)x(m+2) tiles read straight from the input; one batched
+Steps per block of tiles: the input transform Bᵀ d B on (m+2)x(m+2) tiles read straight from the input; one
 GEMM per tile position against weights transformed once at load (G g Gᵀ); the output transform Aᵀ M A, with
-bias, residual and ReLU added as tiles are written. The transforms are C (kiln.tactics.winograd_c); where no C
-compiler is, they run as torch GEMMs with separate pad, gather and epilogue passes.
+bias, residual and ReLU added as tiles are written. All three are C (kiln.tactics.winograd_c), a block at a
+time so its intermediates stay in cache; where no C compiler is, they run as torch GEMMs over the whole layer
+with separate pad, gather and epilogue passes.
 """
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ def _compiled(m: int):
         return None
     bt, _, at = _MATRICES[m]
     lib = codegen.load_library(winograd_c.source(m, bt, at), "winograd")
-    lib.wino_input.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8
-    lib.wino_output.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
-    lib.wino_input.restype = lib.wino_output.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.wino_fused.argtypes = [ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 14 + [ptr, i64]
+    lib.wino_fused.restype = None
     return lib
 
 
@@ -162,27 +163,25 @@ class _Geometry:
 
 
 def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
-    """One C pass in (tiles gathered and transformed straight from the NHWC input), the GEMMs, one C pass out
-    (bias, residual and ReLU applied as tiles are written)."""
-    alpha2, tiles, last = (g.m + 2) ** 2, g.tiles, torch.channels_last
+    """Per block of tiles, in C: the input transform read straight from the NHWC input, the GEMMs, the output
+    transform with bias, residual and ReLU applied as tiles are written (kiln.tactics.winograd_c)."""
+    last = torch.channels_last
     bias_ptr = None if g.bias is None else g.bias.data_ptr()
-    gemm = gemm_c.library()   # compiled by the same toolchain as `lib`
     packed = gemm_c.pack_weights(u)
     panel_stride = packed[0].numel()
+    threads = torch.get_num_threads()
+    block, groups, per_thread = fused_blocking(g, threads)
 
     def run(xs, out=None):
-        flat = scratch(alpha2 * tiles * (g.c + g.cout))
-        v = flat[:alpha2 * tiles * g.c].view(alpha2, tiles, g.c)
-        prod = flat[alpha2 * tiles * g.c:alpha2 * tiles * (g.c + g.cout)].view(alpha2, tiles, g.cout)
         x = xs[0].contiguous(memory_format=last)   # no copy when the producer wrote NHWC
-        lib.wino_input(x.data_ptr(), v.data_ptr(), g.n, g.h, g.w, g.c, g.pads[0], g.pads[1], g.tiles_h, g.tiles_w)
-        gemm.kiln_gemm(v.data_ptr(), tiles * g.c, tiles, g.c, 0, packed.data_ptr(), panel_stride, prod.data_ptr(),
-                       tiles * g.cout, None, None, 0, alpha2, tiles, g.c, g.cout)   # one product per tile position
         if out is None:
             out = torch.empty((g.n, g.cout, g.out_h, g.out_w), memory_format=last)
         res = xs[3].contiguous(memory_format=last) if g.has_residual else None
-        lib.wino_output(prod.data_ptr(), out.data_ptr(), bias_ptr, None if res is None else res.data_ptr(),
-                        int(g.relu), g.n, g.out_h, g.out_w, g.cout, g.tiles_h, g.tiles_w)
+        work = scratch(per_thread * threads)
+        lib.wino_fused(x.data_ptr(), packed.data_ptr(), panel_stride, out.data_ptr(), bias_ptr,
+                       None if res is None else res.data_ptr(), int(g.relu), g.n, g.h, g.w, g.c, g.cout,
+                       g.pads[0], g.pads[1], g.out_h, g.out_w, g.tiles_h, g.tiles_w, block, groups,
+                       work.data_ptr(), threads)
         return [g.activate(out)]
 
     def run_into_residual(xs):
@@ -191,8 +190,27 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
         return run(xs, r if r.is_contiguous(memory_format=last) else None)
     if g.has_residual:
         run.into_input = (3, run_into_residual)
-    run.constants = (packed, g.bias)   # the C passes read them through raw pointers
+    run.constants = (packed, g.bias)   # the C code reads them through raw pointers
     return run
+
+
+BLOCK_BYTES = 256 * 1024      # a block's transformed input: stays in L2 next to its products
+STREAM_ONCE_BYTES = 4 << 20   # transformed weights above this are streamed once: one block, columns split
+
+
+def fused_blocking(g: _Geometry, threads: int) -> tuple[int, int, int]:
+    """(tiles per block, column-panel groups, scratch floats per thread). Blocks are whole register tiles (6
+    rows); with few blocks the output columns are split into groups too, so every thread has work. Each block
+    reads all of its group's weights, so where they are large (ResNet-50's 14x14 and 7x7 layers: 9.4 and 16.8
+    MB) every tile goes in one block."""
+    alpha2, panels = (g.m + 2) ** 2, -(-g.cout // gemm_c.PANEL)
+    block = max(gemm_c.ROW_TILE, BLOCK_BYTES // (alpha2 * g.c * 4) // gemm_c.ROW_TILE * gemm_c.ROW_TILE)
+    if alpha2 * g.c * g.cout * 4 > STREAM_ONCE_BYTES:
+        block = g.tiles
+    block = min(block, g.tiles)
+    groups = 1 if -(-g.tiles // block) >= 4 * threads else min(panels, threads)
+    group_panels = -(-panels // groups)
+    return block, groups, alpha2 * block * (g.c + group_panels * gemm_c.PANEL)
 
 
 def _torch_kernel(g: _Geometry, u: torch.Tensor) -> Kernel:
