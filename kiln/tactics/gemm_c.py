@@ -20,15 +20,17 @@ from functools import lru_cache
 
 import torch
 
-PANEL = 32        # columns per packed weight panel: two 16-float vectors
+# The micro-kernel below is unrolled for exactly this register tile; the C source takes both from here.
+PANEL = 32        # columns per packed weight panel (NR): two 16-float vectors
 ROW_TILE = 6      # rows per register tile (MR)
 
-SOURCE = r"""
+SOURCE = f"""
 #include <stdint.h>
+#define MR {ROW_TILE}
+#define NR {PANEL}
+""" + r"""
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
-#define MR 6
-#define NR 32
 #define CHUNK 8   /* register tiles per work unit: one weight panel stays in L1 across them */
 /* Weights up to this size stay in L2 while a row chunk runs across every panel, so the chunk's rows are read
    once and its output (and residual) rows are written in one contiguous sweep; larger weights go panel by

@@ -4,6 +4,7 @@ its fastest measurement round."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -107,8 +108,6 @@ class BurstyTactic(FakeTactic):
         self.calls = 0
 
     def prepare(self, layer):
-        import time
-
         def run(xs):
             self.calls += 1
             timed_call = self.calls - 1   # the first call is untimed

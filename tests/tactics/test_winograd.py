@@ -85,22 +85,22 @@ def test_matches_float64_convolution(tile, case, path, monkeypatch):
     assert err < (2e-6 if tile == 2 else 2e-5), err   # F(4,3)'s larger interpolation points cost some precision
 
 
-BLOCKING_CASES = [  # c, cout, h, w, batch, residual: the block and column-group layouts of the C kernel
-    (64, 80, 40, 40, 1, True),     # many blocks, one column group; 80 = 2 panels + a partial one
-    (32, 80, 10, 10, 1, False),    # few blocks: columns split into groups, the last group a partial panel
-    (256, 64, 10, 10, 2, True),    # 2.4 MB transformed weights, under the stream-once limit: 6-tile blocks, batch 2
-    (256, 288, 10, 10, 1, True),   # 36x256x288 floats (10.6 MB) transformed: every tile in one block
+BLOCKING_CASES = [  # c, cout, h, w, batch, residual, (tiles per block, column groups) at 1 and at 2 threads
+    (64, 80, 64, 64, 1, True, (24, 1), (24, 1)),    # 256 tiles in 11 blocks, one group; 80 = 2 panels + a partial
+    (32, 80, 10, 10, 1, False, (9, 1), (9, 2)),     # one block: at 2 threads the columns split, 2 panels + 1 partial
+    (256, 64, 10, 10, 2, True, (6, 1), (6, 2)),     # 2.4 MB transformed weights: 6-tile blocks over batch 2
+    (256, 288, 10, 10, 1, True, (9, 1), (9, 2)),    # 10.6 MB transformed weights: every tile in one block
 ]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", BLOCKING_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}n{c[4]}")
 def test_compiled_blocking_matches_float64(case, threads):
-    from kiln.tactics import codegen, gemm_c, winograd
+    from kiln.tactics import codegen, winograd
 
     if not codegen.available():
         pytest.skip("no C compiler")
-    c, cout, h, w, n, residual = case
+    c, cout, h, w, n, residual, *blockings = case
     view = conv_view(c, cout, h, w, residual=residual, activation="Relu")
     view = dataclasses.replace(view, input_shapes=((n, c, h, w),) + view.input_shapes[1:3] +
                                (((n, cout, h, w),) if residual else ()))
@@ -113,12 +113,7 @@ def test_compiled_blocking_matches_float64(case, threads):
         got = kernel(xs)[0]
     finally:
         torch.set_num_threads(previous)
-    tiles = n * 3 * 3
-    if 36 * c * cout * 4 > winograd.STREAM_ONCE_BYTES:
-        assert block == tiles
-    else:
-        assert block % gemm_c.ROW_TILE == 0 or block == tiles
-    assert groups == (1 if -(-tiles // block) >= 4 * threads else min(-(-cout // gemm_c.PANEL), threads))
+    assert (block, groups) == blockings[threads - 1]
     want = reference(view, xs)
     err = float((got.double() - want).abs().max() / want.abs().max())
     assert err < 2e-5, err
