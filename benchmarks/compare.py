@@ -2,13 +2,14 @@
 and torch.compile (with --compile; its first call takes minutes).
 
     make bench                                     # = .venv/bin/python benchmarks/compare.py
-    .venv/bin/python benchmarks/compare.py --models resnet18,resnet50,bert-base,yolov8n --runs 30 --rounds 3
+    .venv/bin/python benchmarks/compare.py --models resnet18,resnet50,bert-base,yolov8n --runs 10 --rounds 10
 
 Networks are built from torch code (tests/models/: ResNet-18/50 at 224x224, a BERT-base-shaped HF BertModel at
 seq 128, a YOLOv8n-shaped detector at 640x640; random weights, randomized BatchNorm statistics) and exported with
 the legacy exporter to a temporary folder. Every engine gets 5 warm-up runs; then timed blocks of
---runs inferences rotate through the engines --rounds times, so drift hits all alike; medians are over all
-timed runs. Reported: median ms per engine, kiln's ratio to onnxruntime and to the best peer, kiln's build time
+--runs inferences rotate through the engines --rounds times (the order shifting by one engine per round, an
+untimed inference opening each block), so drift hits all alike; medians are over all timed runs.
+Reported: median ms per engine, kiln's ratio to onnxruntime and to the best peer, kiln's build time
 (cold timing cache) and load time, and kiln's ratio to the compute lower bound (FLOPs / the best fp32 throughput
 measured at start-up on this machine with the same threads: a 1024^3 matrix product or a 3x3 oneDNN convolution).
 
@@ -165,6 +166,30 @@ def peak_gflops(threads: int) -> float:
     return best
 
 
+def time_blocks(runners: dict, rounds: int, runs: int) -> dict[str, list[float]]:
+    """Per engine, the ms of every timed run. Each round times a block of `runs` inferences per engine, the
+    order rotating by one engine per round so none always follows the same neighbour; each block starts with
+    one untimed inference, which pays for the previous engine's threads still spinning on the cores
+    (onnxruntime's first inference after its own block took 2x its steady time here)."""
+    import torch
+
+    names = list(runners)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    with torch.inference_mode():
+        for fn in runners.values():
+            for _ in range(WARMUP):
+                fn()
+        for r in range(rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                fn = runners[k]
+                fn()
+                for _ in range(runs):
+                    t = time.perf_counter()
+                    fn()
+                    samples[k].append((time.perf_counter() - t) * 1e3)
+    return samples
+
+
 def bench(name: str, workdir: Path, args) -> dict:
     import torch
 
@@ -185,17 +210,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     if path.name.endswith("_qdq.onnx"):   # INT8 vs kiln's own FP32 engine of the same network
         fp32 = kiln.build(str(path.with_name(path.name.replace("_qdq", "")))).create_execution_context()
         runners["kiln fp32"] = lambda: fp32.execute(feeds)
-    with torch.inference_mode():
-        for fn in runners.values():
-            for _ in range(WARMUP):
-                fn()
-        samples = {k: [] for k in runners}
-        for _ in range(args.rounds):
-            for k, fn in runners.items():
-                for _ in range(args.runs):
-                    t = time.perf_counter()
-                    fn()
-                    samples[k].append((time.perf_counter() - t) * 1e3)
+    samples = time_blocks(runners, args.rounds, args.runs)
     medians = {k: statistics.median(v) for k, v in samples.items()}
     bound_ms = flops(engine.plan) / (args.peak_gflops * 1e9) * 1e3
     plan = ", ".join(sorted({l.layer_type for l in engine.plan.layers}))
@@ -206,8 +221,8 @@ def bench(name: str, workdir: Path, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="resnet18,resnet50")
-    p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runs", type=int, default=10, help="timed inferences per engine per round")
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time torch.compile (slow first call)")
     args = p.parse_args(argv)

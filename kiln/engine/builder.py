@@ -181,6 +181,7 @@ class _Lowering:
         self.formats: dict[str, str] = {v.name: LINEAR for v in g.inputs}
         self.descs: dict[str, TensorDesc] = {v.name: desc_of(v) for v in g.inputs}
         self.reformatted: dict[tuple[str, str], str] = {}
+        self.position = {id(n): i for i, n in enumerate(g.nodes)}
 
     def weight(self, v) -> Arg:
         self.weights.setdefault(v.name, np.ascontiguousarray(v.const).reshape(v.const.shape))
@@ -214,6 +215,14 @@ class _Lowering:
                                          (self.weight(v),), (), (desc_of(v),), {},
                                          "kiln.constant", tactic_value("kiln.constant"), ()))
 
+    def dying_inputs(self, node: Node) -> frozenset[int]:
+        """Indices of `node`'s activation inputs that no later node reads and the graph does not return."""
+        here = self.position[id(node)]
+        return frozenset(i for i, v in enumerate(node.inputs)
+                         if v is not None and not v.is_const and v.producer is not None and not self.g.is_output(v)
+                         and all(self.position.get(id(u), -1) <= here for u in v.users)
+                         and sum(x is v for x in node.inputs) == 1)
+
     @staticmethod
     def parameter_type(node: Node) -> str:
         return PARAMETER_TYPES.get(node.op_type) or lookup(node.op_type, node.domain).trt_layer
@@ -225,7 +234,7 @@ class _Lowering:
         have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
         ptype = self.parameter_type(node)
         names = {t.name: runner_type(t.name, ptype) for t in found}
-        choice = self.tuner.choose(node.name, view, found, have, names)
+        choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node))
         self.node_ms[node.name] = choice.kernel_ms + choice.overhead_ms
         return choice.tactic
 

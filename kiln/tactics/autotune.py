@@ -135,7 +135,7 @@ class Autotuner:
         return ms
 
     def _measure(self, view: LayerView, tactics: list[Tactic], signature: str,
-                 have_formats: list[str | None]) -> dict[str, float]:
+                 have_formats: list[str | None], dying: frozenset[int]) -> dict[str, float]:
         times: dict[str, float] = {}
         pending = []
         for t in tactics:
@@ -152,6 +152,9 @@ class Autotuner:
             xs = [None if (s is None or i in view.const_inputs) else
                   _example(s, view.input_dtypes[i], (have_formats[i] or LINEAR) if wanted[i] == ANY else wanted[i])
                   for i, s in enumerate(view.input_shapes)]
+            into = getattr(kernel, "into_input", None)
+            if into is not None and into[0] in dying:
+                kernel = into[1]   # the plan will run it over the dying input's buffer: time it that way
             runners.append((t, lambda kernel=kernel, xs=xs: kernel(xs), xs, []))
         with torch.inference_mode():
             for t, fn, _, _ in runners:
@@ -166,13 +169,17 @@ class Autotuner:
         return times
 
     def choose(self, name: str, view: LayerView, tactics: list[Tactic], have_formats: list[str | None],
-               runner_names: dict[str, str]) -> Choice:
+               runner_names: dict[str, str], dying: frozenset[int] = frozenset()) -> Choice:
+        """`dying`: indices of inputs this layer reads last; a kernel that can write its output over one of
+        them (`into_input`, a fused residual) is timed doing so, as the plan runs it (kiln.tactics.donation)."""
         signature = layer_signature(view, have_formats)
+        if dying:
+            signature = digest({"dying": sorted(dying), "layer": signature})
         if self.evictor is not None:
             signature = digest({"cold_weights": signature})
         self.current = f"layer '{name}'"
         log.debug("=============== Computing costs for %s", name)
-        times = self._measure(view, tactics, signature, have_formats)
+        times = self._measure(view, tactics, signature, have_formats, dying)
         best: Choice | None = None
         for t in tactics:
             runner = runner_names.get(t.name, t.source)

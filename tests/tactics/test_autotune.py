@@ -35,7 +35,7 @@ VIEW = LayerView("Relu", "", {}, ((1, 8),), ("float32",), {}, ("float32",), 17, 
 
 def choose(timings: dict[str, float], sources: dict[str, str]):
     tuner = Autotuner(TimingCache({"device": "test"}))
-    tuner._measure = lambda view, tactics, signature, have: dict(timings)
+    tuner._measure = lambda *args: dict(timings)
     tactics = [FakeTactic(name, sources.get(name, "torch")) for name in timings]
     return tuner.choose("layer", VIEW, tactics, [LINEAR], {})
 
@@ -127,6 +127,41 @@ def test_a_tactic_is_timed_by_its_fastest_round_so_a_burst_of_noise_does_not_dec
     choice = tuner.choose("layer", VIEW, [steady, bursty], [LINEAR], {})
     assert bursty.calls == steady.calls == 1 + 3 * (1 + 2)
     assert choice.tactic.name == "bursty" and choice.timings_ms["bursty"] < 1.0 <= choice.timings_ms["steady"]
+
+
+class DonatingTactic(FakeTactic):
+    """Sleeps 4 ms writing a fresh output, 0.1 ms in its in-place variant (`into_input` over input 0)."""
+
+    def __init__(self, name):
+        super().__init__(name, "kiln")
+        self.calls = {"fresh": 0, "in place": 0}
+
+    def prepare(self, layer):
+        def variant(kind, seconds):
+            def run(xs):
+                self.calls[kind] += 1
+                time.sleep(seconds)
+                return [xs[0]]
+            return run
+        run = variant("fresh", 0.004)
+        run.into_input = (0, variant("in place", 0.0001))
+        return run
+
+
+def test_a_kernel_that_writes_over_a_dying_input_is_timed_doing_so():
+    from kiln.tactics.autotune import TimingOptions
+
+    cache, options = TimingCache({"device": "test"}), TimingOptions(avg_timing=2, min_timing=2)
+    kept, dying = DonatingTactic("donor"), DonatingTactic("donor")
+    other = BurstyTactic("other", steady_s=0.001)
+    # one untimed call, then 2 rounds of a warm-up and 2 timed calls: 7 calls of the variant the plan runs
+    # the input lives on after this layer: the fresh-output kernel is what runs, and it loses
+    choice = Autotuner(cache, options).choose("layer", VIEW, [kept, other], [LINEAR], {})
+    assert kept.calls == {"fresh": 7, "in place": 0} and choice.tactic.name == "other"
+    # the layer reads its input last: the plan donates the buffer, so the in-place kernel is timed, and wins
+    choice = Autotuner(cache, options).choose("layer", VIEW, [dying, other], [LINEAR], {}, frozenset({0}))
+    assert dying.calls == {"fresh": 0, "in place": 7} and choice.tactic.name == "donor"
+    assert choice.timings_ms["donor"] < 1.0 < choice.timings_ms["other"]
 
 
 def test_last_level_cache_size_is_the_largest_sysfs_cache(tmp_path):
