@@ -26,6 +26,8 @@ ROW_TILE = 6      # rows per register tile (MR)
 
 SOURCE = f"""
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #define MR {ROW_TILE}
 #define NR {PANEL}
 """ + r"""
@@ -60,20 +62,25 @@ static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, cons
   }
 }
 
-static void tile(const float* const* restrict a, int64_t mr, int64_t k, const float* restrict b, float* c,
-                 int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t relu) {
+/* Sums `segs` segments of `k` products into one register tile: segment s reads rows a[s * MR + i] and weights
+   b + s * k * NR. A GEMM has one segment; a direct convolution one per kernel row. */
+static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64_t k, const float* restrict b,
+                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t relu) {
   v16 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
   v16 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
-  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
-  for (int64_t l = 0; l < k; ++l) {
-    const v16 b0 = *(const v16*)(b + l * NR), b1 = *(const v16*)(b + l * NR + 16);
-    float x;
-    x = a0[l]; c00 += x * b0; c01 += x * b1;
-    x = a1[l]; c10 += x * b0; c11 += x * b1;
-    x = a2[l]; c20 += x * b0; c21 += x * b1;
-    x = a3[l]; c30 += x * b0; c31 += x * b1;
-    x = a4[l]; c40 += x * b0; c41 += x * b1;
-    x = a5[l]; c50 += x * b0; c51 += x * b1;
+  for (int64_t s = 0; s < segs; ++s) {
+    const float *a0 = a[s * MR], *a1 = a[s * MR + 1], *a2 = a[s * MR + 2], *a3 = a[s * MR + 3];
+    const float *a4 = a[s * MR + 4], *a5 = a[s * MR + 5], *bs = b + s * k * NR;
+    for (int64_t l = 0; l < k; ++l) {
+      const v16 b0 = *(const v16*)(bs + l * NR), b1 = *(const v16*)(bs + l * NR + 16);
+      float x;
+      x = a0[l]; c00 += x * b0; c01 += x * b1;
+      x = a1[l]; c10 += x * b0; c11 += x * b1;
+      x = a2[l]; c20 += x * b0; c21 += x * b1;
+      x = a3[l]; c30 += x * b0; c31 += x * b1;
+      x = a4[l]; c40 += x * b0; c41 += x * b1;
+      x = a5[l]; c50 += x * b0; c51 += x * b1;
+    }
   }
   const v16 lo[MR] = {c00, c10, c20, c30, c40, c50}, hi[MR] = {c01, c11, c21, c31, c41, c51};
   for (int64_t i = 0; i < mr; ++i)
@@ -100,8 +107,60 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
         rows[i] = a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
       }
       const int64_t at = p * c_batch + r0 * n + nb * NR;
-      tile(rows, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, relu);
+      tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, relu);
     }
+  }
+}
+
+/* Direct convolution on NHWC input x[n][h][w][c] (dilation 1, one group): output pixel r of an image is a row
+   of the GEMM, and kernel row s of its window is one segment of kw * c contiguous input floats. Windows that
+   cross the border are copied into a per-thread buffer with zeros where the padding is. Weights are packed as
+   for kiln_gemm from [kh][kw][c][cout]; the work split and the epilogue are kiln_gemm's. */
+void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+               int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
+               const float* restrict b, float* y, const float* restrict bias, const float* res, int64_t relu,
+               int64_t cout) {
+  const int64_t m = oh * ow, seg = kw * c, panels = (cout + NR - 1) / NR, tiles = (m + MR - 1) / MR;
+  const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
+  const int64_t rows_outer = kh * seg * cout * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
+  #pragma omp parallel
+  {
+    float* pad = (float*)malloc(sizeof(float) * MR * kh * seg);
+    const float** rows = (const float**)malloc(sizeof(float*) * MR * kh);
+    #pragma omp for schedule(static)
+    for (int64_t q = 0; q < n * units; ++q) {
+      const int64_t p = q / units, u = q % units;
+      const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+      const float* bp = b + nb * kh * seg * NR;
+      const float* image = x + p * h * w * c;
+      const int64_t cols = cout - nb * NR < NR ? cout - nb * NR : NR;
+      const int64_t last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
+      for (int64_t t = ch * CHUNK; t < last; ++t) {
+        const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+        for (int64_t i = 0; i < MR; ++i) {
+          const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
+          for (int64_t s = 0; s < kh; ++s) {
+            const int64_t yy = oy * sh - pt + s;
+            const int inside_y = yy >= 0 && yy < h;
+            if (inside_y && x0 >= 0 && x0 + kw <= w) {
+              rows[s * MR + i] = image + (yy * w + x0) * c;
+              continue;
+            }
+            float* d = pad + (i * kh + s) * seg;
+            for (int64_t j = 0; j < kw; ++j) {
+              const int64_t xx = x0 + j;
+              if (inside_y && xx >= 0 && xx < w) memcpy(d + j * c, image + (yy * w + xx) * c, sizeof(float) * c);
+              else memset(d + j * c, 0, sizeof(float) * c);
+            }
+            rows[s * MR + i] = d;
+          }
+        }
+        const int64_t at = (p * m + r0) * cout + nb * NR;
+        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, relu);
+      }
+    }
+    free(rows);
+    free(pad);
   }
 }
 """
@@ -118,6 +177,8 @@ def library():
     lib.kiln_gemm.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
     lib.kiln_gemm.restype = None
+    lib.kiln_conv.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    lib.kiln_conv.restype = None
     return lib
 
 

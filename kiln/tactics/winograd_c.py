@@ -148,7 +148,7 @@ void wino_fused(const float* restrict x, const float* restrict u, const int64_t 
           const int64_t mr = bt - r0 < MR ? bt - r0 : MR;
           const float* rows[MR];
           for (int64_t i = 0; i < MR; ++i) rows[i] = v + p * bt * c + (r0 + (i < mr ? i : 0)) * c;
-          tile(rows, mr, c, u + p * panel_stride + nb * c * NR, prod + p * bt * ldp + r0 * ldp + (nb - pg0) * NR,
+          tile(rows, 1, mr, c, u + p * panel_stride + nb * c * NR, prod + p * bt * ldp + r0 * ldp + (nb - pg0) * NR,
                ldp, cols, 0, 0, 0);
         }}
       }}
