@@ -27,6 +27,8 @@ _unary("Softsign", lambda a, x: x / (1 + x.abs()), "Activation")
 _unary("HardSigmoid", lambda a, x: torch.clamp(a.get("alpha", 0.2) * x + a.get("beta", 0.5), 0, 1), "Activation")
 _unary("HardSwish", lambda a, x: F.hardswish(x), "Activation")
 _unary("Mish", lambda a, x: F.mish(x), "Activation")
+_unary("Swish", lambda a, x: F.silu(x) if a.get("alpha", 1.0) == 1.0 else x * torch.sigmoid(a["alpha"] * x),
+       "Activation")   # opset 24; kiln's SwishFusion writes it for x * Sigmoid(x) (SiLU)
 _unary("ThresholdedRelu", lambda a, x: torch.where(x > a.get("alpha", 1.0), x, torch.zeros_like(x)), "Activation")
 _unary("Gelu", lambda a, x: F.gelu(x, approximate=a.get("approximate", "none")), "Activation")
 

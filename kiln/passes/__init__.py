@@ -7,7 +7,7 @@ from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_gem
 from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_layer_norm
-from kiln.passes.pointwise import fuse_pointwise
+from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, merge_duplicate_qdq,
                                      split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
@@ -29,6 +29,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("ConvScaleFusion", fold_batchnorm_into_conv),
     # The residual sum must be absorbed before the activation (post-op order: sum, then activation).
     Pass("ConvEltwiseSumFusion", fuse_residual_add),
+    # SiLU (x * Sigmoid(x)) becomes one Swish op first, so the convolution or matrix product can absorb it.
+    Pass("SwishFusion", fuse_swish),
     Pass("ConvReluFusion", fuse_activation),
     Pass("MatMulAddFusion", fuse_matmul_bias),
     # Q/K/V projections merge once their biases are inside; attention then absorbs the Split and the shuffles.

@@ -13,6 +13,7 @@ ACTIVATIONS: dict[str, str] = {
     "Relu": "RELU", "LeakyRelu": "LEAKY_RELU", "Clip": "CLIP", "Sigmoid": "SIGMOID", "Tanh": "TANH",
     "HardSigmoid": "HARD_SIGMOID", "Elu": "ELU", "Selu": "SELU", "Softplus": "SOFTPLUS", "Softsign": "SOFTSIGN",
     "ThresholdedRelu": "THRESHOLDED_RELU", "HardSwish": "HARD_SWISH", "Mish": "MISH", "Gelu": "GELU_ERF",
+    "Swish": "SWISH",   # not a TensorRT ActivationType: TensorRT fuses SiLU as a PointWise epilogue
 }
 
 

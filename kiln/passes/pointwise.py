@@ -1,6 +1,8 @@
-"""PointWiseFusion: chains of elementwise ops become one PointWise layer named `PWN(a, b, c)`.
+"""PointWiseFusion: chains of elementwise ops become one PointWise layer named `PWN(a, b, c)`; SwishFusion first
+turns SiLU into one activation a convolution or matrix product can absorb.
 
-    x ─► Sigmoid ─► Mul ◄─ x          ==>   x ─► PWN(Sigmoid, Mul)
+    SwishFusion:      x ─► Sigmoid ─► Mul ◄─ x          ==>   x ─► Swish   (named "Sigmoid + Mul")
+    PointWiseFusion:  x ─► Exp ─► Add ─► Log            ==>   x ─► PWN(Exp, Add, Log)
 Each PointWise node carries a small program: steps that read layer inputs ("x0") or earlier steps ("t1").
 """
 from __future__ import annotations
@@ -11,6 +13,33 @@ from kiln.ir import Graph, Node, Value
 from kiln.ops import OPS
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import is_elementwise, replace_nodes, sole_consumer, why_not_sole_consumer
+
+
+ABSORBS_ACTIVATION = ("Conv", "Gemm", "MatMul")
+
+
+def fuse_swish(g: Graph, plog: PassLog) -> None:
+    """SwishFusion: Mul(x, Sigmoid(x)) (either operand order) on a convolution's or matrix product's output becomes
+    Swish(x) (ONNX opset 24, alpha 1), which ConvReluFusion / GemmActFusion then absorb: the SiLU YOLOv5/v8 and
+    EfficientNet write after every convolution. Elsewhere SiLU stays for PointWiseFusion (`PWN(Sigmoid, Mul)`)."""
+    for sig in [n for n in g.nodes if n.op_type == "Sigmoid" and n.domain in ("", "ai.onnx")]:
+        x, mul = sig.inputs[0], sole_consumer(g, sig)
+        if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or x.producer is None:
+            continue
+        if x.producer.op_type not in ABSORBS_ACTIVATION or x.producer.domain not in ("", "ai.onnx"):
+            continue
+        plog.running(sig)
+        if not (len(mul.inputs) == 2 and x in mul.inputs and sig.outputs[0] in mul.inputs):
+            plog.not_fused(sig, mul, f"{mul.name} does not multiply the Sigmoid's own input")
+            continue
+        if len(x.users) != 2 or g.is_output(x):
+            plog.not_fused(sig, mul, f"{x.producer.name}'s output '{x.name}' is also read elsewhere: its "
+                                     "activation cannot be absorbed")
+            continue
+        origin = sig.origin + mul.origin
+        plog.fusing(sig, mul)
+        replace_nodes(g, [sig, mul], Node(" + ".join(origin), "Swish", [x], [mul.outputs[0]], {"alpha": 1.0}, "",
+                                          origin))
 
 
 def as_program(node: Node) -> tuple[list[dict[str, Any]], list[Value]]:

@@ -1,6 +1,6 @@
 """1x1 convolution as kiln's own GEMM (kiln.tactics.gemm_c) on channel-major (NHWC) activations: each output
 pixel is one row of the input, so the layer is [pixels x Cin] · [Cin x Cout], strides included (rows are read
-in place), with bias, residual and ReLU applied as the output is written.
+in place), with bias, residual and ReLU or Swish applied as the output is written.
 
 Against oneDNN through torch the GEMM itself is about as fast, and a call costs ~3 µs instead of ~27 µs of
 descriptor set-up inside ideep: that matters in ResNet-50, which has 36 of these layers. The autotuner decides.
@@ -60,8 +60,8 @@ class Conv1x1GemmTactic:
         packed = gemm_c.pack_weights(weight.reshape(cout, c).t().float())
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         spec = layer.attrs.get("activation")
-        relu = bool(spec) and spec["op"] == "Relu"
-        post = spec if spec and not relu else None
+        act = gemm_c.activation_code(spec)
+        post = spec if spec and not act else None
         has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
         last = torch.channels_last
         bias_ptr = None if bias is None else bias.data_ptr()
@@ -69,7 +69,7 @@ class Conv1x1GemmTactic:
         def gemm(x, out, res):
             lib.kiln_gemm(x.data_ptr(), h * w * c, ow, sw * c, sh * w * c, packed.data_ptr(), 0,
                           out.data_ptr(), oh * ow * cout, bias_ptr, None if res is None else res.data_ptr(),
-                          int(relu), n, oh * ow, c, cout)
+                          act, n, oh * ow, c, cout)
             return [apply_activation(post, out) if post else out]
 
         def run(xs):

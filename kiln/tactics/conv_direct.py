@@ -1,7 +1,7 @@
 """Direct convolution on kiln's GEMM micro-kernel (kiln.tactics.gemm_c.kiln_conv): channel-major (NHWC)
 activations, any kernel size, stride and padding (dilation 1, one group). Each output pixel is a GEMM row whose
 window is read in place, one contiguous segment of kernel-width x channels per kernel row; bias, residual and
-ReLU are applied as the output is written, like the 1x1 tactic.
+ReLU or Swish are applied as the output is written, like the 1x1 tactic.
 
 It competes with oneDNN for what Winograd and the 1x1 GEMM do not take: strided 3x3 layers, 7x7 maps, stems.
 Against oneDNN through torch a call costs ~4 µs instead of ~28 µs of descriptor set-up, which decides small
@@ -69,15 +69,15 @@ class DirectConvTactic:
         packed = gemm_c.pack_weights(weight.permute(2, 3, 1, 0).reshape(kh * kw * c, cout).float())
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         spec = layer.attrs.get("activation")
-        relu = bool(spec) and spec["op"] == "Relu"
-        post = spec if spec and not relu else None
+        act = gemm_c.activation_code(spec)
+        post = spec if spec and not act else None
         has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
         last = torch.channels_last
         bias_ptr = None if bias is None else bias.data_ptr()
 
         def conv(x, out, res):
             lib.kiln_conv(x.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(),
-                          out.data_ptr(), bias_ptr, None if res is None else res.data_ptr(), int(relu), cout)
+                          out.data_ptr(), bias_ptr, None if res is None else res.data_ptr(), act, cout)
             return [apply_activation(post, out) if post else out]
 
         def run(xs):

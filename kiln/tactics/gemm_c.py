@@ -6,7 +6,7 @@ as two straight vectors per step; A is read in place, one row per output pixel (
 `(r / row_width) * line_step + (r % row_width) * col_step`, which covers strided 1x1 convolutions without a
 copy). A 6 x 32 register tile (12 vector accumulators) is the micro-kernel; a partial tile of rows repeats its
 first row and stores only the real ones. The output may be the residual's own buffer (each element is read
-before it is written, by the same thread). Bias, residual and ReLU are applied as the tile is stored. OpenMP
+before it is written, by the same thread). Bias, residual and ReLU or Swish are applied as the tile is stored. OpenMP
 shares (batch, column panel, row chunk) units out on torch's own thread pool, row chunks outermost where the
 weights fit in L2 (ROWS_OUTER_BYTES).
 
@@ -39,18 +39,55 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
    panel instead, each panel streamed once while all rows pass it. */
 #define ROWS_OUTER_BYTES (512 * 1024)
 
-static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, int64_t relu) {
+/* Activations applied as tiles are stored: 1 ReLU, 2 Swish (x * sigmoid(x), SiLU). */
+#define ACT_RELU 1
+#define ACT_SWISH 2
+
+/* x * sigmoid(x) through Cephes' expf (range reduction by ln 2, a degree-5 polynomial; a few ulp): k_swish one
+   float, v_swish 16 at a time in vector registers (the loops the scalar form sits in do not vectorize). */
+static inline float k_swish(float x) {
+  float t = -x;
+  t = t < -87.0f ? -87.0f : (t > 87.0f ? 87.0f : t);
+  const float n = (float)(int32_t)(t * 1.44269504088896341f + (t < 0.0f ? -0.5f : 0.5f));
+  const float r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return x / (1.0f + (p * r * r + r + 1.0f) * scale);
+}
+
+static inline v16 v_select(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
+
+static inline v16 v_swish(v16 x) {
+  const v16 lo = (v16){0} - 87.0f, hi = (v16){0} + 87.0f, half = (v16){0} + 0.5f;
+  v16 t = -x;
+  t = v_select((v16i)(t < lo), lo, v_select((v16i)(t > hi), hi, t));
+  const v16i ni = __builtin_convertvector(t * 1.44269504088896341f + v_select((v16i)(t < 0.0f), -half, half), v16i);
+  const v16 n = __builtin_convertvector(ni, v16);
+  const v16 r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = (v16){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  const v16 scale = (v16)((ni + 127) << 23);
+  return x / (1.0f + (p * r * r + r + 1.0f) * scale);
+}
+
+static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, int64_t act) {
   if (bias) v += *(const v16*)bias;
   if (res) v += *(const v16*)res;
-  if (relu) v = (v16)((v16i)v & (v16i)(v > (v16){0}));
+  if (act == ACT_RELU) v = (v16)((v16i)v & (v16i)(v > (v16){0}));
+  if (act == ACT_SWISH) v = v_swish(v);
   return v;
 }
 
 static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, const float* res,
-                      int64_t relu, int64_t cols) {
+                      int64_t act, int64_t cols) {
   if (cols == NR) {
-    *(v16*)c = epilogue(lo, bias, res, relu);
-    *(v16*)(c + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? res + 16 : 0, relu);
+    *(v16*)c = epilogue(lo, bias, res, act);
+    *(v16*)(c + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? res + 16 : 0, act);
     return;
   }
   float tmp[NR];
@@ -58,14 +95,14 @@ static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, cons
   *(v16*)(tmp + 16) = hi;
   for (int64_t j = 0; j < cols; ++j) {
     float v = tmp[j] + (bias ? bias[j] : 0.0f) + (res ? res[j] : 0.0f);
-    c[j] = (relu && !(v > 0.0f)) ? 0.0f : v;
+    c[j] = act == ACT_SWISH ? k_swish(v) : (act == ACT_RELU && !(v > 0.0f)) ? 0.0f : v;
   }
 }
 
 /* Sums `segs` segments of `k` products into one register tile: segment s reads rows a[s * MR + i] and weights
    b + s * k * NR. A GEMM has one segment; a direct convolution one per kernel row. */
 static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64_t k, const float* restrict b,
-                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t relu) {
+                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
   v16 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
   v16 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
   for (int64_t s = 0; s < segs; ++s) {
@@ -84,12 +121,12 @@ static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64
   }
   const v16 lo[MR] = {c00, c10, c20, c30, c40, c50}, hi[MR] = {c01, c11, c21, c31, c41, c51};
   for (int64_t i = 0; i < mr; ++i)
-    store_row(c + i * ldc, lo[i], hi[i], bias, res ? res + i * ldc : 0, relu, cols);
+    store_row(c + i * ldc, lo[i], hi[i], bias, res ? res + i * ldc : 0, act, cols);
 }
 
 void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
                const float* restrict b, int64_t b_batch, float* c, int64_t c_batch,
-               const float* restrict bias, const float* res, int64_t relu,
+               const float* restrict bias, const float* res, int64_t act,
                int64_t batch, int64_t m, int64_t k, int64_t n) {
   const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK;
   const int64_t units = panels * chunks, rows_outer = k * n * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
@@ -107,7 +144,7 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
         rows[i] = a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
       }
       const int64_t at = p * c_batch + r0 * n + nb * NR;
-      tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, relu);
+      tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
     }
   }
 }
@@ -118,7 +155,7 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
    for kiln_gemm from [kh][kw][c][cout]; the work split and the epilogue are kiln_gemm's. */
 void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
                int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
-               const float* restrict b, float* y, const float* restrict bias, const float* res, int64_t relu,
+               const float* restrict b, float* y, const float* restrict bias, const float* res, int64_t act,
                int64_t cout) {
   const int64_t m = oh * ow, seg = kw * c, panels = (cout + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
@@ -156,7 +193,7 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
           }
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
-        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, relu);
+        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
       }
     }
     free(rows);
@@ -180,6 +217,15 @@ def library():
     lib.kiln_conv.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
     lib.kiln_conv.restype = None
     return lib
+
+
+def activation_code(spec: dict | None) -> int:
+    """The C kernels' fused activation: 1 ReLU, 2 Swish (alpha 1); 0 for none or one applied after the kernel."""
+    if not spec:
+        return 0
+    if spec["op"] == "Relu":
+        return 1
+    return 2 if spec["op"] == "Swish" and spec.get("attrs", {}).get("alpha", 1.0) == 1.0 else 0
 
 
 def pack_weights(b: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ _UNARY = {
     "LeakyRelu": lambda a: ("leaky_relu", [a.get("alpha", 0.01)], None),
     "Clip": lambda a: ("hardtanh", [a.get("min", float("-inf")), a.get("max", float("inf"))], None),
     "Gelu": lambda a: ("gelu", [], a.get("approximate", "none")),
+    "Swish": lambda a: ("swish", [], None) if a.get("alpha", 1.0) == 1.0 else None,
 }
 _BINARY_UNARY = {"Relu"}   # the only activation oneDNN accepts after a fused sum here
 

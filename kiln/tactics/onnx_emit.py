@@ -86,6 +86,10 @@ class Emitter:
         if not spec:
             return x
         attrs = dict(spec.get("attrs", {}))
+        if spec["op"] == "Swish":   # opset 24: written as Sigmoid and Mul, which every runtime knows
+            alpha = float(attrs.get("alpha", 1.0))
+            gate = x if alpha == 1.0 else self.node("Mul", [x, self.const(alpha)])
+            return self.node("Mul", [x, self.node("Sigmoid", [gate])])
         if spec["op"] == "Clip":
             lo, hi = attrs.pop("min", None), attrs.pop("max", None)
             return self.node("Clip", [x, None if lo is None else self.const(lo), None if hi is None else self.const(hi)])
@@ -144,6 +148,8 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
         return e.node("LayerNormalization", [e.node("Add", xs[:2])] + xs[2:], a)
+    if view.op_type == "Swish" and view.domain in ("", "ai.onnx"):
+        return e.activation(xs[0], {"op": "Swish", "attrs": a})
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
         return e.node(view.op_type, xs, {k: v for k, v in a.items() if k != "dilations"})
     return e.node(view.op_type, xs, a, len(view.output_dtypes), view.domain if view.domain != "ai.onnx" else "")
@@ -236,6 +242,9 @@ def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
                 args.append(xs[int(arg[1:])])
             else:
                 args.append(temps[int(arg[1:])])
+        if step["op"] == "Swish":
+            temps.append(e.activation(args[0], {"op": "Swish", "attrs": step.get("attrs", {})}))
+            continue
         temps.append(e.node(step["op"], args, step.get("attrs", {})))
     return temps[-1]
 

@@ -92,6 +92,7 @@ UNARY = {
     "HardSigmoid": lambda a, x: f"k_clip({_f(a.get('alpha', 0.2))} * {x} + {_f(a.get('beta', 0.5))}, 0.0f, 1.0f)",
     "HardSwish": lambda a, x: f"({x} * k_clip({x} + 3.0f, 0.0f, 6.0f) / 6.0f)",
     "Mish": lambda a, x: f"({x} * k_tanh(k_softplus({x})))",
+    "Swish": lambda a, x: f"({x} / (1.0f + expf(-{_f(a.get('alpha', 1.0))} * {x})))",
     "ThresholdedRelu": lambda a, x: f"({x} > {_f(a.get('alpha', 1.0))} ? {x} : 0.0f)",
     "Gelu": _gelu,
     "Sqrt": lambda a, x: f"sqrtf({x})",

@@ -154,12 +154,17 @@ class _Geometry:
         return self.n * self.tiles_h * self.tiles_w
 
     @property
-    def relu(self) -> bool:
-        """ReLU is applied while tiles are written; any other activation runs after the kernel."""
-        return bool(self.spec) and self.spec["op"] == "Relu"
+    def act(self) -> int:
+        """ReLU and Swish are applied while tiles are written (gemm_c.activation_code); others after the kernel."""
+        return gemm_c.activation_code(self.spec)
 
-    def activate(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.relu or not self.spec else apply_activation(self.spec, out)
+    @property
+    def relu(self) -> bool:
+        return self.act == 1
+
+    def activate(self, out: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        """`out` with the activation the kernel did not apply itself (`fused`: it applied `act`)."""
+        return out if (fused and self.act) or not self.spec else apply_activation(self.spec, out)
 
 
 def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
@@ -179,7 +184,7 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
         res = xs[3].contiguous(memory_format=last) if g.has_residual else None
         work = scratch(per_thread * threads)
         lib.wino_fused(x.data_ptr(), packed.data_ptr(), panel_stride, out.data_ptr(), bias_ptr,
-                       None if res is None else res.data_ptr(), int(g.relu), g.n, g.h, g.w, g.c, g.cout,
+                       None if res is None else res.data_ptr(), g.act, g.n, g.h, g.w, g.c, g.cout,
                        g.pads[0], g.pads[1], g.out_h, g.out_w, g.tiles_h, g.tiles_w, block, groups,
                        work.data_ptr(), threads)
         return [g.activate(out)]
@@ -261,5 +266,5 @@ def _torch_kernel(g: _Geometry, u: torch.Tensor) -> Kernel:
             out.add_(xs[3].permute(0, 2, 3, 1))
         if g.relu:
             out.relu_()
-        return [g.activate(out.permute(0, 3, 1, 2))]             # NCHW view of channel-major memory
+        return [g.activate(out.permute(0, 3, 1, 2), fused=g.relu)]             # NCHW view of channel-major memory
     return run

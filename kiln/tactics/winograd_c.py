@@ -76,10 +76,10 @@ static inline void in_tile(const float* restrict x, float* restrict v, const int
 }}
 
 /* One tile's Aᵀ M A for output channels [c_begin, c_end), read from mm[p * plane + row * ldm + channel - m_c0],
-   with bias, residual and ReLU, cropped into the NHWC output. */
+   with bias, residual and ReLU or Swish, cropped into the NHWC output. */
 static inline void out_tile(const float* restrict mm, const int64_t plane, const int64_t ldm, const int64_t row,
                             const int64_t m_c0, float* y, const float* restrict bias, const float* res,
-                            const int64_t relu, const int64_t b, const int64_t th, const int64_t tw,
+                            const int64_t act, const int64_t b, const int64_t th, const int64_t tw,
                             const int64_t oh, const int64_t ow, const int64_t co, const int64_t c_begin,
                             const int64_t c_end) {{
   for (int64_t c0 = c_begin; c0 < c_end; c0 += CB) {{
@@ -111,7 +111,12 @@ static inline void out_tile(const float* restrict mm, const int64_t plane, const
         for (int64_t k = 0; k < cb; ++k) {{
           float val = o[j][k] + (bias ? bias[c0 + k] : 0.0f);
           if (res) val += res[at + k];
-          y[at + k] = (relu && val < 0.0f) ? 0.0f : val;
+          y[at + k] = (act == ACT_RELU && val < 0.0f) ? 0.0f : val;
+        }}
+        if (act == ACT_SWISH) {{   /* on the row just written, still in L1: 16 at a time, then one by one */
+          int64_t k = 0;
+          for (; k + 16 <= cb; k += 16) *(v16*)(y + at + k) = v_swish(*(v16*)(y + at + k));
+          for (; k < cb; ++k) y[at + k] = k_swish(y[at + k]);
         }}
       }}
     }}
@@ -121,7 +126,7 @@ static inline void out_tile(const float* restrict mm, const int64_t plane, const
 /* All three steps per unit of (block of `block` tiles, group of column panels), in this thread's slice of
    `scratch`: the block's transformed input and products stay in L2 instead of passing through memory. */
 void wino_fused(const float* restrict x, const float* restrict u, const int64_t panel_stride, float* y,
-                const float* restrict bias, const float* res, const int64_t relu, const int64_t n, const int64_t h,
+                const float* restrict bias, const float* res, const int64_t act, const int64_t n, const int64_t h,
                 const int64_t w, const int64_t c, const int64_t co, const int64_t pt, const int64_t pl,
                 const int64_t oh, const int64_t ow, const int64_t tiles_h, const int64_t tiles_w,
                 const int64_t block, const int64_t groups, float* scratch, const int64_t threads) {{
@@ -154,7 +159,7 @@ void wino_fused(const float* restrict x, const float* restrict u, const int64_t 
       }}
     for (int64_t r = 0; r < bt; ++r) {{
       const int64_t t = t0 + r, b = t / (tiles_h * tiles_w), th = (t / tiles_w) % tiles_h, tw = t % tiles_w;
-      out_tile(prod, bt * ldp, ldp, r, c_begin, y, bias, res, relu, b, th, tw, oh, ow, co, c_begin, c_end);
+      out_tile(prod, bt * ldp, ldp, r, c_begin, y, bias, res, act, b, th, tw, oh, ow, co, c_begin, c_end);
     }}
   }}
 }}

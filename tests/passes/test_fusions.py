@@ -121,6 +121,36 @@ def test_conv_with_two_consumers_not_fused_with_relu(caplog):
     assert "2 consumers" in caplog.text
 
 
+@pytest.mark.parametrize("operands", [["c", "s1"], ["s1", "c"]], ids=["x*sig", "sig*x"])
+def test_conv_silu_is_one_layer_with_a_swish_activation(operands):
+    tail = [helper.make_node("BatchNormalization", ["c", "s", "bb", "m", "v"], ["n"], name="bn"),
+            helper.make_node("Sigmoid", ["n"], ["s1"], name="sig"),
+            helper.make_node("Mul", [o.replace("c", "n") for o in operands], ["y"], name="mul")]
+    engine = build_and_check(conv_model(tail, extra_inits=BN_INITS), {"x": X})
+    convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    assert [l.name for l in convs] == ["conv + bn + sig + mul"] and {"Sigmoid", "Mul", "PointWise"}.isdisjoint(
+        op_types(engine))
+    layer = convs[0]
+    assert layer.origin == ("conv", "bn", "sig", "mul") and layer.attrs["activation"]["op"] == "Swish"
+
+
+def test_silu_stays_pointwise_when_the_conv_output_is_read_elsewhere(caplog):
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    tail = [helper.make_node("Sigmoid", ["c"], ["s1"], name="sig"), helper.make_node("Mul", ["c", "s1"], ["y"], name="mul"),
+            helper.make_node("Relu", ["c"], ["z"], name="relu")]
+    engine = build_and_check(conv_model(tail, outputs=(("y", [1, 4, 6, 6]), ("z", [1, 4, 6, 6]))), {"x": X})
+    assert "PWN(sig, mul)" in names(engine) and "conv" in names(engine)
+    assert "SwishFusion: Not fusing sig with mul: conv's output 'c' is also read elsewhere" in caplog.text
+
+
+def test_sigmoid_times_another_tensor_is_not_swish(caplog):
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    tail = [helper.make_node("Sigmoid", ["c"], ["s1"], name="sig"), helper.make_node("Mul", ["x", "s1"], ["y"], name="mul")]
+    engine = build_and_check(conv_model(tail), {"x": X})
+    assert "Swish" not in str([l.attrs.get("activation") for l in engine.plan.layers])
+    assert "mul does not multiply the Sigmoid's own input" in caplog.text
+
+
 def test_conv_output_is_graph_output_not_fused(caplog):
     caplog.set_level(logging.DEBUG, logger="kiln.build")
     model = conv_model([helper.make_node("Relu", ["c"], ["y"], name="relu")],

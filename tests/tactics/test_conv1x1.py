@@ -54,7 +54,7 @@ def reference(view, xs):
     if len(xs) > 3:
         y = y + xs[3].double()
     op = (a.get("activation") or {}).get("op")
-    return {"Relu": y.relu(), "Sigmoid": y.sigmoid()}.get(op, y)
+    return {"Relu": y.relu(), "Sigmoid": y.sigmoid(), "Swish": y * y.sigmoid()}.get(op, y)
 
 
 CASES = [  # c, cout, h, w, stride, batch, bias, residual, activation
@@ -65,6 +65,7 @@ CASES = [  # c, cout, h, w, stride, batch, bias, residual, activation
     (40, 33, 13, 11, 1, 2, False, True, "Relu"),     # batch 2, no bias, 33 = a whole panel + 1 column
     (48, 80, 9, 7, 2, 3, True, True, None),          # odd maps with stride 2: per-image rows
     (16, 24, 5, 5, 1, 1, True, False, "Sigmoid"),    # an activation applied after the kernel
+    (48, 70, 9, 9, 1, 1, True, True, "Swish"),       # SiLU in the store (a partial panel takes the scalar path)
 ]
 
 
@@ -136,3 +137,21 @@ def test_model_forced_onto_kiln_matches_onnxruntime(tmp_path):
     engine = build_forced_onto(Bottleneck().eval(), torch.randn(1, 3, 29, 30), tmp_path)
     ones = sorted(l.name.split(" + ")[0] for l in engine.plan.layers if l.tactic_name == CONV1X1_TACTIC)
     assert ones == ["/expand/Conv", "/project/Conv", "/reduce/Conv"], ones
+
+
+def test_swish_in_the_store_matches_silu_over_the_whole_float_range():
+    """The C kernels' SiLU (Cephes' expf inside): within 2e-6 relative of torch's silu from -200 to 200, exact 0
+    at 0, NaN in NaN out, on the vector store (32 columns) and the scalar one (a partial panel of 7)."""
+    values = torch.cat([torch.linspace(-200, 200, 4001), torch.tensor([0.0, 1e-30, -1e-30, 87.5, -87.5,
+                                                                      float("nan")])])
+    for n in (32, 7):
+        eye = gemm_c.pack_weights(torch.eye(n))   # kept alive: the C code reads it through a raw pointer
+        a = values[: values.numel() // n * n].reshape(-1, n)
+        m = a.shape[0]
+        c = torch.full((m, n), -1.0)
+        gemm_c.library().kiln_gemm(a.data_ptr(), m * n, m, n, 0, eye.data_ptr(), 0, c.data_ptr(), m * n, None, None,
+                                   2, 1, m, n, n)
+        want = F.silu(a.double())
+        finite = ~a.isnan()
+        torch.testing.assert_close(c[finite].double(), want[finite], rtol=2e-6, atol=1e-30)
+        assert c[~finite].isnan().all() and (c[a == 0] == 0).all()

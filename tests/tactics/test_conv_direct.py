@@ -25,7 +25,7 @@ def reference(view, xs):
     if len(xs) > 3:
         y = y + xs[3].double()
     op = (a.get("activation") or {}).get("op")
-    return {"Relu": y.relu(), "Sigmoid": y.sigmoid()}.get(op, y)
+    return {"Relu": y.relu(), "Sigmoid": y.sigmoid(), "Swish": y * y.sigmoid()}.get(op, y)
 
 
 CASES = [  # c, cout, h, w, stride, kernel, pads, batch, residual, activation
@@ -36,6 +36,7 @@ CASES = [  # c, cout, h, w, stride, kernel, pads, batch, residual, activation
     (8, 33, 6, 5, 3, 3, (0, 0, 0, 0), 1, False, "Sigmoid"),    # no padding, stride 3, an activation after
     (24, 16, 10, 10, 1, 1, (1, 1, 1, 1), 1, False, "Relu"),    # a padded 1x1: the border rows are all zeros
     (5, 7, 4, 4, 1, 3, (1, 1, 1, 1), 1, False, "Relu"),        # fewer rows than a chunk, channels not a vector
+    (16, 32, 20, 20, 2, 3, (1, 1, 1, 1), 1, False, "Swish"),   # YOLO's strided 3x3 with SiLU in the store
 ]
 
 
