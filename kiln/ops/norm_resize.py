@@ -239,3 +239,27 @@ def resize(attrs, xs):
         return [y.to(x.dtype)]
     info = torch.iinfo(x.dtype)   # integers round and saturate, as the ONNX reference does
     return [torch.round(y).clamp(info.min, info.max).to(x.dtype)]
+
+
+def nearest_source_indices(attrs, shape: list[int], roi, scales, sizes) -> list[torch.Tensor] | None:
+    """For a nearest-mode Resize of an input of `shape`: per axis, the input index each output index reads (the
+    same rule `resize` applies, so a gather with them is exact); None for other modes and tf_crop_and_resize."""
+    if attrs.get("mode", "nearest") != "nearest" or \
+            attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        return None
+    rank = len(shape)
+    axes = [a % rank for a in attrs.get("axes", list(range(rank)))]
+    out, scale = _resize_targets(list(shape), scales, sizes, axes, attrs)
+    rois = {a: (0.0, 1.0) for a in range(rank)}
+    for i, a in enumerate(axes if roi is not None and len(roi) else ()):
+        rois[a] = (float(roi[i]), float(roi[i + len(axes)]))
+    indices = []
+    for a in range(rank):
+        if a in axes and (out[a] != shape[a] or not math.isclose(scale[a], 1.0) or rois[a] != (0.0, 1.0)):
+            coords = _source_coords(out[a], shape[a], scale[a],
+                                    attrs.get("coordinate_transformation_mode", "half_pixel"), rois[a])
+            indices.append(_nearest_index(coords, attrs.get("nearest_mode", "round_prefer_floor"), shape[a])[:, 0]
+                           .contiguous())
+        else:
+            indices.append(torch.arange(shape[a]))
+    return indices

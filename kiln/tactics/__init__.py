@@ -12,6 +12,7 @@ from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import NhwcPoolTactic
 from kiln.tactics.reference import ReferenceTactic
+from kiln.tactics.resize_c import NhwcResizeTactic
 from kiln.tactics.winograd import WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
@@ -19,7 +20,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                               WinogradConvTactic(4), WinogradConvTactic(2)],
                                      "Gemm": [OneDnnLinearTactic()], "MatMul": [OneDnnLinearTactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
-                                     "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()]}
+                                     "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
+                                     "Resize": [NhwcResizeTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")
