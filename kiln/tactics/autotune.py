@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kiln.tactics.base import ANY, HWC, LINEAR, LayerView, Tactic, tactic_value
+from kiln.tactics.reformat import to_format
 from kiln.tactics.timing_cache import TimingCache, digest
 
 log = logging.getLogger("kiln.build")
@@ -129,8 +130,7 @@ class Autotuner:
         if cached is not None:
             return cached
         src = _example(shape, dtype, LINEAR if target == HWC else HWC)
-        fmt = torch.channels_last if target == HWC else torch.contiguous_format
-        ms = statistics.median(_time_ms(lambda: src.contiguous(memory_format=fmt), self.options))
+        ms = statistics.median(_time_ms(lambda: to_format(src, target), self.options))   # the Reformat kernel
         self.cache.put(key, "reformat", ms)
         return ms
 

@@ -90,13 +90,13 @@ static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, cons
     *(v16*)(c + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? res + 16 : 0, act);
     return;
   }
-  float tmp[NR];
-  *(v16*)tmp = lo;
-  *(v16*)(tmp + 16) = hi;
-  for (int64_t j = 0; j < cols; ++j) {
-    float v = tmp[j] + (bias ? bias[j] : 0.0f) + (res ? res[j] : 0.0f);
-    c[j] = act == ACT_SWISH ? k_swish(v) : (act == ACT_RELU && !(v > 0.0f)) ? 0.0f : v;
-  }
+  /* a partial panel: the same vector epilogue on zero-padded copies, then only `cols` floats stored */
+  float b[NR] = {0}, r[NR] = {0}, out[NR];
+  if (bias) memcpy(b, bias, sizeof(float) * cols);
+  if (res) memcpy(r, res, sizeof(float) * cols);
+  *(v16*)out = epilogue(lo, bias ? b : 0, res ? r : 0, act);
+  *(v16*)(out + 16) = epilogue(hi, bias ? b + 16 : 0, res ? r + 16 : 0, act);
+  memcpy(c, out, sizeof(float) * cols);
 }
 
 /* Sums `segs` segments of `k` products into one register tile: segment s reads rows a[s * MR + i] and weights

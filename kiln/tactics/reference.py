@@ -8,7 +8,7 @@ from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
 # Ops whose torch implementation is layout-transparent and cheap on channel-major tensors.
 LAYOUT_AGNOSTIC = {"PointWise", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Concat",
                    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin",
-                   "BatchNormalization", "Conv"}
+                   "BatchNormalization", "Conv", "Slice", "Split"}   # torch indexes logical axes in any layout
 
 
 class ReferenceTactic:
