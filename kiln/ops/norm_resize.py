@@ -219,22 +219,27 @@ def _resize_targets(shape: list[int], scales, sizes, axes: list[int], attrs) -> 
             [common if a in axes else 1.0 for a in range(rank)])
 
 
+def _resampled_axes(attrs, shape: list[int], roi, scales, sizes) -> list[tuple[int, int, float, tuple]]:
+    """(axis, output size, scale, roi) for every axis a Resize actually resamples, in axis order."""
+    rank = len(shape)
+    axes = [a % rank for a in attrs.get("axes", list(range(rank)))]
+    out, scale = _resize_targets(list(shape), scales, sizes, axes, attrs)
+    rois = {a: (0.0, 1.0) for a in range(rank)}
+    for i, a in enumerate(axes if roi is not None and len(roi) else ()):
+        rois[a] = (float(roi[i]), float(roi[i + len(axes)]))
+    return [(a, out[a], scale[a], rois[a]) for a in axes
+            if out[a] != shape[a] or not math.isclose(scale[a], 1.0) or rois[a] != (0.0, 1.0)]
+
+
 @register("Resize", OpKind.INJECTIVE, host_inputs=(1, 2, 3), trt_layer="Resize")
 def resize(attrs, xs):
     """ONNX Resize (nearest, linear, cubic; antialias; every coordinate transformation mode), one axis at a time."""
     x = xs[0]
     roi, scales, sizes = (xs[i] if len(xs) > i else None for i in (1, 2, 3))
-    rank = x.dim()
-    axes = [a % rank for a in attrs.get("axes", list(range(rank)))]
-    out, scale = _resize_targets(list(x.shape), scales, sizes, axes, attrs)
-    rois = {a: (0.0, 1.0) for a in range(rank)}
-    for i, a in enumerate(axes if roi else ()):
-        rois[a] = (float(roi[i]), float(roi[i + len(axes)]))
     exact = attrs.get("mode", "nearest") == "nearest" or x.dtype in (torch.float32, torch.float64)
     y = x if exact else x.to(torch.float32)   # interpolate narrow floats and integers in float32
-    for a in axes:
-        if out[a] != x.shape[a] or not math.isclose(scale[a], 1.0) or rois[a] != (0.0, 1.0):
-            y = _resize_axis(y, a, out[a], scale[a], rois[a], attrs)
+    for a, out_size, scale, axis_roi in _resampled_axes(attrs, list(x.shape), roi, scales, sizes):
+        y = _resize_axis(y, a, out_size, scale, axis_roi, attrs)
     if y.dtype == x.dtype or x.dtype.is_floating_point:
         return [y.to(x.dtype)]
     info = torch.iinfo(x.dtype)   # integers round and saturate, as the ONNX reference does
@@ -247,19 +252,9 @@ def nearest_source_indices(attrs, shape: list[int], roi, scales, sizes) -> list[
     if attrs.get("mode", "nearest") != "nearest" or \
             attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
         return None
-    rank = len(shape)
-    axes = [a % rank for a in attrs.get("axes", list(range(rank)))]
-    out, scale = _resize_targets(list(shape), scales, sizes, axes, attrs)
-    rois = {a: (0.0, 1.0) for a in range(rank)}
-    for i, a in enumerate(axes if roi is not None and len(roi) else ()):
-        rois[a] = (float(roi[i]), float(roi[i + len(axes)]))
-    indices = []
-    for a in range(rank):
-        if a in axes and (out[a] != shape[a] or not math.isclose(scale[a], 1.0) or rois[a] != (0.0, 1.0)):
-            coords = _source_coords(out[a], shape[a], scale[a],
-                                    attrs.get("coordinate_transformation_mode", "half_pixel"), rois[a])
-            indices.append(_nearest_index(coords, attrs.get("nearest_mode", "round_prefer_floor"), shape[a])[:, 0]
-                           .contiguous())
-        else:
-            indices.append(torch.arange(shape[a]))
+    indices = [torch.arange(n) for n in shape]
+    for a, out_size, scale, axis_roi in _resampled_axes(attrs, shape, roi, scales, sizes):
+        coords = _source_coords(out_size, shape[a], scale, attrs.get("coordinate_transformation_mode", "half_pixel"),
+                                axis_roi)
+        indices[a] = _nearest_index(coords, attrs.get("nearest_mode", "round_prefer_floor"), shape[a])[:, 0].contiguous()
     return indices

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.nn import apply_activation
 from kiln.tactics import gemm_c
 from kiln.tactics.base import HWC, Kernel, LayerView
 
@@ -34,13 +33,8 @@ class Conv1x1GemmTactic:
             return False
         if tuple(w.shape[2:]) != (1, 1) or a.get("group", 1) != 1 or any(a.get("pads") or [0]):
             return False
-        bias = layer.const_inputs.get(2)
-        if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and bias is None:
+        if not gemm_c.epilogue_inputs_fit(layer, (x[0], w.shape[0], *_output_hw(layer))):
             return False
-        if len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None:
-            out = (x[0], w.shape[0], *_output_hw(layer))
-            if tuple(layer.input_shapes[3]) != out or layer.input_dtypes[3] != "float32":
-                return False   # a residual that broadcasts is added by the Add layer's own kernel
         dynamic = bool(layer.input_dynamic and layer.input_dynamic[0])   # any axis, the batch (0) included
         return not dynamic and gemm_c.library() is not None
 
@@ -59,31 +53,14 @@ class Conv1x1GemmTactic:
         oh, ow = _output_hw(layer)
         packed = gemm_c.pack_weights(weight.reshape(cout, c).t().float())
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
-        spec = layer.attrs.get("activation")
-        act = gemm_c.activation_code(spec)
-        post = spec if spec and not act else None
-        has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
-        last = torch.channels_last
         bias_ptr = None if bias is None else bias.data_ptr()
+        act = gemm_c.activation_code(layer.attrs.get("activation"))
 
-        def gemm(x, out, res):
+        def launch(x, out, res):
             lib.kiln_gemm(x.data_ptr(), h * w * c, ow, sw * c, sh * w * c, packed.data_ptr(), 0,
                           out.data_ptr(), oh * ow * cout, bias_ptr, None if res is None else res.data_ptr(),
                           act, n, oh * ow, c, cout)
-            return [apply_activation(post, out) if post else out]
-
-        def run(xs):
-            x = xs[0].contiguous(memory_format=last)
-            out = torch.empty((n, cout, oh, ow), memory_format=last)
-            return gemm(x, out, xs[3].contiguous(memory_format=last) if has_residual else None)
-
-        def run_into_residual(xs):
-            """Accumulate into the residual's (dead) buffer: each element is read before it is overwritten."""
-            r = xs[3]
-            if not r.is_contiguous(memory_format=last):
-                return run(xs)
-            return gemm(xs[0].contiguous(memory_format=last), r, r)
-        if has_residual:
-            run.into_input = (3, run_into_residual)
+        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
+                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
         run.constants = (packed, bias)   # read through raw pointers
         return run

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.nn import apply_activation
 from kiln.tactics import gemm_c
 from kiln.tactics.base import HWC, Kernel, LayerView
 
@@ -43,14 +42,9 @@ class DirectConvTactic:
             return False
         if tuple(w.shape[2:]) == (1, 1) and not any(a.get("pads") or [0]):
             return False   # the 1x1 GEMM tactic's layer
-        if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and 2 not in layer.const_inputs:
-            return False
         kh, kw, sh, sw, pt, pl, oh, ow = _geometry(layer)
-        if oh < 1 or ow < 1 or min(pt, pl) < 0:
+        if oh < 1 or ow < 1 or min(pt, pl) < 0 or not gemm_c.epilogue_inputs_fit(layer, (x[0], w.shape[0], oh, ow)):
             return False
-        if len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None:
-            if tuple(layer.input_shapes[3]) != (x[0], w.shape[0], oh, ow) or layer.input_dtypes[3] != "float32":
-                return False   # a residual that broadcasts is added by the Add layer's own kernel
         dynamic = bool(layer.input_dynamic and layer.input_dynamic[0])
         return not dynamic and gemm_c.library() is not None
 
@@ -68,30 +62,13 @@ class DirectConvTactic:
         kh, kw, sh, sw, pt, pl, oh, ow = _geometry(layer)
         packed = gemm_c.pack_weights(weight.permute(2, 3, 1, 0).reshape(kh * kw * c, cout).float())
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
-        spec = layer.attrs.get("activation")
-        act = gemm_c.activation_code(spec)
-        post = spec if spec and not act else None
-        has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
-        last = torch.channels_last
         bias_ptr = None if bias is None else bias.data_ptr()
+        act = gemm_c.activation_code(layer.attrs.get("activation"))
 
-        def conv(x, out, res):
+        def launch(x, out, res):
             lib.kiln_conv(x.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(),
                           out.data_ptr(), bias_ptr, None if res is None else res.data_ptr(), act, cout)
-            return [apply_activation(post, out) if post else out]
-
-        def run(xs):
-            out = torch.empty((n, cout, oh, ow), memory_format=last)
-            return conv(xs[0].contiguous(memory_format=last), out,
-                        xs[3].contiguous(memory_format=last) if has_residual else None)
-
-        def run_into_residual(xs):
-            """Accumulate into the residual's (dead) buffer: each element is read before it is overwritten."""
-            r = xs[3]
-            if not r.is_contiguous(memory_format=last):
-                return run(xs)
-            return conv(xs[0].contiguous(memory_format=last), r, r)
-        if has_residual:
-            run.into_input = (3, run_into_residual)
+        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
+                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
         run.constants = (packed, bias)   # read through raw pointers
         return run

@@ -20,6 +20,8 @@ from functools import lru_cache
 
 import torch
 
+from kiln.ops.nn import apply_activation
+
 # The micro-kernel below is unrolled for exactly this register tile; the C source takes both from here.
 PANEL = 32        # columns per packed weight panel (NR): two 16-float vectors
 ROW_TILE = 6      # rows per register tile (MR)
@@ -217,6 +219,44 @@ def library():
     lib.kiln_conv.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
     lib.kiln_conv.restype = None
     return lib
+
+
+def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
+    """A convolution's bias (input 2) is a constant where given, and its fused residual (input 3) has exactly the
+    output's shape and dtype: a residual that broadcasts is added by the Add layer's own kernel."""
+    shapes = layer.input_shapes
+    if len(shapes) > 2 and shapes[2] is not None and 2 not in layer.const_inputs:
+        return False
+    return len(shapes) < 4 or shapes[3] is None or (tuple(shapes[3]) == tuple(out_shape)
+                                                    and layer.input_dtypes[3] == "float32")
+
+
+def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_residual: bool):
+    """The kernel around a C launch `launch(x, out, residual)` that writes an NHWC output with bias, residual and
+    ReLU or Swish applied as it stores (other activations run after it). With a residual it carries
+    `into_input` (kiln.tactics.donation): the variant writing over the residual's dead buffer, each element
+    read before it is overwritten."""
+    post = spec if spec and not activation_code(spec) else None
+    last = torch.channels_last
+
+    def finish(out):
+        return [apply_activation(post, out) if post else out]
+
+    def run(xs):
+        out = torch.empty(out_shape, memory_format=last)
+        launch(xs[0].contiguous(memory_format=last), out,
+               xs[3].contiguous(memory_format=last) if has_residual else None)
+        return finish(out)
+
+    def run_into_residual(xs):
+        r = xs[3]
+        if not r.is_contiguous(memory_format=last):
+            return run(xs)
+        launch(xs[0].contiguous(memory_format=last), r, r)
+        return finish(r)
+    if has_residual:
+        run.into_input = (3, run_into_residual)
+    return run
 
 
 def activation_code(spec: dict | None) -> int:

@@ -155,46 +155,34 @@ class _Geometry:
 
     @property
     def act(self) -> int:
-        """ReLU and Swish are applied while tiles are written (gemm_c.activation_code); others after the kernel."""
+        """The C path applies ReLU and Swish while tiles are written (gemm_c.activation_code)."""
         return gemm_c.activation_code(self.spec)
 
     @property
     def relu(self) -> bool:
-        return self.act == 1
+        return bool(self.spec) and self.spec["op"] == "Relu"
 
-    def activate(self, out: torch.Tensor, fused: bool = True) -> torch.Tensor:
-        """`out` with the activation the kernel did not apply itself (`fused`: it applied `act`)."""
-        return out if (fused and self.act) or not self.spec else apply_activation(self.spec, out)
+    def activate(self, out: torch.Tensor) -> torch.Tensor:
+        """The torch path's activation after its in-place ReLU: any other one is applied here."""
+        return out if self.relu or not self.spec else apply_activation(self.spec, out)
 
 
 def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
     """Per block of tiles, in C: the input transform read straight from the NHWC input, the GEMMs, the output
-    transform with bias, residual and ReLU applied as tiles are written (kiln.tactics.winograd_c)."""
-    last = torch.channels_last
+    transform with bias, residual and ReLU or Swish applied as tiles are written (kiln.tactics.winograd_c)."""
     bias_ptr = None if g.bias is None else g.bias.data_ptr()
     packed = gemm_c.pack_weights(u)
     panel_stride = packed[0].numel()
     threads = torch.get_num_threads()
     block, groups, per_thread = fused_blocking(g, threads)
+    act = g.act
 
-    def run(xs, out=None):
-        x = xs[0].contiguous(memory_format=last)   # no copy when the producer wrote NHWC
-        if out is None:
-            out = torch.empty((g.n, g.cout, g.out_h, g.out_w), memory_format=last)
-        res = xs[3].contiguous(memory_format=last) if g.has_residual else None
-        work = scratch(per_thread * threads)
+    def launch(x, out, res):
         lib.wino_fused(x.data_ptr(), packed.data_ptr(), panel_stride, out.data_ptr(), bias_ptr,
-                       None if res is None else res.data_ptr(), g.act, g.n, g.h, g.w, g.c, g.cout,
+                       None if res is None else res.data_ptr(), act, g.n, g.h, g.w, g.c, g.cout,
                        g.pads[0], g.pads[1], g.out_h, g.out_w, g.tiles_h, g.tiles_w, block, groups,
-                       work.data_ptr(), threads)
-        return [g.activate(out)]
-
-    def run_into_residual(xs):
-        """Tiles written over the residual's (dead) buffer: each element is read just before it is written."""
-        r = xs[3]
-        return run(xs, r if r.is_contiguous(memory_format=last) else None)
-    if g.has_residual:
-        run.into_input = (3, run_into_residual)
+                       scratch(per_thread * threads).data_ptr(), threads)
+    run = gemm_c.nhwc_kernel(launch, (g.n, g.cout, g.out_h, g.out_w), g.spec, g.has_residual)
     run.constants = (packed, g.bias)   # the C code reads them through raw pointers
     return run
 
@@ -266,5 +254,5 @@ def _torch_kernel(g: _Geometry, u: torch.Tensor) -> Kernel:
             out.add_(xs[3].permute(0, 2, 3, 1))
         if g.relu:
             out.relu_()
-        return [g.activate(out.permute(0, 3, 1, 2), fused=g.relu)]             # NCHW view of channel-major memory
+        return [g.activate(out.permute(0, 3, 1, 2))]             # NCHW view of channel-major memory
     return run

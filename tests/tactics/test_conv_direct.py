@@ -12,7 +12,7 @@ from torch import nn
 from kiln.tactics import codegen
 from kiln.tactics.conv_direct import DIRECT_TACTIC, DirectConvTactic
 from tests.tactics.forced import build_forced_onto
-from tests.tactics.test_conv1x1 import conv_view, inputs
+from tests.tactics.test_conv1x1 import check_donated_residual, conv_view, inputs
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
 
@@ -62,14 +62,7 @@ def test_matches_float64_convolution(case, threads):
 
 def test_donated_residual_is_overwritten_with_the_same_result():
     view = conv_view(32, 70, 7, 7, n=2, residual=True, kernel=3, pads=(1, 1, 1, 1))
-    kernel = DirectConvTactic().prepare(view)
-    index, into = kernel.into_input
-    assert index == 3
-    xs = inputs(view)
-    fresh = kernel(xs)[0]
-    donated = xs[3].clone(memory_format=torch.channels_last)
-    got = into([xs[0], None, None, donated])[0]
-    assert got.data_ptr() == donated.data_ptr() and torch.equal(got, fresh)
+    check_donated_residual(DirectConvTactic().prepare(view), inputs(view))
 
 
 @pytest.mark.parametrize("change", [dict(kernel=1), dict(group=2, kernel=3), dict(dynamic=True, kernel=3),

@@ -145,14 +145,11 @@ def test_donated_residual_is_overwritten_with_the_same_result(tile):
 
     if not codegen.available():
         pytest.skip("no C compiler")
+    from tests.tactics.test_conv1x1 import check_donated_residual
+
     view = conv_view(16, 24, 13, 11, residual=True, activation="Relu")
-    kernel = WinogradConvTactic(tile).prepare(view)
-    index, into = kernel.into_input
     xs = [channels_last(1, 16, 13, 11), None, None, channels_last(*view.input_shapes[3], seed=2)]
-    fresh = kernel(xs)[0]
-    donated = xs[3].clone(memory_format=torch.channels_last)
-    got = into([xs[0], None, None, donated])[0]
-    assert index == 3 and got.data_ptr() == donated.data_ptr() and torch.equal(got, fresh)
+    check_donated_residual(WinogradConvTactic(tile).prepare(view), xs)
 
 
 def test_declines_dynamic_shapes_the_batch_axis_included():
