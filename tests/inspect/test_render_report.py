@@ -21,7 +21,7 @@ from kiln.inspect.model import EngineInfo, LayerRecord, Profile, ProfileRecord, 
 from kiln.inspect.readers import read_artifact
 from kiln.inspect.render import PRECISION_COLOURS, QDQ_COLOUR, render_svg, to_dot
 from kiln.inspect.report import html_report
-from tests.conftest import make_model
+from tests.conftest import force_plan, make_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DETAILED = FIXTURES / "resnet18_trt10_detailed.layers.json"
@@ -42,9 +42,7 @@ def profile_json(engine: EngineInfo) -> str:
 
 @pytest.fixture(scope="module")
 def region_engine(tmp_path_factory):
-    """A kiln engine whose whole graph is one region (MIX_MARGIN=1.0: any mixed plan loses), saved and read back."""
-    import kiln.engine.regions as regions
-
+    """A kiln engine whose whole graph is one onnxruntime region (that plan forced to win), saved and read back."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
              numpy_helper.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32), "w2")]
@@ -57,7 +55,7 @@ def region_engine(tmp_path_factory):
     model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 4, 4])], inits)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(regions, "MIX_MARGIN", 1.0)
+        force_plan(mp, "onnxruntime")
         engine = kiln.build(model, avg_timing=1, min_timing=1)
     path = tmp_path_factory.mktemp("render") / "region.kiln"
     engine.save(path)

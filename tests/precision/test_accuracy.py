@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 import kiln
 from kiln.precision.accuracy import REPORT_KIND, CompareReport, compare, compare_tensor
-from tests.conftest import make_model
+from tests.conftest import force_plan, make_model
 from tests.precision.models import conv_net, perturbed, transformer_net
 
 COMPARISON_KEYS = {"name", "layer", "onnx_node", "shape", "dtype", "max_abs_err", "mean_abs_err", "max_rel_err",
@@ -150,12 +150,11 @@ def test_report_json_schema(conv):
     assert doc["first_divergence"]["layer"] == "conv2 + relu2" and doc["outputs"][0]["shape"] == [1, 6]
 
 
-def test_region_internal_tensors_are_skipped(conv):
+def test_region_internal_tensors_are_skipped(conv, monkeypatch):
     model, _ = conv
+    force_plan(monkeypatch, "onnxruntime")
     engine = kiln.build(model, tactic_sources={"onnxruntime"}, avg_timing=1, min_timing=1)
-    regions = [layer for layer in engine.plan.layers if layer.inner]
-    if not regions:
-        pytest.skip("the builder chose no onnxruntime region for this model")
+    assert len([layer for layer in engine.plan.layers if layer.inner]) == 1
     report = compare(model, engine, layerwise=True)
     visible = {d.name for layer in engine.plan.layers for d in layer.outputs}
     assert report.passed and {t.name for t in report.layers} <= visible

@@ -11,7 +11,7 @@ import torch
 
 import kiln
 from kiln.tactics import available_sources, codegen, parse_sources
-from tests.conftest import assert_close_to_ort, run_ort
+from tests.conftest import assert_close_to_ort, force_plan, run_ort
 from tests.models.test_zoo import export
 from tests.models.zoo import make_zoo
 
@@ -105,9 +105,7 @@ def test_disabling_the_optimization_level_takes_first_kernels_without_timing(mod
 
 
 def test_region_layer_info_names_only_vs_detailed(models, monkeypatch, tmp_path):
-    import kiln.engine.regions as regions
-
-    monkeypatch.setattr(regions, "MIX_MARGIN", 1.0)   # any mixed plan loses: the whole graph becomes one region
+    force_plan(monkeypatch, "onnxruntime")   # the whole graph as one region, whatever this machine times fastest
     proto, x = models["inception"]
     engine = kiln.build(proto, avg_timing=1, min_timing=1)
     regions_ = [l for l in engine.plan.layers if l.inner]
@@ -188,10 +186,9 @@ def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monk
 
 
 def test_region_profile_follows_the_layer_info_split(models, monkeypatch):
-    import kiln.engine.regions as regions
     from kiln.runtime.profiler import LayerProfiler, profile_json
 
-    monkeypatch.setattr(regions, "MIX_MARGIN", 1.0)
+    force_plan(monkeypatch, "onnxruntime")
     proto, x = models["inception"]
     engine = kiln.build(proto, avg_timing=1, min_timing=1)
     region = next(l for l in engine.plan.layers if l.inner)
