@@ -28,7 +28,8 @@ def _attr(v: Any) -> Any:
 class Emitter:
     """Accumulates nodes, initializers and graph inputs of one ONNX graph."""
 
-    def __init__(self):
+    def __init__(self, opset: int):
+        self.opset = opset   # every node is written in this opset's form; kiln's newer ops are decomposed
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -75,12 +76,36 @@ class Emitter:
 
     def node(self, op: str, inputs: list[str | None], attrs: dict[str, Any] | None = None, n_outputs: int = 1,
              domain: str = ""):
+        if op == "Gelu" and not domain and self.opset < 20:
+            return self.gelu(inputs[0], (attrs or {}).get("approximate", "none"))
         outs = [self.fresh() for _ in range(n_outputs)]
         clean = {k: _attr(v) for k, v in (attrs or {}).items() if k not in KILN_ONLY_ATTRS and not k.startswith("_")}
         name = f"{self.prefix}|{self.counter}" if self.prefix else None
         self.nodes.append(helper.make_node(op, [x or "" for x in inputs], outs, name=name, domain=domain or None,
                                            **clean))
         return outs[0] if n_outputs == 1 else outs
+
+    def gelu(self, x: str, approximate: str) -> str:
+        """Gelu (opset 20) for an older opset: the erf form, or the tanh form it approximates."""
+        if approximate == "tanh":
+            cube = self.node("Mul", [self.node("Mul", [x, x]), x])
+            inner = self.node("Add", [x, self.node("Mul", [cube, self.const(0.044715)])])
+            gate = self.node("Tanh", [self.node("Mul", [inner, self.const(np.sqrt(2.0 / np.pi))])])
+        else:
+            gate = self.node("Erf", [self.node("Div", [x, self.const(np.sqrt(2.0))])])
+        return self.node("Mul", [self.node("Mul", [x, self.const(0.5)]), self.node("Add", [gate, self.const(1.0)])])
+
+    def layer_norm(self, xs: list[str | None], attrs: dict[str, Any], rank: int) -> str:
+        """LayerNormalization (opset 17), one output; for an older opset, as the ReduceMean graph it came from."""
+        if self.opset >= 17:
+            return self.node("LayerNormalization", xs, attrs)
+        axis = attrs.get("axis", -1)
+        axes = list(range(axis if axis < 0 else axis - rank, 0))
+        centred = self.node("Sub", [xs[0], self.node("ReduceMean", [xs[0]], {"axes": axes})])
+        var = self.node("ReduceMean", [self.node("Mul", [centred, centred])], {"axes": axes})
+        std = self.node("Sqrt", [self.node("Add", [var, self.const(attrs.get("epsilon", 1e-5))])])
+        y = self.node("Mul", [self.node("Div", [centred, std]), xs[1]])
+        return self.node("Add", [y, xs[2]]) if len(xs) > 2 and xs[2] else y
 
     def activation(self, x: str, spec: dict | None) -> str:
         if not spec:
@@ -107,10 +132,10 @@ class Emitter:
         else:
             self.nodes.append(helper.make_node("Identity", [result], [name]))
 
-    def model(self, opset: int, name: str = "kiln_layer") -> onnx.ModelProto:
+    def model(self, name: str = "kiln_layer") -> onnx.ModelProto:
         """The ONNX model; large weights are external: pass `self.external` to the session with them."""
         graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.inits)
-        imports = [helper.make_opsetid("", opset)]
+        imports = [helper.make_opsetid("", self.opset)]
         if any(n.domain == "com.microsoft" for n in self.nodes):
             imports.append(helper.make_opsetid("com.microsoft", 1))
         model = helper.make_model(graph, opset_imports=imports)
@@ -147,7 +172,9 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         y = e.activation(e.node("Add", parts), a.get("activation"))
         return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
-        return e.node("LayerNormalization", [e.node("Add", xs[:2])] + xs[2:], a)
+        return e.layer_norm([e.node("Add", xs[:2])] + xs[2:], a, len(view.input_shapes[0]))
+    if view.op_type == "LayerNormalization" and view.domain in ("", "ai.onnx") and len(view.output_dtypes) == 1:
+        return e.layer_norm(xs, a, len(view.input_shapes[0]))
     if view.op_type == "Swish" and view.domain in ("", "ai.onnx"):
         return e.activation(xs[0], {"op": "Swish", "attrs": a})
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):
@@ -201,17 +228,11 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
 
 
 KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", *QUANTIZED_BASE)
-NEEDS_OPSET = {"LayerNormalization": 17, "GroupNormalization": 21, "Gelu": 20}
-
-
-def opset_for(op_types, opset: int) -> int:
-    """Ops that kiln's passes create may be newer than the model's opset: raise it for them."""
-    return max([opset] + [NEEDS_OPSET.get(op, 0) for op in op_types])
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """One layer as a model: activations are inputs "x<i>", weights initializers "w<i>", one output."""
-    e = Emitter()
+    e = Emitter(opset)
     xs: list[str | None] = []
     for i in range(len(view.input_shapes)):
         shape = view.input_spec(i)
@@ -224,7 +245,7 @@ def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.nda
     y = emit_layer(e, view, xs)
     e.rename_result(y, "y")
     e.add_output("y", view.output_dtypes[0])
-    return e.model(opset_for([n.op_type for n in e.nodes], opset)), e.external
+    return e.model(), e.external
 
 
 def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
@@ -259,7 +280,7 @@ def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tupl
                 outputs: list[tuple[str, str]], weights: dict[str, np.ndarray],
                 opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """Several layers as one model. Each step: (view, args as ("tensor"|"weight", name) or None, output name(s))."""
-    e = Emitter()
+    e = Emitter(opset)
     for name, shape, dtype in inputs:
         e.add_input(name, shape, dtype)
     for step in steps:
@@ -269,4 +290,4 @@ def emit_region(inputs: list[tuple[str, tuple[int, ...], str]], steps: list[tupl
         e.rename_result(emit_layer(e, view, xs), out)
     for name, dtype in outputs:
         e.add_output(name, dtype)
-    return e.model(opset_for([n.op_type for n in e.nodes], opset), "kiln_region"), e.external
+    return e.model("kiln_region"), e.external

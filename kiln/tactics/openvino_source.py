@@ -1,6 +1,8 @@
 """OpenVINO as an optional external library: a region (ONNX sub-model) compiled for the CPU plugin."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnx
 import torch
@@ -81,10 +83,13 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
         compiled = core.compile_model(str(source), "CPU", config)
     else:
         compiled = core.compile_model(core.read_model(_inline(model, external)), "CPU", config)
-    request = compiled.create_infer_request()
     outputs = [compiled.output(name) for name in output_names]
+    per_thread = threading.local()   # an infer request runs one inference at a time: one per thread
 
     def kernel(xs):
+        request = getattr(per_thread, "request", None)
+        if request is None:
+            request = per_thread.request = compiled.create_infer_request()
         acts = [x for x in xs if x is not None]
         result = request.infer({name: np.ascontiguousarray(x.numpy()) for name, x in zip(input_names, acts)},
                                share_inputs=True)   # the arrays outlive the call: no copy into OpenVINO's tensors

@@ -1,5 +1,6 @@
 """One engine shared by 8 threads, each with its own execution context, gives exactly the serial outputs over
-many iterations: kiln's own kernels, an onnxruntime region plan, and the fused-attention encoder."""
+many iterations: kiln's own kernels, an onnxruntime region plan, an OpenVINO region plan, and the fused-attention
+encoder."""
 from __future__ import annotations
 
 import threading
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import kiln
-from tests.conftest import make_model
+from tests.conftest import force_plan, make_model
 
 THREADS, ITERATIONS = 8, 25
 
@@ -26,11 +27,6 @@ def cnn():
              helper.make_node("MatMul", ["f", "fc"], ["m"]), helper.make_node("Softmax", ["m"], ["y"], axis=-1)]
     return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-
-
-def engines():
-    yield "kiln kernels", kiln.build(cnn(), autotune=False)
-    yield "tuned (regions)", kiln.build(cnn(), avg_timing=1, min_timing=1)
 
 
 def hammer(engine, inputs):
@@ -57,11 +53,19 @@ def hammer(engine, inputs):
     return failures
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_threads_with_own_contexts_match_serial_runs(which):
-    name, engine = list(engines())[which]
+@pytest.mark.parametrize("plan", ["kiln kernels", "kiln", "onnxruntime", "openvino"])
+def test_threads_with_own_contexts_match_serial_runs(plan, monkeypatch):
+    if plan == "kiln kernels":
+        engine = kiln.build(cnn(), autotune=False)
+    else:
+        if plan == "openvino":
+            pytest.importorskip("openvino")
+        force_plan(monkeypatch, plan)   # the whole graph as one region of that library
+        engine = kiln.build(cnn(), avg_timing=1, min_timing=1)
+        regions = [layer.tactic_name for layer in engine.plan.layers if layer.inner]
+        assert regions == ([] if plan == "kiln" else [f"{plan}.region"])
     inputs = [{"x": np.random.default_rng(s).standard_normal((1, 3, 16, 16)).astype(np.float32)} for s in range(5)]
-    assert hammer(engine, inputs) == [], name
+    assert hammer(engine, inputs) == [], plan
 
 
 def test_threads_on_a_dynamic_attention_engine(tmp_path):
