@@ -314,4 +314,4 @@ def test_a_whole_plan_counts_its_fastest_round_so_a_burst_does_not_decide(monkey
     tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=4, min_timing=1))
     times = regions.measure_plans({"steady": (["steady"], {}), "bursty": (["bursty"], {})}, {}, Graph(), tuner)
     assert state["round"] == regions.PLAN_ROUNDS - 1
-    assert times["bursty"] < 1.5 < times["steady"] < 3.0
+    assert times["bursty"] < 1.8 < times["steady"] < 3.0   # sleep(1 ms) overshoots on a loaded machine
