@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.cli import console
     from kiln.errors import Error
 
-    args = parser().parse_args(argv)
+    args = parser().parse_args(_join_signed_values(sys.argv[1:] if argv is None else list(argv)))
     console.setup_logging(getattr(args, "verbose", False))
     signal.signal(signal.SIGTERM, _terminate)   # unwind like Ctrl-C: temp files are removed, targets untouched
     try:
@@ -47,6 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.error("interrupted; no output file was changed")
         return 130
+
+
+SIGNED_LIST_OPTIONS = ("--tactic-sources", "--tacticSources")
+
+
+def _join_signed_values(argv: list[str]) -> list[str]:
+    """`--tactic-sources -onnxruntime,+kiln`: argparse reads a value starting with '-' as an option; trtexec's
+    spelling is `--tacticSources=-CUBLAS`, so kiln accepts both by joining such a pair into OPTION=VALUE."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in SIGNED_LIST_OPTIONS and arg[:1] in ("-", "+") and not arg.startswith("--"):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _terminate(signum, frame) -> None:

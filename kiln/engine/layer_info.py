@@ -34,9 +34,24 @@ def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:
 def tactic_sources(plan: Plan) -> dict[str, list[str]]:
     """kiln's addition: which kernel sources this machine had, which the build allowed, which layers use."""
     info = plan.build_info
-    used = sorted({l.tactic_name.split(".")[0] for l in plan.layers})
+    used = sorted({s for s in (tactic_source(l.tactic_name) for l in plan.layers) if s})
     return {"Available": list(info.get("tactic_sources_available", [])), "Enabled": list(info.get("tactic_sources", [])),
             "Used": used}
+
+
+def tactic_source(tactic_name: str) -> str | None:
+    """The --tactic-sources name a kernel comes from; None for kiln's built-in Reformat copies and no-ops, which
+    every build has (like TensorRT's reformatting kernels)."""
+    from kiln.tactics import TACTICS_BY_NAME
+    from kiln.tactics.onnxruntime_source import REGION_TACTIC
+    from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
+    from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC
+
+    if tactic_name in (REFORMAT_TACTIC, NOOP_TACTIC):
+        return None
+    regions = {REGION_TACTIC: "onnxruntime", OPENVINO_REGION_TACTIC: "openvino"}
+    tactic = TACTICS_BY_NAME.get(tactic_name)
+    return tactic.source if tactic is not None else regions.get(tactic_name, tactic_name.split(".")[0])
 
 
 def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def test_detailed_layer_info_uses_trtexec_keys(built):
     d, _ = built
     info = json.loads((d / "layers.json").read_text())
     assert set(info) == {"Layers", "Bindings", "TacticSources"} and info["Bindings"] == ["x", "y"]
-    assert "torch" in info["TacticSources"]["Available"] and "onednn" in info["TacticSources"]["Used"]
+    assert "torch" in info["TacticSources"]["Available"] and "torch-onednn" in info["TacticSources"]["Used"]
     conv = next(l for l in info["Layers"] if l.get("ParameterType") == "Convolution")
     trt = json.loads((FIXTURES / "resnet18_trt10_detailed.layers.json").read_text())
     trt_conv = next(l for l in trt["Layers"] if l.get("ParameterType") == "Convolution")
@@ -136,6 +136,30 @@ def test_trtexec_flags(built, tmp_path):
     assert all(isinstance(n, str) for n in json.loads((tmp_path / "l.json").read_text())["Layers"])
     assert "Layer Information:" in r.stdout and "Name: conv + relu, LayerType: OneDnnConvolution" in r.stdout
     assert "&&&& PASSED" in r.stdout
+
+
+@pytest.mark.parametrize("spelling", ["space", "equals"])
+def test_tactic_sources_edit_the_default_set_in_either_spelling(built, tmp_path, spelling):
+    """`--tactic-sources -onnxruntime,-openvino` (a value starting with '-') and trtexec's `--tacticSources=...`."""
+    d, _ = built
+    spec = "-onnxruntime,-openvino,-kiln"
+    flag = ["--tactic-sources", spec] if spelling == "space" else [f"--tactic-sources={spec}"]
+    r = kiln_cli("build", str(d / "m.onnx"), "-o", str(tmp_path / "e.kiln"), *flag, "--avg-timing", "1",
+                 "--min-timing", "1", "--export-layer-info", str(tmp_path / "l.json"))
+    assert r.returncode == 0, r.stderr
+    sources = json.loads((tmp_path / "l.json").read_text())["TacticSources"]
+    assert not {"onnxruntime", "openvino", "kiln"} & set(sources["Enabled"])
+    assert "torch" in sources["Enabled"] and set(sources["Used"]) <= set(sources["Enabled"])
+    r = kiln_cli("trtexec", f"--onnx={d / 'm.onnx'}", f"--saveEngine={tmp_path / 't.kiln'}", "--tacticSources",
+                 "-onnxruntime,+torch", "--iterations=1", "--warmUp=0", "--duration=0")
+    assert r.returncode == 0, r.stderr
+
+
+def test_unknown_tactic_source_exits_2_and_leaves_no_engine(built, tmp_path):
+    d, _ = built
+    r = kiln_cli("build", str(d / "m.onnx"), "-o", str(tmp_path / "e.kiln"), "--tactic-sources", "-cudnn")
+    assert r.returncode == 2 and "unknown tactic source 'cudnn'" in r.stderr and "onnxruntime" in r.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unsupported_op_exits_2_and_leaves_no_engine(tmp_path):
