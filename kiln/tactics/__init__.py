@@ -6,6 +6,7 @@ from kiln.errors import Error
 from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.conv_direct import DirectConvTactic
+from kiln.tactics.layernorm_c import LayerNormTactic
 from kiln.tactics.onednn_conv import OneDnnConvTactic
 from kiln.tactics.onednn_linear import OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
@@ -21,7 +22,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "Gemm": [OneDnnLinearTactic()], "MatMul": [OneDnnLinearTactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
-                                     "Resize": [NhwcResizeTactic()]}
+                                     "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic()],
+                                     "SkipLayerNormalization": [LayerNormTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")

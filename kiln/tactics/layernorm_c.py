@@ -1,0 +1,124 @@
+"""LayerNormalization and kiln's SkipLayerNormalization (the residual sum fused in) over the trailing axes in C:
+one pass per row for the sum, two vectorized reductions in double (mean, then the centred variance, as torch and
+onnxruntime compute it), one for the scaled output; OpenMP over rows.
+
+torch's layer_norm behind an Add costs BERT-base about 0.13 ms per 128x768 layer on this machine (two kernels,
+an intermediate tensor, dispatch); the whole row fits in L1, so the fused loop runs at memory speed.
+Dynamic leading axes are fine (rows are counted per call); the normalized size, scale and bias are fixed.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from kiln.tactics.base import LINEAR, Kernel, LayerView
+
+LAYERNORM_TACTIC = "kiln.layernorm_rows"
+
+SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+
+void kiln_layernorm(const float* restrict x, const float* restrict skip, const float* restrict gamma,
+                    const float* restrict beta, float* restrict y, int64_t rows, int64_t n, double eps) {
+  #pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* restrict a = x + r * n;
+    float* restrict out = y + r * n;
+    const float* src = a;
+    if (skip) {
+      const float* restrict b = skip + r * n;
+      #pragma omp simd
+      for (int64_t k = 0; k < n; ++k) out[k] = a[k] + b[k];
+      src = out;
+    }
+    double sum = 0.0;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t k = 0; k < n; ++k) sum += src[k];
+    const float mean = (float)(sum / (double)n);
+    double sq = 0.0;
+    #pragma omp simd reduction(+:sq)
+    for (int64_t k = 0; k < n; ++k) { const float d = src[k] - mean; sq += (double)d * d; }
+    const float inv = (float)(1.0 / sqrt(sq / (double)n + eps));
+    if (beta) {
+      #pragma omp simd
+      for (int64_t k = 0; k < n; ++k) out[k] = (src[k] - mean) * inv * gamma[k] + beta[k];
+    } else {
+      #pragma omp simd
+      for (int64_t k = 0; k < n; ++k) out[k] = (src[k] - mean) * inv * gamma[k];
+    }
+  }
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def library():
+    from kiln.tactics import codegen
+
+    if not codegen.available():
+        return None
+    lib = codegen.load_library(SOURCE, "layernorm")
+    lib.kiln_layernorm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double]
+    lib.kiln_layernorm.restype = None
+    return lib
+
+
+def _geometry(layer: LayerView) -> tuple[int, int] | None:
+    """(normalized size, index of the scale input), or None when the layer is not a float32 LayerNorm over
+    static trailing axes with constant per-element scale (and bias)."""
+    skip = layer.op_type == "SkipLayerNormalization" and layer.domain == "kiln"
+    if not skip and (layer.op_type != "LayerNormalization" or layer.domain not in ("", "ai.onnx")):
+        return None
+    first = 2 if skip else 1
+    x = layer.input_shapes[0]
+    if x is None or not x or len(layer.output_dtypes) != 1 or layer.attrs.get("stash_type", 1) != 1:
+        return None
+    acts = range(first)
+    if any(layer.input_dtypes[i] != "float32" or layer.input_shapes[i] != x or i in layer.const_inputs for i in acts):
+        return None
+    axis = layer.attrs.get("axis", -1) % len(x)
+    dynamic = [set(d) for d in layer.input_dynamic[:first]] if layer.input_dynamic else []
+    if any(k >= axis for d in dynamic for k in d) or (skip and len(dynamic) == 2 and dynamic[0] != dynamic[1]):
+        return None   # the normalized axes must be static, and x and skip vary alike
+    n = 1
+    for d in x[axis:]:
+        n *= d
+    params = [i for i in range(first, len(layer.input_shapes)) if layer.input_shapes[i] is not None]
+    if first not in params or any(i not in layer.const_inputs or layer.const_inputs[i].numel() != n
+                                  or layer.const_inputs[i].dtype != torch.float32 for i in params):
+        return None
+    return n, first
+
+
+class LayerNormTactic:
+    name = LAYERNORM_TACTIC
+    source = "kiln"
+
+    def supports(self, layer: LayerView) -> bool:
+        return _geometry(layer) is not None and library() is not None
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [LINEAR] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return LINEAR
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        lib = library()
+        n, first = _geometry(layer)
+        gamma = layer.const_inputs[first].reshape(-1).contiguous()
+        beta = layer.const_inputs.get(first + 1)
+        beta = None if beta is None else beta.reshape(-1).contiguous()
+        eps = float(layer.attrs.get("epsilon", 1e-5))
+
+        def run(xs):
+            x = xs[0].contiguous()
+            skip = xs[1].contiguous() if first == 2 else None
+            y = torch.empty_like(x, memory_format=torch.contiguous_format)
+            lib.kiln_layernorm(x.data_ptr(), None if skip is None else skip.data_ptr(), gamma.data_ptr(),
+                               None if beta is None else beta.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+            return [y]
+        return run
