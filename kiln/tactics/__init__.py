@@ -7,6 +7,7 @@ from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.layernorm_c import LayerNormTactic
+from kiln.tactics.matmul_c import MatMulGemmTactic
 from kiln.tactics.onednn_conv import OneDnnConvTactic
 from kiln.tactics.onednn_linear import OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
@@ -19,7 +20,8 @@ from kiln.tactics.winograd import WinogradConvTactic
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
                                               WinogradConvTactic(4), WinogradConvTactic(2)],
-                                     "Gemm": [OneDnnLinearTactic()], "MatMul": [OneDnnLinearTactic()],
+                                     "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic()],
+                                     "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
                                      "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic()],

@@ -30,21 +30,27 @@ def _bias(layer: LayerView, n: int) -> tuple[bool, torch.Tensor | None]:
     return True, c.reshape(n)
 
 
+def by_constant_matrix(layer: LayerView) -> bool:
+    """A float32 MatMul (or Gemm without transA/alpha/beta) of an activation by a constant 2-D matrix, with a
+    per-column constant bias or none: a linear layer, whichever library runs it."""
+    if layer.op_type not in ("Gemm", "MatMul") or layer.domain not in ("", "ai.onnx"):
+        return False
+    x, w = layer.input_shapes[0], layer.const_inputs.get(1)
+    if x is None or w is None or w.dim() != 2 or w.dtype != torch.float32 or layer.input_dtypes[0] != "float32":
+        return False
+    a = layer.attrs
+    if layer.op_type == "Gemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
+                                    or a.get("beta", 1.0) != 1.0):
+        return False
+    return len(x) >= 2 and _bias(layer, _weight(layer).shape[0])[0]
+
+
 class OneDnnLinearTactic:
     name = "onednn.linear_prepacked"
     source = "torch-onednn"
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type not in ("Gemm", "MatMul") or layer.domain not in ("", "ai.onnx"):
-            return False
-        x, w = layer.input_shapes[0], layer.const_inputs.get(1)
-        if x is None or w is None or w.dim() != 2 or w.dtype != torch.float32 or layer.input_dtypes[0] != "float32":
-            return False
-        a = layer.attrs
-        if layer.op_type == "Gemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
-                                        or a.get("beta", 1.0) != 1.0):
-            return False
-        return len(x) >= 2 and _bias(layer, _weight(layer).shape[0])[0] and torch.backends.mkldnn.is_available()
+        return by_constant_matrix(layer) and torch.backends.mkldnn.is_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [LINEAR] * len(layer.input_shapes)

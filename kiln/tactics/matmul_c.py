@@ -1,0 +1,59 @@
+"""A MatMul or Gemm by a constant matrix as kiln's own GEMM (kiln.tactics.gemm_c): the activation's rows are the
+GEMM's rows, read in place; the weight is packed into 32-column panels once; bias and ReLU or Swish are applied
+as the output is written. A layer with another fused activation (GELU) is left to oneDNN, which fuses it too.
+Leading axes may be dynamic: rows are counted per call.
+
+Against oneDNN's inner product through torch the call is cheaper (~3 µs of set-up instead of ~15-25 µs inside
+ideep): 7.7 against 19.6 µs for a 7x33x45 product, 0.735 against 0.750 ms for 128x768x768 with hot caches. Inside
+BERT-base's plan, its weights streaming from memory, oneDNN's blocking is ~5 % faster (kiln's GEMM: 196 against 205
+GFLOP/s), so kiln's GEMM is listed after oneDNN and must win the timing by the autotuner's margin.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.tactics import gemm_c
+from kiln.tactics.base import LINEAR, Kernel, LayerView
+from kiln.tactics.onednn_linear import _bias, _weight, by_constant_matrix
+
+MATMUL_TACTIC = "kiln.matmul_gemm"
+
+
+class MatMulGemmTactic:
+    name = MATMUL_TACTIC
+    source = "kiln"
+
+    def supports(self, layer: LayerView) -> bool:
+        if not by_constant_matrix(layer):
+            return False
+        spec = layer.attrs.get("activation")
+        if spec and not gemm_c.activation_code(spec):
+            return False
+        dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
+        return len(layer.input_shapes[0]) - 1 not in dynamic and gemm_c.library() is not None
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [LINEAR] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return LINEAR
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        lib = gemm_c.library()
+        w = _weight(layer)                                   # [N, K]
+        n, k = w.shape
+        packed = gemm_c.pack_weights(w.t().float())
+        bias = gemm_c.pad_bias(_bias(layer, n)[1], n)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        act = gemm_c.activation_code(layer.attrs.get("activation"))
+
+        def run(xs):
+            x = xs[0].contiguous()
+            rows = x.numel() // k
+            y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+            if rows:
+                lib.kiln_gemm(x.data_ptr(), 0, rows, k, 0, packed.data_ptr(), 0, y.data_ptr(), 0, bias_ptr, None,
+                              act, 1, rows, k, n)
+            return [y]
+        run.constants = (packed, bias)   # read through raw pointers
+        return run

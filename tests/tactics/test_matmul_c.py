@@ -1,0 +1,68 @@
+"""kiln's GEMM for MatMul/Gemm by a constant matrix (kiln.tactics.matmul_c): matches onnxruntime in engines
+forced onto it (3-D activations, bias, ReLU, Gemm's transB, rows that vary with a dynamic profile) and leaves
+layers it cannot run, GELU among them, to other kernels."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.tactics import codegen
+from kiln.tactics.base import LayerView
+from kiln.tactics.matmul_c import MATMUL_TACTIC, MatMulGemmTactic
+from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
+
+pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
+
+
+def projection_model(seq: int | str = 9):
+    """MatMul + bias + Relu on [2, seq, 40] -> [2, seq, 70], then Gemm(transB) on the flattened first token."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["mb"]),
+             helper.make_node("Relu", ["mb"], ["h"]),
+             helper.make_node("Gather", ["h", "zero"], ["first"], axis=1),
+             helper.make_node("Gemm", ["first", "w2", "b2"], ["y"], transB=1)]
+    inits = [init("w", rand((40, 70), 1) * 0.2), init("b", rand((70,), 2)), init("zero", np.array(0, np.int64)),
+             init("w2", rand((33, 70), 3) * 0.2), init("b2", rand((33,), 4))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, seq, 40])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 33])], inits)
+
+
+def test_engine_forced_onto_kiln_gemm_matches_onnxruntime():
+    model = projection_model()
+    engine = kiln.build(model, tactic_sources=frozenset({"kiln"}), autotune=False)
+    linear = [l for l in engine.plan.layers if l.op_type in ("MatMul", "Gemm")]
+    assert [l.tactic_name for l in linear] == [MATMUL_TACTIC] * 2, [l.name for l in linear]
+    assert linear[0].attrs["activation"]["op"] == "Relu"   # fused into the GEMM's store
+    feeds = {"x": rand((2, 9, 40), 5)}
+    assert_close_to_ort(engine.run(feeds)["y"], run_ort(model, feeds)[0])
+
+
+def test_rows_follow_a_dynamic_profile():
+    model = projection_model("seq")
+    engine = kiln.build(model, tactic_sources=frozenset({"kiln"}), autotune=False,
+                        profiles=[{"x": ((2, 1, 40), (2, 8, 40), (2, 20, 40))}])
+    assert any(l.tactic_name == MATMUL_TACTIC for l in engine.plan.layers)
+    for seq in (1, 8, 20):
+        feeds = {"x": rand((2, seq, 40), seq)}
+        assert_close_to_ort(engine.run(feeds)["y"], run_ort(model, feeds)[0])
+
+
+def view(op="MatMul", x=(2, 5, 8), w=None, dynamic=((0, 1),), activation=None, **attrs):
+    w = torch.randn(8, 6) if w is None else w
+    if activation:
+        attrs["activation"] = {"op": activation, "attrs": {}}
+    return LayerView(op, "", attrs, (x, tuple(w.shape)), ("float32", "float32"), {1: w}, input_dynamic=dynamic)
+
+
+@pytest.mark.parametrize("layer", [
+    view(activation="Gelu"),                          # oneDNN fuses GELU; kiln's store does not
+    view(dynamic=((2,),)),                            # the reduced axis varies
+    view(x=(5, 8), op="Gemm", transA=1),
+    view(w=torch.randn(2, 8, 6)),                     # a batched weight
+    view(w=torch.randn(8, 6).double()),
+], ids=["gelu", "dynamic-k", "transA", "3d-weight", "float64"])
+def test_declines_what_it_cannot_run(layer):
+    assert not MatMulGemmTactic().supports(layer)
+    assert MatMulGemmTactic().supports(view(activation="Relu"))
