@@ -22,6 +22,7 @@ MATMUL_TACTIC = "kiln.matmul_gemm"
 class MatMulGemmTactic:
     name = MATMUL_TACTIC
     source = "kiln"
+    needs_c_compiler = True   # an engine loaded where none is runs this layer on the reference kernel
 
     def supports(self, layer: LayerView) -> bool:
         if not by_constant_matrix(layer):

@@ -2,6 +2,8 @@
 for build-time measurements of whole segments."""
 from __future__ import annotations
 
+import logging
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -9,12 +11,16 @@ import torch
 
 from kiln.errors import EngineFormatError
 from kiln.ops.nn import check_window_attrs
+from kiln.tactics import codegen
 from kiln.tactics.base import HWC, Kernel, LayerView
 from kiln.tactics.onnx_emit import emit_region
 from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, prepare_reformat
+
+
+log = logging.getLogger("kiln.runtime")
 
 
 class TorchWeights(dict):
@@ -86,10 +92,19 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
     if tactic is None:
         raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "
                                 "rebuild the engine")
+    if getattr(tactic, "needs_c_compiler", False) and not codegen.available():
+        _warn_no_compiler(layer.tactic_name)
+        tactic = ReferenceTactic()   # an engine built elsewhere: the same layer on torch's kernels
     kernel = tactic.prepare(layer_view(layer, weights, opset))
-    if layer.tactic_name == ReferenceTactic.name:
+    if tactic.name == ReferenceTactic.name:
         return in_planned_formats(kernel, layer)
     return kernel
+
+
+@lru_cache(maxsize=None)
+def _warn_no_compiler(tactic_name: str) -> None:
+    log.warning("no C compiler here for %s (an engine built on another machine): its layers run on torch's "
+                "reference kernels, slower; install a C compiler (cc) or rebuild the engine here", tactic_name)
 
 
 def in_planned_formats(kernel: Kernel, layer: Any) -> Kernel:
