@@ -64,11 +64,16 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cache
     names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
     if layer.tactic_name == OPENVINO_REGION_TACTIC:
         from kiln.tactics import openvino_source
+        from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 
-        if not openvino_source.available():
-            raise EngineFormatError(f"layer '{layer.name}' runs on OpenVINO, which is not installed here; "
-                                    "pip install openvino, or rebuild with --tactic-sources=-openvino")
-        return openvino_source.region_kernel(model, external, *names, cached=cached)
+        if openvino_source.available():
+            return openvino_source.region_kernel(model, external, *names, cached=cached)
+        if not onnxruntime_available():
+            raise EngineFormatError(f"layer '{layer.name}' runs on OpenVINO, which is not installed here (nor "
+                                    "onnxruntime, which could run the same region); pip install openvino, or "
+                                    "rebuild with --tactic-sources=-openvino")
+        log.warning("layer '%s' was built for OpenVINO, which is not installed here: onnxruntime runs the same "
+                    "region (pip install openvino for the latency the build measured)", layer.name)
     return region_kernel(model, external, *names, bool(layer.attrs.get("spinning", False)))
 
 

@@ -168,6 +168,27 @@ def test_everything_works_without_openvino(models, monkeypatch):
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
 
 
+def test_an_openvino_engine_loaded_without_openvino_runs_its_region_on_onnxruntime(models, monkeypatch, caplog,
+                                                                                    tmp_path):
+    pytest.importorskip("openvino")
+    from kiln.tactics import openvino_source, onnxruntime_source
+
+    proto, x = models["inception"]
+    with pytest.MonkeyPatch.context() as mp:
+        force_plan(mp, "openvino")
+        kiln.build(proto, avg_timing=1, min_timing=1).save(tmp_path / "ov.kiln")
+    monkeypatch.setattr(openvino_source, "available", lambda: False)
+    caplog.set_level(logging.WARNING, logger="kiln.runtime")
+    engine = kiln.load(tmp_path / "ov.kiln")
+    assert [l.tactic_name for l in engine.plan.layers if l.inner] == ["openvino.region"]
+    feeds = {engine.input_names[0]: x}
+    assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+    assert "was built for OpenVINO, which is not installed here: onnxruntime runs the same region" in caplog.text
+    monkeypatch.setattr(onnxruntime_source, "available", lambda: False)   # neither library: a clear refusal
+    with pytest.raises(kiln.Error, match="runs on OpenVINO, which is not installed here"):
+        kiln.load(tmp_path / "ov.kiln").run(feeds)
+
+
 def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monkeypatch, caplog):
     import kiln.tactics.prepare as prepare
 
