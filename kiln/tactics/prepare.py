@@ -11,7 +11,7 @@ import torch
 
 from kiln.errors import EngineFormatError
 from kiln.ops.nn import check_window_attrs
-from kiln.tactics import codegen
+from kiln.tactics import codegen, onnxruntime_source, openvino_source
 from kiln.tactics.base import HWC, Kernel, LayerView
 from kiln.tactics.onnx_emit import emit_region
 from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
@@ -63,15 +63,8 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cache
                                   [(t.name, t.dtype) for t in layer.outputs], weights, opset)
     names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
     if layer.tactic_name == OPENVINO_REGION_TACTIC:
-        from kiln.tactics import openvino_source
-        from kiln.tactics.onnxruntime_source import available as onnxruntime_available
-
         if openvino_source.available():
             return openvino_source.region_kernel(model, external, *names, cached=cached)
-        if not onnxruntime_available():
-            raise EngineFormatError(f"layer '{layer.name}' runs on OpenVINO, which is not installed here (nor "
-                                    "onnxruntime, which could run the same region); pip install openvino, or "
-                                    "rebuild with --tactic-sources=-openvino")
         log.warning("layer '%s' was built for OpenVINO, which is not installed here: onnxruntime runs the same "
                     "region (pip install openvino for the latency the build measured)", layer.name)
     return region_kernel(model, external, *names, bool(layer.attrs.get("spinning", False)))
@@ -92,14 +85,21 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
         value = weights[layer.args[0].name]
         return lambda xs: [value]
     if layer.tactic_name in (REGION_TACTIC, OPENVINO_REGION_TACTIC):
-        return prepare_region(layer, np_weights, opset, cached)
+        ov = layer.tactic_name == OPENVINO_REGION_TACTIC and openvino_source.available()
+        if ov or onnxruntime_source.available():
+            return prepare_region(layer, np_weights, opset, cached)
+        _warn_missing(layer.tactic_name, "onnxruntime" if layer.tactic_name == REGION_TACTIC else "OpenVINO")
+        return reference_region(layer, weights, opset)
     tactic = TACTICS_BY_NAME.get(layer.tactic_name)
     if tactic is None:
         raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "
                                 "rebuild the engine")
     if getattr(tactic, "needs_c_compiler", False) and not codegen.available():
-        _warn_no_compiler(layer.tactic_name)
+        _warn_missing(layer.tactic_name, "a C compiler (cc)")
         tactic = ReferenceTactic()   # an engine built elsewhere: the same layer on torch's kernels
+    elif tactic.source == "onnxruntime" and not onnxruntime_source.available():
+        _warn_missing(layer.tactic_name, "onnxruntime")
+        tactic = ReferenceTactic()
     kernel = tactic.prepare(layer_view(layer, weights, opset))
     if tactic.name == ReferenceTactic.name:
         return in_planned_formats(kernel, layer)
@@ -107,9 +107,24 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
 
 
 @lru_cache(maxsize=None)
-def _warn_no_compiler(tactic_name: str) -> None:
-    log.warning("no C compiler here for %s (an engine built on another machine): its layers run on torch's "
-                "reference kernels, slower; install a C compiler (cc) or rebuild the engine here", tactic_name)
+def _warn_missing(tactic_name: str, what: str) -> None:
+    log.warning("%s is not available here for %s (an engine built on another machine): its layers run on torch's "
+                "reference kernels, slower; install it or rebuild the engine here", what, tactic_name)
+
+
+def reference_region(layer: Any, weights: dict[str, torch.Tensor], opset: int) -> Kernel:
+    """A region's inner layers one after another on torch's reference kernels, for a machine that lacks the
+    library the region was built for. Inputs and outputs stay row-major, as the plan expects of a region."""
+    inner = [(in_planned_formats(ReferenceTactic().prepare(layer_view(one, weights, opset)), one),
+              [(a.kind, a.name) for a in one.args], [t.name for t in one.outputs]) for one in layer.inner]
+    input_names, output_names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
+
+    def run(xs):
+        env = dict(zip(input_names, [x for x in xs if x is not None]))
+        for kernel, args, outs in inner:
+            env.update(zip(outs, kernel([env[n] if k == "tensor" else None for k, n in args])))
+        return [env[n].contiguous() for n in output_names]
+    return run
 
 
 def in_planned_formats(kernel: Kernel, layer: Any) -> Kernel:

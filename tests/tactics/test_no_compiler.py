@@ -36,7 +36,7 @@ def test_engines_with_c_kernels_run_on_a_machine_without_a_compiler(tmp_path, mo
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(codegen.shutil, "which", lambda name: None)
     codegen._toolchain.cache_clear()
-    prepare._warn_no_compiler.cache_clear()   # warned once per kernel and process
+    prepare._warn_missing.cache_clear()   # warned once per kernel and process
     caplog.set_level(logging.WARNING, logger="kiln.runtime")
     try:
         for model, path, feeds in cases:
@@ -45,4 +45,4 @@ def test_engines_with_c_kernels_run_on_a_machine_without_a_compiler(tmp_path, mo
     finally:
         codegen._toolchain.cache_clear()
     for tactic in c_kernels:
-        assert f"no C compiler here for {tactic}" in caplog.text, tactic
+        assert f"a C compiler (cc) is not available here for {tactic}" in caplog.text, tactic

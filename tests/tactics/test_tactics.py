@@ -184,9 +184,27 @@ def test_an_openvino_engine_loaded_without_openvino_runs_its_region_on_onnxrunti
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
     assert "was built for OpenVINO, which is not installed here: onnxruntime runs the same region" in caplog.text
-    monkeypatch.setattr(onnxruntime_source, "available", lambda: False)   # neither library: a clear refusal
-    with pytest.raises(kiln.Error, match="runs on OpenVINO, which is not installed here"):
-        kiln.load(tmp_path / "ov.kiln").run(feeds)
+    monkeypatch.setattr(onnxruntime_source, "available", lambda: False)   # neither library: torch's kernels
+    assert_close_to_ort(kiln.load(tmp_path / "ov.kiln").run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+    assert "OpenVINO is not available here for openvino.region" in caplog.text
+
+
+def test_onnxruntime_layers_and_regions_loaded_without_onnxruntime_run_on_torch(models, monkeypatch, caplog, tmp_path):
+    from kiln.tactics import onnxruntime_source
+
+    proto, x = models["inception"]
+    with pytest.MonkeyPatch.context() as mp:
+        force_plan(mp, "onnxruntime")
+        kiln.build(proto, avg_timing=1, min_timing=1).save(tmp_path / "region.kiln")
+    kiln.build(proto, tactic_sources=frozenset({"onnxruntime"}), autotune=False).save(tmp_path / "layers.kiln")
+    monkeypatch.setattr(onnxruntime_source, "available", lambda: False)
+    caplog.set_level(logging.WARNING, logger="kiln.runtime")
+    feeds = {kiln.load(tmp_path / "region.kiln").input_names[0]: x}
+    for name, tactic in (("region", "onnxruntime.region"), ("layers", "onnxruntime.layer")):
+        engine = kiln.load(tmp_path / f"{name}.kiln")
+        assert tactic in {l.tactic_name for l in engine.plan.layers}
+        assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
+        assert f"onnxruntime is not available here for {tactic}" in caplog.text
 
 
 def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monkeypatch, caplog):
