@@ -115,7 +115,7 @@ def warm_compiled_model_cache(layers: list[Layer], weights: dict[str, np.ndarray
     for layer in layers:
         if layer.tactic_name == OPENVINO_REGION_TACTIC:
             try:
-                prepare_region(layer, weights, opset, cached=True)
+                prepare_region(layer, weights, opset, cached=True, library="openvino")
             except Exception as exc:   # the build already ran this region; a cache it cannot write is not an error
                 log.debug("OpenVINO model cache not warmed for %s: %s", layer.name, exc)
 

@@ -24,7 +24,7 @@ def _output_hw(layer: LayerView) -> tuple[int, int]:
 class Conv1x1GemmTactic:
     name = CONV1X1_TACTIC
     source = "kiln"
-    needs_c_compiler = True   # an engine loaded where none is runs this layer on the reference kernel
+    needs_c_compiler = True
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:

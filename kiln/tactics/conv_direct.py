@@ -31,7 +31,7 @@ def _geometry(layer: LayerView) -> tuple[int, int, int, int, int, int, int, int]
 class DirectConvTactic:
     name = DIRECT_TACTIC
     source = "kiln"
-    needs_c_compiler = True   # an engine loaded where none is runs this layer on the reference kernel
+    needs_c_compiler = True
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:

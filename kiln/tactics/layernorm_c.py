@@ -96,7 +96,7 @@ def _geometry(layer: LayerView) -> tuple[int, int] | None:
 class LayerNormTactic:
     name = LAYERNORM_TACTIC
     source = "kiln"
-    needs_c_compiler = True   # an engine loaded where none is runs this layer on the reference kernel
+    needs_c_compiler = True
 
     def supports(self, layer: LayerView) -> bool:
         return _geometry(layer) is not None and library() is not None

@@ -14,7 +14,7 @@ import torch
 
 from kiln.tactics import gemm_c
 from kiln.tactics.base import LINEAR, Kernel, LayerView
-from kiln.tactics.onednn_linear import _bias, _weight, by_constant_matrix
+from kiln.tactics.onednn_linear import by_constant_matrix, linear_bias, linear_weight
 
 MATMUL_TACTIC = "kiln.matmul_gemm"
 
@@ -22,7 +22,7 @@ MATMUL_TACTIC = "kiln.matmul_gemm"
 class MatMulGemmTactic:
     name = MATMUL_TACTIC
     source = "kiln"
-    needs_c_compiler = True   # an engine loaded where none is runs this layer on the reference kernel
+    needs_c_compiler = True
 
     def supports(self, layer: LayerView) -> bool:
         if not by_constant_matrix(layer):
@@ -41,10 +41,10 @@ class MatMulGemmTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         lib = gemm_c.library()
-        w = _weight(layer)                                   # [N, K]
+        w = linear_weight(layer)   # [N, K]
         n, k = w.shape
         packed = gemm_c.pack_weights(w.t().float())
-        bias = gemm_c.pad_bias(_bias(layer, n)[1], n)
+        bias = gemm_c.pad_bias(linear_bias(layer, n)[1], n)
         bias_ptr = None if bias is None else bias.data_ptr()
         act = gemm_c.activation_code(layer.attrs.get("activation"))
 

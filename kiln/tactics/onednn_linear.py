@@ -14,13 +14,13 @@ from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.onednn_conv import fused_unary
 
 
-def _weight(layer: LayerView) -> torch.Tensor:
+def linear_weight(layer: LayerView) -> torch.Tensor:
     """The [N, K] matrix oneDNN wants: Gemm's B as stored when transB, else (and for MatMul) B transposed."""
     b = layer.const_inputs[1]
     return b if layer.op_type == "Gemm" and layer.attrs.get("transB", 0) else b.t()
 
 
-def _bias(layer: LayerView, n: int) -> tuple[bool, torch.Tensor | None]:
+def linear_bias(layer: LayerView, n: int) -> tuple[bool, torch.Tensor | None]:
     """(usable, bias as a length-N vector): a constant per output column, or nothing."""
     if len(layer.input_shapes) < 3 or layer.input_shapes[2] is None:
         return True, None
@@ -42,7 +42,7 @@ def by_constant_matrix(layer: LayerView) -> bool:
     if layer.op_type == "Gemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
                                     or a.get("beta", 1.0) != 1.0):
         return False
-    return len(x) >= 2 and _bias(layer, _weight(layer).shape[0])[0]
+    return len(x) >= 2 and linear_bias(layer, linear_weight(layer).shape[0])[0]
 
 
 class OneDnnLinearTactic:
@@ -59,9 +59,9 @@ class OneDnnLinearTactic:
         return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
-        w = _weight(layer).contiguous()
+        w = linear_weight(layer).contiguous()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, math.prod(layer.input_shapes[0][:-1]))
-        bias = _bias(layer, w.shape[0])[1]
+        bias = linear_bias(layer, w.shape[0])[1]
         spec = layer.attrs.get("activation")
         fused = fused_unary(spec)
         unary, scalars, algorithm = fused if fused else ("none", [], "")

@@ -92,7 +92,7 @@ def library():
 class NhwcPoolTactic:
     name = POOL_TACTIC
     source = "kiln"
-    needs_c_compiler = True   # an engine loaded where none is runs this layer on the reference kernel
+    needs_c_compiler = True
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type not in ("MaxPool", "GlobalAveragePool", "GlobalMaxPool") or layer.domain not in ("", "ai.onnx"):

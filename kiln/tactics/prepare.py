@@ -53,7 +53,16 @@ def layer_view(layer: Any, weights: dict[str, Any], opset: int, with_consts: boo
                      tuple(dtype(a) for a in layer.args), consts, tuple(t.dtype for t in layer.outputs), opset, dynamic)
 
 
-def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cached: bool = False) -> Kernel:
+def region_library(layer: Any) -> str | None:
+    """Which installed library runs a region here: the one it was built for, else onnxruntime (the same ONNX
+    sub-model), else None (its inner layers then run on torch's reference kernels)."""
+    if layer.tactic_name == OPENVINO_REGION_TACTIC and openvino_source.available():
+        return "openvino"
+    return "onnxruntime" if onnxruntime_source.available() else None
+
+
+def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cached: bool = False,
+                   library: str = "onnxruntime") -> Kernel:
     opset = max(13, opset)
     steps = [(layer_view(inner, weights, opset, with_consts=False),
               [None if a.kind == "none" else (a.kind, a.name) for a in inner.args],
@@ -62,11 +71,8 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cache
     model, external = emit_region([(t.name, t.shape_spec, t.dtype) for t in layer.inputs], steps,
                                   [(t.name, t.dtype) for t in layer.outputs], weights, opset)
     names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
-    if layer.tactic_name == OPENVINO_REGION_TACTIC:
-        if openvino_source.available():
-            return openvino_source.region_kernel(model, external, *names, cached=cached)
-        log.warning("layer '%s' was built for OpenVINO, which is not installed here: onnxruntime runs the same "
-                    "region (pip install openvino for the latency the build measured)", layer.name)
+    if library == "openvino":
+        return openvino_source.region_kernel(model, external, *names, cached=cached)
     return region_kernel(model, external, *names, bool(layer.attrs.get("spinning", False)))
 
 
@@ -85,15 +91,20 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
         value = weights[layer.args[0].name]
         return lambda xs: [value]
     if layer.tactic_name in (REGION_TACTIC, OPENVINO_REGION_TACTIC):
-        ov = layer.tactic_name == OPENVINO_REGION_TACTIC and openvino_source.available()
-        if ov or onnxruntime_source.available():
-            return prepare_region(layer, np_weights, opset, cached)
+        library = region_library(layer)
+        if library is not None:
+            if layer.tactic_name == OPENVINO_REGION_TACTIC and library != "openvino":
+                log.warning("layer '%s' was built for OpenVINO, which is not installed here: onnxruntime runs the "
+                            "same region (pip install openvino for the latency the build measured)", layer.name)
+            return prepare_region(layer, np_weights, opset, cached, library)
         _warn_missing(layer.tactic_name, "onnxruntime" if layer.tactic_name == REGION_TACTIC else "OpenVINO")
         return reference_region(layer, weights, opset)
     tactic = TACTICS_BY_NAME.get(layer.tactic_name)
     if tactic is None:
         raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "
                                 "rebuild the engine")
+    # kiln's C kernels say `needs_c_compiler`: an engine built elsewhere, loaded where no compiler is, runs
+    # those layers on the reference kernels (Winograd keeps its own torch path)
     if getattr(tactic, "needs_c_compiler", False) and not codegen.available():
         _warn_missing(layer.tactic_name, "a C compiler (cc)")
         tactic = ReferenceTactic()   # an engine built elsewhere: the same layer on torch's kernels

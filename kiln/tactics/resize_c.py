@@ -63,7 +63,7 @@ def _tables(layer: LayerView) -> list[torch.Tensor] | None:
 class NhwcResizeTactic:
     name = RESIZE_TACTIC
     source = "kiln"
-    needs_c_compiler = True   # an engine loaded where none is runs this layer on the reference kernel
+    needs_c_compiler = True
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Resize" or layer.domain not in ("", "ai.onnx") or layer.input_dtypes[0] != "float32":
