@@ -19,7 +19,7 @@ import onnx  # noqa: E402,F401
 import torch  # noqa: E402,F401
 
 with atheris.instrument_imports(include=["kiln", "fuzz"]):
-    import kiln.engine.serialize  # noqa: F401
+    import kiln.plan.serialize  # noqa: F401
     import kiln.frontend  # noqa: F401
     import kiln.inspect.build_log  # noqa: F401
     import kiln.inspect.readers  # noqa: F401

@@ -61,7 +61,7 @@ def seed_model_bytes() -> bytes:
 
 def reseal(data: bytes) -> bytes:
     """Recompute an engine's checksum over its (mutated) body, so parsing goes past the integrity check."""
-    from kiln.engine.serialize import HEADER
+    from kiln.plan.serialize import HEADER
 
     if len(data) < HEADER.size:
         return data
@@ -91,7 +91,7 @@ def mutate(data: bytes, ops: list[tuple[int, int, int]]) -> bytes:
 
 def target_engine(data: bytes) -> None:
     import kiln
-    from kiln.engine.serialize import plan_from_bytes
+    from kiln.plan.serialize import plan_from_bytes
 
     try:
         plan = plan_from_bytes(data, "<fuzzed engine>")

@@ -7,15 +7,15 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from kiln.version import __version__  # noqa: E402
 
 from kiln.errors import EngineFormatError, Error, InputError, ModelError, UnsupportedOpError  # noqa: E402
 
 
 def build(model, **options):
-    """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.engine.builder.BuildOptions`; the
+    """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.builder.build.BuildOptions`; the
     precision ones may be given flat: fp16, bf16, int8, layer_precisions, precision_constraints."""
-    from kiln.engine.builder import BuildOptions, build_plan
+    from kiln.builder.build import BuildOptions, build_plan
     from kiln.precision.policy import PrecisionOptions
     from kiln.runtime.engine import Engine
 

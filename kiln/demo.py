@@ -52,8 +52,8 @@ def demo_model(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import kiln
     from kiln.cli import console
-    from kiln.engine.layer_info import dumps
-    from kiln.engine.serialize import atomic_write_text
+    from kiln.trt.layer_info import dumps
+    from kiln.plan.serialize import atomic_write_text
     from kiln.cli.run import measure, profile
     from kiln.runtime.profiler import performance_summary, profile_json, times_json
 

@@ -60,7 +60,7 @@ def force_plan(monkeypatch, winner: str = "onnxruntime") -> None:
     """Make the whole-plan timing pick `winner` (the others time 10x slower), so a test about what a region
     looks like does not depend on which plan this machine happens to run fastest. Plans are still built and
     their outputs checked against onnxruntime; only the clock is replaced."""
-    import kiln.engine.builder as builder
+    import kiln.builder.build as builder
 
     real = builder.measure_plans
 

@@ -92,7 +92,7 @@ def parse_shapes(spec: str | None) -> dict[str, tuple[int, ...]]:
 
 
 def tactic_options(args) -> dict:
-    from kiln.tactics import parse_sources
+    from kiln.tactics.registry import parse_sources
 
     return {"tactic_sources": parse_sources(args.tactic_sources), "timing_cache": args.timing_cache,
             "avg_timing": max(1, args.avg_timing), "min_timing": max(1, args.min_timing),
@@ -111,8 +111,8 @@ def build_engine(args):
 
 def run(args: argparse.Namespace) -> int:
     from kiln.cli import console
-    from kiln.engine.layer_info import dumps
-    from kiln.engine.serialize import atomic_write_text
+    from kiln.trt.layer_info import dumps
+    from kiln.plan.serialize import atomic_write_text
 
     engine = build_engine(args)
     engine.save(args.output)

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.cli import console
     from kiln.fileio import atomic_write_text
-    from kiln.precision.accuracy import compare
+    from kiln.tools.compare import compare
 
     report = compare(args.model, args.engine, args.inputs, layerwise=args.layerwise, rtol=args.rtol,
                      atol=args.atol, seed=args.seed, min_cosine=args.min_cosine)

@@ -34,6 +34,7 @@ def error(message: str) -> None:
 
 def layer_table(plan, profile=None) -> None:
     """A readable table of the engine's layers: type, tactic, output format, shape, origin count, time."""
+    from kiln.trt.vocab import format_datatype
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -51,7 +52,7 @@ def layer_table(plan, profile=None) -> None:
             out = item.outputs[0] if item.outputs else None
             name = item.name if item is layer else f"└ {item.name}"
             row = [label, name, item.layer_type, item.tactic_name,
-                   "x".join(map(str, out.dims)) if out else "", out.format_string() if out else ""]
+                   "x".join(map(str, out.dims)) if out else "", format_datatype(out) if out else ""]
             if times:
                 t = times.get(item.name)
                 row += [f"{t.median_ms:.4f}" if t else "", f"{t.percentage:.1f}" if t else ""]

@@ -60,7 +60,7 @@ def kiln_summary(engine) -> dict:
 def run(args: argparse.Namespace) -> int:
     import kiln
     from kiln.cli import console
-    from kiln.engine.layer_info import dumps
+    from kiln.trt.layer_info import dumps
     from kiln.inspect.summary import engine_json
 
     kiln_engine = kiln.load(args.file, allow_other_device=True) if is_kiln_engine(args.file) or args.file.endswith(".kiln") else None

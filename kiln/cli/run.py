@@ -77,8 +77,8 @@ def profile(engine, feeds, iterations: int):
 
 def report(engine, args, feeds, percentiles) -> int:
     from kiln.cli import console
-    from kiln.engine.layer_info import oneline
-    from kiln.engine.serialize import atomic_write_bytes, atomic_write_text
+    from kiln.trt.layer_info import oneline
+    from kiln.plan.serialize import atomic_write_bytes, atomic_write_text
     from kiln.runtime.profiler import performance_summary, profile_json, profile_table, times_json
 
     if getattr(args, "check_nan", False):

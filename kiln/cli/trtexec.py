@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from kiln.cli import console
     from kiln.cli.build import parse_shapes
     from kiln.cli.run import load_inputs, parse_percentiles, report
-    from kiln.engine.layer_info import dumps
-    from kiln.engine.serialize import atomic_write_text
+    from kiln.trt.layer_info import dumps
+    from kiln.plan.serialize import atomic_write_text
     from kiln.runtime.engine import set_threads
 
     set_threads(args.threads)
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                              profiling_verbosity=args.profilingVerbosity)
         report(engine, ns, feeds, parse_percentiles(args.percentile))
     elif args.dumpLayerInfo:
-        from kiln.engine.layer_info import oneline
+        from kiln.trt.layer_info import oneline
 
         console.info("Layer Information:")
         print(oneline(engine.layer_info("detailed")))

@@ -3,31 +3,13 @@ importer infers at — `opt` (what tactics are tuned for) and a probe point that
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import onnx
 
 from kiln.errors import ModelError
+from kiln.plan.model import Shape, ShapeRange
 
 log = logging.getLogger("kiln")
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ShapeRange:
-    """The shapes one input may take in one profile, bounds inclusive per axis."""
-
-    min: Shape
-    opt: Shape
-    max: Shape
-
-    def contains(self, shape: Shape) -> bool:
-        return len(shape) == len(self.min) and all(lo <= d <= hi for d, lo, hi in zip(shape, self.min, self.max))
-
-    def text(self) -> str:
-        return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(self.min, self.max)) + "]"
-
 
 Profile = dict[str, ShapeRange]
 

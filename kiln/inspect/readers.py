@@ -9,7 +9,7 @@ Accepted inputs (TensorRT 7.x - 10.x and kiln's own exports, which use the same 
   and the inspector's `Name: ..., LayerType: ..., Inputs: [...], ...` lines after a "Layers:" line (verbosity
   "detailed"; plain name lines after "Layers:" read as "layer_names_only"). Other log lines are skipped.
 * `--exportProfile` JSON (leading {"count": N}, 4- or 5-key records), `--exportTimes` JSON (TRT 7, 8.0-8.3, 8.4+).
-* kiln engine files (b"KILNPLAN"): layers as `kiln.engine.layer_info` describes them, region inner layers with
+* kiln engine files (b"KILNPLAN"): layers as `kiln.trt.layer_info` describes them, region inner layers with
   `region` set.
 
 Every unreadable input raises `ArtifactError` naming the file, the problem and a hint.
@@ -343,7 +343,7 @@ def read_times_json(text: str, where: str = "<times>") -> InferenceTimes:
 
 def engine_info_from_plan(plan, where: str = "<engine>") -> EngineInfo:
     """A kiln plan as layer info: `layer_info(plan, "detailed")`, region inner layers tagged with their region."""
-    from kiln.engine.layer_info import layer_info
+    from kiln.trt.layer_info import layer_info
 
     info = read_layer_info_json(layer_info(plan, "detailed"), where)
     regions = [l.name if l.inner else None for l in plan.layers for _ in (l.inner or (l,))]
@@ -359,7 +359,7 @@ def read_artifact(path) -> EngineInfo | Profile | InferenceTimes:
     except OSError as exc:
         raise _error(where, f"cannot read file ({exc.strerror or exc})", "check the path") from None
     if data.startswith(b"KILNPLAN"):
-        from kiln.engine.serialize import plan_from_bytes
+        from kiln.plan.serialize import plan_from_bytes
 
         try:
             return engine_info_from_plan(plan_from_bytes(data, where), where)

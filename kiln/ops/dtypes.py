@@ -30,20 +30,6 @@ NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
 }
 TORCH_TO_NUMPY = {t: n for n, t in NUMPY_TO_TORCH.items()}
 
-# TensorRT's DataType names as they appear in layer info ("Float", "Half", "Int8", ...).
-TRT_WEIGHT_TYPE = {
-    np.dtype("float32"): "Float", np.dtype("float16"): "Half", np.dtype("int8"): "Int8",
-    np.dtype("int32"): "Int32", np.dtype("int64"): "Int64", np.dtype("bool"): "Bool", np.dtype("uint8"): "UInt8",
-    np.dtype("float64"): "Double",
-}
-# Short names used in "Format/Datatype" strings.
-TRT_FORMAT_TYPE = {
-    np.dtype("float32"): "FP32", np.dtype("float16"): "FP16", np.dtype("int8"): "Int8",
-    np.dtype("int32"): "Int32", np.dtype("int64"): "Int64", np.dtype("bool"): "Bool", np.dtype("uint8"): "UInt8",
-    np.dtype("float64"): "FP64",
-}
-
-
 def onnx_to_numpy(elem_type: int, where: str) -> np.dtype:
     from kiln.errors import ModelError
 

@@ -6,9 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.registry import OPS, OpDef, OpKind
-
-KILN_OPS: dict[str, OpDef] = {}
+from kiln.ops.registry import KILN_OPS, OPS, OpDef, OpKind
 
 
 def apply_steps(x: torch.Tensor, steps: list[dict]) -> torch.Tensor:

@@ -40,6 +40,7 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 MS_OPS: dict[str, OpDef] = {}   # onnxruntime's com.microsoft contrib ops that its quantizer writes
+KILN_OPS: dict[str, OpDef] = {}  # kiln's own layer ops (domain "kiln"), filled by kiln.ops.fused
 
 
 def register(op_type: str, kind: OpKind, host_inputs: tuple[int, ...] = (), trt_layer: str = "ElementWise"):
@@ -51,8 +52,6 @@ def register(op_type: str, kind: OpKind, host_inputs: tuple[int, ...] = (), trt_
 
 def lookup(op_type: str, domain: str = "") -> OpDef | None:
     if domain == "kiln":
-        from kiln.ops.fused import KILN_OPS
-
         return KILN_OPS.get(op_type)
     if domain == "com.microsoft":
         return MS_OPS.get(op_type)

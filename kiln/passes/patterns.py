@@ -8,13 +8,9 @@ import numpy as np
 from kiln.ir import Graph, Node, Value
 from kiln.ops import OPS, OpKind
 
-# ONNX activation op -> TensorRT ActivationType name (layer info "Activation" key).
-ACTIVATIONS: dict[str, str] = {
-    "Relu": "RELU", "LeakyRelu": "LEAKY_RELU", "Clip": "CLIP", "Sigmoid": "SIGMOID", "Tanh": "TANH",
-    "HardSigmoid": "HARD_SIGMOID", "Elu": "ELU", "Selu": "SELU", "Softplus": "SOFTPLUS", "Softsign": "SOFTSIGN",
-    "ThresholdedRelu": "THRESHOLDED_RELU", "HardSwish": "HARD_SWISH", "Mish": "MISH", "Gelu": "GELU_ERF",
-    "Swish": "SWISH",   # not a TensorRT ActivationType: TensorRT fuses SiLU as a PointWise epilogue
-}
+# ONNX activations a convolution or matrix product can absorb (as an epilogue)
+ACTIVATION_OPS = frozenset({"Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "Elu", "Selu", "Softplus",
+                            "Softsign", "ThresholdedRelu", "HardSwish", "Mish", "Gelu", "Swish"})
 
 
 def sole_consumer(g: Graph, node: Node) -> Node | None:
@@ -54,7 +50,7 @@ def is_elementwise(node: Node) -> bool:
 
 def activation_spec(g: Graph, node: Node) -> dict[str, Any] | None:
     """The activation a conv/gemm could absorb: {"op", "attrs"}; None if `node` is not a foldable activation."""
-    if node.domain not in ("", "ai.onnx") or node.op_type not in ACTIVATIONS:
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ACTIVATION_OPS:
         return None
     attrs = {k: v for k, v in node.attrs.items()}
     if node.op_type == "Clip":

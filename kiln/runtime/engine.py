@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.engine.layer_info import layer_info
-from kiln.engine.plan import Plan
-from kiln.engine.serialize import load_plan, save_plan
+from kiln.trt.layer_info import layer_info
+from kiln.plan.model import Plan
+from kiln.plan.serialize import load_plan, save_plan
 from kiln.runtime.executor import ExecutionContext, prepare_kernels
 
 

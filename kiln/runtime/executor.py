@@ -1,18 +1,13 @@
 """Executes a plan on CPU: kernels prepared once per engine (weights shared), state per execution context."""
 from __future__ import annotations
 
-import time
-from typing import Callable
-
 import numpy as np
 import torch
 
-from kiln.engine.plan import Plan
 from kiln.errors import EngineFormatError, Error, InputError
-from kiln.tactics.donation import donation, sole_owner
-from kiln.tactics.prepare import TorchWeights, prepare_kernel
-
-Kernel = Callable[[list], list]
+from kiln.plan.model import Plan
+from kiln.runtime.interpreter import Interpreter, Kernel, Observer
+from kiln.runtime.prepare import TorchWeights, prepare_kernel
 
 
 def prepare_kernels(plan: Plan) -> list[Kernel]:
@@ -42,9 +37,7 @@ class ExecutionContext:
                              f"{max(1, len(plan.profiles))} (0..{max(1, len(plan.profiles)) - 1})")
         self.profile = profile   # None: the first profile that contains the input shapes
         engine_io = {t.name for t in (*plan.inputs, *plan.outputs)}
-        self._steps = [(layer, [(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs],
-                        plan.memory.free_after[i], donation(layer, plan.memory.free_after[i], engine_io, kernel))
-                       for i, (layer, kernel) in enumerate(zip(plan.layers, kernels))]
+        self.interpreter = Interpreter(plan.layers, kernels, keep=engine_io)
 
     def check_inputs(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         expected = {t.name: t for t in self.plan.inputs}
@@ -68,38 +61,13 @@ class ExecutionContext:
             tensors[name] = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
         return tensors
 
-    def execute(self, feeds: dict[str, np.ndarray], profiler=None, observe=None) -> dict[str, np.ndarray]:
+    def execute(self, feeds: dict[str, np.ndarray], profiler=None, observe: Observer | None = None
+                ) -> dict[str, np.ndarray]:
         """Run one inference. `observe(name, tensor)`, if given, sees every tensor a layer produces."""
         env: dict[str, torch.Tensor] = self.check_inputs(feeds)
         with torch.inference_mode():
-            for (layer, args, outs, free, in_place), kernel in zip(self._steps, self.kernels):
-                try:
-                    xs = [env[n] if k == "tensor" else None for k, n in args]
-                    if in_place is not None and sole_owner(xs[in_place[0]], env):
-                        kernel = in_place[1]
-                    results = kernel(xs) if profiler is None else _profiled(layer, kernel, xs, profiler)
-                except Error:
-                    raise
-                except Exception as exc:   # a damaged engine or a library failure: name the layer
-                    raise Error(f"layer '{layer.name}' ({layer.op_type}) failed: {type(exc).__name__}: {exc}") from None
-                for n, r in zip(outs, results):
-                    env[n] = r
-                    if observe is not None:
-                        observe(n, r)
-                for n in free:
-                    env.pop(n, None)
+            self.interpreter.run(env, observe, profiler)
         return {t.name: _to_numpy(env[t.name], t.dtype) for t in self.plan.outputs}
-
-
-def _profiled(layer, kernel, xs, profiler):
-    t0 = time.perf_counter_ns()
-    if layer.inner and hasattr(kernel, "profiled_run"):
-        results = kernel.profiled_run(xs)
-        profiler.watch_region(layer.name, kernel)
-    else:
-        results = kernel(xs)
-    profiler.record(layer.name, (time.perf_counter_ns() - t0) / 1e6)
-    return results
 
 
 def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:

@@ -171,7 +171,7 @@ class Autotuner:
     def choose(self, name: str, view: LayerView, tactics: list[Tactic], have_formats: list[str | None],
                runner_names: dict[str, str], dying: frozenset[int] = frozenset()) -> Choice:
         """`dying`: indices of inputs this layer reads last; a kernel that can write its output over one of
-        them (`into_input`, a fused residual) is timed doing so, as the plan runs it (kiln.tactics.donation)."""
+        them (`into_input`, a fused residual) is timed doing so, as the plan runs it (kiln.runtime.donation)."""
         signature = layer_signature(view, have_formats)
         if dying:
             signature = digest({"dying": sorted(dying), "layer": signature})

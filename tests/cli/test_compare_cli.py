@@ -12,7 +12,7 @@ import pytest
 
 import kiln
 from kiln.cli.main import main
-from kiln.precision.accuracy import REPORT_KIND
+from kiln.tools.compare import REPORT_KIND
 from tests.precision.models import conv_net, perturbed
 
 

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.engine.serialize import HEADER, plan_from_bytes
+from kiln.plan.serialize import HEADER, plan_from_bytes
 from kiln.errors import EngineFormatError
 from tests.conftest import make_model
 

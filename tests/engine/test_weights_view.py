@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from kiln.engine.weights_view import weight_views
+from kiln.plan.weights_view import weight_views
 from kiln.errors import EngineFormatError
 
 

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.engine.layer_info import dumps, layer_info, oneline
+from kiln.trt.layer_info import dumps, layer_info, oneline
 from kiln.errors import ArtifactError
 from kiln.inspect.model import EngineInfo, InferenceTimes, Profile
 from kiln.inspect.readers import (engine_info_from_plan, read_artifact, read_layer_info_json, read_oneline,

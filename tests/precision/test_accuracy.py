@@ -1,4 +1,4 @@
-"""`kiln.precision.accuracy.compare`: engine vs onnxruntime per output and, with layerwise, per visible tensor;
+"""`kiln.tools.compare.compare`: engine vs onnxruntime per output and, with layerwise, per visible tensor;
 the first diverging layer is named exactly and the engine under test is left untouched."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import kiln
-from kiln.precision.accuracy import REPORT_KIND, CompareReport, compare, compare_tensor
+from kiln.tools.compare import REPORT_KIND, CompareReport, compare, compare_tensor
 from tests.conftest import force_plan, make_model
 from tests.precision.models import conv_net, perturbed, transformer_net
 

@@ -10,7 +10,7 @@ import pytest
 from onnx import numpy_helper
 
 import kiln
-from kiln.precision import calibration as cal
+from kiln.preprocess import calibration as cal
 from tests.conftest import rand
 from tests.precision.models import conv_net
 

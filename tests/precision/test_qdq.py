@@ -244,7 +244,7 @@ def test_qoperator_format_and_dynamic_quantization_build_and_match(tmp_path):
 
 
 def test_compare_accepts_int8_rounding_by_cosine_but_not_a_broken_engine(qdq_resnet):
-    from kiln.precision.accuracy import compare
+    from kiln.tools.compare import compare
 
     engine = kiln.build(qdq_resnet, autotune=False)
     report = compare(qdq_resnet, engine)

@@ -94,7 +94,7 @@ def test_cycle_is_refused():
 def test_engine_from_another_device_is_refused_unless_allowed(tmp_path):
     import dataclasses
 
-    from kiln.engine.serialize import save_plan
+    from kiln.plan.serialize import save_plan
 
     engine = kiln.build(_conv_model([1, 3, 8, 8]), autotune=False)
     info = {**engine.plan.build_info, "device_description": {"cpu": "Some Other CPU 9000", "threads": 2}}

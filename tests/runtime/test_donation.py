@@ -65,26 +65,28 @@ def test_residual_buffer_is_reused_only_when_safe(kind, hw, donated):
 
 @pytest.mark.parametrize("kind, donated", [("dies_here", True), ("read_later", False), ("caller_input", True)])
 def test_whole_plan_timing_runs_the_plan_as_the_executor_does(kind, donated, monkeypatch):
-    """The builder times candidate plans with regions._kiln_runner: it must drop dead tensors and donate exactly
-    where the executor does, or a plan is timed with more memory traffic than it has when it runs."""
+    """The builder times candidate plans with regions._kiln_runner (the plan interpreter): it must drop dead
+    tensors and donate exactly where the executor does, or a plan is timed with more memory traffic than it has
+    when it runs."""
     import torch
 
-    import kiln.tactics.donation as donation_module
-    from kiln.engine.regions import _kiln_runner
+    import kiln.runtime.interpreter as interpreter_module
+    from kiln.planning.regions import _kiln_runner
 
     model = _model(kind, 6)
     engine = kiln.build(model, tactic_sources={"torch-onednn", "torch"}, autotune=False)
     x = np.random.default_rng(3).standard_normal((1, C, 6, 6)).astype(np.float32)
     keep = {t.name for t in engine.plan.outputs}
+    expected = engine.run({"x": x})["y"]
     checks = []   # the run-time ownership check is made only where the plan donates
 
-    def counting(tensor, env, original=donation_module.sole_owner):
+    def counting(tensor, env, original=interpreter_module.sole_owner):
         checks.append(original(tensor, env))
         return checks[-1]
-    monkeypatch.setattr(donation_module, "sole_owner", counting)
+    monkeypatch.setattr(interpreter_module, "sole_owner", counting)
     run = _kiln_runner(list(engine.plan.layers), {}, engine.plan.weights, 17, {"x": torch.from_numpy(x)}, keep=keep)
     with torch.inference_mode():
         env = run()
     assert set(env) == {"x"} | keep   # everything else was dropped after its last reader
-    np.testing.assert_allclose(env["y"].numpy(), engine.run({"x": x})["y"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(env["y"].numpy(), expected, rtol=1e-6, atol=1e-6)
     assert checks == ([True] if donated else []), (kind, checks)

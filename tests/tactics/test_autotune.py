@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kiln.tactics import LINEAR, LayerView
+from kiln.tactics.base import LINEAR, LayerView
 from kiln.tactics.autotune import HANDOVER_MS, PREFERENCE_MARGIN, Autotuner
 from kiln.tactics.timing_cache import TimingCache
 

@@ -182,7 +182,7 @@ def test_compiled_kernels_are_cached_per_source(tmp_path, monkeypatch):
 
 
 def test_without_a_compiler_the_source_is_unavailable_and_kernels_fall_back(monkeypatch):
-    from kiln.tactics import available_sources, parse_sources
+    from kiln.tactics.registry import available_sources, parse_sources
     from kiln.errors import Error
 
     monkeypatch.setenv("CC", "/nonexistent/cc")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kiln
-from kiln.tactics import codegen, prepare
+from kiln.tactics import codegen
+from kiln.runtime import prepare
 from tests.conftest import assert_close_to_ort, rand, run_ort
 from tests.tactics.test_layernorm_c import layernorm_model
 from tests.tactics.test_matmul_c import projection_model

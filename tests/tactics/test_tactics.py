@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import kiln
-from kiln.engine.layer_info import tactic_source
-from kiln.tactics import available_sources, codegen, parse_sources
+from kiln.trt.layer_info import tactic_source
+from kiln.tactics import codegen
+from kiln.tactics.registry import available_sources, parse_sources
 from tests.conftest import assert_close_to_ort, force_plan, run_ort
 from tests.models.test_zoo import export
 from tests.models.zoo import make_zoo
@@ -140,7 +141,7 @@ def test_deterministic_build_replays_the_cache_and_refuses_to_measure(models, tm
 
 def test_openvino_plan_is_correct_when_installed(models, monkeypatch):
     pytest.importorskip("openvino")
-    import kiln.engine.builder as builder
+    import kiln.builder.build as builder
 
     proto, x = models["mobilenetv3"]
     monkeypatch.setattr(builder, "PLAN_MARGIN", -10.0)   # never fall back to onnxruntime: keep the fastest of the rest
@@ -208,7 +209,7 @@ def test_onnxruntime_layers_and_regions_loaded_without_onnxruntime_run_on_torch(
 
 
 def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monkeypatch, caplog):
-    import kiln.tactics.prepare as prepare
+    import kiln.runtime.prepare as prepare
 
     def broken_region(model, external, input_names, output_names, spinning=False):
         return lambda xs: [torch.zeros(1)] * len(output_names)
@@ -299,7 +300,7 @@ def test_openvino_compiled_model_cache_for_loaded_engines(models, tmp_path, monk
 def test_a_library_region_must_clearly_beat_kilns_own_plan(models, monkeypatch, caplog, region_ms, region_wins):
     """Within OWN_PLAN_MARGIN (3%) of kiln's own plan a whole-graph region is a tie under timing noise, and kiln's
     own plan is kept: its layers stay visible in layer info and profiles."""
-    import kiln.engine.builder as builder
+    import kiln.builder.build as builder
 
     monkeypatch.setattr(builder, "measure_plans", lambda candidates, *a, **k: {
         name: 10.0 if name in builder.OWN_PLANS else region_ms for name in candidates})
@@ -314,7 +315,7 @@ def test_a_library_region_must_clearly_beat_kilns_own_plan(models, monkeypatch, 
 
 
 def test_whole_plan_blocks_never_follow_another_library_at_a_round_boundary():
-    from kiln.engine.regions import _block_order
+    from kiln.planning.regions import _block_order
 
     names = ["kiln", "kiln-direct", "onnxruntime", "openvino"]
     rounds = [_block_order(names, r) for r in range(4)]
@@ -329,7 +330,7 @@ def test_a_whole_plan_counts_its_fastest_round_so_a_burst_does_not_decide(monkey
     long leave room for a loaded test machine's preemptions.)"""
     import time
 
-    import kiln.engine.regions as regions
+    import kiln.planning.regions as regions
     from kiln.ir import Graph
     from kiln.tactics.autotune import Autotuner, TimingOptions
     from kiln.tactics.timing_cache import TimingCache

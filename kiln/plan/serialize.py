@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from kiln.engine.plan import Arg, Layer, MemoryPlan, Plan, TensorDesc
+from kiln.plan.model import Arg, Layer, MemoryPlan, Plan, TensorDesc
 from kiln.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from kiln.errors import EngineFormatError
-from kiln.frontend.profiles import ShapeRange
-from kiln.engine.weights_view import weight_views
+from kiln.plan.model import ShapeRange
+from kiln.plan.weights_view import weight_views
 
 MAGIC = b"KILNPLAN"
 FORMAT_VERSION = 1

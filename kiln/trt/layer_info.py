@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kiln.engine.plan import Layer, Plan, TensorDesc
+from kiln.plan.model import Layer, Plan, TensorDesc
 from kiln.errors import Error
-from kiln.passes.patterns import ACTIVATIONS
+from kiln.trt.vocab import ACTIVATION_TYPE, format_datatype, weight_type
 
 VERBOSITIES = ("none", "layer_names_only", "detailed")
 METADATA_SEP = "\u001e"
 
 
 def tensor_info(t: TensorDesc) -> dict[str, Any]:
-    return {"Name": t.name, "Location": "Device", "Dimensions": list(t.shape_spec), "Format/Datatype": t.format_string()}
+    return {"Name": t.name, "Location": "Device", "Dimensions": list(t.shape_spec), "Format/Datatype": format_datatype(t)}
 
 
 def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:
@@ -42,7 +42,7 @@ def tactic_sources(plan: Plan) -> dict[str, list[str]]:
 def tactic_source(tactic_name: str) -> str | None:
     """The --tactic-sources name a kernel comes from; None for kiln's built-in Reformat copies and no-ops, which
     every build has (like TensorRT's reformatting kernels)."""
-    from kiln.tactics import TACTICS_BY_NAME
+    from kiln.tactics.registry import TACTICS_BY_NAME
     from kiln.tactics.onnxruntime_source import REGION_TACTIC
     from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
     from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC
@@ -74,14 +74,10 @@ def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:
 
 
 def _weight_info(plan: Plan, layer: Layer, index: int) -> dict[str, Any]:
-    from kiln.ops.dtypes import TRT_WEIGHT_TYPE
-
-    import numpy as np
-
     if index >= len(layer.args) or layer.args[index].kind != "weight":
         return {"Type": "Float", "Count": 0}
     w = plan.weights[layer.args[index].name]
-    return {"Type": TRT_WEIGHT_TYPE.get(np.dtype(w.dtype), str(w.dtype)), "Count": int(w.size)}
+    return {"Type": weight_type(w.dtype), "Count": int(w.size)}
 
 
 def _padding_mode(attrs: dict) -> str:
@@ -93,7 +89,7 @@ def _padding_mode(attrs: dict) -> str:
 
 def _activation(attrs: dict) -> str:
     spec = attrs.get("activation")
-    return ACTIVATIONS.get(spec["op"], "GENERIC") if spec else "NONE"
+    return ACTIVATION_TYPE.get(spec["op"], "GENERIC") if spec else "NONE"
 
 
 def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:

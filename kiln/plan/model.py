@@ -6,9 +6,24 @@ from typing import Any
 
 import numpy as np
 
-from kiln.ops.dtypes import TRT_FORMAT_TYPE
 
 LINEAR, HWC = "linear", "hwc"
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """The shapes one input may take in one optimization profile, bounds inclusive per axis."""
+
+    min: Shape
+    opt: Shape
+    max: Shape
+
+    def contains(self, shape: Shape) -> bool:
+        return len(shape) == len(self.min) and all(lo <= d <= hi for d, lo, hi in zip(shape, self.min, self.max))
+
+    def text(self) -> str:
+        return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(self.min, self.max)) + "]"
 
 
 @dataclass(frozen=True)
@@ -29,14 +44,6 @@ class TensorDesc:
     @property
     def size_bytes(self) -> int:
         return int(np.prod(self.dims, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    def format_string(self) -> str:
-        """TensorRT's "Format/Datatype" text for this tensor."""
-        t = TRT_FORMAT_TYPE.get(np.dtype(self.dtype), self.dtype)
-        if self.format == HWC:
-            return f"Channel major {t} format"
-        return {"FP32": "Row major linear FP32", "Int32": "Row major linear Int32", "Bool": "Row major linear BOOL",
-                "Int8": "Row major Int8 format"}.get(t, f"Row major linear {t} format")
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cache
 def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dict[str, np.ndarray],
                    opset: int, cached: bool = False) -> Kernel:
     """`cached`: external libraries may use their compiled-model caches (loaded engines; not build candidates)."""
-    from kiln.tactics import TACTICS_BY_NAME
+    from kiln.tactics.registry import TACTICS_BY_NAME
 
     for one in (layer, *layer.inner):
         bad = check_window_attrs(one.op_type, one.attrs)
@@ -126,14 +126,15 @@ def _warn_missing(tactic_name: str, what: str) -> None:
 def reference_region(layer: Any, weights: dict[str, torch.Tensor], opset: int) -> Kernel:
     """A region's inner layers one after another on torch's reference kernels, for a machine that lacks the
     library the region was built for. Inputs and outputs stay row-major, as the plan expects of a region."""
-    inner = [(in_planned_formats(ReferenceTactic().prepare(layer_view(one, weights, opset)), one),
-              [(a.kind, a.name) for a in one.args], [t.name for t in one.outputs]) for one in layer.inner]
+    from kiln.runtime.interpreter import Interpreter
+
+    kernels = [in_planned_formats(ReferenceTactic().prepare(layer_view(one, weights, opset)), one)
+               for one in layer.inner]
+    interpreter = Interpreter(layer.inner, kernels)
     input_names, output_names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
 
     def run(xs):
-        env = dict(zip(input_names, [x for x in xs if x is not None]))
-        for kernel, args, outs in inner:
-            env.update(zip(outs, kernel([env[n] if k == "tensor" else None for k, n in args])))
+        env = interpreter.run(dict(zip(input_names, [x for x in xs if x is not None])))
         return [env[n].contiguous() for n in output_names]
     return run
 

@@ -2,11 +2,10 @@
 compared with onnxruntime on the same inputs.
 
 The engine under test stays exactly as built: nothing is rebuilt, re-planned or re-tuned. Outputs come from
-`engine.run`. Intermediates come from a recording pass that runs the engine's own prepared kernels
-(`engine.kernels`) over its frozen `engine.plan.layers` in plan order, as `ExecutionContext.execute` does (same
-input checks, same argument wiring, same frees), copying each produced tensor whose name is an ONNX node output
-to numpy as it appears. Only the onnxruntime side is altered: a COPY of the ONNX model gets those names as extra
-graph outputs (ValueInfo without type or shape). Channel-major ('hwc') tensors are torch channels_last, i.e.
+`engine.run`. Intermediates come from one more inference in an execution context of the same engine (the
+plan interpreter, same kernels, same input checks), observing each produced tensor whose name is an ONNX node
+output and copying it to numpy as it appears. Only the onnxruntime side is altered: a COPY of the ONNX model
+gets those names as extra graph outputs (ValueInfo without type or shape). Channel-major ('hwc') tensors are torch channels_last, i.e.
 logically NCHW, so they compare after `.contiguous()`; other non-linear layouts, intermediates kiln holds in
 another shape, and tensors inside a region (a layer with `.inner`, run as one unit) are listed as skipped.
 
@@ -22,7 +21,6 @@ import onnx
 import torch
 
 from kiln.errors import InputError, ModelError
-from kiln.runtime.executor import ExecutionContext
 
 REPORT_KIND, REPORT_VERSION = "kiln-compare-report", 1
 
@@ -129,23 +127,17 @@ class Recorded:
     format: str
 
 
-class RecordingContext(ExecutionContext):
-    """An ExecutionContext over the engine's own plan and kernels that also keeps copies of chosen tensors."""
+def record(engine, feeds: dict[str, np.ndarray], names: set[str]) -> dict[str, Recorded]:
+    """One inference of the engine's own plan and kernels (an execution context) that keeps numpy copies of the
+    tensors in `names` as they are produced (a later kernel may reuse or modify the storage)."""
+    makers = {t.name: (layer.name, t.format) for layer in engine.plan.layers for t in layer.outputs}
+    seen: dict[str, Recorded] = {}
 
-    def record(self, feeds: dict[str, np.ndarray], names: set[str]) -> dict[str, Recorded]:
-        env: dict[str, torch.Tensor] = self.check_inputs(feeds)
-        seen: dict[str, Recorded] = {}
-        with torch.inference_mode():
-            for layer, kernel, free in zip(self.plan.layers, self.kernels, self.plan.memory.free_after):
-                xs = [env[a.name] if a.kind == "tensor" else None for a in layer.args]
-                results = kernel(xs)
-                for desc, r in zip(layer.outputs, results):
-                    env[desc.name] = r
-                    if desc.name in names:   # copy now: a later kernel may reuse or modify the storage
-                        seen[desc.name] = Recorded(_to_numpy(r), layer.name, desc.format)
-                for n in free:
-                    env.pop(n, None)
-        return seen
+    def observe(name: str, tensor: torch.Tensor) -> None:
+        if name in names:
+            seen[name] = Recorded(_to_numpy(tensor), *makers[name])
+    engine.create_execution_context().execute(feeds, observe=observe)
+    return seen
 
 
 def record_intermediates(engine, feeds: dict[str, np.ndarray],
@@ -166,8 +158,7 @@ def record_intermediates(engine, feeds: dict[str, np.ndarray],
                 wanted.add(t.name)
             else:
                 skipped.append(SkippedTensor(t.name, layer.name, f"layout '{t.format}' differs from ONNX"))
-    ctx = RecordingContext(engine.plan, engine.kernels)
-    return ctx.record(feeds, wanted), skipped
+    return record(engine, feeds, wanted), skipped
 
 
 def compare_tensor(actual: np.ndarray, expected: np.ndarray, name: str, layer: str, onnx_node: str,

@@ -1,33 +1,10 @@
-"""Activation memory planning: last-use analysis and a best-fit arena with buffer reuse."""
+"""Activation memory planning: a best-fit arena where tensors with disjoint lifetimes share bytes."""
 from __future__ import annotations
 
-from kiln.engine.plan import Layer, MemoryPlan, TensorDesc
+from kiln.plan.liveness import free_lists, last_uses
+from kiln.plan.model import Layer, MemoryPlan, TensorDesc
 
 ALIGN_BYTES = 64
-
-
-def last_uses(layers: list[Layer] | tuple[Layer, ...], keep: set[str]) -> dict[str, int]:
-    """Index of the last layer reading each tensor; tensors in `keep` live to the end."""
-    last: dict[str, int] = {}
-    for i, layer in enumerate(layers):
-        for a in layer.args:
-            if a.kind == "tensor":
-                last[a.name] = i
-        for t in layer.outputs:
-            last.setdefault(t.name, i)
-    end = len(layers)
-    for name in keep:
-        last[name] = end
-    return last
-
-
-def free_lists(layers: list[Layer] | tuple[Layer, ...], keep: set[str]) -> list[list[str]]:
-    """Per layer, the tensors whose last reader it is (tensors in `keep` are never freed)."""
-    frees: list[list[str]] = [[] for _ in layers]
-    for name, idx in last_uses(layers, keep).items():
-        if idx < len(layers):
-            frees[idx].append(name)
-    return frees
 
 
 def plan_memory(layers: list[Layer], graph_inputs: tuple[TensorDesc, ...], graph_outputs: tuple[TensorDesc, ...]) -> MemoryPlan:

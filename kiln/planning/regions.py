@@ -18,7 +18,7 @@ import torch
 from kiln.errors import Error
 from kiln.precision.policy import INT8_LAYERS, QDQ_OPS
 from kiln.ir import Graph, Node
-from kiln.tactics import HWC, LINEAR, LayerView
+from kiln.tactics.base import HWC, LINEAR, LayerView
 from kiln.tactics.autotune import Autotuner, TimingOptions, _example, _time_ms, robust_ms
 from kiln.tactics.onnx_emit import emit_region, supports
 from kiln.tactics.timing_cache import digest
@@ -121,13 +121,12 @@ def _region_runner(nodes: list[Node], g: Graph):
 
 def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: dict | None = None,
                  keep: set[str] | None = None):
-    """A callable running a run of planned layers on example inputs; it returns the final environment.
-    With `keep` (the graph's outputs) it runs as the executor does: each tensor is dropped after its last
-    reader (its memory goes back to the allocator while still in cache) and in-place kernels take a dying
-    residual's buffer. Without it every tensor stays (segment timing reads the boundary tensors)."""
-    from kiln.engine.memory import free_lists
-    from kiln.tactics.donation import donation, sole_owner
-    from kiln.tactics.prepare import TorchWeights, prepare_kernel
+    """A callable running a run of planned layers on example inputs through the plan interpreter; it returns the
+    final environment. With `keep` (the graph's outputs) it runs as an execution context does: each tensor is
+    released after its last reader and in-place kernels take a dying residual's buffer. Without it every tensor
+    stays (segment timing reads the boundary tensors)."""
+    from kiln.runtime.interpreter import Interpreter
+    from kiln.runtime.prepare import TorchWeights, prepare_kernel
 
     weights = TorchWeights(weights_np)
     produced = {t.name for layer in layers for t in layer.outputs}
@@ -135,26 +134,9 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: 
                              if a.kind == "tensor" and a.name not in produced)
     if env0 is None:
         env0 = {n: _example(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
-    io = set(keep or ()) | set(env0)
-    frees = free_lists(layers, io) if keep is not None else [[] for _ in layers]
-    steps = []
-    for layer, free in zip(layers, frees):
-        kernel = prepare_kernel(layer, weights, weights_np, opset)
-        steps.append(([(a.kind, a.name) for a in layer.args], [t.name for t in layer.outputs], kernel, free,
-                      donation(layer, free, io, kernel) if keep is not None else None))
-
-    def run():
-        env = dict(env0)
-        for args, outs, kernel, free, in_place in steps:
-            xs = [env[n] if kind == "tensor" else None for kind, n in args]
-            if in_place is not None and sole_owner(xs[in_place[0]], env):
-                kernel = in_place[1]
-            for n, r in zip(outs, kernel(xs)):
-                env[n] = r
-            for n in free:
-                env.pop(n, None)
-        return env
-    return run
+    kernels = [prepare_kernel(layer, weights, weights_np, opset) for layer in layers]
+    interpreter = Interpreter(layers, kernels, None if keep is None else set(keep) | set(env0))
+    return lambda: interpreter.run(dict(env0))
 
 
 def measure_segment(nodes: list[Node], layers: list, g: Graph, descs: dict, weights: dict,

@@ -12,17 +12,19 @@ import numpy as np
 import onnx
 import torch
 
-import kiln
-from kiln.engine.memory import plan_memory
-from kiln.engine.plan import Arg, Layer, Plan, TensorDesc
+from kiln.version import __version__
+from kiln.planning.memory import plan_memory
+from kiln.trt.vocab import tensor_text
+from kiln.plan.model import Arg, Layer, Plan, TensorDesc
 from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.precision.policy import PrecisionOptions
 from kiln.precision.policy import assign as assign_precisions
-from kiln.tactics import ANY, LINEAR, LayerView, available_sources, candidates, tactic_value
-from kiln.engine.regions import _view, apply_regions, choose_regions, measure_plans, unapply_regions
+from kiln.tactics.base import ANY, LINEAR, LayerView, tactic_value
+from kiln.tactics.registry import available_sources, candidates
+from kiln.planning.regions import _view, apply_regions, choose_regions, measure_plans, unapply_regions
 from kiln.tactics.onnx_emit import supports
 from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
 from kiln.tactics.onnxruntime_source import REGION_TACTIC
@@ -95,7 +97,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     log.debug("Total Activation Memory: %d bytes (%d bytes without reuse)", memory.total_bytes, memory.unshared_bytes)
     log.debug("Total Weights Memory: %d bytes", sum(w.nbytes for w in weights.values()))
     info = {
-        "kiln_version": kiln.__version__, "torch_version": torch.__version__, "opset": g.opset,
+        "kiln_version": __version__, "torch_version": torch.__version__, "opset": g.opset,
         "build_time_s": round(time.perf_counter() - start, 6), "device": "cpu",
         "tactic_sources_available": sorted(available_sources()), "tactic_sources": sorted(sources),
         "timing_cache": {"hits": cache.hits, "misses": cache.misses}, "device_description": cache.device,
@@ -110,7 +112,7 @@ def warm_compiled_model_cache(layers: list[Layer], weights: dict[str, np.ndarray
     """Compile the chosen plan's OpenVINO regions once through OpenVINO's model cache, so the engine's first load
     imports the compiled blob instead of compiling (about 0.2 s instead of 0.9 s for ResNet-50). Only the chosen
     plan's regions are written: the candidates timed during the build never touch the cache."""
-    from kiln.tactics.prepare import prepare_region
+    from kiln.runtime.prepare import prepare_region
 
     for layer in layers:
         if layer.tactic_name == OPENVINO_REGION_TACTIC:
@@ -124,7 +126,7 @@ def calibrated(proto: onnx.ModelProto, options: BuildOptions) -> onnx.ModelProto
     """Implicit INT8 (--int8 --calib): scales from calibration data or a cache become Q/DQ nodes, so the rest of
     the build is the explicit-quantization path."""
     from kiln.errors import ModelError
-    from kiln.precision.calibration import calibrate, quantize_with_qdq
+    from kiln.preprocess.calibration import calibrate, quantize_with_qdq
 
     if not options.precision.int8:
         raise ModelError("calibration data was given without --int8; add --int8 (or drop --calib)")
@@ -152,19 +154,12 @@ def desc_of(v, name: str | None = None, fmt: str = LINEAR) -> TensorDesc:
     return TensorDesc(name or v.name, v.shape, str(v.dtype), fmt, tuple(v.dyn_dims))
 
 
-def _tensor_text(t: TensorDesc) -> str:
-    from kiln.ops.dtypes import TRT_WEIGHT_TYPE
-
-    dtype = TRT_WEIGHT_TYPE.get(np.dtype(t.dtype), t.dtype)
-    return f"{t.name}[{dtype}({','.join(map(str, t.shape_spec))})]"
-
-
 def log_engine_layers(layers: list[Layer]) -> None:
     """TensorRT's verbose "Engine Layer Information" dump, one line per layer."""
     log.debug("Engine Layer Information:")
     for layer in layers:
-        ins = ", ".join(_tensor_text(t) for t in layer.inputs)
-        outs = ", ".join(_tensor_text(t) for t in layer.outputs)
+        ins = ", ".join(tensor_text(t) for t in layer.inputs)
+        outs = ", ".join(tensor_text(t) for t in layer.outputs)
         log.debug("Layer(%s): %s, Tactic: 0x%016x, %s -> %s", layer.layer_type, layer.name, layer.tactic_value, ins, outs)
 
 

@@ -1,0 +1,1 @@
+"""The builder: ONNX in, a Plan out, as named stages (preprocess, import, passes, precision, lowering, planning)."""

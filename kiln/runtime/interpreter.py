@@ -1,0 +1,83 @@
+"""The one interpreter of a plan: runs planned layers on their prepared kernels in plan order, wiring arguments,
+handing a dying input's buffer to an in-place kernel, and releasing each tensor after its last reader.
+
+Execution contexts, the builder's whole-plan and segment timing, `kiln compare --layerwise` and regions run on
+reference kernels all run plans through it, so the plan that is timed is the plan that runs (torch.fx's
+`Interpreter`, for kiln plans)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kiln.errors import Error
+from kiln.plan.liveness import free_lists
+from kiln.plan.model import Layer
+from kiln.runtime.donation import donation, sole_owner
+
+Kernel = Callable[[list], list]
+Observer = Callable[[str, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One layer as the interpreter runs it."""
+
+    layer: Layer
+    kernel: Kernel
+    args: tuple[tuple[str, str], ...]        # (kind, name) per kernel argument: "tensor" | "weight" | "none"
+    outputs: tuple[str, ...]
+    free: tuple[str, ...]                    # tensors whose last reader this layer is
+    in_place: tuple[int, Kernel] | None      # (input index, kernel writing over that dying input)
+
+
+class Interpreter:
+    """Runs `layers` on `kernels`. With `keep` (the tensors that must survive: engine inputs and outputs), every
+    other tensor is released after its last reader and in-place kernels may take a dying input's buffer; with
+    `keep=None` every tensor stays in the environment (segment timing reads boundary tensors)."""
+
+    def __init__(self, layers: Sequence[Layer], kernels: Sequence[Kernel], keep: Iterable[str] | None = None):
+        keep = None if keep is None else set(keep)
+        frees = free_lists(layers, keep) if keep is not None else [[] for _ in layers]
+        self.steps = tuple(
+            Step(layer, kernel, tuple((a.kind, a.name) for a in layer.args), tuple(t.name for t in layer.outputs),
+                 tuple(free), donation(layer, free, keep, kernel) if keep is not None else None)
+            for layer, kernel, free in zip(layers, kernels, frees))
+
+    def run(self, env: dict[str, torch.Tensor], observe: Observer | None = None,
+            profiler=None) -> dict[str, torch.Tensor]:
+        """Run every step on `env` (tensor name -> tensor, updated in place and returned). `observe(name, tensor)`
+        sees each tensor as it is produced; `profiler.record(layer name, ms)` gets each layer's time."""
+        for step in self.steps:
+            xs = [env[n] if kind == "tensor" else None for kind, n in step.args]
+            kernel = step.kernel
+            if step.in_place is not None and sole_owner(xs[step.in_place[0]], env):
+                kernel = step.in_place[1]
+            try:
+                results = kernel(xs) if profiler is None else _profiled(step.layer, kernel, xs, profiler)
+            except Error:
+                raise
+            except Exception as exc:   # a damaged engine or a library failure: name the layer
+                raise Error(f"layer '{step.layer.name}' ({step.layer.op_type}) failed: "
+                            f"{type(exc).__name__}: {exc}") from None
+            for name, value in zip(step.outputs, results):
+                env[name] = value
+                if observe is not None:
+                    observe(name, value)
+            for name in step.free:
+                env.pop(name, None)
+        return env
+
+
+def _profiled(layer: Layer, kernel: Kernel, xs: list, profiler) -> list:
+    from time import perf_counter_ns
+
+    start = perf_counter_ns()
+    if layer.inner and hasattr(kernel, "profiled_run"):
+        results = kernel.profiled_run(xs)
+        profiler.watch_region(layer.name, kernel)
+    else:
+        results = kernel(xs)
+    profiler.record(layer.name, (perf_counter_ns() - start) / 1e6)
+    return results

@@ -1,0 +1,65 @@
+"""The tactic registry: candidate kernels per op type, tactic sources, and the candidates for a layer."""
+from __future__ import annotations
+
+from kiln.errors import Error
+from kiln.tactics.base import LayerView, Tactic
+from kiln.tactics.codegen import CodegenPointWiseTactic
+from kiln.tactics.conv1x1 import Conv1x1GemmTactic
+from kiln.tactics.conv_direct import DirectConvTactic
+from kiln.tactics.layernorm_c import LayerNormTactic
+from kiln.tactics.matmul_c import MatMulGemmTactic
+from kiln.tactics.onednn_conv import OneDnnConvTactic
+from kiln.tactics.onednn_linear import OneDnnLinearTactic
+from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
+from kiln.tactics.onnxruntime_source import available as onnxruntime_available
+from kiln.tactics.pool_c import NhwcPoolTactic
+from kiln.tactics.reference import ReferenceTactic
+from kiln.tactics.resize_c import NhwcResizeTactic
+from kiln.tactics.winograd import WinogradConvTactic
+
+# Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
+REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
+                                              WinogradConvTactic(4), WinogradConvTactic(2)],
+                                     "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic()],
+                                     "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic()],
+                                     "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
+                                     "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
+                                     "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic()],
+                                     "SkipLayerNormalization": [LayerNormTactic()]}
+GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
+TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
+ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")
+
+
+def available_sources() -> frozenset[str]:
+    from kiln.tactics import codegen, openvino_source  # noqa: F811
+
+    present = {"onnxruntime": onnxruntime_available(), "openvino": openvino_source.available(),
+               "codegen": codegen.available()}
+    return frozenset(s for s in ALL_SOURCES if present.get(s, True))
+
+
+def parse_sources(spec: str | None) -> frozenset[str]:
+    """trtexec's --tacticSources spelling: "+onnxruntime,-torch-onednn" edits the default set; bare names replace it."""
+    sources = set(available_sources())
+    if not spec:
+        return frozenset(sources)
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if all(s[0] not in "+-" for s in items):
+        sources = set()
+    for item in items:
+        sign, name = (item[0], item[1:]) if item[0] in "+-" else ("+", item)
+        name = name.lower()
+        if name not in ALL_SOURCES:
+            raise Error(f"unknown tactic source '{name}'; known sources: {', '.join(ALL_SOURCES)}")
+        if sign == "+" and name not in available_sources():
+            raise Error(f"tactic source '{name}' is not available on this machine (is the package installed?)")
+        (sources.add if sign == "+" else sources.discard)(name)
+    return frozenset(sources)   # layers no chosen source supports fall back to torch's reference kernels
+
+
+def candidates(layer: LayerView, sources: frozenset[str] | None = None) -> list[Tactic]:
+    found = [t for t in REGISTRY.get(layer.op_type, []) + GENERIC if t.supports(layer)]
+    if sources is not None:
+        found = [t for t in found if t.source in sources] or [t for t in found if t.source == "torch"]
+    return found

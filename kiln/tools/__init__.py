@@ -1,0 +1,1 @@
+"""Tools on top of engines: accuracy comparison against onnxruntime (outputs and intermediates)."""
