@@ -182,15 +182,23 @@ class Graph:
                 raise ModelError(f"graph output '{v.name}' is never produced")
 
     def __str__(self) -> str:
-        lines = [f"graph {self.name}(" + ", ".join(f"%{v.name}: {format_shape(v.shape, v.dyn_dims)}" for v in self.inputs) + "):"]
+        """One line per node: `%out: float32[1x4] = domain.Op(%in, const %w) attr=...  # node name`; attributes
+        sorted by name, the domain shown only when it is not ONNX's, the dtype only when it is known."""
+        lines = [f"graph {self.name}(" + ", ".join(f"%{v.name}: {_typed(v)}" for v in self.inputs) + "):"]
         for n in self.nodes:
             args = ", ".join("None" if v is None else (f"const %{v.name}" if v.is_const else f"%{v.name}")
                              for v in n.inputs)
-            outs = ", ".join(f"%{v.name}: {format_shape(v.shape, v.dyn_dims)}" for v in n.outputs)
+            outs = ", ".join(f"%{v.name}: {_typed(v)}" for v in n.outputs)
             attrs = "".join(f" {k}={_short(a)}" for k, a in sorted(n.attrs.items()))
-            lines.append(f"  {outs} = {n.op_type}({args}){attrs}  # {n.name}")
+            op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}.{n.op_type}"
+            lines.append(f"  {outs} = {op}({args}){attrs}  # {n.name}")
         lines.append("  return " + ", ".join(f"%{v.name}" for v in self.outputs))
         return "\n".join(lines)
+
+
+def _typed(v: Value) -> str:
+    shape = format_shape(v.shape, v.dyn_dims)
+    return shape if v.dtype is None else f"{np.dtype(v.dtype).name}[{shape}]"
 
 
 def _short(a: Any) -> str:

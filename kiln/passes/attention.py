@@ -49,7 +49,7 @@ def fuse_gelu(g: Graph, plog: PassLog) -> None:
         plog.running(erf)
         found = _match_gelu(g, erf)
         if isinstance(found, str):
-            plog.note(f"Not fusing {erf.name} into Gelu: {found}")
+            plog.not_fused(erf, "Gelu", found)
             continue
         nodes, x = found
         name, origin = _fused(g, nodes)

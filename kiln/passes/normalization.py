@@ -61,7 +61,8 @@ def _match(g: Graph, div: Node) -> tuple[list[Node], Value, list[int], float] | 
         return f"reductions are not over the same trailing axes ({axes} vs {axes_var})"
     nodes = [mean, sub, square, var, add_eps, sqrt, div]
     inner = [mean, square, var, add_eps, sqrt]
-    if any(sole_consumer(g, n) is None for n in inner) or len(d.users) != 2 or g.is_output(d):
+    if any(sole_consumer(g, n) is None for n in inner) or {id(u) for u in d.users} != {id(square), id(div)} \
+            or g.is_output(d):   # Mul(d, d) lists its node twice among d's users
         return "an intermediate value is also used outside the pattern"
     return nodes, x, axes, eps
 

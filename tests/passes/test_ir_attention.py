@@ -1,0 +1,179 @@
+"""Transformer fusions on IR graphs: GELU's erf form (GeluFusion), Q/K/V projections sharing an input
+(MatMulHorizontalMerge), softmax(Q·Kᵀ·s + mask)·V with its data movement (AttentionFusion) and LayerNorm of a
+residual sum (SkipLayerNormFusion); and the reasons near misses give."""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_norm, merge_matmuls
+from tests.passes.ir_builder import IRBuilder, expected, run_pass
+
+SQRT2 = 2.0 ** 0.5
+
+
+# ---------------------------------------------------------------- GeluFusion
+def test_erf_gelu_in_both_exporter_orders_becomes_gelu():
+    b = IRBuilder()
+    x, u = b.input("x", (2, 4)), b.input("u", (2, 4))
+    # x * (1 + erf(x / √2)) * 0.5  (torch.onnx, legacy exporter)
+    e = b.node("Erf", [b.node("Div", [x, b.const("sqrt2", SQRT2)], "div", (2, 4))], "erf", (2, 4))
+    a = b.node("Add", [e, b.const("one", 1.0)], "add", (2, 4))
+    y1 = b.node("Mul", [b.node("Mul", [x, a], "mul", (2, 4)), b.const("half", 0.5)], "y1", (2, 4))
+    # (0.5 * u) * (1 + erf(u * 1/√2))
+    e2 = b.node("Erf", [b.node("Mul", [u, b.const("rsqrt2", 1 / SQRT2)], "mul2", (2, 4))], "erf2", (2, 4))
+    a2 = b.node("Add", [b.const("one2", 1.0), e2], "add2", (2, 4))
+    h2 = b.node("Mul", [u, b.const("half2", 0.5)], "half_u", (2, 4))
+    y2 = b.node("Mul", [h2, a2], "y2", (2, 4))
+    g = b.graph(y1, y2)
+
+    run = run_pass(g, "GeluFusion", fuse_gelu)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x4], %u: float32[2x4]):
+          %y1: float32[2x4] = Gelu(%x)  # div + erf + add + mul + y1
+          %y2: float32[2x4] = Gelu(%u)  # mul2 + erf2 + add2 + half_u + y2
+          return %y1, %y2
+        """)
+    assert run.stat.matches == 8   # one "Fusing" line per absorbed node
+    assert run.stat.rejections == 0
+
+
+def test_erf_without_the_plus_one_or_the_half_stays():
+    b = IRBuilder()
+    x, u = b.input("x", (2, 4)), b.input("u", (2, 4))
+    e = b.node("Erf", [b.node("Div", [x, b.const("sqrt2", SQRT2)], "div", (2, 4))], "erf", (2, 4))
+    y1 = b.node("Mul", [e, b.const("two", 2.0)], "y1", (2, 4))
+    e2 = b.node("Erf", [b.node("Div", [u, b.const("sqrt2b", SQRT2)], "div2", (2, 4))], "erf2", (2, 4))
+    a2 = b.node("Add", [e2, b.const("one", 1.0)], "add2", (2, 4))
+    y2 = b.node("Mul", [u, a2], "y2", (2, 4))   # no 0.5
+    g = b.graph(y1, y2)
+    before = str(g)
+
+    run = run_pass(g, "GeluFusion", fuse_gelu)
+
+    assert str(g) == before
+    assert run.not_fusing == ["GeluFusion: Not fusing erf with Gelu: it is not followed by +1",
+                              "GeluFusion: Not fusing erf2 with Gelu: the product with x and 0.5 is not there"]
+    assert (run.stat.matches, run.stat.rejections) == (0, 2)
+
+
+# ---------------------------------------------------------------- MatMulHorizontalMerge
+def test_projections_of_one_input_merge_into_one_matmul_and_a_split():
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    q = b.node("MatMul", [x, b.const("wq", np.full((3, 4), 1.0))], "q", (2, 4))
+    k = b.node("MatMul", [x, b.const("wk", np.full((3, 4), 2.0))], "k", (2, 4))
+    v = b.node("MatMul", [x, b.const("wv", np.full((3, 2), 3.0))], "v", (2, 2))
+    r = b.node("Relu", [x], "r", (2, 3))
+    g = b.graph(q, k, v, r)
+
+    run = run_pass(g, "MatMulHorizontalMerge", merge_matmuls)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3]):
+          %q_merged: float32[2x10] = MatMul(%x, const %merged_weight)  # q || k || v
+          %q: float32[2x4], %k: float32[2x4], %v: float32[2x2] = Split(%q_merged, const %merged_split) axis=-1  # q || k || v [Split]
+          %r: float32[2x3] = Relu(%x)  # r
+          return %q, %k, %v, %r
+        """)
+    assert run.stat.matches == 2
+    np.testing.assert_array_equal(g.values["merged_weight"].const[0], [1, 1, 1, 1, 2, 2, 2, 2, 3, 3])
+    np.testing.assert_array_equal(g.values["merged_split"].const, [4, 4, 2])
+
+
+# ---------------------------------------------------------------- AttentionFusion
+Q, KT, SCORES = (1, 2, 4, 8), (1, 2, 8, 4), (1, 2, 4, 4)
+
+
+def test_scaled_masked_softmax_attention_is_one_layer():
+    b = IRBuilder()
+    q, kt, v, mask = b.input("q", Q), b.input("kt", KT), b.input("v", Q), b.input("mask", (1, 1, 4, 4))
+    s = b.node("MatMul", [q, kt], "qk", SCORES)
+    s = b.node("Mul", [s, b.const("scale", 0.125)], "scaled", SCORES)
+    s = b.node("Add", [s, mask], "masked", SCORES)
+    p = b.node("Softmax", [s], "probs", SCORES, axis=-1)
+    g = b.graph(b.node("MatMul", [p, v], "out", Q))
+
+    run = run_pass(g, "AttentionFusion", fuse_attention)
+
+    assert str(g) == expected("""
+        graph g(%q: float32[1x2x4x8], %kt: float32[1x2x8x4], %v: float32[1x2x4x8], %mask: float32[1x1x4x4]):
+          %out: float32[1x2x4x8] = kiln.Attention(%q, %kt, %v, %mask) k_steps=[] nan_to_zero=False out_steps=[] q_steps=[] scale=0.125 v_steps=[]  # qk + scaled + masked + probs + out
+          return %out
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+
+
+def test_attention_absorbs_head_shuffles_and_a_scaled_query():
+    b = IRBuilder()
+    heads = {"transpose": [0, 2, 1, 3]}
+    q_in, kt, v = b.input("q_in", (1, 4, 2, 8)), b.input("kt", KT), b.input("v", Q)
+    q = b.node("Shuffle", [q_in], "q", Q, domain="kiln", steps=[heads])
+    q = b.node("Div", [q, b.const("two", 2.0)], "q_scaled", Q)
+    p = b.node("Softmax", [b.node("MatMul", [q, kt], "qk", SCORES)], "probs", SCORES, axis=3)
+    o = b.node("MatMul", [p, v], "pv", Q)
+    g = b.graph(b.node("Shuffle", [o], "out", (1, 4, 2, 8), domain="kiln", steps=[heads]))
+
+    run = run_pass(g, "AttentionFusion", fuse_attention)
+
+    assert str(g) == expected("""
+        graph g(%q_in: float32[1x4x2x8], %kt: float32[1x2x8x4], %v: float32[1x2x4x8]):
+          %out: float32[1x4x2x8] = kiln.Attention(%q_in, %kt, %v) k_steps=[] nan_to_zero=False out_steps=[{'transpose': [0, 2, 1, 3]}] q_steps=[{'transpose': [0, 2, 1, 3]}] scale=0.5 v_steps=[]  # q + q_scaled + qk + probs + pv + out
+          return %out
+        """)
+    assert run.stat.matches == 1
+
+
+def test_softmax_over_another_axis_or_not_multiplied_by_v_is_not_attention():
+    b = IRBuilder()
+    q, kt, v = b.input("q", Q), b.input("kt", KT), b.input("v", Q)
+    p1 = b.node("Softmax", [b.node("MatMul", [q, kt], "qk1", SCORES)], "sm1", SCORES, axis=1)
+    o1 = b.node("MatMul", [p1, v], "pv1", Q)
+    p2 = b.node("Softmax", [b.node("MatMul", [q, kt], "qk2", SCORES)], "sm2", SCORES, axis=-1)
+    g = b.graph(o1, p2)
+    before = str(g)
+
+    run = run_pass(g, "AttentionFusion", fuse_attention)
+
+    assert str(g) == before
+    assert run.not_fusing == ["AttentionFusion: Not fusing sm1 with pv1: softmax is not over the last axis",
+                              "AttentionFusion: Not fusing sm2 with its consumers: its output is not multiplied by V"]
+    assert (run.stat.matches, run.stat.rejections) == (0, 2)
+
+
+# ---------------------------------------------------------------- SkipLayerNormFusion
+def layer_norm(b: IRBuilder, s, out: str = "y"):
+    return b.node("LayerNormalization", [s, b.const(f"{out}.gamma", np.ones(4)), b.const(f"{out}.beta", np.zeros(4))],
+                  out, (2, 4), name=f"ln_{out}", axis=-1, epsilon=1e-05)
+
+
+def test_layer_norm_of_a_residual_sum_becomes_skip_layer_norm():
+    b = IRBuilder()
+    x, r = b.input("x", (2, 4)), b.input("r", (2, 4))
+    g = b.graph(layer_norm(b, b.node("Add", [x, r], "s", (2, 4), name="add")))
+
+    run = run_pass(g, "SkipLayerNormFusion", fuse_skip_layer_norm)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x4], %r: float32[2x4]):
+          %y: float32[2x4] = kiln.SkipLayerNormalization(%x, %r, const %y.gamma, const %y.beta) axis=-1 epsilon=1e-05  # add + ln_y
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+
+
+def test_bias_sums_and_sums_read_elsewhere_stay_separate():
+    b = IRBuilder()
+    x, r = b.input("x", (2, 4)), b.input("r", (2, 4))
+    y1 = layer_norm(b, b.node("Add", [x, b.const("bias", np.ones(4))], "s1", (2, 4), name="add1"), "y1")
+    s2 = b.node("Add", [x, r], "s2", (2, 4), name="add2")
+    y2 = layer_norm(b, s2, "y2")
+    g = b.graph(y1, y2, s2)
+    before = str(g)
+
+    run = run_pass(g, "SkipLayerNormFusion", fuse_skip_layer_norm)
+
+    assert str(g) == before
+    assert run.not_fusing == [
+        "SkipLayerNormFusion: Not fusing add1 with ln_y1: the sum is not of two same-shape activations (a residual)",
+        "SkipLayerNormFusion: Not fusing add2 with ln_y2: the sum 's2' is also read elsewhere"]

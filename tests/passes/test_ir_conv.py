@@ -1,0 +1,166 @@
+"""Convolution fusions on IR graphs: BatchNormalization folds into the weights, a residual Add becomes the
+convolution's fourth input, an activation becomes its `activation` attribute; and the reasons when they do not."""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_residual_add
+from tests.passes.ir_builder import IRBuilder, expected, run_pass
+
+X = (1, 2, 3, 3)
+
+
+def conv(b: IRBuilder, x, out: str = "c", name: str = "conv", **attrs):
+    """A 1x1 convolution from 2 to 2 channels with constant weights and bias."""
+    w = b.const(f"{name}.w", np.ones((2, 2, 1, 1)))
+    bias = b.const(f"{name}.b", [0.5, -0.5])
+    return b.node("Conv", [x, w, bias], out, X, name=name, **attrs)
+
+
+# ---------------------------------------------------------------- ConvScaleFusion
+def bn_params(b: IRBuilder, mean=None):
+    return [b.const("scale", [4.0, 3.0]), b.const("shift", [0.5, -1.0]),
+            mean if mean is not None else b.const("mean", [1.0, 2.0]), b.const("var", [3.0, 8.0])]
+
+
+def test_batchnorm_folds_into_the_convolution_weights_and_bias():
+    b = IRBuilder()
+    x = b.input("x", (1, 1, 3, 3))
+    c = b.node("Conv", [x, b.const("w", [[[[1.5]]], [[[2.0]]]]), b.const("b", [1.0, 0.0])], "c", X, name="conv",
+               kernel_shape=[1, 1])
+    y = b.node("BatchNormalization", [c] + bn_params(b), "y", X, name="bn", epsilon=1.0)
+    g = b.graph(y)
+
+    run = run_pass(g, "ConvScaleFusion", fold_batchnorm_into_conv)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[1x1x3x3]):
+          %y: float32[1x2x3x3] = Conv(%x, const %conv + bn.weight, const %conv + bn.bias) kernel_shape=[1, 1]  # conv + bn
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+    assert "ConvScaleFusion: Fusing conv with bn" in run.lines
+    # k = scale / sqrt(var + epsilon) = [2, 1]; weight * k; (bias - mean) * k + shift
+    np.testing.assert_array_equal(g.values["conv + bn.weight"].const, np.array([[[[3.0]]], [[[2.0]]]], np.float32))
+    np.testing.assert_array_equal(g.values["conv + bn.bias"].const, np.array([0.5, -3.0], np.float32))
+    assert g.nodes[0].origin == ("conv", "bn")
+
+
+def test_batchnorm_does_not_fold_into_a_convolution_read_elsewhere():
+    b = IRBuilder()
+    x = b.input("x", X)
+    c = conv(b, x)
+    y = b.node("BatchNormalization", [c] + bn_params(b), "y", X, name="bn")
+    r = b.node("Relu", [c], "r", X)
+    g = b.graph(y, r)
+    before = str(g)
+
+    run = run_pass(g, "ConvScaleFusion", fold_batchnorm_into_conv)
+
+    assert str(g) == before
+    assert (run.stat.matches, run.stat.rejections) == (0, 1)
+    assert run.not_fusing == ["ConvScaleFusion: Not fusing conv with bn: conv's output 'c' has 2 consumers"]
+
+
+def test_batchnorm_with_a_computed_mean_does_not_fold():
+    b = IRBuilder()
+    x, mean = b.input("x", X), b.input("mean", (2,))
+    y = b.node("BatchNormalization", [conv(b, x)] + bn_params(b, mean), "y", X, name="bn")
+    g = b.graph(y)
+
+    run = run_pass(g, "ConvScaleFusion", fold_batchnorm_into_conv)
+
+    assert [n.op_type for n in g.nodes] == ["Conv", "BatchNormalization"]
+    assert run.not_fusing == ["ConvScaleFusion: Not fusing conv with bn: BatchNormalization parameters or "
+                              "convolution weights are not constant"]
+
+
+# ---------------------------------------------------------------- ConvEltwiseSumFusion
+def test_residual_add_becomes_the_convolution_sum_input():
+    b = IRBuilder()
+    x, skip = b.input("x", X), b.input("skip", X)
+    y = b.node("Add", [skip, conv(b, x)], "y", X, name="add")
+    g = b.graph(y)
+
+    run = run_pass(g, "ConvEltwiseSumFusion", fuse_residual_add)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[1x2x3x3], %skip: float32[1x2x3x3]):
+          %y: float32[1x2x3x3] = Conv(%x, const %conv.w, const %conv.b, %skip)  # conv + add
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+
+
+def test_sum_of_two_convolutions_absorbs_into_the_later_one():
+    b = IRBuilder()
+    x = b.input("x", X)
+    first = conv(b, x, "c1", "conv1")
+    second = conv(b, x, "c2", "conv2")
+    y = b.node("Add", [first, second], "y", X, name="add")
+    g = b.graph(y)
+
+    run = run_pass(g, "ConvEltwiseSumFusion", fuse_residual_add)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[1x2x3x3]):
+          %c1: float32[1x2x3x3] = Conv(%x, const %conv1.w, const %conv1.b)  # conv1
+          %y: float32[1x2x3x3] = Conv(%x, const %conv2.w, const %conv2.b, %c1)  # conv2 + add
+          return %y
+        """)
+    assert run.stat.matches == 1
+
+
+def test_constant_and_broadcast_operands_are_not_residuals():
+    b = IRBuilder()
+    x, row = b.input("x", X), b.input("row", (1, 2, 1, 1))
+    y1 = b.node("Add", [conv(b, x, "c1", "conv1"), b.const("bias", np.ones(X))], "y1", X, name="add1")
+    y2 = b.node("Add", [conv(b, x, "c2", "conv2"), row], "y2", X, name="add2")
+    g = b.graph(y1, y2)
+    before = str(g)
+
+    run = run_pass(g, "ConvEltwiseSumFusion", fuse_residual_add)
+
+    assert str(g) == before
+    assert run.not_fusing == [
+        "ConvEltwiseSumFusion: Not fusing conv1 with add1: the other operand is a constant (a bias, not a residual)",
+        "ConvEltwiseSumFusion: Not fusing conv2 with add2: shapes differ ([1, 2, 1, 1] vs [1, 2, 3, 3]): "
+        "broadcasting sum is not fusable"]
+    assert run.stat.rejections == 2
+
+
+# ---------------------------------------------------------------- ConvReluFusion
+def test_relu_and_clip_become_the_convolution_activation():
+    b = IRBuilder()
+    x = b.input("x", X)
+    r = b.node("Relu", [conv(b, x, "c1", "conv1")], "r", X, name="relu")
+    y = b.node("Clip", [conv(b, r, "c2", "conv2"), b.const("lo", 0.0), b.const("hi", 6.0)], "y", X, name="clip")
+    g = b.graph(y)
+
+    run = run_pass(g, "ConvReluFusion", fuse_activation)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[1x2x3x3]):
+          %r: float32[1x2x3x3] = Conv(%x, const %conv1.w, const %conv1.b) activation={'op': 'Relu', 'attrs': {}}  # conv1 + relu
+          %y: float32[1x2x3x3] = Conv(%r, const %conv2.w, const %conv2.b) activation={'op': 'Clip', 'attrs': {'min': 0.0, 'max': 6.0}}  # conv2 + clip
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+    assert "lo" not in g.values and "hi" not in g.values
+
+
+def test_activation_does_not_fuse_into_an_output_or_an_activated_convolution():
+    b = IRBuilder()
+    x = b.input("x", X)
+    c1 = conv(b, x, "c1", "conv1")
+    y1 = b.node("Relu", [c1], "y1", X, name="relu1")
+    c2 = conv(b, x, "c2", "conv2", activation={"op": "Relu", "attrs": {}})
+    y2 = b.node("Sigmoid", [c2], "y2", X, name="sigmoid2")
+    g = b.graph(y1, y2, c1)
+    before = str(g)
+
+    run = run_pass(g, "ConvReluFusion", fuse_activation)
+
+    assert str(g) == before
+    assert run.not_fusing == ["ConvReluFusion: Not fusing conv1 with relu1: conv1's output 'c1' is a network output",
+                              "ConvReluFusion: Not fusing conv2 with sigmoid2: conv2 already applies Relu"]

@@ -1,0 +1,94 @@
+"""Matrix-product fusions on IR graphs: a constant bias Add becomes the MatMul/Gemm third input
+(MatMulAddFusion), an activation after it becomes its `activation` attribute (GemmActFusion)."""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.passes.conv import fuse_gemm_activation
+from kiln.passes.gemm import fuse_matmul_bias
+from tests.passes.ir_builder import IRBuilder, expected, run_pass
+
+
+def weight(b: IRBuilder, name: str):
+    return b.const(name, np.ones((3, 4)))
+
+
+# ---------------------------------------------------------------- MatMulAddFusion
+def test_constant_bias_add_folds_into_matmul_and_gemm():
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    m = b.node("MatMul", [x, weight(b, "w1")], "m", (2, 4), name="mm")
+    y1 = b.node("Add", [b.const("bias1", np.zeros(4)), m], "y1", (2, 4), name="add1")   # bias on the left
+    m2 = b.node("Gemm", [x, weight(b, "w2")], "m2", (2, 4), name="gemm")
+    y2 = b.node("Add", [m2, b.const("bias2", np.zeros((1, 4)))], "y2", (2, 4), name="add2")
+    g = b.graph(y1, y2)
+
+    run = run_pass(g, "MatMulAddFusion", fuse_matmul_bias)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3]):
+          %y1: float32[2x4] = MatMul(%x, const %w1, const %bias1)  # mm + add1
+          %y2: float32[2x4] = Gemm(%x, const %w2, const %bias2)  # gemm + add2
+          return %y1, %y2
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+    assert "MatMulAddFusion: Fusing mm with add1" in run.lines
+
+
+def test_computed_full_and_second_biases_do_not_fold():
+    b = IRBuilder()
+    x, r = b.input("x", (2, 3)), b.input("r", (2, 4))
+    y1 = b.node("Add", [b.node("MatMul", [x, weight(b, "w1")], "m1", (2, 4), name="mm1"), r], "y1", (2, 4),
+                name="add1")
+    y2 = b.node("Add", [b.node("MatMul", [x, weight(b, "w2")], "m2", (2, 4), name="mm2"),
+                        b.const("full", np.zeros((2, 4)))], "y2", (2, 4), name="add2")
+    m3 = b.node("MatMul", [x, weight(b, "w3"), b.const("bias3", np.zeros(4))], "m3", (2, 4), name="mm3")
+    y3 = b.node("Add", [m3, b.const("bias3b", np.zeros(4))], "y3", (2, 4), name="add3")
+    g = b.graph(y1, y2, y3)
+    before = str(g)
+
+    run = run_pass(g, "MatMulAddFusion", fuse_matmul_bias)
+
+    assert str(g) == before
+    assert run.not_fusing == [
+        "MatMulAddFusion: Not fusing mm1 with add1: the other operand is not a constant bias",
+        "MatMulAddFusion: Not fusing mm2 with add2: bias shape [2, 4] does not broadcast along the last axis only",
+        "MatMulAddFusion: Not fusing mm3 with add3: mm3 already has a bias"]
+    assert (run.stat.matches, run.stat.rejections) == (0, 3)
+
+
+# ---------------------------------------------------------------- GemmActFusion
+def test_activation_after_a_product_becomes_its_activation():
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    m = b.node("MatMul", [x, weight(b, "w1"), b.const("bias", np.zeros(4))], "m", (2, 4), name="mm + add")
+    y1 = b.node("Gelu", [m], "y1", (2, 4), name="gelu")
+    y2 = b.node("Relu", [b.node("Gemm", [x, weight(b, "w2")], "m2", (2, 4), name="gemm", alpha=2.0)], "y2", (2, 4),
+                name="relu")
+    g = b.graph(y1, y2)
+
+    run = run_pass(g, "GemmActFusion", fuse_gemm_activation)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3]):
+          %y1: float32[2x4] = MatMul(%x, const %w1, const %bias) activation={'op': 'Gelu', 'attrs': {}}  # mm + add + gelu
+          %y2: float32[2x4] = Gemm(%x, const %w2) activation={'op': 'Relu', 'attrs': {}} alpha=2.0  # gemm + relu
+          return %y1, %y2
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+    assert g.nodes[0].origin == ("mm + add", "gelu")
+
+
+def test_activation_does_not_fuse_into_a_product_read_twice():
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    m = b.node("MatMul", [x, weight(b, "w")], "m", (2, 4), name="mm")
+    y = b.node("Relu", [m], "y", (2, 4), name="relu")
+    z = b.node("Neg", [m], "z", (2, 4), name="neg")
+    g = b.graph(y, z)
+    before = str(g)
+
+    run = run_pass(g, "GemmActFusion", fuse_gemm_activation)
+
+    assert str(g) == before
+    assert run.not_fusing == ["GemmActFusion: Not fusing mm with relu: mm's output 'm' has 2 consumers"]

@@ -1,0 +1,194 @@
+"""Explicit-quantization passes on IR graphs: DQ -> Conv/MatMul(DQ(W_int8)) [-> Q] becomes one INT8 layer
+(QuantizeDoubleInputNodes), Q(act(DQ + DQ)) one INT8 add (QuantizedAddFusion), duplicate Q nodes merge, max
+pooling and concatenation run on INT8 tensors; and the reasons when the input has no INT8 scale."""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, merge_duplicate_qdq,
+                                     split_q_across_concat, swap_dq_q_around_movement)
+from tests.passes.ir_builder import IRBuilder, expected, run_pass
+
+# The fused layers read the INT8 tensors directly; the DequantizeLinear nodes they leave behind have no readers
+# and go in the pipeline's final DeadLayerRemoval, so the expected graphs below still list them.
+X = (1, 2, 3, 3)
+
+
+def dq(b: IRBuilder, v, out: str, scale, **attrs):
+    """DequantizeLinear with a constant scale (scales that are powers of two print exactly)."""
+    return b.node("DequantizeLinear", [v, b.const(f"{out}.scale", scale)], out, v.shape, dtype=np.float32, **attrs)
+
+
+def q(b: IRBuilder, v, out: str, scale: float):
+    zero = b.const(f"{out}.zero", 0, np.int8)
+    return b.node("QuantizeLinear", [v, b.const(f"{out}.scale", scale), zero], out, v.shape, dtype=np.int8)
+
+
+def int8_weight(b: IRBuilder, name: str, shape):
+    return b.const(name, np.ones(shape), np.int8)
+
+
+# ---------------------------------------------------------------- QuantizeDoubleInputNodes
+def test_dq_conv_q_becomes_one_int8_convolution():
+    b = IRBuilder()
+    xq = b.input("xq", X, np.int8)
+    wq = int8_weight(b, "wq", (2, 2, 1, 1))
+    w = b.node("DequantizeLinear", [wq, b.const("w.scale", [0.25, 0.125]), b.const("w.zero", [0, 0], np.int8)],
+               "w", (2, 2, 1, 1), dtype=np.float32, axis=0)
+    c = b.node("Conv", [dq(b, xq, "x", 0.5), w, b.const("bias", [0.5, -0.5])], "c", X, name="conv",
+               kernel_shape=[1, 1])
+    g = b.graph(q(b, c, "y", 0.125))
+
+    run = run_pass(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
+
+    assert str(g) == expected("""
+        graph g(%xq: int8[1x2x3x3]):
+          %w: float32[2x2x1x1] = DequantizeLinear(const %wq, const %w.scale, const %w.zero) axis=0  # w
+          %x: float32[1x2x3x3] = DequantizeLinear(%xq, const %x.scale)  # x
+          %y: int8[1x2x3x3] = kiln.QConv(%xq, const %wq, const %bias) kernel_shape=[1, 1] quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'int8', 'w_scale': [0.25, 0.125], 'w_zero_point': [0, 0], 'w_axis': 0, 'y_scale': 0.125, 'y_zero_point': 0, 'y_dtype': 'int8'}  # conv + y
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+    assert g.nodes[-1].origin == ("x", "w", "conv", "y")
+
+
+def test_int8_matmul_without_a_following_q_keeps_a_float_output_and_warns():
+    b = IRBuilder()
+    xq = b.input("xq", (2, 3), np.int8)
+    y = b.node("MatMul", [dq(b, xq, "x", 0.5), dq(b, int8_weight(b, "wq", (3, 4)), "w", 0.25)], "y", (2, 4),
+               name="mm")
+    g = b.graph(y)
+
+    run = run_pass(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
+
+    assert str(g) == expected("""
+        graph g(%xq: int8[2x3]):
+          %x: float32[2x3] = DequantizeLinear(%xq, const %x.scale)  # x
+          %w: float32[3x4] = DequantizeLinear(const %wq, const %w.scale)  # w
+          %y: float32[2x4] = kiln.QMatMul(%xq, const %wq) quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'int8', 'w_scale': [0.25], 'w_zero_point': [0], 'w_axis': 1}  # mm
+          return %y
+        """)
+    assert run.stat.matches == 1
+    assert "QuantizeDoubleInputNodes: mm: INT8 MatMul with FP32 output (no QuantizeLinear after it)" in run.lines
+    assert any(line.startswith("mm runs in INT8 but its output stays FP32") and "It is a network output" in line
+               for line in run.lines)
+
+
+def test_layers_without_a_per_tensor_int8_input_stay_float():
+    b = IRBuilder()
+    x, xq = b.input("x", X), b.input("xq", X, np.int8)
+    y1 = b.node("Conv", [x, dq(b, int8_weight(b, "wq1", (2, 2, 1, 1)), "w1", 0.25)], "y1", X, name="conv1")
+    per_channel = dq(b, xq, "xc", [0.5, 0.25], axis=1)
+    y2 = b.node("Conv", [per_channel, dq(b, int8_weight(b, "wq2", (2, 2, 1, 1)), "w2", 0.25)], "y2", X, name="conv2")
+    g = b.graph(y1, y2)
+    before = str(g)
+
+    run = run_pass(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
+
+    assert str(g) == before
+    assert run.not_fusing == [
+        "QuantizeDoubleInputNodes: Not fusing x with conv1: the input is not dequantized from INT8 (no input scale): "
+        "the layer stays FP32",
+        "QuantizeDoubleInputNodes: Not fusing xc with conv2: the input scale is not a constant per-tensor scale"]
+    assert (run.stat.matches, run.stat.rejections) == (0, 2)
+
+
+# ---------------------------------------------------------------- QuantizedAddFusion
+def test_dq_add_relu_q_becomes_one_int8_add():
+    b = IRBuilder()
+    a, c = b.input("a", (2, 4), np.int8), b.input("c", (2, 4), np.int8)
+    s = b.node("Add", [dq(b, a, "da", 0.5), dq(b, c, "dc", 0.25)], "s", (2, 4), name="add")
+    g = b.graph(q(b, b.node("Relu", [s], "r", (2, 4), name="relu"), "y", 0.125))
+
+    run = run_pass(g, "QuantizedAddFusion", fuse_quantized_add)
+
+    assert str(g) == expected("""
+        graph g(%a: int8[2x4], %c: int8[2x4]):
+          %da: float32[2x4] = DequantizeLinear(%a, const %da.scale)  # da
+          %dc: float32[2x4] = DequantizeLinear(%c, const %dc.scale)  # dc
+          %y: int8[2x4] = kiln.QAdd(%a, %c) activation={'op': 'Relu', 'attrs': {}} quant={'a_scale': 0.5, 'a_zero_point': 0, 'b_scale': 0.25, 'b_zero_point': 0, 'y_scale': 0.125, 'y_zero_point': 0, 'a_dtype': 'int8', 'b_dtype': 'int8', 'y_dtype': 'int8'}  # add + relu + y
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+
+
+def test_int8_sum_without_a_following_q_stays_a_float_add():
+    b = IRBuilder()
+    a, c = b.input("a", (2, 4), np.int8), b.input("c", (2, 4), np.int8)
+    s = b.node("Add", [dq(b, a, "da", 0.5), dq(b, c, "dc", 0.25)], "s", (2, 4), name="add")
+    g = b.graph(b.node("Neg", [s], "y", (2, 4), name="neg"))
+    before = str(g)
+
+    run = run_pass(g, "QuantizedAddFusion", fuse_quantized_add)
+
+    assert str(g) == before
+    assert run.not_fusing == ["QuantizedAddFusion: Not fusing add with neg: no per-tensor QuantizeLinear after the "
+                              "sum: it stays an FP32 add"]
+
+
+# ---------------------------------------------------------------- HorizontalMergeQNodes
+def test_equal_quantizations_of_one_tensor_merge_and_different_ones_do_not():
+    b = IRBuilder()
+    x = b.input("x", (2, 4))
+    q1, q2, q3 = q(b, x, "q1", 0.5), q(b, x, "q2", 0.5), q(b, x, "q3", 0.25)
+    g = b.graph(dq(b, q1, "y1", 0.5), dq(b, q2, "y2", 0.5), dq(b, q3, "y3", 0.25))
+
+    run = run_pass(g, "HorizontalMergeQNodes", merge_duplicate_qdq)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x4]):
+          %q1: int8[2x4] = QuantizeLinear(%x, const %q1.scale, const %q1.zero)  # q1
+          %q3: int8[2x4] = QuantizeLinear(%x, const %q3.scale, const %q3.zero)  # q3
+          %y1: float32[2x4] = DequantizeLinear(%q1, const %y1.scale)  # y1
+          %y2: float32[2x4] = DequantizeLinear(%q1, const %y2.scale)  # y2
+          %y3: float32[2x4] = DequantizeLinear(%q3, const %y3.scale)  # y3
+          return %y1, %y2, %y3
+        """)
+    assert run.stat.matches == 1
+
+
+# ---------------------------------------------------------------- VanillaSwapWithFollowingQ, SplitQAcrossPrecedingFanIn
+def test_max_pooling_between_equal_dq_and_q_runs_on_int8():
+    b = IRBuilder()
+    xq = b.input("xq", (1, 2, 4, 4), np.int8)
+    p = b.node("MaxPool", [dq(b, xq, "x", 0.5)], "p", (1, 2, 2, 2), name="pool", kernel_shape=[2, 2])
+    g = b.graph(q(b, p, "y", 0.5))
+
+    run = run_pass(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
+
+    assert str(g) == expected("""
+        graph g(%xq: int8[1x2x4x4]):
+          %p: int8[1x2x2x2] = MaxPool(%xq) kernel_shape=[2, 2]  # pool
+          return %p
+        """)
+    assert run.stat.matches == 2
+
+
+def test_pooling_between_different_scales_is_not_swapped():
+    b = IRBuilder()
+    xq = b.input("xq", (1, 2, 4, 4), np.int8)
+    p = b.node("MaxPool", [dq(b, xq, "x", 0.5)], "p", (1, 2, 2, 2), name="pool", kernel_shape=[2, 2])
+    g = b.graph(q(b, p, "y", 0.25))
+    before = str(g)
+
+    run = run_pass(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
+
+    assert str(g) == before and run.stat.matches == 0
+
+
+def test_q_after_concat_moves_onto_its_inputs_and_cancels_an_equal_dq():
+    b = IRBuilder()
+    aq, f = b.input("aq", (2, 4), np.int8), b.input("f", (2, 4))
+    cat = b.node("Concat", [dq(b, aq, "a", 0.5), f], "cat", (2, 8), axis=1)
+    g = b.graph(dq(b, q(b, cat, "cq", 0.5), "y", 0.5))
+
+    run = run_pass(g, "SplitQAcrossPrecedingFanIn", split_q_across_concat)
+
+    assert str(g) == expected("""
+        graph g(%aq: int8[2x4], %f: float32[2x4]):
+          %f_quantized: int8[2x4] = QuantizeLinear(%f, const %cq.scale, const %cq.zero)  # cq [1]
+          %cat: int8[2x8] = Concat(%aq, %f_quantized) axis=1  # cat
+          %y: float32[2x8] = DequantizeLinear(%cat, const %y.scale)  # y
+          return %y
+        """)
+    assert run.stat.matches == 1

@@ -1,0 +1,109 @@
+"""Shuffle fusions on IR graphs: data-movement ops become kiln Shuffle layers and consecutive ones merge
+(ShuffleShuffleFusion); a Shuffle that moves nothing is erased (ShuffleErasure)."""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
+from tests.passes.ir_builder import IRBuilder, expected, run_pass
+
+
+# ---------------------------------------------------------------- ShuffleShuffleFusion
+def test_consecutive_transposes_compose_and_reshapes_merge():
+    b = IRBuilder()
+    x, v = b.input("x", (2, 3, 4)), b.input("v", (2, 3, 4), dyn_dims=(0,))
+    t1 = b.node("Transpose", [x], "t1", (2, 4, 3), perm=[0, 2, 1])
+    t2 = b.node("Transpose", [t1], "t2", (4, 2, 3), perm=[1, 0, 2])
+    r1 = b.node("Reshape", [v, b.const("s1", [0, 12], np.int64)], "r1", (2, 12), dyn_dims=(0,))
+    r2 = b.node("Flatten", [r1], "r2", (24, 1), dyn_dims=(0,), axis=2)
+    g = b.graph(t2, r2)
+
+    run = run_pass(g, "ShuffleShuffleFusion", fuse_shuffles)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3x4], %v: float32[-1x3x4]):
+          %t2: float32[4x2x3] = kiln.Shuffle(%x) steps=[{'transpose': [2, 0, 1]}]  # t1 + t2
+          %r2: float32[-1x1] = kiln.Shuffle(%v) steps=[{'reshape': [-1, 1]}]  # r1 + r2
+          return %t2, %r2
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+    assert "s1" not in g.values   # the reshape target is a step now, not an input
+
+
+def test_transposes_that_cancel_leave_an_empty_shuffle():
+    b = IRBuilder()
+    x = b.input("x", (2, 3, 4))
+    t1 = b.node("Transpose", [x], "t1", (2, 4, 3), perm=[0, 2, 1])
+    t2 = b.node("Transpose", [t1], "t2", (2, 3, 4), perm=[0, 2, 1])
+    g = b.graph(b.node("Relu", [t2], "y", (2, 3, 4)))
+
+    run_pass(g, "ShuffleShuffleFusion", fuse_shuffles)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3x4]):
+          %t2: float32[2x3x4] = kiln.Shuffle(%x) steps=[]  # t1 + t2
+          %y: float32[2x3x4] = Relu(%t2)  # y
+          return %y
+        """)
+
+
+def test_a_shuffle_read_twice_is_not_merged_and_an_unwritable_reshape_stays():
+    b = IRBuilder()
+    x, v = b.input("x", (2, 3, 4)), b.input("v", (2, 3, 4), dyn_dims=(0, 2))
+    a = b.node("Reshape", [x, b.const("s", [6, 4], np.int64)], "a", (6, 4), name="r1")
+    t1 = b.node("Transpose", [a], "t1", (4, 6), perm=[1, 0])
+    t2 = b.node("Transpose", [a], "t2", (4, 6), perm=[1, 0])
+    r = b.node("Reshape", [v, b.const("s2", [-1, 4], np.int64)], "r", (6, 4), dyn_dims=(0, 1))
+    g = b.graph(t1, t2, r)
+
+    run = run_pass(g, "ShuffleShuffleFusion", fuse_shuffles)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3x4], %v: float32[-1x3x-1]):
+          %a: float32[6x4] = kiln.Shuffle(%x) steps=[{'reshape': [6, 4]}]  # r1
+          %t1: float32[4x6] = kiln.Shuffle(%a) steps=[{'transpose': [1, 0]}]  # t1
+          %t2: float32[4x6] = kiln.Shuffle(%a) steps=[{'transpose': [1, 0]}]  # t2
+          %r: float32[-1x-1] = Reshape(%v, const %s2)  # r
+          return %t1, %t2, %r
+        """)
+    assert run.not_fusing == ["ShuffleShuffleFusion: Not fusing r1 with t1: r1's output 'a' has 2 consumers",
+                              "ShuffleShuffleFusion: Not fusing r1 with t2: r1's output 'a' has 2 consumers"]
+    assert (run.stat.matches, run.stat.rejections) == (0, 2)
+    assert "ShuffleShuffleFusion: keeping r as Reshape: its output shape -1x-1 cannot be written as one reshape " \
+           "target" in run.lines
+
+
+# ---------------------------------------------------------------- ShuffleErasure
+def shuffle(b: IRBuilder, x, out: str, shape, steps):
+    return b.node("Shuffle", [x], out, shape, domain="kiln", steps=steps)
+
+
+def test_shuffles_that_move_nothing_are_erased():
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    s1 = shuffle(b, x, "s1", (2, 3), [{"reshape": [2, 3]}])
+    s2 = shuffle(b, s1, "s2", (2, 3), [{"transpose": [1, 0]}, {"transpose": [1, 0]}])
+    g = b.graph(b.node("Relu", [s2], "y", (2, 3)))
+
+    run = run_pass(g, "ShuffleErasure", erase_noop_shuffles)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3]):
+          %y: float32[2x3] = Relu(%x)  # y
+          return %y
+        """)
+    assert run.stat.matches == 2 and "Removing s1" in run.lines
+
+
+def test_transposes_outputs_and_constants_are_not_erased():
+    b = IRBuilder()
+    x = b.input("x", (3, 3))
+    t = shuffle(b, x, "t", (3, 3), [{"transpose": [1, 0]}])
+    s = shuffle(b, t, "s", (3, 3), [{"reshape": [3, 3]}])
+    c = shuffle(b, b.const("c", np.ones((3, 3))), "cs", (3, 3), [{"reshape": [3, 3]}])
+    g = b.graph(s, b.node("Add", [t, c], "y", (3, 3)))
+    before = str(g)
+
+    run = run_pass(g, "ShuffleErasure", erase_noop_shuffles)
+
+    assert str(g) == before and run.stat.matches == 0
