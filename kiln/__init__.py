@@ -13,9 +13,10 @@ from kiln.errors import EngineFormatError, Error, InputError, ModelError, Unsupp
 
 
 def build(model, **options):
-    """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.builder.build.BuildOptions`; the
+    """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.builder.options.BuildOptions`; the
     precision ones may be given flat: fp16, bf16, int8, layer_precisions, precision_constraints."""
-    from kiln.builder.build import BuildOptions, build_plan
+    from kiln.builder.build import build_plan
+    from kiln.builder.options import BuildOptions
     from kiln.precision.policy import PrecisionOptions
     from kiln.runtime.engine import Engine
 

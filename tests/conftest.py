@@ -60,12 +60,12 @@ def force_plan(monkeypatch, winner: str = "onnxruntime") -> None:
     """Make the whole-plan timing pick `winner` (the others time 10x slower), so a test about what a region
     looks like does not depend on which plan this machine happens to run fastest. Plans are still built and
     their outputs checked against onnxruntime; only the clock is replaced."""
-    import kiln.builder.build as builder
+    import kiln.planning.race as race
 
-    real = builder.measure_plans
+    real = race.measure_plans
 
     def measured(candidates, *args, **kwargs):
         assert winner in candidates, f"the {winner} plan was not built (candidates: {', '.join(candidates)})"
         assert winner in real({winner: candidates[winner]}, *args, **kwargs), f"the {winner} plan is wrong"
         return {name: (1.0 if name == winner else 10.0) for name in candidates}
-    monkeypatch.setattr(builder, "measure_plans", measured)
+    monkeypatch.setattr(race, "measure_plans", measured)

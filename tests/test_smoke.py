@@ -5,6 +5,7 @@ from onnx import helper, numpy_helper, TensorProto
 
 import kiln
 from tests.conftest import assert_close_to_ort, make_model, run_ort
+from kiln.trt.vocab import parameter_type
 
 
 def tiny_conv_model() -> onnx.ModelProto:
@@ -20,7 +21,7 @@ def tiny_conv_model() -> onnx.ModelProto:
 def test_tiny_conv_relu_matches_ort_and_round_trips(tmp_engine):
     model = tiny_conv_model()
     engine = kiln.build(model, autotune=False)   # pin the plan: no timing-dependent choices
-    assert [l.name for l in engine.plan.layers if l.parameter_type == "Convolution"] == ["conv + relu"]
+    assert [l.name for l in engine.plan.layers if parameter_type(l) == "Convolution"] == ["conv + relu"]
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
     out = engine.run({"x": x})["y"]
     assert_close_to_ort(out, run_ort(model, {"x": x})[0])

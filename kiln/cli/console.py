@@ -34,7 +34,7 @@ def error(message: str) -> None:
 
 def layer_table(plan, profile=None) -> None:
     """A readable table of the engine's layers: type, tactic, output format, shape, origin count, time."""
-    from kiln.trt.vocab import format_datatype
+    from kiln.trt.vocab import format_datatype, layer_type
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -51,7 +51,7 @@ def layer_table(plan, profile=None) -> None:
         for label, item in rows:
             out = item.outputs[0] if item.outputs else None
             name = item.name if item is layer else f"└ {item.name}"
-            row = [label, name, item.layer_type, item.tactic_name,
+            row = [label, name, layer_type(item), item.tactic_name,
                    "x".join(map(str, out.dims)) if out else "", format_datatype(out) if out else ""]
             if times:
                 t = times.get(item.name)

@@ -10,27 +10,27 @@ from kiln.ops.registry import OpKind, register
 E = OpKind.ELEMENTWISE
 
 
-def _unary(op_type: str, fn, trt_layer: str = "Unary"):
-    register(op_type, E, trt_layer=trt_layer)(lambda attrs, xs: [fn(attrs, xs[0])])
+def _unary(op_type: str, fn):
+    register(op_type, E)(lambda attrs, xs: [fn(attrs, xs[0])])
 
 
 # ---- activations (TensorRT: Activation layers) ----
-_unary("Relu", lambda a, x: torch.relu(x), "Activation")
-_unary("Sigmoid", lambda a, x: torch.sigmoid(x), "Activation")
-_unary("Tanh", lambda a, x: torch.tanh(x), "Activation")
-_unary("LeakyRelu", lambda a, x: F.leaky_relu(x, a.get("alpha", 0.01)), "Activation")
-_unary("Elu", lambda a, x: F.elu(x, a.get("alpha", 1.0)), "Activation")
+_unary("Relu", lambda a, x: torch.relu(x))
+_unary("Sigmoid", lambda a, x: torch.sigmoid(x))
+_unary("Tanh", lambda a, x: torch.tanh(x))
+_unary("LeakyRelu", lambda a, x: F.leaky_relu(x, a.get("alpha", 0.01)))
+_unary("Elu", lambda a, x: F.elu(x, a.get("alpha", 1.0)))
 _unary("Selu", lambda a, x: a.get("gamma", 1.0507009873554805) * torch.where(
-    x > 0, x, a.get("alpha", 1.6732632423543772) * (torch.exp(x) - 1)), "Activation")
-_unary("Softplus", lambda a, x: F.softplus(x), "Activation")
-_unary("Softsign", lambda a, x: x / (1 + x.abs()), "Activation")
-_unary("HardSigmoid", lambda a, x: torch.clamp(a.get("alpha", 0.2) * x + a.get("beta", 0.5), 0, 1), "Activation")
-_unary("HardSwish", lambda a, x: F.hardswish(x), "Activation")
-_unary("Mish", lambda a, x: F.mish(x), "Activation")
-_unary("Swish", lambda a, x: F.silu(x) if a.get("alpha", 1.0) == 1.0 else x * torch.sigmoid(a["alpha"] * x),
-       "Activation")   # opset 24; kiln's SwishFusion writes it for x * Sigmoid(x) (SiLU)
-_unary("ThresholdedRelu", lambda a, x: torch.where(x > a.get("alpha", 1.0), x, torch.zeros_like(x)), "Activation")
-_unary("Gelu", lambda a, x: F.gelu(x, approximate=a.get("approximate", "none")), "Activation")
+    x > 0, x, a.get("alpha", 1.6732632423543772) * (torch.exp(x) - 1)))
+_unary("Softplus", lambda a, x: F.softplus(x))
+_unary("Softsign", lambda a, x: x / (1 + x.abs()))
+_unary("HardSigmoid", lambda a, x: torch.clamp(a.get("alpha", 0.2) * x + a.get("beta", 0.5), 0, 1))
+_unary("HardSwish", lambda a, x: F.hardswish(x))
+_unary("Mish", lambda a, x: F.mish(x))
+# opset 24; kiln's SwishFusion writes it for x * Sigmoid(x) (SiLU)
+_unary("Swish", lambda a, x: F.silu(x) if a.get("alpha", 1.0) == 1.0 else x * torch.sigmoid(a["alpha"] * x))
+_unary("ThresholdedRelu", lambda a, x: torch.where(x > a.get("alpha", 1.0), x, torch.zeros_like(x)))
+_unary("Gelu", lambda a, x: F.gelu(x, approximate=a.get("approximate", "none")))
 
 # ---- unary math ----
 _unary("Sqrt", lambda a, x: torch.sqrt(x))
@@ -47,10 +47,10 @@ _unary("Sign", lambda a, x: torch.sign(x))
 _unary("Sin", lambda a, x: torch.sin(x))
 _unary("Cos", lambda a, x: torch.cos(x))
 _unary("Not", lambda a, x: torch.logical_not(x))
-_unary("Identity", lambda a, x: x, "Identity")
+_unary("Identity", lambda a, x: x)
 
 
-@register("Clip", E, host_inputs=(1, 2), trt_layer="Activation")
+@register("Clip", E, host_inputs=(1, 2))
 def clip(attrs, xs):
     x = xs[0]
     lo = xs[1] if len(xs) > 1 and xs[1] is not None else attrs.get("min")
@@ -60,7 +60,7 @@ def clip(attrs, xs):
     return [torch.clamp(x, lo, hi)]
 
 
-@register("Dropout", E, host_inputs=(1, 2), trt_layer="Identity")
+@register("Dropout", E, host_inputs=(1, 2))
 def dropout(attrs, xs):
     """Inference Dropout: the identity and an all-true mask. Training mode drops at random: only ratio 0."""
     x = xs[0]
@@ -151,7 +151,7 @@ def cast(attrs, xs):
     return [xs[0].to(to_torch_dtype(onnx_to_numpy(attrs["to"], "Cast")))]
 
 
-@register("BatchNormalization", E, trt_layer="Scale")
+@register("BatchNormalization", E)
 def batch_norm(attrs, xs):
     if attrs.get("training_mode", 0):
         raise NotImplementedError("BatchNormalization with training_mode=1 (batch statistics); kiln runs inference")

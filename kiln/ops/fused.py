@@ -69,8 +69,8 @@ def pointwise(attrs, xs):
     return [run_program(attrs["program"], xs)]
 
 
-KILN_OPS["Shuffle"] = OpDef("Shuffle", OpKind.INJECTIVE, shuffle, (), "Shuffle")
-KILN_OPS["PointWise"] = OpDef("PointWise", OpKind.ELEMENTWISE, pointwise, (), "PointWise")
+KILN_OPS["Shuffle"] = OpDef("Shuffle", OpKind.INJECTIVE, shuffle)
+KILN_OPS["PointWise"] = OpDef("PointWise", OpKind.ELEMENTWISE, pointwise)
 def dequantized_weights(attrs, w: torch.Tensor) -> torch.Tensor:
     from kiln.ops.quantize import dequantize
 
@@ -105,8 +105,7 @@ def _dequantize_weight_once(attrs, consts: dict) -> dict:
 
 QUANTIZED_BASE = {"QConv": "Conv", "QMatMul": "MatMul", "QGemm": "Gemm"}
 for _name, _base in QUANTIZED_BASE.items():
-    KILN_OPS[_name] = OpDef(_name, OpKind.COMPLEX, _quantized(_base), (),
-                            "Convolution" if _base == "Conv" else "MatrixMultiply", _dequantize_weight_once)
+    KILN_OPS[_name] = OpDef(_name, OpKind.COMPLEX, _quantized(_base), (), _dequantize_weight_once)
 
 def quantized_add(attrs, xs):
     """INT8 residual add: dequantize both inputs, add, activation, quantize with the output scale."""
@@ -120,6 +119,6 @@ def quantized_add(attrs, xs):
     return [quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
 
 
-KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add, (), "ElementWise")
-KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention, (), "Attention")
-KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm, (), "Normalization")
+KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
+KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention)
+KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm)

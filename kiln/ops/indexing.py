@@ -17,7 +17,7 @@ def _wrap(idx: torch.Tensor, size) -> torch.Tensor:
     return torch.where(idx < 0, idx + size, idx)
 
 
-@register("GatherND", INJ, trt_layer="Gather")
+@register("GatherND", INJ)
 def gather_nd(attrs, xs):
     data, idx = xs
     b = attrs.get("batch_dims", 0)
@@ -33,7 +33,7 @@ def gather_nd(attrs, xs):
     return [flat[(rows, *cols)].reshape(out_shape)]
 
 
-@register("GatherElements", INJ, trt_layer="Gather")
+@register("GatherElements", INJ)
 def gather_elements(attrs, xs):
     data, idx = xs
     axis = attrs.get("axis", 0) % data.dim()
@@ -44,7 +44,7 @@ def _reduce(reduction: str):
     return {"none": None, "add": "sum", "mul": "prod", "max": "amax", "min": "amin"}[reduction]
 
 
-@register("ScatterElements", INJ, trt_layer="Scatter")
+@register("ScatterElements", INJ)
 def scatter_elements(attrs, xs):
     data, idx, updates = xs
     axis = attrs.get("axis", 0) % data.dim()
@@ -55,7 +55,7 @@ def scatter_elements(attrs, xs):
     return [data.scatter_reduce(axis, idx, updates, reduce, include_self=True)]
 
 
-@register("ScatterND", INJ, trt_layer="Scatter")
+@register("ScatterND", INJ)
 def scatter_nd(attrs, xs):
     data, idx, updates = xs
     if data.device.type == "meta" or idx.device.type == "meta":
@@ -77,7 +77,7 @@ def scatter_nd(attrs, xs):
     return [out]
 
 
-@register("CumSum", OPAQUE, host_inputs=(1,), trt_layer="CumulativeSum")
+@register("CumSum", OPAQUE, host_inputs=(1,))
 def cumsum(attrs, xs):
     x, axis = xs[0], int(torch.as_tensor(xs[1]).reshape(-1)[0])
     axis %= x.dim()
@@ -89,14 +89,14 @@ def cumsum(attrs, xs):
     return [y.flip(axis) if attrs.get("reverse", 0) else y]
 
 
-@register("Trilu", INJ, host_inputs=(1,), trt_layer="Select")
+@register("Trilu", INJ, host_inputs=(1,))
 def trilu(attrs, xs):
     x = xs[0]
     k = int(torch.as_tensor(xs[1]).reshape(-1)[0]) if len(xs) > 1 and xs[1] is not None else 0
     return [torch.triu(x, k) if attrs.get("upper", 1) else torch.tril(x, k)]
 
 
-@register("OneHot", INJ, host_inputs=(1,), trt_layer="OneHot")
+@register("OneHot", INJ, host_inputs=(1,))
 def one_hot(attrs, xs):
     idx, depth, values = xs
     depth = int(torch.as_tensor(depth).reshape(-1)[0])
@@ -115,7 +115,7 @@ def one_hot(attrs, xs):
     return [out.movedim(-1, axis)]
 
 
-@register("DepthToSpace", INJ, trt_layer="Shuffle")
+@register("DepthToSpace", INJ)
 def depth_to_space(attrs, xs):
     x, b = xs[0], attrs["blocksize"]
     n, c, h, w = x.shape
@@ -126,7 +126,7 @@ def depth_to_space(attrs, xs):
     return [y.reshape(n, c // (b * b), h * b, w * b)]
 
 
-@register("SpaceToDepth", INJ, trt_layer="Shuffle")
+@register("SpaceToDepth", INJ)
 def space_to_depth(attrs, xs):
     x, b = xs[0], attrs["blocksize"]
     n, c, h, w = x.shape
@@ -134,7 +134,7 @@ def space_to_depth(attrs, xs):
     return [y.reshape(n, c * b * b, h // b, w // b)]
 
 
-@register("EyeLike", INJ, trt_layer="Fill")
+@register("EyeLike", INJ)
 def eye_like(attrs, xs):
     x = xs[0]
     dtype = to_torch_dtype(onnx_to_numpy(attrs["dtype"], "EyeLike")) if "dtype" in attrs else x.dtype
@@ -145,12 +145,12 @@ def eye_like(attrs, xs):
     return [torch.ones(n, m, dtype=dtype).triu(k).tril(k)]
 
 
-@register("IsNaN", E, trt_layer="Unary")
+@register("IsNaN", E)
 def is_nan(attrs, xs):
     return [torch.isnan(xs[0])]
 
 
-@register("IsInf", E, trt_layer="Unary")
+@register("IsInf", E)
 def is_inf(attrs, xs):
     x = xs[0]
     pos, neg = attrs.get("detect_positive", 1), attrs.get("detect_negative", 1)

@@ -56,7 +56,7 @@ def apply_activation(spec, x):
     return OPS[spec["op"]].impl(spec.get("attrs", {}), [x])[0]
 
 
-@register("Conv", OpKind.COMPLEX, trt_layer="Convolution")
+@register("Conv", OpKind.COMPLEX)
 def conv(attrs, xs):
     """ONNX Conv; kiln's fused form adds input 3 (residual summed before the activation) and `activation`."""
     x, w = xs[0], xs[1]
@@ -71,7 +71,7 @@ def conv(attrs, xs):
     return [apply_activation(attrs.get("activation"), y)]
 
 
-@register("MaxPool", OpKind.REDUCTION, trt_layer="Pooling")
+@register("MaxPool", OpKind.REDUCTION)
 def max_pool(attrs, xs):
     x = xs[0]
     k = attrs["kernel_shape"]
@@ -101,7 +101,7 @@ def _window_sums(x, k, strides, dilations):
     return out.reshape(*x.shape[:2], *out.shape[2:])
 
 
-@register("AveragePool", OpKind.REDUCTION, trt_layer="Pooling")
+@register("AveragePool", OpKind.REDUCTION)
 def average_pool(attrs, xs):
     x = xs[0]
     k = attrs["kernel_shape"]
@@ -126,19 +126,19 @@ def average_pool(attrs, xs):
     return [(_window_sums(xp, k, strides, dilations) / _window_sums(mask, k, strides, dilations))[crop]]
 
 
-@register("GlobalAveragePool", OpKind.REDUCTION, trt_layer="Pooling")
+@register("GlobalAveragePool", OpKind.REDUCTION)
 def global_average_pool(attrs, xs):
     x = xs[0]
     return [x.mean(dim=tuple(range(2, x.dim())), keepdim=True)]
 
 
-@register("GlobalMaxPool", OpKind.REDUCTION, trt_layer="Pooling")
+@register("GlobalMaxPool", OpKind.REDUCTION)
 def global_max_pool(attrs, xs):
     x = xs[0]
     return [x.amax(dim=tuple(range(2, x.dim())), keepdim=True)]
 
 
-@register("Gemm", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+@register("Gemm", OpKind.COMPLEX)
 def gemm(attrs, xs):
     a, b = xs[0], xs[1]
     c = xs[2] if len(xs) > 2 else None
@@ -155,7 +155,7 @@ def gemm(attrs, xs):
     return [apply_activation(attrs.get("activation"), out)]
 
 
-@register("MatMul", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+@register("MatMul", OpKind.COMPLEX)
 def matmul(attrs, xs):
     """ONNX MatMul; kiln's fused form adds input 2 (bias) and `activation`."""
     out = torch.matmul(xs[0], xs[1])
@@ -164,12 +164,12 @@ def matmul(attrs, xs):
     return [apply_activation(attrs.get("activation"), out)]
 
 
-@register("Softmax", OpKind.REDUCTION, trt_layer="SoftMax")
+@register("Softmax", OpKind.REDUCTION)
 def softmax(attrs, xs):
     return [torch.softmax(xs[0], dim=attrs.get("axis", -1))]
 
 
-@register("LogSoftmax", OpKind.REDUCTION, trt_layer="SoftMax")
+@register("LogSoftmax", OpKind.REDUCTION)
 def log_softmax(attrs, xs):
     return [torch.log_softmax(xs[0], dim=attrs.get("axis", -1))]
 
@@ -191,7 +191,7 @@ def _reduce(op_type: str, fn):
             return [x]
         keep = bool(attrs.get("keepdims", 1))
         return [fn(x, tuple(axes), keep)]
-    register(op_type, OpKind.REDUCTION, host_inputs=(1,), trt_layer="Reduce")(impl)
+    register(op_type, OpKind.REDUCTION, host_inputs=(1,))(impl)
 
 
 _reduce("ReduceMean", lambda x, d, k: x.mean(dim=d, keepdim=k))
@@ -209,12 +209,12 @@ def _prod(x, dims, keep):
     return x
 
 
-@register("Einsum", OpKind.COMPLEX, trt_layer="Einsum")
+@register("Einsum", OpKind.COMPLEX)
 def einsum(attrs, xs):
     return [torch.einsum(attrs["equation"].replace(" ", ""), *xs)]
 
 
-@register("TopK", OpKind.REDUCTION, host_inputs=(1,), trt_layer="TopK")
+@register("TopK", OpKind.REDUCTION, host_inputs=(1,))
 def topk(attrs, xs):
     """ONNX TopK: of equal values the lower index is taken and listed first, which torch.topk does not promise."""
     x, k = xs[0], int(xs[1][0] if isinstance(xs[1], list) else xs[1])
@@ -256,8 +256,8 @@ def _arg_reduce(largest: bool):
     return impl
 
 
-register("ArgMax", OpKind.REDUCTION, trt_layer="TopK")(_arg_reduce(True))
-register("ArgMin", OpKind.REDUCTION, trt_layer="TopK")(_arg_reduce(False))
+register("ArgMax", OpKind.REDUCTION)(_arg_reduce(True))
+register("ArgMin", OpKind.REDUCTION)(_arg_reduce(False))
 
 
 WINDOW_OPS = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "QConv", "LpPool")

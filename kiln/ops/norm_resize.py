@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from kiln.ops.registry import OpKind, register
 
 
-@register("PRelu", OpKind.ELEMENTWISE, trt_layer="Activation")
+@register("PRelu", OpKind.ELEMENTWISE)
 def prelu(attrs, xs):
     x, slope = xs
     return [torch.where(x >= 0, x, x * slope)]
 
 
-@register("LayerNormalization", OpKind.REDUCTION, trt_layer="Normalization")
+@register("LayerNormalization", OpKind.REDUCTION)
 def layer_norm(attrs, xs):
     """ONNX LayerNormalization: Y, and the optional Mean and InvStdDev (computed in float32 by default)."""
     x, scale = xs[0], xs[1]
@@ -32,7 +32,7 @@ def layer_norm(attrs, xs):
 _STASH_TYPES = {1: torch.float32, 10: torch.float16, 11: torch.float64}   # ONNX element type -> torch
 
 
-@register("InstanceNormalization", OpKind.REDUCTION, trt_layer="Normalization")
+@register("InstanceNormalization", OpKind.REDUCTION)
 def instance_norm(attrs, xs):
     x, scale, bias = xs
     shape = [1, -1] + [1] * (x.dim() - 2)
@@ -43,7 +43,7 @@ def instance_norm(attrs, xs):
     return [y * scale.reshape(shape) + bias.reshape(shape)]
 
 
-@register("GroupNormalization", OpKind.REDUCTION, trt_layer="Normalization")
+@register("GroupNormalization", OpKind.REDUCTION)
 def group_norm(attrs, xs):
     x, scale, bias = xs
     groups = attrs["num_groups"]
@@ -59,7 +59,7 @@ def group_norm(attrs, xs):
     return [y * scale.reshape(shape) + bias.reshape(shape)]
 
 
-@register("ConvTranspose", OpKind.COMPLEX, trt_layer="Deconvolution")
+@register("ConvTranspose", OpKind.COMPLEX)
 def conv_transpose(attrs, xs):
     x, w = xs[0], xs[1]
     b = xs[2] if len(xs) > 2 else None
@@ -231,7 +231,7 @@ def _resampled_axes(attrs, shape: list[int], roi, scales, sizes) -> list[tuple[i
             if out[a] != shape[a] or not math.isclose(scale[a], 1.0) or rois[a] != (0.0, 1.0)]
 
 
-@register("Resize", OpKind.INJECTIVE, host_inputs=(1, 2, 3), trt_layer="Resize")
+@register("Resize", OpKind.INJECTIVE, host_inputs=(1, 2, 3))
 def resize(attrs, xs):
     """ONNX Resize (nearest, linear, cubic; antialias; every coordinate transformation mode), one axis at a time."""
     x = xs[0]

@@ -55,7 +55,7 @@ def _q_args(attrs, xs):
     return xs[0], xs[1], xs[2] if len(xs) > 2 else None
 
 
-@register("QuantizeLinear", OpKind.ELEMENTWISE, trt_layer="Reformat")
+@register("QuantizeLinear", OpKind.ELEMENTWISE)
 def quantize_linear(attrs, xs):
     x, scale, zp = _q_args(attrs, xs)
     dtype = _output_dtype(attrs, zp)
@@ -66,7 +66,7 @@ def quantize_linear(attrs, xs):
     return [quantize(x, scale, zp if zp is not None else 0, dtype, attrs.get("axis", 1))]
 
 
-@register("DequantizeLinear", OpKind.ELEMENTWISE, trt_layer="Reformat")
+@register("DequantizeLinear", OpKind.ELEMENTWISE)
 def dequantize_linear(attrs, xs):
     q, scale, zp = _q_args(attrs, xs)
     if q.device.type == "meta" or scale.device.type == "meta":
@@ -83,7 +83,7 @@ def _meta(shape, dtype):
     return [torch.empty(shape, dtype=dtype, device="meta")]
 
 
-@register("QLinearConv", OpKind.COMPLEX, trt_layer="Convolution")
+@register("QLinearConv", OpKind.COMPLEX)
 def qlinear_conv(attrs, xs):
     """QOperator-format INT8 conv: x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp[, bias int32]."""
     from kiln.ops.registry import OPS
@@ -98,7 +98,7 @@ def qlinear_conv(attrs, xs):
     return [quantize(y, xs[6], _zp(xs, 7), dtype)]
 
 
-@register("QLinearMatMul", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+@register("QLinearMatMul", OpKind.COMPLEX)
 def qlinear_matmul(attrs, xs):
     """a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp (per-tensor, or per-column for b)."""
     a = dequantize(xs[0], xs[1], xs[2])
@@ -106,7 +106,7 @@ def qlinear_matmul(attrs, xs):
     return [quantize(torch.matmul(a, b), xs[6], xs[7], xs[7].dtype)]
 
 
-@register("MatMulInteger", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+@register("MatMulInteger", OpKind.COMPLEX)
 def matmul_integer(attrs, xs):
     """int32 = (a - a_zp) @ (b - b_zp), exact (int64 accumulation, then int32)."""
     a = xs[0].to(torch.int64) - torch.as_tensor(_zp(xs, 2)).to(torch.int64)
@@ -117,7 +117,7 @@ def matmul_integer(attrs, xs):
     return [torch.matmul(a.to(torch.float64), b.to(torch.float64)).round().to(torch.int32)]
 
 
-@register("ConvInteger", OpKind.COMPLEX, trt_layer="Convolution")
+@register("ConvInteger", OpKind.COMPLEX)
 def conv_integer(attrs, xs):
     from kiln.ops.registry import OPS
 
@@ -127,7 +127,7 @@ def conv_integer(attrs, xs):
     return [OPS["Conv"].impl(attrs, [x, w, None])[0].round().to(torch.int32)]
 
 
-@register("DynamicQuantizeLinear", OpKind.OPAQUE, trt_layer="Reformat")
+@register("DynamicQuantizeLinear", OpKind.OPAQUE)
 def dynamic_quantize_linear(attrs, xs):
     """uint8 quantization with the scale and zero point computed from the tensor's own range (ONNX formula)."""
     x = xs[0]
@@ -153,7 +153,7 @@ register_ms("QLinearAdd", OpKind.ELEMENTWISE)(_binary(torch.add))
 register_ms("QLinearMul", OpKind.ELEMENTWISE)(_binary(torch.mul))
 
 
-@register_ms("QLinearGlobalAveragePool", OpKind.REDUCTION, trt_layer="Pooling")
+@register_ms("QLinearGlobalAveragePool", OpKind.REDUCTION)
 def qlinear_global_average_pool(attrs, xs):
     x = dequantize(xs[0], xs[1], _zp(xs, 2))
     if attrs.get("channels_last", 0):
@@ -163,25 +163,25 @@ def qlinear_global_average_pool(attrs, xs):
     return [quantize(y, xs[3], _zp(xs, 4), xs[0].dtype)]
 
 
-@register_ms("QLinearConcat", OpKind.INJECTIVE, trt_layer="Concatenation")
+@register_ms("QLinearConcat", OpKind.INJECTIVE)
 def qlinear_concat(attrs, xs):
     """y_scale, y_zp, then (x, x_scale, x_zp) per input."""
     parts = [dequantize(xs[i], xs[i + 1], xs[i + 2]) for i in range(2, len(xs), 3)]
     return [quantize(torch.cat(parts, attrs["axis"]), xs[0], xs[1], xs[2].dtype)]
 
 
-@register_ms("QLinearSigmoid", OpKind.ELEMENTWISE, trt_layer="Activation")
+@register_ms("QLinearSigmoid", OpKind.ELEMENTWISE)
 def qlinear_sigmoid(attrs, xs):
     return [quantize(torch.sigmoid(dequantize(xs[0], xs[1], _zp(xs, 2))), xs[3], _zp(xs, 4), xs[0].dtype)]
 
 
-@register_ms("QLinearLeakyRelu", OpKind.ELEMENTWISE, trt_layer="Activation")
+@register_ms("QLinearLeakyRelu", OpKind.ELEMENTWISE)
 def qlinear_leaky_relu(attrs, xs):
     y = torch.nn.functional.leaky_relu(dequantize(xs[0], xs[1], _zp(xs, 2)), attrs.get("alpha", 0.01))
     return [quantize(y, xs[3], _zp(xs, 4), xs[0].dtype)]
 
 
-@register_ms("QGemm", OpKind.COMPLEX, trt_layer="MatrixMultiply")
+@register_ms("QGemm", OpKind.COMPLEX)
 def qgemm(attrs, xs):
     """A, a_scale, a_zp, B, b_scale, b_zp, C (int32, scale a_scale*b_scale), y_scale, y_zp; float output without
     y_scale."""

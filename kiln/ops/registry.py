@@ -33,7 +33,6 @@ class OpDef:
     kind: OpKind
     impl: Impl
     host_inputs: tuple[int, ...] = ()   # inputs that must be build-time constants (shapes, axes, pads)
-    trt_layer: str = "ElementWise"      # TensorRT's layer kind for this op when unfused
     # once per engine, not per inference: turn constant inputs into the form `impl` runs fastest with
     prepare_consts: Callable[[dict[str, Any], dict[int, torch.Tensor]], dict[int, torch.Tensor]] | None = None
 
@@ -43,9 +42,9 @@ MS_OPS: dict[str, OpDef] = {}   # onnxruntime's com.microsoft contrib ops that i
 KILN_OPS: dict[str, OpDef] = {}  # kiln's own layer ops (domain "kiln"), filled by kiln.ops.fused
 
 
-def register(op_type: str, kind: OpKind, host_inputs: tuple[int, ...] = (), trt_layer: str = "ElementWise"):
+def register(op_type: str, kind: OpKind, host_inputs: tuple[int, ...] = ()):
     def wrap(fn: Impl) -> Impl:
-        OPS[op_type] = OpDef(op_type, kind, fn, host_inputs, trt_layer)
+        OPS[op_type] = OpDef(op_type, kind, fn, host_inputs)
         return fn
     return wrap
 
@@ -60,9 +59,9 @@ def lookup(op_type: str, domain: str = "") -> OpDef | None:
     return OPS.get(op_type)
 
 
-def register_ms(op_type: str, kind: OpKind, trt_layer: str = "ElementWise"):
+def register_ms(op_type: str, kind: OpKind):
     def wrap(fn: Impl) -> Impl:
-        MS_OPS[op_type] = OpDef(op_type, kind, fn, (), trt_layer)
+        MS_OPS[op_type] = OpDef(op_type, kind, fn, ())
         return fn
     return wrap
 

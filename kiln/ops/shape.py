@@ -21,13 +21,13 @@ def reshape_target(in_shape, shape, allowzero: int = 0) -> list[int]:
     return out
 
 
-@register("Reshape", INJ, host_inputs=(1,), trt_layer="Shuffle")
+@register("Reshape", INJ, host_inputs=(1,))
 def reshape(attrs, xs):
     x = xs[0]
     return [x.reshape(reshape_target(list(x.shape), xs[1], attrs.get("allowzero", 0)))]
 
 
-@register("Flatten", INJ, trt_layer="Shuffle")
+@register("Flatten", INJ)
 def flatten(attrs, xs):
     x = xs[0]
     axis = attrs.get("axis", 1)
@@ -35,14 +35,14 @@ def flatten(attrs, xs):
     return [x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))]
 
 
-@register("Transpose", INJ, trt_layer="Shuffle")
+@register("Transpose", INJ)
 def transpose(attrs, xs):
     x = xs[0]
     perm = attrs.get("perm") or list(reversed(range(x.dim())))
     return [x.permute(*perm)]
 
 
-@register("Squeeze", INJ, host_inputs=(1,), trt_layer="Shuffle")
+@register("Squeeze", INJ, host_inputs=(1,))
 def squeeze(attrs, xs):
     x = xs[0]
     axes = xs[1] if len(xs) > 1 and xs[1] is not None else attrs.get("axes")
@@ -52,7 +52,7 @@ def squeeze(attrs, xs):
     return [x.reshape([d for i, d in enumerate(x.shape) if i not in axes])]
 
 
-@register("Unsqueeze", INJ, host_inputs=(1,), trt_layer="Shuffle")
+@register("Unsqueeze", INJ, host_inputs=(1,))
 def unsqueeze(attrs, xs):
     x = xs[0]
     axes = xs[1] if len(xs) > 1 and xs[1] is not None else attrs["axes"]
@@ -64,25 +64,25 @@ def unsqueeze(attrs, xs):
     return [x.reshape(shape)]
 
 
-@register("Concat", INJ, trt_layer="Concatenation")
+@register("Concat", INJ)
 def concat(attrs, xs):
     parts = [x for x in xs if x is not None]
     return [torch.cat(parts, dim=attrs["axis"])]
 
 
-@register("Shape", OpKind.SHAPE, trt_layer="Shape")
+@register("Shape", OpKind.SHAPE)
 def shape(attrs, xs):
     dims = list(xs[0].shape)
     start, end = attrs.get("start", 0), attrs.get("end", len(dims))
     return [torch.tensor(dims[slice(start, end)], dtype=torch.int64)]
 
 
-@register("Size", OpKind.SHAPE, trt_layer="Shape")
+@register("Size", OpKind.SHAPE)
 def size(attrs, xs):
     return [torch.tensor(math.prod(xs[0].shape), dtype=torch.int64)]
 
 
-@register("Gather", INJ, trt_layer="Gather")
+@register("Gather", INJ)
 def gather(attrs, xs):
     data, idx = xs
     axis = attrs.get("axis", 0) % data.dim()
@@ -92,7 +92,7 @@ def gather(attrs, xs):
     return [out.reshape(tuple(data.shape[:axis]) + tuple(idx.shape) + tuple(data.shape[axis + 1:]))]
 
 
-@register("Slice", INJ, host_inputs=(1, 2, 3, 4), trt_layer="Slice")
+@register("Slice", INJ, host_inputs=(1, 2, 3, 4))
 def slice_(attrs, xs):
     x = xs[0]
     starts, ends = xs[1], xs[2]
@@ -118,7 +118,7 @@ def slice_(attrs, xs):
     return [out.flip(flips) if flips else out]
 
 
-@register("Expand", INJ, host_inputs=(1,), trt_layer="Slice")
+@register("Expand", INJ, host_inputs=(1,))
 def expand(attrs, xs):
     x, shape = xs
     rank = max(x.dim(), len(shape))
@@ -128,7 +128,7 @@ def expand(attrs, xs):
     return [x.reshape(xshape).expand(target)]
 
 
-@register("ConstantOfShape", INJ, host_inputs=(0,), trt_layer="Fill")
+@register("ConstantOfShape", INJ, host_inputs=(0,))
 def constant_of_shape(attrs, xs):
     value = attrs.get("value")
     if value is None:
@@ -137,7 +137,7 @@ def constant_of_shape(attrs, xs):
     return [t.expand(list(xs[0])).clone()]
 
 
-@register("Range", INJ, trt_layer="Fill")
+@register("Range", INJ)
 def range_(attrs, xs):
     """Scalars as tensors (not host values) so the output keeps their dtype (int32 stays int32)."""
     start, limit, delta = (torch.as_tensor(x) for x in xs)
@@ -145,7 +145,7 @@ def range_(attrs, xs):
     return [torch.arange(cast(start), cast(limit), cast(delta), dtype=start.dtype)]
 
 
-@register("Split", INJ, host_inputs=(1,), trt_layer="Slice")
+@register("Split", INJ, host_inputs=(1,))
 def split(attrs, xs):
     x = xs[0]
     axis = attrs.get("axis", 0)
@@ -157,12 +157,12 @@ def split(attrs, xs):
     return list(torch.split(x, list(sizes), dim=axis))
 
 
-@register("Tile", INJ, host_inputs=(1,), trt_layer="Slice")
+@register("Tile", INJ, host_inputs=(1,))
 def tile(attrs, xs):
     return [xs[0].repeat(*xs[1])]
 
 
-@register("Pad", INJ, host_inputs=(1, 2, 3), trt_layer="Padding")
+@register("Pad", INJ, host_inputs=(1, 2, 3))
 def pad(attrs, xs):
     from kiln.ops.nn import _torch_pad
 

@@ -56,18 +56,19 @@ class Arg:
 
 @dataclass(frozen=True)
 class Layer:
+    """One step of the plan: an op (ONNX's or kiln's own) run by one tactic (kernel) of one tactic source."""
+
     name: str
     op_type: str
     domain: str
-    layer_type: str                 # the runner, TensorRT's "LayerType"
-    parameter_type: str             # the layer kind, TensorRT's "ParameterType"
     args: tuple[Arg, ...]
     inputs: tuple[TensorDesc, ...]  # activation inputs, in argument order
     outputs: tuple[TensorDesc, ...]
     attrs: dict[str, Any]
     tactic_name: str
     tactic_value: int
-    origin: tuple[str, ...]
+    source: str                     # the tactic source (kiln, torch-onednn, onnxruntime, ...); "" for built-ins
+    origin: tuple[str, ...]         # the ONNX nodes this layer computes
     precision: str = "FP32"           # granted precision
     inner: tuple["Layer", ...] = ()   # the layers a region runs as one unit ({ForeignNode[first...last]})
     requested_precision: str = ""     # what the build asked for (flags, per-layer constraints, Q/DQ)

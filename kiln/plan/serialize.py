@@ -23,7 +23,7 @@ from kiln.plan.model import ShapeRange
 from kiln.plan.weights_view import weight_views
 
 MAGIC = b"KILNPLAN"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: layers record their tactic source; TensorRT's type names are derived, not stored
 HEADER = struct.Struct("<8sIIQQ32s")
 MAX_JSON_BYTES = 1 << 30
 WEIGHTS_ALIGNMENT = 64
@@ -74,12 +74,11 @@ def _profiles_from_json(doc: list) -> tuple[dict[str, ShapeRange], ...]:
 
 def _layer_json(l: Layer) -> dict:
     return {
-        "name": l.name, "op_type": l.op_type, "domain": l.domain, "layer_type": l.layer_type,
-        "parameter_type": l.parameter_type, "args": [[a.kind, a.name] for a in l.args],
+        "name": l.name, "op_type": l.op_type, "domain": l.domain, "args": [[a.kind, a.name] for a in l.args],
         "inputs": [_tensor(t) for t in l.inputs], "outputs": [_tensor(t) for t in l.outputs],
         "attrs": encode_value(l.attrs), "tactic_name": l.tactic_name, "tactic_value": l.tactic_value,
-        "origin": list(l.origin), "precision": l.precision, "inner": [_layer_json(i) for i in l.inner],
-        "requested_precision": l.requested_precision, "precision_reason": l.precision_reason,
+        "source": l.source, "origin": list(l.origin), "precision": l.precision,
+        "inner": [_layer_json(i) for i in l.inner], "requested_precision": l.requested_precision, "precision_reason": l.precision_reason,
     }
 
 
@@ -149,6 +148,9 @@ def _plan_from_buffer(view: memoryview, where: str, rest_sha256: bytes) -> Plan:
                                 f"({FORMAT_VERSION}); upgrade kiln or rebuild the engine")
     if version < 1:
         raise EngineFormatError(f"{where}: engine format version {version} is not valid")
+    if version < FORMAT_VERSION:
+        raise EngineFormatError(f"{where}: engine format version {version} was written by an older kiln; this kiln "
+                                f"reads version {FORMAT_VERSION}: rebuild the engine from its ONNX model")
     expected = HEADER.size + json_len + weights_len
     if json_len > MAX_JSON_BYTES or len(view) < expected:
         raise EngineFormatError(f"{where}: engine file is truncated ({len(view)} bytes, header promises {expected})")
@@ -176,11 +178,10 @@ def _desc(d: dict) -> TensorDesc:
 
 def _layer_from_json(l: dict) -> Layer:
     return Layer(
-        name=l["name"], op_type=l["op_type"], domain=l["domain"], layer_type=l["layer_type"],
-        parameter_type=l["parameter_type"], args=tuple(Arg(k, n) for k, n in l["args"]),
+        name=l["name"], op_type=l["op_type"], domain=l["domain"], args=tuple(Arg(k, n) for k, n in l["args"]),
         inputs=tuple(_desc(t) for t in l["inputs"]), outputs=tuple(_desc(t) for t in l["outputs"]),
         attrs=decode_value(l["attrs"]), tactic_name=l["tactic_name"], tactic_value=int(l["tactic_value"]),
-        origin=tuple(l["origin"]), precision=l.get("precision", "FP32"),
+        source=str(l["source"]), origin=tuple(l["origin"]), precision=l.get("precision", "FP32"),
         inner=tuple(_layer_from_json(i) for i in l.get("inner", [])),
         requested_precision=str(l.get("requested_precision", "")), precision_reason=str(l.get("precision_reason", "")),
     )

@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
-from kiln.errors import Error
-from kiln.precision.policy import INT8_LAYERS, QDQ_OPS
 from kiln.ir import Graph, Node
-from kiln.tactics.base import HWC, LINEAR, LayerView
-from kiln.tactics.autotune import Autotuner, TimingOptions, _example, _time_ms, robust_ms
+from kiln.tactics.autotune import Autotuner, TimingOptions, _example, time_rounds_ms
+from kiln.tactics.base import HWC, LINEAR
+from kiln.tactics.lower import node_view
 from kiln.tactics.onnx_emit import emit_region, supports
 from kiln.tactics.timing_cache import digest
 
 log = logging.getLogger("kiln.build")
 
-# Handing control between torch's OpenMP pool and onnxruntime's pool costs more than a copy: threads of the
-# pool that just finished keep spinning while the other pool starts. Measured on 2 cores: ~2 ms per switch
-# in ResNet-50 (3 switches: 54-57 ms against 47 ms for one region). Charged per switch in the cost model.
-POOL_SWITCH_MS = 1.0
-MIX_MARGIN = 0.05   # a mixed kiln/onnxruntime plan must beat one whole region by 5% to be taken
+SEGMENT_BLOCK_MS = 600.0   # segment timing: runs per measurement are capped at about a quarter of this
+
 
 
 @dataclass(frozen=True)
@@ -81,13 +76,6 @@ def region_io(nodes: list[Node], g: Graph):
     return ext_in, consts, outs
 
 
-def _view(n: Node, opset: int) -> LayerView:
-    return LayerView(n.op_type, n.domain, n.attrs, tuple(None if v is None else v.shape for v in n.inputs),
-                     tuple(None if v is None else str(v.dtype) for v in n.inputs), {},
-                     tuple(str(v.dtype) for v in n.outputs), opset,
-                     tuple(() if v is None else v.dyn_dims for v in n.inputs))
-
-
 def _spec(v) -> tuple[int, ...]:
     return tuple(-1 if i in v.dyn_dims else d for i, d in enumerate(v.shape))
 
@@ -95,7 +83,8 @@ def _spec(v) -> tuple[int, ...]:
 def region_model(nodes: list[Node], g: Graph):
     opset = max(13, g.opset)
     ext_in, consts, outs = region_io(nodes, g)
-    steps = [(_view(n, opset), [None if v is None else ("weight" if v.is_const else "tensor", v.name) for v in n.inputs],
+    steps = [(node_view(n, opset, with_consts=False),
+              [None if v is None else ("weight" if v.is_const else "tensor", v.name) for v in n.inputs],
               n.outputs[0].name if len(n.outputs) == 1 else [v.name for v in n.outputs]) for n in nodes]
     weights = {v.name: v.const for v in consts}
     model, external = emit_region([(v.name, _spec(v), str(v.dtype)) for v in ext_in], steps,
@@ -107,7 +96,8 @@ def _region_runner(nodes: list[Node], g: Graph):
     """A callable running `nodes` as one onnxruntime region on example inputs, or None if it cannot."""
     from kiln.tactics.onnxruntime_source import region_kernel
 
-    if not all(supports(_view(n, g.opset)) and (len(n.outputs) == 1 or n.domain != "kiln") for n in nodes):
+    if not all(supports(node_view(n, g.opset, with_consts=False)) and (len(n.outputs) == 1 or n.domain != "kiln")
+               for n in nodes):
         return None
     model, external, ext_in, outs = region_model(nodes, g)
     try:
@@ -157,9 +147,9 @@ def measure_segment(nodes: list[Node], layers: list, g: Graph, descs: dict, weig
             for i, run in enumerate(runners):
                 if run is not None:
                     runs = tuner.options.avg_timing
-                    if samples[i]:   # long segments: fewer runs per measurement (about BLOCK_MS / 4 each)
-                        runs = max(2, min(runs, int(BLOCK_MS / 4 / max(statistics.median(samples[i]), 1e-3))))
-                    samples[i] += _time_ms(run, TimingOptions(runs, 1))
+                    if samples[i]:   # long segments: fewer runs per measurement (about SEGMENT_BLOCK_MS / 4 each)
+                        runs = max(2, min(runs, int(SEGMENT_BLOCK_MS / 4 / max(statistics.median(samples[i]), 1e-3))))
+                    samples[i] += time_rounds_ms(run, TimingOptions(runs, 1), tuner.clock)
     kiln_ms = statistics.median(samples[0])
     region_ms = statistics.median(samples[1]) if samples[1] else None
     tuner.cache.put(key, "kiln.segment", kiln_ms)
@@ -179,9 +169,9 @@ def choose_regions(g: Graph, node_layers: dict[str, tuple[int, int]], layers: li
     picks, best = _dynamic_program(g, segs, formats, tuner)
     if all(s.region_ms is not None for s in segs) and "K" in picks:
         whole = sum(s.region_ms for s in segs)
-        if best > whole * (1 - MIX_MARGIN):   # mixing must clearly win: one region is predictable parity
+        if best > whole * (1 - tuner.costs.mix_margin):   # mixing must clearly win: one region is predictable parity
             log.debug("Mixed plan %.4g ms is within %d%% of one onnxruntime region (%.4g ms): taking one region",
-                      best, int(MIX_MARGIN * 100), whole)
+                      best, int(tuner.costs.mix_margin * 100), whole)
             picks = ["O"] * len(segs)
     for seg, pick in zip(segs, picks):
         log.debug("Segment %s...%s: kiln %.4g ms, onnxruntime region %s -> %s", g.nodes[seg.start].name,
@@ -232,128 +222,14 @@ def unapply_regions(g: Graph) -> None:
             g.add_node(n, index + k)
 
 
-INT8_OPS = frozenset(INT8_LAYERS + QDQ_OPS)
-BLOCK_MS = 600.0     # whole-plan timing: a block of runs lasts about this long for slow models
-PLAN_ROUNDS = 4      # whole-plan timing: rounds of one block per plan
-PRUNE_RATIO = 1.15   # a plan this much slower than the best after one round is not timed further
-WARMUP_MS = 40.0     # warm-up per block: another library's idle threads spin this long after its last run
-
-
-def plan_signature(layers: list) -> str:
-    return digest([(l.name, l.tactic_name, [(t.dims, t.format) for t in l.inputs]) for l in layers])
-
-
-def measure_plans(candidates: dict[str, tuple[list, dict]], descs: dict, g: Graph, tuner: Autotuner,
-                  reference_fn=None) -> dict[str, float]:
-    """Whole-plan latency of each candidate, timed in blocks (the deciding measurement). Each candidate's outputs
-    on the timing input are checked first: against the original model in onnxruntime when available, else
-    against kiln's own kernels (the first candidate)."""
-    times, runners = {}, {}
-    inputs = {v.name: _example(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
-    reference = _reference_outputs(reference_fn, inputs)
-    for name, (layers, weights) in candidates.items():
-        key = plan_signature(layers)
-        cached = tuner.cache.get(key, "plan", f"the {name} plan")
-        if cached is not None:
-            times[name] = cached
-            continue
-        try:
-            run = _kiln_runner(layers, descs, weights, g.opset, inputs, keep={v.name for v in g.outputs})
-            with torch.inference_mode():
-                outputs = [run()[v.name] for v in g.outputs]
-        except Exception as exc:   # a library refused the plan: it is simply not a candidate
-            log.warning("The %s plan cannot run (%s: %s); leaving it out", name, type(exc).__name__, exc)
-            continue
-        if reference is None:
-            reference = outputs   # no onnxruntime reference: the first candidate (kiln's own kernels) is the judge
-        elif not _agree(outputs, reference, quantized=any(n.op_type in INT8_OPS for n in g.nodes)):
-            log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
-                        "the original model in onnxruntime" if reference_fn else "kiln's kernels")
-            continue
-        runners[name] = (key, run, [])
-    if not runners and not times and candidates:
-        raise Error("no plan reproduces the original model's outputs (checked against onnxruntime on a random "
-                    "input); rebuild with --builder-optimization-level 0 and compare with `kiln run`, then report it")
-    # blocks, each after its own warm-up runs (at least WARMUP_MS): a library's idle threads keep spinning for a
-    # while after it returns, which would bill the next candidate if runs alternated one by one. After the first
-    # round a plan far behind the best is out; blocks of slow models are capped near BLOCK_MS. A plan's time is
-    # its fastest round's median (autotune.robust_ms): noise here only adds time, in bursts that can cover a
-    # whole block (one ResNet-50 build timed kiln's plan at 38.6 ms against 34-35 in every other one).
-    with torch.inference_mode():
-        for round_index in range(max(PLAN_ROUNDS, tuner.options.min_timing)):
-            for name in _block_order(list(runners), round_index):
-                _, run, rounds = runners[name]
-                warmup = [_once_ms(run)]   # warm-up, and the first estimate of this plan's latency
-                while sum(warmup) < WARMUP_MS and len(warmup) < 50:
-                    warmup.append(_once_ms(run))
-                estimate_ms = statistics.median(rounds[0]) if rounds else min(warmup)
-                runs = max(3, min(max(5, tuner.options.avg_timing), int(BLOCK_MS / max(estimate_ms, 1e-3))))
-                rounds.append([_once_ms(run) for _ in range(runs)])
-            if round_index == 0 and len(runners) > 1:
-                best = min(statistics.median(r[2][0]) for r in runners.values())
-                for name in [n for n, r in runners.items() if statistics.median(r[2][0]) > PRUNE_RATIO * best]:
-                    key, _, rounds = runners.pop(name)
-                    times[name] = statistics.median(rounds[0])
-                    tuner.cache.put(key, "plan", times[name])
-                    log.debug("The %s plan (%.4g ms) is out after the first round", name, times[name])
-    for name, (key, _, rounds) in runners.items():
-        times[name] = robust_ms([statistics.median(r) for r in rounds])
-        tuner.cache.put(key, "plan", times[name])
-    return times
-
-
-def _block_order(names: list[str], round_index: int) -> list[str]:
-    """One round's block order, reversed every other round. The block after another library's keeps paying for
-    that library's idle threads and data in cache (measured: ~4 % on ResNet-50 right after OpenVINO); in a fixed
-    order the first plan would follow the last one in every round. Reversing makes each round boundary a plan
-    following itself."""
-    return names if round_index % 2 == 0 else names[::-1]
-
-
-def _once_ms(run) -> float:
-    start = time.perf_counter()
-    run()
-    return (time.perf_counter() - start) * 1e3
-
-
-def _reference_outputs(reference_fn, inputs: dict) -> list | None:
-    if reference_fn is None:
-        return None
-    try:
-        return reference_fn(inputs)
-    except Exception as exc:
-        log.debug("onnxruntime reference run failed (%s); plans are checked against kiln's kernels", exc)
-        return None
-
-
-def _agree(got: list, want: list, rel: float = 1e-3, quantized: bool = False) -> bool:
-    """FP32 plans: max error within `rel` of the largest value. Quantized models: INT8 kernels round
-    differently (one step moves a value by a whole scale), so float outputs need cosine >= 0.999 instead."""
-    for a, b in zip(got, want):
-        a, b = a.double() if a.is_floating_point() else a, b.double() if b.is_floating_point() else b
-        if a.shape != b.shape:
-            return False
-        if a.is_floating_point() and quantized:
-            norm = float(a.norm() * b.norm())
-            if norm > 0 and float((a * b).sum()) / norm < 0.999:
-                return False
-        elif a.is_floating_point():
-            scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-6)
-            if float((a - b).abs().max()) > rel * scale:
-                return False
-        elif not torch.equal(a, b):
-            return False
-    return True
-
-
 def _switch_ms(g: Graph, boundary: str | None, formats: dict[str, str], tuner: Autotuner) -> float:
     """Cost of changing source at a boundary: the pool hand-over, plus a layout copy for channel-major tensors."""
     if boundary is None or boundary not in g.values:
-        return POOL_SWITCH_MS
+        return tuner.costs.pool_switch_ms
     v = g.values[boundary]
     if v.shape is None or len(v.shape) != 4 or formats.get(boundary) != HWC:
-        return POOL_SWITCH_MS
-    return POOL_SWITCH_MS + tuner.reformat_ms(v.shape, str(v.dtype), LINEAR)
+        return tuner.costs.pool_switch_ms
+    return tuner.costs.pool_switch_ms + tuner.reformat_ms(v.shape, str(v.dtype), LINEAR)
 
 
 def apply_regions(g: Graph, runs: list[list[Node]], library: str = "onnxruntime") -> None:

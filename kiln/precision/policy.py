@@ -1,6 +1,8 @@
-"""Precision per layer: what was requested (build flags, per-layer constraints, Q/DQ), what kiln granted, and
-why they differ. TensorRT falls back silently; kiln records every difference in the plan, the layer info
-(`RequestedPrecision`, `GrantedPrecision`, `PrecisionReason`) and the build log.
+"""The precision stage: per layer of the optimized graph, what was requested (build flags, per-layer constraints,
+Q/DQ), what kiln grants, and why they differ, decided BEFORE lowering, so tactics are chosen (and timed) for the
+granted precision and `--precision-constraints obey` fails before any timing. TensorRT falls back silently; kiln
+records every difference in the plan, the layer info (`RequestedPrecision`, `GrantedPrecision`,
+`PrecisionReason`) and the build log.
 
 Requests, strongest first: `--layer-precisions name:type` (trtexec spelling, `*` for all layers), explicit
 quantization (Q/DQ around a layer asks for INT8), `--int8` for layers with an INT8 kernel, `--fp16`/`--bf16`,
@@ -8,14 +10,15 @@ else FP32. `--precision-constraints obey` turns an unmet request into a build er
 fall back to the best available precision with the reason recorded."""
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kiln.errors import ModelError
+from kiln.ir import Node
 
 log = logging.getLogger("kiln.build")
 
@@ -57,27 +60,21 @@ def cpu_reduced_float_support() -> dict[str, bool]:
     return {"FP16": bool({"avx512_fp16", "amx_fp16"} & flags), "BF16": bool({"avx512_bf16", "amx_bf16"} & flags)}
 
 
-def requested(layer, options: PrecisionOptions) -> str:
-    for pattern, kind in options.layer_precisions.items():
-        if fnmatch.fnmatchcase(layer.name, pattern):
-            return kind
-    if layer.op_type in INT8_LAYERS or layer.op_type in QDQ_OPS:
+@dataclass(frozen=True)
+class PrecisionDecision:
+    """One layer's precision: what the build asked for, what kiln grants, and why they differ ("" when equal)."""
+
+    requested: str
+    granted: str
+    reason: str = ""
+
+
+def native_precision(op_type: str, output_dtypes: Iterable) -> str:
+    """The precision a layer's own types fix: INT8 for quantized ops and int8 outputs, FP16 for float16 outputs,
+    else FP32 (what every kernel computes a float32 layer in)."""
+    if op_type in INT8_LAYERS or op_type in QDQ_OPS:
         return "INT8"
-    if options.int8 and (layer.op_type in INT8_CAPABLE or _float_out(layer)):
-        return "INT8"   # --int8 allows INT8 everywhere, as TensorRT's flag does; kiln says where it was not given
-    if options.bf16 or options.fp16:
-        return "BF16" if options.bf16 and not options.fp16 else "FP16"
-    return "FP32"
-
-
-def _float_out(layer) -> bool:
-    return any(np.dtype(t.dtype).kind == "f" for t in layer.outputs)
-
-
-def granted(layer) -> str:
-    if layer.op_type in INT8_LAYERS or layer.op_type in QDQ_OPS:
-        return "INT8"
-    dtypes = [np.dtype(t.dtype) for t in layer.outputs]
+    dtypes = [np.dtype(d) for d in output_dtypes]
     if any(d in (np.dtype(np.int8), np.dtype(np.uint8)) for d in dtypes):
         return "INT8"
     if any(d == np.float16 for d in dtypes):
@@ -85,41 +82,56 @@ def granted(layer) -> str:
     return "FP32"
 
 
-def reason(layer, want: str, got: str, support: dict[str, bool]) -> str:
+def requested(name: str, op_type: str, output_dtypes: Iterable, options: PrecisionOptions) -> str:
+    for pattern, kind in options.layer_precisions.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return kind
+    if op_type in INT8_LAYERS or op_type in QDQ_OPS:
+        return "INT8"
+    float_out = any(np.dtype(d).kind == "f" for d in output_dtypes)
+    if options.int8 and (op_type in INT8_CAPABLE or float_out):
+        return "INT8"   # --int8 allows INT8 everywhere, as TensorRT's flag does; kiln says where it was not given
+    if options.bf16 or options.fp16:
+        return "BF16" if options.bf16 and not options.fp16 else "FP16"
+    return "FP32"
+
+
+def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
     if want == got:
         return ""
     if want in ("FP16", "BF16"):
         why = f"this CPU has no native {want} arithmetic" if not support.get(want) else \
-            f"kiln has no {want} kernel for {layer.op_type}"
+            f"kiln has no {want} kernel for {op_type}"
         return f"{why}; {got} kernels are used (kiln's CPU kernels compute in FP32 or INT8)"
     if want == "INT8" and got == "FP32":
-        if layer.op_type in INT8_CAPABLE:
+        if op_type in INT8_CAPABLE:
             return "no input scale: INT8 needs Q/DQ around the layer or calibration (--int8 --calib)"
-        return f"no INT8 kernel for {layer.op_type}"
+        return f"no INT8 kernel for {op_type}"
     if want == "FP32" and got == "INT8":
         return "the model's Q/DQ nodes fix this layer to INT8"
-    return f"{want} is not available for {layer.op_type}"
+    return f"{want} is not available for {op_type}"
 
 
-def assign(layers: list, options: PrecisionOptions) -> list:
-    """Every layer (and every region's inner layer) with requested/granted precision and the reason."""
-    support = cpu_reduced_float_support()
-    out = []
-    for layer in layers:
-        inner = tuple(_assign_one(i, options, support) for i in layer.inner)
-        one = _assign_one(layer, options, support) if not layer.inner else layer
-        out.append(dataclasses.replace(one, inner=inner) if inner else one)
-    return out
+KernelOffers = Callable[[Node, str], bool]   # (node, precision) -> does an enabled tactic compute it so?
 
 
-def _assign_one(layer, options: PrecisionOptions, support: dict[str, bool]):
-    if layer.op_type in ("Reformat", "Constant", "Region"):
-        return layer
-    want, got = requested(layer, options), granted(layer)
-    why = reason(layer, want, got, support)
-    if why:
-        if options.constraints == "obey" and want != "FP32":
-            raise ModelError(f"layer '{layer.name}' ({layer.op_type}): --precision-constraints obey asks for {want}, "
-                             f"which kiln cannot give: {why}")
-        log.info("Layer %s: requested %s, granted %s: %s", layer.name, want, got, why)
-    return dataclasses.replace(layer, precision=got, requested_precision=want, precision_reason=why)
+def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: KernelOffers,
+           support: dict[str, bool] | None = None) -> dict[str, PrecisionDecision]:
+    """Each node's decision, by node name. A node runs at its native precision (`native_precision`) unless it is
+    FP32-native and some enabled tactic computes it in the requested precision (`kernel_offers`, asked only for
+    requests that differ from the native one). Under `--precision-constraints obey` the first unmet request
+    raises, naming the layer."""
+    support = cpu_reduced_float_support() if support is None else support
+    decisions = {}
+    for node in nodes:
+        dtypes = [v.dtype for v in node.outputs if v is not None and v.dtype is not None]
+        want, native = requested(node.name, node.op_type, dtypes, options), native_precision(node.op_type, dtypes)
+        got = want if want != native and native == "FP32" and kernel_offers(node, want) else native
+        why = reason(node.op_type, want, got, support)
+        if why:
+            if options.constraints == "obey" and want != "FP32":
+                raise ModelError(f"layer '{node.name}' ({node.op_type}): --precision-constraints obey asks for "
+                                 f"{want}, which kiln cannot give: {why}")
+            log.info("Layer %s: requested %s, granted %s: %s", node.name, want, got, why)
+        decisions[node.name] = PrecisionDecision(want, got, why)
+    return decisions

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,21 +11,12 @@ import numpy as np
 import torch
 
 from kiln.tactics.base import ANY, HWC, LINEAR, LayerView, Tactic, tactic_value
+from kiln.tactics.clock import WALL_CLOCK, Clock, elapsed_ms
+from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
 from kiln.tactics.reformat import to_format
 from kiln.tactics.timing_cache import TimingCache, digest
 
 log = logging.getLogger("kiln.build")
-
-# Timing one layer alone, with hot caches, flatters kernels that make extra passes over memory (an unfused
-# epilogue, a separate residual add) and external libraries (whose thread pool must wake up inside a plan).
-# So a tactic listed later (less fused: the registry lists fused and prepacked kernels first, the generic
-# reference and external kernels last) must be this much faster to replace an earlier one ...
-PREFERENCE_MARGIN = 0.05
-# ... and an external library's single layer pays the hand-over between thread pools: its sleeping workers
-# wake up, torch's spin down. Measured on 2 cores: a 2048x1000 FC ran 0.13 ms alone and 0.54 ms inside ResNet-50
-# through onnxruntime, against ~0.3 ms for torch's kernel in the same place.
-HANDOVER_MS = {"onnxruntime": 0.1, "openvino": 0.1}
-
 
 @dataclass(frozen=True)
 class TimingOptions:
@@ -42,10 +32,12 @@ class Choice:
     timings_ms: dict[str, float]
 
 
-def layer_signature(view: LayerView, have_formats: list[str | None]) -> str:
+def layer_signature(view: LayerView, have_formats: list[str | None], precision: str = "FP32") -> str:
+    """The timing cache's key for a layer: op, attributes, input shapes/dtypes/layouts, weights, precision."""
     return digest({"op": view.op_type, "domain": view.domain, "attrs": view.attrs,
                    "inputs": list(zip(view.input_shapes, view.input_dtypes, have_formats)),
-                   "weights": sorted((i, list(t.shape), str(t.dtype)) for i, t in view.const_inputs.items())})
+                   "weights": sorted((i, list(t.shape), str(t.dtype)) for i, t in view.const_inputs.items()),
+                   "precision": precision})
 
 
 def _example(shape, dtype: str, fmt: str) -> torch.Tensor:
@@ -85,16 +77,14 @@ class CacheEvictor:
     def __init__(self):
         self.buffer = torch.empty(last_level_cache_bytes() * 3 // 8, dtype=torch.float32)
 
-    def time_ms(self, fn, inputs: list, runs: int) -> list[float]:
+    def time_ms(self, fn, inputs: list, runs: int, clock: Clock = WALL_CLOCK) -> list[float]:
         samples = []
         for _ in range(runs):
             self.buffer.fill_(1.0)
             for x in inputs:
                 if x is not None:
                     x.sum()
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
+            samples.append(elapsed_ms(clock, fn))
         return samples
 
 
@@ -105,22 +95,19 @@ def robust_ms(rounds_ms: list[float]) -> float:
     return min(rounds_ms)
 
 
-def _time_ms(fn, options: TimingOptions) -> list[float]:
+def time_rounds_ms(fn, options: TimingOptions, clock: Clock = WALL_CLOCK) -> list[float]:
+    """One untimed call, then `min_timing` rounds of `avg_timing` calls: each round's mean call time."""
     fn()
-    runs = []
-    for _ in range(options.min_timing):
-        start = time.perf_counter()
-        for _ in range(options.avg_timing):
-            fn()
-        runs.append((time.perf_counter() - start) * 1e3 / options.avg_timing)
-    return runs
+    return [elapsed_ms(clock, fn, options.avg_timing) for _ in range(options.min_timing)]
 
 
 class Autotuner:
-    def __init__(self, cache: TimingCache, options: TimingOptions = TimingOptions(), cold_weights: bool = False):
+    def __init__(self, cache: TimingCache, options: TimingOptions = TimingOptions(), cold_weights: bool = False,
+                 costs: CostPolicy = DEFAULT_COSTS, clock: Clock = WALL_CLOCK):
         """`cold_weights`: time each run after evicting the caches (`CacheEvictor`), for models whose weights
-        do not fit in the last-level cache; such timings are cached apart from hot ones."""
-        self.cache, self.options = cache, options
+        do not fit in the last-level cache; such timings are cached apart from hot ones. `costs`: the margins and
+        hand-over costs choices add; `clock`: what every measurement reads (segment and plan timing too)."""
+        self.cache, self.options, self.costs, self.clock = cache, options, costs, clock
         self.evictor = CacheEvictor() if cold_weights else None
         self.current = ""   # the layer being tuned, for messages
 
@@ -130,7 +117,7 @@ class Autotuner:
         if cached is not None:
             return cached
         src = _example(shape, dtype, LINEAR if target == HWC else HWC)
-        ms = statistics.median(_time_ms(lambda: to_format(src, target), self.options))   # the Reformat kernel
+        ms = robust_ms(time_rounds_ms(lambda: to_format(src, target), self.options, self.clock))
         self.cache.put(key, "reformat", ms)
         return ms
 
@@ -161,18 +148,20 @@ class Autotuner:
                 fn()   # first call: lazy initialisation, not timed
             for _ in range(self.options.min_timing):   # interleave candidates so drift hits all alike
                 for t, fn, xs, rounds in runners:
-                    rounds.append(statistics.median(self.evictor.time_ms(fn, xs, self.options.avg_timing))
-                                  if self.evictor else _time_ms(fn, TimingOptions(self.options.avg_timing, 1))[0])
+                    rounds.append(statistics.median(self.evictor.time_ms(fn, xs, self.options.avg_timing, self.clock))
+                                  if self.evictor else
+                                  time_rounds_ms(fn, TimingOptions(self.options.avg_timing, 1), self.clock)[0])
         for t, _, _, rounds in runners:
             times[t.name] = robust_ms(rounds)
             self.cache.put(signature, t.name, times[t.name])
         return times
 
     def choose(self, name: str, view: LayerView, tactics: list[Tactic], have_formats: list[str | None],
-               runner_names: dict[str, str], dying: frozenset[int] = frozenset()) -> Choice:
+               runner_names: dict[str, str], dying: frozenset[int] = frozenset(), precision: str = "FP32") -> Choice:
         """`dying`: indices of inputs this layer reads last; a kernel that can write its output over one of
-        them (`into_input`, a fused residual) is timed doing so, as the plan runs it (kiln.runtime.donation)."""
-        signature = layer_signature(view, have_formats)
+        them (`into_input`, a fused residual) is timed doing so, as the plan runs it (kiln.runtime.donation).
+        `precision`: the layer's granted precision (part of the timing cache's key)."""
+        signature = layer_signature(view, have_formats, precision)
         if dying:
             signature = digest({"dying": sorted(dying), "layer": signature})
         if self.evictor is not None:
@@ -187,7 +176,7 @@ class Autotuner:
             reformat = sum(self.reformat_ms(view.input_shapes[i], view.input_dtypes[i], w)
                            for i, (w, have) in enumerate(zip(wanted, have_formats))
                            if have is not None and w not in (ANY, have) and len(view.input_shapes[i]) == 4)
-            handover = HANDOVER_MS.get(t.source, 0.0)
+            handover = self.costs.handover_ms.get(t.source, 0.0)
             log.debug("--------------- Timing Runner: %s (%s)", name, runner)
             log.debug("Tactic Name: %s Tactic: 0x%016x Time: %g", t.name, tactic_value(t.name), times[t.name])
             if reformat:
@@ -195,12 +184,12 @@ class Autotuner:
             if handover:
                 log.debug("  + thread-pool hand-over %g ms (%s)", handover, t.source)
             total = times[t.name] + reformat + handover
-            if best is None or total < (best.kernel_ms + best.overhead_ms) * (1 - PREFERENCE_MARGIN):
+            if best is None or total < (best.kernel_ms + best.overhead_ms) * (1 - self.costs.preference_margin):
                 best = Choice(t, times[t.name], reformat + handover, times)
         log.debug(">>>>>>>>>>>>>>> Chose Runner Type: %s Tactic: 0x%016x", runner_names.get(best.tactic.name, best.tactic.source),
                   tactic_value(best.tactic.name))
         others = ", ".join(f"{k} {v:g} ms" for k, v in times.items() if k != best.tactic.name)
         log.debug("Reason: %s wins at %g ms kernel + %g ms reformat/hand-over (others: %s; a later-listed "
                   "tactic must be %d%% faster)", best.tactic.name, best.kernel_ms, best.overhead_ms, others or "none",
-                  round(PREFERENCE_MARGIN * 100))
+                  round(self.costs.preference_margin * 100))
         return best

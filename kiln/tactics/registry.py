@@ -58,8 +58,24 @@ def parse_sources(spec: str | None) -> frozenset[str]:
     return frozenset(sources)   # layers no chosen source supports fall back to torch's reference kernels
 
 
-def candidates(layer: LayerView, sources: frozenset[str] | None = None) -> list[Tactic]:
+def reduced_precisions(tactic: Tactic) -> frozenset[str]:
+    """Precisions besides a layer's native one (its types') that `tactic` computes in, e.g. BF16 for a float32
+    layer. No tactic declares one yet: every kernel computes in its layer's native precision."""
+    return getattr(tactic, "reduced_precisions", frozenset())
+
+
+def offers(layer: LayerView, sources: frozenset[str] | None, precision: str) -> bool:
+    """Whether an enabled tactic computes `layer` in the reduced `precision` (asked by the precision stage)."""
+    return any(precision in reduced_precisions(t) and (sources is None or t.source in sources) and t.supports(layer)
+               for t in REGISTRY.get(layer.op_type, []) + GENERIC)
+
+
+def candidates(layer: LayerView, sources: frozenset[str] | None = None, precision: str | None = None) -> list[Tactic]:
+    """The tactics that can run `layer`, best first (registry order), from the enabled `sources` (torch's reference
+    kernels when none of them can); with a reduced `precision` granted, only the tactics computing in it."""
     found = [t for t in REGISTRY.get(layer.op_type, []) + GENERIC if t.supports(layer)]
+    if precision is not None:
+        found = [t for t in found if precision in reduced_precisions(t)] or found
     if sources is not None:
         found = [t for t in found if t.source in sources] or [t for t in found if t.source == "torch"]
     return found

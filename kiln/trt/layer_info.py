@@ -7,7 +7,7 @@ from typing import Any
 
 from kiln.plan.model import Layer, Plan, TensorDesc
 from kiln.errors import Error
-from kiln.trt.vocab import ACTIVATION_TYPE, format_datatype, weight_type
+from kiln.trt.vocab import ACTIVATION_TYPE, format_datatype, layer_type, parameter_type, weight_type
 
 VERBOSITIES = ("none", "layer_names_only", "detailed")
 METADATA_SEP = "\u001e"
@@ -34,33 +34,19 @@ def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:
 def tactic_sources(plan: Plan) -> dict[str, list[str]]:
     """kiln's addition: which kernel sources this machine had, which the build allowed, which layers use."""
     info = plan.build_info
-    used = sorted({s for s in (tactic_source(l.tactic_name) for l in plan.layers) if s})
+    used = sorted({l.source for l in plan.layers if l.source})   # built-in Reformat copies have none
     return {"Available": list(info.get("tactic_sources_available", [])), "Enabled": list(info.get("tactic_sources", [])),
             "Used": used}
 
 
-def tactic_source(tactic_name: str) -> str | None:
-    """The --tactic-sources name a kernel comes from; None for kiln's built-in Reformat copies and no-ops, which
-    every build has (like TensorRT's reformatting kernels)."""
-    from kiln.tactics.registry import TACTICS_BY_NAME
-    from kiln.tactics.onnxruntime_source import REGION_TACTIC
-    from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
-    from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC
-
-    if tactic_name in (REFORMAT_TACTIC, NOOP_TACTIC):
-        return None
-    regions = {REGION_TACTIC: "onnxruntime", OPENVINO_REGION_TACTIC: "openvino"}
-    tactic = TACTICS_BY_NAME.get(tactic_name)
-    return tactic.source if tactic is not None else regions.get(tactic_name, tactic_name.split(".")[0])
-
-
 def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:
-    d: dict[str, Any] = {"Name": layer.name, "LayerType": layer.layer_type,
+    runner, kind = layer_type(layer), parameter_type(layer)
+    d: dict[str, Any] = {"Name": layer.name, "LayerType": runner,
                          "Inputs": [tensor_info(t) for t in layer.inputs],
                          "Outputs": [tensor_info(t) for t in layer.outputs]}
-    if layer.layer_type != "NoOp":
-        d["ParameterType"] = layer.parameter_type
-        d.update(PARAMETERS.get(layer.parameter_type, _generic)(plan, layer))
+    if runner != "NoOp":
+        d["ParameterType"] = kind
+        d.update(PARAMETERS.get(kind, _generic)(plan, layer))
         d["TacticName"] = layer.tactic_name
     d["TacticValue"] = f"0x{layer.tactic_value:016x}"
     if layer.requested_precision:   # kiln's addition: TensorRT never says why it fell back

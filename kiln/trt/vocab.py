@@ -1,9 +1,10 @@
-"""TensorRT's vocabulary for kiln's facts: data type names, `Format/Datatype` prose, tensor text in log lines."""
+"""TensorRT's vocabulary for kiln's facts: layer kinds and runner names (ParameterType, LayerType), data type
+names, `Format/Datatype` prose, tensor text in log lines, activation names."""
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.plan.model import HWC, TensorDesc
+from kiln.plan.model import HWC, Layer, TensorDesc
 
 # TensorRT's DataType names as they appear in layer info ("Float", "Half", "Int8", ...).
 WEIGHT_TYPE = {
@@ -46,3 +47,69 @@ ACTIVATION_TYPE: dict[str, str] = {
     "ThresholdedRelu": "THRESHOLDED_RELU", "HardSwish": "HARD_SWISH", "Mish": "MISH", "Gelu": "GELU_ERF",
     "Swish": "SWISH",   # not a TensorRT ActivationType: TensorRT fuses SiLU as a PointWise epilogue
 }
+
+# TensorRT's "ParameterType" (the layer kind) of each op kiln lays out as a layer; ops not listed are ElementWise.
+_KINDS: dict[str, tuple[str, ...]] = {
+    "Activation": ("Clip", "Elu", "Gelu", "HardSigmoid", "HardSwish", "LeakyRelu", "Mish", "PRelu", "Relu", "Selu",
+                   "Sigmoid", "Softplus", "Softsign", "Swish", "Tanh", "ThresholdedRelu", "QLinearLeakyRelu",
+                   "QLinearSigmoid"),
+    "Attention": ("Attention",),
+    "Concatenation": ("Concat", "QLinearConcat"),
+    "Constant": ("Constant",),
+    "Convolution": ("Conv", "ConvInteger", "QLinearConv", "QConv"),
+    "CumulativeSum": ("CumSum",),
+    "Deconvolution": ("ConvTranspose",),
+    "Einsum": ("Einsum",),
+    "Fill": ("ConstantOfShape", "EyeLike", "Range"),
+    "ForeignNode": ("Region",),
+    "Gather": ("Gather", "GatherElements", "GatherND"),
+    "Identity": ("Dropout", "Identity"),
+    "MatrixMultiply": ("Gemm", "MatMul", "MatMulInteger", "QLinearMatMul", "QGemm", "QMatMul"),
+    "Normalization": ("GroupNormalization", "InstanceNormalization", "LayerNormalization", "SkipLayerNormalization"),
+    "OneHot": ("OneHot",),
+    "Padding": ("Pad",),
+    "PointWise": ("PointWise",),
+    "Pooling": ("AveragePool", "GlobalAveragePool", "GlobalMaxPool", "MaxPool", "QLinearGlobalAveragePool"),
+    "Reduce": ("ReduceL2", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare"),
+    "Reformat": ("DequantizeLinear", "DynamicQuantizeLinear", "QuantizeLinear", "Reformat"),
+    "Resize": ("Resize",),
+    "Scale": ("BatchNormalization",),
+    "Scatter": ("ScatterElements", "ScatterND"),
+    "Select": ("Trilu",),
+    "Shape": ("Shape", "Size"),
+    "Shuffle": ("DepthToSpace", "Flatten", "Reshape", "SpaceToDepth", "Squeeze", "Transpose", "Unsqueeze", "Shuffle"),
+    "Slice": ("Expand", "Slice", "Split", "Tile"),
+    "SoftMax": ("LogSoftmax", "Softmax"),
+    "TopK": ("ArgMax", "ArgMin", "TopK"),
+    "Unary": ("Abs", "Ceil", "Cos", "Erf", "Exp", "Floor", "IsInf", "IsNaN", "Log", "Neg", "Not", "Reciprocal", "Round",
+              "Sign", "Sin", "Sqrt"),
+}
+PARAMETER_TYPE = {op: kind for kind, ops in _KINDS.items() for op in ops}
+# TensorRT's "LayerType" names the runner: kiln names the kernel library (the tactic) and the layer kind.
+_RUNNERS = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution", "onednn.linear_prepacked": "OneDnnMatrixMultiply",
+            "codegen.pointwise_c_simd": "PointWiseV2", "kiln.noop": "NoOp", "kiln.constant": "Constant"}
+_LIBRARY_RUNNERS = {"onnxruntime": "OnnxRuntime", "openvino": "OpenVINO"}   # external libraries, by tactic source
+WINOGRAD_TACTIC_PREFIX = "kiln.conv2d_winograd"
+
+
+def parameter_type(layer: Layer) -> str:
+    """TensorRT's "ParameterType" of a plan layer: the layer kind (Convolution, Pooling, Shuffle, ...)."""
+    return PARAMETER_TYPE.get(layer.op_type, "ElementWise")
+
+
+def runner_name(tactic_name: str, source: str, op_type: str) -> str:
+    """TensorRT's "LayerType" for a tactic running an op: its runner. An external library's region is named after
+    the library (`OpenVINO`), its inner layers and single layers after the library and the kind
+    (`OnnxRuntimeConvolution`); kiln's own kernels by what they are (`WinogradConvolution`, `PointWiseV2`)."""
+    kind = PARAMETER_TYPE.get(op_type, "ElementWise")
+    library = _LIBRARY_RUNNERS.get(source)
+    if library is not None:
+        return library if op_type == "Region" else library + kind
+    if tactic_name.startswith(WINOGRAD_TACTIC_PREFIX):   # every tile size
+        return "WinogradConvolution"
+    return _RUNNERS.get(tactic_name, kind)
+
+
+def layer_type(layer: Layer) -> str:
+    """TensorRT's "LayerType" of a plan layer (see `runner_name`)."""
+    return runner_name(layer.tactic_name, layer.source, layer.op_type)

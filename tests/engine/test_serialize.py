@@ -75,12 +75,12 @@ def test_round_trip_keeps_attrs(engine, saved):
     plan = plan_from_bytes(saved)
     for before, after in zip(engine.plan.layers, plan.layers):
         assert after.attrs.keys() == before.attrs.keys(), before.name
-        assert after.layer_type == before.layer_type and after.parameter_type == before.parameter_type
+        assert after.source == before.source and after.tactic_name == before.tactic_name
 
 
 def test_header_layout(saved):
     magic, version, flags, json_len, weights_len, _digest = HEADER.unpack_from(saved)
-    assert (magic, version, flags) == (b"KILNPLAN", 1, 0)
+    assert (magic, version, flags) == (b"KILNPLAN", 2, 0)
     assert len(saved) == HEADER.size + json_len + weights_len
 
 
@@ -122,6 +122,14 @@ def test_newer_format_version(saved, tmp_path):
     data[8:12] = struct.pack("<I", 99)
     msg = _load_bytes(tmp_path, bytes(data))
     assert "newer" in msg and "99" in msg
+
+
+def test_older_format_version_asks_for_a_rebuild(saved, tmp_path):
+    """Version 1 engines stored TensorRT's type names per layer and no tactic source: this kiln refuses them."""
+    data = bytearray(saved)
+    data[8:12] = struct.pack("<I", 1)
+    msg = _load_bytes(tmp_path, bytes(data))
+    assert "engine format version 1 was written by an older kiln; this kiln reads version 2: rebuild the engine" in msg
 
 
 def test_zero_format_version(saved, tmp_path):

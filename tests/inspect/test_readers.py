@@ -196,8 +196,8 @@ def test_kiln_regions_tag_inner_layers(kiln_exports):
     _, engine = kiln_exports
     plan = engine.plan
     outer = plan.layers[0]
-    region = dataclasses.replace(outer, name="{ForeignNode[conv...relu]}", layer_type="OnnxRuntime",
-                                 parameter_type="ForeignNode", inner=(outer, dataclasses.replace(outer, name="x2")))
+    region = dataclasses.replace(outer, name="{ForeignNode[conv...relu]}", op_type="Region", source="onnxruntime",
+                                 tactic_name="onnxruntime.region", inner=(outer, dataclasses.replace(outer, name="x2")))
     info = engine_info_from_plan(dataclasses.replace(plan, layers=(region,) + plan.layers[1:]))
     assert [l.name for l in info.layers[:2]] == [outer.name, "x2"]
     assert [l.region for l in info.layers[:2]] == [region.name] * 2

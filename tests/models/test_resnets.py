@@ -17,6 +17,7 @@ import torch
 import kiln
 from tests.conftest import assert_close_to_ort, run_ort
 from tests.models.nets import export, make
+from kiln.trt.vocab import parameter_type
 
 IMAGE = {"resnet18": 96, "resnet50": 64}
 
@@ -95,7 +96,7 @@ def case(request, exported) -> Case:
 
 
 def convs(case: Case):
-    return [l for l in case.engine.plan.layers if l.parameter_type == "Convolution"]
+    return [l for l in case.engine.plan.layers if parameter_type(l) == "Convolution"]
 
 
 def is_residual(layer) -> bool:
@@ -123,7 +124,7 @@ def test_exported_graph_shape(case):
 def test_batchnorm_and_relu_fused(case):
     layers = case.engine.plan.layers
     assert not [l.name for l in layers if l.op_type in ("BatchNormalization", "Relu", "Add")]
-    assert not [l.name for l in layers if l.parameter_type in ("PointWise", "Scale", "ElementWise", "Activation")]
+    assert not [l.name for l in layers if parameter_type(l) in ("PointWise", "Scale", "ElementWise", "Activation")]
     if case.exporter == "legacy":
         # every conv absorbed its BatchNormalization, visible in the fused name and the origin
         for l in convs(case):
@@ -152,10 +153,10 @@ def test_residual_blocks_fuse_conv_add_relu(case):
 
 def test_exact_layer_count(case):
     layers = case.engine.plan.layers
-    kinds = Counter(l.parameter_type for l in layers)
+    kinds = Counter(parameter_type(l) for l in layers)
     assert kinds == EXPECTED[case.name, case.exporter], kinds
     assert len(layers) == TOTAL[case.name, case.exporter]
-    reformats = [l for l in layers if l.parameter_type == "Reformat"]
+    reformats = [l for l in layers if parameter_type(l) == "Reformat"]
     assert [l.attrs.get("target_format") for l in reformats] == ["hwc", "linear"]
 
 

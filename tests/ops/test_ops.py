@@ -6,6 +6,7 @@ from onnx import TensorProto, helper
 
 import kiln
 from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
+from kiln.trt.vocab import parameter_type
 
 F32 = TensorProto.FLOAT
 
@@ -307,7 +308,7 @@ def test_conv_followed_by(case, fused):
     inits = [i for i in inits if any(i.name in n.input for n in nodes)]
     disabled = set() if fused else {"ConvScaleFusion", "ConvEltwiseSumFusion", "ConvReluFusion", "PointWiseFusion"}
     engine = check(nodes, {"x": rand((1, 4, 6, 6)) * 3}, inits, build_opts={"disabled_passes": disabled})
-    conv_layers = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    conv_layers = [l for l in engine.plan.layers if parameter_type(l) == "Convolution"]
     assert len(conv_layers) == 1
     if fused and case not in ("swish",):
         assert len(conv_layers[0].origin) > 1, [l.name for l in engine.plan.layers]

@@ -14,6 +14,7 @@ import torch
 
 import kiln
 from tests.conftest import assert_close_to_ort, make_model, run_ort
+from kiln.trt.vocab import parameter_type
 
 HIDDEN, HEADS = 64, 4
 
@@ -88,7 +89,7 @@ def test_bert_layer_is_seven_layers_and_matches_onnxruntime(tmp_path, caplog, ex
     path = export(tmp_path, exporter)
     engine = kiln.build(path, autotune=False)
     # the extended mask (1 - m) * -1e4 is computed once (Unsqueeze Shuffle, PWN) and shared by both layers
-    assert [l.parameter_type for l in engine.plan.layers] == ["Shuffle", "PointWise"] + PER_LAYER * 2
+    assert [parameter_type(l) for l in engine.plan.layers] == ["Shuffle", "PointWise"] + PER_LAYER * 2
     merged = [l for l in engine.plan.layers if " || " in l.name]
     assert len(merged) == 2 and merged[0].name.count(" || ") == 2   # q || k || v
     attn = [l for l in engine.plan.layers if l.op_type == "Attention"]

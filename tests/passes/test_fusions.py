@@ -10,6 +10,7 @@ from kiln.frontend import import_onnx
 from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation
 from kiln.passes.manager import PassLog
 from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
+from kiln.trt.vocab import parameter_type
 
 F32 = TensorProto.FLOAT
 
@@ -55,7 +56,7 @@ def test_conv_bn_fold():
     bn = helper.make_node("BatchNormalization", ["c", "s", "bb", "m", "v"], ["y"], name="bn")
     engine = build_and_check(conv_model([bn], extra_inits=BN_INITS), {"x": X})
     assert "BatchNormalization" not in op_types(engine)
-    conv_layers = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    conv_layers = [l for l in engine.plan.layers if parameter_type(l) == "Convolution"]
     assert [l.name for l in conv_layers] == ["conv + bn"]
     assert conv_layers[0].origin == ("conv", "bn")
 
@@ -78,7 +79,7 @@ def test_conv_bn_fold_direct_pass_call():
 
 def test_conv_relu():
     engine = build_and_check(conv_model([helper.make_node("Relu", ["c"], ["y"], name="relu")]), {"x": X})
-    conv_layers = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    conv_layers = [l for l in engine.plan.layers if parameter_type(l) == "Convolution"]
     assert [l.name for l in conv_layers] == ["conv + relu"]
     assert conv_layers[0].origin == ("conv", "relu")
     assert "Relu" not in op_types(engine)
@@ -88,13 +89,13 @@ def test_conv_bn_relu_three_way():
     tail = [helper.make_node("BatchNormalization", ["c", "s", "bb", "m", "v"], ["n"], name="bn"),
             helper.make_node("Relu", ["n"], ["y"], name="relu")]
     engine = build_and_check(conv_model(tail, extra_inits=BN_INITS), {"x": X})
-    assert [l.name for l in engine.plan.layers if l.parameter_type == "Convolution"] == ["conv + bn + relu"]
+    assert [l.name for l in engine.plan.layers if parameter_type(l) == "Convolution"] == ["conv + bn + relu"]
 
 
 def test_conv_residual_add_relu_is_one_layer():
     tail = [helper.make_node("Add", ["c", "x"], ["s1"], name="add"), helper.make_node("Relu", ["s1"], ["y"], name="relu")]
     engine = build_and_check(conv_model(tail), {"x": X})
-    conv_layers = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    conv_layers = [l for l in engine.plan.layers if parameter_type(l) == "Convolution"]
     assert [l.name for l in conv_layers] == ["conv + add + relu"]
     assert conv_layers[0].origin == ("conv", "add", "relu")
     assert not {"Add", "Relu"} & set(op_types(engine))
@@ -116,7 +117,7 @@ def test_conv_with_two_consumers_not_fused_with_relu(caplog):
     tail = [helper.make_node("Relu", ["c"], ["y"], name="relu"), helper.make_node("Sigmoid", ["c"], ["z"], name="sig")]
     model = conv_model(tail, outputs=(("y", [1, 4, 6, 6]), ("z", [1, 4, 6, 6])))
     engine = build_and_check(model, {"x": X})
-    assert [l.name for l in engine.plan.layers if l.parameter_type == "Convolution"] == ["conv"]
+    assert [l.name for l in engine.plan.layers if parameter_type(l) == "Convolution"] == ["conv"]
     assert "ConvReluFusion: Not fusing conv with relu" in caplog.text
     assert "2 consumers" in caplog.text
 
@@ -127,7 +128,7 @@ def test_conv_silu_is_one_layer_with_a_swish_activation(operands):
             helper.make_node("Sigmoid", ["n"], ["s1"], name="sig"),
             helper.make_node("Mul", [o.replace("c", "n") for o in operands], ["y"], name="mul")]
     engine = build_and_check(conv_model(tail, extra_inits=BN_INITS), {"x": X})
-    convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    convs = [l for l in engine.plan.layers if parameter_type(l) == "Convolution"]
     assert [l.name for l in convs] == ["conv + bn + sig + mul"] and {"Sigmoid", "Mul", "PointWise"}.isdisjoint(
         op_types(engine))
     layer = convs[0]
@@ -156,7 +157,7 @@ def test_conv_output_is_graph_output_not_fused(caplog):
     model = conv_model([helper.make_node("Relu", ["c"], ["y"], name="relu")],
                        outputs=(("y", [1, 4, 6, 6]), ("c", [1, 4, 6, 6])))
     engine = build_and_check(model, {"x": X})
-    assert [l.name for l in engine.plan.layers if l.parameter_type == "Convolution"] == ["conv"]
+    assert [l.name for l in engine.plan.layers if parameter_type(l) == "Convolution"] == ["conv"]
     assert "network output" in caplog.text
 
 
@@ -179,7 +180,7 @@ def test_matmul_bias_add_fuses():
                        [init("W", rand((4, 5), 1)), init("bias", rand(5, 2))])
     engine = build_and_check(model, {"x": rand((2, 3, 4))})
     assert names(engine) == ["mm + bias_add"]
-    assert engine.plan.layers[0].parameter_type == "MatrixMultiply"
+    assert parameter_type(engine.plan.layers[0]) == "MatrixMultiply"
 
 
 def test_matmul_add_non_constant_not_fused(caplog):
@@ -206,7 +207,7 @@ def test_sigmoid_mul_becomes_pwn():
     model = make_model(nodes, [vi("x", [2, 3, 4])], [vi("y", [2, 3, 4])])
     engine = build_and_check(model, {"x": rand((2, 3, 4))})
     assert names(engine) == ["PWN(sig, mul)"]
-    assert engine.plan.layers[0].parameter_type == "PointWise"
+    assert parameter_type(engine.plan.layers[0]) == "PointWise"
     assert engine.plan.layers[0].origin == ("sig", "mul")
 
 
@@ -227,7 +228,7 @@ def test_reshape_transpose_reshape_is_one_shuffle():
     engine = build_and_check(model, {"x": rand((2, 6, 4))})
     assert len(engine.plan.layers) == 1
     layer = engine.plan.layers[0]
-    assert layer.parameter_type == "Shuffle" and layer.origin == ("r1", "t", "r2")
+    assert parameter_type(layer) == "Shuffle" and layer.origin == ("r1", "t", "r2")
     assert layer.name == "r1 + t + r2"
 
 

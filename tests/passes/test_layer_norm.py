@@ -12,6 +12,7 @@ import torch
 
 import kiln
 from tests.conftest import assert_close_to_ort, run_ort
+from kiln.trt.vocab import parameter_type
 
 
 class Block(torch.nn.Module):
@@ -52,7 +53,7 @@ def test_layer_norm_is_one_layer_and_correct(tmp_path, caplog, opset, dynamo):
         assert "LayerNormFusion: Fusing" in caplog.text
         assert len(norms[0].origin) == 9   # ReduceMean Sub Pow ReduceMean Add Sqrt Div Mul Add
         # the whole block: MatMul+bias, LayerNorm, GELU (Div Erf Add Mul Mul) as one Gelu layer, MatMul+bias
-        assert [l.parameter_type for l in engine.plan.layers] == ["MatrixMultiply", "Normalization", "Activation",
+        assert [parameter_type(l) for l in engine.plan.layers] == ["MatrixMultiply", "Normalization", "Activation",
                                                                   "MatrixMultiply"]
         assert engine.plan.layers[2].name == "/Div + /Erf + /Add + /Mul + /Mul_1"
         assert engine.plan.layers[2].op_type == "Gelu"

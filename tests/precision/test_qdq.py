@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 
 import kiln
 from tests.conftest import init, make_model, run_ort
+from kiln.trt.vocab import parameter_type
 
 
 def calibration_reader(name: str, shape: tuple[int, ...], batches: int, uniform: bool = False):
@@ -60,7 +61,7 @@ def qdq_resnet(tmp_path_factory):
 def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_resnet, caplog):
     caplog.set_level(logging.DEBUG, logger="kiln.build")
     engine = kiln.build(qdq_resnet, autotune=False)
-    convs = [l for l in engine.plan.layers if l.parameter_type == "Convolution"]
+    convs = [l for l in engine.plan.layers if parameter_type(l) == "Convolution"]
     assert len(convs) == 20 and all(l.op_type == "QConv" and l.precision == "INT8" for l in convs)
     assert sum(l.op_type == "QGemm" for l in engine.plan.layers) == 1
     assert sum(l.op_type == "QAdd" for l in engine.plan.layers) == 8      # INT8 residual adds
@@ -110,7 +111,7 @@ def test_classic_int8_conv_with_fp32_output_is_warned_and_linted(tmp_path, caplo
     model = classic_model()
     profile = {"x": ((1, 25088), (2, 25088), (4, 25088))}
     engine = kiln.build(model, autotune=False, profiles=[profile])
-    conv = next(l for l in engine.plan.layers if l.parameter_type == "Convolution")
+    conv = next(l for l in engine.plan.layers if parameter_type(l) == "Convolution")
     assert conv.precision == "INT8" and conv.inputs[0].dtype == "int8" and conv.outputs[0].dtype == "float32"
     assert "conv runs in INT8 but its output stays FP32" in caplog.text
     assert "Add a QuantizeLinear/DequantizeLinear pair after its output 'y'" in caplog.text

@@ -1,16 +1,19 @@
 """The autotuner's choice rule: a later-listed (less fused, generic or external) tactic must beat an earlier one
-by PREFERENCE_MARGIN, an external library's single layer pays the thread-pool hand-over, and a tactic counts
-its fastest measurement round."""
+by the cost policy's preference margin, an external library's single layer pays the thread-pool hand-over, and a
+tactic counts its fastest measurement round. Timings come from a fake clock that fake kernels advance: no sleeps."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
+from kiln.tactics.autotune import Autotuner
 from kiln.tactics.base import LINEAR, LayerView
-from kiln.tactics.autotune import HANDOVER_MS, PREFERENCE_MARGIN, Autotuner
+from kiln.tactics.clock import FakeClock
+from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
 from kiln.tactics.timing_cache import TimingCache
+
+HANDOVER_MS = DEFAULT_COSTS.handover_ms
 
 
 class FakeTactic:
@@ -33,8 +36,8 @@ class FakeTactic:
 VIEW = LayerView("Relu", "", {}, ((1, 8),), ("float32",), {}, ("float32",), 17, ((),))
 
 
-def choose(timings: dict[str, float], sources: dict[str, str]):
-    tuner = Autotuner(TimingCache({"device": "test"}))
+def choose(timings: dict[str, float], sources: dict[str, str], costs: CostPolicy = DEFAULT_COSTS):
+    tuner = Autotuner(TimingCache({"device": "test"}), costs=costs)
     tuner._measure = lambda *args: dict(timings)
     tactics = [FakeTactic(name, sources.get(name, "torch")) for name in timings]
     return tuner.choose("layer", VIEW, tactics, [LINEAR], {})
@@ -42,8 +45,20 @@ def choose(timings: dict[str, float], sources: dict[str, str]):
 
 @pytest.mark.parametrize("later_ms, winner", [(0.97, "fused"), (0.90, "unfused"), (1.2, "fused")])
 def test_a_later_tactic_must_beat_an_earlier_one_by_the_margin(later_ms, winner):
-    assert PREFERENCE_MARGIN == 0.05
+    assert DEFAULT_COSTS.preference_margin == 0.05
     assert choose({"fused": 1.0, "unfused": later_ms}, {}).tactic.name == winner
+
+
+def test_the_margin_comes_from_the_cost_policy():
+    assert choose({"fused": 1.0, "unfused": 0.90}, {}, CostPolicy(preference_margin=0.2)).tactic.name == "fused"
+    assert choose({"fused": 1.0, "unfused": 0.97}, {}, CostPolicy(preference_margin=0.0)).tactic.name == "unfused"
+
+
+def test_every_cost_says_why():
+    explained = DEFAULT_COSTS.explain()
+    assert {name for name, _, _ in explained} == {"preference_margin", "handover_ms", "pool_switch_ms", "mix_margin",
+                                                  "plan_margin", "own_plan_margin", "prune_ratio"}
+    assert all(len(reason) > 40 for _, _, reason in explained)
 
 
 def test_margin_is_measured_against_the_current_best():
@@ -99,19 +114,20 @@ def test_cold_timing_evicts_before_every_run_and_is_cached_apart_from_hot(monkey
 
 
 class BurstyTactic(FakeTactic):
-    """Sleeps `burst_s` on every call of its first `burst_rounds` rounds (noise from the machine), then
-    `steady_s`. A hot-cache round is one warm-up call and `avg_timing` timed ones."""
+    """Takes `burst_ms` on the fake clock on every call of its first `burst_rounds` rounds (noise from the
+    machine), then `steady_ms`. A hot-cache round is one warm-up call and `avg_timing` timed ones."""
 
-    def __init__(self, name, steady_s, burst_s=0.0, burst_rounds=0, avg_timing=2):
+    def __init__(self, name, clock, steady_ms, burst_ms=0.0, burst_rounds=0, avg_timing=2):
         super().__init__(name, "torch")
-        self.steady_s, self.burst_s, self.burst_calls = steady_s, burst_s, burst_rounds * (1 + avg_timing)
+        self.clock, self.steady_ms, self.burst_ms = clock, steady_ms, burst_ms
+        self.burst_calls = burst_rounds * (1 + avg_timing)
         self.calls = 0
 
     def prepare(self, layer):
         def run(xs):
             self.calls += 1
             timed_call = self.calls - 1   # the first call is untimed
-            time.sleep(self.burst_s if 0 < timed_call <= self.burst_calls else self.steady_s)
+            self.clock.advance(self.burst_ms if 0 < timed_call <= self.burst_calls else self.steady_ms)
             return [xs[0]]
         return run
 
@@ -120,49 +136,53 @@ def test_a_tactic_is_timed_by_its_fastest_round_so_a_burst_of_noise_does_not_dec
     from kiln.tactics.autotune import TimingOptions, robust_ms
 
     assert robust_ms([2.24, 2.3, 1.3]) == 1.3
-    # two of three rounds hit by a 20 ms burst: a median would call the bursty tactic 20 ms and pick the other.
-    # (Steady sleeps 5 ms: with 1 ms, a loaded test machine once preempted bursty's clean round for longer.)
-    bursty = BurstyTactic("bursty", steady_s=0.0, burst_s=0.02, burst_rounds=2)
-    steady = BurstyTactic("steady", steady_s=0.005)
-    tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=2, min_timing=3))
+    # two of three rounds hit by a 20 ms burst: a median would call the bursty tactic 20 ms and pick the other
+    clock = FakeClock()
+    bursty = BurstyTactic("bursty", clock, steady_ms=1.0, burst_ms=20.0, burst_rounds=2)
+    steady = BurstyTactic("steady", clock, steady_ms=5.0)
+    tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=2, min_timing=3), clock=clock)
     choice = tuner.choose("layer", VIEW, [steady, bursty], [LINEAR], {})
     assert bursty.calls == steady.calls == 1 + 3 * (1 + 2)
-    assert choice.tactic.name == "bursty" and choice.timings_ms["bursty"] < 2.5 <= 5.0 <= choice.timings_ms["steady"]
+    assert choice.tactic.name == "bursty" and choice.timings_ms == pytest.approx({"bursty": 1.0, "steady": 5.0})
 
 
 class DonatingTactic(FakeTactic):
-    """Sleeps 20 ms writing a fresh output, 0.1 ms in its in-place variant (`into_input` over input 0)."""
+    """Takes 20 ms writing a fresh output, 0.1 ms in its in-place variant (`into_input` over input 0)."""
 
-    def __init__(self, name):
+    def __init__(self, name, clock):
         super().__init__(name, "kiln")
+        self.clock = clock
         self.calls = {"fresh": 0, "in place": 0}
 
     def prepare(self, layer):
-        def variant(kind, seconds):
+        def variant(kind, ms):
             def run(xs):
                 self.calls[kind] += 1
-                time.sleep(seconds)
+                self.clock.advance(ms)
                 return [xs[0]]
             return run
-        run = variant("fresh", 0.02)
-        run.into_input = (0, variant("in place", 0.0001))
+        run = variant("fresh", 20.0)
+        run.into_input = (0, variant("in place", 0.1))
         return run
 
 
 def test_a_kernel_that_writes_over_a_dying_input_is_timed_doing_so():
     from kiln.tactics.autotune import TimingOptions
 
+    clock = FakeClock()
     cache, options = TimingCache({"device": "test"}), TimingOptions(avg_timing=2, min_timing=2)
-    kept, dying = DonatingTactic("donor"), DonatingTactic("donor")
-    other = BurstyTactic("other", steady_s=0.005)   # margins wide enough for a loaded test machine
+    kept, dying = DonatingTactic("donor", clock), DonatingTactic("donor", clock)
+    other = BurstyTactic("other", clock, steady_ms=5.0)
     # one untimed call, then 2 rounds of a warm-up and 2 timed calls: 7 calls of the variant the plan runs
     # the input lives on after this layer: the fresh-output kernel is what runs, and it loses
-    choice = Autotuner(cache, options).choose("layer", VIEW, [kept, other], [LINEAR], {})
+    choice = Autotuner(cache, options, clock=clock).choose("layer", VIEW, [kept, other], [LINEAR], {})
     assert kept.calls == {"fresh": 7, "in place": 0} and choice.tactic.name == "other"
     # the layer reads its input last: the plan donates the buffer, so the in-place kernel is timed, and wins
-    choice = Autotuner(cache, options).choose("layer", VIEW, [dying, other], [LINEAR], {}, frozenset({0}))
-    assert dying.calls == {"fresh": 0, "in place": 7} and choice.tactic.name == "donor"
-    assert choice.timings_ms["donor"] < 2.5 <= 5.0 <= choice.timings_ms["other"]
+    choice = Autotuner(cache, options, clock=clock).choose("layer", VIEW, [dying, other], [LINEAR], {},
+                                                         frozenset({0}))
+    assert dying.calls == {"fresh": 0, "in place": 7}
+    assert choice.timings_ms == pytest.approx({"donor": 0.1, "other": 5.0})
+    assert choice.tactic.name == "donor"
 
 
 def test_last_level_cache_size_is_the_largest_sysfs_cache(tmp_path):

@@ -13,6 +13,7 @@ from torch import nn
 from kiln.tactics.base import LayerView
 from kiln.tactics.winograd import WinogradConvTactic, transform_weights
 from tests.tactics.forced import build_forced_onto
+from kiln.trt.vocab import layer_type
 
 
 def conv_view(c, cout, h, w, pads=(1, 1, 1, 1), bias=True, residual=False, activation=None, kernel=3, stride=1,
@@ -208,6 +209,6 @@ def test_model_forced_onto_winograd_matches_onnxruntime(tmp_path, monkeypatch):
     monkeypatch.setattr(DirectConvTactic, "supports", lambda self, layer: False)
     torch.manual_seed(0)
     engine = build_forced_onto(Blocks().eval(), torch.randn(1, 3, 30, 27), tmp_path)
-    runners = {l.name.split(" + ")[0]: l.layer_type for l in engine.plan.layers if l.op_type == "Conv"}
+    runners = {l.name.split(" + ")[0]: layer_type(l) for l in engine.plan.layers if l.op_type == "Conv"}
     # the 3-channel stem is nobody's in source "kiln" (torch's kernel backs it); the 1x1 head is kiln's GEMM
     assert sorted(n for n, t in runners.items() if t == "WinogradConvolution") == ["/a/Conv", "/b/Conv"], runners

@@ -1,0 +1,36 @@
+"""What a build may be told, grouped by the stage that reads it (`kiln.build(model, **options)` takes these
+names flat; the precision ones may be given flat too, see `kiln.build`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.precision.policy import PrecisionOptions
+from kiln.tactics.clock import WALL_CLOCK, Clock
+from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    # preprocess: implicit INT8 (--int8 --calib)
+    calibration: str | None = None        # calibration data (.npz / folder) or cache (.json)
+    calibration_method: str = "entropy"   # entropy (TensorRT's default), minmax, percentile
+    calibration_cache: str | None = None  # write the computed scales here (JSON)
+    # import: shapes
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    profiles: tuple[dict[str, tuple], ...] = ()   # per profile: input -> (min, opt, max) shapes
+    # passes
+    disabled_passes: frozenset[str] = frozenset()
+    verify_each: bool = False
+    # precision
+    precision: PrecisionOptions = PrecisionOptions()
+    # lowering: tactics and their timing
+    tactic_sources: frozenset[str] | None = None
+    autotune: bool = True
+    timing_cache: str | None = None
+    deterministic: bool = False     # only recorded timings from the cache; never measure
+    avg_timing: int = 8
+    min_timing: int = 3
+    clock: Clock = WALL_CLOCK       # what every timing reads (tests give a FakeClock)
+    # planning: regions and the plan race
+    regions: bool = True            # let onnxruntime/OpenVINO run whole segments where that is faster
+    costs: CostPolicy = DEFAULT_COSTS

@@ -1,0 +1,211 @@
+"""Lowering: the optimized graph, in order, becomes plan layers. Each node gets a tactic for its granted precision
+(timed by the autotuner where there is a choice), Reformat layers go where a tactic wants another layout than
+its producer gives, and a Region node (a run of nodes one library runs) becomes one layer with its inner layers."""
+from __future__ import annotations
+
+import dataclasses
+import numpy as np
+import torch
+
+from kiln.ir import Graph, Node, Value
+from kiln.ops import lookup
+from kiln.plan.model import Arg, Layer, TensorDesc
+from kiln.precision.policy import PrecisionDecision, native_precision
+from kiln.tactics.autotune import Autotuner
+from kiln.tactics.base import ANY, LINEAR, LayerView, Tactic, tactic_value
+from kiln.tactics.onnxruntime_source import REGION_TACTIC
+from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
+from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
+from kiln.tactics.registry import candidates
+from kiln.trt.vocab import runner_name
+
+CONSTANT_TACTIC = "kiln.constant"
+NO_DECISION = PrecisionDecision("", "FP32")   # layers kiln adds (Reformat, Constant, Region) request nothing
+
+
+def desc_of(v: Value, name: str | None = None, fmt: str = LINEAR) -> TensorDesc:
+    return TensorDesc(name or v.name, v.shape, str(v.dtype), fmt, tuple(v.dyn_dims))
+
+
+def node_view(node: Node, opset: int, with_consts: bool = True) -> LayerView:
+    """What a tactic sees of a graph node: shapes, dtypes, attributes and (optionally) its constant inputs."""
+    consts = {i: torch.from_numpy(np.array(v.const)) for i, v in enumerate(node.inputs)
+              if v is not None and v.is_const} if with_consts else {}
+    return LayerView(node.op_type, node.domain, node.attrs, tuple(None if v is None else v.shape for v in node.inputs),
+                     tuple(None if v is None else str(v.dtype) for v in node.inputs), consts,
+                     tuple(str(v.dtype) for v in node.outputs), opset,
+                     tuple(() if v is None else v.dyn_dims for v in node.inputs))
+
+
+def runtime_shape_inputs(node: Node) -> bool:
+    """Whether `node` reads shape arithmetic computed at run time (dynamic shapes): a host input (a shape, axes,
+    bounds), a run-time scalar (Range's bounds) or a small integer tensor. Random timing inputs would be meaningless."""
+    opdef = lookup(node.op_type, node.domain)
+    if opdef is not None and any(i < len(node.inputs) and node.inputs[i] is not None and
+                                 not node.inputs[i].is_const for i in opdef.host_inputs):
+        return True
+    return any(v is not None and not v.is_const and v.shape is not None and v.dtype is not None and
+               (v.shape == () or (np.dtype(v.dtype).kind in "iu" and int(np.prod(v.shape)) <= 16))
+               for v in node.inputs)
+
+
+class Lowering:
+    """Walks the optimized graph in order, choosing tactics and inserting Reformat layers between layouts."""
+
+    def __init__(self, g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
+                 precisions: dict[str, PrecisionDecision] | None = None):
+        self.g, self.sources, self.tuner, self.precisions = g, sources, tuner, precisions or {}
+        self.node_ms: dict[str, float] = {}
+        self.node_layers: dict[str, tuple[int, int]] = {}   # node -> its layers' [start, end) in `layers`
+        self.layers: list[Layer] = []
+        self.weights: dict[str, np.ndarray] = {}
+        self.formats: dict[str, str] = {v.name: LINEAR for v in g.inputs}
+        self.descs: dict[str, TensorDesc] = {v.name: desc_of(v) for v in g.inputs}
+        self.reformatted: dict[tuple[str, str], str] = {}
+        self.position = {id(n): i for i, n in enumerate(g.nodes)}
+
+    def run(self) -> tuple[list[Layer], dict[str, np.ndarray]]:
+        for node in self.g.nodes:
+            start = len(self.layers)
+            self.lower_node(node)
+            self.node_layers[node.name] = (start, len(self.layers))
+        self.finish()
+        return self.layers, self.weights
+
+    def weight(self, v: Value) -> Arg:
+        self.weights.setdefault(v.name, np.ascontiguousarray(v.const).reshape(v.const.shape))
+        return Arg("weight", v.name)
+
+    def reformat(self, src: str, target: str, consumer: str, index: int, public_name: str | None = None) -> str:
+        """Insert a Reformat layer copying `src` into `target` layout (TensorRT's naming), reused per tensor."""
+        if public_name is None and (src, target) in self.reformatted:
+            return self.reformatted[(src, target)]
+        d = self.descs[src]
+        if public_name is None:
+            name, new = f"Reformatting CopyNode for Input Tensor {index} to {consumer}", \
+                f"Reformatted Input Tensor {index} to {consumer}"
+            self.reformatted[(src, target)] = new
+        else:
+            name, new = f"Reformatting CopyNode for Output Tensor {index} to {consumer}", public_name
+        out = dataclasses.replace(d, name=new, format=target)
+        tactic = NOOP_TACTIC if is_noop_reformat(d.dims) and not d.dynamic else REFORMAT_TACTIC
+        self.layers.append(Layer(name, "Reformat", "kiln", (Arg("tensor", src),), (d,), (out,),
+                                 {"origin": "REFORMAT", "target_format": target}, tactic, tactic_value(tactic), "", ()))
+        self.formats[new], self.descs[new] = target, out
+        return new
+
+    def finish(self) -> None:
+        """Outputs computed entirely at build time become Constant layers."""
+        for v in self.g.outputs:
+            if v.is_const:
+                self.layers.append(Layer(f"{v.name} [Constant]", "Constant", "kiln", (self.weight(v),), (),
+                                         (desc_of(v),), {}, CONSTANT_TACTIC, tactic_value(CONSTANT_TACTIC), "kiln", ()))
+
+    def dying_inputs(self, node: Node) -> frozenset[int]:
+        """Indices of `node`'s activation inputs that no later node reads and the graph does not return."""
+        here = self.position[id(node)]
+        return frozenset(i for i, v in enumerate(node.inputs)
+                         if v is not None and not v.is_const and v.producer is not None and not self.g.is_output(v)
+                         and all(self.position.get(id(u), -1) <= here for u in v.users)
+                         and sum(x is v for x in node.inputs) == 1)
+
+    def decision(self, node: Node) -> PrecisionDecision:
+        return self.precisions.get(node.name, NO_DECISION)
+
+    def pick(self, node: Node, view: LayerView) -> Tactic:
+        granted = self.decision(node).granted
+        reduced = None if granted == native_precision(node.op_type, view.output_dtypes) else granted
+        found = candidates(view, self.sources, reduced)
+        if self.tuner is None or len(found) == 1 or runtime_shape_inputs(node):
+            return found[0]   # shape arithmetic on dynamic axes: random timing inputs would be meaningless
+        have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
+        names = {t.name: runner_name(t.name, t.source, node.op_type) for t in found}
+        choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), granted)
+        self.node_ms[node.name] = choice.kernel_ms + choice.overhead_ms
+        return choice.tactic
+
+    def stamped(self, layer: Layer, node: Node) -> Layer:
+        d = self.decision(node)
+        return dataclasses.replace(layer, precision=d.granted, requested_precision=d.requested,
+                                   precision_reason=d.reason)
+
+    def lower_region(self, node: Node) -> None:
+        """A Region node becomes one layer run by its library; its inner layers stay visible in layer info."""
+        tactic, source = (OPENVINO_REGION_TACTIC, "openvino") if node.attrs.get("library") == "openvino" else \
+            (REGION_TACTIC, "onnxruntime")
+        args, in_descs, rename = [], [], {}
+        for i, v in enumerate(node.inputs):
+            if v.is_const:
+                args.append(self.weight(v))
+                continue
+            name = v.name
+            if self.formats[name] != LINEAR and len(v.shape) == 4:
+                name = self.reformat(name, LINEAR, node.name, i)
+            rename[v.name] = name
+            args.append(Arg("tensor", name))
+            in_descs.append(self.descs[name])
+        inner = []
+        for n in node.attrs["nodes"]:
+            iargs, idescs = [], []
+            for v in n.inputs:
+                if v is None:
+                    iargs.append(Arg("none"))
+                elif v.is_const:
+                    iargs.append(self.weight(v))
+                else:
+                    iargs.append(Arg("tensor", rename.get(v.name, v.name)))
+                    idescs.append(desc_of(v, rename.get(v.name, v.name)))
+            inner.append(self.stamped(Layer(n.name, n.op_type, n.domain, tuple(iargs), tuple(idescs),
+                                            tuple(desc_of(o) for o in n.outputs), dict(n.attrs), tactic,
+                                            tactic_value(tactic), source, n.origin), n))
+        outs = tuple(desc_of(v) for v in node.outputs)
+        for t in outs:
+            self.descs[t.name], self.formats[t.name] = t, LINEAR
+        self.layers.append(Layer(node.name, "Region", "kiln", tuple(args), tuple(in_descs), outs, {}, tactic,
+                                 tactic_value(tactic), source, node.origin, inner=tuple(inner)))
+
+    def lower_node(self, node: Node) -> None:
+        if node.op_type == "Region" and node.domain == "kiln":
+            self.lower_region(node)
+            return
+        view = node_view(node, self.g.opset)
+        tactic = self.pick(node, view)
+        args, in_descs, in_formats = self.wire_inputs(node, tactic.input_formats(view))
+        out_format = tactic.output_format(view, in_formats)
+        outs = []
+        for j, v in enumerate(node.outputs):
+            fmt = out_format if len(v.shape) == 4 else LINEAR
+            name = f"Reformatted Output Tensor {j} to {node.name}" if self.g.is_output(v) and fmt != LINEAR else v.name
+            desc = desc_of(v, name, fmt)
+            self.descs[name], self.formats[name] = desc, fmt
+            outs.append(desc)
+        self.layers.append(self.stamped(Layer(node.name, node.op_type, node.domain, tuple(args), tuple(in_descs),
+                                              tuple(outs), dict(node.attrs), tactic.name, tactic_value(tactic.name),
+                                              tactic.source, node.origin), node))
+        for j, v in enumerate(node.outputs):
+            if outs[j].name != v.name:   # a graph output in another layout: copied back to row-major
+                self.reformat(outs[j].name, LINEAR, node.name, j, public_name=v.name)
+
+    def wire_inputs(self, node: Node, wanted: list[str]) -> tuple[list[Arg], list[TensorDesc], list[str]]:
+        """The node's arguments, with a Reformat in front of each 4-D input whose layout differs from `wanted`."""
+        args, in_descs, in_formats = [], [], []
+        for i, v in enumerate(node.inputs):
+            if v is None:
+                args.append(Arg("none"))
+                continue
+            if v.is_const:
+                args.append(self.weight(v))
+                continue
+            name = v.name
+            if wanted[i] not in (ANY, self.formats[name]) and len(v.shape) == 4:
+                name = self.reformat(name, wanted[i], node.name, i)
+            args.append(Arg("tensor", name))
+            in_descs.append(self.descs[name])
+            in_formats.append(self.formats[name])
+        return args, in_descs, in_formats
+
+
+def lower(g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
+          precisions: dict[str, PrecisionDecision] | None = None) -> tuple[list[Layer], dict[str, np.ndarray]]:
+    """The graph's layers and weights (see `Lowering`)."""
+    return Lowering(g, sources, tuner, precisions).run()

@@ -1,0 +1,72 @@
+"""Precision is a build stage before lowering: an impossible `obey` request fails before any timing, a granted
+reduced precision selects the tactics that compute in it, and the timing cache keeps precisions apart."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.precision.policy import PrecisionDecision, PrecisionOptions, decide
+from kiln.tactics import registry
+from kiln.tactics.autotune import layer_signature
+from kiln.tactics.base import LINEAR, LayerView
+from tests.passes.ir_builder import IRBuilder
+from tests.precision.models import conv_net, transformer_net
+
+
+class ClockThatMustNotBeRead:
+    def now_ms(self) -> float:
+        raise AssertionError("a tactic or plan was timed before the precision stage refused the build")
+
+
+@pytest.mark.parametrize("make_model", [conv_net, transformer_net])
+def test_an_impossible_obey_request_fails_before_any_timing(make_model):
+    with pytest.raises(kiln.ModelError, match=r"layer '[^']+' \(\w+\): --precision-constraints obey asks for BF16, "
+                                              r"which kiln cannot give: "):
+        kiln.build(make_model(), bf16=True, precision_constraints="obey", clock=ClockThatMustNotBeRead())
+
+
+def test_prefer_falls_back_with_the_reason_recorded_per_layer():
+    engine = kiln.build(conv_net(), fp16=True, precision_constraints="prefer", autotune=False)
+    convs = [l for l in engine.plan.layers if l.op_type == "Conv"]
+    assert convs and all(l.requested_precision == "FP16" and l.precision == "FP32" for l in convs)
+    assert all("FP16" in l.precision_reason for l in convs)
+
+
+def test_decide_grants_a_reduced_precision_only_where_a_kernel_offers_it():
+    b = IRBuilder()
+    g = b.graph(b.node("MatMul", [b.input("x", (4, 8)), b.const("w", np.ones((8, 8)))], "y", (4, 8), name="mm"))
+    asked = []
+
+    def offers(n, precision):
+        asked.append((n.name, precision))
+        return precision == "BF16"
+    bf16 = decide(g.nodes, PrecisionOptions(bf16=True), offers, support={"BF16": True, "FP16": False})
+    assert bf16 == {"mm": PrecisionDecision("BF16", "BF16", "")} and asked == [("mm", "BF16")]
+    fp16 = decide(g.nodes, PrecisionOptions(fp16=True), offers, support={"BF16": True, "FP16": False})
+    assert fp16["mm"].granted == "FP32" and fp16["mm"].reason.startswith("this CPU has no native FP16 arithmetic")
+    asked.clear()
+    plain = decide(g.nodes, PrecisionOptions(), offers)
+    assert plain == {"mm": PrecisionDecision("FP32", "FP32", "")} and asked == []   # native requests ask nothing
+
+
+class Bf16Tactic:
+    name, source, reduced_precisions = "test.bf16_matmul", "kiln", frozenset({"BF16"})
+
+    def supports(self, layer):
+        return layer.op_type == "MatMul"
+
+
+VIEW = LayerView("MatMul", "", {}, ((4, 8), (8, 8)), ("float32", "float32"), {}, ("float32",), 17, ((), ()))
+
+
+def test_a_granted_reduced_precision_selects_the_tactics_that_compute_in_it(monkeypatch):
+    assert not registry.offers(VIEW, None, "BF16")   # no tactic of kiln's computes BF16 yet
+    monkeypatch.setitem(registry.REGISTRY, "MatMul", [*registry.REGISTRY["MatMul"], Bf16Tactic()])
+    assert registry.offers(VIEW, None, "BF16") and not registry.offers(VIEW, frozenset({"torch"}), "BF16")
+    assert [t.name for t in registry.candidates(VIEW, None, "BF16")] == ["test.bf16_matmul"]
+    assert "test.bf16_matmul" in [t.name for t in registry.candidates(VIEW, None)]
+
+
+def test_the_timing_cache_keys_layers_by_precision():
+    assert layer_signature(VIEW, [LINEAR], "FP32") != layer_signature(VIEW, [LINEAR], "BF16")
