@@ -61,7 +61,7 @@ def _make_private(folder: Path) -> None:
     info = folder.stat()
     if info.st_uid != os.getuid():
         raise Error(f"cache folder {folder} belongs to another user (uid {info.st_uid}), so kiln does not use it; "
-                    f"remove it or point KILN_CACHE_DIR to a folder of your own")
+                    "remove it or point KILN_CACHE_DIR to a folder of your own")
     if info.st_mode & 0o022:
         raise Error(f"cache folder {folder} is writable by group or others (mode {info.st_mode & 0o777:o}), so kiln "
                     f"does not use it; check its contents, then chmod 700 {folder}")

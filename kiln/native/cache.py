@@ -35,7 +35,7 @@ def folder() -> Path:
     name = "kernels-sanitized" if sanitizing() else "kernels"
     try:
         found = cache_folder(name, private=True)
-    except Error as exc:
+    except (Error, OSError) as exc:
         log.warning("%s; kernels are built in a private temporary folder instead", exc)
         found = None
     if found is None:
