@@ -1,4 +1,5 @@
-"""Atomic file writes: a temp file beside the target, fsync, rename; readers never see half a file."""
+"""Atomic file writes (a temp file beside the target, fsync, rename: readers never see half a file) and kiln's
+cache folders."""
 from __future__ import annotations
 
 import os
@@ -38,18 +39,34 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, [text.encode("utf-8")])
 
 
-def cache_folder(name: str) -> Path | None:
+def cache_folder(name: str, private: bool = False) -> Path | None:
     """kiln's cache folder `name` under $KILN_CACHE_DIR (default ~/.cache/kiln), created if needed; None when
-    KILN_CACHE_DIR=off or the folder cannot be created or written."""
+    KILN_CACHE_DIR=off or the folder cannot be created or written. `private`: created 0700 (an existing one of
+    this user's is narrowed to 0700), and an Error names the folder when another user owns it or group or
+    others may write it: whatever is cached there must come from this user alone."""
     root = os.environ.get("KILN_CACHE_DIR", str(Path.home() / ".cache" / "kiln"))
     if root.lower() in ("off", "0", "none", ""):
         return None
     folder = Path(root) / name
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700 if private else 0o777)
     except OSError:
         return None
+    if private:
+        _make_private(folder)
     return folder if os.access(folder, os.W_OK) else None
+
+
+def _make_private(folder: Path) -> None:
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        raise Error(f"cache folder {folder} belongs to another user (uid {info.st_uid}), so kiln does not use it; "
+                    "remove it or point KILN_CACHE_DIR to a folder of your own")
+    if info.st_mode & 0o022:
+        raise Error(f"cache folder {folder} is writable by group or others (mode {info.st_mode & 0o777:o}), so kiln "
+                    f"does not use it; check its contents, then chmod 700 {folder}")
+    if info.st_mode & 0o777 != 0o700:
+        os.chmod(folder, 0o700)
 
 
 def _umask() -> int:

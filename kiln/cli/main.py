@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "draw": "kiln.cli.draw_cmd",
     "report": "kiln.cli.report_cmd",
     "compare": "kiln.cli.compare_cmd",
+    "kernels": "kiln.cli.kernels_cmd",
 }
 
 

@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kiln import native
 from kiln.errors import EngineFormatError
 from kiln.ops.nn import check_window_attrs
-from kiln.tactics import codegen, onnxruntime_source, openvino_source
+from kiln.tactics import onnxruntime_source, openvino_source
 from kiln.tactics.base import HWC, Kernel, LayerView
 from kiln.tactics.onnx_emit import emit_region
 from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
@@ -103,9 +104,10 @@ def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dic
     if tactic is None:
         raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "
                                 "rebuild the engine")
-    # kiln's C kernels say `needs_c_compiler`: an engine built elsewhere, loaded where no compiler is, runs
-    # those layers on the reference kernels (Winograd keeps its own torch path)
-    if getattr(tactic, "needs_c_compiler", False) and not codegen.available():
+    # kiln's C kernels (generated pointwise programs included) say `needs_c_compiler`: an engine built elsewhere,
+    # loaded where kiln.native has no compiler, runs those layers on the reference kernels (Winograd keeps its
+    # own torch path)
+    if getattr(tactic, "needs_c_compiler", False) and not native.available():
         _warn_missing(layer.tactic_name, "a C compiler (cc)")
         tactic = ReferenceTactic()   # an engine built elsewhere: the same layer on torch's kernels
     elif tactic.source == "onnxruntime" and not onnxruntime_source.available():

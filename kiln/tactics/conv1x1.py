@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln import native
 from kiln.tactics import gemm_c
 from kiln.tactics.base import HWC, Kernel, LayerView
 
@@ -37,7 +38,7 @@ class Conv1x1GemmTactic:
         if not gemm_c.epilogue_inputs_fit(layer, (x[0], w.shape[0], *_output_hw(layer))):
             return False
         dynamic = bool(layer.input_dynamic and layer.input_dynamic[0])   # any axis, the batch (0) included
-        return not dynamic and gemm_c.library() is not None
+        return not dynamic and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [HWC] * len(layer.input_shapes)
@@ -46,7 +47,7 @@ class Conv1x1GemmTactic:
         return HWC
 
     def prepare(self, layer: LayerView) -> Kernel:
-        lib = gemm_c.library()
+        lib = native.library("gemm")
         n, c, h, w = layer.input_shapes[0]
         weight = layer.const_inputs[1]
         cout = weight.shape[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln import native
 from kiln.tactics import gemm_c
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.onednn_linear import by_constant_matrix, linear_bias, linear_weight
@@ -31,7 +32,7 @@ class MatMulGemmTactic:
         if spec and not gemm_c.activation_code(spec):
             return False
         dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
-        return len(layer.input_shapes[0]) - 1 not in dynamic and gemm_c.library() is not None
+        return len(layer.input_shapes[0]) - 1 not in dynamic and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [LINEAR] * len(layer.input_shapes)
@@ -40,7 +41,7 @@ class MatMulGemmTactic:
         return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
-        lib = gemm_c.library()
+        lib = native.library("gemm")
         w = linear_weight(layer)   # [N, K]
         n, k = w.shape
         packed = gemm_c.pack_weights(w.t().float())

@@ -1,4 +1,5 @@
-"""C source for a PointWise program: one loop nest reading every input once and writing the output once.
+"""The C generator for PointWise programs: one loop nest reading every input once and writing the output once,
+after `#include "pointwise.h"` (kiln/native/csrc, the static math helpers the expressions call).
 
     PWN(Sigmoid, Mul, Add)  ==>  for i: t0 = sig(x0[i]); t1 = t0 * x0[i]; t2 = t1 + x1[j(i)]; out[i] = t2
 
@@ -9,49 +10,11 @@ is viewed as rows x inner, with each input's offset computed once per row and a 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-HEADER = """#include <math.h>
-#include <stdint.h>
-#define DECL_SIMD _Pragma("omp declare simd notinbranch")
-DECL_SIMD float expf(float);
-DECL_SIMD float logf(float);
-DECL_SIMD float tanhf(float);
-DECL_SIMD float erff(float);
-DECL_SIMD float powf(float, float);
-DECL_SIMD float sinf(float);
-DECL_SIMD float cosf(float);
-DECL_SIMD float log1pf(float);
-DECL_SIMD float expm1f(float);
-static inline float k_max(float a, float b) { return (a != a || a > b) ? a : b; }   /* NaN wins, as in torch */
-static inline float k_min(float a, float b) { return (a != a || a < b) ? a : b; }
-static inline float k_clip(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
-static inline float k_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-/* tanh and erf as rational polynomials in x*x (the approximations Eigen and MLAS use): branch-free, so the
-   loop vectorizes without library calls; a few float ulps from the exact value */
-static inline float k_tanh(float x) {
-  const float c = k_clip(x, -7.90531110763549805f, 7.90531110763549805f), x2 = c * c;
-  float p = -2.76076847742355e-16f;
-  p = p * x2 + 2.00018790482477e-13f; p = p * x2 - 8.60467152213735e-11f; p = p * x2 + 5.12229709037114e-08f;
-  p = p * x2 + 1.48572235717979e-05f; p = p * x2 + 6.37261928875436e-04f; p = p * x2 + 4.89352455891786e-03f;
-  float q = 1.19825839466702e-06f;
-  q = q * x2 + 1.18534705686654e-04f; q = q * x2 + 2.26843463243900e-03f; q = q * x2 + 4.89352518554385e-03f;
-  return fabsf(x) < 0.0004f ? x : (x != x ? x : c * p / q);
-}
-static inline float k_erf(float x) {
-  const float c = k_clip(x, -4.0f, 4.0f), x2 = c * c;
-  float p = -2.72614225801306e-10f;
-  p = p * x2 + 2.77068142495902e-08f; p = p * x2 - 2.10102402082508e-06f; p = p * x2 - 5.69250639462346e-05f;
-  p = p * x2 - 7.34990630326855e-04f; p = p * x2 - 2.95459980854025e-03f; p = p * x2 - 1.60960333262415e-02f;
-  float q = -1.45660718464996e-05f;
-  q = q * x2 - 2.13374055278905e-04f; q = q * x2 - 1.68282697438203e-03f; q = q * x2 - 7.37332916720468e-03f;
-  q = q * x2 - 1.42647390514189e-02f;
-  return x != x ? x : c * p / q;
-}
-"""
-# the same file without vectorized libm declarations, for C libraries without libmvec
-PLAIN_HEADER = "\n".join(line for line in HEADER.splitlines() if not line.startswith(("#define DECL", "DECL_SIMD")))
+HEADER_FILE = "pointwise.h"   # kiln/native/csrc: the math helpers (k_tanh, k_erf, ...) every program includes
 
 PARALLEL_MIN_ELEMENTS = 16384   # below this one thread does the whole loop (OpenMP start-up costs more)
 BLOCK_ELEMENTS = 8192           # elements per unit of work shared among threads
@@ -217,18 +180,20 @@ def loop_nest(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]) -> L
     return LoopNest(tuple(dims), tuple(tuple(m) for m in merged))
 
 
-def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None,
-             simd_libm: bool = True) -> str:
+def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None) -> str:
     """The C translation unit: `void kiln_pointwise(const float* const* in, float* out)`. Inputs in `scalars`
-    (one-element constants) become literals and are not read. The work is split in blocks of at most
-    BLOCK_ELEMENTS of one row, shared out among the OpenMP threads; each block is one vectorized loop."""
+    (one-element constants) become literals and are not read, nor are inputs no step uses. The work is split in
+    blocks of at most BLOCK_ELEMENTS of one row, shared out among the OpenMP threads; each block is one
+    vectorized loop."""
     scalars = scalars or {}
+    expressions = _expressions(steps, n_inputs, scalars)
+    used = [i for i in range(n_inputs) if any(re.search(rf"\bv{i}\b", e) for e in expressions)]
     rows, inner = math.prod(nest.dims[:-1]), nest.dims[-1]
     chunk = min(inner, BLOCK_ELEMENTS)
     per_row = -(-inner // chunk) if inner else 1
-    read = [i for i in range(n_inputs) if i not in scalars]
+    read = [i for i in used if i not in scalars]
     params = "".join(f"const float* restrict x{i}, " for i in read)
-    lines = [HEADER if simd_libm else PLAIN_HEADER,
+    lines = [f'#include "{HEADER_FILE}"', "",
              f"static void k_block({params}float* restrict out, const int64_t r, const int64_t j0, const int64_t j1) {{"]
     for i in read:
         terms, div = [], 1
@@ -237,12 +202,14 @@ def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int
                 terms.append(f"((r / {div}) % {nest.dims[k]}) * {nest.strides[i][k]}")
             div *= nest.dims[k]
         lines.append(f"  const float* restrict p{i} = x{i} + {' + '.join(terms) or '0'};")
+    if not any("(r / " in line for line in lines):
+        lines.append("  (void)r;   /* no input is broadcast along rows */")
     lines.append("  #pragma omp simd")
     lines.append("  for (int64_t j = j0; j < j1; ++j) {")
-    for i in range(n_inputs):
+    for i in used:
         index = "j" if nest.strides[i][-1] else "0"
         lines.append(f"    const float v{i} = {_f(scalars[i])};" if i in scalars else f"    const float v{i} = p{i}[{index}];")
-    lines += [f"    const float t{k} = {expr};" for k, expr in enumerate(_expressions(steps, n_inputs, scalars))]
+    lines += [f"    const float t{k} = {expr};" for k, expr in enumerate(expressions)]
     lines += [f"    out[j] = t{len(steps) - 1};", "  }", "}", "",
               "void kiln_pointwise(const float* const* in, float* out) {",
               f"  #pragma omp parallel for schedule(static) if({int(nest.elements >= PARALLEL_MIN_ELEMENTS)})",

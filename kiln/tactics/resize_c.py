@@ -1,6 +1,6 @@
-"""Nearest-neighbour Resize on channel-major (NHWC) activations in C: every output pixel is one copy of an input
-pixel's channels, chosen by index tables that kiln.ops' own Resize rule computes at load (every coordinate
-transformation and nearest mode but tf_crop_and_resize; batch and channels unchanged).
+"""Nearest-neighbour Resize on channel-major (NHWC) activations in C (kiln/native/csrc/resize.c): every output pixel
+is one copy of an input pixel's channels, chosen by index tables that kiln.ops' own Resize rule computes at load
+(every coordinate transformation and nearest mode but tf_crop_and_resize; batch and channels unchanged).
 
 Like the pooling kernels it takes the producer's layout: a row-major input runs torch's kernel. torch's
 nearest upsampling of a channels-last map took 0.7-1.0 ms for YOLOv8n's two 2x upsamples (256 x 40 x 40,
@@ -8,43 +8,14 @@ nearest upsampling of a channels-last map took 0.7-1.0 ms for YOLOv8n's two 2x u
 """
 from __future__ import annotations
 
-import ctypes
-from functools import lru_cache
-
 import torch
 
+from kiln import native
 from kiln.ops.norm_resize import nearest_source_indices, resize
 from kiln.ops.registry import host_value
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
 
 RESIZE_TACTIC = "kiln.resize_nearest_nhwc"
-
-SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-
-void kiln_resize_nearest(const float* restrict x, float* restrict y, int64_t n, int64_t h, int64_t w, int64_t c,
-                         int64_t oh, int64_t ow, const int64_t* restrict rows, const int64_t* restrict cols) {
-  #pragma omp parallel for schedule(static)
-  for (int64_t line = 0; line < n * oh; ++line) {
-    const float* restrict src = x + ((line / oh) * h + rows[line % oh]) * w * c;
-    float* restrict dst = y + line * ow * c;
-    for (int64_t ox = 0; ox < ow; ++ox) memcpy(dst + ox * c, src + cols[ox] * c, sizeof(float) * c);
-  }
-}
-"""
-
-
-@lru_cache(maxsize=None)
-def library():
-    from kiln.tactics import codegen
-
-    if not codegen.available():
-        return None
-    lib = codegen.load_library(SOURCE, "resize")
-    lib.kiln_resize_nearest.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 2
-    lib.kiln_resize_nearest.restype = None
-    return lib
 
 
 def _tables(layer: LayerView) -> list[torch.Tensor] | None:
@@ -70,7 +41,7 @@ class NhwcResizeTactic:
             return False
         if layer.input_dynamic and layer.input_dynamic[0]:
             return False
-        return library() is not None and _tables(layer) is not None
+        return native.available() and _tables(layer) is not None
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [ANY] * len(layer.input_shapes)
@@ -79,7 +50,7 @@ class NhwcResizeTactic:
         return HWC if input_formats and input_formats[0] == HWC else LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
-        lib = library()
+        lib = native.library("resize")
         n, c, h, w = layer.input_shapes[0]
         _, _, rows, cols = _tables(layer)
         oh, ow = len(rows), len(cols)

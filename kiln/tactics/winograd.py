@@ -7,7 +7,7 @@ with 512 channels, where the transformed weights no longer fit in cache: the aut
 Layout: channel-major (NHWC) in and out, like the oneDNN tactic, so the two mix without Reformat layers.
 Steps per block of tiles: the input transform Bᵀ d B on (m+2)x(m+2) tiles read straight from the input; one
 GEMM per tile position against weights transformed once at load (G g Gᵀ); the output transform Aᵀ M A, with
-bias, residual and ReLU added as tiles are written. All three are C (kiln.tactics.winograd_c), a block at a
+bias, residual and ReLU added as tiles are written. All three are C (kiln/native/csrc/winograd.c), a block at a
 time so its intermediates stay in cache; where no C compiler is, they run as torch GEMMs over the whole layer
 with separate pad, gather and epilogue passes.
 """
@@ -19,8 +19,9 @@ from functools import lru_cache
 
 import torch
 
+from kiln import native
 from kiln.ops.nn import apply_activation
-from kiln.tactics import gemm_c
+from kiln.tactics import gemm_c, winograd_c
 from kiln.tactics.base import HWC, Kernel, LayerView
 
 # Transform matrices (Lavin & Gray 2016), interpolation points 0, ±1, ±2 (and ∞) for F(4,3); 0, ±1 for F(2,3).
@@ -34,6 +35,7 @@ _MATRICES = {
          [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]],
         [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]]),
 }
+TILE_SIZES = tuple(_MATRICES)   # m of each F(m x m, 3 x 3) tactic
 WINOGRAD_PREFIX = "kiln.conv2d_winograd"
 MIN_OUTPUT = 8      # smaller maps waste most of each tile on padding
 MIN_CHANNELS = 8
@@ -66,21 +68,15 @@ def scratch(numel: int) -> torch.Tensor:
     return buffer
 
 
-@lru_cache(maxsize=None)
-def _compiled(m: int):
-    """The C transforms for F(m x m, 3 x 3) (kiln.tactics.winograd_c), or None without a C compiler."""
-    import ctypes
-
-    from kiln.tactics import codegen, winograd_c
-
-    if not codegen.available():
-        return None
+def rendered_source(m: int) -> str:
+    """What kiln/native/csrc/winograd.c is compiled after for F(m x m, 3 x 3) (kiln.tactics.winograd_c)."""
     bt, _, at = _MATRICES[m]
-    lib = codegen.load_library(winograd_c.source(m, bt, at), "winograd")
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.wino_fused.argtypes = [ptr, ptr, i64, ptr, ptr, ptr] + [i64] * 14 + [ptr, i64]
-    lib.wino_fused.restype = None
-    return lib
+    return winograd_c.render(m, bt, at)
+
+
+def _compiled(m: int):
+    """The C transforms for F(m x m, 3 x 3), or None without a C compiler."""
+    return native.library(winograd_c.LIBRARY, rendered_source(m))
 
 
 class WinogradConvTactic:
@@ -169,7 +165,7 @@ class _Geometry:
 
 def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
     """Per block of tiles, in C: the input transform read straight from the NHWC input, the GEMMs, the output
-    transform with bias, residual and ReLU or Swish applied as tiles are written (kiln.tactics.winograd_c)."""
+    transform with bias, residual and ReLU or Swish applied as tiles are written (kiln/native/csrc/winograd.c)."""
     bias_ptr = None if g.bias is None else g.bias.data_ptr()
     packed = gemm_c.pack_weights(u)
     panel_stride = packed[0].numel()

@@ -9,6 +9,7 @@ import torch
 from onnx import TensorProto, helper
 
 import kiln
+from kiln import native
 from kiln.errors import EngineFormatError
 from kiln.tactics import codegen
 from kiln.tactics.base import HWC, LINEAR, LayerView
@@ -16,6 +17,7 @@ from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.pointwise_c import LoopNest, expressible, loop_nest
 from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
 from kiln.trt.vocab import layer_type
+from tests.native.helpers import hide_compiler
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler that builds OpenMP shared libraries")
 
@@ -165,40 +167,35 @@ def test_declines_dynamic_shapes_and_non_float_inputs():
 
 def test_compiled_kernels_are_cached_per_source(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
-    codegen.kernel_folder.cache_clear()
-    monkeypatch.setattr(codegen, "_LOADED", {})
+    native.reset()
     try:
         program = one("HardSigmoid", {"alpha": 0.123})
         x = torch.randn(10, 10)
         first = TACTIC.prepare(view(program, [(10, 10)]))([x])[0]
-        files = sorted((tmp_path / "kernels").glob("*.so"))
+        files = sorted((tmp_path / "kernels").glob("pointwise-*.so"))
         assert len(files) == 1
-        mtime = files[0].stat().st_mtime_ns
-        monkeypatch.setattr(codegen, "_LOADED", {})   # a new process: the library is mapped again, not rebuilt
+        mtime, listing = files[0].stat().st_mtime_ns, sorted((tmp_path / "kernels").iterdir())
+        native.reset()   # a new process: the library is mapped again, not rebuilt
         again = TACTIC.prepare(view(program, [(10, 10)]))([x])[0]
-        assert files[0].stat().st_mtime_ns == mtime and len(list((tmp_path / "kernels").glob("*"))) == 1
+        assert files[0].stat().st_mtime_ns == mtime and sorted((tmp_path / "kernels").iterdir()) == listing
         torch.testing.assert_close(first, again, rtol=0, atol=0)
     finally:
-        codegen.kernel_folder.cache_clear()
+        native.reset()
 
 
-def test_without_a_compiler_the_source_is_unavailable_and_kernels_fall_back(monkeypatch):
+def test_without_a_compiler_the_source_is_unavailable(monkeypatch):
+    """(An engine built elsewhere still runs its generated layers: tests/tactics/test_no_compiler.py.)"""
     from kiln.tactics.registry import available_sources, parse_sources
     from kiln.errors import Error
 
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(codegen.shutil, "which", lambda name: None)
-    codegen._toolchain.cache_clear()
+    hide_compiler(monkeypatch)
     try:
         assert "codegen" not in available_sources()
         with pytest.raises(Error, match="'codegen' is not available"):
             parse_sources("+codegen")
-        v = view(one("Sigmoid"), [(3, 5)])
-        assert not TACTIC.supports(v)
-        x = torch.randn(3, 5)
-        torch.testing.assert_close(TACTIC.prepare(v)([x])[0], torch.sigmoid(x))   # an engine from elsewhere still runs
+        assert not TACTIC.supports(view(one("Sigmoid"), [(3, 5)]))
     finally:
-        codegen._toolchain.cache_clear()
+        native.reset()
 
 
 def swish_model():

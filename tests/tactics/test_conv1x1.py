@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln import native
 from kiln.tactics import codegen, gemm_c
 from kiln.tactics.base import LayerView
 from kiln.tactics.conv1x1 import CONV1X1_TACTIC, Conv1x1GemmTactic
@@ -112,7 +113,7 @@ def test_batched_product_with_separate_weights_per_batch():
     packed = gemm_c.pack_weights(b)
     assert packed.shape == (batch, 3, k, gemm_c.PANEL)
     c = torch.full((batch, m, n), float("nan"))
-    gemm_c.library().kiln_gemm(a.data_ptr(), m * k, m, k, 0, packed.data_ptr(), packed[0].numel(), c.data_ptr(),
+    native.library("gemm").kiln_gemm(a.data_ptr(), m * k, m, k, 0, packed.data_ptr(), packed[0].numel(), c.data_ptr(),
                                m * n, None, None, 0, batch, m, k, n)
     torch.testing.assert_close(c, torch.bmm(a, b), rtol=1e-5, atol=1e-5)
 
@@ -152,7 +153,7 @@ def test_swish_in_the_store_matches_silu_over_the_whole_float_range():
         a = values[: values.numel() // n * n].reshape(-1, n)
         m = a.shape[0]
         c = torch.full((m, n), -1.0)
-        gemm_c.library().kiln_gemm(a.data_ptr(), m * n, m, n, 0, eye.data_ptr(), 0, c.data_ptr(), m * n, None, None,
+        native.library("gemm").kiln_gemm(a.data_ptr(), m * n, m, n, 0, eye.data_ptr(), 0, c.data_ptr(), m * n, None, None,
                                    2, 1, m, n, n)
         want = F.silu(a.double())
         finite = ~a.isnan()

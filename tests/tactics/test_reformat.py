@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln import native
 from kiln.tactics import codegen
-from kiln.tactics.reformat import FEW_CHANNELS, library, prepare_reformat, to_format
+from kiln.tactics.reformat import FEW_CHANNELS, prepare_reformat, to_format
 
 LAST = torch.channels_last
 
@@ -32,13 +33,13 @@ def test_no_copy_when_already_in_the_target_layout_and_other_dtypes_use_torch():
 
 @pytest.mark.skipif(not codegen.available(), reason="no C compiler")
 def test_the_c_transposes_run_where_they_apply(monkeypatch):
-    lib, calls = library(), []
+    lib, calls = native.library("reformat"), []
 
     class Spy:
         def __getattr__(self, name):
             calls.append(name)
             return getattr(lib, name)
-    monkeypatch.setattr("kiln.tactics.reformat.library", lambda: Spy())
+    monkeypatch.setattr("kiln.native.library", lambda name, generated="": Spy())
     to_format(torch.randn(1, 16, 8, 8), "hwc")
     to_format(torch.randn(1, FEW_CHANNELS + 1, 8, 8), "hwc")   # many channels: torch's copy
     to_format(torch.randn(1, 256, 8, 8).contiguous(memory_format=LAST), "linear")

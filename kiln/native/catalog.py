@@ -1,0 +1,106 @@
+"""The kernel libraries kiln compiles: one table of their C sources (kiln/native/csrc) and the signature of every
+function they export, and the translation unit each one compiles from."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+
+POINTER, I64, F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+@dataclass(frozen=True)
+class Function:
+    """One exported C function (kernel entry points return void)."""
+
+    name: str
+    argtypes: tuple[type, ...]
+    restype: type | None = None
+
+
+@dataclass(frozen=True)
+class LibrarySpec:
+    """A kernel library: its csrc file (None: the whole unit is generated, as for pointwise programs) and the
+    functions it exports. `rendered_by` names the renderer whose text the unit needs ahead of the file."""
+
+    name: str
+    source: str | None
+    functions: tuple[Function, ...]
+    rendered_by: str = ""
+
+
+LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
+    LibrarySpec("gemm", "gemm.c", (
+        Function("kiln_gemm", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
+                               I64, I64, I64, I64, I64)),
+        Function("kiln_conv", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 2))),
+    LibrarySpec("winograd", "winograd.c", (
+        Function("wino_fused", (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64)),),
+        rendered_by="the tile size M and the transforms (kiln.tactics.winograd_c.render)"),
+    LibrarySpec("layernorm", "layernorm.c", (
+        Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),)),
+    LibrarySpec("pool", "pool.c", (
+        Function("kiln_maxpool", (POINTER,) * 2 + (I64,) * 14),
+        Function("kiln_global_pool", (POINTER,) * 2 + (I64,) * 4))),
+    LibrarySpec("resize", "resize.c", (
+        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),)),
+    LibrarySpec("reformat", "reformat.c", (
+        Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 3),
+        Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 3))),
+    LibrarySpec("pointwise", None, (Function("kiln_pointwise", (POINTER, POINTER)),),
+                rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),
+    LibrarySpec("probe", "probe.c", (Function("kiln_probe", (ctypes.c_float,), ctypes.c_float),)),
+)}
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def translation_unit(spec: LibrarySpec, generated: str = "") -> str:
+    """The C text compiled for `spec`: the renderer's `generated` text, then the csrc file (its own line numbers
+    kept for diagnostics)."""
+    if spec.rendered_by and not generated:
+        raise ValueError(f"kernel library '{spec.name}' needs {spec.rendered_by}")
+    if spec.source is None:
+        return generated
+    prefix = generated + ("\n" if generated and not generated.endswith("\n") else "")
+    return f'{prefix}#line 1 "{spec.source}"\n{source_text(spec.source)}'
+
+
+@functools.lru_cache(maxsize=None)
+def source_text(name: str) -> str:
+    """A csrc file's text (read once per process)."""
+    return (CSRC / name).read_text()
+
+
+def included_headers(unit: str) -> list[tuple[str, str]]:
+    """(name, text) of every csrc header `unit` includes, directly or through another header, in a fixed order:
+    the cache key covers them, so editing a header rebuilds every library that uses it."""
+    found: dict[str, str] = {}
+    pending = _INCLUDE.findall(unit)
+    while pending:
+        name = pending.pop(0)
+        if name in found or not (CSRC / name).is_file():
+            continue
+        found[name] = source_text(name)
+        pending += _INCLUDE.findall(found[name])
+    return sorted(found.items())
+
+
+def header_constant(header: str, name: str) -> int:
+    """The integer a csrc header #defines as `name` (the one definition C and Python share, e.g. gemm.h's NR)."""
+    match = re.search(rf"^#define {re.escape(name)} +(\d+)\b", source_text(header), re.MULTILINE)
+    if match is None:
+        raise LookupError(f"{CSRC / header} has no '#define {name} <integer>'")
+    return int(match.group(1))
+
+
+def bind(lib: ctypes.CDLL, spec: LibrarySpec) -> ctypes.CDLL:
+    """Give each exported function of a loaded library its argument types from the table."""
+    for fn in spec.functions:
+        entry = getattr(lib, fn.name)
+        entry.argtypes, entry.restype = list(fn.argtypes), fn.restype
+    return lib

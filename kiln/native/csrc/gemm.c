@@ -1,0 +1,87 @@
+/* kiln's GEMM and direct convolution on the micro-kernel of gemm.h (kiln.tactics.gemm_c, conv1x1, conv_direct,
+   matmul_c). OpenMP shares (batch, column panel, row chunk) units out on torch's own thread pool, row chunks
+   outermost where the weights fit in L2 (ROWS_OUTER_BYTES). */
+#include "gemm.h"
+
+#define CHUNK 8   /* register tiles per work unit: one weight panel stays in L1 across them */
+/* Weights up to this size stay in L2 while a row chunk runs across every panel, so the chunk's rows are read
+   once and its output (and residual) rows are written in one contiguous sweep; larger weights go panel by
+   panel instead, each panel streamed once while all rows pass it. */
+#define ROWS_OUTER_BYTES (512 * 1024)
+
+void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
+               const float* restrict b, int64_t b_batch, float* c, int64_t c_batch,
+               const float* restrict bias, const float* res, int64_t act,
+               int64_t batch, int64_t m, int64_t k, int64_t n) {
+  const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK;
+  const int64_t units = panels * chunks, rows_outer = k * n * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
+  #pragma omp parallel for schedule(static)
+  for (int64_t q = 0; q < batch * units; ++q) {
+    const int64_t p = q / units, u = q % units;
+    const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+    const float* bp = b + p * b_batch + nb * k * NR;
+    const int64_t cols = n - nb * NR < NR ? n - nb * NR : NR, last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
+    for (int64_t t = ch * CHUNK; t < last; ++t) {
+      const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+      const float* rows[MR];
+      for (int64_t i = 0; i < MR; ++i) {
+        const int64_t r = r0 + (i < mr ? i : 0);
+        rows[i] = a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+      }
+      const int64_t at = p * c_batch + r0 * n + nb * NR;
+      tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
+    }
+  }
+}
+
+/* Direct convolution on NHWC input x[n][h][w][c] (dilation 1, one group): output pixel r of an image is a row
+   of the GEMM, and kernel row s of its window is one segment of kw * c contiguous input floats. Windows that
+   cross the border are copied into a per-thread buffer with zeros where the padding is. Weights are packed as
+   for kiln_gemm from [kh][kw][c][cout]; the work split and the epilogue are kiln_gemm's. */
+void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+               int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
+               const float* restrict b, float* y, const float* restrict bias, const float* res, int64_t act,
+               int64_t cout) {
+  const int64_t m = oh * ow, seg = kw * c, panels = (cout + NR - 1) / NR, tiles = (m + MR - 1) / MR;
+  const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
+  const int64_t rows_outer = kh * seg * cout * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
+  #pragma omp parallel
+  {
+    float* pad = (float*)malloc(sizeof(float) * MR * kh * seg);
+    const float** rows = (const float**)malloc(sizeof(float*) * MR * kh);
+    #pragma omp for schedule(static)
+    for (int64_t q = 0; q < n * units; ++q) {
+      const int64_t p = q / units, u = q % units;
+      const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+      const float* bp = b + nb * kh * seg * NR;
+      const float* image = x + p * h * w * c;
+      const int64_t cols = cout - nb * NR < NR ? cout - nb * NR : NR;
+      const int64_t last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
+      for (int64_t t = ch * CHUNK; t < last; ++t) {
+        const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+        for (int64_t i = 0; i < MR; ++i) {
+          const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
+          for (int64_t s = 0; s < kh; ++s) {
+            const int64_t yy = oy * sh - pt + s;
+            const int inside_y = yy >= 0 && yy < h;
+            if (inside_y && x0 >= 0 && x0 + kw <= w) {
+              rows[s * MR + i] = image + (yy * w + x0) * c;
+              continue;
+            }
+            float* d = pad + (i * kh + s) * seg;
+            for (int64_t j = 0; j < kw; ++j) {
+              const int64_t xx = x0 + j;
+              if (inside_y && xx >= 0 && xx < w) memcpy(d + j * c, image + (yy * w + xx) * c, sizeof(float) * c);
+              else memset(d + j * c, 0, sizeof(float) * c);
+            }
+            rows[s * MR + i] = d;
+          }
+        }
+        const int64_t at = (p * m + r0) * cout + nb * NR;
+        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
+      }
+    }
+    free(rows);
+    free(pad);
+  }
+}

@@ -1,0 +1,104 @@
+/* kiln's float32 GEMM micro-kernel, shared by gemm.c and winograd.c: a 6 x 32 register tile (12 vector
+   accumulators) over weights packed into panels of 32 columns, [n/32][k][32], with bias, residual and ReLU or
+   Swish applied as the tile is stored. MR and NR are defined here only: kiln.tactics.gemm_c reads them from
+   this file to pack weights and size blocks. */
+#ifndef KILN_GEMM_H
+#define KILN_GEMM_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The micro-kernel below is unrolled for exactly this register tile. */
+#define MR 6    /* rows per register tile */
+#define NR 32   /* columns per packed weight panel: two 16-float vectors */
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+/* Activations applied as tiles are stored: 1 ReLU, 2 Swish (x * sigmoid(x), SiLU). */
+#define ACT_RELU 1
+#define ACT_SWISH 2
+
+/* x * sigmoid(x) through Cephes' expf (range reduction by ln 2, a degree-5 polynomial; a few ulp): k_swish one
+   float, v_swish 16 at a time in vector registers (the loops the scalar form sits in do not vectorize). */
+static inline float k_swish(float x) {
+  float t = -x;
+  t = t < -87.0f ? -87.0f : (t > 87.0f ? 87.0f : t);
+  const float n = (float)(int32_t)(t * 1.44269504088896341f + (t < 0.0f ? -0.5f : 0.5f));
+  const float r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return x / (1.0f + (p * r * r + r + 1.0f) * scale);
+}
+
+static inline v16 v_select(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
+
+static inline v16 v_swish(v16 x) {
+  const v16 lo = (v16){0} - 87.0f, hi = (v16){0} + 87.0f, half = (v16){0} + 0.5f;
+  v16 t = -x;
+  t = v_select((v16i)(t < lo), lo, v_select((v16i)(t > hi), hi, t));
+  const v16i ni = __builtin_convertvector(t * 1.44269504088896341f + v_select((v16i)(t < 0.0f), -half, half), v16i);
+  const v16 n = __builtin_convertvector(ni, v16);
+  const v16 r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = (v16){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  const v16 scale = (v16)((ni + 127) << 23);
+  return x / (1.0f + (p * r * r + r + 1.0f) * scale);
+}
+
+static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, int64_t act) {
+  if (bias) v += *(const v16*)bias;
+  if (res) v += *(const v16*)res;
+  if (act == ACT_RELU) v = (v16)((v16i)v & (v16i)(v > (v16){0}));
+  if (act == ACT_SWISH) v = v_swish(v);
+  return v;
+}
+
+static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, const float* res,
+                      int64_t act, int64_t cols) {
+  if (cols == NR) {
+    *(v16*)c = epilogue(lo, bias, res, act);
+    *(v16*)(c + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? res + 16 : 0, act);
+    return;
+  }
+  /* a partial panel: the same vector epilogue on zero-padded copies, then only `cols` floats stored */
+  float b[NR] = {0}, r[NR] = {0}, out[NR];
+  if (bias) memcpy(b, bias, sizeof(float) * cols);
+  if (res) memcpy(r, res, sizeof(float) * cols);
+  *(v16*)out = epilogue(lo, bias ? b : 0, res ? r : 0, act);
+  *(v16*)(out + 16) = epilogue(hi, bias ? b + 16 : 0, res ? r + 16 : 0, act);
+  memcpy(c, out, sizeof(float) * cols);
+}
+
+/* Sums `segs` segments of `k` products into one register tile: segment s reads rows a[s * MR + i] and weights
+   b + s * k * NR. A GEMM has one segment; a direct convolution one per kernel row. */
+static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64_t k, const float* restrict b,
+                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
+  v16 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+  v16 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+  for (int64_t s = 0; s < segs; ++s) {
+    const float *a0 = a[s * MR], *a1 = a[s * MR + 1], *a2 = a[s * MR + 2], *a3 = a[s * MR + 3];
+    const float *a4 = a[s * MR + 4], *a5 = a[s * MR + 5], *bs = b + s * k * NR;
+    for (int64_t l = 0; l < k; ++l) {
+      const v16 b0 = *(const v16*)(bs + l * NR), b1 = *(const v16*)(bs + l * NR + 16);
+      float x;
+      x = a0[l]; c00 += x * b0; c01 += x * b1;
+      x = a1[l]; c10 += x * b0; c11 += x * b1;
+      x = a2[l]; c20 += x * b0; c21 += x * b1;
+      x = a3[l]; c30 += x * b0; c31 += x * b1;
+      x = a4[l]; c40 += x * b0; c41 += x * b1;
+      x = a5[l]; c50 += x * b0; c51 += x * b1;
+    }
+  }
+  const v16 lo[MR] = {c00, c10, c20, c30, c40, c50}, hi[MR] = {c01, c11, c21, c31, c41, c51};
+  for (int64_t i = 0; i < mr; ++i)
+    store_row(c + i * ldc, lo[i], hi[i], bias, res ? res + i * ldc : 0, act, cols);
+}
+
+#endif /* KILN_GEMM_H */

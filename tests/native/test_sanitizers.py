@@ -1,0 +1,64 @@
+"""kiln's kernels built with AddressSanitizer and UBSan (KILN_NATIVE_SANITIZE, a separate cache) pass a
+representative subset of the kernel tests in a subprocess with the sanitizer runtime preloaded; a canary
+overflow shows the sanitizer is really there. Skipped where the compiler has no sanitizer runtime."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, pooling, Resize, reformat, pointwise
+    "tests/tactics/test_conv1x1.py::test_matches_float64_convolution",
+    "tests/tactics/test_conv1x1.py::test_batched_product_with_separate_weights_per_batch",
+    "tests/tactics/test_conv_direct.py::test_matches_float64_convolution",
+    "tests/tactics/test_winograd.py::test_compiled_blocking_matches_float64",
+    "tests/tactics/test_winograd.py::test_donated_residual_is_overwritten_with_the_same_result",
+    "tests/tactics/test_layernorm_c.py::test_engine_layernorm_matches_onnxruntime",
+    "tests/tactics/test_pool_c.py::test_maxpool_equals_onnxruntime",
+    "tests/tactics/test_pool_c.py::test_global_pools_equal_torch",
+    "tests/tactics/test_resize_c.py::test_matches_onnxruntime_exactly",
+    "tests/tactics/test_reformat.py::test_both_directions_are_exact",
+    "tests/tactics/test_codegen.py::test_unary_ops_match_onnxruntime",
+    "tests/tactics/test_codegen.py::test_binary_ops_with_broadcast_match_onnxruntime",
+]
+CANARY = """
+import torch
+from kiln import native
+x, y = torch.randn(1, 8, 4, 4), torch.empty(8 * 4 * 4 - 1)   # one float short
+native.library("reformat").kiln_to_nhwc(x.data_ptr(), y.data_ptr(), 1, 8, 16)
+"""
+
+
+def sanitizer_runtime(compiler: str) -> str:
+    done = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True, timeout=30)
+    path = done.stdout.strip()
+    if done.returncode != 0 or not os.path.isabs(path) or not os.path.exists(path):
+        pytest.skip(f"{compiler} has no AddressSanitizer runtime (-print-file-name=libasan.so gave {path!r}); "
+                    "install libasan (e.g. apt-get install libgcc-12-dev) to run the kernels under sanitizers")
+    return path
+
+
+def sanitized_run(args: list[str], runtime: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
+    env.update(LD_PRELOAD=runtime, KILN_NATIVE_SANITIZE="1", KILN_CACHE_DIR=str(cache),
+               ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(compiler, tmp_path):
+    runtime = sanitizer_runtime(compiler.compiler)
+    canary = sanitized_run(["-c", CANARY], runtime, tmp_path)
+    assert canary.returncode != 0 and "AddressSanitizer: heap-buffer-overflow" in canary.stderr, canary.stderr[-2000:]
+
+    done = sanitized_run(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS], runtime, tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "AddressSanitizer" not in output and "runtime error:" not in output, output[-4000:]
+    built = sorted(p.name.split("-")[0] for p in (tmp_path / "kernels-sanitized").glob("*.so"))
+    assert {"gemm", "winograd", "layernorm", "pool", "resize", "reformat", "pointwise"} <= set(built), built
+    assert not (tmp_path / "kernels").exists()   # sanitized builds never mix with the normal ones
