@@ -32,3 +32,11 @@ class InputError(Error):
 
 class ArtifactError(Error):
     """A layer-info, profile or log file cannot be read."""
+
+
+class MissingDependencyError(Error):
+    """A feature needs an optional package (a kiln extra such as kiln[onnxruntime]) that cannot be imported here."""
+
+    def __init__(self, module_name: str, message: str):
+        self.module_name = module_name
+        super().__init__(message)

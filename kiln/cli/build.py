@@ -37,8 +37,9 @@ def add_precision_arguments(p: argparse.ArgumentParser, spelling: str = "kebab")
     p.add_argument("--bf16", action="store_true", help="allow BF16 layers (granted only where faster kernels exist)")
     p.add_argument("--int8", action="store_true", help="INT8 for conv/matmul layers: from the model's Q/DQ, or "
                                                        "calibrated with --calib")
-    p.add_argument("--calib", metavar="DATA", help="calibration data (.npz or a folder of .npz) or a calibration "
-                                                   "cache (.json) for --int8")
+    p.add_argument("--calib", metavar="DATA", help="calibration data (.npz or a folder of .npz; needs onnxruntime: "
+                                                   "pip install 'kiln[onnxruntime]') or a calibration cache (.json) "
+                                                   "for --int8")
     p.add_argument("--calib-method" if kebab else "--calibMethod", dest="calib_method", default="entropy",
                    choices=["entropy", "minmax", "percentile"], help="calibrator for --int8 --calib")
     p.add_argument("--calib-cache" if kebab else "--calibCache", dest="calib_cache", metavar="F",

@@ -1,5 +1,6 @@
 """kiln compare MODEL.onnx ENGINE.kiln: check an engine's outputs (and, with --layerwise, its intermediates)
-against onnxruntime on the same inputs. Exit 0 if every output is within tolerance, 1 if not."""
+against onnxruntime on the same inputs. Exit 0 if every output is within tolerance, 1 if not. Needs onnxruntime
+(an optional extra: pip install 'kiln[onnxruntime]'); without it, exit 2 saying so."""
 from __future__ import annotations
 
 import argparse

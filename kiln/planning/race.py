@@ -112,9 +112,10 @@ def allow_spinning(layers: list[Layer]) -> list[Layer]:
 
 def onnxruntime_reference(proto: onnx.ModelProto):
     """A function running the ORIGINAL model in onnxruntime (the ground truth plans are checked against), or None."""
-    try:
-        import onnxruntime as ort
+    from kiln.optional import require
 
+    try:
+        ort = require("onnxruntime", "checking plans against the ONNX model")
         sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     except Exception as exc:   # not installed, too large to serialize, or a model it rejects: no reference
         log.debug("No onnxruntime reference for plan checks: %s", str(exc).splitlines()[0] if str(exc) else exc)

@@ -24,10 +24,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from kiln import optional
 from kiln.errors import ArtifactError, InputError, ModelError
 from kiln.fileio import atomic_write_text
 
 METHODS = ("minmax", "entropy", "percentile")
+PURPOSE = "INT8 calibration from data (--int8 --calib DATA)"   # a .json calibration cache needs no onnxruntime
 BINS, LEVELS = 2048, 128
 CACHE_KIND, CACHE_VERSION = "kiln-calibration-cache", 1
 QUANTIZED_OPS = ("Conv", "MatMul", "Gemm")
@@ -354,6 +356,7 @@ def calibrate(onnx_model: onnx.ModelProto, source: str | os.PathLike, method: st
     written to `cache` when given."""
     if str(source).endswith(".json"):
         return load_cache(source).scales
+    optional.require("onnxruntime", PURPOSE)   # before reading the batches: fail fast
     inits = {t.name for t in onnx_model.graph.initializer}
     inputs = [i for i in onnx_model.graph.input if i.name not in inits]
     ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in inputs if i.type.tensor_type.HasField("shape")}
@@ -365,7 +368,7 @@ def calibrate(onnx_model: onnx.ModelProto, source: str | os.PathLike, method: st
 
 
 def _session(onnx_model: onnx.ModelProto, names: list[str]):
-    import onnxruntime as ort
+    ort = optional.require("onnxruntime", PURPOSE)
 
     model = onnx.ModelProto()
     model.CopyFrom(onnx_model)

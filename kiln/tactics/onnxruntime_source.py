@@ -4,24 +4,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kiln import optional
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.onnx_emit import emit, supports
 
 MIN_OPSET = 13
+PURPOSE = "the onnxruntime tactics (onnxruntime.layer, onnxruntime.region)"
 
 
 def available() -> bool:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return optional.available("onnxruntime")
 
 
 def session(model, external: dict[str, np.ndarray], spinning: bool = False, profile_prefix: str | None = None):
     """An onnxruntime session for `model`, its large weights handed over from numpy without copies;
     with `profile_prefix`, onnxruntime's per-node profiler writes there."""
-    import onnxruntime as ort
+    ort = optional.require("onnxruntime", PURPOSE)
 
     so = session_options(torch.get_num_threads(), spinning)
     if profile_prefix:
@@ -33,7 +31,7 @@ def session(model, external: dict[str, np.ndarray], spinning: bool = False, prof
 
 
 def session_options(threads: int, spinning: bool = False):
-    import onnxruntime as ort
+    ort = optional.require("onnxruntime", PURPOSE)
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads

@@ -8,17 +8,14 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from kiln import optional
 from kiln.tactics.base import Kernel
 
 OPENVINO_REGION_TACTIC = "openvino.region"
 
 
 def available() -> bool:
-    try:
-        import openvino  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return optional.available("openvino")
 
 
 CACHE_MIN_BYTES = 16 << 20   # only regions of loaded engines with this much weight use the compiled-model cache
@@ -63,7 +60,7 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
                   output_names: list[str], cached: bool = False) -> Kernel:
     """`cached`: compile through OpenVINO's model cache (regions of at least CACHE_MIN_BYTES of weights), keyed by
     the region's content; a later compile of the same region imports the compiled blob instead."""
-    import openvino as ov
+    ov = optional.require("openvino", f"the {OPENVINO_REGION_TACTIC} tactic")
 
     core = ov.Core()
     # FP32 layers compute in FP32: OpenVINO's default on CPUs with AVX512-BF16/AMX is bf16 arithmetic

@@ -6,6 +6,7 @@ Validated on load (plain JSON, never executed); written atomically.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -28,11 +29,9 @@ def device_description(threads: int) -> dict[str, Any]:
                 break
     except OSError:
         pass
-    try:
-        import onnxruntime
-
-        ort_version = onnxruntime.__version__
-    except ImportError:
+    try:   # the installed version, without importing the library into every build
+        ort_version = importlib.metadata.version("onnxruntime")
+    except importlib.metadata.PackageNotFoundError:
         ort_version = None
     return {"cpu": cpu, "threads": threads, "torch": torch.__version__, "onnxruntime": ort_version}
 

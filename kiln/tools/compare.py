@@ -20,9 +20,11 @@ import numpy as np
 import onnx
 import torch
 
+from kiln import optional
 from kiln.errors import InputError, ModelError
 
 REPORT_KIND, REPORT_VERSION = "kiln-compare-report", 1
+PURPOSE = "kiln compare"   # its reference outputs come from onnxruntime
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ def compare(model: str | os.PathLike | onnx.ModelProto, engine, feeds: dict[str,
     .npz path, or random values at the engine's opt shapes (`engine.random_inputs(seed)`)."""
     from kiln.frontend import load_model
 
+    optional.require("onnxruntime", PURPOSE)   # before any work: the reference is what is missing
     engine_label = str(engine) if isinstance(engine, (str, os.PathLike)) else "<engine>"
     model_label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
     proto = load_model(model)
@@ -195,7 +198,7 @@ def compare_tensor(actual: np.ndarray, expected: np.ndarray, name: str, layer: s
 def run_onnxruntime(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], names: list[str],
                     label: str = "<model>") -> dict[str, np.ndarray]:
     """onnxruntime's values of `names` (graph outputs or node outputs) on a copy of the model."""
-    import onnxruntime as ort
+    ort = optional.require("onnxruntime", PURPOSE)
 
     model = onnx.ModelProto()
     model.CopyFrom(proto)

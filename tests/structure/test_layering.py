@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kiln"
 
 # Lowest first: a module may import from its own layer and the layers above it in this list, never below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("kiln.errors", "kiln.fileio", "kiln.version")),
+    ("foundation", ("kiln.errors", "kiln.fileio", "kiln.version", "kiln.optional")),
     ("plan", ("kiln.plan",)),            # data model, file format, liveness
     ("trt", ("kiln.trt",)),              # TensorRT vocabulary at the edge: names, formats, log lines, JSON
     ("native", ("kiln.native",)),        # the C toolchain and kernel cache
@@ -67,9 +67,12 @@ def imports_of(module: str) -> set[str]:
             if node.level:
                 parent = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([node.module] if node.module else []))
-            if base != module:   # a package's __init__ importing its own submodules
+            submodules = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES}
+            # the package's own __init__ importing its submodules is no edge; nor is `from kiln import sub`:
+            # kiln's __init__ runs before any kiln module anyway, and only submodules are named
+            if base != module and not (base == "kiln" and len(submodules) == len(node.names)):
                 found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES}
+            found |= submodules
     return {m for m in found if m == "kiln" or m.startswith("kiln.")}
 
 
