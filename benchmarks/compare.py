@@ -222,7 +222,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     medians = {k: statistics.median(v) for k, v in samples.items()}
     bound_ms = flops(engine.plan) / (args.peak_gflops * 1e9) * 1e3
     return {"name": name, "medians": medians, "build_s": build_s, "load_s": load_s, "bound_ms": bound_ms,
-            "layers": len(engine.plan.layers), "plan": plan_summary([l.layer_type for l in engine.plan.layers])}
+            "plan": plan_summary([l.layer_type for l in engine.plan.layers])}
 
 
 def plan_summary(layer_types: list[str]) -> str:
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     print(f"\n{'model':10}" + "".join(f"{n:>15}" for n in names) + f"{'kiln/ort':>10}{'kiln/best':>11}"
           f"{'kiln/bound':>12}{'build s':>9}{'load s':>8}")
     for r in results:
-        print(f"{r['name']}: kiln plan has {r['layers']} layer(s) run by {r['plan']}")
+        print(f"{r['name']}: kiln's plan: {r['plan']}")
         if "kiln fp32" in r["medians"]:
             print(f"{r['name']}: kiln INT8 is {r['medians']['kiln fp32'] / r['medians']['kiln']:.2f}x faster than "
                   "kiln FP32")

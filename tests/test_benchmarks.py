@@ -54,7 +54,7 @@ def test_cpu_line_names_the_model_and_every_isa_flag_present_or_absent():
 
 
 def fake_result(name: str, medians: dict[str, float]) -> dict:
-    return {"name": name, "medians": medians, "build_s": 9.25, "load_s": 0.125, "bound_ms": 8.0, "layers": 3,
+    return {"name": name, "medians": medians, "build_s": 9.25, "load_s": 0.125, "bound_ms": 8.0,
             "plan": compare.plan_summary(["Convolution", "Reformat", "Convolution"])}
 
 
