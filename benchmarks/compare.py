@@ -15,6 +15,9 @@ measured at start-up on this machine with the same threads: a 1024^3 matrix prod
 
 OpenVINO is pinned to FP32 arithmetic (INFERENCE_PRECISION_HINT=f32): on CPUs with AVX512-BF16 or AMX its default
 is bf16, about 2x faster and not an FP32 peer. torch eager runs the FP32 network, so it is no peer on Q/DQ models.
+
+The first line printed names the CPU and its ISA extensions (cpu_info.py). At the end the run's rows are appended to
+benchmarks/results/runs.csv (record.py; --no-record skips it, --results-csv writes elsewhere).
 """
 from __future__ import annotations
 
@@ -24,12 +27,17 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from cpu_info import cpu_line, lscpu_text, parse_cpu, present_isa  # noqa: E402  (benchmarks/, the script's folder)
+from record import RUNS_CSV, RunRow, append_rows, git_commit  # noqa: E402
 
 WARMUP = 5
 
@@ -213,9 +221,34 @@ def bench(name: str, workdir: Path, args) -> dict:
     samples = time_blocks(runners, args.rounds, args.runs)
     medians = {k: statistics.median(v) for k, v in samples.items()}
     bound_ms = flops(engine.plan) / (args.peak_gflops * 1e9) * 1e3
-    plan = ", ".join(sorted({l.layer_type for l in engine.plan.layers}))
     return {"name": name, "medians": medians, "build_s": build_s, "load_s": load_s, "bound_ms": bound_ms,
-            "layers": len(engine.plan.layers), "plan": plan}
+            "plan": plan_summary([l.layer_type for l in engine.plan.layers])}
+
+
+def plan_summary(layer_types: list[str]) -> str:
+    """'3 layers: 2 Convolution, 1 Reformat': the runners of kiln's plan, most frequent first (a whole-graph
+    region is one layer of type OpenVINO or OnnxRuntime)."""
+    counts = Counter(layer_types).most_common()
+    return f"{len(layer_types)} layer{'s' if len(layer_types) != 1 else ''}: " + \
+        ", ".join(f"{n} {t}" for t, n in counts)
+
+
+def run_rows(results: list[dict], run: str, cpu_text: str, threads: int, commit: str, note: str) -> list[RunRow]:
+    """One runs.csv row per benchmarked model of this run."""
+    model, flags = parse_cpu(cpu_text)
+    date = run[:10] if run[:4].isdigit() else datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    rows = []
+    for r in results:
+        m = r["medians"]
+        best = min(v for k, v in m.items() if not k.startswith("kiln"))
+        notes = [note] if note else []
+        if "kiln fp32" in m:
+            notes.append(f"kiln FP32 engine {m['kiln fp32']:.2f} ms")
+        rows.append(RunRow(run, date, model, " ".join(present_isa(flags)), threads, r["name"], m["kiln"],
+                           m.get("onnxruntime", ""), m.get("openvino", ""), m.get("torch eager", ""),
+                           m["kiln"] / m["onnxruntime"], m["kiln"] / best, m["kiln"] / max(r["bound_ms"], 1e-9),
+                           r["build_s"], r["load_s"], r["plan"], commit, "; ".join(notes)))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -225,7 +258,14 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time torch.compile (slow first call)")
+    p.add_argument("--no-record", action="store_true", help="do not append this run to the results CSV")
+    p.add_argument("--results-csv", type=Path, default=RUNS_CSV, help=f"where to append the rows (default {RUNS_CSV})")
+    p.add_argument("--run-id", default=None, help="run id in the CSV (default: the UTC start time)")
+    p.add_argument("--note", default="", help="a note stored with every row of this run")
     args = p.parse_args(argv)
+    cpu_text = lscpu_text()
+    print(cpu_line(cpu_text), flush=True)   # first: every benchmark says which CPU its numbers come from
+    run_id = args.run_id or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     import onnxruntime
     import torch
 
@@ -241,7 +281,7 @@ def main(argv=None) -> int:
     print(f"\n{'model':10}" + "".join(f"{n:>15}" for n in names) + f"{'kiln/ort':>10}{'kiln/best':>11}"
           f"{'kiln/bound':>12}{'build s':>9}{'load s':>8}")
     for r in results:
-        print(f"{r['name']}: kiln plan has {r['layers']} layer(s) run by {r['plan']}")
+        print(f"{r['name']}: kiln's plan: {r['plan']}")
         if "kiln fp32" in r["medians"]:
             print(f"{r['name']}: kiln INT8 is {r['medians']['kiln fp32'] / r['medians']['kiln']:.2f}x faster than "
                   "kiln FP32")
@@ -251,6 +291,10 @@ def main(argv=None) -> int:
         print(f"{r['name']:10}" + "".join(f"{m.get(n, float('nan')):>15.2f}" for n in names) +
               f"{m['kiln'] / m['onnxruntime']:>10.3f}{m['kiln'] / best:>11.3f}{m['kiln'] / max(r['bound_ms'], 1e-9):>12.2f}"
               f"{r['build_s']:>9.1f}{r['load_s']:>8.2f}")
+    if not args.no_record:
+        rows = run_rows(results, run_id, cpu_text, args.threads, git_commit(ROOT), args.note)
+        append_rows(rows, args.results_csv)
+        print(f"\nrecorded run {run_id} ({len(rows)} row(s)) in {args.results_csv}")
     return 0
 
 

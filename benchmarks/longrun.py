@@ -1,5 +1,6 @@
-"""Long-run check: 10,000 inferences on one engine; prints resident memory, open file descriptors and OS threads
-every 1,000, and the growth after warm-up (the bound README states: RSS growth < 5 MiB, no fd or thread growth).
+"""Long-run check: 10,000 inferences on one engine; prints the CPU line (cpu_info.py), then resident memory, open
+file descriptors and OS threads every 1,000, and the growth after warm-up (the bound docs/reliability.md states:
+RSS growth < 5 MiB, no fd or thread growth).
 
     .venv/bin/python benchmarks/longrun.py [--runs 10000] [--plan kiln|tuned]
 """
@@ -13,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cpu_info import cpu_line  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def rss_mib() -> float:
@@ -33,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=10000)
     p.add_argument("--plan", choices=["kiln", "tuned"], default="kiln")
     args = p.parse_args(argv)
+    print(cpu_line(), flush=True)
     engine = kiln.build(cnn(), autotune=args.plan == "tuned", avg_timing=1, min_timing=1)
     ctx = engine.create_execution_context()
     rng = np.random.default_rng(0)

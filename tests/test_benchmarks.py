@@ -1,13 +1,19 @@
-"""benchmarks/compare.py's timing schedule: blocks rotate so no engine always follows the same neighbour, and
-each block opens with an untimed inference that absorbs the previous engine's spinning threads."""
+"""benchmarks/: compare.py's timing schedule (blocks rotate so no engine always follows the same neighbour, each
+opening with an untimed inference that absorbs the previous engine's spinning threads), the CPU line every
+benchmark prints first, and the runs CSV compare.py appends to; no real benchmark runs here."""
 from __future__ import annotations
 
+import csv
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import compare  # noqa: E402
+import cpu_info  # noqa: E402
+import record  # noqa: E402
 
 
 def test_blocks_rotate_and_open_with_an_untimed_inference():
@@ -22,3 +28,106 @@ def test_blocks_rotate_and_open_with_an_untimed_inference():
     assert order == ["kiln", "onnxruntime", "openvino", "onnxruntime", "openvino", "kiln",
                      "openvino", "kiln", "onnxruntime", "kiln", "onnxruntime", "openvino"]
     assert {k: len(v) for k, v in samples.items()} == {k: 4 * 2 for k in runners}
+
+
+LSCPU = """Architecture:                            x86_64
+Model name:                              Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+Flags:                                   fpu sse2 avx2 avx512f avx512_bf16 avx512_fp16 avx512_vnni amx_bf16 amx_tile
+"""
+PROC_CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 fma avx2
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 fma avx2
+"""
+
+
+def test_cpu_line_names_the_model_and_every_isa_flag_present_or_absent():
+    assert cpu_info.cpu_line(LSCPU) == (
+        "CPU: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz; avx2 yes, avx512f yes, avx512_bf16 yes, "
+        "avx512_fp16 yes, avx512_vnni yes, avx_vnni no, amx_bf16 yes, amx_int8 no")
+    assert cpu_info.cpu_line(PROC_CPUINFO) == (   # /proc/cpuinfo's spelling, where lscpu is missing
+        "CPU: AMD EPYC 7B13; avx2 yes, avx512f no, avx512_bf16 no, avx512_fp16 no, avx512_vnni no, avx_vnni no, "
+        "amx_bf16 no, amx_int8 no")
+    assert cpu_info.cpu_line("") == "CPU: unknown CPU; " + ", ".join(f"{f} no" for f in cpu_info.ISA_FLAGS)
+
+
+def fake_result(name: str, medians: dict[str, float]) -> dict:
+    return {"name": name, "medians": medians, "build_s": 9.25, "load_s": 0.125, "bound_ms": 8.0,
+            "plan": compare.plan_summary(["Convolution", "Reformat", "Convolution"])}
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == record.COLUMNS
+        return list(reader)
+
+
+def test_run_rows_append_to_the_csv_with_one_header(tmp_path):
+    path = tmp_path / "results" / "runs.csv"
+    first = compare.run_rows([fake_result("resnet18", {"kiln": 10.0, "onnxruntime": 12.5, "openvino": 11.0,
+                                                       "torch eager": 20.0})],
+                             "2026-11-24T09:30Z", LSCPU, 2, "abc1234-dirty", "after the GEMM change")
+    record.append_rows(first, path)
+    second = compare.run_rows([fake_result("resnet18-int8", {"kiln": 5.0, "kiln fp32": 9.5, "onnxruntime": 4.0})],
+                              "B2", PROC_CPUINFO, 4, "", "")
+    record.append_rows(second, path)
+    assert path.read_text().count("run,date,cpu") == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["runs.csv"]   # no temp file left behind
+    rows = read_rows(path)
+    assert rows[0] == {
+        "run": "2026-11-24T09:30Z", "date": "2026-11-24", "cpu": "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz",
+        "isa": "avx2 avx512f avx512_bf16 avx512_fp16 avx512_vnni amx_bf16", "threads": "2", "model": "resnet18",
+        "kiln_ms": "10", "onnxruntime_ms": "12.5", "openvino_ms": "11", "torch_ms": "20", "kiln_over_ort": "0.8",
+        "kiln_over_best": "0.9091", "kiln_over_bound": "1.25", "build_s": "9.25", "load_s": "0.125",
+        "plan": "3 layers: 2 Convolution, 1 Reformat", "commit": "abc1234-dirty", "notes": "after the GEMM change"}
+    assert (rows[1]["run"], rows[1]["cpu"], rows[1]["isa"], rows[1]["threads"]) == ("B2", "AMD EPYC 7B13", "avx2", "4")
+    assert (rows[1]["openvino_ms"], rows[1]["torch_ms"]) == ("", "")          # not measured: empty, not 0
+    assert (rows[1]["kiln_over_ort"], rows[1]["kiln_over_best"]) == ("1.25", "1.25")   # kiln's FP32 is no peer
+    assert rows[1]["notes"] == "kiln FP32 engine 9.50 ms"
+
+
+def test_a_csv_with_another_header_is_refused_and_left_as_it_was(tmp_path):
+    path = tmp_path / "runs.csv"
+    path.write_text("model,kiln\nresnet18,1.0\n")
+    rows = compare.run_rows([fake_result("resnet18", {"kiln": 1.0, "onnxruntime": 1.0})], "X", "", 2, "", "")
+    with pytest.raises(SystemExit, match=r"runs\.csv: header 'model,kiln' is not 'run,date,cpu,"):
+        record.append_rows(rows, path)
+    assert path.read_text() == "model,kiln\nresnet18,1.0\n"
+
+
+def test_compare_prints_the_cpu_first_and_records_unless_told_not_to(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "lscpu_text", lambda: LSCPU)
+    monkeypatch.setattr(compare, "peak_gflops", lambda threads: 100.0)
+    monkeypatch.setattr(compare, "bench", lambda name, workdir, args: fake_result(
+        name, {"kiln": 10.0, "onnxruntime": 12.5, "openvino": 11.0, "torch eager": 20.0}))
+    path = tmp_path / "runs.csv"
+    assert compare.main(["--models", "resnet18,resnet50", "--results-csv", str(path), "--run-id", "T1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == cpu_info.cpu_line(LSCPU)
+    assert out[-1] == f"recorded run T1 (2 row(s)) in {path}"
+    assert [(r["run"], r["model"]) for r in read_rows(path)] == [("T1", "resnet18"), ("T1", "resnet50")]
+    assert compare.main(["--models", "resnet18", "--results-csv", str(path), "--no-record"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("CPU: Intel(R) Xeon(R)")
+    assert len(read_rows(path)) == 2
+
+
+def test_the_recorded_history_is_well_formed():
+    rows = read_rows(record.RUNS_CSV)
+    assert len(rows) >= 83 and all(r["run"] and r["date"] and r["cpu"] and r["model"] for r in rows)
+    for r in rows:   # every stored ratio agrees with its stored medians (to the 3 decimals runs were written with)
+        if r["kiln_ms"] and r["onnxruntime_ms"]:
+            assert abs(float(r["kiln_ms"]) / float(r["onnxruntime_ms"]) - float(r["kiln_over_ort"])) < 1.5e-3, r
+        if r["kiln_ms"] and r["onnxruntime_ms"] and r["openvino_ms"]:
+            peers = [float(r[k]) for k in ("onnxruntime_ms", "openvino_ms", "torch_ms") if r[k]]
+            assert abs(float(r["kiln_ms"]) / min(peers) - float(r["kiln_over_best"])) < 1.5e-3, r
+
+
+def test_longrun_prints_the_cpu_line_first(monkeypatch, capsys):
+    import longrun
+
+    monkeypatch.setattr(longrun, "cpu_line", lambda: "CPU: test")
+    assert longrun.main(["--runs", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "CPU: test"
