@@ -89,3 +89,27 @@ def test_no_fusion_when_an_intermediate_is_read_elsewhere(tmp_path, caplog):
     got = engine.run({"x": x})
     for out, want in zip(model.graph.output, run_ort(model, {"x": x})):
         assert_close_to_ort(got[out.name], want)
+
+
+def test_the_mul_form_of_the_variance_fuses_and_matches_onnxruntime():
+    """LayerNorm written with Mul(d, d) for the square (as some exporters and hand-written graphs do): one
+    LayerNormalization layer, same numbers as onnxruntime runs the decomposed graph with."""
+    from onnx import TensorProto, helper
+
+    from tests.conftest import init, make_model
+
+    h = helper.make_node
+    nodes = [h("ReduceMean", ["x"], ["mean"], name="mean", axes=[-1]), h("Sub", ["x", "mean"], ["d"], name="sub"),
+             h("Mul", ["d", "d"], ["sq"], name="square"), h("ReduceMean", ["sq"], ["var"], name="var", axes=[-1]),
+             h("Add", ["var", "eps"], ["ve"], name="add_eps"), h("Sqrt", ["ve"], ["std"], name="sqrt"),
+             h("Div", ["d", "std"], ["n"], name="div"), h("Mul", ["n", "gamma"], ["g"], name="scale"),
+             h("Add", ["g", "beta"], ["y"], name="shift")]
+    rng = np.random.default_rng(0)
+    inits = [init("eps", np.float32(1e-5)), init("gamma", rng.uniform(0.5, 1.5, 16).astype(np.float32)),
+             init("beta", rng.uniform(-0.5, 0.5, 16).astype(np.float32))]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 16])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 16])], inits, opset=13)
+    engine = kiln.build(model, autotune=False)
+    assert [l.op_type for l in engine.plan.layers] == ["LayerNormalization"]
+    x = rng.standard_normal((3, 16)).astype(np.float32) * 3
+    assert_close_to_ort(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0])
