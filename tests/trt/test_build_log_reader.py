@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.errors import ArtifactError
-from kiln.inspect.build_log import parse_build_log, strip_prefix
-from kiln.inspect.model import TacticChoice
+from kiln.trt.build_log_reader import parse_build_log, strip_prefix
+from kiln.trt.records import TacticChoice
 from tests.conftest import make_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
