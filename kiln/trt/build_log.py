@@ -28,7 +28,7 @@ PREFIX_TAG = re.compile(r"^\[(?:TRT|kiln)\]\s?")
 # TensorRT's python logger
 PREFIX_PYTHON = re.compile(r"^\[TensorRT\] (?:VERBOSE|INFO|WARNING|ERROR|INTERNAL_ERROR): ")
 # read by the layer-dump reader, all at once
-LOG_PREFIX = re.compile(r"^(?:\[\d\d/\d\d/\d{4}-\d\d:\d\d:\d\d\] )?(?:\[[A-Z]\] )?(?:\[TRT\] )?")
+LOG_PREFIX = re.compile(r"^(?:\[\d\d/\d\d/\d{4}-\d\d:\d\d:\d\d\] )?(?:\[[A-Z]\] )?(?:\[(?:TRT|kiln)\] )?")
 DATED = re.compile(r"^\[\d\d/\d\d/\d{4}-\d\d:\d\d:\d\d\]")
 
 # ---- sections: "=== Build Options ===" then "key: value" lines -----------------------------------------------------

@@ -80,10 +80,11 @@ def test_log_prefix_is_stripped():
     assert lines.log_prefix("V", when) == "[11/23/2026-09:05:07] [V] "
     line = lines.log_prefix("V", when) + lines.KILN_TAG + lines.removing("a")
     assert strip_prefix(line) == ("Removing a", True)
+    assert lines.LOG_PREFIX.sub("", line, count=1) == "Removing a"
     assert lines.DATED.match(line)
 
 
-def _kiln_log(tag: str = lines.KILN_TAG) -> str:
+def _kiln_log() -> str:
     """A verbose build as kiln logs it, every message from the writers."""
     messages = [lines.APPLYING_OPTIMIZATIONS, lines.original_layers(3), lines.running("ConvReluFusion", "conv"),
                 lines.fusing("ConvReluFusion", "conv", "relu"),
@@ -97,7 +98,7 @@ def _kiln_log(tag: str = lines.KILN_TAG) -> str:
                 lines.engine_layer("Convolution", "conv + relu", 0x20, [X], [Y]),
                 lines.total_activation_memory(100, 200), lines.total_weights_memory(300), lines.engine_built(0.5)]
     when = time.mktime((2026, 11, 23, 9, 5, 7, 0, 0, -1))
-    return "\n".join(lines.log_prefix("V", when) + tag + m for m in messages) + "\n"
+    return "\n".join(lines.log_prefix("V", when) + lines.KILN_TAG + m for m in messages) + "\n"
 
 
 def test_a_log_written_by_kiln_reads_back_as_its_facts():
@@ -112,10 +113,11 @@ def test_a_log_written_by_kiln_reads_back_as_its_facts():
     assert log.tactic_choices == (TacticChoice("conv + relu", "Convolution", "0x0000000000000020", 0.25),)
     assert log.memory == {"Total Activation Memory": "100 bytes (200 bytes without reuse)",
                           "Total Weights Memory": "300 bytes"}
+    assert log.engine is not None and [l.name for l in log.engine.layers] == ["conv + relu"]
 
 
 def test_the_engine_layer_dump_reads_back_its_tensors():
-    info = read_oneline(_kiln_log(tag=""), "kiln.log")
+    info = read_oneline(_kiln_log(), "kiln.log")
     [layer] = info.layers
     assert (layer.layer_type, layer.tactic_value) == ("Convolution", "0x0000000000000020")
     assert layer.inputs == (TensorInfo("x", (-1, 3, 8, 8), "Float"),)
