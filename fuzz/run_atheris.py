@@ -21,8 +21,8 @@ import torch  # noqa: E402,F401
 with atheris.instrument_imports(include=["kiln", "fuzz"]):
     import kiln.plan.serialize  # noqa: F401
     import kiln.frontend  # noqa: F401
-    import kiln.inspect.build_log  # noqa: F401
-    import kiln.inspect.readers  # noqa: F401
+    import kiln.trt.artifacts  # noqa: F401
+    import kiln.trt.build_log_reader  # noqa: F401
     import kiln.runtime.engine  # noqa: F401
     from fuzz import targets
 

@@ -128,8 +128,8 @@ def target_onnx(data: bytes) -> None:
 
 def target_trt(data: bytes) -> None:
     import kiln
-    from kiln.inspect.build_log import parse_build_log
-    from kiln.inspect.readers import read_text
+    from kiln.trt.artifacts import read_text
+    from kiln.trt.build_log_reader import parse_build_log
 
     text = data.decode("utf-8", errors="replace")
     for fn in (read_text, parse_build_log):

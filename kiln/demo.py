@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.trt.layer_info import dumps
     from kiln.plan.serialize import atomic_write_text
     from kiln.cli.run import measure, profile
-    from kiln.runtime.profiler import performance_summary, profile_json, times_json
+    from kiln.trt.profile import performance_summary, profile_json, times_json
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="demo_out")

@@ -25,8 +25,8 @@ def is_kiln_engine(path: str) -> bool:
 
 def load_engine_info(path: str):
     from kiln.errors import ArtifactError
-    from kiln.inspect.model import EngineInfo
-    from kiln.inspect.readers import read_artifact
+    from kiln.trt.records import EngineInfo
+    from kiln.trt.artifacts import read_artifact
 
     found = read_artifact(path)
     if not isinstance(found, EngineInfo):
@@ -39,8 +39,8 @@ def load_profile(path: str | None):
     if not path:
         return None
     from kiln.errors import ArtifactError
-    from kiln.inspect.model import Profile
-    from kiln.inspect.readers import read_artifact
+    from kiln.trt.records import Profile
+    from kiln.trt.artifacts import read_artifact
 
     found = read_artifact(path)
     if not isinstance(found, Profile):

@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.cli import console
     from kiln.errors import ArtifactError
-    from kiln.inspect.build_log import parse_build_log
+    from kiln.trt.build_log_reader import parse_build_log
     from kiln.inspect.summary import log_json
 
     try:

@@ -79,7 +79,7 @@ def report(engine, args, feeds, percentiles) -> int:
     from kiln.cli import console
     from kiln.trt.layer_info import oneline
     from kiln.plan.serialize import atomic_write_bytes, atomic_write_text
-    from kiln.runtime.profiler import performance_summary, profile_json, profile_table, times_json
+    from kiln.trt.profile import performance_summary, profile_json, profile_table, times_json
 
     if getattr(args, "check_nan", False):
         bad = engine.first_nonfinite(feeds)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from kiln.inspect.model import EngineInfo, LayerRecord, Profile
+from kiln.trt.records import EngineInfo, LayerRecord, Profile
 
 _MYELIN_TYPES = ("kgen", "gemm", "fusion", "myelin")
 

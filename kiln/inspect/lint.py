@@ -1,6 +1,6 @@
 """Lint an engine description (TensorRT layer info, one-line dumps, kiln engines): a list of findings, each naming a
 rule, the layer (None for engine-wide), a severity, the concrete hazard and the concrete mitigation. Each rule is a
-small function over the typed model (kiln.inspect.model); rules never overwrite each other's findings."""
+small function over the typed model (kiln.trt.records); rules never overwrite each other's findings."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kiln.inspect.model import EngineInfo, LayerRecord, Profile, TensorInfo
+from kiln.trt.records import EngineInfo, LayerRecord, Profile, TensorInfo
 
 
 @dataclass(frozen=True)

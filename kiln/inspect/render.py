@@ -1,4 +1,4 @@
-"""Render an engine description (kiln.inspect.model.EngineInfo) as a Graphviz DOT graph, and DOT as SVG.
+"""Render an engine description (kiln.trt.records.EngineInfo) as a Graphviz DOT graph, and DOT as SVG.
 
 One node per layer, coloured by precision (a legend node lists the colours); fused names stacked one part per
 line; the layer type (and, with a profile, the average time) on the last line; Reformat/NoOp layers drawn small
@@ -14,7 +14,7 @@ import subprocess
 
 from kiln.errors import Error
 from kiln.inspect.lint import is_qdq
-from kiln.inspect.model import EngineInfo, LayerRecord, Profile
+from kiln.trt.records import EngineInfo, LayerRecord, Profile
 
 PRECISION_COLOURS = {"FP32": "#9ecae1", "FP16": "#a1d99b", "BF16": "#74c476", "INT8": "#fdae6b", "FP8": "#fc9272",
                      "unknown": "#e0e0e0"}

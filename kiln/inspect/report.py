@@ -10,7 +10,7 @@ from html import escape
 
 from kiln.fileio import atomic_write_text
 from kiln.inspect.lint import Finding
-from kiln.inspect.model import EngineInfo, LayerRecord, Profile
+from kiln.trt.records import EngineInfo, LayerRecord, Profile
 from kiln.inspect.render import PRECISION_COLOURS
 
 CSS = """

@@ -1,17 +1,23 @@
-"""Machine-readable summaries (the `--json` outputs of inspect/lint/diff/log) built from the inspect model."""
+"""Machine-readable summaries (the `--json` outputs of inspect/lint/diff/log) built from the records of
+`kiln.trt.records`."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from kiln.inspect.model import BuildLog, EngineInfo, LayerRecord, Profile
+from kiln.trt.records import BuildLog, EngineInfo, LayerRecord, Profile, TensorInfo
+
+
+def tensor_json(t: TensorInfo) -> dict[str, Any]:
+    """A tensor in the --json schema: name, dims, format, location (the layer's "precision" carries precision)."""
+    return {"name": t.name, "dims": t.dims, "format": t.format, "location": t.location}
 
 
 def layer_json(layer: LayerRecord, times: dict[str, float]) -> dict[str, Any]:
     d = {"name": layer.name, "layer_type": layer.layer_type, "parameter_type": layer.parameter_type,
          "precision": layer.precision, "tactic_name": layer.tactic_name, "tactic_value": layer.tactic_value,
          "origin": list(layer.origin), "region": layer.region,
-         "inputs": [dataclasses.asdict(t) for t in layer.inputs], "outputs": [dataclasses.asdict(t) for t in layer.outputs]}
+         "inputs": [tensor_json(t) for t in layer.inputs], "outputs": [tensor_json(t) for t in layer.outputs]}
     if layer.name in times:
         d["average_ms"] = times[layer.name]
     return d

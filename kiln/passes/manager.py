@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kiln.ir import Graph, Node
+from kiln.trt import build_log as log_lines
 
 log = logging.getLogger("kiln.build")
 
@@ -20,23 +21,23 @@ class PassLog:
         self.rejections = 0
 
     def running(self, node: Node | str) -> None:
-        log.debug("Running: %s on %s", self.pass_name, _name(node))
+        log.debug(log_lines.running(self.pass_name, _name(node)))
 
     def fusing(self, a: Node | str, b: Node | str) -> None:
         self.matches += 1
-        log.debug("%s: Fusing %s with %s", self.pass_name, _name(a), _name(b))
+        log.debug(log_lines.fusing(self.pass_name, _name(a), _name(b)))
 
     def removing(self, node: Node | str) -> None:
         self.matches += 1
-        log.debug("Removing %s", _name(node))
+        log.debug(log_lines.removing(_name(node)))
 
     def note(self, message: str) -> None:
-        log.debug("%s: %s", self.pass_name, message)
+        log.debug(log_lines.pass_note(self.pass_name, message))
 
     def not_fused(self, a: Node | str, b: Node | str, reason: str) -> None:
         """kiln's addition: one line per candidate that did not fuse, naming the unmet condition."""
         self.rejections += 1
-        log.debug("%s: Not fusing %s with %s: %s", self.pass_name, _name(a), _name(b), reason)
+        log.debug(log_lines.not_fusing(self.pass_name, _name(a), _name(b), reason))
 
 
 def _name(x: Node | str) -> str:
@@ -65,12 +66,12 @@ class PassStat:
 def run_passes(g: Graph, passes: list[Pass], disabled: frozenset[str] = frozenset(),
                verify_each: bool = False) -> list[PassStat]:
     start = time.perf_counter()
-    log.debug("Applying generic optimizations to the graph for inference.")
-    log.debug("Original: %d layers", len(g.nodes))
+    log.debug(log_lines.APPLYING_OPTIMIZATIONS)
+    log.debug(log_lines.original_layers(len(g.nodes)))
     stats = []
     for p in passes:
         if p.name in disabled:
-            log.debug("Skipping %s (disabled)", p.name)
+            log.debug(log_lines.skipping_disabled(p.name))
             continue
         before, t0 = len(g.nodes), time.perf_counter()
         plog = PassLog(p.name)
@@ -81,6 +82,6 @@ def run_passes(g: Graph, passes: list[Pass], disabled: frozenset[str] = frozense
         stats.append(PassStat(p.name, plog.matches, plog.rejections, before, len(g.nodes),
                               (time.perf_counter() - t0) * 1e3))
         if p.milestone:
-            log.debug("After %s: %d layers", p.milestone, len(g.nodes))
-    log.debug("Graph construction and optimization completed in %.6f seconds.", time.perf_counter() - start)
+            log.debug(log_lines.after_layers(p.milestone, len(g.nodes)))
+    log.debug(log_lines.optimization_completed(time.perf_counter() - start))
     return stats

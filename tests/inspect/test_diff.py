@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kiln.inspect.diff import diff, match_layers
-from kiln.inspect.model import EngineInfo, LayerRecord, Profile, ProfileRecord, TensorInfo
+from kiln.trt.records import EngineInfo, LayerRecord, Profile, ProfileRecord, TensorInfo
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 I8 = "Thirty-two wide channel vectorized row major Int8 format"
@@ -104,7 +104,7 @@ def test_region_vs_sub_layers_by_data_flow():
 # --- the real fixtures, through the readers -------------------------------------------------------------------------
 
 def _read(name):
-    readers = pytest.importorskip("kiln.inspect.readers")
+    readers = pytest.importorskip("kiln.trt.artifacts")
     return readers.read_artifact(FIXTURES / name)
 
 

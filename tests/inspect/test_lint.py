@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kiln.inspect.lint import Finding, lint, tactic_types
-from kiln.inspect.model import EngineInfo, LayerRecord, Profile, ProfileRecord, TensorInfo
+from kiln.trt.records import EngineInfo, LayerRecord, Profile, ProfileRecord, TensorInfo
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 I8_32 = "Thirty-two wide channel vectorized row major Int8 format"
@@ -184,7 +184,7 @@ def test_names_only_input_positive_and_negative():
 # --- the real fixtures, through the readers -------------------------------------------------------------------------
 
 def _read(name):
-    readers = pytest.importorskip("kiln.inspect.readers")
+    readers = pytest.importorskip("kiln.trt.artifacts")
     return readers.read_artifact(FIXTURES / name)
 
 

@@ -17,8 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.errors import Error
 from kiln.inspect.lint import lint
-from kiln.inspect.model import EngineInfo, LayerRecord, Profile, ProfileRecord, TensorInfo
-from kiln.inspect.readers import read_artifact
+from kiln.trt.records import EngineInfo, LayerRecord, Profile, ProfileRecord, TensorInfo
+from kiln.trt.artifacts import read_artifact
 from kiln.inspect.render import PRECISION_COLOURS, QDQ_COLOUR, render_svg, to_dot
 from kiln.inspect.report import html_report
 from tests.conftest import force_plan, make_model

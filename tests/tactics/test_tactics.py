@@ -226,7 +226,8 @@ def test_a_plan_with_wrong_outputs_or_a_failing_library_is_left_out(models, monk
 
 
 def test_region_profile_follows_the_layer_info_split(models, monkeypatch):
-    from kiln.runtime.profiler import LayerProfiler, profile_json
+    from kiln.runtime.profiler import LayerProfiler
+    from kiln.trt.profile import profile_json
 
     force_plan(monkeypatch, "onnxruntime")
     proto, x = models["inception"]

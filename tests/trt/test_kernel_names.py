@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.inspect.kernel_names import KernelName, decode_kernel_name
+from kiln.trt.kernel_names import KernelName, decode_kernel_name
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -7,32 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-METADATA_SEP = "\u001e"
-_ONNX_LAYER = re.compile(r"\[ONNX Layer: (.*?)\]")
-
-# Datatype words found in "Format/Datatype" strings and Myelin short types -> canonical precision names.
-_PRECISION_WORDS = [("BFloat16", "BF16"), ("FP8", "FP8"), ("FP16", "FP16"), ("Half", "FP16"), ("FP32", "FP32"),
-                    ("Float", "FP32"), ("Int8", "INT8"), ("INT8", "INT8"), ("Int32", "INT32"), ("Int64", "INT64"),
-                    ("UInt8", "UINT8"), ("BOOL", "BOOL"), ("Bool", "BOOL"), ("Double", "FP64"), ("Int4", "INT4")]
-
-
-def precision_of(format_datatype: str | None) -> str | None:
-    """"Row major linear FP32" -> "FP32"; "Thirty-two wide channel vectorized row major Int8 format" -> "INT8";
-    "Half" -> "FP16"; None when unknown (e.g. "N/A due to dynamic shapes")."""
-    if not format_datatype:
-        return None
-    for word, name in _PRECISION_WORDS:
-        if re.search(rf"\b{word}\b", format_datatype):
-            return name
-    return None
-
-
-def origins_from_metadata(metadata: str | None) -> tuple[str, ...]:
-    """TensorRT's Metadata "[ONNX Layer: a]\\u001e[ONNX Layer: b]" -> ("a", "b")."""
-    if not metadata:
-        return ()
-    found = _ONNX_LAYER.findall(metadata)
-    return tuple(found) if found else tuple(p for p in metadata.split(METADATA_SEP) if p)
+from kiln.trt.prose import precision_of
 
 
 @dataclass(frozen=True)
@@ -41,10 +16,11 @@ class TensorInfo:
     dims: tuple[int, ...] | None = None          # -1 for dynamic dimensions
     format: str | None = None                    # TensorRT's "Format/Datatype" text (or a short dtype)
     location: str | None = None
+    precision: str | None = None                 # "FP32", "INT8", ...; when not given, read from `format`
 
-    @property
-    def precision(self) -> str | None:
-        return precision_of(self.format)
+    def __post_init__(self):
+        if self.precision is None:
+            object.__setattr__(self, "precision", precision_of(self.format))
 
     @property
     def dynamic(self) -> bool:

@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.errors import ArtifactError
-from kiln.inspect.build_log import parse_build_log, strip_prefix
-from kiln.inspect.model import TacticChoice
+from kiln.trt.build_log_reader import parse_build_log, strip_prefix
+from kiln.trt.records import TacticChoice
 from tests.conftest import make_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -256,3 +256,8 @@ def test_kiln_build_log(kiln_log_text):
     assert {t[1] for t in log.timings} >= {"torch.reference", "onnxruntime.layer"}
     assert "Total Activation Memory" in log.memory and "Total Weights Memory" in log.memory
     assert any("'Layer(...)' line(s)" in n for n in log.notes)
+    dumped = [line for line in kiln_log_text.splitlines() if "[kiln] Layer(" in line]   # kiln's own tag
+    assert log.engine is not None and len(log.engine.layers) == len(dumped) >= 1
+    assert [l.name for l in log.engine.layers] == [d.split("): ", 1)[1].split(", Tactic: ")[0] for d in dumped]
+    assert all(l.outputs and l.outputs[0].precision == "FP32" and l.tactic_value.startswith("0x")
+               for l in log.engine.layers)

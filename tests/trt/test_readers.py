@@ -1,4 +1,4 @@
-"""kiln.inspect.readers on real trtexec artifacts (tests/fixtures) and on kiln's own exports."""
+"""kiln.trt's readers on real trtexec artifacts (tests/fixtures) and on kiln's own exports."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +10,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.trt.layer_info import dumps, layer_info, oneline
 from kiln.errors import ArtifactError
-from kiln.inspect.model import EngineInfo, InferenceTimes, Profile
-from kiln.inspect.readers import (engine_info_from_plan, read_artifact, read_layer_info_json, read_oneline,
-                                  read_profile_json, read_times_json)
-from kiln.runtime.profiler import InferenceTime, LayerProfiler, profile_json, times_json
-from tests.conftest import make_model
+from kiln.runtime.profiler import InferenceTime, LayerProfiler
+from kiln.trt.artifacts import read_artifact
+from kiln.trt.layer_info import dumps, layer_info, oneline
+from kiln.trt.plan_records import engine_info_from_plan
+from kiln.trt.profile import profile_json, read_profile_json, read_times_json, times_json
+from kiln.trt.prose import metadata_text
+from kiln.trt.readers import read_layer_info_json, read_oneline
+from kiln.trt.records import EngineInfo, InferenceTimes, Profile
+from tests.conftest import force_plan, make_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
@@ -183,6 +186,8 @@ def test_kiln_exports_round_trip(kiln_exports):
     assert conv.origin == ("conv", "relu") and conv.params["Kernel"] == [3, 3]
     assert from_log.layers[1].params["Kernel"] == [3, 3] and from_log.layers[1].origin == conv.origin
     assert any(n.startswith("kiln tactic sources") for n in from_json.notes)
+    exported = engine.layer_info("detailed")["Layers"]
+    assert [d["Metadata"] for d in exported] == [metadata_text(l.origin) for l in engine.plan.layers]
     names = read_artifact(d / "names.json")
     assert names.verbosity == "layer_names_only" and len(names.layers) == len(engine.plan.layers)
     profile = read_artifact(d / "profile.json")
@@ -203,6 +208,39 @@ def test_kiln_regions_tag_inner_layers(kiln_exports):
     assert [l.region for l in info.layers[:2]] == [region.name] * 2
     assert all(l.region is None for l in info.layers[2:])
     assert len(info.layers) == len(layer_info(plan)["Layers"]) + 1
+
+
+def _mixed_dtype_model():
+    """Conv + ReLU with a float, a bool and an int64 output."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.zeros((), np.float32), "zero")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["y"], name="relu"),
+             helper.make_node("Greater", ["y", "zero"], ["b"], name="positive"),
+             helper.make_node("Cast", ["y"], ["i"], name="to_int", to=TensorProto.INT64)]
+    outputs = [helper.make_tensor_value_info(name, dtype, [1, 4, 8, 8])
+               for name, dtype in (("y", TensorProto.FLOAT), ("b", TensorProto.BOOL), ("i", TensorProto.INT64))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])], outputs, inits)
+
+
+@pytest.mark.parametrize("winner", ["kiln", "onnxruntime"])
+def test_kiln_engine_records_from_facts_equal_its_layer_info_records(tmp_path, monkeypatch, winner):
+    """An engine's records come from its plan (precision from dtypes, origins, regions); its detailed layer-info
+    export, read back from the prose, gives the same records: per-layer and region plans, three dtypes."""
+    force_plan(monkeypatch, winner)
+    engine = kiln.build(_mixed_dtype_model(), avg_timing=1, min_timing=1)
+    engine.save(tmp_path / "m.kiln")
+    from_engine = read_artifact(tmp_path / "m.kiln")
+    from_json = read_layer_info_json(dumps(engine.layer_info("detailed")))
+    assert [dataclasses.replace(l, region=None) for l in from_engine.layers] == list(from_json.layers)
+    assert from_engine.notes == from_json.notes and from_engine.bindings == ("x", "y", "b", "i")
+    by_name = {l.name: l for l in from_engine.layers}
+    assert [t.precision for t in by_name["positive"].outputs] == ["BOOL"]
+    assert [t.precision for t in by_name["to_int"].outputs] == ["INT64"]
+    assert by_name["conv + relu"].origin == ("conv", "relu")
+    regions = {l.region for l in from_engine.layers}
+    assert regions == ({engine.plan.layers[0].name} if winner == "onnxruntime" else {None})
 
 
 @pytest.mark.parametrize("content, words", [

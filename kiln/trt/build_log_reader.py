@@ -2,68 +2,22 @@
 
 Every line may carry a logger prefix: "[MM/DD/YYYY-HH:MM:SS] [V] [TRT] " (or [I]/[W]/[E]/[F], with or without
 "[TRT]" / "[kiln]"), or the python logger's "[TensorRT] VERBOSE: ". The prefix is stripped, then the message is
-matched against the forms TensorRT prints: option/device/performance sections ("=== Build Options ===" + "key: value"),
-graph-optimizer lines ("Running: <Pass> on <layer>", "<Pass>: Fusing <A> with <B>", "Removing <x>", ...), the layer
-count trajectory ("Original: N layers", "After <what>: N layers"), autotuning lines ("Timing Runner", "Tactic: ... Time:",
-"Chose Runner Type") and memory lines. Lines that match nothing are skipped; a line that cannot be read never stops
+matched against the forms TensorRT prints (their patterns, beside kiln's writers of the same lines, are in
+`kiln.trt.build_log`): option/device/performance sections ("=== Build Options ===" + "key: value"), graph-optimizer
+lines ("Running: <Pass> on <layer>", "<Pass>: Fusing <A> with <B>", "Removing <x>", ...), the layer count trajectory
+("Original: N layers", "After <what>: N layers"), autotuning lines ("Timing Runner", "Tactic: ... Time:", "Chose
+Runner Type") and memory lines. Lines that match nothing are skipped; a line that cannot be read never stops
 the parse. Timing tuples are (layer, tactic, ms) where layer is "<layer> (<runner>)" as the Timing Runner line printed
 it and tactic is the tactic name when the log prints one ("Tactic Name: ..."), else the value as printed.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from kiln.errors import ArtifactError
-from kiln.inspect.model import BuildLog, PassEvent, TacticChoice
-
-_PREFIX = re.compile(r"^\s*\[?\d{1,2}/\d{1,2}/\d{2,4}-\d{1,2}:\d{2}:\d{2}\]\s?")
-_LEVEL = re.compile(r"^\[(?:V|I|W|E|F)\]\s?")
-_TAG = re.compile(r"^\[(?:TRT|kiln)\]\s?")
-_PY_PREFIX = re.compile(r"^\[TensorRT\] (?:VERBOSE|INFO|WARNING|ERROR|INTERNAL_ERROR): ")
-
-_SECTIONS = {"Model Options": "options", "Build Options": "options", "System Options": "options",
-             "Inference Options": "options", "Reporting Options": "options",
-             "Device Information": "device", "Performance summary": "performance"}
-_HEADER = re.compile(r"^=== (.+?) ===$")
-_KEY_VALUE = re.compile(r"^\s*([^:]{1,80}?):\s*(.*)$")
-
-_VERSION = [(re.compile(r"^TensorRT version: (\S+)"), "TensorRT {}"),
-            (re.compile(r"\[TensorRT v(\d+)\]"), None),
-            (re.compile(r"^kiln (?:version:? )?v?(\d+\.\d+\S*)"), "kiln {}")]
-
-_RUNNING = re.compile(r"^Running: (\S+) on (.*)$")
-_NOT_FUSING = re.compile(r"^(\w+): Not fusing (.+?) with (.+?): (.*)$")
-_FUSING = re.compile(r"^(\w+): Fusing (.+?) with (.+)$")
-_QDIN_PAIR = re.compile(r"^(QuantizeDoubleInputNodes): fusing \((.+) and (.+)\) into (.+)$")
-_QDIN = re.compile(r"^(QuantizeDoubleInputNodes): fusing (.+) into (.+)$")
-_REMOVING = re.compile(r"^Removing (.+)$")
-_SWAPPING = re.compile(r"^Swapping (.+?) with (.+)$")
-_DUPLICATE = re.compile(r"^Eliminating (.+) which duplicates \((\w+)\) (.+)$")
-_SLICE = re.compile(r"^Eliminating slice (.+?) by retargeting (.+?) from (.+?) to (.+)$")
-_CONCAT = re.compile(r"^Eliminating concatenation (.+)$")
-_MERGING = re.compile(r"^Merging layers: (.+)$")
-_SWAP_TYPE = re.compile(r"^(?:Swap|Convert) the layer type of (.+) from (\w+) to (\w+)$|"
-                        r"^Convert layer type of (.+) from (\w+) to (\w+)$")
-_SKIPPING = re.compile(r"^Skipping (\w+) \(disabled\)$")
-_NOTE = re.compile(r"^([A-Z][A-Za-z0-9]+): (.+)$")
-
-_ORIGINAL = re.compile(r"^Original: (\d+) layers")
-_AFTER = re.compile(r"^After (.+?): (\d+) layers")
-
-_COSTS = re.compile(r"^=+ Computing costs for (.+)$")
-_RUNNER = re.compile(r"^-+ Timing Runner: (.*?)(?: \(([^()\s]+)\))?$")
-_TACTIC = re.compile(r"^(?:Tactic Name: (\S+) )?Tactic: (\S+) [Tt]ime:? ([-+0-9.eE]+|inf|nan)")
-_FASTEST = re.compile(r"Fastest Tactic: (\S+) Time: ([-+0-9.eE]+)")
-_CHOSE = re.compile(r"^>+ Chose Runner Type: (.+?) Tactic: (\S+)")
-
-_MEMORY = [re.compile(r"^(Total per-runner (?:device|host) persistent memory) is (\d+)"),
-           re.compile(r"^Allocated (activation device memory) of size (\d+)"),
-           re.compile(r"^(Total [\w -]*[Mm]emory): (.+)$"),
-           re.compile(r"^(?:Peak|Max) ([\w -]*[Mm]emory)(?: is|:) (.+)$")]
-_MEM_CHANGE = re.compile(r"^\[MemUsageChange\] (.+?): (.+)$")
-_ENGINE_LINE = re.compile(r"^Layer\(\w*\): ")
-_ONELINE = re.compile(r"^Name: .*, LayerType: ")
+from kiln.trt import build_log as log_lines
+from kiln.trt.readers import read_oneline
+from kiln.trt.records import BuildLog, PassEvent, TacticChoice
 
 
 @dataclass
@@ -95,11 +49,11 @@ class _State:
 def strip_prefix(line: str) -> tuple[str, bool]:
     """Remove the logger prefix; returns (message, whether a prefix was found)."""
     msg, found = line.rstrip("\r\n").lstrip("\ufeff"), False
-    for rx in (_PREFIX, _LEVEL, _TAG):
+    for rx in (log_lines.PREFIX_DATE, log_lines.PREFIX_LEVEL, log_lines.PREFIX_TAG):
         m = rx.match(msg)
         if m:
             msg, found = msg[m.end():], True
-    m = _PY_PREFIX.match(msg)
+    m = log_lines.PREFIX_PYTHON.match(msg)
     if m:
         msg, found = msg[m.end():], True
     return msg.rstrip(), found
@@ -122,9 +76,9 @@ def _check_text(text: str | bytes, where: str) -> str:
 
 def _section_line(st: _State, msg: str) -> bool:
     """Header lines and key: value lines inside a known section."""
-    m = _HEADER.match(msg.strip())
+    m = log_lines.SECTION_HEADER.match(msg.strip())
     if m:
-        st.section = _SECTIONS.get(m.group(1))
+        st.section = log_lines.SECTIONS.get(m.group(1))
         return True
     if st.section is None:
         return False
@@ -134,7 +88,7 @@ def _section_line(st: _State, msg: str) -> bool:
     if st.section == "performance" and msg.lstrip().startswith("*"):
         st.warnings.append(msg.strip())
         return True
-    kv = _KEY_VALUE.match(msg)
+    kv = log_lines.SECTION_KEY_VALUE.match(msg)
     if not kv:
         if st.section == "performance" and msg.startswith("  ") and st.warnings:
             st.warnings[-1] += " " + msg.strip()
@@ -149,7 +103,7 @@ def _section_line(st: _State, msg: str) -> bool:
 
 
 def _version_line(st: _State, msg: str) -> bool:
-    for rx, fmt in _VERSION:
+    for rx, fmt in log_lines.VERSIONS:
         m = rx.search(msg)
         if not m:
             continue
@@ -171,46 +125,48 @@ def _event(st: _State, pass_name: str | None, kind: str, *subjects: str) -> bool
 
 def _pass_line(st: _State, msg: str) -> bool:
     """Graph-optimizer lines; returns True when the line was one."""
-    m = _RUNNING.match(msg)
+    m = log_lines.RUNNING.match(msg)
     if m:
         st.current_pass = m.group(1)
         st.running[m.group(1)] = st.running.get(m.group(1), 0) + 1
         return _event(st, m.group(1), "running", m.group(2))
-    for rx, kind in ((_NOT_FUSING, "not_fused"), (_FUSING, "fusing"), (_QDIN_PAIR, "fusing"), (_QDIN, "fusing")):
+    for rx, kind in ((log_lines.NOT_FUSING, "not_fused"), (log_lines.FUSING, "fusing"),
+                     (log_lines.QDIN_PAIR, "fusing"), (log_lines.QDIN, "fusing")):
         m = rx.match(msg)
         if m:
             return _event(st, m.group(1), kind, *m.groups()[1:])
-    for rx, kind in ((_REMOVING, "removing"), (_SWAPPING, "swapping"), (_DUPLICATE, "eliminating")):
+    for rx, kind in ((log_lines.REMOVING, "removing"), (log_lines.SWAPPING, "swapping"),
+                     (log_lines.DUPLICATE, "eliminating")):
         m = rx.match(msg)
         if m:
             subjects = m.groups() if kind != "eliminating" else (m.group(1), m.group(3))
             return _event(st, st.current_pass, kind, *subjects)
-    m = _SWAP_TYPE.match(msg)
+    m = log_lines.SWAP_TYPE.match(msg)
     if m:
         return _event(st, st.current_pass, "swap_type", *[g for g in m.groups() if g is not None])
-    for rx, name, kind in ((_SLICE, "slice removal", "eliminating_slice"),
-                           (_CONCAT, "concat removal", "eliminating_concat")):
+    for rx, name, kind in ((log_lines.SLICE, "slice removal", "eliminating_slice"),
+                           (log_lines.CONCAT, "concat removal", "eliminating_concat")):
         m = rx.match(msg)
         if m:
             return _event(st, name, kind, *m.groups())
-    m = _MERGING.match(msg)
+    m = log_lines.MERGING.match(msg)
     if m:
         return _event(st, "horizontal merge", "merging", *m.group(1).split(" || "))
-    m = _SKIPPING.match(msg)
+    m = log_lines.SKIPPING.match(msg)
     if m:
         return _event(st, m.group(1), "skipped")
-    m = _NOTE.match(msg)
+    m = log_lines.PASS_NOTE.match(msg)
     if m and m.group(1) in st.running:
         return _event(st, m.group(1), "note", m.group(2))
     return False
 
 
 def _trajectory_line(st: _State, msg: str) -> bool:
-    m = _ORIGINAL.match(msg)
+    m = log_lines.ORIGINAL.match(msg)
     if m:
         st.trajectory.append(("Original", int(m.group(1))))
         return True
-    m = _AFTER.match(msg)
+    m = log_lines.AFTER.match(msg)
     if m:
         st.trajectory.append((f"After {m.group(1)}", int(m.group(2))))
         st.current_pass = None
@@ -223,28 +179,28 @@ def _bare_runner(runner: str | None) -> str | None:
 
 
 def _tactic_line(st: _State, msg: str) -> bool:
-    m = _COSTS.match(msg)
+    m = log_lines.COMPUTING_COSTS.match(msg)
     if m:
         st.layer, st.runner = m.group(1), None
         return True
-    m = _RUNNER.match(msg)
+    m = log_lines.TIMING_RUNNER.match(msg)
     if m:
         st.layer, st.runner = m.group(1), m.group(2)
         return True
-    m = _TACTIC.match(msg)
+    m = log_lines.TACTIC_TIME.match(msg)
     if m:
         name, value, time_ms = m.group(1), m.group(2), float(m.group(3))
         where = f"{st.layer} ({st.runner})" if st.runner else (st.layer or "")
         st.timings.append((where, name or value, time_ms))
         st.runner_times.setdefault((f"{st.layer}|{_bare_runner(st.runner)}", value), time_ms)
         return True
-    m = _CHOSE.match(msg)
+    m = log_lines.CHOSE_RUNNER.match(msg)
     if m:
         runner, value = m.group(1), m.group(2)
         time_ms = st.runner_times.get((f"{st.layer}|{_bare_runner(runner)}", value))
         st.choices.append(TacticChoice(st.layer or "", runner, value, time_ms))
         return True
-    m = _FASTEST.search(msg)
+    m = log_lines.FASTEST_TACTIC.search(msg)
     if m:
         st.runner_times[(f"{st.layer}|{_bare_runner(st.runner)}", m.group(1))] = float(m.group(2))
         return True
@@ -252,7 +208,7 @@ def _tactic_line(st: _State, msg: str) -> bool:
 
 
 def _memory_line(st: _State, msg: str) -> bool:
-    m = _MEM_CHANGE.match(msg)
+    m = log_lines.MEMORY_CHANGE.match(msg)
     if m:
         key = f"MemUsageChange {m.group(1)}"
         n = 2
@@ -260,7 +216,7 @@ def _memory_line(st: _State, msg: str) -> bool:
             key, n = f"MemUsageChange {m.group(1)} #{n}", n + 1
         st.memory[key] = m.group(2)
         return True
-    for rx in _MEMORY:
+    for rx in log_lines.MEMORY:
         m = rx.match(msg)
         if m:
             st.memory[m.group(1)] = m.group(2).strip()
@@ -269,11 +225,11 @@ def _memory_line(st: _State, msg: str) -> bool:
 
 
 def _engine_line(st: _State, msg: str) -> bool:
-    for rx, key in ((_ENGINE_LINE, "Layer(...)"), (_ONELINE, "Name: ...")):
+    for rx, key in ((log_lines.ENGINE_LAYER, "Layer(...)"), (log_lines.ONELINE_LAYER, "Name: ...")):
         if rx.match(msg):
             st.engine_dump[key] = st.engine_dump.get(key, 0) + 1
             return True
-    return msg in ("Engine Layer Information:", "Layers:", "Layer Information:")
+    return msg in log_lines.LAYER_DUMP_HEADERS
 
 
 def _read_line(st: _State, line: str) -> None:
@@ -333,8 +289,6 @@ def _engine_dump(text: str, where: str, st: _State):
     """The layer dump inside the log ("Layers:" / "Engine Layer Information:"), read by the one-line reader."""
     if not st.engine_dump:
         return None
-    from kiln.inspect.readers import read_oneline
-
     try:
         return read_oneline(text, where)
     except ArtifactError:
