@@ -33,7 +33,8 @@ from kiln.tactics.lower import Lowering, desc_of, node_view
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.registry import available_sources, offers
 from kiln.tactics.timing_cache import TimingCache, device_description
-from kiln.trt.vocab import layer_type, tensor_text
+from kiln.trt import build_log as log_lines
+from kiln.trt.vocab import layer_type
 from kiln.version import __version__
 
 log = logging.getLogger("kiln.build")
@@ -70,8 +71,8 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         inputs, outputs = tuple(desc_of(v) for v in g.inputs), tuple(desc_of(v) for v in g.outputs)
         memory = plan_memory(layers, inputs, outputs)
     log_engine_layers(layers)
-    log.debug("Total Activation Memory: %d bytes (%d bytes without reuse)", memory.total_bytes, memory.unshared_bytes)
-    log.debug("Total Weights Memory: %d bytes", sum(w.nbytes for w in weights.values()))
+    log.debug(log_lines.total_activation_memory(memory.total_bytes, memory.unshared_bytes))
+    log.debug(log_lines.total_weights_memory(sum(w.nbytes for w in weights.values())))
     info = {
         "kiln_version": __version__, "torch_version": torch.__version__, "opset": g.opset,
         "build_time_s": round(time.perf_counter() - start, 6), "device": "cpu",
@@ -81,7 +82,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
                     "layers_before": s.layers_before, "layers_after": s.layers_after} for s in stats],
         "stages_ms": stages_ms,
     }
-    log.info("Engine built in %.5f sec.", info["build_time_s"])
+    log.info(log_lines.engine_built(info["build_time_s"]))
     return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info, tuple(g.profiles))
 
 
@@ -141,9 +142,6 @@ def warm_compiled_model_cache(layers: list[Layer], weights: dict[str, np.ndarray
 
 def log_engine_layers(layers: list[Layer]) -> None:
     """TensorRT's verbose "Engine Layer Information" dump, one line per layer."""
-    log.debug("Engine Layer Information:")
+    log.debug(log_lines.ENGINE_LAYER_INFORMATION)
     for layer in layers:
-        ins = ", ".join(tensor_text(t) for t in layer.inputs)
-        outs = ", ".join(tensor_text(t) for t in layer.outputs)
-        log.debug("Layer(%s): %s, Tactic: 0x%016x, %s -> %s", layer_type(layer), layer.name, layer.tactic_value,
-                  ins, outs)
+        log.debug(log_lines.engine_layer(layer_type(layer), layer.name, layer.tactic_value, layer.inputs, layer.outputs))

@@ -13,6 +13,7 @@ import numpy as np
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import replace_nodes, sole_consumer
+from kiln.trt.vocab import fused_layer_name, merged_layer_name
 
 ONNX = ("", "ai.onnx")
 
@@ -39,7 +40,7 @@ def _graph_order(g: Graph, nodes: list[Node]) -> list[Node]:
 
 def _fused(g: Graph, nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
     origin = tuple(o for n in _graph_order(g, nodes) for o in n.origin)
-    return " + ".join(origin), origin
+    return fused_layer_name(origin), origin
 
 
 # ---- GELU ---------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ def _merge(g: Graph, group: list[Node], x: Value) -> None:
     if _bias(group[0]) is not None:
         bias = np.concatenate([n.inputs[2].const.reshape(-1) for n in group])
         inputs.append(g.add_const(g.fresh_name("merged_bias"), bias.astype(group[0].inputs[2].const.dtype)))
-    name = " || ".join(n.name for n in group)
+    name = merged_layer_name(n.name for n in group)
     out = g.value(g.fresh_name(f"{group[0].outputs[0].name}_merged"))
     out.shape = group[0].outputs[0].shape[:-1] + (sum(widths),)
     out.dtype, out.dyn_dims = group[0].outputs[0].dtype, group[0].outputs[0].dyn_dims

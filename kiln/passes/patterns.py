@@ -7,6 +7,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.ops import OPS, OpKind
+from kiln.trt.vocab import fused_layer_name
 
 # ONNX activations a convolution or matrix product can absorb (as an epilogue)
 ACTIVATION_OPS = frozenset({"Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "Elu", "Selu", "Softplus",
@@ -38,7 +39,7 @@ def replace_nodes(g: Graph, old: list[Node], new: Node) -> Node:
 
 def fused_name(nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
     origin = tuple(o for n in nodes for o in n.origin)
-    return " + ".join(origin), origin
+    return fused_layer_name(origin), origin
 
 
 def is_elementwise(node: Node) -> bool:

@@ -13,6 +13,7 @@ from kiln.ir import Graph, Node, Value
 from kiln.ops import OPS
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import is_elementwise, replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.trt.vocab import fused_layer_name, pointwise_layer_name
 
 
 ABSORBS_ACTIVATION = ("Conv", "Gemm", "MatMul")
@@ -38,7 +39,7 @@ def fuse_swish(g: Graph, plog: PassLog) -> None:
             continue
         origin = sig.origin + mul.origin
         plog.fusing(sig, mul)
-        replace_nodes(g, [sig, mul], Node(" + ".join(origin), "Swish", [x], [mul.outputs[0]], {"alpha": 1.0}, "",
+        replace_nodes(g, [sig, mul], Node(fused_layer_name(origin), "Swish", [x], [mul.outputs[0]], {"alpha": 1.0}, "",
                                           origin))
 
 
@@ -89,7 +90,7 @@ def merge_programs(first: Node, second: Node) -> tuple[list[dict[str, Any]], lis
 
 
 def pwn_name(origin: tuple[str, ...]) -> str:
-    return f"PWN({', '.join(origin)})"
+    return pointwise_layer_name(origin)
 
 
 def fuse_pointwise(g: Graph, plog: PassLog) -> None:

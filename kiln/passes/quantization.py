@@ -13,6 +13,7 @@ import numpy as np
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import replace_nodes, sole_consumer
+from kiln.trt.vocab import fused_layer_name
 
 log = logging.getLogger("kiln.build")
 QUANTIZABLE = {"Conv": "QConv", "MatMul": "QMatMul", "Gemm": "QGemm"}
@@ -71,7 +72,7 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
                         note)
         origin = tuple(o for n in [dqx, dqw] if len(n.outputs[0].users) == 1 for o in n.origin) + \
             tuple(o for n in nodes for o in n.origin)
-        name = " + ".join(n.name for n in nodes)
+        name = fused_layer_name(n.name for n in nodes)
         plog.fusing(dqx, node)
         attrs = {**node.attrs, "quant": quant}
         inputs = [dqx.inputs[0], dqw.inputs[0]] + list(node.inputs[2:])
@@ -168,7 +169,7 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         origin = tuple(o for d in dqs if len(d.outputs[0].users) == 1 for o in d.origin) + \
             tuple(o for n in nodes for o in n.origin)
         attrs = {"quant": quant, **({"activation": act} if act else {})}
-        replace_nodes(g, nodes, Node(" + ".join(n.name for n in nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
+        replace_nodes(g, nodes, Node(fused_layer_name(n.name for n in nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
                                      [nxt.outputs[0]], attrs, "kiln", origin))
 
 

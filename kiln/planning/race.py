@@ -24,6 +24,7 @@ from kiln.tactics.onnx_emit import supports
 from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.timing_cache import digest
 from kiln.tactics.winograd import WINOGRAD_PREFIX
+from kiln.trt import build_log as log_lines
 
 log = logging.getLogger("kiln.build")
 
@@ -56,7 +57,8 @@ def choose_plan(g: Graph, first: Lowering, sources: frozenset[str], tuner: Autot
     best = pick_fastest(times, tuner)
     if proposals[best]:
         apply_regions(g, proposals[best], "openvino" if best == "openvino" else "onnxruntime")
-        log.debug("After region formation: %d layers (%d onnxruntime region(s))", len(g.nodes), len(proposals[best]))
+        regions = f"{len(proposals[best])} onnxruntime region(s)"
+        log.debug(log_lines.after_layers("region formation", len(g.nodes), regions))
     return candidates[best]
 
 

@@ -20,6 +20,7 @@ from kiln.tactics.base import HWC, LINEAR
 from kiln.tactics.lower import node_view
 from kiln.tactics.onnx_emit import emit_region, supports
 from kiln.tactics.timing_cache import digest
+from kiln.trt.vocab import region_layer_name
 
 log = logging.getLogger("kiln.build")
 
@@ -236,7 +237,7 @@ def apply_regions(g: Graph, runs: list[list[Node]], library: str = "onnxruntime"
     """Replace each run of nodes by one Region node (domain "kiln") holding them, run by `library`."""
     for nodes in runs:
         ext_in, consts, outs = region_io(nodes, g)
-        name = f"{{ForeignNode[{nodes[0].name}...{nodes[-1].name}]}}"
+        name = region_layer_name(nodes[0].name, nodes[-1].name)
         origin = tuple(o for n in nodes for o in n.origin)
         region = Node(name, "Region", [*ext_in, *consts], list(outs), {"nodes": list(nodes), "library": library},
                       "kiln", origin)

@@ -15,6 +15,7 @@ from kiln.tactics.clock import WALL_CLOCK, Clock, elapsed_ms
 from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
 from kiln.tactics.reformat import to_format
 from kiln.tactics.timing_cache import TimingCache, digest
+from kiln.trt import build_log as log_lines
 
 log = logging.getLogger("kiln.build")
 
@@ -167,7 +168,7 @@ class Autotuner:
         if self.evictor is not None:
             signature = digest({"cold_weights": signature})
         self.current = f"layer '{name}'"
-        log.debug("=============== Computing costs for %s", name)
+        log.debug(log_lines.computing_costs(name))
         times = self._measure(view, tactics, signature, have_formats, dying)
         best: Choice | None = None
         for t in tactics:
@@ -177,8 +178,8 @@ class Autotuner:
                            for i, (w, have) in enumerate(zip(wanted, have_formats))
                            if have is not None and w not in (ANY, have) and len(view.input_shapes[i]) == 4)
             handover = self.costs.handover_ms.get(t.source, 0.0)
-            log.debug("--------------- Timing Runner: %s (%s)", name, runner)
-            log.debug("Tactic Name: %s Tactic: 0x%016x Time: %g", t.name, tactic_value(t.name), times[t.name])
+            log.debug(log_lines.timing_runner(name, runner))
+            log.debug(log_lines.tactic_time(t.name, tactic_value(t.name), times[t.name]))
             if reformat:
                 log.debug("  + input reformat %g ms (layout %s)", reformat, "/".join(w for w in wanted))
             if handover:
@@ -186,8 +187,8 @@ class Autotuner:
             total = times[t.name] + reformat + handover
             if best is None or total < (best.kernel_ms + best.overhead_ms) * (1 - self.costs.preference_margin):
                 best = Choice(t, times[t.name], reformat + handover, times)
-        log.debug(">>>>>>>>>>>>>>> Chose Runner Type: %s Tactic: 0x%016x", runner_names.get(best.tactic.name, best.tactic.source),
-                  tactic_value(best.tactic.name))
+        log.debug(log_lines.chose_runner(runner_names.get(best.tactic.name, best.tactic.source),
+                                         tactic_value(best.tactic.name)))
         others = ", ".join(f"{k} {v:g} ms" for k, v in times.items() if k != best.tactic.name)
         log.debug("Reason: %s wins at %g ms kernel + %g ms reformat/hand-over (others: %s; a later-listed "
                   "tactic must be %d%% faster)", best.tactic.name, best.kernel_ms, best.overhead_ms, others or "none",

@@ -17,7 +17,7 @@ from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
 from kiln.tactics.registry import candidates
-from kiln.trt.vocab import runner_name
+from kiln.trt.vocab import reformat_names, runner_name
 
 CONSTANT_TACTIC = "kiln.constant"
 NO_DECISION = PrecisionDecision("", "FP32")   # layers kiln adds (Reformat, Constant, Region) request nothing
@@ -82,11 +82,10 @@ class Lowering:
             return self.reformatted[(src, target)]
         d = self.descs[src]
         if public_name is None:
-            name, new = f"Reformatting CopyNode for Input Tensor {index} to {consumer}", \
-                f"Reformatted Input Tensor {index} to {consumer}"
+            name, new = reformat_names("Input", index, consumer)
             self.reformatted[(src, target)] = new
         else:
-            name, new = f"Reformatting CopyNode for Output Tensor {index} to {consumer}", public_name
+            name, new = reformat_names("Output", index, consumer)[0], public_name
         out = dataclasses.replace(d, name=new, format=target)
         tactic = NOOP_TACTIC if is_noop_reformat(d.dims) and not d.dynamic else REFORMAT_TACTIC
         self.layers.append(Layer(name, "Reformat", "kiln", (Arg("tensor", src),), (d,), (out,),
@@ -175,7 +174,7 @@ class Lowering:
         outs = []
         for j, v in enumerate(node.outputs):
             fmt = out_format if len(v.shape) == 4 else LINEAR
-            name = f"Reformatted Output Tensor {j} to {node.name}" if self.g.is_output(v) and fmt != LINEAR else v.name
+            name = reformat_names("Output", j, node.name)[1] if self.g.is_output(v) and fmt != LINEAR else v.name
             desc = desc_of(v, name, fmt)
             self.descs[name], self.formats[name] = desc, fmt
             outs.append(desc)

@@ -7,10 +7,9 @@ from typing import Any
 
 from kiln.plan.model import Layer, Plan, TensorDesc
 from kiln.errors import Error
-from kiln.trt.vocab import ACTIVATION_TYPE, format_datatype, layer_type, parameter_type, weight_type
+from kiln.trt.vocab import ACTIVATION_TYPE, format_datatype, layer_type, metadata_text, parameter_type, weight_type
 
 VERBOSITIES = ("none", "layer_names_only", "detailed")
-METADATA_SEP = "\u001e"
 
 
 def tensor_info(t: TensorDesc) -> dict[str, Any]:
@@ -55,7 +54,7 @@ def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:
         if layer.precision_reason:
             d["PrecisionReason"] = layer.precision_reason
     d["StreamId"] = 0
-    d["Metadata"] = METADATA_SEP.join(f"[ONNX Layer: {o}]" for o in layer.origin)
+    d["Metadata"] = metadata_text(layer.origin)
     return d
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from kiln.plan.model import Layer, Plan, TensorDesc
 from kiln.trt.layer_info import detailed_layer, tactic_sources, tensor_info
-from kiln.trt.prose import dtype_precision
+from kiln.trt.vocab import dtype_precision
 from kiln.trt.readers import LAYER_FIELDS, tactic_sources_note
 from kiln.trt.records import EngineInfo, LayerRecord, TensorInfo
 

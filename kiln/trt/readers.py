@@ -22,7 +22,7 @@ from typing import Any
 from kiln.errors import Error
 from kiln.trt import build_log as log_lines
 from kiln.trt.reading import HINT, artifact_error, as_json
-from kiln.trt.prose import origins_from_metadata
+from kiln.trt.vocab import origins_from_metadata
 from kiln.trt.records import EngineInfo, LayerRecord, TensorInfo
 
 # layer-info keys a LayerRecord has a field for; every other key goes to `params`

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.trt.prose import precision_of
+from kiln.trt.vocab import precision_of
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from kiln.trt.artifacts import read_artifact
 from kiln.trt.layer_info import dumps, layer_info, oneline
 from kiln.trt.plan_records import engine_info_from_plan
 from kiln.trt.profile import profile_json, read_profile_json, read_times_json, times_json
-from kiln.trt.prose import metadata_text
+from kiln.trt.vocab import metadata_text
 from kiln.trt.readers import read_layer_info_json, read_oneline
 from kiln.trt.records import EngineInfo, InferenceTimes, Profile
 from tests.conftest import force_plan, make_model

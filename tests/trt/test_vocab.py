@@ -1,11 +1,11 @@
-"""kiln.trt.prose: precision names read from TensorRT's prose, the same names for kiln's dtypes, Metadata origins."""
+"""kiln.trt.vocab: precision names read from TensorRT's prose, the same names for kiln's dtypes, Metadata origins."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kiln.plan.model import HWC, LINEAR, TensorDesc
-from kiln.trt.prose import dtype_precision, metadata_text, origins_from_metadata, precision_of
+from kiln.trt.vocab import dtype_precision, metadata_text, origins_from_metadata, precision_of
 from kiln.trt.vocab import format_datatype
 
 
