@@ -202,6 +202,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     import torch
 
     import kiln
+    from kiln.trt.vocab import layer_type
 
     torch.set_num_threads(args.threads)
     model, feeds, path = build_model(name, workdir)
@@ -222,7 +223,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     medians = {k: statistics.median(v) for k, v in samples.items()}
     bound_ms = flops(engine.plan) / (args.peak_gflops * 1e9) * 1e3
     return {"name": name, "medians": medians, "build_s": build_s, "load_s": load_s, "bound_ms": bound_ms,
-            "plan": plan_summary([l.layer_type for l in engine.plan.layers])}
+            "plan": plan_summary([layer_type(l) for l in engine.plan.layers])}
 
 
 def plan_summary(layer_types: list[str]) -> str:

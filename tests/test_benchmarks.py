@@ -4,6 +4,7 @@ benchmark prints first, and the runs CSV compare.py appends to; no real benchmar
 from __future__ import annotations
 
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -131,3 +132,24 @@ def test_longrun_prints_the_cpu_line_first(monkeypatch, capsys):
     monkeypatch.setattr(longrun, "cpu_line", lambda: "CPU: test")
     assert longrun.main(["--runs", "0"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "CPU: test"
+
+
+def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch):
+    """The real `bench` (build, save, load, peers, blocks, plan summary) on a tiny CNN, one round of one run: the
+    code path the benchmark takes, so a stale attribute cannot hide until the next benchmark run."""
+    import argparse
+
+    import torch
+
+    from tests.models.nets import export
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    path = tmp_path / "tiny.onnx"
+    export(model, x, path)
+    monkeypatch.setattr(compare, "build_model", lambda name, workdir: (model, {"input": x.numpy()}, path))
+    args = argparse.Namespace(threads=1, compile=False, rounds=1, runs=1, peak_gflops=100.0)
+    result = compare.bench("tiny", tmp_path, args)
+    assert result["name"] == "tiny" and {"kiln", "onnxruntime", "torch eager"} <= set(result["medians"])
+    assert re.fullmatch(r"\d+ layers?: \d+ \w+(, \d+ \w+)*", result["plan"]), result["plan"]
+    assert result["bound_ms"] > 0 and result["build_s"] > 0

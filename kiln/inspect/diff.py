@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from kiln.trt.records import EngineInfo, LayerRecord, Profile
+from kiln.trt.records import EngineInfo, LayerRecord, Profile, is_region
 
 _MYELIN_TYPES = ("kgen", "gemm", "fusion", "myelin")
 
@@ -136,10 +136,6 @@ def _myelin_like(layer: LayerRecord) -> bool:
     return bool(layer.region) or "_myl" in layer.name or (layer.layer_type or "").lower() in _MYELIN_TYPES
 
 
-def _is_region(layer: LayerRecord) -> bool:
-    return "{ForeignNode[" in layer.name or (layer.layer_type or "").lower() == "myelin"
-
-
 def _fits(regions: list[LayerRecord], extras: list[LayerRecord]) -> bool:
     """The extra layers are the regions' sub-layers: Myelin-like, or their data flow starts at the regions' inputs
     and ends at the regions' outputs."""
@@ -158,7 +154,7 @@ def verbosity_split(a: EngineInfo, b: EngineInfo, only_a: list[LayerRecord], onl
     """(coarse side "A"/"B", its unmatched regions, the other side's extra layers) when the only layer-list
     difference is a region listed as one layer vs as its sub-layers; else None."""
     for side, coarse, rest_c, rest_f in (("A", a, only_a, only_b), ("B", b, only_b, only_a)):
-        regions = [l for l in rest_c if _is_region(l)]
+        regions = [l for l in rest_c if is_region(l)]
         if not regions or len(regions) != len(rest_c):
             continue
         if _fits(regions, rest_f):

@@ -8,7 +8,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kiln.trt.records import EngineInfo, LayerRecord, Profile, TensorInfo
+from kiln.trt.records import EngineInfo, LayerRecord, Profile, TensorInfo, is_conv, is_gemm, is_reformat, is_region
+from kiln.trt.vocab import is_reformat_name
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,6 @@ class Finding:
 
 
 REDUCED = ("INT8", "FP16", "BF16", "FP8", "INT4")
-_CONV_KINDS = ("Convolution", "ConvActPool", "Deconvolution")
-_GEMM_KINDS = ("MatrixMultiply", "Gemm", "FullyConnected")
 _TYPE_WORDS = {"i8": "INT8", "int8": "INT8", "s8": "INT8", "f16": "FP16", "fp16": "FP16", "h": "FP16",
                "f32": "FP32", "fp32": "FP32", "tf32": "FP32", "bf16": "BF16", "e4m3": "FP8", "f8": "FP8"}
 _TYPE_ALT = "int8|i8|s8|bf16|tf32|fp16|fp32|f16|f32|e4m3|f8"
@@ -35,25 +34,6 @@ def tactic_types(tactic: str | None) -> tuple[str, str] | None:
     """The first "<in><out>" type group of a kernel name: "..._i8f32_i8i32_f32_..." -> ("INT8", "FP32")."""
     m = _TYPE_GROUP.search((tactic or "").lower())
     return (_TYPE_WORDS[m.group(1)], _TYPE_WORDS[m.group(2)]) if m else None
-
-
-def is_conv(layer: LayerRecord) -> bool:
-    return layer.parameter_type in _CONV_KINDS or layer.params.get("ConvParameterType") == "Convolution" or \
-        "Conv" in (layer.layer_type or "") or (layer.parameter_type is None and "[Convolution]" in layer.name
-                                                and not layer.is_reformat)
-
-
-def is_gemm(layer: LayerRecord) -> bool:
-    return layer.parameter_type in _GEMM_KINDS or (layer.layer_type or "").lower() in ("gemm", "caskgemm") or \
-        "Gemm" in (layer.layer_type or "") or "MatrixMultiply" in (layer.layer_type or "")
-
-
-def is_reformat(layer: LayerRecord) -> bool:
-    return layer.is_reformat or layer.parameter_type == "Reformat" or layer.name.startswith("Reformatting CopyNode")
-
-
-def is_region(layer: LayerRecord) -> bool:
-    return "{ForeignNode[" in layer.name or (layer.layer_type or "").lower() == "myelin"
 
 
 def is_qdq(layer: LayerRecord) -> bool:
@@ -217,7 +197,7 @@ def _profile_times(engine: EngineInfo, profile: Profile) -> list[tuple[str, floa
     out = []
     for r in profile.records:
         layer = by_name.get(r.name)
-        reformat = is_reformat(layer) if layer else r.name.startswith("Reformatting CopyNode")
+        reformat = is_reformat(layer) if layer else is_reformat_name(r.name)
         out.append((r.name, r.average_ms, reformat))
     return out
 

@@ -14,9 +14,9 @@ import torch
 from kiln.errors import Error
 from kiln.ir import Graph
 from kiln.plan.model import Layer
-from kiln.planning.regions import _kiln_runner, apply_regions, choose_regions, unapply_regions
+from kiln.planning.regions import plan_runner, apply_regions, choose_regions, unapply_regions
 from kiln.precision.policy import INT8_LAYERS, QDQ_OPS
-from kiln.tactics.autotune import Autotuner, _example, robust_ms
+from kiln.tactics.autotune import Autotuner, example_input, robust_ms
 from kiln.tactics.base import LINEAR
 from kiln.tactics.clock import elapsed_ms
 from kiln.tactics.lower import Lowering, lower, node_view
@@ -150,7 +150,7 @@ def measure_plans(candidates: Candidates, descs: dict, g: Graph, tuner: Autotune
 def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, reference_fn, times: dict[str, float]):
     """{plan name: (cache key, runner, rounds)} for the candidates that run and agree with the reference; cached
     plan times go straight into `times`."""
-    inputs = {v.name: _example(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
+    inputs = {v.name: example_input(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
     reference = _reference_outputs(reference_fn, inputs)
     quantized = any(n.op_type in INT8_OPS for n in g.nodes)
     runners = {}
@@ -161,7 +161,7 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
             times[name] = cached
             continue
         try:
-            run = _kiln_runner(layers, {}, weights, g.opset, inputs, keep={v.name for v in g.outputs})
+            run = plan_runner(layers, {}, weights, g.opset, inputs, keep={v.name for v in g.outputs})
             with torch.inference_mode():
                 outputs = [run()[v.name] for v in g.outputs]
         except Exception as exc:   # a library refused the plan: it is simply not a candidate

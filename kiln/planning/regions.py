@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.ir import Graph, Node
-from kiln.tactics.autotune import Autotuner, TimingOptions, _example, time_rounds_ms
+from kiln.tactics.autotune import Autotuner, TimingOptions, example_input, time_rounds_ms
 from kiln.tactics.base import HWC, LINEAR
 from kiln.tactics.lower import node_view
 from kiln.tactics.onnx_emit import emit_region, supports
@@ -106,11 +106,11 @@ def _region_runner(nodes: list[Node], g: Graph):
     except Exception as exc:   # onnxruntime rejects the sub-model: that segment stays with kiln
         log.debug("Region of %s...%s not runnable by onnxruntime: %s", nodes[0].name, nodes[-1].name, exc)
         return None
-    xs = [_example(v.shape, str(v.dtype), LINEAR) for v in ext_in]
+    xs = [example_input(v.shape, str(v.dtype), LINEAR) for v in ext_in]
     return lambda: kernel(xs)
 
 
-def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: dict | None = None,
+def plan_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: dict | None = None,
                  keep: set[str] | None = None):
     """A callable running a run of planned layers on example inputs through the plan interpreter; it returns the
     final environment. With `keep` (the graph's outputs) it runs as an execution context does: each tensor is
@@ -124,7 +124,7 @@ def _kiln_runner(layers: list, descs: dict, weights_np: dict, opset: int, env0: 
     external = dict.fromkeys(a.name for layer in layers for a in layer.args
                              if a.kind == "tensor" and a.name not in produced)
     if env0 is None:
-        env0 = {n: _example(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
+        env0 = {n: example_input(descs[n].dims, descs[n].dtype, descs[n].format) for n in external}
     kernels = [prepare_kernel(layer, weights, weights_np, opset) for layer in layers]
     interpreter = Interpreter(layers, kernels, None if keep is None else set(keep) | set(env0))
     return lambda: interpreter.run(dict(env0))
@@ -141,7 +141,7 @@ def measure_segment(nodes: list[Node], layers: list, g: Graph, descs: dict, weig
     region_ms = tuner.cache.get(key, "onnxruntime.region", what)
     if kiln_ms is not None and region_ms is not None:
         return kiln_ms, (None if region_ms < 0 else region_ms)
-    runners = [_kiln_runner(layers, descs, weights, g.opset), _region_runner(nodes, g)]
+    runners = [plan_runner(layers, descs, weights, g.opset), _region_runner(nodes, g)]
     samples: list[list[float]] = [[], []]
     with torch.inference_mode():
         for _ in range(tuner.options.min_timing):

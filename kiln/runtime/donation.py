@@ -1,15 +1,19 @@
 """In-place kernels: a kernel may carry `into_input = (index, kernel)`, a variant that writes its output over
 input `index`'s buffer (a fused residual accumulated where it lies). Whether a layer may use it is decided
-once per run order (`donation`) and checked again per inference (`sole_owner`), by the executor and by the
-builder's whole-plan timing alike, so the plan that is timed is the plan that runs."""
+once per run order (`donation`) and checked again per inference (`sole_owner`) by the plan interpreter, which
+runs inference and the builder's timing alike, so the plan that is timed is the plan that runs."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
+from kiln.plan.model import Layer
 from kiln.tactics.base import Kernel
 
 
-def donation(layer, freed_here, engine_io: set[str], kernel) -> tuple[int, Kernel] | None:
+def donation(layer: Layer, freed_here: Sequence[str], engine_io: set[str],
+             kernel: Kernel) -> tuple[int, Kernel] | None:
     """(input index, in-place kernel) where the kernel can write its output into an input's buffer and that
     input dies here: its last reader, not an engine input or output, and not read twice by this layer."""
     into = getattr(kernel, "into_input", None)

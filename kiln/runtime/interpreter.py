@@ -15,8 +15,8 @@ from kiln.errors import Error
 from kiln.plan.liveness import free_lists
 from kiln.plan.model import Layer
 from kiln.runtime.donation import donation, sole_owner
+from kiln.tactics.base import Kernel
 
-Kernel = Callable[[list], list]
 Observer = Callable[[str, torch.Tensor], None]
 
 

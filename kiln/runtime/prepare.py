@@ -12,6 +12,7 @@ import torch
 from kiln import native
 from kiln.errors import EngineFormatError
 from kiln.ops.nn import check_window_attrs
+from kiln.plan.model import Layer
 from kiln.tactics import onnxruntime_source, openvino_source
 from kiln.tactics.base import HWC, Kernel, LayerView
 from kiln.tactics.onnx_emit import emit_region
@@ -37,7 +38,8 @@ class TorchWeights(dict):
         return tensor
 
 
-def layer_view(layer: Any, weights: dict[str, Any], opset: int, with_consts: bool = True) -> LayerView:
+def layer_view(layer: Layer, weights: dict[str, Any], opset: int, with_consts: bool = True) -> LayerView:
+    """What a tactic sees of a planned layer (weights from `weights`, numpy arrays or torch tensors)."""
     shapes = {t.name: t for t in layer.inputs}
 
     def shape(a):
@@ -54,7 +56,7 @@ def layer_view(layer: Any, weights: dict[str, Any], opset: int, with_consts: boo
                      tuple(dtype(a) for a in layer.args), consts, tuple(t.dtype for t in layer.outputs), opset, dynamic)
 
 
-def region_library(layer: Any) -> str | None:
+def region_library(layer: Layer) -> str | None:
     """Which installed library runs a region here: the one it was built for, else onnxruntime (the same ONNX
     sub-model), else None (its inner layers then run on torch's reference kernels)."""
     if layer.tactic_name == OPENVINO_REGION_TACTIC and openvino_source.available():
@@ -62,7 +64,7 @@ def region_library(layer: Any) -> str | None:
     return "onnxruntime" if onnxruntime_source.available() else None
 
 
-def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cached: bool = False,
+def prepare_region(layer: Layer, weights: dict[str, np.ndarray], opset: int, cached: bool = False,
                    library: str = "onnxruntime") -> Kernel:
     opset = max(13, opset)
     steps = [(layer_view(inner, weights, opset, with_consts=False),
@@ -77,7 +79,7 @@ def prepare_region(layer: Any, weights: dict[str, np.ndarray], opset: int, cache
     return region_kernel(model, external, *names, bool(layer.attrs.get("spinning", False)))
 
 
-def prepare_kernel(layer: Any, weights: dict[str, torch.Tensor], np_weights: dict[str, np.ndarray],
+def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: dict[str, np.ndarray],
                    opset: int, cached: bool = False) -> Kernel:
     """`cached`: external libraries may use their compiled-model caches (loaded engines; not build candidates)."""
     from kiln.tactics.registry import TACTICS_BY_NAME
@@ -125,7 +127,7 @@ def _warn_missing(tactic_name: str, what: str) -> None:
                 "reference kernels, slower; install it or rebuild the engine here", what, tactic_name)
 
 
-def reference_region(layer: Any, weights: dict[str, torch.Tensor], opset: int) -> Kernel:
+def reference_region(layer: Layer, weights: dict[str, torch.Tensor], opset: int) -> Kernel:
     """A region's inner layers one after another on torch's reference kernels, for a machine that lacks the
     library the region was built for. Inputs and outputs stay row-major, as the plan expects of a region."""
     from kiln.runtime.interpreter import Interpreter
@@ -141,7 +143,7 @@ def reference_region(layer: Any, weights: dict[str, torch.Tensor], opset: int) -
     return run
 
 
-def in_planned_formats(kernel: Kernel, layer: Any) -> Kernel:
+def in_planned_formats(kernel: Kernel, layer: Layer) -> Kernel:
     """The reference kernels follow torch's layout rules, which do not always give the format the plan records
     for a layout-agnostic op: torch.cat of a row-major and a channel-major input is row-major, recorded as
     channel-major. Outputs recorded channel-major are made so (no copy when they already are), so layer info

@@ -41,7 +41,7 @@ def layer_signature(view: LayerView, have_formats: list[str | None], precision: 
                    "precision": precision})
 
 
-def _example(shape, dtype: str, fmt: str) -> torch.Tensor:
+def example_input(shape, dtype: str, fmt: str) -> torch.Tensor:
     from kiln.ops.dtypes import to_torch_dtype
 
     tdtype = to_torch_dtype(np.dtype(dtype))
@@ -117,7 +117,7 @@ class Autotuner:
         cached = self.cache.get(key, "reformat")
         if cached is not None:
             return cached
-        src = _example(shape, dtype, LINEAR if target == HWC else HWC)
+        src = example_input(shape, dtype, LINEAR if target == HWC else HWC)
         ms = robust_ms(time_rounds_ms(lambda: to_format(src, target), self.options, self.clock))
         self.cache.put(key, "reformat", ms)
         return ms
@@ -138,7 +138,7 @@ class Autotuner:
             wanted = t.input_formats(view)
             # a layout-agnostic kernel is timed on the layout its producer really delivers
             xs = [None if (s is None or i in view.const_inputs) else
-                  _example(s, view.input_dtypes[i], (have_formats[i] or LINEAR) if wanted[i] == ANY else wanted[i])
+                  example_input(s, view.input_dtypes[i], (have_formats[i] or LINEAR) if wanted[i] == ANY else wanted[i])
                   for i, s in enumerate(view.input_shapes)]
             into = getattr(kernel, "into_input", None)
             if into is not None and into[0] in dying:

@@ -7,7 +7,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.trt.vocab import precision_of
+from kiln.trt.vocab import is_reformat_name, precision_of
+
+_CONV_KINDS = ("Convolution", "ConvActPool", "Deconvolution")
+_GEMM_KINDS = ("MatrixMultiply", "Gemm", "FullyConnected")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class LayerRecord:
     @property
     def is_reformat(self) -> bool:
         return self.layer_type in ("Reformat", "NoOp") and (self.parameter_type in (None, "Reformat")) and \
-            (self.name.startswith("Reformatting CopyNode") or self.params.get("Origin") in ("REFORMAT", "QDQ")
+            (is_reformat_name(self.name) or self.params.get("Origin") in ("REFORMAT", "QDQ")
              or self.layer_type == "Reformat")
 
     @property
@@ -136,3 +139,26 @@ class BuildLog:
     performance: dict[str, str]                  # "=== Performance summary ===" lines
     engine: EngineInfo | None                    # an "Engine Layer Information" / "Layers:" dump, if present
     notes: tuple[str, ...] = ()
+
+
+def is_conv(layer: LayerRecord) -> bool:
+    """A convolution in any TensorRT version's vocabulary (ParameterType, runner name, or an unnamed layer's tag)."""
+    return layer.parameter_type in _CONV_KINDS or layer.params.get("ConvParameterType") == "Convolution" or \
+        "Conv" in (layer.layer_type or "") or (layer.parameter_type is None and "[Convolution]" in layer.name
+                                                and not layer.is_reformat)
+
+
+def is_gemm(layer: LayerRecord) -> bool:
+    """A matrix product (MatrixMultiply, Gemm, FullyConnected, a Cask GEMM runner)."""
+    return layer.parameter_type in _GEMM_KINDS or (layer.layer_type or "").lower() in ("gemm", "caskgemm") or \
+        "Gemm" in (layer.layer_type or "") or "MatrixMultiply" in (layer.layer_type or "")
+
+
+def is_reformat(layer: LayerRecord) -> bool:
+    """A layout/precision copy TensorRT or kiln inserted."""
+    return layer.is_reformat or layer.parameter_type == "Reformat" or is_reformat_name(layer.name)
+
+
+def is_region(layer: LayerRecord) -> bool:
+    """A fused region: kiln's or TensorRT's {ForeignNode[...]}, or a Myelin layer."""
+    return "{ForeignNode[" in layer.name or (layer.layer_type or "").lower() == "myelin"

@@ -191,3 +191,8 @@ def reformat_names(direction: str, index: int, layer: str) -> tuple[str, str]:
     """(Reformat layer name, its output tensor's name) for a layout copy of `layer`'s input or output `index`."""
     return (f"Reformatting CopyNode for {direction} Tensor {index} to {layer}",
             f"Reformatted {direction} Tensor {index} to {layer}")
+
+
+def is_reformat_name(name: str) -> bool:
+    """Whether a layer name is one TensorRT (or kiln, following it) gives an inserted Reformat copy."""
+    return name.startswith("Reformatting CopyNode")

@@ -65,13 +65,13 @@ def test_residual_buffer_is_reused_only_when_safe(kind, hw, donated):
 
 @pytest.mark.parametrize("kind, donated", [("dies_here", True), ("read_later", False), ("caller_input", True)])
 def test_whole_plan_timing_runs_the_plan_as_the_executor_does(kind, donated, monkeypatch):
-    """The builder times candidate plans with regions._kiln_runner (the plan interpreter): it must drop dead
+    """The builder times candidate plans with regions.plan_runner (the plan interpreter): it must drop dead
     tensors and donate exactly where the executor does, or a plan is timed with more memory traffic than it has
     when it runs."""
     import torch
 
     import kiln.runtime.interpreter as interpreter_module
-    from kiln.planning.regions import _kiln_runner
+    from kiln.planning.regions import plan_runner
 
     model = _model(kind, 6)
     engine = kiln.build(model, tactic_sources={"torch-onednn", "torch"}, autotune=False)
@@ -84,7 +84,7 @@ def test_whole_plan_timing_runs_the_plan_as_the_executor_does(kind, donated, mon
         checks.append(original(tensor, env))
         return checks[-1]
     monkeypatch.setattr(interpreter_module, "sole_owner", counting)
-    run = _kiln_runner(list(engine.plan.layers), {}, engine.plan.weights, 17, {"x": torch.from_numpy(x)}, keep=keep)
+    run = plan_runner(list(engine.plan.layers), {}, engine.plan.weights, 17, {"x": torch.from_numpy(x)}, keep=keep)
     with torch.inference_mode():
         env = run()
     assert set(env) == {"x"} | keep   # everything else was dropped after its last reader

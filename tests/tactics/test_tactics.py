@@ -349,7 +349,7 @@ def test_a_whole_plan_counts_its_fastest_round_so_a_burst_does_not_decide(monkey
             return {}
         return run
     monkeypatch.setattr(race, "_block_order", spy)
-    monkeypatch.setattr(race, "_kiln_runner", runner)
+    monkeypatch.setattr(race, "plan_runner", runner)
     monkeypatch.setattr(race, "plan_signature", lambda layers: layers[0])
     monkeypatch.setattr(race, "WARMUP_MS", 0.0)
     tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=4, min_timing=1), clock=clock)
