@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from time import perf_counter_ns
 
 import torch
 
@@ -71,8 +72,6 @@ class Interpreter:
 
 
 def _profiled(layer: Layer, kernel: Kernel, xs: list, profiler) -> list:
-    from time import perf_counter_ns
-
     start = perf_counter_ns()
     if layer.inner and hasattr(kernel, "profiled_run"):
         results = kernel.profiled_run(xs)
