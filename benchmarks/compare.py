@@ -118,8 +118,10 @@ def quantize_qdq(path: Path, x: np.ndarray) -> Path:
     return qdq
 
 
-def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, with_compile: bool):
-    """name -> zero-argument callable running one inference."""
+def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, with_compile: bool,
+          precision: str = "fp32"):
+    """name -> zero-argument callable running one inference. With precision bf16, OpenVINO also runs at its
+    default inference precision ("openvino default": bf16 on CPUs with AVX512-BF16 or AMX)."""
     import onnxruntime as ort
     import torch
 
@@ -135,6 +137,10 @@ def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, wit
                                                               "INFERENCE_PRECISION_HINT": "f32"})
         request = compiled.create_infer_request()
         out["openvino"] = lambda: request.infer(feeds)
+        if precision == "bf16":
+            default = ov.Core().compile_model(onnx_path, "CPU", {"INFERENCE_NUM_THREADS": threads})
+            default_request = default.create_infer_request()
+            out["openvino default"] = lambda: default_request.infer(feeds)
     except ImportError:
         pass
     args = [torch.from_numpy(feeds[i.name]) for i in sess.get_inputs()]
@@ -207,7 +213,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     torch.set_num_threads(args.threads)
     model, feeds, path = build_model(name, workdir)
     t0 = time.perf_counter()
-    engine = kiln.build(str(path))
+    engine = kiln.build(str(path), bf16=args.precision == "bf16")
     build_s = time.perf_counter() - t0
     engine.save(workdir / f"{name}.kiln")
     t0 = time.perf_counter()
@@ -215,7 +221,9 @@ def bench(name: str, workdir: Path, args) -> dict:
     engine.kernels   # load = read + verify + prepare every kernel
     load_s = time.perf_counter() - t0
     ctx = engine.create_execution_context()
-    runners = {"kiln": lambda: ctx.execute(feeds), **peers(str(path), model, feeds, args.threads, args.compile)}
+    runners = {"kiln": lambda: ctx.execute(feeds),
+               **peers(str(path), model, feeds, args.threads, args.compile, args.precision)}
+    cosines = cosines_to_fp32(runners, feeds) if args.precision == "bf16" else {}
     if path.name.endswith("_qdq.onnx"):   # INT8 vs kiln's own FP32 engine of the same network
         fp32 = kiln.build(str(path.with_name(path.name.replace("_qdq", "")))).create_execution_context()
         runners["kiln fp32"] = lambda: fp32.execute(feeds)
@@ -223,7 +231,26 @@ def bench(name: str, workdir: Path, args) -> dict:
     medians = {k: statistics.median(v) for k, v in samples.items()}
     bound_ms = flops(engine.plan) / (args.peak_gflops * 1e9) * 1e3
     return {"name": name, "medians": medians, "build_s": build_s, "load_s": load_s, "bound_ms": bound_ms,
-            "plan": plan_summary([layer_type(l) for l in engine.plan.layers])}
+            "plan": plan_summary([layer_type(l) for l in engine.plan.layers]), "cosines": cosines,
+            "bf16_layers": sum(l.precision == "BF16" for l in engine.plan.layers)}
+
+
+def cosines_to_fp32(runners: dict, feeds: dict[str, np.ndarray]) -> dict[str, float]:
+    """Cosine of kiln's and OpenVINO's default outputs (first output) to onnxruntime's FP32 output."""
+    def first(result) -> np.ndarray:
+        if hasattr(result, "values"):   # kiln's dict, OpenVINO's OVDict
+            result = next(iter(result.values()))
+        elif isinstance(result, (list, tuple)):
+            result = result[0]
+        return np.asarray(result, dtype=np.float64).ravel()
+
+    want = first(runners["onnxruntime"]())
+    out = {}
+    for name in ("kiln", "openvino default"):
+        if name in runners:
+            got = first(runners[name]())
+            out[name] = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+    return out
 
 
 def plan_summary(layer_types: list[str]) -> str:
@@ -245,6 +272,9 @@ def run_rows(results: list[dict], run: str, cpu_text: str, threads: int, commit:
         notes = [note] if note else []
         if "kiln fp32" in m:
             notes.append(f"kiln FP32 engine {m['kiln fp32']:.2f} ms")
+        if "openvino default" in m:   # a --precision bf16 run: kiln built with --bf16
+            notes.append(f"kiln --bf16 ({r['bf16_layers']} BF16 layers); OpenVINO default {m['openvino default']:.2f}"
+                         " ms; cosine to FP32: " + ", ".join(f"{k} {v:.6f}" for k, v in r["cosines"].items()))
         rows.append(RunRow(run, date, model, " ".join(present_isa(flags)), threads, r["name"], m["kiln"],
                            m.get("onnxruntime", ""), m.get("openvino", ""), m.get("torch eager", ""),
                            m["kiln"] / m["onnxruntime"], m["kiln"] / best, m["kiln"] / max(r["bound_ms"], 1e-9),
@@ -259,6 +289,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time torch.compile (slow first call)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: kiln built with --bf16 beside OpenVINO's default and f32, onnxruntime FP32; cosines to "
+                        "onnxruntime's FP32 outputs printed")
     p.add_argument("--no-record", action="store_true", help="do not append this run to the results CSV")
     p.add_argument("--results-csv", type=Path, default=RUNS_CSV, help=f"where to append the rows (default {RUNS_CSV})")
     p.add_argument("--run-id", default=None, help="run id in the CSV (default: the UTC start time)")
@@ -283,6 +316,9 @@ def main(argv=None) -> int:
           f"{'kiln/bound':>12}{'build s':>9}{'load s':>8}")
     for r in results:
         print(f"{r['name']}: kiln's plan: {r['plan']}")
+        if r.get("cosines"):
+            print(f"{r['name']}: {r['bf16_layers']} BF16 layers; cosine to onnxruntime FP32: " +
+                  ", ".join(f"{k} {v:.6f}" for k, v in r["cosines"].items()))
         if "kiln fp32" in r["medians"]:
             print(f"{r['name']}: kiln INT8 is {r['medians']['kiln fp32'] / r['medians']['kiln']:.2f}x faster than "
                   "kiln FP32")

@@ -134,9 +134,11 @@ def test_longrun_prints_the_cpu_line_first(monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[0] == "CPU: test"
 
 
-def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch, precision):
     """The real `bench` (build, save, load, peers, blocks, plan summary) on a tiny CNN, one round of one run: the
-    code path the benchmark takes, so a stale attribute cannot hide until the next benchmark run."""
+    code path the benchmark takes, so a stale attribute cannot hide until the next benchmark run. With bf16,
+    OpenVINO's default precision joins and cosines to onnxruntime's FP32 output are reported."""
     import argparse
 
     import torch
@@ -148,8 +150,13 @@ def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch):
     path = tmp_path / "tiny.onnx"
     export(model, x, path)
     monkeypatch.setattr(compare, "build_model", lambda name, workdir: (model, {"input": x.numpy()}, path))
-    args = argparse.Namespace(threads=1, compile=False, rounds=1, runs=1, peak_gflops=100.0)
+    args = argparse.Namespace(threads=1, compile=False, rounds=1, runs=1, peak_gflops=100.0, precision=precision)
     result = compare.bench("tiny", tmp_path, args)
     assert result["name"] == "tiny" and {"kiln", "onnxruntime", "torch eager"} <= set(result["medians"])
+    if precision == "bf16":
+        assert ("openvino default" in result["medians"]) == ("openvino" in result["medians"])
+        assert result["cosines"]["kiln"] > 0.999
+        rows = compare.run_rows([result], "2026-11-24T09:30Z", LSCPU, 1, "abc1234", "")
+        assert "cosine to FP32: kiln 0.99" in rows[0].notes
     assert re.fullmatch(r"\d+ layers?: \d+ \w+(, \d+ \w+)*", result["plan"]), result["plan"]
     assert result["bound_ms"] > 0 and result["build_s"] > 0

@@ -15,7 +15,7 @@ from kiln.errors import Error
 from kiln.ir import Graph
 from kiln.plan.model import Layer
 from kiln.planning.regions import plan_runner, apply_regions, choose_regions, unapply_regions
-from kiln.precision.policy import INT8_LAYERS, QDQ_OPS
+from kiln.precision.policy import INT8_LAYERS, QDQ_OPS, REDUCED_FLOATS
 from kiln.tactics.autotune import Autotuner, example_input, robust_ms
 from kiln.tactics.base import LINEAR
 from kiln.tactics.clock import elapsed_ms
@@ -42,6 +42,11 @@ def choose_plan(g: Graph, first: Lowering, sources: frozenset[str], tuner: Autot
     """The plan to build from `first` (the graph lowered onto per-layer tactics): where an external library is
     enabled and timing is on, whole candidate plans are built and the fastest is kept. Returns (layers, weights)."""
     if tuner is None or not regions or not ({"onnxruntime", "openvino"} & sources):
+        return first.layers, first.weights
+    reduced = sorted({d.granted for d in first.precisions.values() if d.granted in REDUCED_FLOATS})
+    if reduced:   # kiln's regions run their layers in FP32: they would silently drop the granted precision
+        log.info("No onnxruntime/OpenVINO region candidates: %s was granted to layers a region would run in FP32",
+                 "/".join(reduced))
         return first.layers, first.weights
     proposals, candidates = propose_plans(g, sources, tuner, first)
     for name, proposal in proposals.items():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kiln import hardware
 from kiln.errors import ModelError
 from kiln.ir import Node
 
@@ -52,12 +53,8 @@ def parse_layer_precisions(spec: str | None) -> dict[str, str]:
 
 
 def cpu_reduced_float_support() -> dict[str, bool]:
-    """Whether this CPU computes FP16/BF16 natively (flags in /proc/cpuinfo; absent file: no)."""
-    try:
-        flags = set(open("/proc/cpuinfo").read().split())
-    except OSError:
-        flags = set()
-    return {"FP16": bool({"avx512_fp16", "amx_fp16"} & flags), "BF16": bool({"avx512_bf16", "amx_bf16"} & flags)}
+    """Whether this CPU computes FP16/BF16 natively (kiln.hardware)."""
+    return {"FP16": hardware.has_any(hardware.FP16_ISA), "BF16": hardware.has_any(hardware.BF16_ISA)}
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,7 @@ def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
     if want in ("FP16", "BF16"):
         why = f"this CPU has no native {want} arithmetic" if not support.get(want) else \
             f"kiln has no {want} kernel for {op_type}"
-        return f"{why}; {got} kernels are used (kiln's CPU kernels compute in FP32 or INT8)"
+        return f"{why}; it runs in {got}"
     if want == "INT8" and got == "FP32":
         if op_type in INT8_CAPABLE:
             return "no input scale: INT8 needs Q/DQ around the layer or calibration (--int8 --calib)"
@@ -112,6 +109,7 @@ def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
     return f"{want} is not available for {op_type}"
 
 
+REDUCED_FLOATS = ("BF16", "FP16")
 KernelOffers = Callable[[Node, str], bool]   # (node, precision) -> does an enabled tactic compute it so?
 
 

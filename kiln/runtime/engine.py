@@ -125,18 +125,22 @@ def load(path: str | os.PathLike, allow_other_device: bool = False) -> Engine:
 
 
 def check_device(plan: Plan, where: str, allow_other_device: bool = False) -> None:
-    """Like TensorRT, refuse an engine built on another device: its tactic choices were timed there. CPU
-    engines still compute correctly elsewhere, so `allow_other_device` loads them anyway (with a warning)."""
+    """Like TensorRT, refuse an engine built on another device: its tactic choices were timed there, and some of
+    its kernels may need instruction-set extensions this CPU lacks (named in the message). CPU engines still
+    compute correctly elsewhere, so `allow_other_device` loads them anyway with a warning; kernels needing a
+    missing extension then run their fallback, one warning each."""
     import logging
 
     from kiln.errors import EngineFormatError
     from kiln.tactics.timing_cache import device_description
 
-    built = (plan.build_info.get("device_description") or {}).get("cpu")
-    here = device_description(torch.get_num_threads())["cpu"]
-    if not built or built == here:
+    built = plan.build_info.get("device_description") or {}
+    here = device_description(torch.get_num_threads())
+    lacking = sorted(set(built.get("isa") or ()) - set(here["isa"]))
+    if (not built.get("cpu") or built.get("cpu") == here["cpu"]) and not lacking:
         return
-    message = f"{where}: engine was built on '{built}'; this machine is '{here}'"
+    message = f"{where}: engine was built on '{built.get('cpu')}'" + \
+        (f" with {', '.join(lacking)}, which this CPU lacks" if lacking else "") + f"; this machine is '{here['cpu']}'"
     if not allow_other_device:
         raise EngineFormatError(f"{message}. Its kernels were chosen by timing there: rebuild it here, or load it "
                                 "anyway with allow_other_device=True (CLI: --allow-other-device)")

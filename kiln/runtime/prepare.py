@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln import native
+from kiln import hardware, native
 from kiln.errors import EngineFormatError
 from kiln.ops.nn import check_window_attrs
 from kiln.plan.model import Layer
@@ -112,6 +112,9 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
     if getattr(tactic, "needs_c_compiler", False) and not native.available():
         _warn_missing(layer.tactic_name, "a C compiler (cc)")
         tactic = ReferenceTactic()   # an engine built elsewhere: the same layer on torch's kernels
+    elif not hardware.has_any(getattr(tactic, "required_isa", ())):
+        _warn_missing(layer.tactic_name, " or ".join(tactic.required_isa) + " (this CPU lacks it)")
+        tactic = ReferenceTactic()   # built on a CPU with the extension: the same layer in FP32 on torch's kernels
     elif tactic.source == "onnxruntime" and not onnxruntime_source.available():
         _warn_missing(layer.tactic_name, "onnxruntime")
         tactic = ReferenceTactic()

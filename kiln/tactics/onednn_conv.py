@@ -1,10 +1,12 @@
 """oneDNN convolution through torch: channel-major (NHWC) activations, weights prepacked once at load,
-bias, residual sum and activation fused as post-ops (`torch.ops.mkldnn._convolution_pointwise`)."""
+bias, residual sum and activation fused as post-ops (`torch.ops.mkldnn._convolution_pointwise`). The BF16 variant
+computes in bfloat16 (AMX or AVX512-BF16) with FP32 tensors in and out: the conversions are fused into the kernel."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kiln import hardware
 from kiln.ops.nn import _torch_pad, apply_activation
 from kiln.tactics.base import HWC, Kernel, LayerView
 
@@ -30,9 +32,23 @@ def fused_unary(spec):
     return _UNARY[spec["op"]](spec.get("attrs", {}))
 
 
+def casts(dtype: torch.dtype):
+    """(to compute dtype, back to FP32) for a kernel computing in `dtype` on FP32 tensors; identities for FP32."""
+    if dtype == torch.float32:
+        return (lambda x: x), (lambda y: y)
+    return (lambda x: x.to(dtype)), (lambda y: y.float())
+
+
+def bf16_available() -> bool:
+    """Native BF16 arithmetic here (AVX512-BF16 or AMX) and a oneDNN that uses it."""
+    return hardware.has_any(hardware.BF16_ISA) and torch.backends.mkldnn.is_available() and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 class OneDnnConvTactic:
     name = "onednn.conv2d_nhwc_prepacked"
     source = "torch-onednn"
+    compute_dtype = torch.float32
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx"):
@@ -49,8 +65,11 @@ class OneDnnConvTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         a = layer.attrs
-        w = layer.const_inputs[1].contiguous()
+        dtype = self.compute_dtype
+        to_compute, to_fp32 = casts(dtype)
+        w = layer.const_inputs[1].contiguous().to(dtype)
         bias = layer.const_inputs.get(2)
+        bias = None if bias is None else bias.to(dtype)
         pads, strides, dilations, groups = a["pads"], a["strides"], a["dilations"], a.get("group", 1)
         begin, end = pads[:2], pads[2:]
         explicit_pad = None if begin == end else _torch_pad(pads)
@@ -73,12 +92,13 @@ class OneDnnConvTactic:
             return x if explicit_pad is None else F.pad(x, explicit_pad).contiguous(memory_format=last)
 
         def finish(y):
+            y = to_fp32(y)
             return [apply_activation(post, y) if post else y]
 
         def run(xs):
-            x = padded(xs[0])
+            x = padded(to_compute(xs[0]))
             if has_residual:
-                return finish(conv.binary(x, xs[3], packed, bias, padding, strides, dilations, groups,
+                return finish(conv.binary(x, to_compute(xs[3]), packed, bias, padding, strides, dilations, groups,
                                           "add", 1.0, unary, scalars, alg))
             return finish(conv(x, packed, bias, padding, strides, dilations, groups, unary, scalars, alg))
 
@@ -90,6 +110,18 @@ class OneDnnConvTactic:
                 return run(xs)
             return finish(into.binary(residual, padded(xs[0]), packed, bias, padding, strides, dilations, groups,
                                       "add", 1.0, unary, scalars, alg))
-        if has_residual:
+        if has_residual and dtype == torch.float32:   # the sum post-op writes the residual's own (FP32) buffer
             run.into_input = (3, run_into_residual)
         return run
+
+
+class OneDnnBf16ConvTactic(OneDnnConvTactic):
+    """The same kernel computing in BF16; offered only where the CPU has native BF16 arithmetic."""
+
+    name = "onednn.conv2d_nhwc_prepacked_bf16"
+    compute_dtype = torch.bfloat16
+    reduced_precisions = frozenset({"BF16"})
+    required_isa = hardware.BF16_ISA
+
+    def supports(self, layer: LayerView) -> bool:
+        return super().supports(layer) and bf16_available()

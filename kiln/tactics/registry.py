@@ -8,8 +8,8 @@ from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.layernorm_c import LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
-from kiln.tactics.onednn_conv import OneDnnConvTactic
-from kiln.tactics.onednn_linear import OneDnnLinearTactic
+from kiln.tactics.onednn_conv import OneDnnBf16ConvTactic, OneDnnConvTactic
+from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import NhwcPoolTactic
@@ -19,9 +19,9 @@ from kiln.tactics.winograd import WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
-                                              WinogradConvTactic(4), WinogradConvTactic(2)],
-                                     "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic()],
-                                     "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic()],
+                                              WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic()],
+                                     "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic()],
+                                     "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
                                      "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic()],
@@ -59,8 +59,8 @@ def parse_sources(spec: str | None) -> frozenset[str]:
 
 
 def reduced_precisions(tactic: Tactic) -> frozenset[str]:
-    """Precisions besides a layer's native one (its types') that `tactic` computes in, e.g. BF16 for a float32
-    layer. No tactic declares one yet: every kernel computes in its layer's native precision."""
+    """The reduced precision(s) a tactic computes a layer in instead of its native one (its types'), e.g. BF16 for
+    a float32 layer; empty for tactics computing in the native precision."""
     return getattr(tactic, "reduced_precisions", frozenset())
 
 
@@ -72,10 +72,12 @@ def offers(layer: LayerView, sources: frozenset[str] | None, precision: str) -> 
 
 def candidates(layer: LayerView, sources: frozenset[str] | None = None, precision: str | None = None) -> list[Tactic]:
     """The tactics that can run `layer`, best first (registry order), from the enabled `sources` (torch's reference
-    kernels when none of them can); with a reduced `precision` granted, only the tactics computing in it."""
-    found = [t for t in REGISTRY.get(layer.op_type, []) + GENERIC if t.supports(layer)]
-    if precision is not None:
-        found = [t for t in found if precision in reduced_precisions(t)] or found
+    kernels when none of them can): those computing in the granted reduced `precision` where one is granted,
+    else those computing in the layer's native precision."""
+    found = [t for t in REGISTRY.get(layer.op_type, []) + GENERIC
+             if (precision in reduced_precisions(t) if precision else not reduced_precisions(t)) and t.supports(layer)]
+    if not found and precision:
+        return candidates(layer, sources)
     if sources is not None:
         found = [t for t in found if t.source in sources] or [t for t in found if t.source == "torch"]
     return found

@@ -13,6 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from kiln import hardware
 from kiln.errors import Error
 
 CACHE_KIND, CACHE_VERSION = "kiln-timing-cache", 1
@@ -33,7 +34,8 @@ def device_description(threads: int) -> dict[str, Any]:
         ort_version = importlib.metadata.version("onnxruntime")
     except importlib.metadata.PackageNotFoundError:
         ort_version = None
-    return {"cpu": cpu, "threads": threads, "torch": torch.__version__, "onnxruntime": ort_version}
+    return {"cpu": cpu, "isa": sorted(hardware.cpu_isa()), "threads": threads, "torch": torch.__version__,
+            "onnxruntime": ort_version}
 
 
 def digest(obj: Any) -> str:

@@ -108,6 +108,26 @@ def test_engine_from_another_device_is_refused_unless_allowed(tmp_path):
     np.testing.assert_array_equal(loaded.run({"x": x})["y"], engine.run({"x": x})["y"])
 
 
+def test_engine_needing_an_extension_this_cpu_lacks_is_refused_naming_it(tmp_path, monkeypatch):
+    """Same CPU name (virtual machines often say just 'AMD EPYC'), fewer extensions: the ISA decides."""
+    import dataclasses
+
+    from kiln import hardware
+    from kiln.plan.serialize import save_plan
+
+    engine = kiln.build(_conv_model([1, 3, 8, 8]), autotune=False)
+    described = engine.plan.build_info["device_description"]
+    assert described["isa"] == sorted(hardware.cpu_isa())   # the build records the ISA it ran on
+    info = {**engine.plan.build_info, "device_description": {**described, "isa": ["amx_bf16", "avx2", "avx512f"]}}
+    path = tmp_path / "amx.kiln"
+    save_plan(dataclasses.replace(engine.plan, build_info=info), path)
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f"}))
+    with pytest.raises(kiln.EngineFormatError, match=r"engine was built on '.*' with amx_bf16, which this CPU lacks; "
+                                                     r"this machine is '.*'\. Its kernels were chosen by timing"):
+        kiln.load(path)
+    assert kiln.load(path, allow_other_device=True).run({"x": np.ones((1, 3, 8, 8), np.float32)})["y"].shape
+
+
 def test_disk_full_and_read_only_targets_are_clean_errors(tmp_path, monkeypatch):
     import errno
     import os

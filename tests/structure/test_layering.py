@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kiln"
 
 # Lowest first: a module may import from its own layer and the layers above it in this list, never below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("kiln.errors", "kiln.fileio", "kiln.version", "kiln.optional")),
+    ("foundation", ("kiln.errors", "kiln.fileio", "kiln.version", "kiln.optional", "kiln.hardware")),
     ("plan", ("kiln.plan",)),            # data model, file format, liveness
     ("trt", ("kiln.trt",)),              # TensorRT vocabulary at the edge: names, formats, log lines, JSON
     ("native", ("kiln.native",)),        # the C toolchain and kernel cache

@@ -1,0 +1,93 @@
+"""BF16 on kiln's own kernels: with --bf16, convolutions and linear layers run oneDNN's BF16 kernels (AMX or
+AVX512-BF16) where the CPU has native BF16 arithmetic, say so in layer info, stay within cosine 0.999 of
+onnxruntime's FP32 outputs, and fall back (one warning per kernel) when loaded on a CPU without it."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+from kiln import hardware
+from kiln.tactics.onednn_conv import bf16_available
+from tests.conftest import init, make_model, rand, run_ort
+from tests.precision.models import conv_net, transformer_net
+
+pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 arithmetic (AVX512-BF16 "
+                                "or AMX): --bf16 is denied per layer here, as tests/precision/test_qdq.py checks")
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def run_both(model, engine, seed: int = 0):
+    name, dims = engine.input_names[0], engine.plan.inputs[0].dims
+    x = np.random.default_rng(seed).standard_normal(dims).astype(np.float32)
+    return engine.run({name: x})[engine.output_names[0]], run_ort(model, {name: x})[0]
+
+
+@pytest.mark.parametrize("make, bf16_layers", [
+    (conv_net, {"conv1 + relu1", "conv2 + relu2", "fc", "head"}),
+    (transformer_net, {"q_proj || k_proj || v_proj", "o_proj", "ffn2"}),
+])
+def test_bf16_is_granted_on_kiln_kernels_and_stays_close_to_fp32(make, bf16_layers):
+    model = make()
+    engine = kiln.build(model, bf16=True)
+    layers = {l["Name"]: l for l in engine.layer_info()["Layers"]}
+    granted = {n for n, l in layers.items() if l.get("GrantedPrecision") == "BF16"}
+    assert bf16_layers <= granted
+    for name in granted:
+        assert layers[name]["RequestedPrecision"] == "BF16" and "PrecisionReason" not in layers[name]
+        assert layers[name]["TacticName"] in ("onednn.conv2d_nhwc_prepacked_bf16", "onednn.linear_prepacked_bf16")
+    denied = [l for l in layers.values() if l.get("RequestedPrecision") == "BF16" and l["GrantedPrecision"] == "FP32"]
+    assert denied and all(l["PrecisionReason"].startswith("kiln has no BF16 kernel for ") for l in denied)
+    got, want = run_both(model, engine)
+    assert cosine(got, want) >= 0.999
+
+
+def test_the_default_build_stays_fp32():
+    engine = kiln.build(conv_net(), autotune=False)
+    assert {l.precision for l in engine.plan.layers} == {"FP32"}
+    assert not any(l.tactic_name.endswith("_bf16") for l in engine.plan.layers)
+
+
+def conv_gemm_net():
+    """Conv+ReLU -> Conv (residual) -> Flatten-free head: only layers with BF16 kernels, so `obey` can be met."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
+    inits = [init("w1", rand((8, 4, 3, 3), 1) * 0.3), init("b1", rand((8,), 2) * 0.1),
+             init("w2", rand((8, 8, 3, 3), 3) * 0.2), init("b2", rand((8,), 4) * 0.1)]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 12, 12])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 12, 12])], inits)
+
+
+def test_obey_is_met_where_every_layer_has_a_bf16_kernel_and_fails_where_one_has_not():
+    model = conv_gemm_net()
+    engine = kiln.build(model, bf16=True, precision_constraints="obey", autotune=False)
+    assert {l.precision for l in engine.plan.layers if l.op_type == "Conv"} == {"BF16"}
+    got, want = run_both(model, engine)
+    assert cosine(got, want) >= 0.999
+    with pytest.raises(kiln.ModelError, match=r"layer 'gap' \(GlobalAveragePool\): --precision-constraints obey "
+                                              r"asks for BF16, which kiln cannot give: kiln has no BF16 kernel"):
+        kiln.build(conv_net(), bf16=True, precision_constraints="obey")
+
+
+def test_an_engine_with_bf16_kernels_runs_in_fp32_where_the_cpu_lacks_bf16(tmp_path, monkeypatch, caplog):
+    model = conv_net()
+    engine = kiln.build(model, bf16=True, autotune=False)
+    path = tmp_path / "bf16.kiln"
+    engine.save(path)
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f"}))
+    with pytest.raises(kiln.EngineFormatError, match=r"with (\w+, )*avx512_bf16(, \w+)*, which this CPU lacks"):
+        kiln.load(path)
+    caplog.set_level(logging.WARNING, logger="kiln.runtime")
+    loaded = kiln.load(path, allow_other_device=True)
+    got, want = run_both(model, loaded)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)   # the reference kernels compute in FP32
+    warned = [r.getMessage() for r in caplog.records if "this CPU lacks it" in r.getMessage()]
+    assert len(warned) == 2 and all("avx512_bf16 or amx_bf16" in m for m in warned)   # one per BF16 kernel
