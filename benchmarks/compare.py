@@ -272,11 +272,12 @@ def run_rows(results: list[dict], run: str, cpu_text: str, threads: int, commit:
         notes = [note] if note else []
         if "kiln fp32" in m:
             notes.append(f"kiln FP32 engine {m['kiln fp32']:.2f} ms")
-        if "openvino default" in m:   # a --precision bf16 run: kiln built with --bf16
-            notes.append(f"kiln --bf16 ({r['bf16_layers']} BF16 layers); OpenVINO default {m['openvino default']:.2f}"
-                         " ms; cosine to FP32: " + ", ".join(f"{k} {v:.6f}" for k, v in r["cosines"].items()))
+        if r.get("cosines"):   # a --precision bf16 run: kiln built with --bf16
+            notes.append(f"kiln --bf16 ({r['bf16_layers']} BF16 layers); cosine to FP32: " +
+                         ", ".join(f"{k} {v:.6f}" for k, v in r["cosines"].items()))
         rows.append(RunRow(run, date, model, " ".join(present_isa(flags)), threads, r["name"], m["kiln"],
-                           m.get("onnxruntime", ""), m.get("openvino", ""), m.get("torch eager", ""),
+                           m.get("onnxruntime", ""), m.get("openvino", ""), m.get("openvino default", ""),
+                           m.get("torch eager", ""),
                            m["kiln"] / m["onnxruntime"], m["kiln"] / best, m["kiln"] / max(r["bound_ms"], 1e-9),
                            r["build_s"], r["load_s"], r["plan"], commit, "; ".join(notes)))
     return rows
@@ -312,7 +313,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = [bench(m.strip(), Path(tmp), args) for m in args.models.split(",") if m.strip()]
     names = sorted({k for r in results for k in r["medians"]}, key=lambda k: (k != "kiln", k))
-    print(f"\n{'model':10}" + "".join(f"{n:>15}" for n in names) + f"{'kiln/ort':>10}{'kiln/best':>11}"
+    print(f"\n{'model':10}" + "".join(f"{n:>18}" for n in names) + f"{'kiln/ort':>10}{'kiln/best':>11}"
           f"{'kiln/bound':>12}{'build s':>9}{'load s':>8}")
     for r in results:
         print(f"{r['name']}: kiln's plan: {r['plan']}")
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
     for r in results:
         m = r["medians"]
         best = min(v for k, v in m.items() if not k.startswith("kiln"))
-        print(f"{r['name']:10}" + "".join(f"{m.get(n, float('nan')):>15.2f}" for n in names) +
+        print(f"{r['name']:10}" + "".join(f"{m.get(n, float('nan')):>18.2f}" for n in names) +
               f"{m['kiln'] / m['onnxruntime']:>10.3f}{m['kiln'] / best:>11.3f}{m['kiln'] / max(r['bound_ms'], 1e-9):>12.2f}"
               f"{r['build_s']:>9.1f}{r['load_s']:>8.2f}")
     if not args.no_record:

@@ -26,6 +26,7 @@ class RunRow:
     kiln_ms: float | str
     onnxruntime_ms: float | str
     openvino_ms: float | str    # OpenVINO pinned to FP32 (INFERENCE_PRECISION_HINT=f32)
+    openvino_default_ms: float | str   # OpenVINO at its default precision (bf16 on AVX512-BF16/AMX CPUs); bf16 runs
     torch_ms: float | str       # torch eager
     kiln_over_ort: float | str
     kiln_over_best: float | str  # best = the fastest peer (kiln's own FP32 engine of an INT8 model is no peer)

@@ -14,13 +14,17 @@ from kiln.errors import EngineFormatError, Error, InputError, ModelError, Unsupp
 
 def build(model, **options):
     """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.builder.options.BuildOptions`; the
-    precision ones may be given flat: fp16, bf16, int8, layer_precisions, precision_constraints."""
+    precision ones may be given flat as the CLI spells them: fp16, bf16, int8, best, layer_precisions,
+    precision_constraints; `tactic_sources` takes a set of names or the CLI's spec ("-openvino,-onnxruntime")."""
     from kiln.builder.build import build_plan
     from kiln.builder.options import BuildOptions
     from kiln.precision.policy import PrecisionOptions
     from kiln.runtime.engine import Engine
+    from kiln.tactics.registry import parse_sources
 
-    flat = {k: options.pop(k) for k in ("fp16", "bf16", "int8", "layer_precisions") if k in options}
+    if isinstance(options.get("tactic_sources"), str):
+        options["tactic_sources"] = parse_sources(options["tactic_sources"])
+    flat = {k: options.pop(k) for k in ("fp16", "bf16", "int8", "best", "layer_precisions") if k in options}
     if "precision_constraints" in options:
         flat["constraints"] = options.pop("precision_constraints")
     if flat:

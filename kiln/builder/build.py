@@ -62,7 +62,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
     with stage("lowering"):
         tuner = autotuner(g, cache, options)
-        lowered = Lowering(g, sources, tuner, precisions)
+        lowered = Lowering(g, sources, tuner, precisions, options.precision.constraints != "none")
         lowered.run()
     with stage("planning"):
         layers, weights = choose_plan(g, lowered, sources, tuner, options.regions, lambda: onnxruntime_reference(proto))

@@ -35,6 +35,8 @@ def add_precision_arguments(p: argparse.ArgumentParser, spelling: str = "kebab")
     kebab = spelling == "kebab"
     p.add_argument("--fp16", action="store_true", help="allow FP16 layers (granted only where faster kernels exist)")
     p.add_argument("--bf16", action="store_true", help="allow BF16 layers (granted only where faster kernels exist)")
+    p.add_argument("--best", action="store_true", help="allow every precision kiln has kernels for (trtexec --best): "
+                                                       "INT8 where the model's Q/DQ gives scales, BF16 elsewhere")
     p.add_argument("--int8", action="store_true", help="INT8 for conv/matmul layers: from the model's Q/DQ, or "
                                                        "calibrated with --calib")
     p.add_argument("--calib", metavar="DATA", help="calibration data (.npz or a folder of .npz; needs onnxruntime: "
@@ -58,7 +60,8 @@ def precision_options(args) -> dict:
 
     layers = {**parse_layer_precisions(getattr(args, "layer_output_types", None)),
               **parse_layer_precisions(getattr(args, "layer_precisions", None))}
-    options = {"precision": PrecisionOptions(args.fp16, args.bf16, args.int8, layers, args.precision_constraints)}
+    options = {"precision": PrecisionOptions(args.fp16, args.bf16, args.int8, layers, args.precision_constraints,
+                                             getattr(args, "best", False))}
     if getattr(args, "calib", None):
         options.update(calibration=args.calib, calibration_method=args.calib_method,
                        calibration_cache=args.calib_cache)

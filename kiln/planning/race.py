@@ -53,7 +53,7 @@ def choose_plan(g: Graph, first: Lowering, sources: frozenset[str], tuner: Autot
         if proposal and name not in candidates:
             apply_regions(g, proposal, "openvino" if name == "openvino" else "onnxruntime")
             try:
-                layers, weights = lower(g, sources, tuner, first.precisions)
+                layers, weights = lower(g, sources, tuner, first.precisions, first.strict_precision)
                 candidates[name] = (allow_spinning(layers), weights)
             except Exception as exc:   # the library rejects the graph: that plan is simply not a candidate
                 log.debug("%s plan unavailable: %s", name, exc)
@@ -85,7 +85,7 @@ def propose_plans(g: Graph, sources: frozenset[str], tuner: Autotuner, first: Lo
         # per-layer timing runs each kernel with hot caches, which flatters Winograd's larger transformed weights:
         # the same plan without it is timed end to end too, and the faster one stays
         proposals["kiln-direct"] = []
-        candidates["kiln-direct"] = lower(g, sources - {"kiln"}, tuner, first.precisions)
+        candidates["kiln-direct"] = lower(g, sources - {"kiln"}, tuner, first.precisions, first.strict_precision)
     return proposals, candidates
 
 

@@ -24,6 +24,7 @@ from kiln.ir import Node
 log = logging.getLogger("kiln.build")
 
 PRECISIONS = ("FP32", "FP16", "BF16", "INT8")
+CONSTRAINTS = ("none", "prefer", "obey")
 INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger",
                "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearConcat", "QLinearSigmoid",
                "QLinearLeakyRelu")
@@ -39,6 +40,14 @@ class PrecisionOptions:
     int8: bool = False
     layer_precisions: dict[str, str] = field(default_factory=dict)   # layer name (glob) -> FP32|FP16|BF16|INT8
     constraints: str = "none"                                         # none | prefer | obey
+    best: bool = False   # trtexec --best: every precision kiln has kernels for (Q/DQ layers INT8, the rest BF16)
+
+    def __post_init__(self):
+        if self.constraints not in CONSTRAINTS:
+            raise ModelError(f"unknown precision constraints '{self.constraints}'; use one of {', '.join(CONSTRAINTS)}")
+        bad = {k: v for k, v in self.layer_precisions.items() if v not in PRECISIONS}
+        if bad:
+            raise ModelError(f"unknown layer precision(s) {bad}; use one of {', '.join(PRECISIONS)}")
 
 
 def parse_layer_precisions(spec: str | None) -> dict[str, str]:
@@ -85,6 +94,8 @@ def requested(name: str, op_type: str, output_dtypes: Iterable, options: Precisi
             return kind
     if op_type in INT8_LAYERS or op_type in QDQ_OPS:
         return "INT8"
+    if options.best:
+        return "BF16"   # INT8 only where the model's Q/DQ gives scales (above); FP16 has no kernel of kiln's
     float_out = any(np.dtype(d).kind == "f" for d in output_dtypes)
     if options.int8 and (op_type in INT8_CAPABLE or float_out):
         return "INT8"   # --int8 allows INT8 everywhere, as TensorRT's flag does; kiln says where it was not given

@@ -16,7 +16,7 @@ from kiln.tactics.base import ANY, LINEAR, LayerView, Tactic, tactic_value
 from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
-from kiln.tactics.registry import candidates
+from kiln.tactics.registry import candidates, reduced_precisions
 from kiln.trt.vocab import reformat_names, runner_name
 
 CONSTANT_TACTIC = "kiln.constant"
@@ -53,8 +53,12 @@ class Lowering:
     """Walks the optimized graph in order, choosing tactics and inserting Reformat layers between layouts."""
 
     def __init__(self, g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
-                 precisions: dict[str, PrecisionDecision] | None = None):
-        self.g, self.sources, self.tuner, self.precisions = g, sources, tuner, precisions or {}
+                 precisions: dict[str, PrecisionDecision] | None = None, strict_precision: bool = True):
+        """`strict_precision` (--precision-constraints prefer/obey): a layer granted a reduced precision runs one
+        of its kernels; otherwise (TensorRT's default) the precision is allowed, not required, and its kernels
+        race the native precision's, the winner deciding the layer's granted precision."""
+        self.g, self.sources, self.tuner, self.precisions = g, sources, tuner, dict(precisions or {})
+        self.strict_precision = strict_precision
         self.node_ms: dict[str, float] = {}
         self.node_layers: dict[str, tuple[int, int]] = {}   # node -> its layers' [start, end) in `layers`
         self.layers: list[Layer] = []
@@ -112,15 +116,24 @@ class Lowering:
         return self.precisions.get(node.name, NO_DECISION)
 
     def pick(self, node: Node, view: LayerView) -> Tactic:
-        granted = self.decision(node).granted
-        reduced = None if granted == native_precision(node.op_type, view.output_dtypes) else granted
+        decision, native = self.decision(node), native_precision(node.op_type, view.output_dtypes)
+        reduced = None if decision.granted == native else decision.granted
         found = candidates(view, self.sources, reduced)
+        if reduced and not self.strict_precision:   # allowed, not required: the native kernels race too
+            found += [t for t in candidates(view, self.sources) if t not in found]
         if self.tuner is None or len(found) == 1 or runtime_shape_inputs(node):
             return found[0]   # shape arithmetic on dynamic axes: random timing inputs would be meaningless
         have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
         names = {t.name: runner_name(t.name, t.source, node.op_type) for t in found}
-        choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), granted)
+        choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), decision.granted)
         self.node_ms[node.name] = choice.kernel_ms + choice.overhead_ms
+        if reduced and reduced not in reduced_precisions(choice.tactic):
+            fastest = min((t for t in found if reduced in reduced_precisions(t)),
+                          key=lambda t: choice.timings_ms[t.name])
+            self.precisions[node.name] = PrecisionDecision(
+                decision.requested, native, f"the {native} kernel {choice.tactic.name} timed faster "
+                f"({choice.timings_ms[choice.tactic.name]:.4g} ms against {choice.timings_ms[fastest.name]:.4g} ms "
+                f"for {fastest.name})")
         return choice.tactic
 
     def stamped(self, layer: Layer, node: Node) -> Layer:
@@ -205,6 +218,7 @@ class Lowering:
 
 
 def lower(g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
-          precisions: dict[str, PrecisionDecision] | None = None) -> tuple[list[Layer], dict[str, np.ndarray]]:
+          precisions: dict[str, PrecisionDecision] | None = None,
+          strict_precision: bool = True) -> tuple[list[Layer], dict[str, np.ndarray]]:
     """The graph's layers and weights (see `Lowering`)."""
-    return Lowering(g, sources, tuner, precisions).run()
+    return Lowering(g, sources, tuner, precisions, strict_precision).run()

@@ -36,7 +36,7 @@ def run_both(model, engine, seed: int = 0):
 ])
 def test_bf16_is_granted_on_kiln_kernels_and_stays_close_to_fp32(make, bf16_layers):
     model = make()
-    engine = kiln.build(model, bf16=True)
+    engine = kiln.build(model, bf16=True, precision_constraints="prefer")   # prefer: BF16 wherever a kernel exists
     layers = {l["Name"]: l for l in engine.layer_info()["Layers"]}
     granted = {n for n, l in layers.items() if l.get("GrantedPrecision") == "BF16"}
     assert bf16_layers <= granted
@@ -47,6 +47,31 @@ def test_bf16_is_granted_on_kiln_kernels_and_stays_close_to_fp32(make, bf16_laye
     assert denied and all(l["PrecisionReason"].startswith("kiln has no BF16 kernel for ") for l in denied)
     got, want = run_both(model, engine)
     assert cosine(got, want) >= 0.999
+
+
+def test_bf16_is_allowed_not_required_a_faster_fp32_kernel_keeps_the_layer_fp32(monkeypatch):
+    """TensorRT's semantics without constraints: --bf16 lets BF16 kernels race the FP32 ones; where FP32 wins
+    the layer is granted FP32 and the reason gives both times."""
+    from kiln.tactics.autotune import Autotuner
+
+    def measure(self, view, tactics, signature, have, dying):
+        return {t.name: (2.0 if t.name.endswith("_bf16") else 1.0) for t in tactics}
+    monkeypatch.setattr(Autotuner, "_measure", measure)
+    engine = kiln.build(conv_gemm_net(), bf16=True, tactic_sources="-onnxruntime,-openvino")
+    convs = [l for l in engine.plan.layers if l.op_type == "Conv"]
+    assert convs and all(l.precision == "FP32" and l.requested_precision == "BF16" for l in convs)
+    assert all(l.precision_reason.startswith("the FP32 kernel ") and "timed faster (1 ms against 2 ms for "
+               "onednn.conv2d_nhwc_prepacked_bf16)" in l.precision_reason for l in convs)
+    monkeypatch.setattr(Autotuner, "_measure", lambda self, view, tactics, *a: {
+        t.name: (0.5 if t.name.endswith("_bf16") else 1.0) for t in tactics})
+    engine = kiln.build(conv_gemm_net(), bf16=True, tactic_sources="-onnxruntime,-openvino")
+    assert {l.precision for l in engine.plan.layers if l.op_type == "Conv"} == {"BF16"}
+
+
+def test_best_allows_bf16_and_keeps_qdq_layers_int8():
+    engine = kiln.build(conv_net(), best=True, precision_constraints="prefer", autotune=False)
+    assert {l.requested_precision for l in engine.plan.layers if l.op_type in ("Conv", "MatMul", "Gemm")} == {"BF16"}
+    assert {l.precision for l in engine.plan.layers if l.op_type == "Conv"} == {"BF16"}
 
 
 def test_the_default_build_stays_fp32():

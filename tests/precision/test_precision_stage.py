@@ -70,3 +70,13 @@ def test_a_granted_reduced_precision_selects_the_tactics_that_compute_in_it(monk
 
 def test_the_timing_cache_keys_layers_by_precision():
     assert layer_signature(VIEW, [LINEAR], "FP32") != layer_signature(VIEW, [LINEAR], "BF16")
+
+
+def test_bad_precision_options_are_clear_errors():
+    with pytest.raises(kiln.ModelError, match=r"unknown precision constraints 'strict'; use one of none, prefer, obey"):
+        kiln.build(conv_net(), precision_constraints="strict")
+    with pytest.raises(kiln.ModelError, match=r"unknown layer precision\(s\) \{'conv1': 'fp8'\}"):
+        kiln.build(conv_net(), layer_precisions={"conv1": "fp8"})
+    with pytest.raises(kiln.Error, match=r"unknown tactic source 'cuda'"):
+        kiln.build(conv_net(), tactic_sources="-openvino,+cuda")
+
