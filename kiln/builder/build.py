@@ -26,9 +26,12 @@ from kiln.ir import Graph, Node
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.plan.model import Layer, Plan
 from kiln.planning.memory import plan_memory
+from kiln.planning.accuracy import AccuracyBudget, BudgetReport, keep_fp32, meet_budget
 from kiln.planning.race import choose_plan, onnxruntime_reference
-from kiln.precision.policy import PrecisionDecision, decide
-from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
+from kiln.planning.regions import plan_runner
+from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision, decide
+from kiln.tactics.autotune import Autotuner, TimingOptions, example_input, last_level_cache_bytes
+from kiln.tactics.base import LINEAR
 from kiln.tactics.lower import Lowering, desc_of, node_view
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.registry import available_sources, offers
@@ -38,6 +41,7 @@ from kiln.trt.vocab import layer_type
 from kiln.version import __version__
 
 log = logging.getLogger("kiln.build")
+DEFAULT_BUDGET = "cos:0.999"   # where --bf16/--best granted a reduced precision and --accuracy was not given
 
 
 def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
@@ -64,6 +68,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         tuner = autotuner(g, cache, options)
         lowered = Lowering(g, sources, tuner, precisions, options.precision.constraints != "none")
         lowered.run()
+        lowered, budget_report = within_accuracy_budget(g, proto, lowered, options)
     with stage("planning"):
         layers, weights = choose_plan(g, lowered, sources, tuner, options.regions, lambda: onnxruntime_reference(proto))
         cache.save()
@@ -82,6 +87,8 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
                     "layers_before": s.layers_before, "layers_after": s.layers_after} for s in stats],
         "stages_ms": stages_ms,
     }
+    if budget_report is not None:
+        info["accuracy_budget"] = budget_report.to_dict()
     log.info(log_lines.engine_built(info["build_time_s"]))
     return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info, tuple(g.profiles))
 
@@ -114,6 +121,43 @@ def decide_precisions(g: Graph, sources: frozenset[str], options: BuildOptions) 
     return decide(g.nodes, options.precision, kernel_offers)
 
 
+def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering,
+                           options: BuildOptions) -> tuple[Lowering, BudgetReport | None]:
+    """The lowering, or one with the fewest layers kept in FP32 to meet the accuracy budget (kiln.planning.accuracy):
+    `--accuracy`, by default cos:0.999 where a reduced float precision was granted; and the budget's report."""
+    if options.accuracy == "off" or not any(l.precision in REDUCED_FLOATS for l in lowered.layers):
+        return lowered, None
+    budget = AccuracyBudget.parse(options.accuracy or DEFAULT_BUDGET, options.atol, options.rtol)
+
+    def relower(decisions: dict[str, PrecisionDecision]) -> Lowering:
+        again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision)
+        again.run()
+        return again
+    inputs = budget_inputs(g, options)
+    check = onnxruntime_reference(proto)
+    reference = check(inputs) if check is not None else None
+    if reference is None:   # no onnxruntime: the same plan with every layer in FP32 is the reference
+        reduced = [l.name for l in lowered.layers if l.precision in REDUCED_FLOATS]
+        every = relower(keep_fp32(lowered.precisions, reduced))
+        with torch.inference_mode():
+            env = plan_runner(every.layers, {}, every.weights, g.opset, inputs, keep={v.name for v in g.outputs})()
+        reference = [env[v.name] for v in g.outputs]
+    return meet_budget(g, lowered, relower, budget, inputs, reference, options.precision.constraints == "obey")
+
+
+def budget_inputs(g: Graph, options: BuildOptions) -> dict[str, torch.Tensor]:
+    """Representative inputs for the accuracy budget: the first batch of --calib data (.npz), else random values
+    (with a warning: real data judges accuracy better)."""
+    data = str(options.calibration or "")
+    if data.endswith(".npz") or (data and os.path.isdir(data)):
+        from kiln.preprocess.calibration import load_calibration_data
+
+        batch = load_calibration_data(data, [v.name for v in g.inputs])[0]
+        return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
+    log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
+    return {v.name: example_input(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
+
+
 def autotuner(g: Graph, cache: TimingCache, options: BuildOptions) -> Autotuner | None:
     """The autotuner for this graph (None when timing is off): cold-cache timing when the weights outgrow the
     last-level cache."""
@@ -144,4 +188,5 @@ def log_engine_layers(layers: list[Layer]) -> None:
     """TensorRT's verbose "Engine Layer Information" dump, one line per layer."""
     log.debug(log_lines.ENGINE_LAYER_INFORMATION)
     for layer in layers:
-        log.debug(log_lines.engine_layer(layer_type(layer), layer.name, layer.tactic_value, layer.inputs, layer.outputs))
+        log.debug(log_lines.engine_layer(layer_type(layer), layer.name, layer.tactic_value, layer.inputs,
+                                         layer.outputs))

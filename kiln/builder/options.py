@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.planning.accuracy import AccuracyBudget
 from kiln.precision.policy import PrecisionOptions
 from kiln.tactics.clock import WALL_CLOCK, Clock
 from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
@@ -23,6 +24,9 @@ class BuildOptions:
     verify_each: bool = False
     # precision
     precision: PrecisionOptions = PrecisionOptions()
+    accuracy: str | None = None     # budget for reduced precisions, e.g. "cos:0.999" (default with --bf16/--best);
+    atol: float = 1e-5              # "off" checks nothing. atol/rtol: the l0 metric's element tolerance
+    rtol: float = 1e-3
     # lowering: tactics and their timing
     tactic_sources: frozenset[str] | None = None
     autotune: bool = True
@@ -34,3 +38,7 @@ class BuildOptions:
     # planning: regions and the plan race
     regions: bool = True            # let onnxruntime/OpenVINO run whole segments where that is faster
     costs: CostPolicy = DEFAULT_COSTS
+
+    def __post_init__(self):
+        if self.accuracy not in (None, "off"):
+            AccuracyBudget.parse(self.accuracy, self.atol, self.rtol)   # a bad budget fails before any work

@@ -50,6 +50,12 @@ def add_precision_arguments(p: argparse.ArgumentParser, spelling: str = "kebab")
                    help="per-layer precision, e.g. conv1:fp16,*:fp32")
     p.add_argument("--layer-output-types" if kebab else "--layerOutputTypes", dest="layer_output_types",
                    metavar="SPEC", help="per-layer output type (same spelling; recorded as the layer's request)")
+    p.add_argument("--accuracy", metavar="METRIC:T",
+                   help="accuracy budget for reduced precisions against the FP32 model (cos, l0, l1, l2, linf; "
+                        "default cos:0.999 with --bf16/--best, 'off' for none): the fewest layers are kept in FP32 "
+                        "to meet it")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of the l0 accuracy metric")
+    p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance of the l0 accuracy metric")
     p.add_argument("--precision-constraints" if kebab else "--precisionConstraints", dest="precision_constraints",
                    default="none", choices=["none", "prefer", "obey"],
                    help="obey: an unmet precision request fails the build, naming the layer and why")
@@ -62,6 +68,8 @@ def precision_options(args) -> dict:
               **parse_layer_precisions(getattr(args, "layer_precisions", None))}
     options = {"precision": PrecisionOptions(args.fp16, args.bf16, args.int8, layers, args.precision_constraints,
                                              getattr(args, "best", False))}
+    if getattr(args, "accuracy", None):   # checked with the other options, before the model is read
+        options.update(accuracy=args.accuracy, atol=args.atol, rtol=args.rtol)
     if getattr(args, "calib", None):
         options.update(calibration=args.calib, calibration_method=args.calib_method,
                        calibration_cache=args.calib_cache)

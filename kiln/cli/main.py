@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "report": "kiln.cli.report_cmd",
     "compare": "kiln.cli.compare_cmd",
     "kernels": "kiln.cli.kernels_cmd",
+    "debug": "kiln.cli.debug_cmd",
 }
 
 

@@ -1,0 +1,55 @@
+"""kiln debug precision MODEL.onnx --bf16 [--accuracy cos:0.999]: the ONNX nodes that must stay in FP32 for the
+reduced-precision build to meet the accuracy budget (Polygraphy's `debug precision`, answered with ONNX node
+names). Prints them, one per line after a table of every reduced layer; --json writes the report."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kiln.cli.build import add_precision_arguments, add_tactic_arguments
+
+    sub = p.add_subparsers(dest="tool", required=True)
+    precision = sub.add_parser("precision", help="find the layers (ONNX nodes) that must stay in FP32",
+                               description=__doc__)
+    precision.add_argument("model", help="ONNX model file")
+    precision.add_argument("--json", metavar="OUT.json", help="write the report as JSON")
+    add_precision_arguments(precision)
+    add_tactic_arguments(precision)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.cli import console
+    from kiln.cli.build import precision_options, tactic_options
+    from kiln.fileio import atomic_write_text
+    from kiln.runtime.engine import set_threads
+    from kiln.tools.debug_precision import debug_precision
+
+    set_threads(args.threads)
+    report = debug_precision(args.model, **tactic_options(args), **precision_options(args))
+    _table(report)
+    console.info(f"Budget {report.budget}: all reduced {report.score_all_reduced:.8g}, final {report.score_final:.8g}")
+    nodes = report.keep_fp32_nodes
+    console.info(f"{len(nodes)} ONNX node(s) must stay in FP32" + (":" if nodes else ""))
+    for node in nodes:
+        print(node)
+    if args.json:
+        atomic_write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+        console.info(f"Report written to {args.json}")
+    return 0
+
+
+def _table(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text(f"layers that ran in a reduced precision, most sensitive first ({report.budget})"))
+    for col in ("Layer", "ONNX nodes", "Score alone in FP32", "Keep FP32", "Granted"):
+        table.add_column(col, overflow="fold")
+    for v in report.verdicts:
+        score = "" if v.score_alone_fp32 is None else f"{v.score_alone_fp32:.8g}"
+        table.add_row(*(Text(c) for c in (v.layer, ", ".join(v.onnx_nodes), score, "yes" if v.keep_fp32 else "",
+                                          v.granted)))
+    Console(width=200).print(table)

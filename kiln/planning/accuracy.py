@@ -1,0 +1,171 @@
+"""The accuracy budget (`--accuracy cos:0.999`): the plan lowered with reduced precisions is checked against the
+FP32 reference (onnxruntime on the original model) on representative inputs; when it misses the budget, the
+fewest layers are kept in FP32 to meet it. Layers are ranked by sensitivity (the plan's score with that one
+layer's kernel replaced by torch's FP32 reference kernel), then the number kept is bisected; each kept layer is
+granted FP32 with the reason "accuracy budget" and the log says which, and by how much. No anchor (TensorRT,
+onnxruntime, OpenVINO) does this automatically; Polygraphy's `debug precision` does it by hand."""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kiln.errors import ModelError
+from kiln.ir import Graph
+from kiln.planning.regions import plan_runner
+from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision
+from kiln.runtime.interpreter import Interpreter
+from kiln.runtime.prepare import TorchWeights, prepare_kernel
+from kiln.tactics.lower import Lowering
+from kiln.tactics.reference import ReferenceTactic
+
+log = logging.getLogger("kiln.build")
+
+METRICS = ("cos", "l0", "l1", "l2", "linf")
+
+
+@dataclass(frozen=True)
+class AccuracyBudget:
+    """`metric:threshold`: cos (cosine >= t), l2 (||a-b|| / ||b|| <= t), l1 (mean|a-b| / mean|b| <= t),
+    linf (max|a-b| <= t), l0 (fraction of elements off by more than atol + rtol*|b| <= t); every output must pass."""
+
+    metric: str
+    threshold: float
+    atol: float = 1e-5
+    rtol: float = 1e-3
+
+    @classmethod
+    def parse(cls, spec: str, atol: float = 1e-5, rtol: float = 1e-3) -> "AccuracyBudget":
+        metric, sep, value = spec.partition(":")
+        try:
+            threshold = float(value)
+        except ValueError:
+            threshold = math.nan
+        if not sep or metric not in METRICS or not math.isfinite(threshold) or threshold < 0:
+            raise ModelError(f"bad accuracy budget '{spec}': expected METRIC:THRESHOLD with METRIC one of "
+                             f"{', '.join(METRICS)} and a non-negative number, e.g. cos:0.999")
+        return cls(metric, threshold, atol, rtol)
+
+    def text(self) -> str:
+        return f"{self.metric}:{self.threshold:.10g}"
+
+    def score(self, got: torch.Tensor, want: torch.Tensor) -> float:
+        a, b = got.double().reshape(-1), want.double().reshape(-1)
+        if self.metric == "cos":
+            norm = float(a.norm() * b.norm())
+            return 1.0 if norm == 0 else float(a @ b) / norm
+        if self.metric == "l2":
+            return float((a - b).norm() / max(float(b.norm()), 1e-30))
+        if self.metric == "l1":
+            return float((a - b).abs().mean() / max(float(b.abs().mean()), 1e-30))
+        if self.metric == "linf":
+            return float((a - b).abs().max()) if a.numel() else 0.0
+        return float(((a - b).abs() > self.atol + self.rtol * b.abs()).double().mean()) if a.numel() else 0.0
+
+    def met(self, score: float) -> bool:
+        return score >= self.threshold if self.metric == "cos" else score <= self.threshold
+
+    def worst(self, scores: list[float]) -> float:
+        return min(scores) if self.metric == "cos" else max(scores)
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """What the budget did: scores before and after, the layers kept in FP32 (most sensitive first) and each
+    reduced layer's score with it alone in FP32 (its sensitivity), for build info and `kiln debug precision`."""
+
+    budget: str
+    score_before: float
+    score_after: float
+    reduced_layers: tuple[str, ...]
+    kept_fp32: tuple[str, ...]
+    sensitivity: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget, "score_before": self.score_before, "score_after": self.score_after,
+                "reduced_layers": list(self.reduced_layers), "kept_fp32": list(self.kept_fp32),
+                "sensitivity": dict(self.sensitivity)}
+
+
+Relower = Callable[[dict[str, PrecisionDecision]], Lowering]
+
+
+def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyBudget, inputs: dict,
+                reference: list[torch.Tensor], obey: bool) -> tuple[Lowering, BudgetReport]:
+    """`lowered`, or the same graph re-lowered with the fewest reduced-precision layers kept in FP32 so that
+    `budget` holds on `inputs` against the FP32 `reference` outputs; and what was done."""
+    reduced = [l.name for l in lowered.layers if l.precision in REDUCED_FLOATS]
+    score = evaluate(g, lowered, budget, inputs, reference)
+    if not reduced or budget.met(score):
+        log.info("Accuracy budget %s met: %s %.8g with %d reduced-precision layers", budget.text(), budget.metric,
+                 score, len(reduced))
+        return lowered, BudgetReport(budget.text(), score, score, tuple(reduced), (), {})
+    if obey:
+        raise ModelError(f"the plan misses the accuracy budget {budget.text()} ({budget.metric} {score:.6g}) and "
+                         "--precision-constraints obey forbids keeping layers in FP32; relax the budget or the "
+                         "constraints")
+    reverted = sensitivity(g, lowered, inputs, budget, reference)   # most sensitive first: best score reverted
+    ranked = sorted(reduced, key=reverted.get, reverse=budget.metric == "cos")
+    low, high, best = 0, len(ranked), None
+    while low < high:   # the fewest of the most sensitive layers kept in FP32 that meet the budget
+        k = (low + high) // 2
+        attempt = relower(keep_fp32(lowered.precisions, ranked[:k]))
+        if budget.met(attempt_score := evaluate(g, attempt, budget, inputs, reference)):
+            high, best = k, (attempt, attempt_score)
+        else:
+            low = k + 1
+    if best is None:
+        every = relower(keep_fp32(lowered.precisions, ranked))
+        best = every, evaluate(g, every, budget, inputs, reference)
+        if not budget.met(best[1]):
+            raise ModelError(f"the accuracy budget {budget.text()} cannot be met even with every layer in FP32 "
+                             f"({budget.metric} {best[1]:.6g} against the FP32 reference): relax it")
+    kept = ranked[:high]
+    log.info("Accuracy budget %s: %d of %d reduced-precision layers kept in FP32 (%s %.8g -> %.8g): %s",
+             budget.text(), len(kept), len(reduced), budget.metric, score, best[1], ", ".join(kept))
+    return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), reverted)
+
+
+def keep_fp32(decisions: dict[str, PrecisionDecision], names: list[str]) -> dict[str, PrecisionDecision]:
+    out = dict(decisions)
+    for name in names:
+        out[name] = PrecisionDecision(out[name].requested, "FP32", "accuracy budget: kept in FP32 so the plan "
+                                      "meets it")
+    return out
+
+
+def evaluate(g: Graph, lowered: Lowering, budget: AccuracyBudget, inputs: dict,
+             reference: list[torch.Tensor]) -> float:
+    """The plan's worst score over the graph's outputs."""
+    run = plan_runner(lowered.layers, {}, lowered.weights, g.opset, inputs, keep={v.name for v in g.outputs})
+    with torch.inference_mode():
+        env = run()
+    return budget.worst([budget.score(env[v.name], want) for v, want in zip(g.outputs, reference)])
+
+
+def sensitivity(g: Graph, lowered: Lowering, inputs: dict, budget: AccuracyBudget,
+                reference: list[torch.Tensor]) -> dict[str, float]:
+    """Per reduced layer, the plan's score with that one layer run by torch's FP32 reference kernel instead (every
+    other kernel as planned): what keeping it in FP32 alone would buy. Kernels are prepared once; one run each."""
+    weights, opset = TorchWeights(lowered.weights), g.opset
+    kernels = [prepare_kernel(l, weights, lowered.weights, opset) for l in lowered.layers]
+    keep = set(inputs) | {v.name for v in g.outputs}
+    scores = {}
+    for i, layer in enumerate(lowered.layers):
+        if layer.precision not in REDUCED_FLOATS:
+            continue
+        fp32 = prepare_kernel(_as_reference(layer), weights, lowered.weights, opset)
+        swapped = kernels[:i] + [fp32] + kernels[i + 1:]
+        with torch.inference_mode():
+            env = Interpreter(lowered.layers, swapped, keep).run(dict(inputs))
+        scores[layer.name] = budget.worst([budget.score(env[v.name], want) for v, want in zip(g.outputs, reference)])
+    return scores
+
+
+def _as_reference(layer):
+    import dataclasses
+
+    return dataclasses.replace(layer, tactic_name=ReferenceTactic.name, source=ReferenceTactic.source)

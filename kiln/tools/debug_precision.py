@@ -1,0 +1,65 @@
+"""`kiln debug precision`: which ONNX nodes must stay in higher precision for a reduced-precision build to meet an
+accuracy budget (Polygraphy's `debug precision`, answered with ONNX node names, TensorRT#4616). The build's own
+accuracy budget does the search (kiln.planning.accuracy); this maps its layers back to the model's nodes."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import onnx
+
+from kiln.errors import ModelError
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """One layer the search looked at: its ONNX nodes, whether it must stay FP32, the plan's score with only it in
+    FP32 (its sensitivity), and the precision it was granted."""
+
+    layer: str
+    onnx_nodes: tuple[str, ...]
+    keep_fp32: bool
+    score_alone_fp32: float | None
+    granted: str
+
+
+@dataclass(frozen=True)
+class PrecisionReport:
+    budget: str
+    score_all_reduced: float
+    score_final: float
+    verdicts: tuple[NodeVerdict, ...]
+
+    @property
+    def keep_fp32_nodes(self) -> tuple[str, ...]:
+        return tuple(n for v in self.verdicts if v.keep_fp32 for n in v.onnx_nodes)
+
+    def to_dict(self) -> dict:
+        return {"kind": "kiln-debug-precision", "version": 1, "budget": self.budget,
+                "score_all_reduced": self.score_all_reduced, "score_final": self.score_final,
+                "keep_fp32_onnx_nodes": list(self.keep_fp32_nodes),
+                "layers": [{"layer": v.layer, "onnx_nodes": list(v.onnx_nodes), "keep_fp32": v.keep_fp32,
+                            "score_alone_fp32": v.score_alone_fp32, "granted": v.granted} for v in self.verdicts]}
+
+
+def debug_precision(model: str | os.PathLike | onnx.ModelProto, **build_options) -> PrecisionReport:
+    """Build `model` with the given reduced precision (bf16=True, best=True, layer_precisions=...) and accuracy
+    budget (default cos:0.999) and report, per reduced-precision layer, its ONNX nodes and whether they must stay
+    in FP32."""
+    import kiln
+
+    if build_options.get("accuracy") == "off":
+        raise ModelError("kiln debug precision needs an accuracy budget; drop --accuracy off")
+    engine = kiln.build(model, **build_options)
+    report = engine.plan.build_info.get("accuracy_budget")
+    if report is None:
+        raise ModelError("no layer was granted a reduced precision, so there is nothing to search: ask for one "
+                         "(--bf16, --best, --layer-precisions) on a CPU with the kernels for it (see the build log "
+                         "for each layer's reason)")
+    layers = {l.name: l for l in engine.plan.layers}
+    kept = set(report["kept_fp32"])
+    ranked = report["kept_fp32"] + sorted(set(report["reduced_layers"]) - kept,
+                                          key=lambda n: report["reduced_layers"].index(n))
+    verdicts = tuple(NodeVerdict(name, tuple(layers[name].origin), name in kept, report["sensitivity"].get(name),
+                                 layers[name].precision) for name in ranked)
+    return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts)

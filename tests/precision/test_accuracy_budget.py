@@ -1,0 +1,140 @@
+"""The accuracy budget (--accuracy): a plan with reduced-precision layers is checked against onnxruntime's FP32
+outputs; when it misses, the fewest, most sensitive layers are kept in FP32 (reason "accuracy budget"); an
+impossible budget or a bad spec is a clear error, from Python and from the CLI (exit 2, no engine written)."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.planning.accuracy import AccuracyBudget
+from kiln.tactics.onednn_conv import bf16_available
+from tests.conftest import init, make_model, rand, run_ort
+
+needs_bf16 = pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 arithmetic (AVX512-BF16 "
+                                "or AMX): no layer runs in a reduced precision, so there is no budget to meet")
+
+
+def two_branch() -> onnx.ModelProto:
+    """y = x1 @ Wa + x2 @ Wb with Wa 10^4 times larger: the big branch's BF16 error is nearly all of y's."""
+    h, vi = helper.make_node, helper.make_tensor_value_info
+    nodes = [h("MatMul", ["x1", "wa"], ["a"], name="big"), h("MatMul", ["x2", "wb"], ["b"], name="small"),
+             h("Add", ["a", "b"], ["y"], name="sum")]
+    inits = [init("wa", rand((64, 64), 1) * 100), init("wb", rand((64, 64), 2) * 0.01)]
+    return make_model(nodes, [vi("x1", TensorProto.FLOAT, [8, 64]), vi("x2", TensorProto.FLOAT, [8, 64])],
+                      [vi("y", TensorProto.FLOAT, [8, 64])], inits)
+
+
+def relative_l2(engine, model) -> float:
+    rng = np.random.default_rng(7)
+    feeds = {n: rng.standard_normal((8, 64)).astype(np.float32) for n in ("x1", "x2")}
+    got, want = engine.run(feeds)["y"].astype(np.float64), run_ort(model, feeds)[0].astype(np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@needs_bf16
+def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog):
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    model = two_branch()
+    loose = kiln.build(model, bf16=True, precision_constraints="prefer", accuracy="l2:0.01", autotune=False)
+    assert {l.name: l.precision for l in loose.plan.layers if l.op_type == "MatMul"} == {"big": "BF16", "small": "BF16"}
+    assert 5e-4 < relative_l2(loose, model) < 0.01
+    tight = kiln.build(model, bf16=True, precision_constraints="prefer", accuracy="l2:0.0005", autotune=False)
+    layers = {l.name: l for l in tight.plan.layers}
+    assert (layers["big"].precision, layers["small"].precision) == ("FP32", "BF16")
+    assert layers["big"].requested_precision == "BF16" and layers["big"].precision_reason.startswith("accuracy budget")
+    assert relative_l2(tight, model) < 5e-4
+    assert "Accuracy budget l2:0.0005: 1 of 2 reduced-precision layers kept in FP32" in caplog.text
+    info = {l["Name"]: l for l in tight.layer_info()["Layers"]}
+    assert info["big"]["GrantedPrecision"] == "FP32" and "accuracy budget" in info["big"]["PrecisionReason"]
+
+
+@needs_bf16
+def test_the_default_budget_with_bf16_is_cosine_0_999(caplog):
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    kiln.build(two_branch(), bf16=True, precision_constraints="prefer", autotune=False)
+    assert "Accuracy budget cos:0.999 met: cos 0.99" in caplog.text
+    caplog.clear()
+    kiln.build(two_branch(), bf16=True, precision_constraints="prefer", autotune=False, accuracy="off")
+    assert "Accuracy budget" not in caplog.text
+
+
+@needs_bf16
+def test_an_impossible_budget_and_obey_are_clear_errors():
+    with pytest.raises(kiln.ModelError, match=r"the accuracy budget cos:1\.5 cannot be met even with every layer in "
+                                              r"FP32 \(cos 1(\.0+)?\d* against the FP32 reference\): relax it"):
+        kiln.build(two_branch(), bf16=True, precision_constraints="prefer", accuracy="cos:1.5", autotune=False)
+    with pytest.raises(kiln.ModelError, match=r"misses the accuracy budget l2:0\.0005 .* --precision-constraints "
+                                              r"obey forbids keeping layers in FP32"):
+        kiln.build(two_branch(), layer_precisions={"big": "BF16", "small": "BF16"}, precision_constraints="obey",
+                   accuracy="l2:0.0005", autotune=False)
+
+
+@pytest.mark.parametrize("spec", ["cos", "cosine:0.9", "l2:-1", "linf:x", "l1:nan"])
+def test_a_bad_budget_spec_fails_before_any_work(spec):
+    with pytest.raises(kiln.ModelError, match=rf"bad accuracy budget '{spec}': expected METRIC:THRESHOLD"):
+        kiln.build(two_branch(), bf16=True, accuracy=spec)
+
+
+def test_the_cli_exits_2_and_writes_no_engine_for_a_bad_or_impossible_budget(tmp_path):
+    path, out = tmp_path / "m.onnx", tmp_path / "m.kiln"
+    onnx.save(two_branch(), path)
+    cases = [["--accuracy", "cos"]] + ([["--accuracy", "cos:1.5"]] if bf16_available() else [])
+    for extra in cases:
+        done = subprocess.run([sys.executable, "-m", "kiln.cli.main", "build", str(path), "-o", str(out), "--bf16",
+                               "--precision-constraints", "prefer", "--builder-optimization-level", "0", *extra],
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "accuracy budget" in done.stderr and not out.exists()
+
+
+def test_the_metrics_score_what_they_say():
+    import torch
+
+    want, got = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 2.0, 3.0, 4.4])
+    assert AccuracyBudget.parse("linf:0.5").score(got, want) == pytest.approx(0.4)
+    assert AccuracyBudget.parse("l1:0.1").score(got, want) == pytest.approx(0.1 / 2.5)
+    assert AccuracyBudget.parse("l2:0.1").score(got, want) == pytest.approx(0.4 / float(want.norm()))
+    assert AccuracyBudget.parse("l0:0.3", atol=0.0, rtol=0.05).score(got, want) == pytest.approx(0.25)
+    cos = AccuracyBudget.parse("cos:0.999")
+    assert cos.met(cos.score(want, want)) and not cos.met(cos.score(-want, want))
+
+
+@needs_bf16
+def test_debug_precision_names_the_onnx_nodes_to_keep_in_fp32(tmp_path):
+    from kiln.tools.debug_precision import debug_precision
+
+    report = debug_precision(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
+                             autotune=False)
+    assert report.keep_fp32_nodes == ("big",) and report.budget == "l2:0.0005"
+    assert [(v.layer, v.keep_fp32, v.granted) for v in report.verdicts] == [("big", True, "FP32"),
+                                                                            ("small", False, "BF16")]
+    assert report.score_final <= 0.0005 < report.score_all_reduced
+    path, out = tmp_path / "m.onnx", tmp_path / "report.json"
+    onnx.save(two_branch(), path)
+    done = subprocess.run([sys.executable, "-m", "kiln.cli.main", "debug", "precision", str(path), "--bf16",
+                           "--accuracy", "l2:0.0005", "--precision-constraints", "prefer",
+                           "--builder-optimization-level", "0", "--json", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith("1 ONNX node(s) must stay in FP32:"))
+    assert lines[at + 1] == "big"
+    doc = json.loads(out.read_text())
+    assert (doc["kind"], doc["version"], doc["keep_fp32_onnx_nodes"]) == ("kiln-debug-precision", 1, ["big"])
+    assert {l["layer"]: l["keep_fp32"] for l in doc["layers"]} == {"big": True, "small": False}
+
+
+def test_debug_precision_without_a_reduced_precision_layer_says_why(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(two_branch(), path)
+    done = subprocess.run([sys.executable, "-m", "kiln.cli.main", "debug", "precision", str(path), "--fp16",
+                           "--builder-optimization-level", "0"], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "no layer was granted a reduced precision, so there is nothing to search" in done.stderr
