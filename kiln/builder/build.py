@@ -23,6 +23,7 @@ import torch
 from kiln.builder.options import BuildOptions
 from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
+from kiln.ops.dtypes import to_torch_dtype
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.plan.model import Layer, Plan
 from kiln.planning.memory import plan_memory
@@ -155,7 +156,20 @@ def budget_inputs(g: Graph, options: BuildOptions) -> dict[str, torch.Tensor]:
         batch = load_calibration_data(data, [v.name for v in g.inputs])[0]
         return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
     log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
-    return {v.name: example_input(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
+    return {v.name: random_input(v) for v in g.inputs}
+
+
+def random_input(v) -> torch.Tensor:
+    """Random values for a graph input: normal floats; integer indices into a constant table (token ids into an
+    embedding: Gather's indices) drawn from the table's range; other integers (masks, positions) ones."""
+    if np.dtype(v.dtype).kind != "i":
+        return example_input(v.shape, str(v.dtype), LINEAR)
+    tables = [u.inputs[0].const.shape[u.attrs.get("axis", 0)] for u in v.users
+              if u.op_type == "Gather" and len(u.inputs) > 1 and u.inputs[1] is v and u.inputs[0].is_const]
+    generator = torch.Generator().manual_seed(0)
+    if tables:
+        return torch.randint(0, min(tables), v.shape, generator=generator).to(to_torch_dtype(np.dtype(v.dtype)))
+    return torch.ones(v.shape, dtype=to_torch_dtype(np.dtype(v.dtype)))
 
 
 def autotuner(g: Graph, cache: TimingCache, options: BuildOptions) -> Autotuner | None:

@@ -138,3 +138,18 @@ def test_debug_precision_without_a_reduced_precision_layer_says_why(tmp_path):
                            "--builder-optimization-level", "0"], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "no layer was granted a reduced precision, so there is nothing to search" in done.stderr
+
+
+def test_budget_inputs_draw_token_ids_within_the_embedding_and_masks_as_ones():
+    """Zeros as token ids (and masks) judged a BERT by one embedding row: ids come from the table's range."""
+    from kiln.builder.build import random_input
+    from tests.passes.ir_builder import IRBuilder
+
+    b = IRBuilder()
+    ids, mask = b.input("ids", (2, 16), np.int64), b.input("mask", (2, 16), np.int64)
+    emb = b.node("Gather", [b.const("table", np.zeros((30, 8))), ids], "emb", (2, 16, 8), dtype=np.float32, axis=0)
+    g = b.graph(emb, b.node("Cast", [mask], "m", (2, 16), dtype=np.float32, to=1))
+    drawn = random_input(g.values["ids"])
+    assert drawn.dtype.is_floating_point is False and int(drawn.min()) >= 0 and int(drawn.max()) < 30
+    assert len(set(drawn.flatten().tolist())) > 5                    # not a constant
+    assert random_input(g.values["mask"]).eq(1).all()
