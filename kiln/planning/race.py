@@ -14,6 +14,7 @@ import torch
 from kiln.errors import Error
 from kiln.ir import Graph
 from kiln.plan.model import Layer
+from kiln.planning.accuracy import AccuracyBudget
 from kiln.planning.regions import plan_runner, apply_regions, choose_regions, unapply_regions
 from kiln.precision.policy import INT8_LAYERS, QDQ_OPS, REDUCED_FLOATS
 from kiln.tactics.autotune import Autotuner, example_input, robust_ms
@@ -38,30 +39,36 @@ Candidates = dict[str, tuple[list[Layer], dict[str, np.ndarray]]]
 
 
 def choose_plan(g: Graph, first: Lowering, sources: frozenset[str], tuner: Autotuner | None, regions: bool,
-                make_reference: Callable = lambda: None) -> tuple[list[Layer], dict[str, np.ndarray]]:
+                make_reference: Callable = lambda: None,
+                budget: AccuracyBudget | None = None) -> tuple[list[Layer], dict[str, np.ndarray]]:
     """The plan to build from `first` (the graph lowered onto per-layer tactics): where an external library is
-    enabled and timing is on, whole candidate plans are built and the fastest is kept. Returns (layers, weights)."""
+    enabled and timing is on, whole candidate plans are built and the fastest is kept. Where a reduced float
+    precision was granted, only an OpenVINO region at bf16 can join (onnxruntime's run FP32), judged by the
+    accuracy `budget`. Returns (layers, weights)."""
     if tuner is None or not regions or not ({"onnxruntime", "openvino"} & sources):
         return first.layers, first.weights
     reduced = sorted({d.granted for d in first.precisions.values() if d.granted in REDUCED_FLOATS})
-    if reduced:   # kiln's regions run their layers in FP32: they would silently drop the granted precision
-        log.info("No onnxruntime/OpenVINO region candidates: %s was granted to layers a region would run in FP32",
-                 "/".join(reduced))
+    if reduced and (reduced != ["BF16"] or first.strict_precision or "openvino" not in sources):
+        log.info("No onnxruntime/OpenVINO region candidates: %s was granted to layers a region would run in FP32"
+                 "%s", "/".join(reduced), " (precision constraints ask for kiln's BF16 kernels)"
+                 if first.strict_precision else "")
         return first.layers, first.weights
-    proposals, candidates = propose_plans(g, sources, tuner, first)
+    proposals, candidates = reduced_proposals(g, first) if reduced else propose_plans(g, sources, tuner, first)
     for name, proposal in proposals.items():
         if proposal and name not in candidates:
-            apply_regions(g, proposal, "openvino" if name == "openvino" else "onnxruntime")
+            apply_regions(g, proposal, "openvino" if name == "openvino" else "onnxruntime",
+                          "bf16" if reduced else "f32")
             try:
                 layers, weights = lower(g, sources, tuner, first.precisions, first.strict_precision)
                 candidates[name] = (allow_spinning(layers), weights)
             except Exception as exc:   # the library rejects the graph: that plan is simply not a candidate
                 log.debug("%s plan unavailable: %s", name, exc)
             unapply_regions(g)
-    times = measure_plans(candidates, first.descs, g, tuner, make_reference())   # a session only when plans compete
+    times = measure_plans(candidates, first.descs, g, tuner, make_reference(), budget if reduced else None)
     best = pick_fastest(times, tuner)
     if proposals[best]:
-        apply_regions(g, proposals[best], "openvino" if best == "openvino" else "onnxruntime")
+        apply_regions(g, proposals[best], "openvino" if best == "openvino" else "onnxruntime",
+                      "bf16" if reduced else "f32")
         regions = f"{len(proposals[best])} onnxruntime region(s)"
         log.debug(log_lines.after_layers("region formation", len(g.nodes), regions))
     return candidates[best]
@@ -87,6 +94,15 @@ def propose_plans(g: Graph, sources: frozenset[str], tuner: Autotuner, first: Lo
         proposals["kiln-direct"] = []
         candidates["kiln-direct"] = lower(g, sources - {"kiln"}, tuner, first.precisions, first.strict_precision)
     return proposals, candidates
+
+
+def reduced_proposals(g: Graph, first: Lowering):
+    """A BF16 build's candidates: kiln's plan (its BF16 and FP32 kernels), and the whole graph as one OpenVINO
+    region at bf16 where OpenVINO can run every node."""
+    proposals: dict[str, list] = {"kiln": []}
+    if all(supports(node_view(n, g.opset, with_consts=False)) for n in g.nodes):
+        proposals["openvino"] = [list(g.nodes)]
+    return proposals, {"kiln": (first.layers, first.weights)}
 
 
 def pick_fastest(times: dict[str, float], tuner: Autotuner) -> str:
@@ -139,12 +155,12 @@ def plan_signature(layers: list) -> str:
 
 
 def measure_plans(candidates: Candidates, descs: dict, g: Graph, tuner: Autotuner,
-                  reference_fn=None) -> dict[str, float]:
+                  reference_fn=None, budget: AccuracyBudget | None = None) -> dict[str, float]:
     """Whole-plan latency of each candidate, timed in blocks (the deciding measurement). Each candidate's outputs
     on the timing input are checked first: against the original model in onnxruntime when available, else
-    against kiln's own kernels (the first candidate)."""
+    against kiln's own kernels (the first candidate); reduced-precision plans against the accuracy `budget`."""
     times: dict[str, float] = {}
-    runners = checked_runners(candidates, g, tuner, reference_fn, times)
+    runners = checked_runners(candidates, g, tuner, reference_fn, times, budget)
     if not runners and not times and candidates:
         raise Error("no plan reproduces the original model's outputs (checked against onnxruntime on a random "
                     "input); rebuild with --builder-optimization-level 0 and compare with `kiln run`, then report it")
@@ -152,7 +168,8 @@ def measure_plans(candidates: Candidates, descs: dict, g: Graph, tuner: Autotune
     return times
 
 
-def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, reference_fn, times: dict[str, float]):
+def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, reference_fn, times: dict[str, float],
+                    budget: AccuracyBudget | None = None):
     """{plan name: (cache key, runner, rounds)} for the candidates that run and agree with the reference; cached
     plan times go straight into `times`."""
     inputs = {v.name: example_input(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
@@ -174,7 +191,8 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
             continue
         if reference is None:
             reference = outputs   # no onnxruntime reference: the first candidate (kiln's own kernels) is the judge
-        elif not _agree(outputs, reference, quantized=quantized):
+        elif not (budget.met(budget.worst([budget.score(a, b) for a, b in zip(outputs, reference)])) if budget
+                  else _agree(outputs, reference, quantized=quantized)):
             log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
                         "the original model in onnxruntime" if reference_fn else "kiln's kernels")
             continue

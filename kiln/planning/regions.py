@@ -233,14 +233,15 @@ def _switch_ms(g: Graph, boundary: str | None, formats: dict[str, str], tuner: A
     return tuner.costs.pool_switch_ms + tuner.reformat_ms(v.shape, str(v.dtype), LINEAR)
 
 
-def apply_regions(g: Graph, runs: list[list[Node]], library: str = "onnxruntime") -> None:
-    """Replace each run of nodes by one Region node (domain "kiln") holding them, run by `library`."""
+def apply_regions(g: Graph, runs: list[list[Node]], library: str = "onnxruntime", precision: str = "f32") -> None:
+    """Replace each run of nodes by one Region node (domain "kiln") holding them, run by `library` (OpenVINO at
+    `precision`: f32, or bf16 in a --bf16 build)."""
     for nodes in runs:
         ext_in, consts, outs = region_io(nodes, g)
         name = region_layer_name(nodes[0].name, nodes[-1].name)
         origin = tuple(o for n in nodes for o in n.origin)
-        region = Node(name, "Region", [*ext_in, *consts], list(outs), {"nodes": list(nodes), "library": library},
-                      "kiln", origin)
+        attrs = {"nodes": list(nodes), "library": library, **({"precision": precision} if precision != "f32" else {})}
+        region = Node(name, "Region", [*ext_in, *consts], list(outs), attrs, "kiln", origin)
         index = g.nodes.index(nodes[0])
         for n in nodes:
             g.remove_node(n)

@@ -75,7 +75,8 @@ def prepare_region(layer: Layer, weights: dict[str, np.ndarray], opset: int, cac
                                   [(t.name, t.dtype) for t in layer.outputs], weights, opset)
     names = [t.name for t in layer.inputs], [t.name for t in layer.outputs]
     if library == "openvino":
-        return openvino_source.region_kernel(model, external, *names, cached=cached)
+        return openvino_source.region_kernel(model, external, *names, cached=cached,
+                                             precision=layer.attrs.get("precision", "f32"))
     return region_kernel(model, external, *names, bool(layer.attrs.get("spinning", False)))
 
 

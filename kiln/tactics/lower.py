@@ -173,7 +173,8 @@ class Lowering:
         outs = tuple(desc_of(v) for v in node.outputs)
         for t in outs:
             self.descs[t.name], self.formats[t.name] = t, LINEAR
-        self.layers.append(Layer(node.name, "Region", "kiln", tuple(args), tuple(in_descs), outs, {}, tactic,
+        attrs = {"precision": node.attrs["precision"]} if "precision" in node.attrs else {}
+        self.layers.append(Layer(node.name, "Region", "kiln", tuple(args), tuple(in_descs), outs, attrs, tactic,
                                  tactic_value(tactic), source, node.origin, inner=tuple(inner)))
 
     def lower_node(self, node: Node) -> None:

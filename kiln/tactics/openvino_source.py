@@ -57,15 +57,16 @@ def content_key(model: onnx.ModelProto, external: dict[str, np.ndarray]) -> str:
 
 
 def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input_names: list[str],
-                  output_names: list[str], cached: bool = False) -> Kernel:
+                  output_names: list[str], cached: bool = False, precision: str = "f32") -> Kernel:
     """`cached`: compile through OpenVINO's model cache (regions of at least CACHE_MIN_BYTES of weights), keyed by
-    the region's content; a later compile of the same region imports the compiled blob instead."""
+    the region's content; a later compile of the same region imports the compiled blob instead. `precision`: the
+    inference precision hint, f32 (FP32 layers compute in FP32; OpenVINO's default on CPUs with AVX512-BF16/AMX is
+    bf16) or bf16 (a --bf16 build). The kernel's `runtime_precisions` say what each inner layer ran in."""
     ov = optional.require("openvino", f"the {OPENVINO_REGION_TACTIC} tactic")
 
     core = ov.Core()
-    # FP32 layers compute in FP32: OpenVINO's default on CPUs with AVX512-BF16/AMX is bf16 arithmetic
     config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY",
-              "INFERENCE_PRECISION_HINT": "f32"}
+              "INFERENCE_PRECISION_HINT": precision}
     big = sum(a.nbytes for a in external.values()) >= CACHE_MIN_BYTES
     cache = compiled_model_cache() if cached and big else None
     if cache:   # OpenVINO's model cache, keyed by the region file: a later load skips parsing and compiling
@@ -91,4 +92,28 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
         result = request.infer({name: np.ascontiguousarray(x.numpy()) for name, x in zip(input_names, acts)},
                                share_inputs=True)   # the arrays outlive the call: no copy into OpenVINO's tensors
         return [torch.from_numpy(np.array(result[o])) for o in outputs]   # copy: OpenVINO reuses its buffers
+    kernel.runtime_precisions = lambda: runtime_precisions(compiled)
     return kernel
+
+
+_RUNTIME_PRECISION = {"bf16": "BF16", "f16": "FP16", "i8": "INT8", "u8": "INT8", "f32": "FP32"}
+
+
+def runtime_precisions(compiled) -> dict[str, str]:
+    """Per inner layer of a region (the emitter names a layer's ONNX nodes "<layer>|<k>"), the precision its
+    compute ran in, from OpenVINO's execution graph (`runtimePrecision` of the ops its nodes became): the lowest
+    float precision among them, so a convolution run in bf16 reads BF16 even where a reorder stayed f32."""
+    found: dict[str, set[str]] = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if "originalLayersNames" not in info or "runtimePrecision" not in info:
+            continue
+        if info["layerType"].astype(str) in ("Input", "Output", "Const", "Reorder"):
+            continue
+        precision = _RUNTIME_PRECISION.get(info["runtimePrecision"].astype(str))
+        for original in filter(None, info["originalLayersNames"].astype(str).split(",")):
+            layer, sep, _ = original.rpartition("|")
+            if sep and precision:
+                found.setdefault(layer, set()).add(precision)
+    order = ("INT8", "FP16", "BF16", "FP32")
+    return {layer: min(kinds, key=order.index) for layer, kinds in found.items()}

@@ -116,3 +116,34 @@ def test_an_engine_with_bf16_kernels_runs_in_fp32_where_the_cpu_lacks_bf16(tmp_p
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)   # the reference kernels compute in FP32
     warned = [r.getMessage() for r in caplog.records if "this CPU lacks it" in r.getMessage()]
     assert len(warned) == 2 and all("avx512_bf16 or amx_bf16" in m for m in warned)   # one per BF16 kernel
+
+
+def test_an_openvino_region_joins_a_bf16_build_at_bf16_and_reports_what_each_layer_ran_in(monkeypatch, tmp_path,
+                                                                                           caplog):
+    """Allowed BF16 (no constraints): the whole graph as one OpenVINO region compiled at bf16 races kiln's plan;
+    its inner layers are granted what OpenVINO's execution graph ran them in, and the engine reloads at bf16."""
+    pytest.importorskip("openvino")
+    from kiln.tactics.autotune import Autotuner
+    from tests.conftest import force_plan
+
+    monkeypatch.setattr(Autotuner, "_measure", lambda self, view, tactics, *a: {
+        t.name: (0.5 if t.name.endswith("_bf16") else 1.0) for t in tactics})   # kiln's plan keeps its BF16 layers
+    force_plan(monkeypatch, "openvino")
+    model = conv_net()
+    engine = kiln.build(model, bf16=True, tactic_sources="-onnxruntime")
+    (region,) = [l for l in engine.plan.layers if l.inner]
+    assert region.tactic_name == "openvino.region" and region.attrs == {"precision": "bf16"}
+    convs = [i for i in region.inner if i.op_type == "Conv"]
+    assert convs and all(i.precision == "BF16" and i.requested_precision == "BF16" for i in convs)
+    info = {l["Name"]: l for l in engine.layer_info()["Layers"]}
+    first = info[convs[0].name]
+    assert (first["GrantedPrecision"], first["LayerType"]) == ("BF16", "OpenVINOConvolution")
+    got, want = run_both(model, engine)
+    assert cosine(got, want) >= 0.999
+    engine.save(tmp_path / "ov.kiln")
+    again, _ = run_both(model, kiln.load(tmp_path / "ov.kiln"))
+    np.testing.assert_array_equal(again, got)
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    strict = kiln.build(model, bf16=True, precision_constraints="prefer", tactic_sources="-onnxruntime")
+    assert not any(l.inner for l in strict.plan.layers)
+    assert "precision constraints ask for kiln's BF16 kernels" in caplog.text
