@@ -232,7 +232,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     bound_ms = flops(engine.plan) / (args.peak_gflops * 1e9) * 1e3
     return {"name": name, "medians": medians, "build_s": build_s, "load_s": load_s, "bound_ms": bound_ms,
             "plan": plan_summary([layer_type(l) for l in engine.plan.layers]), "cosines": cosines,
-            "bf16_layers": sum(l.precision == "BF16" for l in engine.plan.layers)}
+            "bf16_layers": sum(i.precision == "BF16" for l in engine.plan.layers for i in (l.inner or (l,)))}
 
 
 def cosines_to_fp32(runners: dict, feeds: dict[str, np.ndarray]) -> dict[str, float]:
