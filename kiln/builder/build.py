@@ -23,16 +23,14 @@ import torch
 from kiln.builder.options import BuildOptions
 from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
-from kiln.ops.dtypes import to_torch_dtype
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.plan.model import Layer, Plan
 from kiln.planning.memory import plan_memory
-from kiln.planning.accuracy import AccuracyBudget, BudgetReport, keep_fp32, meet_budget
+from kiln.planning.accuracy import AccuracyBudget, BudgetReport, keep_fp32, meet_budget, random_input
 from kiln.planning.race import choose_plan, onnxruntime_reference
 from kiln.planning.regions import plan_runner
 from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision, decide
-from kiln.tactics.autotune import Autotuner, TimingOptions, example_input, last_level_cache_bytes
-from kiln.tactics.base import LINEAR
+from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
 from kiln.tactics.lower import Lowering, desc_of, node_view
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.registry import available_sources, offers
@@ -160,19 +158,6 @@ def budget_inputs(g: Graph, options: BuildOptions) -> dict[str, torch.Tensor]:
         return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
     log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
     return {v.name: random_input(v) for v in g.inputs}
-
-
-def random_input(v) -> torch.Tensor:
-    """Random values for a graph input: normal floats; integer indices into a constant table (token ids into an
-    embedding: Gather's indices) drawn from the table's range; other integers (masks, positions) ones."""
-    if np.dtype(v.dtype).kind != "i":
-        return example_input(v.shape, str(v.dtype), LINEAR)
-    tables = [u.inputs[0].const.shape[u.attrs.get("axis", 0)] for u in v.users
-              if u.op_type == "Gather" and len(u.inputs) > 1 and u.inputs[1] is v and u.inputs[0].is_const]
-    generator = torch.Generator().manual_seed(0)
-    if tables:
-        return torch.randint(0, min(tables), v.shape, generator=generator).to(to_torch_dtype(np.dtype(v.dtype)))
-    return torch.ones(v.shape, dtype=to_torch_dtype(np.dtype(v.dtype)))
 
 
 def autotuner(g: Graph, cache: TimingCache, options: BuildOptions) -> Autotuner | None:

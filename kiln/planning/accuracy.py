@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.errors import ModelError
@@ -19,6 +20,9 @@ from kiln.planning.regions import plan_runner
 from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision
 from kiln.runtime.interpreter import Interpreter
 from kiln.runtime.prepare import TorchWeights, prepare_kernel
+from kiln.ops.dtypes import to_torch_dtype
+from kiln.tactics.autotune import example_input
+from kiln.tactics.base import LINEAR
 from kiln.tactics.lower import Lowering
 from kiln.tactics.reference import ReferenceTactic
 
@@ -169,3 +173,16 @@ def _as_reference(layer):
     import dataclasses
 
     return dataclasses.replace(layer, tactic_name=ReferenceTactic.name, source=ReferenceTactic.source)
+
+
+def random_input(v) -> torch.Tensor:
+    """Random values for a graph input: normal floats; integer indices into a constant table (token ids into an
+    embedding: Gather's indices) drawn from the table's range; other integers (masks, positions) ones."""
+    if np.dtype(v.dtype).kind != "i":
+        return example_input(v.shape, str(v.dtype), LINEAR)
+    tables = [u.inputs[0].const.shape[u.attrs.get("axis", 0)] for u in v.users
+              if u.op_type == "Gather" and len(u.inputs) > 1 and u.inputs[1] is v and u.inputs[0].is_const]
+    generator = torch.Generator().manual_seed(0)
+    if tables:
+        return torch.randint(0, min(tables), v.shape, generator=generator).to(to_torch_dtype(np.dtype(v.dtype)))
+    return torch.ones(v.shape, dtype=to_torch_dtype(np.dtype(v.dtype)))

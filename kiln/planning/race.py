@@ -14,11 +14,10 @@ import torch
 from kiln.errors import Error
 from kiln.ir import Graph
 from kiln.plan.model import Layer
-from kiln.planning.accuracy import AccuracyBudget
+from kiln.planning.accuracy import AccuracyBudget, random_input
 from kiln.planning.regions import plan_runner, apply_regions, choose_regions, unapply_regions
 from kiln.precision.policy import INT8_LAYERS, QDQ_OPS, REDUCED_FLOATS
-from kiln.tactics.autotune import Autotuner, example_input, robust_ms
-from kiln.tactics.base import LINEAR
+from kiln.tactics.autotune import Autotuner, robust_ms
 from kiln.tactics.clock import elapsed_ms
 from kiln.tactics.lower import Lowering, lower, node_view
 from kiln.tactics.onnx_emit import supports
@@ -172,7 +171,7 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
                     budget: AccuracyBudget | None = None):
     """{plan name: (cache key, runner, rounds)} for the candidates that run and agree with the reference; cached
     plan times go straight into `times`."""
-    inputs = {v.name: example_input(v.shape, str(v.dtype), LINEAR) for v in g.inputs}
+    inputs = {v.name: random_input(v) for v in g.inputs}   # token ids within their embedding, masks as ones
     reference = _reference_outputs(reference_fn, inputs)
     quantized = any(n.op_type in INT8_OPS for n in g.nodes)
     runners = {}

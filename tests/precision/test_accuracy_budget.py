@@ -142,7 +142,7 @@ def test_debug_precision_without_a_reduced_precision_layer_says_why(tmp_path):
 
 def test_budget_inputs_draw_token_ids_within_the_embedding_and_masks_as_ones():
     """Zeros as token ids (and masks) judged a BERT by one embedding row: ids come from the table's range."""
-    from kiln.builder.build import random_input
+    from kiln.planning.accuracy import random_input
     from tests.passes.ir_builder import IRBuilder
 
     b = IRBuilder()
