@@ -162,3 +162,15 @@ def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch, pr
         assert rows[0].openvino_default_ms == result["medians"].get("openvino default", "")
     assert re.fullmatch(r"\d+ layers?: \d+ \w+(, \d+ \w+)*", result["plan"]), result["plan"]
     assert result["bound_ms"] > 0 and result["build_s"] > 0
+
+
+def test_overhead_prints_the_cpu_first_then_every_tactic_of_the_tiny_layers(capsys):
+    import overhead
+
+    assert overhead.main(["--calls", "3", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("CPU: ")
+    rows = [line.split() for line in lines[2:]]
+    tactics = {row[-2] for row in rows}
+    assert {"torch.reference", "onednn.linear_prepacked"} <= tactics
+    assert all(float(row[-1]) > 0 for row in rows)

@@ -1,0 +1,88 @@
+"""Per-call overhead of kiln's tactics (issue 19, item 8): each tactic's kernel on a tiny layer, where compute is
+negligible, so the time is what one call costs (descriptor set-up, casts, dispatch). At BF16 speeds a ResNet-50
+runs ~55 layers in ~5 ms, so a tactic that spends tens of microseconds per call loses there however fast it
+computes. The autotuner times calls whole, so overhead already counts against a tactic; this shows how much.
+
+    .venv/bin/python benchmarks/overhead.py [--calls 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cpu_info import cpu_line  # noqa: E402
+
+
+def tiny_layers():
+    """(label, LayerView) pairs: a 1x1 convolution on 8 channels at 4x4, and an 8x8 linear on 1 row."""
+    import torch
+
+    from kiln.tactics.base import LayerView
+
+    conv_attrs = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1], "dilations": [1, 1], "group": 1}
+    conv = LayerView("Conv", "", conv_attrs, ((1, 8, 4, 4), (8, 8, 1, 1), (8,)), ("float32",) * 3,
+                     {1: torch.randn(8, 8, 1, 1), 2: torch.randn(8)}, ("float32",), 17, ((), (), ()))
+    linear = LayerView("MatMul", "", {}, ((1, 8), (8, 8)), ("float32", "float32"), {1: torch.randn(8, 8)},
+                       ("float32",), 17, ((), ()))
+    return [("conv 1x1 8ch 4x4", conv), ("linear 1x8x8", linear)]
+
+
+def per_call_us(kernel, xs, calls: int) -> float:
+    """Median of 5 rounds of `calls` back-to-back calls, microseconds per call."""
+    import torch
+
+    with torch.inference_mode():
+        for _ in range(50):
+            kernel(xs)
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                kernel(xs)
+            rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def measure(calls: int) -> list[tuple[str, str, float]]:
+    """(layer, tactic, µs per call) for every tactic of kiln's registry that supports each tiny layer."""
+    from kiln.tactics.autotune import example_input
+    from kiln.tactics.base import ANY, LINEAR
+    from kiln.tactics.registry import GENERIC, REGISTRY
+
+    rows = []
+    for label, view in tiny_layers():
+        for tactic in REGISTRY.get(view.op_type, []) + GENERIC:
+            if not tactic.supports(view):
+                continue
+            formats = tactic.input_formats(view)
+            xs = [None if i in view.const_inputs else
+                  example_input(s, view.input_dtypes[i], LINEAR if formats[i] == ANY else formats[i])
+                  for i, s in enumerate(view.input_shapes)]
+            rows.append((label, tactic.name, per_call_us(tactic.prepare(view), xs, calls)))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=2000, help="calls per timed round")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    print(cpu_line(), flush=True)   # first: every benchmark says which CPU its numbers come from
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"threads={args.threads}; median of 5 rounds of {args.calls} calls; microseconds per call")
+    for layer, tactic, us in measure(args.calls):
+        print(f"{layer:20} {tactic:40} {us:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
