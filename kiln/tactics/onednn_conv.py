@@ -115,13 +115,17 @@ class OneDnnConvTactic:
         return run
 
 
-class OneDnnBf16ConvTactic(OneDnnConvTactic):
-    """The same kernel computing in BF16; offered only where the CPU has native BF16 arithmetic."""
+class Bf16Variant:
+    """Mixin for a oneDNN tactic: the same kernel computing in BF16, offered only where the CPU has native BF16
+    arithmetic (a loaded engine's kernel needing it falls back where it is missing: `required_isa`)."""
 
-    name = "onednn.conv2d_nhwc_prepacked_bf16"
     compute_dtype = torch.bfloat16
     reduced_precisions = frozenset({"BF16"})
     required_isa = hardware.BF16_ISA
 
     def supports(self, layer: LayerView) -> bool:
         return super().supports(layer) and bf16_available()
+
+
+class OneDnnBf16ConvTactic(Bf16Variant, OneDnnConvTactic):
+    name = "onednn.conv2d_nhwc_prepacked_bf16"

@@ -12,8 +12,7 @@ import torch
 
 from kiln.ops.nn import apply_activation
 from kiln.tactics.base import LINEAR, Kernel, LayerView
-from kiln import hardware
-from kiln.tactics.onednn_conv import bf16_available, casts, fused_unary
+from kiln.tactics.onednn_conv import Bf16Variant, casts, fused_unary
 
 
 def linear_weight(layer: LayerView) -> torch.Tensor:
@@ -80,13 +79,5 @@ class OneDnnLinearTactic:
         return run
 
 
-class OneDnnBf16LinearTactic(OneDnnLinearTactic):
-    """The same kernel computing in BF16; offered only where the CPU has native BF16 arithmetic."""
-
+class OneDnnBf16LinearTactic(Bf16Variant, OneDnnLinearTactic):
     name = "onednn.linear_prepacked_bf16"
-    compute_dtype = torch.bfloat16
-    reduced_precisions = frozenset({"BF16"})
-    required_isa = hardware.BF16_ISA
-
-    def supports(self, layer: LayerView) -> bool:
-        return super().supports(layer) and bf16_available()
