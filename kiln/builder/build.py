@@ -67,10 +67,10 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         tuner = autotuner(g, cache, options)
         lowered = Lowering(g, sources, tuner, precisions, options.precision.constraints != "none")
         lowered.run()
-        lowered, budget_report = within_accuracy_budget(g, proto, lowered, options)
+        budget = None if options.accuracy == "off" else \
+            AccuracyBudget.parse(options.accuracy or DEFAULT_BUDGET, options.atol, options.rtol)
+        lowered, budget_report = within_accuracy_budget(g, proto, lowered, options, budget)
     with stage("planning"):
-        budget = AccuracyBudget.parse(options.accuracy or DEFAULT_BUDGET, options.atol, options.rtol) \
-            if options.accuracy != "off" else None
         layers, weights = choose_plan(g, lowered, sources, tuner, options.regions, lambda: onnxruntime_reference(proto),
                                       budget)
         cache.save()
@@ -123,13 +123,12 @@ def decide_precisions(g: Graph, sources: frozenset[str], options: BuildOptions) 
     return decide(g.nodes, options.precision, kernel_offers)
 
 
-def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering,
-                           options: BuildOptions) -> tuple[Lowering, BudgetReport | None]:
+def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, options: BuildOptions,
+                           budget: AccuracyBudget | None) -> tuple[Lowering, BudgetReport | None]:
     """The lowering, or one with the fewest layers kept in FP32 to meet the accuracy budget (kiln.planning.accuracy):
     `--accuracy`, by default cos:0.999 where a reduced float precision was granted; and the budget's report."""
-    if options.accuracy == "off" or not any(l.precision in REDUCED_FLOATS for l in lowered.layers):
+    if budget is None or not any(l.precision in REDUCED_FLOATS for l in lowered.layers):
         return lowered, None
-    budget = AccuracyBudget.parse(options.accuracy or DEFAULT_BUDGET, options.atol, options.rtol)
 
     def relower(decisions: dict[str, PrecisionDecision]) -> Lowering:
         again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision)

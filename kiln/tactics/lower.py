@@ -59,7 +59,6 @@ class Lowering:
         race the native precision's, the winner deciding the layer's granted precision."""
         self.g, self.sources, self.tuner, self.precisions = g, sources, tuner, dict(precisions or {})
         self.strict_precision = strict_precision
-        self.node_ms: dict[str, float] = {}
         self.node_layers: dict[str, tuple[int, int]] = {}   # node -> its layers' [start, end) in `layers`
         self.layers: list[Layer] = []
         self.weights: dict[str, np.ndarray] = {}
@@ -126,7 +125,6 @@ class Lowering:
         have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
         names = {t.name: runner_name(t.name, t.source, node.op_type) for t in found}
         choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), decision.granted)
-        self.node_ms[node.name] = choice.kernel_ms + choice.overhead_ms
         if reduced and reduced not in reduced_precisions(choice.tactic):
             fastest = min((t for t in found if reduced in reduced_precisions(t)),
                           key=lambda t: choice.timings_ms[t.name])
