@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "compare": "kiln.cli.compare_cmd",
     "kernels": "kiln.cli.kernels_cmd",
     "debug": "kiln.cli.debug_cmd",
+    "export": "kiln.cli.export_cmd",
 }
 
 

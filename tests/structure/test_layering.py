@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("api", ("kiln",)),                  # the package itself: build(), load(), Engine
     ("inspect", ("kiln.inspect",)),
     ("tools", ("kiln.tools", "kiln.backend")),
+    ("serve", ("kiln.serve",)),          # the inference server (Open Inference Protocol) and its exports
     ("cli", ("kiln.cli", "kiln.demo", "kiln.__main__")),
 )
 
