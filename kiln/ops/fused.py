@@ -86,6 +86,8 @@ def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: li
 
     q = attrs["quant"]
     x = dequantize(x_q, q["x_scale"], q["x_zero_point"])
+    if len(rest) > 1 and rest[1] is not None and "r_scale" in q:   # an INT8 residual summed before the activation
+        rest = [rest[0], dequantize(rest[1], q["r_scale"], q["r_zero_point"])]
     y = OPS[base].impl(attrs, [x, w] + list(rest))[0]   # the base op ignores the extra "quant" attribute
     if "y_scale" in q:
         y = quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))

@@ -8,8 +8,8 @@ from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_layer_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
-from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, merge_duplicate_qdq,
-                                     split_q_across_concat, swap_dq_q_around_movement)
+from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
+                                     merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 
 DEFAULT_PIPELINE: list[Pass] = [
@@ -43,7 +43,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("VanillaSwapWithFollowingQ", swap_dq_q_around_movement),
     Pass("SplitQAcrossPrecedingFanIn", split_q_across_concat),
     Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
-    Pass("QuantizedAddFusion", fuse_quantized_add, "vertical fusions"),
+    Pass("QuantizedAddFusion", fuse_quantized_add),
+    Pass("QConvEltwiseSumFusion", fuse_quantized_residual, "vertical fusions"),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
     Pass("DeadLayerRemoval", remove_dead_layers, "final dead-layer removal"),

@@ -12,7 +12,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import replace_nodes, sole_consumer
+from kiln.passes.patterns import replace_nodes, sole_consumer, why_not_sole_consumer
 from kiln.trt.vocab import fused_layer_name
 
 log = logging.getLogger("kiln.build")
@@ -171,6 +171,7 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         attrs = {"quant": quant, **({"activation": act} if act else {})}
         replace_nodes(g, nodes, Node(fused_layer_name(n.name for n in nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
                                      [nxt.outputs[0]], attrs, "kiln", origin))
+        _drop_dead(g, dqs)   # the sum reads the INT8 tensors: the producers' sole consumer is the sum again
 
 
 def split_q_across_concat(g: Graph, plog: PassLog) -> None:
@@ -199,3 +200,62 @@ def split_q_across_concat(g: Graph, plog: PassLog) -> None:
         g.remove_node(q)
         cat.outputs[0].dtype = result.dtype
         g.replace_all_uses(result, cat.outputs[0])
+
+
+def _drop_dead(g: Graph, nodes: list[Node]) -> None:
+    for node in dict.fromkeys(nodes):
+        if node in g.nodes and not any(v.users or g.is_output(v) for v in node.outputs):
+            g.remove_node(node)
+
+
+def fuse_quantized_residual(g: Graph, plog: PassLog) -> None:
+    """ConvEltwiseSumFusion on INT8: QAdd(QConv(x), r) becomes QConv(x, residual=r); the convolution adds the
+    dequantized residual before its activation and requantizes once to the sum's scale (oneDNN's sum post-op),
+    so the convolution's own requantized output (and its rounding) disappears."""
+    for add in [n for n in g.nodes if n.op_type == "QAdd" and n.domain == "kiln"]:
+        convs = [(i, v.producer) for i, v in enumerate(add.inputs) if v.producer is not None
+                 and v.producer.op_type == "QConv" and v.producer.domain == "kiln"]
+        convs.sort(key=lambda c: g.nodes.index(c[1]), reverse=True)   # the later conv: the residual is ready
+        reasons = []
+        for i, conv in convs:
+            plog.running(conv)
+            reason = _quantized_residual_blocker(g, conv, add, i)
+            if reason is None:
+                _fuse_residual(g, conv, add, i)
+                plog.fusing(conv, add)
+                break
+            reasons.append((conv, reason))
+        else:
+            for conv, reason in reasons:
+                plog.not_fused(conv, add, reason)
+
+
+def _quantized_residual_blocker(g: Graph, conv: Node, add: Node, i: int) -> str | None:
+    q, a = conv.attrs["quant"], add.attrs["quant"]
+    side, other = "ab"[i], add.inputs[1 - i]
+    if sole_consumer(g, conv) is not add:
+        return why_not_sole_consumer(g, conv)
+    if "activation" in conv.attrs:
+        return f"{conv.name} applies an activation before the sum"
+    if len(conv.inputs) > 3 or "y_scale" not in q:
+        return f"{conv.name} already has a residual input" if len(conv.inputs) > 3 else f"{conv.name} writes FP32"
+    if (q["y_scale"], q["y_zero_point"]) != (a[f"{side}_scale"], a[f"{side}_zero_point"]):
+        return "the convolution's output scale differs from the scale the sum reads it with"
+    if other.shape != add.inputs[i].shape:
+        return f"shapes differ ({list(other.shape)} vs {list(add.inputs[i].shape)}): broadcasting sum is not fusable"
+    if str(other.dtype) != a["y_dtype"]:
+        return f"the residual ({other.dtype}) and the sum ({a['y_dtype']}) have different INT8 types"
+    return None
+
+
+def _fuse_residual(g: Graph, conv: Node, add: Node, i: int) -> None:
+    a, other_side = add.attrs["quant"], "ab"[1 - i]
+    quant = {**conv.attrs["quant"], "y_scale": a["y_scale"], "y_zero_point": a["y_zero_point"],
+             "y_dtype": a["y_dtype"], "r_scale": a[f"{other_side}_scale"],
+             "r_zero_point": a[f"{other_side}_zero_point"]}
+    attrs = {**conv.attrs, "quant": quant, **({"activation": add.attrs["activation"]} if "activation" in add.attrs
+                                              else {})}
+    bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+    inputs = [conv.inputs[0], conv.inputs[1], bias, add.inputs[1 - i]]
+    replace_nodes(g, [conv, add], Node(fused_layer_name([conv.name, add.name]), "QConv", inputs, [add.outputs[0]],
+                                       attrs, "kiln", conv.origin + add.origin))

@@ -9,6 +9,7 @@ from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.layernorm_c import LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
 from kiln.tactics.onednn_conv import OneDnnBf16ConvTactic, OneDnnConvTactic
+from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
@@ -25,7 +26,9 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
                                      "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic()],
-                                     "SkipLayerNormalization": [LayerNormTactic()]}
+                                     "SkipLayerNormalization": [LayerNormTactic()],
+                                     "QConv": [OneDnnInt8ConvTactic()], "QGemm": [OneDnnInt8LinearTactic()],
+                                     "QMatMul": [OneDnnInt8LinearTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")

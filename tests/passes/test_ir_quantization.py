@@ -1,16 +1,19 @@
 """Explicit-quantization passes on IR graphs: DQ -> Conv/MatMul(DQ(W_int8)) [-> Q] becomes one INT8 layer
-(QuantizeDoubleInputNodes), Q(act(DQ + DQ)) one INT8 add (QuantizedAddFusion), duplicate Q nodes merge, max
+(QuantizeDoubleInputNodes), Q(act(DQ + DQ)) one INT8 add (QuantizedAddFusion), an INT8 add of an INT8 conv's
+output into the conv (QConvEltwiseSumFusion), duplicate Q nodes merge, max
 pooling and concatenation run on INT8 tensors; and the reasons when the input has no INT8 scale."""
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, merge_duplicate_qdq,
+from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
+                                     merge_duplicate_qdq,
                                      split_q_across_concat, swap_dq_q_around_movement)
 from tests.passes.ir_builder import IRBuilder, expected, run_pass
 
 # The fused layers read the INT8 tensors directly; the DequantizeLinear nodes they leave behind have no readers
-# and go in the pipeline's final DeadLayerRemoval, so the expected graphs below still list them.
+# and go in the pipeline's final DeadLayerRemoval, so the expected graphs below still list them (the INT8 sum drops
+# its own at once: the convolution feeding it must see the sum as its sole consumer to absorb it).
 X = (1, 2, 3, 3)
 
 
@@ -104,8 +107,6 @@ def test_dq_add_relu_q_becomes_one_int8_add():
 
     assert str(g) == expected("""
         graph g(%a: int8[2x4], %c: int8[2x4]):
-          %da: float32[2x4] = DequantizeLinear(%a, const %da.scale)  # da
-          %dc: float32[2x4] = DequantizeLinear(%c, const %dc.scale)  # dc
           %y: int8[2x4] = kiln.QAdd(%a, %c) activation={'op': 'Relu', 'attrs': {}} quant={'a_scale': 0.5, 'a_zero_point': 0, 'b_scale': 0.25, 'b_zero_point': 0, 'y_scale': 0.125, 'y_zero_point': 0, 'a_dtype': 'int8', 'b_dtype': 'int8', 'y_dtype': 'int8'}  # add + relu + y
           return %y
         """)
@@ -192,3 +193,41 @@ def test_q_after_concat_moves_onto_its_inputs_and_cancels_an_equal_dq():
           return %y
         """)
     assert run.stat.matches == 1
+
+
+# ---------------------------------------------------------------- QConvEltwiseSumFusion
+def residual_block(b: IRBuilder, conv_out_scale: float = 0.125, conv_act: bool = False):
+    """QAdd(QConv(x), r) with a ReLU after the sum: what the two passes above leave of a ResNet block's tail."""
+    xq, rq = b.input("xq", X, np.uint8), b.input("rq", X, np.uint8)
+    quant = {"x_scale": 0.5, "x_zero_point": 0, "x_dtype": "uint8", "w_scale": [0.25, 0.125], "w_zero_point": [0, 0],
+             "w_axis": 0, "y_scale": conv_out_scale, "y_zero_point": 0, "y_dtype": "uint8"}
+    extra = {"activation": {"op": "Relu", "attrs": {}}} if conv_act else {}
+    c = b.node("QConv", [xq, int8_weight(b, "wq", (2, 2, 1, 1)), b.const("bias", [0.5, -0.5])], "c", X,
+               dtype=np.uint8, domain="kiln", name="conv + cq", kernel_shape=[1, 1], quant=quant, **extra)
+    add_quant = {"a_scale": 0.125, "a_zero_point": 0, "b_scale": 0.25, "b_zero_point": 3, "y_scale": 0.5,
+                 "y_zero_point": 0, "a_dtype": "uint8", "b_dtype": "uint8", "y_dtype": "uint8"}
+    return b.graph(b.node("QAdd", [c, rq], "y", X, dtype=np.uint8, domain="kiln", name="add + relu + yq",
+                          quant=add_quant, activation={"op": "Relu", "attrs": {}}))
+
+
+def test_int8_sum_of_an_int8_conv_fuses_into_the_conv_with_the_sums_scale():
+    g = residual_block(IRBuilder())
+
+    run = run_pass(g, "QConvEltwiseSumFusion", fuse_quantized_residual)
+
+    assert str(g) == expected("""
+        graph g(%xq: uint8[1x2x3x3], %rq: uint8[1x2x3x3]):
+          %y: uint8[1x2x3x3] = kiln.QConv(%xq, const %wq, const %bias, %rq) activation={'op': 'Relu', 'attrs': {}} kernel_shape=[1, 1] quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'uint8', 'w_scale': [0.25, 0.125], 'w_zero_point': [0, 0], 'w_axis': 0, 'y_scale': 0.5, 'y_zero_point': 0, 'y_dtype': 'uint8', 'r_scale': 0.25, 'r_zero_point': 3}  # conv + cq + add + relu + yq
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+
+
+def test_int8_sum_stays_apart_when_the_conv_activates_first_or_scales_disagree():
+    for graph, reason in [(residual_block(IRBuilder(), conv_act=True), "conv + cq applies an activation before the sum"),
+                          (residual_block(IRBuilder(), conv_out_scale=0.0625),
+                           "the convolution's output scale differs from the scale the sum reads it with")]:
+        before = str(graph)
+        run = run_pass(graph, "QConvEltwiseSumFusion", fuse_quantized_residual)
+        assert str(graph) == before
+        assert run.not_fusing == [f"QConvEltwiseSumFusion: Not fusing conv + cq with add + relu + yq: {reason}"]
