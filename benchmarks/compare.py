@@ -223,9 +223,15 @@ def bench(name: str, workdir: Path, args) -> dict:
     ctx = engine.create_execution_context()
     runners = {"kiln": lambda: ctx.execute(feeds),
                **peers(str(path), model, feeds, args.threads, args.compile, args.precision)}
-    cosines = cosines_to_fp32(runners, feeds) if args.precision == "bf16" else {}
+    fp32_path = path.with_name(path.name.replace("_qdq", ""))
+    if args.precision != "fp32":   # kiln's own kernels only: no OpenVINO or onnxruntime region
+        own = kiln.build(str(path), bf16=args.precision == "bf16",
+                         tactic_sources="-openvino,-onnxruntime").create_execution_context()
+        runners["kiln own"] = lambda: own.execute(feeds)
+    cosines = cosines_to_fp32(runners, fp32_reference(fp32_path, feeds, args.threads)) \
+        if args.precision != "fp32" else {}
     if path.name.endswith("_qdq.onnx"):   # INT8 vs kiln's own FP32 engine of the same network
-        fp32 = kiln.build(str(path.with_name(path.name.replace("_qdq", "")))).create_execution_context()
+        fp32 = kiln.build(str(fp32_path)).create_execution_context()
         runners["kiln fp32"] = lambda: fp32.execute(feeds)
     samples = time_blocks(runners, args.rounds, args.runs)
     medians = {k: statistics.median(v) for k, v in samples.items()}
@@ -235,8 +241,19 @@ def bench(name: str, workdir: Path, args) -> dict:
             "bf16_layers": sum(i.precision == "BF16" for l in engine.plan.layers for i in (l.inner or (l,)))}
 
 
-def cosines_to_fp32(runners: dict, feeds: dict[str, np.ndarray]) -> dict[str, float]:
-    """Cosine of kiln's and OpenVINO's default outputs (first output) to onnxruntime's FP32 output."""
+def fp32_reference(fp32_path: Path, feeds: dict[str, np.ndarray], threads: int) -> np.ndarray:
+    """onnxruntime's FP32 output (first output) of the FP32 network: the reference every reduced engine is scored
+    against (for a Q/DQ model, the network before quantization)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    return np.asarray(ort.InferenceSession(str(fp32_path), so, providers=["CPUExecutionProvider"])
+                      .run(None, feeds)[0], dtype=np.float64).ravel()
+
+
+def cosines_to_fp32(runners: dict, want: np.ndarray) -> dict[str, float]:
+    """Cosine of every engine's first output to the FP32 reference."""
     def first(result) -> np.ndarray:
         if hasattr(result, "values"):   # kiln's dict, OpenVINO's OVDict
             result = next(iter(result.values()))
@@ -244,12 +261,12 @@ def cosines_to_fp32(runners: dict, feeds: dict[str, np.ndarray]) -> dict[str, fl
             result = result[0]
         return np.asarray(result, dtype=np.float64).ravel()
 
-    want = first(runners["onnxruntime"]())
     out = {}
-    for name in ("kiln", "openvino default"):
-        if name in runners:
-            got = first(runners[name]())
-            out[name] = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+    for name, fn in runners.items():
+        if name in ("kiln fp32", "torch eager", "torch.compile"):
+            continue
+        got = first(fn())
+        out[name] = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
     return out
 
 
@@ -272,8 +289,11 @@ def run_rows(results: list[dict], run: str, cpu_text: str, threads: int, commit:
         notes = [note] if note else []
         if "kiln fp32" in m:
             notes.append(f"kiln FP32 engine {m['kiln fp32']:.2f} ms")
-        if r.get("cosines"):   # a --precision bf16 run: kiln built with --bf16
-            notes.append(f"kiln --bf16 ({r['bf16_layers']} BF16 layers); cosine to FP32: " +
+        if "kiln own" in m:
+            notes.append(f"kiln own kernels only {m['kiln own']:.2f} ms")
+        if r.get("cosines"):   # a --precision bf16|int8 run
+            kind = f"--bf16 ({r['bf16_layers']} BF16 layers)" if r["bf16_layers"] else "INT8"
+            notes.append(f"kiln {kind}; cosine to FP32: " +
                          ", ".join(f"{k} {v:.6f}" for k, v in r["cosines"].items()))
         rows.append(RunRow(run, date, model, " ".join(present_isa(flags)), threads, r["name"], m["kiln"],
                            m.get("onnxruntime", ""), m.get("openvino", ""), m.get("openvino default", ""),
@@ -290,7 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time torch.compile (slow first call)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+    p.add_argument("--precision", choices=["fp32", "bf16", "int8"], default="fp32",
                    help="bf16: kiln built with --bf16 beside OpenVINO's default and f32, onnxruntime FP32; cosines to "
                         "onnxruntime's FP32 outputs printed")
     p.add_argument("--no-record", action="store_true", help="do not append this run to the results CSV")
@@ -311,14 +331,17 @@ def main(argv=None) -> int:
           f"threads={args.threads}, batch 1, {args.rounds} rounds x {args.runs} runs per engine; "
           f"measured fp32 peak {args.peak_gflops:.1f} GFLOP/s")
     with tempfile.TemporaryDirectory() as tmp:
-        results = [bench(m.strip(), Path(tmp), args) for m in args.models.split(",") if m.strip()]
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if args.precision == "int8":   # Q/DQ exports of the named networks
+            models = [m if m.endswith("-int8") else f"{m}-int8" for m in models]
+        results = [bench(m, Path(tmp), args) for m in models]
     names = sorted({k for r in results for k in r["medians"]}, key=lambda k: (k != "kiln", k))
     print(f"\n{'model':10}" + "".join(f"{n:>18}" for n in names) + f"{'kiln/ort':>10}{'kiln/best':>11}"
           f"{'kiln/bound':>12}{'build s':>9}{'load s':>8}")
     for r in results:
         print(f"{r['name']}: kiln's plan: {r['plan']}")
         if r.get("cosines"):
-            print(f"{r['name']}: {r['bf16_layers']} BF16 layers; cosine to onnxruntime FP32: " +
+            print(f"{r['name']}: {r['bf16_layers']} BF16 layers; cosine to onnxruntime FP32 (of the FP32 network): " +
                   ", ".join(f"{k} {v:.6f}" for k, v in r["cosines"].items()))
         if "kiln fp32" in r["medians"]:
             print(f"{r['name']}: kiln INT8 is {r['medians']['kiln fp32'] / r['medians']['kiln']:.2f}x faster than "

@@ -135,7 +135,7 @@ def test_longrun_prints_the_cpu_line_first(monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[0] == "CPU: test"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch, precision):
     """The real `bench` (build, save, load, peers, blocks, plan summary) on a tiny CNN, one round of one run: the
     code path the benchmark takes, so a stale attribute cannot hide until the next benchmark run. With bf16,
@@ -150,10 +150,30 @@ def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch, pr
     x = torch.randn(1, 3, 16, 16)
     path = tmp_path / "tiny.onnx"
     export(model, x, path)
-    monkeypatch.setattr(compare, "build_model", lambda name, workdir: (model, {"input": x.numpy()}, path))
+    if precision == "int8":   # a Q/DQ export beside its FP32 network, as build_model makes them
+        from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self.batches = iter([{"input": torch.randn(1, 3, 16, 16).numpy()} for _ in range(2)])
+
+            def get_next(self):
+                return next(self.batches, None)
+        quantize_static(str(path), str(tmp_path / "tiny_qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True)
+    model_path = tmp_path / "tiny_qdq.onnx" if precision == "int8" else path
+    monkeypatch.setattr(compare, "build_model", lambda name, workdir: (model, {"input": x.numpy()}, model_path))
     args = argparse.Namespace(threads=1, compile=False, rounds=1, runs=1, peak_gflops=100.0, precision=precision)
     result = compare.bench("tiny", tmp_path, args)
-    assert result["name"] == "tiny" and {"kiln", "onnxruntime", "torch eager"} <= set(result["medians"])
+    peers = {"onnxruntime"} if precision == "int8" else {"onnxruntime", "torch eager"}   # torch runs FP32 only
+    assert result["name"] == "tiny" and {"kiln"} | peers <= set(result["medians"])
+    if precision != "fp32":   # kiln's own kernels beside kiln with every source; cosines to the FP32 network
+        assert "kiln own" in result["medians"] and result["cosines"]["kiln own"] > 0.99
+    if precision == "int8":
+        assert "kiln fp32" in result["medians"] and result["cosines"]["kiln"] > 0.99
+        rows = compare.run_rows([result], "2026-11-24T09:30Z", LSCPU, 1, "abc1234", "")
+        assert re.search(r"kiln own kernels only [\d.]+ ms; kiln INT8; cosine to FP32: kiln 0\.99", rows[0].notes), \
+            rows[0].notes
     if precision == "bf16":
         assert ("openvino default" in result["medians"]) == ("openvino" in result["medians"])
         assert result["cosines"]["kiln"] > 0.999
