@@ -31,7 +31,15 @@ def tiny_layers():
                      {1: torch.randn(8, 8, 1, 1), 2: torch.randn(8)}, ("float32",), 17, ((), (), ()))
     linear = LayerView("MatMul", "", {}, ((1, 8), (8, 8)), ("float32", "float32"), {1: torch.randn(8, 8)},
                        ("float32",), 17, ((), ()))
-    return [("conv 1x1 8ch 4x4", conv), ("linear 1x8x8", linear)]
+    quant = {"x_scale": 0.02, "x_zero_point": 3, "x_dtype": "uint8", "w_scale": [0.003] * 8, "w_zero_point": [0] * 8,
+             "w_axis": 0, "y_scale": 0.05, "y_zero_point": 5, "y_dtype": "uint8"}
+    w8 = torch.randint(-127, 128, (8, 8, 1, 1), dtype=torch.int8)
+    qconv = LayerView("QConv", "kiln", {**conv_attrs, "quant": quant}, ((1, 8, 4, 4), (8, 8, 1, 1), (8,)),
+                      ("uint8", "int8", "float32"), {1: w8, 2: torch.randn(8)}, ("uint8",), 17, ((), (), ()))
+    qgemm = LayerView("QGemm", "kiln", {"transB": 1, "quant": quant}, ((1, 8), (8, 8)), ("uint8", "int8"),
+                      {1: w8.reshape(8, 8)}, ("uint8",), 17, ((), ()))
+    return [("conv 1x1 8ch 4x4", conv), ("linear 1x8x8", linear), ("INT8 conv 1x1 8ch 4x4", qconv),
+            ("INT8 linear 1x8x8", qgemm)]
 
 
 def per_call_us(kernel, xs, calls: int) -> float:
