@@ -208,7 +208,11 @@ def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
                                     e.const(w_zp[0] if scalar else w_zp, w_type)], {} if scalar else {"axis": q["w_axis"]})
     base = dataclasses.replace(view, op_type=QUANTIZED_BASE[view.op_type], domain="",
                                attrs={k: v for k, v in view.attrs.items() if k != "quant"})
-    y = emit_layer(e, base, [x, w] + xs[2:])
+    rest = list(xs[2:])
+    if len(rest) > 1 and rest[1] and "r_scale" in q:   # the fused INT8 residual: summed dequantized
+        r_type = np.dtype(view.input_dtypes[3] or q["y_dtype"])
+        rest[1] = e.node("DequantizeLinear", [rest[1], e.const(q["r_scale"]), e.const(q["r_zero_point"], r_type)])
+    y = emit_layer(e, base, [x, w] + rest)
     if "y_scale" in q:
         y = e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
     return y

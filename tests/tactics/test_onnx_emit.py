@@ -69,3 +69,24 @@ def test_emitted_gelu_and_layernorm_match_torch(opset, approximate):
     want = torch.nn.functional.layer_norm(torch.nn.functional.gelu(torch.from_numpy(xs), approximate=approximate),
                                           (8,), torch.from_numpy(gamma), torch.from_numpy(beta), 1e-5)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_emitted_int8_conv_with_fused_residual_matches_its_reference():
+    """A QConv that absorbed an INT8 residual sum is written back as DQ(x), DQ(W), Conv, + DQ(r), ReLU, Q: the
+    form an OpenVINO or onnxruntime region compiles (a raw INT8 residual added to a float would not type-check)."""
+    from kiln.tactics.onnx_emit import emit
+    from kiln.tactics.reference import ReferenceTactic
+    from tests.tactics.test_onednn_int8 import conv_view, quant
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randint(-127, 128, (8, 8, 3, 3), generator=g, dtype=torch.int8)
+    x = torch.randint(0, 256, (1, 8, 6, 6), generator=g, dtype=torch.uint8)
+    r = torch.randint(0, 256, (1, 8, 6, 6), generator=g, dtype=torch.uint8)
+    view = conv_view(tuple(x.shape), w, q=quant(w_scale=[0.003] * 8, r=(0.03, 7)), act="Relu",
+                     residual=tuple(r.shape))
+    model, external = emit(view, 17)
+    assert not external
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"x0": x.numpy(), "x3": r.numpy()})[0]
+    want = ReferenceTactic().prepare(view)([x, None, None, r])[0].numpy()
+    assert got.dtype == np.uint8 and np.abs(got.astype(int) - want.astype(int)).max() <= 1
