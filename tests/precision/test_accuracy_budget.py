@@ -17,6 +17,7 @@ import kiln
 from kiln.planning.accuracy import AccuracyBudget
 from kiln.tactics.onednn_conv import bf16_available
 from tests.conftest import init, make_model, rand, run_ort
+from tests.precision.emulated_bf16 import bf16_kernels  # noqa: F401  (fixture: native or emulated BF16)
 
 needs_bf16 = pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 arithmetic (AVX512-BF16 "
                                 "or AMX): no layer runs in a reduced precision, so there is no budget to meet")
@@ -39,8 +40,7 @@ def relative_l2(engine, model) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-@needs_bf16
-def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog):
+def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog, bf16_kernels):
     caplog.set_level(logging.INFO, logger="kiln.build")
     model = two_branch()
     loose = kiln.build(model, bf16=True, precision_constraints="prefer", accuracy="l2:0.01", autotune=False)
@@ -56,8 +56,7 @@ def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog):
     assert info["big"]["GrantedPrecision"] == "FP32" and "accuracy budget" in info["big"]["PrecisionReason"]
 
 
-@needs_bf16
-def test_the_default_budget_with_bf16_is_cosine_0_999(caplog):
+def test_the_default_budget_with_bf16_is_cosine_0_999(caplog, bf16_kernels):
     caplog.set_level(logging.INFO, logger="kiln.build")
     kiln.build(two_branch(), bf16=True, precision_constraints="prefer", autotune=False)
     assert "Accuracy budget cos:0.999 met: cos 0.99" in caplog.text
@@ -66,8 +65,7 @@ def test_the_default_budget_with_bf16_is_cosine_0_999(caplog):
     assert "Accuracy budget" not in caplog.text
 
 
-@needs_bf16
-def test_an_impossible_budget_and_obey_are_clear_errors():
+def test_an_impossible_budget_and_obey_are_clear_errors(bf16_kernels):
     with pytest.raises(kiln.ModelError, match=r"the accuracy budget cos:1\.5 cannot be met even with every layer in "
                                               r"FP32 \(cos 1(\.0+)?\d* against the FP32 reference\): relax it"):
         kiln.build(two_branch(), bf16=True, precision_constraints="prefer", accuracy="cos:1.5", autotune=False)

@@ -1,0 +1,42 @@
+"""BF16 numerics on any CPU: where the CPU lacks native BF16 arithmetic (the AVX2 machines), the accuracy-budget
+tests still run, on stand-ins for kiln's BF16 linear kernel that round the activations, the weights and the output
+to bfloat16 and compute in FP32 between (what oneDNN's BF16 kernels do: BF16 operands, FP32 accumulation). On a
+CPU with BF16 the real kernels run and nothing is replaced."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kiln.tactics import registry
+from kiln.tactics.onednn_conv import bf16_available
+from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTactic
+
+
+def to_bf16(t):
+    return t.bfloat16().float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+class EmulatedBf16Linear(OneDnnLinearTactic):
+    name = OneDnnBf16LinearTactic.name + ".emulated"
+    reduced_precisions = frozenset({"BF16"})
+
+    def prepare(self, layer):
+        fp32 = super().prepare(dataclasses.replace(layer, const_inputs={i: to_bf16(t) for i, t in
+                                                                        layer.const_inputs.items()}))
+        return lambda xs: [to_bf16(y) for y in fp32([to_bf16(x) for x in xs])]
+
+
+@pytest.fixture
+def bf16_kernels(monkeypatch):
+    """The real BF16 kernels where the CPU has them, else the emulation (reported as such in TacticName)."""
+    if bf16_available():
+        return "native"
+    emulated = EmulatedBf16Linear()
+    for op in ("MatMul", "Gemm"):
+        monkeypatch.setitem(registry.REGISTRY, op, [t for t in registry.REGISTRY[op]
+                                                    if not isinstance(t, OneDnnBf16LinearTactic)] + [emulated])
+    monkeypatch.setitem(registry.TACTICS_BY_NAME, emulated.name, emulated)
+    monkeypatch.setattr("kiln.precision.policy.cpu_reduced_float_support", lambda: {"FP16": False, "BF16": True})
+    return "emulated"
