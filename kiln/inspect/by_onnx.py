@@ -6,7 +6,7 @@ else from its name (`kiln.trt.layer_names`). A `{ForeignNode[first...last]}` ran
 topological order when the model is given, else against the other engine's layers (a single range the ends of
 which the other engine does not name takes the other engine's nodes no other layer claims), else kept as the range.
 A layer holding several nodes splits its time by the nodes' FLOPs (from the model, when given and every shape is
-known), else evenly. Inserted copies (Reformat layers without ONNX nodes) are one "(reformat)" row and layers with
+known; nodes the model lacks, such as Q/DQ inserted by INT8 calibration, take none), else evenly. Inserted copies (Reformat layers without ONNX nodes) are one "(reformat)" row and layers with
 no ONNX node at all one "(no ONNX node)" row, so the rows' times add up to the profile's total."""
 from __future__ import annotations
 
@@ -106,26 +106,26 @@ def _timed_layers(engine: EngineInfo, times: dict[str, float] | None, notes: lis
     return layers
 
 
-def _entry(layer: LayerRecord, model: ModelNodes | None, notes: list[str]) -> _Entry:
+def _entry(layer: LayerRecord, model: ModelNodes | None, unknown: list[str]) -> _Entry:
     if layer.origin:
-        return _Entry(layer, "nodes", _dedupe(_resolve(p, model, notes) or p for p in layer.origin), [])
+        return _Entry(layer, "nodes", _dedupe(_resolve(p, model, unknown) or p for p in layer.origin), [])
     parsed = parse_layer_name(layer.name)
     if parsed.reformat or is_reformat(layer):
         return _Entry(layer, "reformat", [], [])
-    nodes = [n for n in (_resolve(p, model, notes) for p in parsed.nodes) if n]
+    nodes = [n for n in (_resolve(p, model, unknown) for p in parsed.nodes) if n]
     if model is not None:
         nodes += [p for p in parsed.unnamed if p in model.op_types]   # kiln names unnamed ONNX nodes this way
     kind = "nodes" if nodes or parsed.ranges else "none"
     return _Entry(layer, kind, _dedupe(nodes), list(parsed.ranges))
 
 
-def _resolve(part: str, model: ModelNodes | None, notes: list[str]) -> str | None:
+def _resolve(part: str, model: ModelNodes | None, unknown: list[str]) -> str | None:
     """A name part -> the model's node (None for a weight); the part itself without a model or when unknown."""
     if model is None:
         return part
     node = model.resolve(part)
     if node is None and part not in model.initializers:
-        notes.append(f"'{part}' names no node of the model; kept as written")
+        unknown.append(part)
         return part
     return node
 
@@ -169,7 +169,8 @@ def _resolve_ranges(entries: list[_Entry], orders: list[tuple[list[str], str]], 
 def _weights(nodes: list[str], model: ModelNodes | None) -> tuple[list[float], str]:
     if len(nodes) == 1:
         return [1.0], "whole"
-    flops = [model.flops.get(n) for n in nodes] if model is not None else [None]
+    # nodes the model does not have (Q/DQ that --int8 calibration inserted) take no share; unknown shapes: even
+    flops = [model.flops.get(n, 0.0) for n in nodes] if model is not None else [None]
     if all(f is not None for f in flops) and sum(flops) > 0:
         total = sum(flops)
         return [f / total for f in flops], "flops"
@@ -197,7 +198,13 @@ def _attribute(entries: list[_Entry], times: dict[str, float] | None,
 def _entries(engine: EngineInfo, profile: Profile | None, model: ModelNodes | None,
              notes: list[str]) -> tuple[list[_Entry], dict[str, float] | None]:
     times = _times(profile or engine.profile)
-    return [_entry(layer, model, notes) for layer in _timed_layers(engine, times, notes)], times
+    unknown: list[str] = []
+    entries = [_entry(layer, model, unknown) for layer in _timed_layers(engine, times, notes)]
+    if unknown:
+        unknown = _dedupe(unknown)
+        notes.append(f"{len(unknown)} name(s) are no node of the model, kept as written (Q/DQ that INT8 calibration "
+                     f"inserted, or another model's nodes), e.g. {', '.join(unknown[:3])}")
+    return entries, times
 
 
 def _split_text(model: ModelNodes | None) -> str:
@@ -224,6 +231,10 @@ def by_onnx(a: EngineInfo, profile_a: Profile | None = None, b: EngineInfo | Non
     rows.sort(key=lambda r: (-abs(r.delta_ms), not r.precision_differs, rank[r.onnx_node]))
     notes = [f"A: {n}" for n in _dedupe(notes_a)] + [f"B: {n}" for n in _dedupe(notes_b)] if b is not None \
         else _dedupe(notes_a)
+    absent = [n for n in model.order if n not in place_a and n not in place_b] if model is not None else []
+    if absent:
+        notes.append(f"{len(absent)} node(s) of the model are in no layer (removed or folded by the build): "
+                     + ", ".join(absent[:5]) + (", ..." if len(absent) > 5 else ""))
     return ByOnnx(tuple(rows), 2 if b is not None else 1, _split_text(model), tuple(notes))
 
 
