@@ -305,3 +305,21 @@ def test_kiln_region_names_only_resolved_by_the_model_and_by_the_detailed_engine
     both = by_onnx(names_only, None, detailed)
     assert {r.onnx_node for r in both.rows if r.a and r.b} == {"conv", "sig", "mul", "conv2"}
     assert "resolved against the other engine's layers" in both.notes[0]
+
+
+def test_html_report_has_the_by_onnx_node_table():
+    from kiln.inspect.report import html_report
+
+    detailed = read_artifact(RESNET_DETAILED)
+    evil = LayerRecord("<b>x</b>", "CaskPooling", origin=("<script>alert(1)</script>",))
+    engine = EngineInfo(detailed.source, detailed.verbosity, detailed.layers + (evil,), detailed.bindings)
+    page = html_report(engine, profile({layer.name: 0.1 for layer in engine.layers}), findings=[])
+    table = page[page.index('<table class="sortable" id="by-onnx">'):]
+    table = table[:table.index("</table>")]
+    assert "<h2>By ONNX node (70)</h2>" in page and "split evenly" in page
+    plus = f"<tr><td class=name>resnetv15_stage2__plus0</td><td class=name>{detailed.layers[8].name}</td>" \
+           "<td>CaskConvolution</td><td>INT8</td><td class=num data-v=\"25\">25.0</td>" \
+           "<td class=num data-v=\"0.025\">0.0250</td></tr>"
+    assert plus in table
+    assert "and 1 more layer(s)" in table                          # dense0: the FC layer and the NoOp reshape
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in table
