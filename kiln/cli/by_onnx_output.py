@@ -8,7 +8,8 @@ import json
 
 def add_by_onnx_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--by", choices=["layer", "onnx"], default="layer",
-                   help="compare layer by layer (default) or per ONNX node (where each node went, its time share)")
+                   help="layer: by engine layer (default); onnx: per ONNX node, the layer it lives in, that layer's "
+                        "precision and type, and the node's share of its time")
     p.add_argument("--model", metavar="MODEL.onnx",
                    help="(--by onnx) the ONNX model: resolves {ForeignNode[...]} ranges and splits fused layers' "
                         "time by FLOPs")
@@ -59,7 +60,8 @@ def print_by_onnx(result, title: str) -> None:
             more = f" (+{len(p.shares) - 1})" if p and len(p.shares) > 1 else ""
             cells += [s.layer + more, s.layer_type or "", s.precision or "", _ms(p.time_ms)] if s else ["", "", "", ""]
         if result.engines == 2:
-            cells.append(f"{row.delta_ms:+.4f}")
+            timed = any(p is not None and p.time_ms is not None for p in (row.a, row.b))
+            cells.append(f"{row.delta_ms:+.4f}" if timed else "")
         table.add_row(*(Text(c) for c in cells))
     Console(width=200).print(table)
     print(f"Time inside a layer holding several ONNX nodes is split {result.split}.")
