@@ -1,10 +1,13 @@
 """kiln inspect FILE: layers, types, precisions, tactics and memory of a kiln engine or of TensorRT's own
-artifacts (layer info JSON, one-line dumps in logs, profiles); --json for scripts."""
+artifacts (layer info JSON, one-line dumps in logs, profiles); --json for scripts. `--by onnx` lists the ONNX
+nodes instead: the layer each one lives in, its precision and type, and its share of the layer's time."""
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+
+from kiln.cli.by_onnx_output import add_by_onnx_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--layer-info", metavar="VERBOSITY", choices=["none", "layer_names_only", "detailed"],
                    help="(.kiln engines) print layer info JSON in trtexec's schema instead")
+    add_by_onnx_arguments(p)
 
 
 def is_kiln_engine(path: str) -> bool:
@@ -72,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
         print(dumps(kiln_engine.layer_info(args.layer_info)), end="")
         return 0
     info, profile = load_engine_info(args.file), load_profile(args.profile)
+    if args.by == "onnx":
+        return _by_onnx(args, info, profile)
+    if args.model:
+        from kiln.errors import Error
+
+        raise Error("--model is used with --by onnx only")
     if args.json:
         doc = engine_json(info, profile)
         if kiln_engine is not None:
@@ -85,4 +95,16 @@ def run(args: argparse.Namespace) -> int:
         console.info(f"Weights: {kiln_engine.plan.weight_bytes} bytes")
         return 0
     console.record_table(info, profile, Path(args.file).name)
+    return 0
+
+
+def _by_onnx(args: argparse.Namespace, info, profile) -> int:
+    from kiln.cli.by_onnx_output import load_model_nodes, print_by_onnx, write_json
+    from kiln.inspect.by_onnx import by_onnx, to_json
+
+    result = by_onnx(info, profile, model=load_model_nodes(args.model))
+    if args.json:
+        write_json(to_json(result), "-")
+    else:
+        print_by_onnx(result, f"{Path(args.file).name} by ONNX node")
     return 0

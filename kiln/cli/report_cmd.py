@@ -1,5 +1,6 @@
 """kiln report FILE -o out.html: one self-contained HTML page about a kiln or TensorRT engine description.
-Summary, sortable layer table, time charts, lint findings, and the layer graph when Graphviz `dot` is installed."""
+Summary, sortable layer table, time charts, lint findings, the ONNX nodes' layers, precisions and time shares
+(`--model` resolves regions and splits by FLOPs), and the layer graph when Graphviz `dot` is installed."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="P", help="trtexec/kiln --exportProfile JSON (times, charts, time rules)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="the HTML file to write")
     p.add_argument("--title", help="page title (default: kiln report: FILE)")
+    p.add_argument("--model", metavar="MODEL.onnx", help="the ONNX model, for the by-ONNX-node table: resolves "
+                   "{ForeignNode[...]} ranges and splits fused layers' time by FLOPs")
 
 
 def graph(engine, profile) -> tuple[str | None, str | None]:
@@ -28,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.cli import console
     from kiln.cli.inspect_cmd import load_engine_info, load_profile
     from kiln.inspect.lint import lint
+    from kiln.cli.by_onnx_output import load_model_nodes
     from kiln.inspect.report import write_report
 
     engine = load_engine_info(args.file)
@@ -36,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if note:
         console.info(note)
     write_report(args.output, engine, profile=profile, findings=lint(engine, profile), svg=svg,
-                 title=args.title or f"kiln report: {Path(args.file).name}", graph_note=note)
+                 title=args.title or f"kiln report: {Path(args.file).name}", graph_note=note,
+                 model=load_model_nodes(args.model))
     console.info(f"wrote {args.output}")
     return 0

@@ -1,7 +1,7 @@
 """A self-contained HTML report of an engine description: one page, inline CSS, a small inline vanilla-JS table
 sorter and inline SVG charts; no external URL of any kind. Sections: a summary, the layer table (sortable by
 clicking a header), time by layer type and by precision (layer counts when there is no profile, labelled so), the
-lint findings, and the graph (an SVG from kiln.inspect.render, inlined) or a note saying why it is missing.
+lint findings, the ONNX nodes (each one's layer, precision and time share, `kiln.inspect.by_onnx`), and the graph (an SVG from kiln.inspect.render, inlined) or a note saying why it is missing.
 Every name taken from the engine is escaped with html.escape."""
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import re
 from html import escape
 
 from kiln.fileio import atomic_write_text
+from kiln.inspect.by_onnx import by_onnx
+from kiln.inspect.onnx_nodes import ModelNodes
 from kiln.inspect.lint import Finding
 from kiln.trt.records import EngineInfo, LayerRecord, Profile
 from kiln.inspect.render import PRECISION_COLOURS
@@ -173,6 +175,26 @@ def findings_section(findings: list[Finding] | None) -> str:
             f"</tr></thead><tbody>{rows}</tbody></table>")
 
 
+def onnx_nodes_section(engine: EngineInfo, profile: Profile | None, model: ModelNodes | None = None) -> str:
+    """Each ONNX node: the layer it lives in, that layer's type and precision, the node's share of its time."""
+    result = by_onnx(engine, profile, model=model)
+    heads = [("ONNX node", "str"), ("Layer", "str"), ("Type", "str"), ("Precision", "str"), ("Share %", "num"),
+             ("Avg ms", "num")]
+    head = "".join(f'<th data-type="{t}">{escape(h)}</th>' for h, t in heads)
+    rows = []
+    for row in result.rows:
+        s = row.a.primary
+        more = f"<br><small>and {len(row.a.shares) - 1} more layer(s)</small>" if len(row.a.shares) > 1 else ""
+        rows.append(f"<tr><td class=name>{escape(row.onnx_node)}</td><td class=name>{escape(s.layer)}{more}</td>"
+                    f"<td>{escape(s.layer_type or '')}</td><td>{escape(s.precision or 'unknown')}</td>"
+                    f"{_num_cell(100.0 * s.share, 1)}{_num_cell(row.a.time_ms, 4)}</tr>")
+    notes = "".join(f"<p class=note>{escape(n)}</p>" for n in result.notes)
+    return (f"<h2>By ONNX node ({len(result.rows)})</h2><p class=note>Time inside a layer holding several ONNX nodes "
+            f"is split {escape(result.split)}.</p>{notes}"
+            f'<table class="sortable" id="by-onnx"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody>'
+            "</table>")
+
+
 def graph_section(svg: str | None, note: str | None) -> str:
     if svg:
         return f"<h2>Graph</h2><div class=graph>{inline_svg(svg)}</div>"
@@ -180,11 +202,14 @@ def graph_section(svg: str | None, note: str | None) -> str:
 
 
 def html_report(engine: EngineInfo, profile: Profile | None = None, findings: list[Finding] | None = None,
-                svg: str | None = None, title: str = "kiln engine report", graph_note: str | None = None) -> str:
-    """The whole page as one string (see the module docstring); `graph_note` explains a missing graph."""
+                svg: str | None = None, title: str = "kiln engine report", graph_note: str | None = None,
+                model: ModelNodes | None = None) -> str:
+    """The whole page as one string (see the module docstring); `graph_note` explains a missing graph; `model`
+    (the ONNX model's nodes) resolves ForeignNode ranges and splits fused layers' time by FLOPs."""
     profile = profile or engine.profile
     body = [f"<h1>{escape(title)}</h1>", summary_section(engine, profile), charts_section(engine, profile),
-            findings_section(findings), layer_table(engine, profile), graph_section(svg, graph_note)]
+            findings_section(findings), layer_table(engine, profile), onnx_nodes_section(engine, profile, model),
+            graph_section(svg, graph_note)]
     return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
             '<meta name=viewport content="width=device-width, initial-scale=1">'
             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>\n" + "\n".join(body) +
