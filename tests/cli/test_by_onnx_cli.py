@@ -121,7 +121,7 @@ def test_qdq_placements_kiln_against_kiln_with_kiln_profiles(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     rows = {r["onnx_node"]: r for r in doc["nodes"]}
     assert (rows["relu1"]["a"]["precision"], rows["relu1"]["b"]["precision"]) == ("INT8", "FP32")
-    assert rows["c2_Q"]["b"] == {} and rows["c2_Q"]["a"]["layer"] == "conv2 + c2_Q"
+    assert rows["c2_Q"]["b"] == {} and rows["c2_Q"]["a"]["layer"] == "conv2 + c2_Q + add + relu2 + r_Q"
     deltas = [abs(r["delta_ms"]) for r in doc["nodes"]]
     assert deltas == sorted(deltas, reverse=True)
     for side, (_, _, prof) in (("a", ra), ("b", plain)):

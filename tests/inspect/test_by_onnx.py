@@ -266,11 +266,13 @@ def test_qdq_placement_residual_aware_against_not(recwarn):
     # without Q/DQ on the residual input relu1's output stays FP32 and a separate Quantize layer feeds conv2
     assert where("relu1") == [("conv1 + relu1 + a_Q", "INT8"), ("conv1 + relu1", "FP32")]
     assert where("a_Q") == [("conv1 + relu1 + a_Q", "INT8"), ("a_Q", "INT8")]
-    # the Add: its own INT8 layer with both inputs quantized, else fused into conv2 with an FP32 residual input
-    assert where("add") == [("add + relu2 + r_Q", "INT8"), ("conv2 + add + relu2 + r_Q", "INT8")]
+    # the Add fuses into conv2 both ways: with an INT8 residual (both inputs quantized), else an FP32 one
+    assert where("add") == [("conv2 + c2_Q + add + relu2 + r_Q", "INT8"), ("conv2 + add + relu2 + r_Q", "INT8")]
     conv2 = next(layer for layer in plain.layers if layer.name == "conv2 + add + relu2 + r_Q")
     assert [t.precision for t in conv2.inputs] == ["INT8", "FP32"]
-    assert where("c2_Q") == [("conv2 + c2_Q", "INT8"), None]            # only the residual-aware model has it
+    aware_conv2 = next(layer for layer in aware.layers if layer.name == "conv2 + c2_Q + add + relu2 + r_Q")
+    assert [t.precision for t in aware_conv2.inputs] == ["INT8", "INT8"]
+    assert where("c2_Q") == [("conv2 + c2_Q + add + relu2 + r_Q", "INT8"), None]   # only the residual-aware model
     assert rows["relu1"].precision_differs and not rows["add"].precision_differs
 
 
