@@ -6,7 +6,9 @@ import argparse
 import importlib
 
 # target name -> module with add_arguments(parser) and run(args) -> exit code
-EXPORT_TARGETS: dict[str, str] = {}
+EXPORT_TARGETS: dict[str, str] = {
+    "model-explorer": "kiln.cli.export_model_explorer",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
