@@ -15,7 +15,7 @@ from typing import Any
 from kiln.errors import Error
 from kiln.fileio import atomic_write_text
 from kiln.inspect.lint import is_qdq
-from kiln.inspect.render import PRECISION_COLOURS
+from kiln.inspect.render import PRECISION_COLOURS, truncate
 from kiln.trt.records import EngineInfo, LayerRecord, Profile, TensorInfo, is_reformat
 
 GRAPH_FILE = "graph.json"
@@ -25,9 +25,10 @@ LATENCY_FILE = "latency.json"
 INPUTS_NODE = "GraphInputs"          # id, label and namespace, as Model Explorer's TFLite/TOSA adapters name them
 OUTPUTS_NODE = "GraphOutputs"
 TENSOR_TAG = "__tensor_tag"          # the metadata key Model Explorer shows as a tensor's name
+MAX_LABEL_CHARS = 48
 MAX_ATTR_CHARS = 2000                # longer parameter values are cut (a side panel is not a file viewer)
-# runners (LayerType) get these colours in the tactic overlay, in order of first appearance
-RUNNER_PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
+# kernel families get these colours in the tactic overlay, in order of first appearance
+FAMILY_PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
                   "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f")
 LATENCY_GRADIENT = ({"stop": 0, "bgColor": "#fff5f0"}, {"stop": 0.5, "bgColor": "#fc9272"},
                     {"stop": 1, "bgColor": "#cb181d"})
@@ -163,8 +164,9 @@ def layer_attrs(layer: LayerRecord, avg_ms: float | None) -> list[dict[str, str]
 
 
 def label(layer: LayerRecord) -> str:
-    """What the node box shows: the layer kind (Convolution, Reformat, ...), else its runner, else its name."""
-    return layer.parameter_type or layer.layer_type or layer.name
+    """What the node box shows: the layer kind (Convolution, Reformat, ...), else its runner, else its name (cut
+    to MAX_LABEL_CHARS: the box is as wide as its label; the side panel has the whole name)."""
+    return layer.parameter_type or layer.layer_type or truncate(layer.name, MAX_LABEL_CHARS)
 
 
 def _io_tensors(engine: EngineInfo) -> tuple[list[str], list[str]]:
@@ -253,15 +255,26 @@ def precision_overlay(engine: EngineInfo, graph_id: str) -> dict[str, Any] | Non
                     showLabelCountColumnsInChildrenStatsTable=True) if results else None
 
 
+def kernel_family(layer: LayerRecord) -> str | None:
+    """What the tactic overlay colours by: kiln's tactic source ("onednn" of "onednn.conv2d_nhwc_prepacked"), a
+    TensorRT kernel name's first three fields ("sm80_xmma_fprop"), else the runner (LayerType)."""
+    name = layer.tactic_name or ""
+    if "." in name:
+        return name.split(".")[0]
+    if name.count("_") >= 2:
+        return "_".join(name.split("_")[:3])
+    return layer.layer_type
+
+
 def tactic_overlay(engine: EngineInfo, graph_id: str) -> dict[str, Any] | None:
-    """Each layer's tactic (its name, else its value) as a label, coloured by the runner that offers it."""
-    runners = list(dict.fromkeys(layer.layer_type for layer in engine.layers if layer.layer_type))
-    colour = {r: RUNNER_PALETTE[i % len(RUNNER_PALETTE)] for i, r in enumerate(runners)}
+    """Each layer's tactic (its name, else its value) as a label, coloured by its kernel family."""
+    families = list(dict.fromkeys(kernel_family(layer) for layer in engine.layers))
+    colour = {f: FAMILY_PALETTE[i % len(FAMILY_PALETTE)] for i, f in enumerate(f for f in families if f)}
     results = {}
     for node_id, layer in zip(node_ids(engine), engine.layers):
-        tactic = layer.tactic_name or layer.tactic_value
+        tactic, family = layer.tactic_name or layer.tactic_value, kernel_family(layer)
         if tactic:
-            results[node_id] = {"value": tactic, **({"bgColor": colour[layer.layer_type]} if layer.layer_type else {})}
+            results[node_id] = {"value": tactic, **({"bgColor": colour[family]} if family else {})}
     return _overlay(graph_id, "tactic", results, showLabelCountColumnsInChildrenStatsTable=True) if results else None
 
 

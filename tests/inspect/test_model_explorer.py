@@ -163,6 +163,10 @@ def test_trt10_resnet18_layers_edges_precisions_and_tactics(tmp_path):
     tactic = load_overlay(tmp_path / "tactic.json", "r18", labels=True)
     assert {k: r.value for k, r in tactic.results.items()} == \
         {l["Name"]: l.get("TacticName") or l["TacticValue"] for l in raw}
+    colour = {l["Name"]: tactic.results[l["Name"]].bgColor for l in raw}     # one colour per kernel family
+    fprop = {colour[l["Name"]] for l in raw if l.get("TacticName", "").startswith("sm80_xmma_fprop")}
+    assert len(fprop) == 1 and colour[raw[0]["Name"]] not in fprop          # the Reformat: no kernel name
+    assert colour[raw[-4]["Name"]] not in fprop                             # sm72_xmma_pooling
 
 
 def test_trt_oneline_dump_groups_layers_by_their_onnx_module(tmp_path):
@@ -187,6 +191,8 @@ def test_names_only_layer_info_is_a_chain_without_overlays(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["graph.json"]
     _, graph = load_graph(tmp_path / "graph.json")
     assert [n.id for n in graph.nodes] == raw
+    long = next(n for n in graph.nodes if len(n.id) > 48)
+    assert long.label == long.id[:47] + "…" and attr(long, "name") == long.id   # the box stays small
     assert [[e.sourceNodeId for e in n.incomingEdges] for n in graph.nodes] == [[]] + [[x] for x in raw[:-1]]
     assert "engine order" in graph.groupNodeAttributes[""]["edges"]
 
@@ -219,6 +225,11 @@ def test_demo_engine_with_profile(engines, tmp_path):
     assert {k: r.value for k, r in tactic.results.items()} == \
         {l["Name"]: l.get("TacticName") or l["TacticValue"] for l in layer_info}
     assert tactic.results["/pool/MaxPool"].value == next(l.tactic_name for l in inner if l.name == "/pool/MaxPool")
+    by_source: dict[str, set[str]] = {}                                  # coloured by tactic source
+    for l in layer_info:
+        if l.get("TacticName"):
+            by_source.setdefault(l["TacticName"].split(".")[0], set()).add(tactic.results[l["Name"]].bgColor)
+    assert all(len(c) == 1 for c in by_source.values()) and len(set.union(*by_source.values())) == len(by_source)
     precision = load_overlay(tmp_path / "precision.json", "demo", labels=True)
     assert set(r.value for r in precision.results.values()) == {"FP32"}
     latency = load_overlay(tmp_path / "latency.json", "demo", labels=False)
