@@ -8,6 +8,7 @@ import importlib
 # target name -> module with add_arguments(parser) and run(args) -> exit code
 EXPORT_TARGETS: dict[str, str] = {
     "triton": "kiln.cli.export_triton",
+    "model-explorer": "kiln.cli.export_model_explorer",
 }
 
 
