@@ -84,5 +84,11 @@ def record_table(info, profile, title: str) -> None:
     info_line = ", ".join(f"{k}: {v}" for k, v in sorted(info.layer_types.items()))
     print(f"Layer types: {info_line}")
     print("Precisions: " + ", ".join(f"{k}: {v}" for k, v in sorted(info.precisions.items())))
+    for t in info.io_tensors:   # TensorRT 11's "I/O Tensors"
+        ranges = "; ".join(f"profile {k}: " + " .. ".join("x".join(map(str, d)) for d in (p.min_dims, p.opt_dims,
+                                                                                          p.max_dims) if d is not None)
+                           for k, p in enumerate(t.profiles) if p.min_dims is not None)
+        dims = "x".join(map(str, t.dims)) if t.dims is not None else "?"
+        print(f"{t.io_mode or 'I/O'}: {t.name} {t.precision or t.data_type or ''} {dims}" + (f" ({ranges})" if ranges else ""))
     for note in info.notes:
         print(f"Note: {note}")

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kiln.cli.build import add_layer_info_schema_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help=".kiln engine, trtexec --exportLayerInfo JSON, or a log with a layer dump")
@@ -13,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--layer-info", metavar="VERBOSITY", choices=["none", "layer_names_only", "detailed"],
                    help="(.kiln engines) print layer info JSON in trtexec's schema instead")
+    add_layer_info_schema_argument(p)
 
 
 def is_kiln_engine(path: str) -> bool:
@@ -69,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             from kiln.errors import ArtifactError
 
             raise ArtifactError(f"{args.file}: --layer-info re-exports kiln engines only")
-        print(dumps(kiln_engine.layer_info(args.layer_info)), end="")
+        print(dumps(kiln_engine.layer_info(args.layer_info, schema=args.layer_info_schema)), end="")
         return 0
     info, profile = load_engine_info(args.file), load_profile(args.profile)
     if args.json:

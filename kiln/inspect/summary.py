@@ -5,12 +5,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kiln.trt.records import BuildLog, EngineInfo, LayerRecord, Profile, TensorInfo
+from kiln.trt.records import BuildLog, EngineInfo, IOTensor, LayerRecord, Profile, TensorInfo
 
 
 def tensor_json(t: TensorInfo) -> dict[str, Any]:
     """A tensor in the --json schema: name, dims, format, location (the layer's "precision" carries precision)."""
     return {"name": t.name, "dims": t.dims, "format": t.format, "location": t.location}
+
+
+def io_tensor_json(t: IOTensor) -> dict[str, Any]:
+    """A TensorRT 11 I/O tensor: mode, data type as written and as a precision, dims, min/opt/max per profile."""
+    return {"name": t.name, "io_mode": t.io_mode, "data_type": t.data_type, "precision": t.precision,
+            "dims": t.dims, "location": t.location, "shape_inference_io": t.shape_inference_io,
+            "profiles": [{"min": p.min_dims, "opt": p.opt_dims, "max": p.max_dims, "format": p.format}
+                         for p in t.profiles]}
 
 
 def layer_json(layer: LayerRecord, times: dict[str, float]) -> dict[str, Any]:
@@ -29,6 +37,10 @@ def engine_json(engine: EngineInfo, profile: Profile | None = None) -> dict[str,
     out = {"format": engine.source, "verbosity": engine.verbosity, "num_layers": len(engine.layers),
            "layer_types": engine.layer_types, "precisions": engine.precisions, "bindings": list(engine.bindings),
            "layers": [layer_json(l, times) for l in engine.layers], "notes": list(engine.notes)}
+    if engine.io_tensors:   # TensorRT 11's layer info only: the rest of the document is the same for 10 and 11
+        out["io_tensors"] = [io_tensor_json(t) for t in engine.io_tensors]
+    if engine.metadata:
+        out["engine_metadata"] = engine.metadata
     if profile:
         out["total_average_ms"] = profile.total_average_ms
         out["profile_count"] = profile.count
