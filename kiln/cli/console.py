@@ -92,3 +92,38 @@ def record_table(info, profile, title: str) -> None:
         print(f"{t.io_mode or 'I/O'}: {t.name} {t.precision or t.data_type or ''} {dims}" + (f" ({ranges})" if ranges else ""))
     for note in info.notes:
         print(f"Note: {note}")
+
+
+def tuning_table(cache, title: str) -> None:
+    """A TensorRT 11.1 tuning cache: one row per iteration (route, status, GPU time, accuracy loss per output), the
+    best route within the accuracy budget marked, then the time/accuracy trade-off."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    best, front = cache.best(), {it.line for it in cache.trade_off()}
+    budget = f", accuracy budget {cache.accuracy_algorithm or 'loss'} <= {cache.accuracy_threshold:g}" \
+        if cache.accuracy_threshold is not None else ""
+    table = Table(title=Text(f"{title}: {len(cache.iterations)} iterations ({cache.searching_algorithm or '?'} "
+                             f"search{budget})"))
+    for col in ("", "iter", "build route", "status", "GPU ms", *(f"loss {o}" for o in cache.outputs)):
+        table.add_column(col, overflow="fold", justify="right" if col in ("iter", "GPU ms") else "left")
+    for it in cache.iterations:
+        mark = "best" if it is best else ("*" if it.line in front else "")
+        status = cache.status(it) + (f": {it.error_message}" if it.error_message else "")
+        losses = [f"{it.accuracy_loss[o]:.4g}" if it.accuracy_loss and o in it.accuracy_loss else ""
+                  for o in cache.outputs]
+        table.add_row(*(Text(c) for c in (mark, str(it.iteration), it.build_route or "(default)", status,
+                                          f"{it.gpu_time_ms:.4f}" if it.gpu_time_ms is not None else "", *losses)))
+    Console(width=200).print(table)
+    if best is None:
+        print("Best route: none (every route crashed, failed or exceeded the accuracy budget)")
+        return
+    print(f"Best route: iteration {best.iteration}, {best.gpu_time_ms:.4f} ms: {best.build_route or '(default)'}")
+    default = next((it for it in cache.iterations if not it.build_route.strip() and it.gpu_time_ms), None)
+    if default is not None and default is not best:
+        print(f"  {default.gpu_time_ms / best.gpu_time_ms:.2f}x the default route's speed "
+              f"({default.gpu_time_ms:.4f} ms, iteration {default.iteration})")
+    print("Trade-off (* and best: no other route is both faster and more accurate): " + ", ".join(
+        f"iter {it.iteration} {it.gpu_time_ms:.4f} ms loss {it.max_accuracy_loss if it.max_accuracy_loss is not None else 0:.4g}"
+        for it in sorted(cache.trade_off(), key=lambda it: it.gpu_time_ms)))

@@ -1,5 +1,6 @@
 """kiln inspect FILE: layers, types, precisions, tactics and memory of a kiln engine or of TensorRT's own
-artifacts (layer info JSON, one-line dumps in logs, profiles); --json for scripts."""
+artifacts (layer info JSON of TensorRT 7-11, one-line dumps in logs, profiles); for a TensorRT 11.1 tuning cache
+(--tuningCacheFile), every build route tried and the best one; --json for scripts."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,8 @@ from kiln.cli.build import add_layer_info_schema_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help=".kiln engine, trtexec --exportLayerInfo JSON, or a log with a layer dump")
+    p.add_argument("file", help=".kiln engine, trtexec --exportLayerInfo JSON, a log with a layer dump, or a "
+                                "trtexec --tuningCacheFile tuning cache")
     p.add_argument("--profile", metavar="P", help="trtexec/kiln --exportProfile JSON to show times")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--layer-info", metavar="VERBOSITY", choices=["none", "layer_names_only", "detailed"],
@@ -32,6 +34,9 @@ def load_engine_info(path: str):
     from kiln.trt.artifacts import read_artifact
 
     found = read_artifact(path)
+    if type(found).__name__ == "TuningCache":
+        raise ArtifactError(f"{path}: this is a TensorRT tuning cache, not an engine description; `kiln inspect "
+                            f"{path}` shows its build routes")
     if not isinstance(found, EngineInfo):
         raise ArtifactError(f"{path}: this is a {type(found).__name__}, not an engine description; pass it with "
                             "--profile (profiles) or inspect the layer-info JSON / engine instead")
@@ -74,6 +79,13 @@ def run(args: argparse.Namespace) -> int:
             raise ArtifactError(f"{args.file}: --layer-info re-exports kiln engines only")
         print(dumps(kiln_engine.layer_info(args.layer_info, schema=args.layer_info_schema)), end="")
         return 0
+    if kiln_engine is None:
+        from kiln.trt.artifacts import read_artifact
+        from kiln.trt.tuning_cache import TuningCache
+
+        found = read_artifact(args.file)
+        if isinstance(found, TuningCache):
+            return show_tuning_cache(found, args)
     info, profile = load_engine_info(args.file), load_profile(args.profile)
     if args.json:
         doc = engine_json(info, profile)
@@ -88,4 +100,15 @@ def run(args: argparse.Namespace) -> int:
         console.info(f"Weights: {kiln_engine.plan.weight_bytes} bytes")
         return 0
     console.record_table(info, profile, Path(args.file).name)
+    return 0
+
+
+def show_tuning_cache(cache, args: argparse.Namespace) -> int:
+    from kiln.cli import console
+    from kiln.inspect.summary import tuning_json
+
+    if args.json:
+        print(json.dumps(tuning_json(cache), indent=2))
+    else:
+        console.tuning_table(cache, Path(args.file).name)
     return 0

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from kiln.trt.records import BuildLog, EngineInfo, IOTensor, LayerRecord, Profile, TensorInfo
+from kiln.trt.tuning_cache import TuningCache
 
 
 def tensor_json(t: TensorInfo) -> dict[str, Any]:
@@ -53,3 +54,21 @@ def log_json(log: BuildLog) -> dict[str, Any]:
             "tactic_choices": [dataclasses.asdict(c) for c in log.tactic_choices],
             "num_timings": len(log.timings), "memory": log.memory, "performance": log.performance,
             "engine_layers": len(log.engine.layers) if log.engine else None, "notes": list(log.notes)}
+
+
+def tuning_json(cache: TuningCache) -> dict[str, Any]:
+    """A TensorRT 11.1 tuning cache: the search, the best route within the accuracy budget, every iteration with
+    its status, per-output accuracy loss and GPU time, and whether it is on the time/accuracy trade-off front."""
+    best, front = cache.best(), {it.line for it in cache.trade_off()}
+    default_knobs = len(cache.default_build_route.split()) if cache.default_build_route else None
+    return {"format": "trt-tuning-cache", "tuner_version": cache.tuner_version,
+            "searching_algorithm": cache.searching_algorithm, "tuning_expr": cache.tuning_expr,
+            "accuracy_algorithm": cache.accuracy_algorithm, "accuracy_threshold": cache.accuracy_threshold,
+            "atol": cache.atol, "rtol": cache.rtol, "default_build_route_knobs": default_knobs,
+            "outputs": list(cache.outputs), "num_iterations": len(cache.iterations),
+            "best": None if best is None else {"iter": best.iteration, "build_route": best.build_route,
+                                               "gpu_time_ms": best.gpu_time_ms},
+            "iterations": [{"iter": it.iteration, "build_route": it.build_route, "status": cache.status(it),
+                            "crash": it.crashed, "error_message": it.error_message, "gpu_time_ms": it.gpu_time_ms,
+                            "accuracy_loss": it.accuracy_loss, "max_accuracy_loss": it.max_accuracy_loss,
+                            "best": it is best, "trade_off": it.line in front} for it in cache.iterations]}
