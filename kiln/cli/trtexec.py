@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         ns = SimpleNamespace(export_output=args.exportOutput, iterations=args.iterations, warmup=0,
                              duration=args.duration, export_times=args.exportTimes, export_profile=args.exportProfile,
                              dump_profile=args.dumpProfile, dump_layer_info=args.dumpLayerInfo,
-                             profiling_verbosity=args.profilingVerbosity)
+                             profiling_verbosity=args.profilingVerbosity, layer_info_schema=args.layer_info_schema)
         report(engine, ns, feeds, parse_percentiles(args.percentile))
     elif args.dumpLayerInfo:
         from kiln.trt.layer_info import oneline
