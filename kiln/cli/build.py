@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
                  f"({mem.unshared_bytes} without reuse), weights {engine.plan.weight_bytes} bytes")
     console.info(f"Saved engine to {args.output}")
     if args.export_layer_info:
-        atomic_write_text(args.export_layer_info, dumps(engine.layer_info(args.profiling_verbosity, schema=args.layer_info_schema)))
+        info = engine.layer_info(args.profiling_verbosity, schema=args.layer_info_schema)
+        atomic_write_text(args.export_layer_info, dumps(info))
         console.info(f"Layer info written to {args.export_layer_info}")
     return 0

@@ -89,7 +89,8 @@ def record_table(info, profile, title: str) -> None:
                                                                                           p.max_dims) if d is not None)
                            for k, p in enumerate(t.profiles) if p.min_dims is not None)
         dims = "x".join(map(str, t.dims)) if t.dims is not None else "?"
-        print(f"{t.io_mode or 'I/O'}: {t.name} {t.precision or t.data_type or ''} {dims}" + (f" ({ranges})" if ranges else ""))
+        kind = t.precision or t.data_type or ""
+        print(f"{t.io_mode or 'I/O'}: {t.name} {kind} {dims}" + (f" ({ranges})" if ranges else ""))
     for note in info.notes:
         print(f"Note: {note}")
 
@@ -124,6 +125,6 @@ def tuning_table(cache, title: str) -> None:
     if default is not None and default is not best:
         print(f"  {default.gpu_time_ms / best.gpu_time_ms:.2f}x the default route's speed "
               f"({default.gpu_time_ms:.4f} ms, iteration {default.iteration})")
+    front = sorted(cache.trade_off(), key=lambda it: it.gpu_time_ms)
     print("Trade-off (* and best: no other route is both faster and more accurate): " + ", ".join(
-        f"iter {it.iteration} {it.gpu_time_ms:.4f} ms loss {it.max_accuracy_loss if it.max_accuracy_loss is not None else 0:.4g}"
-        for it in sorted(cache.trade_off(), key=lambda it: it.gpu_time_ms)))
+        f"iter {it.iteration} {it.gpu_time_ms:.4f} ms loss {it.max_accuracy_loss or 0:.4g}" for it in front))
