@@ -13,12 +13,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-layer-info", metavar="F", help="write layer info JSON (trtexec --exportLayerInfo schema)")
     p.add_argument("--profiling-verbosity", default="detailed", choices=["none", "layer_names_only", "detailed"],
                    help="layer-info verbosity (default: detailed, unlike trtexec)")
+    add_layer_info_schema_argument(p)
     p.add_argument("--shapes", metavar="SPEC", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128")
     add_profile_arguments(p)
     add_precision_arguments(p)
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass by name")
     p.add_argument("--verify-each", action="store_true", help="verify the IR after every pass")
     add_tactic_arguments(p)
+
+
+def add_layer_info_schema_argument(p: argparse.ArgumentParser, *flags: str) -> None:
+    """--layer-info-schema 10|11: write layer info as TensorRT 10 (default) or TensorRT 11 writes it."""
+    p.add_argument(*(flags or ("--layer-info-schema",)), dest="layer_info_schema", type=int, choices=[10, 11],
+                   default=10, help="layer-info JSON schema: 10 (Bindings, Format/Datatype; default) or 11 (TensorRT "
+                                    "11: I/O Tensors, Format and Datatype apart, ProfilingVerbosity)")
 
 
 def add_profile_arguments(p: argparse.ArgumentParser, spelling: str = "kebab") -> None:
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
                  f"({mem.unshared_bytes} without reuse), weights {engine.plan.weight_bytes} bytes")
     console.info(f"Saved engine to {args.output}")
     if args.export_layer_info:
-        atomic_write_text(args.export_layer_info, dumps(engine.layer_info(args.profiling_verbosity)))
+        info = engine.layer_info(args.profiling_verbosity, schema=args.layer_info_schema)
+        atomic_write_text(args.export_layer_info, dumps(info))
         console.info(f"Layer info written to {args.export_layer_info}")
     return 0

@@ -114,7 +114,7 @@ def report(engine, args, feeds, percentiles) -> int:
                 console.info(line)
     if args.dump_layer_info:
         console.info("Layer Information:")
-        print(oneline(engine.layer_info("detailed")))
+        print(oneline(engine.layer_info("detailed", schema=getattr(args, "layer_info_schema", 10))))
     return 0
 
 

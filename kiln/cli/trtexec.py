@@ -5,7 +5,7 @@ import argparse
 import sys
 from types import SimpleNamespace
 
-from kiln.cli.build import add_precision_arguments, add_profile_arguments
+from kiln.cli.build import add_layer_info_schema_argument, add_precision_arguments, add_profile_arguments
 from kiln.errors import Error
 
 
@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--exportOutput", help="outputs (.npz; trtexec writes JSON)")
     a("--loadInputs", help="inputs: an .npz file (trtexec's name:file.bin lists are not supported)")
     a("--profilingVerbosity", default="detailed", choices=["none", "layer_names_only", "detailed"])
+    add_layer_info_schema_argument(p, "--layerInfoSchema", "--layer-info-schema")
     a("--verbose", action="store_true")
     a("--dumpLayerInfo", action="store_true")
     a("--dumpProfile", action="store_true")
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         engine = kiln.load(args.loadEngine)
     if args.exportLayerInfo:   # with --shapes, dynamic dimensions are resolved as trtexec's context does
-        info = engine.layer_info(args.profilingVerbosity, parse_shapes(args.shapes) or None)
+        info = engine.layer_info(args.profilingVerbosity, parse_shapes(args.shapes) or None, args.layer_info_schema)
         atomic_write_text(args.exportLayerInfo, dumps(info))
     if not args.skipInference:
         feeds = load_inputs(args.loadInputs, engine, parse_shapes(args.shapes))
@@ -91,12 +92,12 @@ def run(args: argparse.Namespace) -> int:
         ns = SimpleNamespace(export_output=args.exportOutput, iterations=args.iterations, warmup=0,
                              duration=args.duration, export_times=args.exportTimes, export_profile=args.exportProfile,
                              dump_profile=args.dumpProfile, dump_layer_info=args.dumpLayerInfo,
-                             profiling_verbosity=args.profilingVerbosity)
+                             profiling_verbosity=args.profilingVerbosity, layer_info_schema=args.layer_info_schema)
         report(engine, ns, feeds, parse_percentiles(args.percentile))
     elif args.dumpLayerInfo:
         from kiln.trt.layer_info import oneline
 
         console.info("Layer Information:")
-        print(oneline(engine.layer_info("detailed")))
+        print(oneline(engine.layer_info("detailed", schema=args.layer_info_schema)))
     console.info("&&&& PASSED kiln.trtexec # kiln trtexec " + " ".join(sys.argv[2:]))
     return 0

@@ -88,17 +88,19 @@ class Engine:
     def save(self, path: str | os.PathLike) -> None:
         save_plan(self.plan, path)
 
-    def layer_info(self, verbosity: str = "detailed", shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-        """trtexec's layer info. Dynamic dimensions show as -1 unless run-time `shapes` are given (as with
-        trtexec --shapes): then one inference at those shapes fills in every tensor kiln can see (tensors inside
-        a region keep -1)."""
+    def layer_info(self, verbosity: str = "detailed", shapes: dict[str, tuple[int, ...]] | None = None,
+                   schema: int = 10) -> dict[str, Any]:
+        """trtexec's layer info in TensorRT `schema`'s form (10, or 11 with "I/O Tensors" and separate Format and
+        Datatype fields). Dynamic dimensions show as -1 unless run-time `shapes` are given (as with trtexec
+        --shapes): then one inference at those shapes fills in every tensor kiln can see (tensors inside a region
+        keep -1)."""
         if not shapes or not self.plan.profiles:
-            return layer_info(self.plan, verbosity)
+            return layer_info(self.plan, verbosity, schema)
         seen: dict[str, tuple[int, ...]] = {}
         feeds = self.random_inputs(shapes=shapes)
         seen.update({k: tuple(v.shape) for k, v in feeds.items()})
         self.create_execution_context().execute(feeds, observe=lambda n, t: seen.__setitem__(n, tuple(t.shape)))
-        return layer_info(_with_shapes(self.plan, seen), verbosity)
+        return layer_info(_with_shapes(self.plan, seen), verbosity, schema)
 
     @property
     def num_layers(self) -> int:

@@ -1,5 +1,5 @@
 """Any artifact the inspector reads, detected by content: a kiln engine, layer-info JSON, a profile, a times
-export or a log with a layer dump."""
+export, a log with a layer dump or a TensorRT 11.1 tuning cache."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,9 +11,10 @@ from kiln.trt.profile import profile_lines, read_profile_json, read_times_json
 from kiln.trt.readers import read_layer_info_json, read_oneline
 from kiln.trt.reading import artifact_error, load_json
 from kiln.trt.records import EngineInfo, InferenceTimes, Profile
+from kiln.trt.tuning_cache import TuningCache, is_tuning_cache, read_tuning_cache
 
 
-def read_artifact(path) -> EngineInfo | Profile | InferenceTimes:
+def read_artifact(path) -> EngineInfo | Profile | InferenceTimes | TuningCache:
     """Read any supported artifact, detected by content."""
     where = str(path)
     try:
@@ -40,9 +41,11 @@ def read_artifact(path) -> EngineInfo | Profile | InferenceTimes:
     return read_text(text, where)
 
 
-def read_text(text: str, where: str = "<text>") -> EngineInfo | Profile | InferenceTimes:
-    """Detect and read an artifact given as text (JSON export or log)."""
+def read_text(text: str, where: str = "<text>") -> EngineInfo | Profile | InferenceTimes | TuningCache:
+    """Detect and read an artifact given as text (JSON export, JSON lines or log)."""
     head = text.lstrip()[:1]
+    if head == "{" and is_tuning_cache(text):
+        return read_tuning_cache(text, where)
     if head == "{":
         return read_layer_info_json(text, where)
     if head == "[" and not log_lines.DATED.match(text.lstrip()):

@@ -1,5 +1,7 @@
-"""Layer information in trtexec's --exportLayerInfo schema (none / layer_names_only / detailed) and its
-one-line text form (--dumpLayerInfo)."""
+"""Layer information in trtexec's --exportLayerInfo schema (none / layer_names_only / detailed), as TensorRT 10
+writes it (the default) or TensorRT 11 (`schema=11`: "I/O Tensors" objects instead of "Bindings", each tensor's
+"Format" and "Datatype" apart, "ProfilingVerbosity" and "Engine Metadata" at the top), and its one-line text form
+(--dumpLayerInfo)."""
 from __future__ import annotations
 
 import json
@@ -7,27 +9,67 @@ from typing import Any
 
 from kiln.plan.model import Layer, Plan, TensorDesc
 from kiln.errors import Error
-from kiln.trt.vocab import ACTIVATION_TYPE, format_datatype, layer_type, metadata_text, parameter_type, weight_type
+from kiln.trt.vocab import (ACTIVATION_TYPE, PROFILING_VERBOSITY_NAMES, format_datatype, format_text_11, layer_type,
+                            metadata_text, parameter_type, weight_type)
+from kiln.version import __version__
 
 VERBOSITIES = ("none", "layer_names_only", "detailed")
+SCHEMAS = (10, 11)   # the TensorRT major version whose layer-info schema is written
 
 
 def tensor_info(t: TensorDesc) -> dict[str, Any]:
     return {"Name": t.name, "Location": "Device", "Dimensions": list(t.shape_spec), "Format/Datatype": format_datatype(t)}
 
 
-def layer_info(plan: Plan, verbosity: str = "detailed") -> dict[str, Any]:
-    """The layer-info document. Unlike trtexec, kiln's default verbosity is `detailed`."""
+def tensor_info_11(t: TensorDesc) -> dict[str, Any]:
+    """A layer's tensor as TensorRT 11 writes it: the format and the data type in fields of their own."""
+    return {"Name": t.name, "Location": "Device", "Dimensions": list(t.shape_spec), "Format": format_text_11(t),
+            "Datatype": weight_type(t.dtype)}
+
+
+def layer_info(plan: Plan, verbosity: str = "detailed", schema: int = 10) -> dict[str, Any]:
+    """The layer-info document in TensorRT `schema`'s form (10 or 11). Unlike trtexec, kiln's default verbosity is
+    `detailed`."""
     if verbosity not in VERBOSITIES:
         raise Error(f"unknown profiling verbosity '{verbosity}'; use one of {', '.join(VERBOSITIES)}")
-    bindings = [t.name for t in plan.inputs] + [t.name for t in plan.outputs]
+    if schema not in SCHEMAS:
+        raise Error(f"unknown layer-info schema '{schema}'; use one of {', '.join(map(str, SCHEMAS))} (the TensorRT "
+                    "major version whose --exportLayerInfo schema to write)")
+    tensor = tensor_info if schema == 10 else tensor_info_11
     if verbosity == "none":
-        return {"Layers": [], "Bindings": bindings}
-    if verbosity == "layer_names_only":
-        return {"Layers": [l.name for l in plan.layers], "Bindings": bindings, "TacticSources": tactic_sources(plan)}
-    # like TensorRT 10 with Myelin regions: names-only shows {ForeignNode[...]}, detailed lists its inner layers
-    return {"Layers": [detailed_layer(plan, i) for l in plan.layers for i in (l.inner or (l,))], "Bindings": bindings,
-            "TacticSources": tactic_sources(plan)}
+        layers: list = []
+    elif verbosity == "layer_names_only":
+        layers = [l.name for l in plan.layers]
+    else:   # like TensorRT 10 with Myelin regions: names-only shows {ForeignNode[...]}, detailed lists its inner layers
+        layers = [detailed_layer(plan, i, tensor) for l in plan.layers for i in (l.inner or (l,))]
+    if schema == 11:
+        doc = {"ProfilingVerbosity": PROFILING_VERBOSITY_NAMES[verbosity], "Layers": layers,
+               "I/O Tensors": io_tensors_11(plan), "Engine Metadata": {"Producer": f"kiln {__version__}"}}
+    else:
+        doc = {"Layers": layers, "Bindings": [t.name for t in plan.inputs] + [t.name for t in plan.outputs]}
+    if verbosity != "none":
+        doc["TacticSources"] = tactic_sources(plan)
+    return doc
+
+
+def io_tensors_11(plan: Plan) -> list[dict[str, Any]]:
+    """TensorRT 11's "I/O Tensors": each input's min/opt/max shapes per optimization profile (one profile, its
+    shapes the tensor's, for a static engine); outputs carry the format of each profile."""
+    profiles = plan.profiles or ({},)
+    out = []
+    for mode, tensors in (("Input", plan.inputs), ("Output", plan.outputs)):
+        for t in tensors:
+            d = {"Name": t.name, "IOMode": mode, "DataType": weight_type(t.dtype), "Dimensions": list(t.shape_spec),
+                 "Location": "Device", "IsShapeInferenceIO": False, "ProfileInfo": []}
+            for profile in profiles:
+                bounds = profile.get(t.name)
+                entry = {"Format": format_text_11(t)}
+                if mode == "Input":
+                    lo, opt, hi = (bounds.min, bounds.opt, bounds.max) if bounds else (t.dims, t.dims, t.dims)
+                    entry = {"MinShape": list(lo), "OptShape": list(opt), "MaxShape": list(hi), **entry}
+                d["ProfileInfo"].append(entry)
+            out.append(d)
+    return out
 
 
 def tactic_sources(plan: Plan) -> dict[str, list[str]]:
@@ -38,11 +80,11 @@ def tactic_sources(plan: Plan) -> dict[str, list[str]]:
             "Used": used}
 
 
-def detailed_layer(plan: Plan, layer: Layer) -> dict[str, Any]:
+def detailed_layer(plan: Plan, layer: Layer, tensor=tensor_info) -> dict[str, Any]:
     runner, kind = layer_type(layer), parameter_type(layer)
     d: dict[str, Any] = {"Name": layer.name, "LayerType": runner,
-                         "Inputs": [tensor_info(t) for t in layer.inputs],
-                         "Outputs": [tensor_info(t) for t in layer.outputs]}
+                         "Inputs": [tensor(t) for t in layer.inputs],
+                         "Outputs": [tensor(t) for t in layer.outputs]}
     if runner != "NoOp":
         d["ParameterType"] = kind
         d.update(PARAMETERS.get(kind, _generic)(plan, layer))
@@ -207,7 +249,7 @@ def oneline(info: dict[str, Any]) -> str:
         lines.append(", ".join(parts))
     lines.append("")
     lines.append("Bindings:")
-    lines.extend(info["Bindings"])
+    lines.extend(info["Bindings"] if "Bindings" in info else [t["Name"] for t in info.get("I/O Tensors", [])])
     return "\n".join(lines)
 
 

@@ -1,8 +1,10 @@
-"""Readers of TensorRT's layer descriptions (TensorRT 7.x - 10.x and kiln's own exports, which use the same
+"""Readers of TensorRT's layer descriptions (TensorRT 7.x - 11.x and kiln's own exports, which use the same
 formats) into the records of `kiln.trt.records`:
 
 * `--exportLayerInfo` JSON, names-only (`{"Layers": ["a", ...]}`) or detailed (`{"Layers": [{...}]}`), with or
   without Bindings / StreamId / Metadata / Location; every key a LayerRecord has no field for goes to `params`.
+  TensorRT 11's schema (I/O Tensors, separate Format and Datatype, ProfilingVerbosity, Engine Metadata) is read into
+  the same records by `kiln.trt.readers_trt11`.
 * one-line dumps found in logs: the verbose build log's "Engine Layer Information" `Layer(Type): name, Tactic: ...,
   ins -> outs` lines (read as verbosity "layer_names_only": they carry names, types and tensors but no parameters;
   their format is in `kiln.trt.build_log`, beside kiln's writer) and the inspector's `Name: ..., LayerType: ...,
@@ -21,17 +23,20 @@ from typing import Any
 
 from kiln.errors import Error
 from kiln.trt import build_log as log_lines
+from kiln.trt import readers_trt11 as trt11
 from kiln.trt.reading import HINT, artifact_error, as_json
 from kiln.trt.vocab import origins_from_metadata
 from kiln.trt.records import EngineInfo, LayerRecord, TensorInfo
 
 # layer-info keys a LayerRecord has a field for; every other key goes to `params`
 LAYER_FIELDS = {"Name", "LayerType", "ParameterType", "Inputs", "Outputs", "TacticName", "TacticValue", "Metadata"}
-_TOP_KEYS = {"Layers", "Bindings", "TacticSources"}
+_TOP_KEYS = {"Layers", "Bindings", "TacticSources"} | trt11.TOP_KEYS
 # layer_info.oneline's lines: `Name: n, LayerType: t, Inputs: [ { Name: ..., Format/Datatype: ... }], ...`
+# (TensorRT 11: `..., Format: ..., Datatype: ... }`)
 _ONELINE_HEAD = re.compile(r"Name: (?P<name>.*?), LayerType: (?P<type>[^,]*), Inputs: ")
 _TENSOR_ITEM = re.compile(r"\{ Name: (?P<name>.*?)(?:, Location: (?P<loc>[^,]*))?, Dimensions: \[(?P<dims>[-\d, ]*)\]"
-                          r", Format/Datatype: (?P<fmt>.*?) \}(?P<sep>, |\])")
+                          r"(?:, Format/Datatype: (?P<fmt>.*?)|, Format: (?P<fmt11>.*?), Datatype: (?P<dt>[^,{}]*?))"
+                          r" \}(?P<sep>, |\])")
 _KEY = re.compile(r", ([A-Za-z][\w/]*):(?: |$)")
 
 
@@ -49,17 +54,31 @@ def read_layer_info_json(text: str | dict, where: str = "<layer info>") -> Engin
     else:
         layers = tuple(_layer_from_dict(x, where, i) for i, x in enumerate(raw))
         verbosity = "detailed"
-    bindings = doc.get("Bindings", [])
-    if not isinstance(bindings, list) or not all(isinstance(b, str) for b in bindings):
-        raise artifact_error(where, "\"Bindings\" is not a list of tensor names",
-                             "the file may have been edited by hand")
+    declared = trt11.declared_verbosity(doc, where)
+    if declared is not None and raw and declared != verbosity:
+        notes.append(f"\"ProfilingVerbosity\" says {declared}, but the layers read as {verbosity}")
+    verbosity = declared if declared is not None and not raw else verbosity
+    bindings, io = _bindings(doc, where, notes)
     extra = sorted(set(doc) - _TOP_KEYS)
     if extra:
         notes.append("unknown top-level keys ignored: " + ", ".join(extra))
     sources = doc.get("TacticSources")
     if isinstance(sources, dict):
         notes.append(tactic_sources_note(sources))
-    return EngineInfo("trtexec-json", verbosity, layers, tuple(bindings), notes=tuple(notes))
+    return EngineInfo("trtexec-json", verbosity, layers, bindings, notes=tuple(notes), io_tensors=io,
+                      metadata=trt11.engine_metadata(doc, where))
+
+
+def _bindings(doc: dict[str, Any], where: str, notes: list[str]) -> tuple[tuple[str, ...], tuple]:
+    """The engine's I/O: 10.x "Bindings" (names) or 11.x "I/O Tensors" (objects, named in the same order)."""
+    bindings = doc.get("Bindings", [])
+    if not isinstance(bindings, list) or not all(isinstance(b, str) for b in bindings):
+        raise artifact_error(where, "\"Bindings\" is not a list of tensor names",
+                             "the file may have been edited by hand")
+    io = trt11.io_tensors(doc, where)
+    if io and bindings and [t.name for t in io] != bindings:
+        notes.append("\"Bindings\" and \"I/O Tensors\" name different tensors; the I/O Tensors are used")
+    return (tuple(t.name for t in io) if io else tuple(bindings)), io
 
 
 def tactic_sources_note(sources: dict[str, Any]) -> str:
@@ -79,6 +98,8 @@ def _tensor_from_dict(t: Any, where: str, layer: str) -> TensorInfo:
         dims = tuple(dims)
     else:
         dims = None
+    if trt11.is_trt11_tensor(t):
+        return trt11.tensor_11(t, where, layer, dims)
     fmt = t.get("Format/Datatype")
     return TensorInfo(t["Name"], dims, fmt if isinstance(fmt, str) else None, t.get("Location"))
 
@@ -127,7 +148,7 @@ def read_oneline(text: str, where: str = "<log>", dump: str = "auto") -> EngineI
         if line.startswith("Layer(") and (m := log_lines.ENGINE_LAYER_FIELDS.match(line)):
             engine.append(_engine_layer(m, where, n, notes))
         elif line.startswith("Name: "):
-            layer = _name_block(line, n, notes)
+            layer = _name_block(line, n, notes, where)
             if layer is not None:
                 details.append(layer)
         elif section and not dated and line.strip():
@@ -183,7 +204,7 @@ def _dims(text: str) -> tuple[int, ...] | None:
         return None
 
 
-def _tensor_list(line: str, pos: int) -> tuple[tuple[TensorInfo, ...], int] | None:
+def _tensor_list(line: str, pos: int, where: str, layer: str) -> tuple[tuple[TensorInfo, ...], int] | None:
     """Parse `[ { Name: ..., Dimensions: [...], Format/Datatype: ... }, ...]` at pos; returns tensors and end."""
     if line.startswith("[]", pos):
         return (), pos + 2
@@ -194,7 +215,11 @@ def _tensor_list(line: str, pos: int) -> tuple[tuple[TensorInfo, ...], int] | No
         m = _TENSOR_ITEM.match(line, pos)
         if m is None:
             return None
-        tensors.append(TensorInfo(m["name"], _dims(m["dims"]), m["fmt"], m["loc"]))
+        if m["dt"] is not None:
+            d = {"Name": m["name"], "Location": m["loc"], "Format": m["fmt11"], "Datatype": m["dt"]}
+            tensors.append(trt11.tensor_11(d, where, layer, _dims(m["dims"])))
+        else:
+            tensors.append(TensorInfo(m["name"], _dims(m["dims"]), m["fmt"], m["loc"]))
         pos = m.end()
         if m["sep"] == "]":
             return tuple(tensors), pos
@@ -207,14 +232,14 @@ def _skip_space(line: str, pos: int) -> int:
     return pos
 
 
-def _name_block(line: str, n: int, notes: list[str]) -> LayerRecord | None:
+def _name_block(line: str, n: int, notes: list[str], where: str) -> LayerRecord | None:
     """`Name: n, LayerType: t, Inputs: [...], Outputs: [...], Key: value, ..., Metadata: ...` -> LayerRecord."""
     head = _ONELINE_HEAD.match(line)
-    ins = head and _tensor_list(line, head.end())
+    ins = head and _tensor_list(line, head.end(), f"{where}:{n}", head["name"])
     if not ins or not line.startswith(", Outputs: ", ins[1]):
         notes.append(f"line {n}: unreadable layer line skipped ('{line[:60]}...')")
         return None
-    outs = _tensor_list(line, ins[1] + len(", Outputs: "))
+    outs = _tensor_list(line, ins[1] + len(", Outputs: "), f"{where}:{n}", head["name"])
     if outs is None:
         notes.append(f"line {n}: unreadable outputs of '{head['name']}' skipped")
         return None

@@ -91,6 +91,30 @@ class InferenceTimes:
 
 
 @dataclass(frozen=True)
+class ProfileShapes:
+    """One optimization profile of an I/O tensor (TensorRT 11's "ProfileInfo" entry)."""
+
+    min_dims: tuple[int, ...] | None = None
+    opt_dims: tuple[int, ...] | None = None
+    max_dims: tuple[int, ...] | None = None
+    format: str | None = None                    # the format's prose, its " (kLINEAR)" enum split off
+
+
+@dataclass(frozen=True)
+class IOTensor:
+    """An engine input or output as TensorRT 11's "I/O Tensors" describes it."""
+
+    name: str
+    io_mode: str | None = None                   # "Input" | "Output" as written
+    data_type: str | None = None                 # as written: "Float", "Half", "kINT8", ...
+    precision: str | None = None                 # "FP32", "FP16", "INT8", ... (read from data_type)
+    dims: tuple[int, ...] | None = None
+    location: str | None = None
+    shape_inference_io: bool = False
+    profiles: tuple[ProfileShapes, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """An engine as described by one artifact (or a kiln engine file)."""
 
@@ -100,6 +124,8 @@ class EngineInfo:
     bindings: tuple[str, ...] = ()
     profile: Profile | None = None
     notes: tuple[str, ...] = ()                  # what the reader noticed (unknown keys, truncated lines, ...)
+    io_tensors: tuple[IOTensor, ...] = ()        # TensorRT 11's "I/O Tensors" (10.x and older name only bindings)
+    metadata: dict[str, Any] = field(default_factory=dict)   # TensorRT 11's "Engine Metadata"
 
     @property
     def layer_types(self) -> dict[str, int]:

@@ -198,3 +198,53 @@ def reformat_names(direction: str, index: int, layer: str) -> tuple[str, str]:
 def is_reformat_name(name: str) -> bool:
     """Whether a layer name is one TensorRT (or kiln, following it) gives an inserted Reformat copy."""
     return name.startswith("Reformatting CopyNode")
+
+
+# ---- TensorRT 11's inspector JSON: data types and formats as separate fields -------------------------------------
+# A tensor's data type by name -> precision. TensorRT 11 names it in "DataType" (I/O tensors; NVIDIA's migration
+# guide shows "Float") and "Datatype" (layer tensors; NVIDIA's Polygraphy and cookbook read that key). The guide
+# does not list every value, so the DataType names layer info has always used ("Float", "Half", "Int8"), nvinfer1's
+# enum spelling ("kFLOAT", "kHALF") and the short forms of the 10.x prose ("FP32", "FP16") are all accepted.
+_DATATYPE_PRECISION = {
+    "FLOAT": "FP32", "FP32": "FP32", "HALF": "FP16", "FP16": "FP16", "BFLOAT16": "BF16", "BF16": "BF16",
+    "FP8": "FP8", "FLOAT8E4M3": "FP8", "FP4": "FP4", "E8M0": "E8M0", "INT8": "INT8", "INT4": "INT4",
+    "INT32": "INT32", "INT64": "INT64", "UINT8": "UINT8", "BOOL": "BOOL", "DOUBLE": "FP64", "FP64": "FP64",
+}
+DATATYPE_NAMES = ("Float", "Half", "BFloat16", "FP8", "FP4", "E8M0", "Int8", "Int4", "Int32", "Int64", "UInt8", "Bool")
+# kiln's tensor layout -> the TensorFormat enum TensorRT 11 appends to a format's prose: "... (kLINEAR)"
+FORMAT_ENUM = {HWC: "kHWC"}
+_FORMAT_ENUM_SUFFIX = re.compile(r"\s*\((k[A-Z0-9_]+)\)\s*$")
+# ProfilingVerbosity as TensorRT 11 writes it at the top level; read in any case, with or without the "k" prefix
+PROFILING_VERBOSITY_NAMES = {"none": "NONE", "layer_names_only": "LAYER_NAMES_ONLY", "detailed": "DETAILED"}
+
+
+def datatype_precision(name: str) -> str | None:
+    """"Float" / "kFLOAT" / "FP32" -> "FP32"; "N/A ..." -> None (not known); ValueError for a name TensorRT lacks."""
+    text = name.strip()
+    if text.upper().startswith("N/A"):
+        return None
+    key = text.upper()
+    if key.startswith("K") and key[1:] in _DATATYPE_PRECISION:
+        key = key[1:]
+    if key not in _DATATYPE_PRECISION:
+        raise ValueError(name)
+    return _DATATYPE_PRECISION[key]
+
+
+def format_text_11(t: TensorDesc) -> str:
+    """TensorRT 11's "Format" of a tensor: the format's prose and its TensorFormat enum, "Row major linear FP32
+    (kLINEAR)" (the form NVIDIA's migration guide shows for I/O tensors)."""
+    return f"{format_datatype(t)} ({FORMAT_ENUM.get(t.format, 'kLINEAR')})"
+
+
+def split_format_enum(text: str) -> tuple[str, str | None]:
+    """"Row major linear FP32 format (kLINEAR)" -> ("Row major linear FP32 format", "kLINEAR")."""
+    m = _FORMAT_ENUM_SUFFIX.search(text)
+    return (text[:m.start()], m[1]) if m else (text, None)
+
+
+def profiling_verbosity(name: str) -> str | None:
+    """"DETAILED" / "kDETAILED" / "detailed" -> "detailed"; None when TensorRT has no such verbosity."""
+    key = name.strip().lower()
+    key = key[1:] if key.startswith("k") and key[1:] in PROFILING_VERBOSITY_NAMES else key
+    return key if key in PROFILING_VERBOSITY_NAMES else None
