@@ -176,7 +176,9 @@ def _split(outputs: dict[str, np.ndarray], rows: list[int]) -> list[dict[str, np
 
 
 def _as_request_error(exc: Exception, model: str) -> Exception:
-    if isinstance(exc, Error):
+    if isinstance(exc, InputError):
         return exc
     log.warning("model '%s': inference failed: %s: %s", model, type(exc).__name__, exc)
+    if isinstance(exc, Error):
+        return exc
     return InferenceFailedError(f"model '{model}': inference failed: {type(exc).__name__}: {exc}")
