@@ -107,3 +107,25 @@ def test_compressed_request_and_response(server, loaded):
     item.set_data_from_numpy(IMAGE)
     out = result.infer("conv", [item], request_compression_algorithm="gzip", response_compression_algorithm="deflate")
     np.testing.assert_array_equal(out.as_numpy("probs"), loaded["conv"].run({"image": IMAGE})["probs"])
+
+
+def test_raw_json_nested_and_flat_data_agree(server, loaded):
+    """What curl sends: nested `data` and flat `data` are the same tensor; no `id` in, none out."""
+    import http.client
+    import json
+
+    x = np.random.default_rng(6).standard_normal((2, 6)).astype(np.float32)
+    answers = []
+    for data in (x.tolist(), x.reshape(-1).tolist()):
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("POST", "/v2/models/mlp/infer", json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 6], "data": data}]}),
+            {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type") == "application/json"
+        answers.append(json.loads(response.read()))
+        conn.close()
+    assert answers[0] == answers[1] and "id" not in answers[0]
+    y = next(o for o in answers[0]["outputs"] if o["name"] == "y")
+    assert y["shape"] == [2, 3]
+    np.testing.assert_array_equal(np.array(y["data"], np.float32).reshape(2, 3), loaded["mlp"].run({"x": x})["y"])
