@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 
 from kiln.errors import Error, InputError
 from kiln.serve import metrics
@@ -89,7 +90,10 @@ def create_app(repository: ModelRepository | Callable[[], ModelRepository], mana
     @app.post("/v2/models/{name}/versions/{version}/infer")
     async def infer(name: str, request: Request, version: str = ""):
         model = repo().get(name, version)
-        body = await read_body(request, repo().options.max_request_bytes)
+        try:
+            body = await read_body(request, repo().options.max_request_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)   # the client left mid-body: nothing to answer, nothing ran
         infer_request = decode_request(body, request.headers.get(HEADER_LENGTH), model.name, model.version)
         response = await _unless_disconnected(request, model.infer(infer_request))
         if response is None:

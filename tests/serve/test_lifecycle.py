@@ -1,5 +1,5 @@
-"""`kiln serve` as a process: SIGTERM while a request is in flight lets it finish and exits 0; a bad engine path,
-a port in use and --ray exit 2 naming the culprit."""
+"""`kiln serve` as a process: a request whose client hung up is dropped unrun; SIGTERM while a request is in
+flight lets it finish and exits 0; a bad engine path, a port in use and --ray exit 2 naming the culprit."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import urllib.request
 from tests.serve.conftest import start_server
 
 
-def test_sigterm_drains_the_in_flight_request_and_exits_0(engines, tmp_path):
+def test_hang_up_costs_nothing_and_sigterm_drains_the_in_flight_request(engines, tmp_path):
     # a 1 s queue delay keeps a lone request in flight long enough to signal the server under it
     server = start_server([str(engines["conv"]), "--max-queue-delay-us", "1000000"], tmp_path / "server.log")
     try:
@@ -24,14 +24,22 @@ def test_sigterm_drains_the_in_flight_request_and_exits_0(engines, tmp_path):
             url = f"http://{server.http_url}/v2/models/conv/infer"
             with urllib.request.urlopen(urllib.request.Request(url, body), timeout=30) as response:
                 answer.update(status=response.status, body=json.loads(response.read()))
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as sock:   # sent, then gone
+            sock.sendall(f"POST /v2/models/conv/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+                         .encode() + body)
+            time.sleep(0.1)
         client = threading.Thread(target=request)
         client.start()
         time.sleep(0.5)
+        metrics = urllib.request.urlopen(f"http://{server.http_url}/metrics", timeout=10).read().decode()
         server.process.terminate()
         client.join(30)
         code = server.process.wait(30)
     finally:
         server.stop()
+    # the abandoned request was dropped from the queue unrun; the other one is still queued when the signal comes
+    assert 'nv_inference_exec_count{model="conv",version="1"} 0' in metrics
+    assert 'nv_inference_request_failure{model="conv",version="1"} 1' in metrics
     assert answer["status"] == 200 and answer["body"]["id"] == "last"
     assert answer["body"]["outputs"][0]["shape"] == [1, 5]
     assert code == 0, server.log()
