@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: demo test install bench clean conformance fuzz
+.PHONY: demo test install bench clean conformance fuzz proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(PY) -m pip install --quiet atheris
 	for t in engine onnx trt; do $(PY) fuzz/run_atheris.py $$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 || exit 1; done
+
+# after editing kiln/serve/proto/grpc_predict_v2.proto: recompile its descriptor (grpcio-tools' protoc)
+proto: $(STAMP)
+	$(PY) -m kiln.serve.proto.generate
 
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py

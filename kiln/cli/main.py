@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "kernels": "kiln.cli.kernels_cmd",
     "debug": "kiln.cli.debug_cmd",
     "export": "kiln.cli.export_cmd",
+    "serve": "kiln.cli.serve_cmd",
 }
 
 

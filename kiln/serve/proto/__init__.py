@@ -1,0 +1,1 @@
+"""The Open Inference Protocol's gRPC messages: the .proto, its compiled descriptor and the message classes."""
