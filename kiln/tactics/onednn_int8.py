@@ -1,5 +1,5 @@
 """oneDNN INT8 convolution and inner product through torch (`torch.ops.onednn.qconv2d_pointwise`,
-`qlinear_pointwise`): unsigned 8-bit activations, signed 8-bit weights with a scale per output channel prepacked
+`qlinear_pointwise`): 8-bit activations (u8; s8 ones shifted to u8 on the way in), signed 8-bit weights with a scale per output channel prepacked
 once at load, the requantization to the output scale, the activation and (convolutions) the INT8 residual sum
 fused as post-ops. A layer without an output scale (the classic INT8-in/FP32-out convolution) writes FP32.
 
@@ -29,11 +29,12 @@ def int8_available() -> bool:
 
 
 def _quant_supported(layer: LayerView) -> bool:
-    """u8 activations, symmetric s8 weights (per tensor, or per output channel on axis 0), an output that is u8,
+    """u8 or s8 activations (s8 ones read as u8: see `unsigned_input`), symmetric s8 weights (per tensor, or per output channel on axis 0), an output that is u8,
     s8 or FP32, and a constant FP32 bias or none."""
     q = layer.attrs.get("quant")
     w = layer.const_inputs.get(1)
-    if not q or w is None or w.dtype != torch.int8 or layer.input_dtypes[0] != "uint8" or q.get("x_dtype") != "uint8":
+    if not q or w is None or w.dtype != torch.int8 or layer.input_dtypes[0] not in ("uint8", "int8") or \
+            q.get("x_dtype") != layer.input_dtypes[0]:
         return False
     if any(z != 0 for z in q["w_zero_point"]) or (len(q["w_scale"]) > 1 and q["w_axis"] != _channel_axis(layer)):
         return False
@@ -43,6 +44,14 @@ def _quant_supported(layer: LayerView) -> bool:
     bias = layer.const_inputs.get(2)
     has_bias = len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None
     return not has_bias or (bias is not None and bias.dtype == torch.float32 and bias.numel() == _out_channels(layer))
+
+
+def unsigned_input(q: dict):
+    """(zero point oneDNN sees, convert): oneDNN's INT8 kernels read u8 activations only; an s8 tensor (kiln's
+    calibration writes symmetric s8) is the same numbers as u8 shifted by 128, its byte with the top bit flipped."""
+    if q["x_dtype"] == "uint8":
+        return int(q["x_zero_point"]), (lambda x: x)
+    return int(q["x_zero_point"]) + 128, (lambda x: x.view(torch.uint8).bitwise_xor(128))
 
 
 def _channel_axis(layer: LayerView) -> int:
@@ -94,7 +103,7 @@ class OneDnnInt8ConvTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         a, q = layer.attrs, layer.attrs["quant"]
-        x_scale, x_zp = float(q["x_scale"]), int(q["x_zero_point"])
+        (x_zp, to_unsigned), x_scale = unsigned_input(q), float(q["x_scale"])
         pads, strides, dilations, groups = list(a["pads"]), list(a["strides"]), list(a["dilations"]), a.get("group", 1)
         explicit_pad = None if pads[:2] == pads[2:] else _torch_pad(pads)
         padding = pads[:2] if explicit_pad is None else [0, 0]
@@ -111,7 +120,7 @@ class OneDnnInt8ConvTactic:
         geometry = (strides, padding, dilations, groups)
 
         def padded(x):   # a quantized zero is the zero point: pad with it
-            x = x if x.is_contiguous(memory_format=last) else x.contiguous(memory_format=last)
+            x = to_unsigned(x if x.is_contiguous(memory_format=last) else x.contiguous(memory_format=last))
             return x if explicit_pad is None else F.pad(x, explicit_pad, value=x_zp).contiguous(memory_format=last)
 
         if not _has_residual(layer):
@@ -165,7 +174,7 @@ class OneDnnInt8LinearTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         q = layer.attrs["quant"]
-        x_scale, x_zp = float(q["x_scale"]), int(q["x_zero_point"])
+        (x_zp, to_unsigned), x_scale = unsigned_input(q), float(q["x_scale"])
         w = layer.const_inputs[1]
         w = (w if _channel_axis(layer) == 0 else w.t()).contiguous()          # oneDNN wants [N, K]
         rows = math.prod(layer.input_shapes[0][:-1])
@@ -180,7 +189,7 @@ class OneDnnInt8LinearTactic:
         def run(xs):
             x = xs[0]
             flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-            y = linear(flat.contiguous(), x_scale, x_zp, packed, w_scales, w_zps, bias, y_scale, y_zp, y_dtype,
+            y = linear(to_unsigned(flat.contiguous()), x_scale, x_zp, packed, w_scales, w_zps, bias, y_scale, y_zp, y_dtype,
                        unary, scalars, algorithm or "")
             return [y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])]
         return run

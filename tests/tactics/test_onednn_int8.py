@@ -14,8 +14,8 @@ needs_int8 = pytest.mark.skipif(not int8_available(), reason="this CPU has no VN
                                 "kernels are not offered (its vpmaddubsw path saturates)")
 
 
-def quant(x_scale=0.02, x_zp=3, w_scale=(0.004,), y=(0.05, 5, "uint8"), r=None):
-    q = {"x_scale": x_scale, "x_zero_point": x_zp, "x_dtype": "uint8", "w_scale": list(w_scale),
+def quant(x_scale=0.02, x_zp=3, w_scale=(0.004,), y=(0.05, 5, "uint8"), r=None, x_dtype="uint8"):
+    q = {"x_scale": x_scale, "x_zero_point": x_zp, "x_dtype": x_dtype, "w_scale": list(w_scale),
          "w_zero_point": [0] * len(w_scale), "w_axis": 0}
     if y:
         q.update(y_scale=y[0], y_zero_point=y[1], y_dtype=y[2])
@@ -32,7 +32,7 @@ def conv_view(x_shape, w, pads=(1, 1, 1, 1), stride=1, group=1, q=None, bias=Tru
              "kernel_shape": list(w.shape[2:]), "quant": q or quant(w_scale=[0.004 + 0.001 * i for i in range(k)]),
              **({"activation": {"op": act, "attrs": {}}} if act else {})}
     shapes = [x_shape, tuple(w.shape), (k,) if bias else None] + ([residual] if residual else [])
-    dtypes = ["uint8", "int8", "float32" if bias else None] + (["uint8"] if residual else [])
+    dtypes = [attrs["quant"]["x_dtype"], "int8", "float32" if bias else None] + (["uint8"] if residual else [])
     out = "float32" if "y_scale" not in attrs["quant"] else attrs["quant"]["y_dtype"]
     return LayerView("QConv", "kiln", attrs, tuple(shapes), tuple(dtypes), consts, (out,))
 
@@ -66,22 +66,25 @@ def close_quantized(got: torch.Tensor, want: torch.Tensor):
 
 
 @needs_int8
-@pytest.mark.parametrize("case", ["3x3", "stride2_asym_pad", "depthwise", "relu", "int8_out", "1x1"])
+@pytest.mark.parametrize("case", ["3x3", "stride2_asym_pad", "depthwise", "relu", "int8_out", "1x1", "s8_in",
+                                  "s8_in_asym_pad"])
 def test_quantized_conv_matches_its_formula(case):
     g = torch.Generator().manual_seed(0)
     c, k = (16, 16) if case == "depthwise" else (24, 32)
     kh = 1 if case == "1x1" else 3
     w = torch.randint(-127, 128, (k, 1 if case == "depthwise" else c, kh, kh), generator=g, dtype=torch.int8)
-    x = torch.randint(0, 256, (1, c, 13, 11), generator=g, dtype=torch.uint8)
-    pads = {"stride2_asym_pad": (0, 1, 1, 2), "1x1": (0, 0, 0, 0)}.get(case, (1, 1, 1, 1))
-    q = quant(w_scale=[0.003 + 0.0005 * i for i in range(k)], y=(0.04, -3, "int8") if case == "int8_out" else
-              (0.05, 5, "uint8"))
+    signed = case.startswith("s8_in")   # kiln's calibration writes symmetric s8 activations
+    x = torch.randint(-128 if signed else 0, 128 if signed else 256, (1, c, 13, 11), generator=g,
+                      dtype=torch.int8 if signed else torch.uint8)
+    pads = {"stride2_asym_pad": (0, 1, 1, 2), "s8_in_asym_pad": (0, 1, 1, 2), "1x1": (0, 0, 0, 0)}.get(case, (1,) * 4)
+    q = quant(w_scale=[0.003 + 0.0005 * i for i in range(k)], y=(0.04, -3, "int8") if case in ("int8_out", "s8_in")
+              else (0.05, 5, "uint8"), x_dtype="int8" if signed else "uint8", x_zp=-2 if signed else 3)
     view = conv_view(tuple(x.shape), w, pads, 2 if case == "stride2_asym_pad" else 1, c if case == "depthwise" else 1,
                      q, act="Relu" if case == "relu" else None)
     tactic = OneDnnInt8ConvTactic()
     assert tactic.supports(view)
     got = run(tactic, view, [x, None, None])
-    assert got.dtype == (torch.int8 if case == "int8_out" else torch.uint8)
+    assert got.dtype == (torch.int8 if case in ("int8_out", "s8_in") else torch.uint8)
     close_quantized(got, formula(view, x))
     close_quantized(got, run(ReferenceTactic(), view, [x, None, None]))
 
@@ -178,10 +181,10 @@ def test_quantized_linear_matches_its_formula(op, x_shape, trans_b, y):
 
 def test_int8_kernels_decline_what_onednn_cannot_run():
     w = torch.randint(-127, 128, (8, 8, 3, 3), dtype=torch.int8)
-    signed_input = conv_view((1, 8, 6, 6), w, q={**quant(w_scale=[0.003] * 8), "x_dtype": "int8"})
-    signed_input = LayerView(**{**signed_input.__dict__, "input_dtypes": ("int8", "int8", "float32")})
+    mislabelled = conv_view((1, 8, 6, 6), w, q={**quant(w_scale=[0.003] * 8), "x_dtype": "int8"})
+    mislabelled = LayerView(**{**mislabelled.__dict__, "input_dtypes": ("uint8", "int8", "float32")})
     asymmetric_w = conv_view((1, 8, 6, 6), w, q={**quant(w_scale=[0.003] * 8), "w_zero_point": [1] * 8})
     unfusable_act = conv_view((1, 8, 6, 6), w, act="Erf")
     tactic = OneDnnInt8ConvTactic()
-    for view in (signed_input, asymmetric_w, unfusable_act):
+    for view in (mislabelled, asymmetric_w, unfusable_act):
         assert not tactic.supports(view)
