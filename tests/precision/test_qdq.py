@@ -169,7 +169,8 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
                     per_channel=True)
     engine = kiln.build(str(tmp_path / "q.onnx"), autotune=False)
     layers = engine.plan.layers
-    assert sum(l.op_type == "QConv" for l in layers) == 64 and len(layers) < 300
+    computing = [l for l in layers if l.tactic_name not in ("kiln.reformat_copy", "kiln.noop")]   # layout copies
+    assert sum(l.op_type == "QConv" for l in layers) == 64 and len(computing) < 300, len(computing)
     concats = [l for l in layers if l.op_type == "Concat"]
     assert concats and all(l.outputs[0].dtype in ("uint8", "int8") for l in concats)
     assert "SplitQAcrossPrecedingFanIn: Fusing" in caplog.text
