@@ -21,6 +21,7 @@ import onnx
 import torch
 
 from kiln.builder.options import BuildOptions
+from kiln.builder.progress import ProgressReporter
 from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
 from kiln.passes import DEFAULT_PIPELINE, run_passes
@@ -44,12 +45,14 @@ DEFAULT_BUDGET = "cos:0.999"   # where --bf16/--best granted a reduced precision
 
 
 def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions = BuildOptions()) -> Plan:
-    start, stages_ms = time.perf_counter(), {}
+    start, stages_ms, progress = time.perf_counter(), {}, ProgressReporter(options.progress)
 
     @contextmanager
     def stage(name: str):
         begin = time.perf_counter()
+        progress.begin(name)
         yield
+        progress.end()
         stages_ms[name] = round((time.perf_counter() - begin) * 1e3, 3)
         log.debug("Stage %s: %.3f ms", name, stages_ms[name])
 
@@ -65,7 +68,10 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     cache = TimingCache(device_description(torch.get_num_threads()), options.timing_cache, options.deterministic)
     with stage("lowering"):
         tuner = autotuner(g, cache, options)
+        if tuner is not None:
+            tuner.on_timing = progress.timing
         lowered = Lowering(g, sources, tuner, precisions, options.precision.constraints != "none")
+        lowered.on_node = progress.node
         lowered.run()
         budget = None if options.accuracy == "off" else \
             AccuracyBudget.parse(options.accuracy or DEFAULT_BUDGET, options.atol, options.rtol)
@@ -92,6 +98,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     if budget_report is not None:
         info["accuracy_budget"] = budget_report.to_dict()
     log.info(log_lines.engine_built(info["build_time_s"]))
+    progress.finish()
     return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info, tuple(g.profiles))
 
 

@@ -3,6 +3,7 @@ names flat; the precision ones may be given flat too, see `kiln.build`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kiln.planning.accuracy import AccuracyBudget
 from kiln.precision.policy import PrecisionOptions
@@ -38,6 +39,8 @@ class BuildOptions:
     # planning: regions and the plan race
     regions: bool = True            # let onnxruntime/OpenVINO run whole segments where that is faster
     costs: CostPolicy = DEFAULT_COSTS
+    # all stages: progress events (kiln.builder.progress.BuildProgress), e.g. the CLI's live display
+    progress: Callable | None = None
 
     def __post_init__(self):
         if self.accuracy not in (None, "off"):

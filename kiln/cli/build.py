@@ -10,6 +10,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("-o", "--output", required=True, help="engine file to write (.kiln)")
     p.add_argument("--verbose", action="store_true", help="log every pass, fusion and non-fusion")
+    p.add_argument("--quiet", action="store_true", help="print warnings and errors only: no live progress display "
+                                                        "(shown on a terminal otherwise), no info lines")
     p.add_argument("--export-layer-info", metavar="F", help="write layer info JSON (trtexec --exportLayerInfo schema)")
     p.add_argument("--profiling-verbosity", default="detailed", choices=["none", "layer_names_only", "detailed"],
                    help="layer-info verbosity (default: detailed, unlike trtexec)")
@@ -119,29 +121,37 @@ def tactic_options(args) -> dict:
             "autotune": args.builder_optimization_level > 0, "deterministic": getattr(args, "deterministic", False)}
 
 
-def build_engine(args):
+def build_engine(args, progress=None):
     import kiln
     from kiln.runtime.engine import set_threads
 
     set_threads(args.threads)
     return kiln.build(args.model, input_shapes=parse_shapes(args.shapes), disabled_passes=frozenset(args.disable_pass),
-                      verify_each=args.verify_each, **profile_options(args), **tactic_options(args),
-                      **precision_options(args))
+                      verify_each=args.verify_each, progress=progress, **profile_options(args),
+                      **tactic_options(args), **precision_options(args))
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     from kiln.cli import console
+    from kiln.cli.progress_display import live_build_display, wants_live_display
     from kiln.trt.layer_info import dumps
     from kiln.plan.serialize import atomic_write_text
 
-    engine = build_engine(args)
+    quiet = getattr(args, "quiet", False)
+    if quiet:
+        logging.getLogger("kiln").setLevel(logging.WARNING)
+    with live_build_display(wants_live_display(quiet, args.verbose)) as display:
+        engine = build_engine(args, display)
     engine.save(args.output)
+    say = (lambda message: None) if quiet else console.info
     mem = engine.plan.memory
-    console.info(f"Engine: {len(engine.plan.layers)} layers, activation memory {mem.total_bytes} bytes "
-                 f"({mem.unshared_bytes} without reuse), weights {engine.plan.weight_bytes} bytes")
-    console.info(f"Saved engine to {args.output}")
+    say(f"Engine: {len(engine.plan.layers)} layers, activation memory {mem.total_bytes} bytes "
+        f"({mem.unshared_bytes} without reuse), weights {engine.plan.weight_bytes} bytes")
+    say(f"Saved engine to {args.output}")
     if args.export_layer_info:
         info = engine.layer_info(args.profiling_verbosity, schema=args.layer_info_schema)
         atomic_write_text(args.export_layer_info, dumps(info))
-        console.info(f"Layer info written to {args.export_layer_info}")
+        say(f"Layer info written to {args.export_layer_info}")
     return 0

@@ -19,6 +19,7 @@ class Finding:
     severity: str                                # "error" | "warning" | "info"
     hazard: str
     mitigation: str
+    affected: tuple[str, ...] = ()               # the layers an engine-wide finding is about (its time at stake)
 
 
 REDUCED = ("INT8", "FP16", "BF16", "FP8", "INT4")
@@ -26,6 +27,8 @@ _TYPE_WORDS = {"i8": "INT8", "int8": "INT8", "s8": "INT8", "f16": "FP16", "fp16"
                "f32": "FP32", "fp32": "FP32", "tf32": "FP32", "bf16": "BF16", "e4m3": "FP8", "f8": "FP8"}
 _TYPE_ALT = "int8|i8|s8|bf16|tf32|fp16|fp32|f16|f32|e4m3|f8"
 _TYPE_GROUP = re.compile(rf"(?:^|_)({_TYPE_ALT})({_TYPE_ALT})(?=_|$)")
+# cuDNN/CASK names of tensor-core kernels: HMMA/IMMA, or the MMA shape (i8816: INT8 m8n8k16, h1688, s884, ...)
+_TENSOR_CORE_TACTIC = re.compile(r"hmma|imma|tensor|(?:^|_)[hsi](?:884|1688|8816|16816)", re.IGNORECASE)
 _QDQ_NAME = re.compile(r"(De)?QuantizeLinear|(^|[/_.])(de)?quant(ize)?(_|\d|$)", re.IGNORECASE)
 FP32_CAP = 20
 
@@ -75,7 +78,7 @@ def engine_edges(engine: EngineInfo) -> set[str]:
     return set(engine.bindings) | (consumed - produced) | (produced - consumed)
 
 
-def _feeds_output(engine: EngineInfo, tensor: str, edges: set[str]) -> bool:
+def feeds_output(engine: EngineInfo, tensor: str, edges: set[str]) -> bool:
     """The tensor is an engine output, directly or through NoOp/Shuffle layers (a reshape after the last layer)."""
     if tensor in edges:
         return True
@@ -107,7 +110,7 @@ def rule_int8_float_output(engine: EngineInfo, profile: Profile | None) -> Itera
         tensor = layer.outputs[0].name
         how = "its output format" if layer.outputs[0].precision else f"its tactic's type group ({layer.tactic_name})"
         note = f"{tensor} is an engine output (directly or through a reshape), so a float output may be intended" \
-            if _feeds_output(engine, tensor, edges) else f"consumers of {tensor} must re-quantize it"
+            if feeds_output(engine, tensor, edges) else f"consumers of {tensor} must re-quantize it"
         yield Finding("INT8_FLOAT_OUTPUT", layer.name, "warning",
                       f"{layer.name} computes in INT8 ({evidence}) but {how} says it writes {out} to {tensor}: "
                       f"no output scale, so it dequantizes to {out}; {note}",
@@ -121,7 +124,7 @@ def rule_conv_no_tensor_cores(engine: EngineInfo, profile: Profile | None) -> It
         tactic = (layer.tactic_name or "").lower()
         if not is_conv(layer) or not tactic:
             continue
-        simt = "simt" in tactic or ("cudnn" in tactic and not any(w in tactic for w in ("hmma", "imma", "tensor")))
+        simt = "simt" in tactic or ("cudnn" in tactic and not _TENSOR_CORE_TACTIC.search(tactic))
         if simt and (engine_reduced or in_precision(layer) in REDUCED):
             yield Finding("CONV_NO_TENSOR_CORES", layer.name, "warning",
                           f"{layer.name} runs the non-tensor-core (SIMT/cuDNN) tactic {layer.tactic_name} in a "
@@ -216,7 +219,8 @@ def rule_reformat_time_share(engine: EngineInfo, profile: Profile | None) -> Ite
                   f"{len(reformats)} reformat layers take {spent:.3f} of {total:.3f} ms ({100 * spent / total:.1f}%); "
                   f"top: {top}",
                   "keep neighbouring layers in one precision/format: add Q/DQ so INT8 regions are contiguous, set "
-                  "--inputIOFormats/--outputIOFormats to the engine's internal format, or align channels")
+                  "--inputIOFormats/--outputIOFormats to the engine's internal format, or align channels",
+                  tuple(n for n, _ in reformats))
 
 
 def rule_fp32_in_reduced_engine(engine: EngineInfo, profile: Profile | None) -> Iterable[Finding]:
@@ -233,24 +237,27 @@ def rule_fp32_in_reduced_engine(engine: EngineInfo, profile: Profile | None) -> 
     if len(fp32) > FP32_CAP:
         yield Finding("FP32_IN_REDUCED_ENGINE", None, "warning",
                       f"{len(fp32) - FP32_CAP} more FP32 layers ({len(fp32)} in all) in a mostly-{majority} engine",
-                      "see the per-layer findings above; the same fix applies")
+                      "see the per-layer findings above; the same fix applies",
+                      tuple(layer.name for layer in fp32[FP32_CAP:]))
 
 
 def rule_qdq_splits_region(engine: EngineInfo, profile: Profile | None) -> Iterable[Finding]:
-    regions, separated, between = 0, 0, False
+    regions, separated, between, splitters = 0, 0, [], []
     for layer in engine.layers:
         if is_region(layer):
             regions += 1
-            separated += between
-            between = False
+            separated += bool(between)
+            splitters += between
+            between = []
         elif regions and (is_qdq(layer) or (is_reformat(layer) and _touches_quantized(layer))):
-            between = True
+            between.append(layer.name)
     if regions >= 2 and separated:
         yield Finding("QDQ_SPLITS_REGION", None, "warning",
                       f"{regions} Myelin/ForeignNode regions, {separated} boundaries between them are Q/DQ reformats: "
                       "the quantized graph is split into many regions",
                       "place Q/DQ only where TensorRT's Myelin fuses them (inputs of MatMul/Gemm), remove Q/DQ "
-                      "around non-quantizable ops (Softmax, LayerNorm, Add) or quantize the whole block")
+                      "around non-quantizable ops (Softmax, LayerNorm, Add) or quantize the whole block",
+                      tuple(splitters))
 
 
 def _touches_quantized(layer: LayerRecord) -> bool:

@@ -210,6 +210,8 @@ def time_blocks(runners: dict, tuner: Autotuner, times: dict[str, float]) -> Non
     with torch.inference_mode():
         for round_index in range(max(PLAN_ROUNDS, tuner.options.min_timing)):
             for name in _block_order(list(runners), round_index):
+                if getattr(tuner, "on_timing", None) is not None:
+                    tuner.on_timing(f"the {name} plan, round {round_index + 1}")
                 _, run, rounds = runners[name]
                 warmup = [elapsed_ms(clock, run)]   # warm-up, and the first estimate of this plan's latency
                 while sum(warmup) < WARMUP_MS and len(warmup) < 50:

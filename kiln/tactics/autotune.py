@@ -111,6 +111,7 @@ class Autotuner:
         self.cache, self.options, self.costs, self.clock = cache, options, costs, clock
         self.evictor = CacheEvictor() if cold_weights else None
         self.current = ""   # the layer being tuned, for messages
+        self.on_timing = None   # progress: called with a description of each measurement before it runs
 
     def reformat_ms(self, shape, dtype: str, target: str) -> float:
         key = digest({"reformat": list(shape), "dtype": dtype, "to": target})
@@ -134,6 +135,8 @@ class Autotuner:
                 times[t.name] = cached
         runners = []
         for t in pending:
+            if self.on_timing is not None:
+                self.on_timing(f"{t.name} for {self.current}")
             kernel = t.prepare(view)
             wanted = t.input_formats(view)
             # a layout-agnostic kernel is timed on the layout its producer really delivers

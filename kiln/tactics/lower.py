@@ -66,9 +66,12 @@ class Lowering:
         self.descs: dict[str, TensorDesc] = {v.name: desc_of(v) for v in g.inputs}
         self.reformatted: dict[tuple[str, str], str] = {}
         self.position = {id(n): i for i, n in enumerate(g.nodes)}
+        self.on_node = None   # progress: called with (nodes done, nodes in all, next node's name) before each node
 
     def run(self) -> tuple[list[Layer], dict[str, np.ndarray]]:
-        for node in self.g.nodes:
+        for index, node in enumerate(self.g.nodes):
+            if self.on_node is not None:
+                self.on_node(index, len(self.g.nodes), node.name)
             start = len(self.layers)
             self.lower_node(node)
             self.node_layers[node.name] = (start, len(self.layers))

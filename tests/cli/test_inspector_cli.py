@@ -37,12 +37,52 @@ def test_inspect_with_profile_reports_total(tmp_path):
 def test_lint_json_names_the_missing_output_scale():
     r = kiln_cli("lint", str(FIXTURES / "conv_dynamic_int8_fp32out_trt8.layers.json"), "--json")
     assert r.returncode == 0, r.stderr
-    findings = json.loads(r.stdout)
-    assert isinstance(findings, list)
-    hit = [f for f in findings if f["rule_id"] == "INT8_FLOAT_OUTPUT"]
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"schema", "ranked_by", "findings", "causes"} and doc["schema"] == 2
+    assert doc["ranked_by"] == "severity"
+    hit = [f for f in doc["findings"] if f["rule_id"] == "INT8_FLOAT_OUTPUT"]
     assert hit and hit[0]["layer"] == "(Unnamed Layer* 1) [Convolution]"
     assert "QuantizeLinear" in hit[0]["mitigation"] and set(hit[0]) == {"rule_id", "layer", "severity", "hazard",
-                                                                        "mitigation"}
+                                                                        "mitigation", "affected"}
+    cause = next(c for c in doc["causes"] if c["cause_id"] == "INT8_FLOAT_OUTPUT")
+    assert set(cause) == {"cause_id", "severity", "summary", "example", "mitigation", "layers", "rule_ids",
+                          "num_findings", "time_ms", "time_percent"}
+    assert cause["layers"] == ["(Unnamed Layer* 1) [Convolution]"] and cause["time_ms"] is None
+
+
+MOBILENET = FIXTURES / "mobilenet.qat.onnx.engine.graph.json"
+MOBILENET_PROFILE = FIXTURES / "mobilenet.qat.onnx.engine.profile.json"
+
+
+def _messages(stdout: str) -> list[str]:
+    return [line.split("] [I] ", 1)[1] for line in stdout.splitlines()]
+
+
+def test_lint_groups_mobilenet_by_cause_costliest_first():
+    r = kiln_cli("lint", str(MOBILENET), "--profile", str(MOBILENET_PROFILE))
+    assert r.returncode == 0, r.stderr
+    lines = _messages(r.stdout)
+    assert lines[0].endswith("64 findings from 8 causes, by time at stake (--all lists every finding)")
+    heads = [line for line in lines if line.startswith("#")]
+    assert len(heads) == 8 and len(lines) < 45
+    assert heads[0] == "#1 [warning] INT8_FLOAT_OUTPUT: 31 layers, 46 findings, 0.242 ms at stake (51.4%)"
+    assert heads[-1] == "#8 [warning] TINY_LAYERS: engine-wide, 1 finding"
+    layers_of_top = lines[lines.index(heads[1]) - 1]
+    assert layers_of_top.startswith("    layers: features.2.conv.2.weight + QuantizeLinear_90 + Conv_94; "
+                                    "QuantizeLinear_98; ")
+    assert "    15 of 18 layers also under #1" in lines
+
+
+def test_lint_all_and_json_keep_every_finding():
+    r = kiln_cli("lint", str(MOBILENET), "--all")
+    assert r.returncode == 0, r.stderr
+    lines = _messages(r.stdout)
+    assert len(lines) == 62 and lines[0].startswith("[warning] INT8_FLOAT_OUTPUT features.2.conv.2.weight")
+    doc = json.loads(kiln_cli("lint", str(MOBILENET), "--profile", str(MOBILENET_PROFILE), "--json").stdout)
+    assert len(doc["findings"]) == 64 == sum(c["num_findings"] for c in doc["causes"])
+    assert doc["ranked_by"] == "time_ms" and doc["causes"][0]["cause_id"] == "INT8_FLOAT_OUTPUT"
+    time_share = next(f for f in doc["findings"] if f["rule_id"] == "REFORMAT_TIME_SHARE")
+    assert len(time_share["affected"]) == 18 and time_share["layer"] is None
 
 
 def test_diff_json_explains_verbosity():

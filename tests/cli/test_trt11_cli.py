@@ -55,7 +55,7 @@ def test_lint_findings_are_the_same_for_both_schemas(capsys, a, b):
     findings = cli_json(capsys, "lint", fixture(b), "--json")
     assert findings == cli_json(capsys, "lint", fixture(a), "--json")
     if a.startswith("conv_dynamic"):   # the real finding survives the schema change
-        assert any(f["rule_id"] == "INT8_FLOAT_OUTPUT" for f in findings)
+        assert any(f["rule_id"] == "INT8_FLOAT_OUTPUT" for f in findings["findings"])
 
 
 @pytest.mark.parametrize("a,b", PAIRS)
