@@ -194,3 +194,22 @@ def test_overhead_prints_the_cpu_first_then_every_tactic_of_the_tiny_layers(caps
     tactics = {row[-2] for row in rows}
     assert {"torch.reference", "onednn.linear_prepacked"} <= tactics
     assert all(float(row[-1]) > 0 for row in rows)
+
+
+def test_serve_load_smoke(tmp_path, capsys):
+    """benchmarks/serve_load.py end to end on the serving tests' tiny conv net: a real `kiln serve` per setting,
+    tritonclient.grpc.aio clients, every response checked against Engine.run (one setting: each costs a server
+    start)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("tritonclient.grpc.aio")
+    import serve_load
+
+    results = serve_load.main(["--models", "tiny", "--clients", "2", "--seconds", "1", "--warmup-seconds", "0.2",
+                               "--batch-sizes", "4", "--workdir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("CPU: ")
+    assert [(r.model, r.max_batch_size, r.clients) for r in results] == [("conv", 4, 2)]
+    for r in results:
+        assert r.requests > 0 and r.qps > 0 and 0 < r.p50_ms <= r.p99_ms
+        assert (r.errors, r.mismatches) == (0, 0)
+        assert r.rss_start_mib > 50 and r.rss_end_mib > 50   # a Python server with torch loaded: tens of MiB at least

@@ -11,6 +11,7 @@ from pathlib import Path
 from kiln.errors import InputError, MissingDependencyError
 
 SERVE_MODULES = ("fastapi", "uvicorn", "grpc", "google.protobuf")
+RAY_MODULES = ("ray",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                        "only; 0.0.0.0 for every interface)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP/REST port (default 8000; 0: any free port)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="gRPC port (default 8001; 0: any free port; not served with --ray)")
     p.add_argument("--max-batch-size", type=int, default=None, metavar="N",
                    help="rows per dynamic batch (default: the optimization profile's batch maximum; 1: no batching)")
     p.add_argument("--max-queue-delay-us", type=int, default=0, metavar="U",
@@ -32,8 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per inference (default: torch's)")
     p.add_argument("--allow-other-device", action="store_true",
                    help="load engines built on another CPU model (their tactic timings came from there)")
-    p.add_argument("--ray", action="store_true", help="deploy on Ray Serve (not yet available)")
-    p.add_argument("--replicas", type=int, default=None, help="Ray Serve replicas (with --ray; not yet available)")
+    p.add_argument("--ray", action="store_true",
+                   help="deploy as a Ray Serve application (REST only): on a local Ray cluster, or the one at "
+                        "RAY_ADDRESS")
+    p.add_argument("--replicas", type=int, default=None, metavar="R",
+                   help="Ray Serve replicas, each a process with its own copy of the engines (with --ray; default 1)")
     p.add_argument("--verbose", action="store_true", help="debug log lines")
 
 
@@ -55,20 +60,30 @@ def model_specs(items: list[str]) -> list[tuple[str, Path]]:
 
 
 def check_options(args) -> None:
-    if args.ray or args.replicas is not None:
-        raise InputError("--ray/--replicas: serving on Ray Serve is not yet available in this kiln")
+    check_ray_options(args)
     for flag, value, least in (("--max-batch-size", args.max_batch_size, 1), ("--instances", args.instances, 1),
                                ("--max-queue-delay-us", args.max_queue_delay_us, 0),
                                ("--max-request-bytes", args.max_request_bytes, 1), ("--threads", args.threads, 1)):
         if value is not None and value < least:
             raise InputError(f"{flag} {value}: must be at least {least}")
-    for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port)):
+    for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port or 0)):
         if not 0 <= port <= 65535:
             raise InputError(f"{flag} {port}: not a TCP port (0..65535)")
-    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m.split(".")[0]) is None]
+    needed = SERVE_MODULES + (RAY_MODULES if args.ray else ())
+    missing = [m for m in needed if importlib.util.find_spec(m.split(".")[0]) is None]
     if missing:
         raise MissingDependencyError(missing[0], f"kiln serve needs {', '.join(missing)}, which is not installed "
                                                  "here; install it with: pip install 'kiln[serve]'")
+
+
+def check_ray_options(args) -> None:
+    if args.replicas is not None and not args.ray:
+        raise InputError("--replicas: only with --ray (on one machine, --instances adds execution contexts)")
+    if args.replicas is not None and args.replicas < 1:
+        raise InputError(f"--replicas {args.replicas}: must be at least 1")
+    if args.ray and args.grpc_port is not None:
+        raise InputError("--grpc-port: gRPC is not served with --ray (Ray Serve's gRPC proxy cannot carry the "
+                         "inference.GRPCInferenceService); use the REST port, or kiln serve without --ray")
 
 
 def run(args) -> int:
@@ -82,6 +97,11 @@ def run(args) -> int:
     specs = model_specs(args.engines)
     set_threads(args.threads)
     options = ServeOptions(args.max_batch_size, args.max_queue_delay_us, args.instances, args.max_request_bytes)
+    if args.ray:
+        from kiln.serve.ray_deploy import RayPlan, run as run_on_ray
+
+        plan = RayPlan(args.replicas or 1, args.host, args.http_port, threads=args.threads)
+        return run_on_ray(specs, options, plan, args.allow_other_device)
     repository = ModelRepository.load(specs, options, args.allow_other_device)
     log = logging.getLogger("kiln.serve")
     for model in repository.models.values():
@@ -90,4 +110,4 @@ def run(args) -> int:
         log.info("model '%s' version %s: %s (%s, %d instance%s)", model.name, model.version,
                  ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in model.inputs), batching,
                  model.instances, "" if model.instances == 1 else "s")
-    return serve(repository, Listen(args.host, args.http_port, args.grpc_port))
+    return serve(repository, Listen(args.host, args.http_port, 8001 if args.grpc_port is None else args.grpc_port))

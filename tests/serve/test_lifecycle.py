@@ -1,5 +1,5 @@
 """`kiln serve` as a process: a request whose client hung up is dropped unrun; SIGTERM while a request is in
-flight lets it finish and exits 0; a bad engine path, a port in use and --ray exit 2 naming the culprit."""
+flight lets it finish and exits 0; a bad engine path, a port in use and bad --ray options exit 2 naming the culprit."""
 from __future__ import annotations
 
 import json
@@ -82,6 +82,8 @@ def test_port_in_use_exits_2(engines, capsys):
     assert grpc[0] == 2 and f"gRPC port {port} on 127.0.0.1 cannot be used" in grpc[1]
 
 
-def test_ray_is_not_yet_available(engines, capsys):
-    code, stderr = kiln_serve(capsys, str(engines["mlp"]), "--ray")
-    assert code == 2 and "--ray/--replicas: serving on Ray Serve is not yet available" in stderr
+def test_ray_options_are_checked_before_anything_starts(engines, capsys):
+    code, stderr = kiln_serve(capsys, str(engines["mlp"]), "--replicas", "2")
+    assert code == 2 and "--replicas: only with --ray" in stderr
+    code, stderr = kiln_serve(capsys, str(engines["mlp"]), "--ray", "--replicas", "0")
+    assert code == 2 and "--replicas 0: must be at least 1" in stderr
