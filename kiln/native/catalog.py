@@ -37,6 +37,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("gemm", "gemm.c", (
         Function("kiln_gemm", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
                                I64, I64, I64, I64, I64)),
+        Function("kiln_gemm_bf16", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
+                                    I64, I64, I64, I64, I64)),
         Function("kiln_conv", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 2))),
     LibrarySpec("winograd", "winograd.c", (
         Function("wino_fused", (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64)),),

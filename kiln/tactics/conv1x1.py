@@ -26,6 +26,8 @@ class Conv1x1GemmTactic:
     name = CONV1X1_TACTIC
     source = "kiln"
     needs_c_compiler = True
+    entry_point = "kiln_gemm"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
+    pack = staticmethod(gemm_c.pack_weights)
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:
@@ -53,15 +55,16 @@ class Conv1x1GemmTactic:
         cout = weight.shape[0]
         sh, sw = layer.attrs.get("strides") or [1, 1]
         oh, ow = _output_hw(layer)
-        packed = gemm_c.pack_weights(weight.reshape(cout, c).t().float())
+        packed = self.pack(weight.reshape(cout, c).t().float())
+        gemm = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         bias_ptr = None if bias is None else bias.data_ptr()
         act = gemm_c.activation_code(layer.attrs.get("activation"))
 
         def launch(x, out, res):
-            lib.kiln_gemm(x.data_ptr(), h * w * c, ow, sw * c, sh * w * c, packed.data_ptr(), 0,
-                          out.data_ptr(), oh * ow * cout, bias_ptr, None if res is None else res.data_ptr(),
-                          act, n, oh * ow, c, cout)
+            gemm(x.data_ptr(), h * w * c, ow, sw * c, sh * w * c, packed.data_ptr(), 0,
+                 out.data_ptr(), oh * ow * cout, bias_ptr, None if res is None else res.data_ptr(),
+                 act, n, oh * ow, c, cout)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
                                  len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
         run.constants = (packed, bias)   # read through raw pointers

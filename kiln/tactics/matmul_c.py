@@ -24,6 +24,8 @@ class MatMulGemmTactic:
     name = MATMUL_TACTIC
     source = "kiln"
     needs_c_compiler = True
+    entry_point = "kiln_gemm"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
+    pack = staticmethod(gemm_c.pack_weights)
 
     def supports(self, layer: LayerView) -> bool:
         if not by_constant_matrix(layer):
@@ -44,7 +46,8 @@ class MatMulGemmTactic:
         lib = native.library("gemm")
         w = linear_weight(layer)   # [N, K]
         n, k = w.shape
-        packed = gemm_c.pack_weights(w.t().float())
+        packed = self.pack(w.t().float())
+        gemm = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(linear_bias(layer, n)[1], n)
         bias_ptr = None if bias is None else bias.data_ptr()
         act = gemm_c.activation_code(layer.attrs.get("activation"))
@@ -54,8 +57,8 @@ class MatMulGemmTactic:
             rows = x.numel() // k
             y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
             if rows:
-                lib.kiln_gemm(x.data_ptr(), 0, rows, k, 0, packed.data_ptr(), 0, y.data_ptr(), 0, bias_ptr, None,
-                              act, 1, rows, k, n)
+                gemm(x.data_ptr(), 0, rows, k, 0, packed.data_ptr(), 0, y.data_ptr(), 0, bias_ptr, None, act, 1,
+                     rows, k, n)
             return [y]
         run.constants = (packed, bias)   # read through raw pointers
         return run
