@@ -29,10 +29,18 @@ def _geometry(layer: LayerView) -> tuple[int, int, int, int, int, int, int, int]
     return kh, kw, sh, sw, pt, pl, (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
 
 
+def pack_segments(weight: torch.Tensor) -> torch.Tensor:
+    """[kh, kw * c, cout] -> kiln_conv's panels: kernel rows one after another, [cout/32][kh * kw * c][32]."""
+    kh, seg, cout = weight.shape
+    return gemm_c.pack_weights(weight.reshape(kh * seg, cout))
+
+
 class DirectConvTactic:
     name = DIRECT_TACTIC
     source = "kiln"
     needs_c_compiler = True
+    entry_point = "kiln_conv"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
+    pack = staticmethod(pack_segments)
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:
@@ -62,14 +70,15 @@ class DirectConvTactic:
         weight = layer.const_inputs[1]
         cout = weight.shape[0]
         kh, kw, sh, sw, pt, pl, oh, ow = _geometry(layer)
-        packed = gemm_c.pack_weights(weight.permute(2, 3, 1, 0).reshape(kh * kw * c, cout).float())
+        packed = self.pack(weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout).float())
+        conv = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         bias_ptr = None if bias is None else bias.data_ptr()
         act = gemm_c.activation_code(layer.attrs.get("activation"))
 
         def launch(x, out, res):
-            lib.kiln_conv(x.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(),
-                          out.data_ptr(), bias_ptr, None if res is None else res.data_ptr(), act, cout)
+            conv(x.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(), out.data_ptr(),
+                 bias_ptr, None if res is None else res.data_ptr(), act, cout)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
                                  len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
         run.constants = (packed, bias)   # read through raw pointers

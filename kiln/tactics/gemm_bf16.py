@@ -1,6 +1,6 @@
 """kiln's own BF16 GEMM (kiln/native/csrc/gemm.c, `kiln_gemm_bf16`): the FP32 GEMM's tiles and epilogue with
-bf16 operands and FP32 accumulation on AVX512-BF16's `vdpbf16ps`, for 1x1 convolutions and linear layers under
-`--bf16`. Tensors stay FP32 in and out: the weights are rounded to bf16 once at load, each tile's activation rows
+bf16 operands and FP32 accumulation on AVX512-BF16's `vdpbf16ps`, for convolutions (1x1 as a GEMM, others
+direct, window rows read in place) and linear layers under `--bf16`. Tensors stay FP32 in and out: the weights are rounded to bf16 once at load, each tile's activation rows
 as it starts, and the output is written in FP32 with bias, residual and ReLU or Swish applied.
 
 Why kiln has its own beside oneDNN's: a oneDNN call through torch costs ~50 µs of descriptor work and casts
@@ -13,6 +13,7 @@ import torch
 from kiln import hardware
 from kiln.tactics import gemm_c
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
+from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
 
 BF16_DOT_ISA = ("avx512_bf16",)
@@ -27,6 +28,15 @@ def pack_bf16_pairs(b: torch.Tensor) -> torch.Tensor:
     padded[:k, :n] = b
     lanes = padded.view(pairs, 2, panels, gemm_c.PANEL).permute(2, 0, 3, 1)   # [panels, pairs, 32, 2]
     return lanes.to(torch.bfloat16).contiguous().view(torch.int32).reshape(panels, pairs, gemm_c.PANEL)
+
+
+def pack_bf16_segments(weight: torch.Tensor) -> torch.Tensor:
+    """[kh, kw * c, cout] -> kiln_conv_bf16's panels: each kernel row's segment padded to an even length, so no
+    bf16 pair straddles two rows, [cout/32][kh * segment pairs][32]."""
+    kh, seg, cout = weight.shape
+    even = torch.zeros((kh, seg + seg % 2, cout), dtype=torch.float32)
+    even[:, :seg] = weight
+    return pack_bf16_pairs(even.reshape(-1, cout))
 
 
 class Bf16Gemm:
@@ -48,3 +58,12 @@ class Conv1x1GemmBf16Tactic(Bf16Gemm, Conv1x1GemmTactic):
 
 class MatMulGemmBf16Tactic(Bf16Gemm, MatMulGemmTactic):
     name = "kiln.matmul_gemm_bf16"
+
+
+class DirectConvBf16Tactic(Bf16Gemm, DirectConvTactic):
+    name = "kiln.conv2d_direct_gemm_nhwc_bf16"
+    entry_point = "kiln_conv_bf16"
+    pack = staticmethod(pack_bf16_segments)
+
+    def supports(self, layer) -> bool:   # the C kernel's row table holds kernel heights up to 16
+        return super().supports(layer) and layer.const_inputs[1].shape[2] <= 16

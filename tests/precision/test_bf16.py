@@ -19,6 +19,11 @@ pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU has no na
                                 "or AMX): --bf16 is denied per layer here, as tests/precision/test_qdq.py checks")
 
 
+# kiln's BF16 kernels: oneDNN's through torch and kiln's own on vdpbf16ps; the autotuner picks per layer
+BF16_TACTICS = ("onednn.conv2d_nhwc_prepacked_bf16", "onednn.linear_prepacked_bf16", "kiln.conv2d_1x1_gemm_nhwc_bf16",
+                "kiln.conv2d_direct_gemm_nhwc_bf16", "kiln.matmul_gemm_bf16")
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
@@ -42,7 +47,7 @@ def test_bf16_is_granted_on_kiln_kernels_and_stays_close_to_fp32(make, bf16_laye
     assert bf16_layers <= granted
     for name in granted:
         assert layers[name]["RequestedPrecision"] == "BF16" and "PrecisionReason" not in layers[name]
-        assert layers[name]["TacticName"] in ("onednn.conv2d_nhwc_prepacked_bf16", "onednn.linear_prepacked_bf16")
+        assert layers[name]["TacticName"] in BF16_TACTICS
     denied = [l for l in layers.values() if l.get("RequestedPrecision") == "BF16" and l["GrantedPrecision"] == "FP32"]
     assert denied and all(l["PrecisionReason"].startswith("kiln has no BF16 kernel for ") for l in denied)
     got, want = run_both(model, engine)

@@ -89,3 +89,31 @@ def test_bf16_linear_matches_its_formula(x_shape, n):
 def test_bf16_gemm_is_not_offered_without_avx512_bf16(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f", "amx_bf16"}))
     assert not Conv1x1GemmBf16Tactic().supports(conv_view(1, 8, 4, 4, 8))
+
+
+@needs_bf16
+@pytest.mark.parametrize("c,hw,cout,k,stride,pads,residual", [
+    (16, 9, 40, 3, 1, (1, 1, 1, 1), True),        # borders copied with zeros, residual + ReLU
+    (3, 15, 32, 7, 2, (3, 3, 3, 3), False),       # a stem: odd segments (7 * 3 = 21 floats)
+    (24, 8, 64, 3, 2, (0, 0, 1, 1), False),       # asymmetric padding, strided
+])
+def test_bf16_direct_convolution_matches_its_formula(c, hw, cout, k, stride, pads, residual):
+    from kiln.tactics.gemm_bf16 import DirectConvBf16Tactic
+
+    g = torch.Generator().manual_seed(14)
+    weight, bias = torch.randn(cout, c, k, k, generator=g), torch.randn(cout, generator=g)
+    x = torch.randn(2, c, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
+    xp = F.pad(x, [pads[1], pads[3], pads[0], pads[2]])
+    want = F.conv2d(bf16(xp), bf16(weight), bias, stride)
+    r = torch.randn(want.shape, generator=g) if residual else None
+    shapes = ((2, c, hw, hw), tuple(weight.shape), (cout,)) + ((tuple(want.shape),) if residual else ())
+    attrs = {"kernel_shape": [k, k], "pads": list(pads), "strides": [stride] * 2, "dilations": [1, 1], "group": 1,
+             **({"activation": {"op": "Relu", "attrs": {}}} if residual else {})}
+    view = LayerView("Conv", "", attrs, shapes, ("float32",) * len(shapes), {1: weight, 2: bias}, ("float32",), 17,
+                     tuple(() for _ in shapes))
+    tactic = DirectConvBf16Tactic()
+    assert tactic.supports(view)
+    got = tactic.prepare(view)([x, None, None] + ([r] if residual else []))[0]
+    if residual:
+        want = torch.relu(want + r)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

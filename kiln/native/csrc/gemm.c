@@ -106,16 +106,23 @@ static void bf16_pairs(const float* src, int64_t k, uint32_t* dst) {
   }
 }
 
-static void tile_bf16(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* c,
-                      int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
+/* kiln's tile() in BF16: `segs` segments of `kp` bf16 pairs, segment s reading rows a[s * MR + i] and weights
+   b + s * kp * NR. */
+static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_t kp, const uint32_t* restrict b,
+                      float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < kp; ++q) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + q * NR), b1 = (__m512bh)_mm512_loadu_si512(b + q * NR + 16);
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i][q]);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+  for (int64_t s = 0; s < segs; ++s) {
+    const uint32_t* const* as = a + s * MR;
+    const uint32_t* bs = b + s * kp * NR;
+    for (int64_t q = 0; q < kp; ++q) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bs + q * NR);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bs + q * NR + 16);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)as[i][q]);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+      }
     }
   }
   for (int64_t i = 0; i < mr; ++i)
@@ -150,10 +157,63 @@ void kiln_gemm_bf16(const float* restrict a, int64_t a_batch, int64_t row_width,
           rows[i] = converted + (i < mr ? i : 0) * kp;   /* a partial tile repeats its first row */
         }
         const int64_t at = p * c_batch + r0 * n + nb * NR;
-        tile_bf16(rows, mr, kp, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
+        tile_bf16(rows, 1, mr, kp, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
       }
     }
     free(converted);
+  }
+}
+/* kiln_conv in BF16: B packed as bf16 pairs per kernel row, [cout/32][kh][(kw * c + 1) / 2][32]; each window
+   segment (read in place, or copied with zero padding at the border) is rounded to bf16 pairs as its tile
+   starts. */
+void kiln_conv_bf16(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+                    int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
+                    const uint32_t* restrict b, float* y, const float* restrict bias, const float* res, int64_t act,
+                    int64_t cout) {
+  const int64_t m = oh * ow, seg = kw * c, segp = (seg + 1) / 2, panels = (cout + NR - 1) / NR;
+  const int64_t tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
+  const int64_t rows_outer = kh * segp * cout * (int64_t)sizeof(uint32_t) <= ROWS_OUTER_BYTES;
+  #pragma omp parallel
+  {
+    float* pad = (float*)malloc(sizeof(float) * seg);
+    uint32_t* converted = (uint32_t*)malloc(sizeof(uint32_t) * MR * kh * segp);
+    const uint32_t* rows[MR * 16];   /* kernel heights up to 16 (supports() checks) */
+    #pragma omp for schedule(static)
+    for (int64_t q = 0; q < n * units; ++q) {
+      const int64_t p = q / units, u = q % units;
+      const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+      const uint32_t* bp = b + nb * kh * segp * NR;
+      const float* image = x + p * h * w * c;
+      const int64_t cols = cout - nb * NR < NR ? cout - nb * NR : NR;
+      const int64_t last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
+      for (int64_t t = ch * CHUNK; t < last; ++t) {
+        const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+        for (int64_t i = 0; i < MR; ++i) {
+          const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
+          for (int64_t s = 0; s < kh; ++s) {
+            const int64_t yy = oy * sh - pt + s;
+            const int inside_y = yy >= 0 && yy < h;
+            const float* src = pad;
+            if (inside_y && x0 >= 0 && x0 + kw <= w) {
+              src = image + (yy * w + x0) * c;
+            } else {
+              for (int64_t j = 0; j < kw; ++j) {
+                const int64_t xx = x0 + j;
+                if (inside_y && xx >= 0 && xx < w) memcpy(pad + j * c, image + (yy * w + xx) * c, sizeof(float) * c);
+                else memset(pad + j * c, 0, sizeof(float) * c);
+              }
+            }
+            uint32_t* d = converted + (s * MR + i) * segp;
+            bf16_pairs(src, seg, d);
+            rows[s * MR + i] = d;
+          }
+        }
+        const int64_t at = (p * m + r0) * cout + nb * NR;
+        tile_bf16(rows, kh, mr, segp, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
+      }
+    }
+    free(converted);
+    free(pad);
   }
 }
 #else
@@ -164,5 +224,13 @@ void kiln_gemm_bf16(const float* a, int64_t a_batch, int64_t row_width, int64_t 
   (void)a; (void)a_batch; (void)row_width; (void)col_step; (void)line_step; (void)b; (void)b_batch; (void)c;
   (void)c_batch; (void)bias; (void)res; (void)act; (void)batch; (void)m; (void)k; (void)n;
   abort();   /* unreachable: no tactic calls it without AVX512-BF16 */
+}
+
+void kiln_conv_bf16(const float* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw, int64_t sh,
+                    int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow, const uint32_t* b, float* y,
+                    const float* bias, const float* res, int64_t act, int64_t cout) {
+  (void)x; (void)n; (void)h; (void)w; (void)c; (void)kh; (void)kw; (void)sh; (void)sw; (void)pt; (void)pl;
+  (void)oh; (void)ow; (void)b; (void)y; (void)bias; (void)res; (void)act; (void)cout;
+  abort();   /* unreachable, as above */
 }
 #endif
