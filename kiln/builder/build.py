@@ -11,6 +11,7 @@ Each stage is one call below with its own options (`BuildOptions` groups them); 
 and `build_info["stages_ms"]` records it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ import numpy as np
 import onnx
 import torch
 
+from kiln.builder.budget import Lowered, holding_logs, kept_in_fp32, within_accuracy_budget, within_int8_budget
 from kiln.builder.options import BuildOptions
 from kiln.builder.progress import ProgressReporter
 from kiln.frontend import import_onnx, load_model
@@ -27,10 +29,11 @@ from kiln.ir import Graph, Node
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.plan.model import Layer, Plan
 from kiln.planning.memory import plan_memory
-from kiln.planning.accuracy import AccuracyBudget, BudgetReport, keep_fp32, meet_budget, random_input
+from kiln.planning.accuracy import AccuracyBudget, BudgetReport
+from kiln.planning.int8_budget import Int8BudgetReport
 from kiln.planning.race import choose_plan, onnxruntime_reference
-from kiln.planning.regions import plan_runner
-from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision, decide
+from kiln.precision.policy import PrecisionDecision, decide
+from kiln.preprocess.calibration import quantize_with_qdq
 from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
 from kiln.tactics.lower import Lowering, desc_of, node_view
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
@@ -57,7 +60,8 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         log.debug("Stage %s: %.3f ms", name, stages_ms[name])
 
     with stage("preprocess"):
-        proto = preprocess(model, options)
+        float_proto, scales = preprocess(model, options)
+        proto = float_proto if scales is None else quantize_with_qdq(float_proto, scales)
     with stage("import"):
         g = import_onnx(proto, options.input_shapes, list(options.profiles))
     with stage("passes"):
@@ -75,7 +79,17 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         lowered.run()
         budget = None if options.accuracy == "off" else \
             AccuracyBudget.parse(options.accuracy or DEFAULT_BUDGET, options.atol, options.rtol)
-        lowered, budget_report = within_accuracy_budget(g, proto, lowered, options, budget)
+        int8_report = None
+        if scales is not None and budget is not None and options.accuracy is not None:   # explicit for INT8
+            def lower_excluding(excluded: frozenset[str]) -> Lowered:
+                with holding_logs(held := []):
+                    trial = lower_model(quantize_with_qdq(float_proto, scales, exclude=excluded), options, sources,
+                                        tuner, excluded)
+                return dataclasses.replace(trial, held_logs=tuple(held))
+            chosen, int8_report = within_int8_budget(float_proto, scales, Lowered(proto, g, stats, lowered),
+                                                     lower_excluding, options, budget)
+            proto, g, stats, lowered = chosen.proto, chosen.graph, chosen.pass_stats, chosen.lowering
+        lowered, budget_report = within_accuracy_budget(g, float_proto, lowered, options, budget)
     with stage("planning"):
         layers, weights = choose_plan(g, lowered, sources, tuner, options.regions, lambda: onnxruntime_reference(proto),
                                       budget)
@@ -95,22 +109,23 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
                     "layers_before": s.layers_before, "layers_after": s.layers_after} for s in stats],
         "stages_ms": stages_ms,
     }
-    if budget_report is not None:
-        info["accuracy_budget"] = budget_report.to_dict()
+    if budget_report is not None or int8_report is not None:
+        info["accuracy_budget"] = accuracy_budget_info(budget_report, int8_report)
     log.info(log_lines.engine_built(info["build_time_s"]))
     progress.finish()
     return Plan(g.name, inputs, outputs, tuple(layers), weights, memory, info, tuple(g.profiles))
 
 
-def preprocess(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions) -> onnx.ModelProto:
-    """The model as ONNX; implicit INT8 (--int8 --calib): scales from calibration data or a cache become Q/DQ
-    nodes, so the rest of the build is the explicit-quantization path."""
+def preprocess(model: str | os.PathLike | onnx.ModelProto,
+               options: BuildOptions) -> tuple[onnx.ModelProto, dict[str, float] | None]:
+    """The model as ONNX and, for implicit INT8 (--int8 --calib), its activation scales from calibration data or a
+    cache; the caller writes them as Q/DQ nodes, so the rest of the build is the explicit-quantization path."""
     from kiln.errors import ModelError
 
     proto = load_model(model)
     if not options.calibration:
-        return proto
-    from kiln.preprocess.calibration import calibrate, quantize_with_qdq
+        return proto, None
+    from kiln.preprocess.calibration import calibrate
 
     if not options.precision.int8:
         raise ModelError("calibration data was given without --int8; add --int8 (or drop --calib)")
@@ -119,7 +134,26 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
     scales = calibrate(proto, options.calibration, options.calibration_method, options.calibration_cache)
     log.info("INT8 calibration (%s): %d activation scales from %s", options.calibration_method, len(scales),
              options.calibration)
-    return quantize_with_qdq(proto, scales)
+    return proto, scales
+
+
+def lower_model(proto: onnx.ModelProto, options: BuildOptions, sources: frozenset[str], tuner: Autotuner | None,
+                excluded: frozenset[str] = frozenset()) -> Lowered:
+    """Import, passes, precision and lowering of one INT8 budget trial; the layers standing for the `excluded`
+    ONNX nodes (left unquantized) say the budget kept them in FP32."""
+    g = import_onnx(proto, options.input_shapes, list(options.profiles))
+    stats = run_passes(g, DEFAULT_PIPELINE, options.disabled_passes, options.verify_each)
+    precisions = kept_in_fp32(decide_precisions(g, sources, options), g, excluded)
+    lowering = Lowering(g, sources, tuner, precisions, options.precision.constraints != "none")
+    lowering.run()
+    return Lowered(proto, g, stats, lowering)
+
+
+def accuracy_budget_info(floats: BudgetReport | None, int8: Int8BudgetReport | None) -> dict:
+    """build_info["accuracy_budget"]: the BF16/FP16 search's report, the INT8 one's under "int8" when both ran."""
+    if floats is None:
+        return int8.to_dict()
+    return floats.to_dict() | ({"int8": int8.to_dict()} if int8 is not None else {})
 
 
 def decide_precisions(g: Graph, sources: frozenset[str], options: BuildOptions) -> dict[str, PrecisionDecision]:
@@ -128,42 +162,6 @@ def decide_precisions(g: Graph, sources: frozenset[str], options: BuildOptions) 
     def kernel_offers(node: Node, precision: str) -> bool:
         return offers(node_view(node, g.opset), sources, precision)
     return decide(g.nodes, options.precision, kernel_offers)
-
-
-def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, options: BuildOptions,
-                           budget: AccuracyBudget | None) -> tuple[Lowering, BudgetReport | None]:
-    """The lowering, or one with the fewest layers kept in FP32 to meet the accuracy budget (kiln.planning.accuracy):
-    `--accuracy`, by default cos:0.999 where a reduced float precision was granted; and the budget's report."""
-    if budget is None or not any(l.precision in REDUCED_FLOATS for l in lowered.layers):
-        return lowered, None
-
-    def relower(decisions: dict[str, PrecisionDecision]) -> Lowering:
-        again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision)
-        again.run()
-        return again
-    inputs = budget_inputs(g, options)
-    check = onnxruntime_reference(proto)
-    reference = check(inputs) if check is not None else None
-    if reference is None:   # no onnxruntime: the same plan with every layer in FP32 is the reference
-        reduced = [l.name for l in lowered.layers if l.precision in REDUCED_FLOATS]
-        every = relower(keep_fp32(lowered.precisions, reduced))
-        with torch.inference_mode():
-            env = plan_runner(every.layers, {}, every.weights, g.opset, inputs, keep={v.name for v in g.outputs})()
-        reference = [env[v.name] for v in g.outputs]
-    return meet_budget(g, lowered, relower, budget, inputs, reference, options.precision.constraints == "obey")
-
-
-def budget_inputs(g: Graph, options: BuildOptions) -> dict[str, torch.Tensor]:
-    """Representative inputs for the accuracy budget: the first batch of --calib data (.npz), else random values
-    (with a warning: real data judges accuracy better)."""
-    data = str(options.calibration or "")
-    if data.endswith(".npz") or (data and os.path.isdir(data)):
-        from kiln.preprocess.calibration import load_calibration_data
-
-        batch = load_calibration_data(data, [v.name for v in g.inputs])[0]
-        return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
-    log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
-    return {v.name: random_input(v) for v in g.inputs}
 
 
 def autotuner(g: Graph, cache: TimingCache, options: BuildOptions) -> Autotuner | None:
@@ -200,7 +198,6 @@ def finish_openvino_regions(layers: list[Layer], weights: dict[str, np.ndarray],
 
 def with_runtime_precisions(region: Layer, ran: dict[str, str]) -> Layer:
     """The region with each inner layer granted the precision OpenVINO ran it in (FP32 where unknown)."""
-    import dataclasses
 
     def one(inner: Layer) -> Layer:
         got = ran.get(inner.name, "FP32")

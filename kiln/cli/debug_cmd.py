@@ -1,6 +1,7 @@
-"""kiln debug precision MODEL.onnx --bf16 [--accuracy cos:0.999]: the ONNX nodes that must stay in FP32 for the
-reduced-precision build to meet the accuracy budget (Polygraphy's `debug precision`, answered with ONNX node
-names). Prints them, one per line after a table of every reduced layer; --json writes the report.
+"""kiln debug precision MODEL.onnx --bf16|--int8 --calib DATA [--accuracy cos:0.999]: the ONNX nodes that must
+stay in FP32 for the reduced-precision build to meet the accuracy budget (Polygraphy's `debug precision`,
+answered with ONNX node names). For --int8 a node kept in FP32 is one calibration leaves unquantized. Prints them,
+one per line after a table of every reduced layer; --json writes the report.
 
 kiln debug reduce MODEL.onnx --check "CMD {model}" [-o reduced.onnx]: the smallest subgraph of MODEL for which
 CMD still fails (Polygraphy's `debug reduce`); writes it and prints the nodes left."""

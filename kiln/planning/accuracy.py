@@ -27,6 +27,7 @@ from kiln.tactics.lower import Lowering
 from kiln.tactics.reference import ReferenceTactic
 
 log = logging.getLogger("kiln.build")
+KEPT_FP32_REASON = "accuracy budget: kept in FP32 so the plan meets it"
 
 METRICS = ("cos", "l0", "l1", "l2", "linf")
 
@@ -136,8 +137,7 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
 def keep_fp32(decisions: dict[str, PrecisionDecision], names: list[str]) -> dict[str, PrecisionDecision]:
     out = dict(decisions)
     for name in names:
-        out[name] = PrecisionDecision(out[name].requested, "FP32", "accuracy budget: kept in FP32 so the plan "
-                                      "meets it")
+        out[name] = PrecisionDecision(out[name].requested, "FP32", KEPT_FP32_REASON)
     return out
 
 

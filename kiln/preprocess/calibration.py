@@ -209,11 +209,31 @@ def quantizable_activations(onnx_model: onnx.ModelProto) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def quantize_with_qdq(onnx_model: onnx.ModelProto, scales: dict[str, float],
-                      weight_per_channel: bool = True) -> onnx.ModelProto:
+def node_key(node: onnx.NodeProto) -> str:
+    """How calibration names a node: its ONNX name, or its first output's name when it has none."""
+    return node.name or node.output[0]
+
+
+def quantizable_nodes(onnx_model: onnx.ModelProto, scales: dict[str, float]) -> list[str]:
+    """The Conv, MatMul and Gemm nodes (`node_key`) that `quantize_with_qdq` quantizes with these scales, in
+    graph order: the candidates an accuracy budget may keep in FP32."""
+    consts = _constants(onnx_model.graph)
+    return [node_key(n) for n in onnx_model.graph.node if _activations_scaled(n, consts, scales)]
+
+
+def _activations_scaled(node: onnx.NodeProto, consts: dict, scales: dict[str, float]) -> bool:
+    if node.op_type not in QUANTIZED_OPS or node.domain not in ("", "ai.onnx"):
+        return False
+    acts = [n for n in node.input[:2] if n not in consts]
+    return bool(acts) and all(n in scales for n in acts)
+
+
+def quantize_with_qdq(onnx_model: onnx.ModelProto, scales: dict[str, float], weight_per_channel: bool = True,
+                      exclude: frozenset[str] = frozenset()) -> onnx.ModelProto:
     """A copy of the model with int8 Q/DQ (symmetric, zero point 0) on the activation inputs of every Conv, MatMul
     and Gemm whose activation scales are all known, and int8 weights + DequantizeLinear (per output channel
-    unless `weight_per_channel` is False) on their constant float weights. Biases and other ops stay float."""
+    unless `weight_per_channel` is False) on their constant float weights. Biases and other ops stay float, and
+    so do the nodes named in `exclude` (`node_key`): kept in FP32, no Q/DQ on their inputs, float weights."""
     opset = next((o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 13:
         raise ModelError(f"Q/DQ insertion needs opset >= 13 (per-channel DequantizeLinear); the model has {opset}")
@@ -221,11 +241,12 @@ def quantize_with_qdq(onnx_model: onnx.ModelProto, scales: dict[str, float],
     model.CopyFrom(onnx_model)
     g = model.graph
     rw = _Rewriter(g)
+    unknown = sorted(set(exclude) - {node_key(n) for n in g.node})
+    if unknown:
+        raise ModelError(f"nodes to keep in FP32 {unknown} are not nodes of the model")
     for node in list(g.node):
-        inputs = list(node.input[:2]) if node.op_type in QUANTIZED_OPS and node.domain in ("", "ai.onnx") else []
-        acts = [n for n in inputs if n not in rw.consts]
-        if acts and all(n in scales for n in acts):
-            for k, name in enumerate(inputs):
+        if _activations_scaled(node, rw.consts, scales) and node_key(node) not in exclude:
+            for k, name in enumerate(node.input[:2]):
                 if name in rw.consts:
                     axis = _weight_axis(node, k, rw.consts[name].ndim) if weight_per_channel else None
                     node.input[k] = rw.weight(name, axis)

@@ -42,16 +42,30 @@ class PrecisionReport:
                             "score_alone_fp32": v.score_alone_fp32, "granted": v.granted} for v in self.verdicts]}
 
 
+DEFAULT_INT8_BUDGET = "cos:0.999"   # a build applies none to INT8 unless asked; the search needs one
+NOT_CALIBRATED = ("kiln debug precision --int8 needs calibration data (--calib DATA.npz): without it INT8 comes "
+                  "only from the model's own Q/DQ nodes, which fix each layer's precision, so there is nothing to "
+                  "choose (to keep a quantized node in FP32, remove the Q/DQ pair on its input)")
+
+
 def debug_precision(model: str | os.PathLike | onnx.ModelProto, **build_options) -> PrecisionReport:
-    """Build `model` with the given reduced precision (bf16=True, best=True, layer_precisions=...) and accuracy
-    budget (default cos:0.999) and report, per reduced-precision layer, its ONNX nodes and whether they must stay
-    in FP32."""
+    """Build `model` with the given reduced precision (bf16=True, best=True, layer_precisions=..., or int8=True
+    with calibration=DATA) and accuracy budget (default cos:0.999) and report, per reduced-precision layer (per
+    calibrated ONNX node for INT8), its ONNX nodes and whether they must stay in FP32."""
     import kiln
 
     if build_options.get("accuracy") == "off":
         raise ModelError("kiln debug precision needs an accuracy budget; drop --accuracy off")
+    calibrated = bool(build_options.get("calibration"))
+    int8 = build_options.get("int8") or getattr(build_options.get("precision"), "int8", False)
+    if int8 and not calibrated:
+        raise ModelError(NOT_CALIBRATED)
+    if calibrated and not build_options.get("accuracy"):
+        build_options["accuracy"] = DEFAULT_INT8_BUDGET
     engine = kiln.build(model, **build_options)
     report = engine.plan.build_info.get("accuracy_budget")
+    if calibrated and report is not None:
+        return _int8_report(engine.plan.layers, report if report.get("precision") == "INT8" else report["int8"])
     if report is None:
         raise ModelError("no layer was granted a reduced precision, so there is nothing to search: ask for one "
                          "(--bf16, --best, --layer-precisions) on a CPU with the kernels for it (see the build log "
@@ -62,4 +76,20 @@ def debug_precision(model: str | os.PathLike | onnx.ModelProto, **build_options)
                                           key=lambda n: report["reduced_layers"].index(n))
     verdicts = tuple(NodeVerdict(name, tuple(layers[name].origin), name in kept, report["sensitivity"].get(name),
                                  layers[name].precision) for name in ranked)
+    return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts)
+
+
+def _int8_report(layers, report: dict) -> PrecisionReport:
+    """One verdict per calibrated ONNX node (kept ones first, most sensitive first; the rest in graph order),
+    with the plan layer that computes it and that layer's granted precision."""
+    holder = {}
+    for layer in layers:
+        for inner in (*layer.inner, layer):   # a region's inner layer names the node more closely
+            for name in inner.origin:
+                holder.setdefault(name, inner)
+    kept = report["kept_fp32_nodes"]
+    ranked = kept + [n for n in report["quantized_nodes"] if n not in kept]
+    verdicts = tuple(NodeVerdict(holder[n].name if n in holder else "", (n,), n in kept,
+                                 report["sensitivity"].get(n), holder[n].precision if n in holder else "")
+                     for n in ranked)
     return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts)

@@ -58,3 +58,19 @@ def perturbed(model: onnx.ModelProto, initializer: str, delta: float = 0.5) -> o
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) + np.float32(delta), initializer))
             return out
     raise KeyError(initializer)
+
+
+def outlier_conv_net() -> onnx.ModelProto:
+    """conv_net whose conv2 is INT8-hostile: conv1's channel 0 carries a bias of 1000 (damped by tiny conv2
+    weights), so a per-tensor s8 scale on conv2's input (~8) rounds every other channel (~1) to zero."""
+    model = conv_net()
+    for t in model.graph.initializer:
+        a = numpy_helper.to_array(t).copy()
+        if t.name == "b1":
+            a[0] = 1000.0
+        elif t.name == "w2":
+            a[:, 0] *= 1e-3
+        else:
+            continue
+        t.CopyFrom(numpy_helper.from_array(a, t.name))
+    return model

@@ -1,0 +1,154 @@
+"""Where the build applies the accuracy budget (`--accuracy`): for BF16/FP16 layers it re-lowers with the
+fewest layers kept in FP32 (kiln.planning.accuracy); for implicit INT8 (`--int8 --calib`) it re-inserts Q/DQ
+without the fewest ONNX nodes, rebuilding through `lower_excluding` (kiln.planning.int8_budget). Both score the
+plan against the FP32 model (onnxruntime, else kiln's all-FP32 plan) on representative inputs."""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+
+from kiln.builder.options import BuildOptions
+from kiln.ir import Graph
+from kiln.planning.accuracy import KEPT_FP32_REASON, AccuracyBudget, BudgetReport, keep_fp32, meet_budget, \
+    random_input
+from kiln.planning.int8_budget import Int8BudgetReport, Scored, fewest_kept_fp32, plan_outputs, score_over_batches
+from kiln.planning.race import onnxruntime_reference
+from kiln.planning.regions import plan_runner
+from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision
+from kiln.tactics.lower import Lowering
+
+log = logging.getLogger("kiln.build")
+INT8_BUDGET_BATCHES = 4   # calibration batches the INT8 budget is scored on
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The model up to lowering: the ONNX it was imported from, the graph, the passes' statistics, the layers."""
+
+    proto: onnx.ModelProto
+    graph: Graph
+    pass_stats: list
+    lowering: Lowering
+    held_logs: tuple[logging.LogRecord, ...] = ()   # a trial's log records, held back (see `holding_logs`)
+
+
+@contextmanager
+def holding_logs(records: list[logging.LogRecord]):
+    """Hold kiln's log records in `records` instead of emitting them: INT8 budget trials would repeat every pass
+    line and warning once per trial; only the chosen trial's warnings are replayed."""
+    names = ["kiln"] + [n for n in logging.Logger.manager.loggerDict if n.startswith("kiln.")]
+    loggers = [logging.getLogger(n) for n in names]
+
+    def hold(record: logging.LogRecord) -> bool:
+        records.append(record)
+        return False
+    for logger in loggers:
+        logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(hold)
+
+
+def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, options: BuildOptions,
+                           budget: AccuracyBudget | None) -> tuple[Lowering, BudgetReport | None]:
+    """The lowering, or one with the fewest layers kept in FP32 to meet the accuracy budget (kiln.planning.accuracy):
+    `--accuracy`, by default cos:0.999 where a reduced float precision was granted; and the budget's report.
+    `proto` is the FP32 model the plan is checked against."""
+    if budget is None or not any(l.precision in REDUCED_FLOATS for l in lowered.layers):
+        return lowered, None
+
+    def relower(decisions: dict[str, PrecisionDecision]) -> Lowering:
+        again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision)
+        again.run()
+        return again
+    inputs = budget_batches(g, options, 1)[0]
+    check = onnxruntime_reference(proto)
+    reference = check(inputs) if check is not None else None
+    if reference is None:   # no onnxruntime: the same plan with every layer in FP32 is the reference
+        reduced = [l.name for l in lowered.layers if l.precision in REDUCED_FLOATS]
+        every = relower(keep_fp32(lowered.precisions, reduced))
+        with torch.inference_mode():
+            env = plan_runner(every.layers, {}, every.weights, g.opset, inputs, keep={v.name for v in g.outputs})()
+        reference = [env[v.name] for v in g.outputs]
+    return meet_budget(g, lowered, relower, budget, inputs, reference, options.precision.constraints == "obey")
+
+
+def within_int8_budget(float_proto: onnx.ModelProto, scales: dict[str, float], first: Lowered,
+                       lower_excluding: Callable[[frozenset[str]], Lowered], options: BuildOptions,
+                       budget: AccuracyBudget) -> tuple[Lowered, Int8BudgetReport]:
+    """`first` (every calibrated node quantized), or the model rebuilt with the fewest ONNX nodes left
+    unquantized so that the plan meets `budget` on the first calibration batches; and the search's report.
+    The scales are reused: only Q/DQ insertion and lowering are redone per trial."""
+    from kiln.preprocess.calibration import quantizable_nodes
+
+    quantized = quantizable_nodes(float_proto, scales)
+    batches = budget_batches(first.graph, options, INT8_BUDGET_BATCHES)
+    check = onnxruntime_reference(float_proto)
+    if check is not None:
+        reference = [check(b) for b in batches]
+    else:   # no onnxruntime: kiln's plan of the unquantized model is the reference
+        every = lower_excluding(frozenset(quantized))
+        reference = plan_outputs(every.graph, every.lowering, batches)
+
+    tried: dict[frozenset[str], Scored] = {}
+
+    def trial(excluded: frozenset[str]) -> Scored:
+        if excluded not in tried:
+            built = first if not excluded else lower_excluding(excluded)
+            tried[excluded] = Scored(excluded, score_over_batches(
+                budget, plan_outputs(built.graph, built.lowering, batches), reference), built)
+        return tried[excluded]
+    start = trial(frozenset())
+    if options.precision.constraints == "obey" and quantized and not budget.met(start.score):
+        raise_obey(budget, start.score)
+    floats_left = any(l.precision in REDUCED_FLOATS for l in first.lowering.layers)
+    best, kept, sensitivity = fewest_kept_fp32(quantized, trial, budget, start, give_up_quietly=floats_left)
+    for record in best.outcome.held_logs:   # the chosen plan's warnings (the first build's were emitted already)
+        if record.levelno >= logging.WARNING:
+            logging.getLogger(record.name).handle(record)
+    layers = tuple(l.name for l in best.outcome.lowering.layers if set(l.origin) & set(kept))
+    return best.outcome, Int8BudgetReport(budget.text(), start.score, best.score, tuple(quantized), kept, layers,
+                                          sensitivity)
+
+
+def raise_obey(budget: AccuracyBudget, score: float) -> None:
+    from kiln.errors import ModelError
+
+    raise ModelError(f"the plan misses the accuracy budget {budget.text()} ({budget.metric} {score:.6g}) and "
+                     "--precision-constraints obey forbids keeping layers in FP32; relax the budget or the "
+                     "constraints")
+
+
+def kept_in_fp32(decisions: dict[str, PrecisionDecision], g: Graph,
+                 excluded: frozenset[str]) -> dict[str, PrecisionDecision]:
+    """The decisions with every FP32 layer that stands for an excluded ONNX node saying the budget kept it."""
+    out = dict(decisions)
+    for node in g.nodes:
+        d = out.get(node.name)
+        if d is not None and d.granted == "FP32" and set(node.origin) & excluded:
+            out[node.name] = PrecisionDecision(d.requested, "FP32", KEPT_FP32_REASON)
+    return out
+
+
+def budget_batches(g: Graph, options: BuildOptions, count: int) -> list[dict[str, torch.Tensor]]:
+    """Representative inputs for the accuracy budget: the first `count` batches of --calib data (.npz or a folder),
+    else one batch of random values (with a warning: real data judges accuracy better)."""
+    data = str(options.calibration or "")
+    if data.endswith(".npz") or (data and os.path.isdir(data)):
+        from kiln.preprocess.calibration import load_calibration_data
+
+        ranks = {v.name: len(v.shape) for v in g.inputs if v.shape is not None}
+        batches = load_calibration_data(data, [v.name for v in g.inputs], ranks)[:count]
+        return [{name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
+                for batch in batches]
+    log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
+    return [{v.name: random_input(v) for v in g.inputs}]
