@@ -4,7 +4,8 @@ a dynamic batch axis (optimization profile 1..8), once with batching off (--max-
 Reports QPS, p50/p99 latency, errors (must be 0), outputs checked against Engine.run on every response (must
 match within tolerance) and the server's RSS after start-up and at the end (/proc/PID/status VmRSS).
 
-    .venv/bin/python benchmarks/serve_load.py [--models resnet18,bert] [--clients 4] [--seconds 10]
+    .venv/bin/python benchmarks/serve_load.py [--models resnet18,bert,tiny] [--clients 4] [--seconds 10]
+        [--threads T] [--max-queue-delay-us U]
 
 The clients share the machine with the server: on 2 cores they take CPU the server would otherwise use.
 """
@@ -115,11 +116,11 @@ def build_tiny(folder: Path, clients: int) -> Workload:
 BUILDERS = {"resnet18": build_resnet18, "bert": build_bert, "tiny": build_tiny}
 
 
-def start_server(engine: Path, max_batch_size: int, log_path: Path, timeout_s: float = 120):
+def start_server(engine: Path, max_batch_size: int, log_path: Path, server_args: list[str], timeout_s: float = 120):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(engine), "--http-port", "0",
-                                    "--grpc-port", "0", "--max-batch-size", str(max_batch_size)],
+                                    "--grpc-port", "0", "--max-batch-size", str(max_batch_size), *server_args],
                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
@@ -188,8 +189,9 @@ async def drive(url: str, work: Workload, references: list[dict], seconds: float
 
 
 def measure(work: Workload, references: list[dict], max_batch_size: int, seconds: float, warmup_s: float,
-            folder: Path) -> LoadResult:
-    process, grpc_port = start_server(work.engine, max_batch_size, folder / f"{work.name}-{max_batch_size}.log")
+            folder: Path, server_args: list[str]) -> LoadResult:
+    process, grpc_port = start_server(work.engine, max_batch_size, folder / f"{work.name}-{max_batch_size}.log",
+                                      server_args)
     try:
         url = f"127.0.0.1:{grpc_port}"
         asyncio.run(drive(url, work, references, warmup_s))   # first calls: connections, lazy set-up
@@ -217,7 +219,11 @@ def main(argv: list[str] | None = None) -> list[LoadResult]:
     p.add_argument("--warmup-seconds", type=float, default=1)
     p.add_argument("--batch-sizes", default="1,8", help="--max-batch-size settings to compare (1: batching off)")
     p.add_argument("--workdir", type=Path, default=None, help="where engines are built (reused if present)")
+    p.add_argument("--threads", type=int, default=None, help="kiln serve --threads (default: kiln serve's)")
+    p.add_argument("--max-queue-delay-us", type=int, default=0, help="kiln serve --max-queue-delay-us")
     args = p.parse_args(argv)
+    server_args = ["--max-queue-delay-us", str(args.max_queue_delay_us)]
+    server_args += ["--threads", str(args.threads)] if args.threads else []
     print(cpu_line())
     import kiln
 
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> list[LoadResult]:
         references = [engine.run(feeds) for feeds in work.feeds]
         del engine
         for max_batch in (int(b) for b in args.batch_sizes.split(",")):
-            r = measure(work, references, max_batch, args.seconds, args.warmup_seconds, folder)
+            r = measure(work, references, max_batch, args.seconds, args.warmup_seconds, folder,
+                        server_args)
             results.append(r)
             print(f"{r.model:9} {r.max_batch_size:9d} {r.clients:7d} {r.requests:8d} {r.qps:8.1f} {r.p50_ms:8.2f} "
                   f"{r.p99_ms:8.2f} {r.errors:6d} {r.mismatches:8d} {r.max_abs_diff:9.2e} "

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="execution contexts per model, each on its own thread; weights are shared (default 1)")
     p.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, metavar="B",
                    help="largest request body accepted, HTTP and gRPC (default 64 MiB)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads per inference (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per inference (default: (cores - 1) / instances, at least 1)")
     p.add_argument("--allow-other-device", action="store_true",
                    help="load engines built on another CPU model (their tactic timings came from there)")
     p.add_argument("--ray", action="store_true",
@@ -90,12 +91,12 @@ def run(args) -> int:
     import logging
 
     from kiln.runtime.engine import set_threads
-    from kiln.serve.repository import ModelRepository, ServeOptions
+    from kiln.serve.repository import ModelRepository, ServeOptions, serving_threads
     from kiln.serve.server import Listen, run as serve
 
     check_options(args)
     specs = model_specs(args.engines)
-    set_threads(args.threads)
+    set_threads(args.threads or (None if args.ray else serving_threads(args.instances)))
     options = ServeOptions(args.max_batch_size, args.max_queue_delay_us, args.instances, args.max_request_bytes)
     if args.ray:
         from kiln.serve.ray_deploy import RayPlan, run as run_on_ray

@@ -1,11 +1,12 @@
-"""The dynamic batcher: requests queue per model; one scheduler thread waits for an idle instance (an execution
-context with its own thread), gathers compatible requests (same non-batch shapes) for up to the queue delay and
-the batch limit, and hands them over as one batch, concatenated along axis 0 and split back after the run."""
+"""The dynamic batcher, scheduling as Triton's does: requests queue per model; each instance (an execution
+context with its own thread) takes its next batch itself whenever it is idle: the oldest request and the queued
+ones with the same non-batch shapes, concatenated along axis 0 and split back after the run. A batch launches at
+once when it is full or when a queued request cannot join it (too many rows, other shapes); otherwise it waits
+until its oldest request has waited the queue delay (Triton's `max_queue_delay_microseconds`)."""
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -48,12 +49,9 @@ class Batcher:
         self._pending: deque[_Pending] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._idle = threading.Semaphore(instances)
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()
         contexts = [engine.create_execution_context() for _ in range(instances)]
-        self._threads = [threading.Thread(target=self._schedule, name=f"kiln-serve-{name}-scheduler", daemon=True)]
-        self._threads += [threading.Thread(target=self._run_instance, args=(ctx,), daemon=True,
-                                           name=f"kiln-serve-{name}-instance-{i}") for i, ctx in enumerate(contexts)]
+        self._threads = [threading.Thread(target=self._run_instance, args=(ctx,), daemon=True,
+                                          name=f"kiln-serve-{name}-instance-{i}") for i, ctx in enumerate(contexts)]
         for thread in self._threads:
             thread.start()
 
@@ -81,65 +79,62 @@ class Batcher:
         for thread in self._threads:
             thread.join(timeout_s)
 
-    # --- scheduler thread ------------------------------------------------------------------------------------
-    def _schedule(self) -> None:
-        while True:
-            self._idle.acquire()
-            batch = self._take_batch()
-            if batch is None:
-                break
-            self._ready.put(batch)
-        for _ in self._threads[1:]:
-            self._ready.put(None)
-
+    # --- batch forming (on the instance threads, under the lock) --------------------------------------------
     def _take_batch(self) -> list[_Pending] | None:
+        """The next batch for an idle instance, waiting for requests and for the queue delay; None: stopping
+        with nothing queued. The delay runs only while the batch could still grow."""
         delay_ns = self.policy.max_queue_delay_us * 1000
         with self._cond:
-            while not self._pending:
-                if self._stopping:
-                    return None
-                self._cond.wait()
-            first = self._pending[0]
             while True:
-                batch = self._compatible(first)
+                while self._pending and self._pending[0].future.cancelled():
+                    self._pending.popleft()   # its client is gone: nothing to run, nothing to wait for
+                if not self._pending:
+                    if self._stopping:
+                        return None
+                    self._cond.wait()
+                    continue
+                first = self._pending[0]
+                batch, can_grow = self._compatible(first)
                 remaining_ns = first.enqueued_ns + delay_ns - time.perf_counter_ns()
-                if sum(p.rows for p in batch) >= self.policy.max_batch_size or remaining_ns <= 0 or self._stopping:
-                    break
-                self._cond.wait(remaining_ns / 1e9)
-            for item in batch:
-                self._pending.remove(item)
-            return batch
+                if not can_grow or remaining_ns <= 0 or self._stopping:
+                    for item in batch:
+                        self._pending.remove(item)
+                    return batch
+                self._cond.wait(remaining_ns / 1e9)   # another instance may take `first` meanwhile
 
-    def _compatible(self, first: _Pending) -> list[_Pending]:
+    def _compatible(self, first: _Pending) -> tuple[list[_Pending], bool]:
         """`first` and the queued requests after it with the same non-batch shapes, oldest first, while the
-        rows fit the batch limit and the engine's optimization profiles."""
+        rows fit the batch limit and the engine's optimization profiles; and whether the batch could still grow.
+        It cannot when it is full or when a queued request had to be left out (too many rows, other shapes):
+        Triton sends such a batch now rather than holding it, and the request left out, for the queue delay."""
         batch, rows = [first], first.rows
         for item in self._pending:
-            if item is first or item.key != first.key or item.future.cancelled():
+            if item is first or item.future.cancelled():
                 continue
-            if rows + item.rows > self.policy.max_batch_size:
-                break
-            shapes = {n: (rows + item.rows, *a.shape[1:]) for n, a in first.feeds.items()}
-            try:
-                check_shapes(self.engine.plan, shapes)
-            except InputError:
-                break
+            if item.key != first.key or not self._fits(first, rows + item.rows):
+                return batch, False
             batch.append(item)
             rows += item.rows
-        return batch
+        return batch, rows < self.policy.max_batch_size
+
+    def _fits(self, first: _Pending, rows: int) -> bool:
+        if rows > self.policy.max_batch_size:
+            return False
+        try:
+            check_shapes(self.engine.plan, {n: (rows, *a.shape[1:]) for n, a in first.feeds.items()})
+        except InputError:
+            return False
+        return True
 
     # --- instance threads ------------------------------------------------------------------------------------
     def _run_instance(self, ctx) -> None:
         while True:
-            batch = self._ready.get()
+            batch = self._take_batch()
             if batch is None:
                 return
-            try:
-                live = [p for p in batch if p.future.set_running_or_notify_cancel()]   # drop cancelled ones
-                if live:
-                    self._execute(ctx, live)
-            finally:
-                self._idle.release()
+            live = [p for p in batch if p.future.set_running_or_notify_cancel()]   # drop cancelled ones
+            if live:
+                self._execute(ctx, live)
 
     def _execute(self, ctx, batch: list[_Pending]) -> None:
         start_ns = time.perf_counter_ns()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,15 @@ class ServeOptions:
     max_queue_delay_us: int = 0
     instances: int = 1
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+def serving_threads(instances: int, cores: int | None = None) -> int:
+    """Intra-op threads per inference when `kiln serve --threads` is not given: the usable cores less one for the
+    event loop (request decoding, responses), shared among the instances, at least 1. A parallel region with a
+    thread per core stalls at its barrier whenever any other thread (the loop, a client, a neighbour) takes one
+    of those cores: on 2 cores, 2 threads made the conv net's batched runs 10x slower (docs/serving.md)."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, (cores - 1) // max(1, instances))
 
 
 @dataclass(frozen=True)
