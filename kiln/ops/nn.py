@@ -74,19 +74,18 @@ def conv(attrs, xs):
 @register("MaxPool", OpKind.REDUCTION)
 def max_pool(attrs, xs):
     x = xs[0]
+    if not x.is_floating_point() and x.element_size() <= 2:
+        # INT8 maps between quantized layers: the max of small integers is exact in float32; torch 2.13's integer
+        # max_pool2d is ~10x slower (3.1 against 0.37 ms on a 112x112x64 uint8 map) and rejects channels-last
+        return [max_pool(attrs, [x.float()])[0].to(x.dtype)]
     k = attrs["kernel_shape"]
     n = len(k)
     pads = attrs.get("pads") or [0] * (2 * n)
     fits = all(p * 2 <= kk for p, kk in zip(pads, k + k))
     x, padding = _split_pads(x, pads, n, value=float("-inf")) if fits else (
         F.pad(x, _torch_pad(pads), value=float("-inf")), [0] * n)
-    # torch 2.13 rejects channels-last integer maps ("input_depth * input_height * input_width <= ..."): pool
-    # the planar copy and hand back the layout the caller gave
-    last = n == 2 and not x.is_floating_point() and not x.is_contiguous() and \
-        x.is_contiguous(memory_format=torch.channels_last)
-    y = _MAXPOOL[n](x.contiguous() if last else x, k, attrs.get("strides") or [1] * n, padding,
-                    attrs.get("dilations") or [1] * n, bool(attrs.get("ceil_mode", 0)))
-    return [y.contiguous(memory_format=torch.channels_last) if last else y]
+    return [_MAXPOOL[n](x, k, attrs.get("strides") or [1] * n, padding,
+                        attrs.get("dilations") or [1] * n, bool(attrs.get("ceil_mode", 0)))]
 
 
 def pool_output_size(size: int, k: int, s: int, d: int, begin: int, end: int, ceil: bool) -> int:
