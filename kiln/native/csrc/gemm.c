@@ -34,6 +34,20 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
   }
 }
 
+/* One kernel row of a convolution window: the kw * c floats of image row yy from column x0, read in place where
+   the window lies inside the image, else copied into `pad` with zeros where the padding is. */
+static inline const float* window_segment(const float* image, int64_t h, int64_t w, int64_t c, int64_t kw,
+                                          int64_t yy, int64_t x0, float* pad) {
+  const int inside_y = yy >= 0 && yy < h;
+  if (inside_y && x0 >= 0 && x0 + kw <= w) return image + (yy * w + x0) * c;
+  for (int64_t j = 0; j < kw; ++j) {
+    const int64_t xx = x0 + j;
+    if (inside_y && xx >= 0 && xx < w) memcpy(pad + j * c, image + (yy * w + xx) * c, sizeof(float) * c);
+    else memset(pad + j * c, 0, sizeof(float) * c);
+  }
+  return pad;
+}
+
 /* Direct convolution on NHWC input x[n][h][w][c] (dilation 1, one group): output pixel r of an image is a row
    of the GEMM, and kernel row s of its window is one segment of kw * c contiguous input floats. Windows that
    cross the border are copied into a per-thread buffer with zeros where the padding is. Weights are packed as
@@ -61,21 +75,8 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         for (int64_t i = 0; i < MR; ++i) {
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
-          for (int64_t s = 0; s < kh; ++s) {
-            const int64_t yy = oy * sh - pt + s;
-            const int inside_y = yy >= 0 && yy < h;
-            if (inside_y && x0 >= 0 && x0 + kw <= w) {
-              rows[s * MR + i] = image + (yy * w + x0) * c;
-              continue;
-            }
-            float* d = pad + (i * kh + s) * seg;
-            for (int64_t j = 0; j < kw; ++j) {
-              const int64_t xx = x0 + j;
-              if (inside_y && xx >= 0 && xx < w) memcpy(d + j * c, image + (yy * w + xx) * c, sizeof(float) * c);
-              else memset(d + j * c, 0, sizeof(float) * c);
-            }
-            rows[s * MR + i] = d;
-          }
+          for (int64_t s = 0; s < kh; ++s)
+            rows[s * MR + i] = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad + (i * kh + s) * seg);
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
         tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
@@ -191,20 +192,8 @@ void kiln_conv_bf16(const float* restrict x, int64_t n, int64_t h, int64_t w, in
         for (int64_t i = 0; i < MR; ++i) {
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
           for (int64_t s = 0; s < kh; ++s) {
-            const int64_t yy = oy * sh - pt + s;
-            const int inside_y = yy >= 0 && yy < h;
-            const float* src = pad;
-            if (inside_y && x0 >= 0 && x0 + kw <= w) {
-              src = image + (yy * w + x0) * c;
-            } else {
-              for (int64_t j = 0; j < kw; ++j) {
-                const int64_t xx = x0 + j;
-                if (inside_y && xx >= 0 && xx < w) memcpy(pad + j * c, image + (yy * w + xx) * c, sizeof(float) * c);
-                else memset(pad + j * c, 0, sizeof(float) * c);
-              }
-            }
             uint32_t* d = converted + (s * MR + i) * segp;
-            bf16_pairs(src, seg, d);
+            bf16_pairs(window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad), seg, d);
             rows[s * MR + i] = d;
           }
         }
