@@ -9,6 +9,12 @@ torch.manual_seed(0)
 torch.set_num_threads(1)
 
 
+def cosine(a, b) -> float:
+    """Cosine similarity of two arrays, flattened, in float64 (how reduced-precision outputs are scored)."""
+    a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 def run_ort(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     import onnxruntime as ort
 

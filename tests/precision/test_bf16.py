@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 import kiln
 from kiln import hardware
 from kiln.tactics.onednn_conv import bf16_available
-from tests.conftest import init, make_model, rand, run_ort
+from tests.conftest import cosine, init, make_model, rand, run_ort
 from tests.precision.models import conv_net, transformer_net
 
 pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 arithmetic (AVX512-BF16 "
@@ -22,11 +22,6 @@ pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU has no na
 # kiln's BF16 kernels: oneDNN's through torch and kiln's own on vdpbf16ps; the autotuner picks per layer
 BF16_TACTICS = ("onednn.conv2d_nhwc_prepacked_bf16", "onednn.linear_prepacked_bf16", "kiln.conv2d_1x1_gemm_nhwc_bf16",
                 "kiln.conv2d_direct_gemm_nhwc_bf16", "kiln.matmul_gemm_bf16", "torch.attention_sdpa_bf16")
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def run_both(model, engine, seed: int = 0):

@@ -11,13 +11,8 @@ from onnx import numpy_helper
 
 import kiln
 from kiln.preprocess import calibration as cal
-from tests.conftest import rand
+from tests.conftest import cosine, rand
 from tests.precision.models import conv_net
-
-
-def cosine(a, b) -> float:
-    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def ort_run(model, feeds, basic: bool = False) -> np.ndarray:

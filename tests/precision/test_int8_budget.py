@@ -16,15 +16,10 @@ import kiln
 from kiln.planning.accuracy import AccuracyBudget
 from kiln.planning.int8_budget import Scored, fewest_kept_fp32
 from kiln.preprocess import calibration as cal
-from tests.conftest import run_ort
+from tests.conftest import cosine, run_ort
 from tests.precision.models import outlier_conv_net
 
 CALIB = dict(int8=True, calibration_method="minmax", autotune=False)
-
-
-def cosine(a, b) -> float:
-    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 @pytest.fixture(scope="module")

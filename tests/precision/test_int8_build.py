@@ -9,13 +9,8 @@ import numpy as np
 import pytest
 
 import kiln
-from tests.conftest import run_ort
+from tests.conftest import cosine, run_ort
 from tests.precision.models import conv_net
-
-
-def cosine(a, b) -> float:
-    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 @pytest.fixture

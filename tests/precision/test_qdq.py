@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper
 
 import kiln
-from tests.conftest import init, make_model, run_ort
+from tests.conftest import cosine, init, make_model, run_ort
 from kiln.trt.vocab import parameter_type
 
 
@@ -32,11 +32,6 @@ def calibration_reader(name: str, shape: tuple[int, ...], batches: int, uniform:
         def get_next(self):
             return next(self.batches, None)
     return Reader()
-
-
-def cosine(a, b) -> float:
-    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 @pytest.fixture(scope="module")

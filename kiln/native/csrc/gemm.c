@@ -9,6 +9,20 @@
    panel instead, each panel streamed once while all rows pass it. */
 #define ROWS_OUTER_BYTES (512 * 1024)
 
+/* The work split every loop below shares: unit q of (batch x column panels x row chunks) names an image p, a
+   weight panel nb with its `cols` real columns (of n), and row tiles [first, last); row chunks outermost where
+   the weights fit in L2 (ROWS_OUTER_BYTES). */
+typedef struct { int64_t p, nb, cols, first, last; } WorkUnit;
+
+static inline WorkUnit work_unit(int64_t q, int64_t panels, int64_t chunks, int64_t tiles, int64_t n,
+                                 int64_t rows_outer) {
+  const int64_t units = panels * chunks, u = q % units;
+  const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+  const WorkUnit unit = {q / units, nb, n - nb * NR < NR ? n - nb * NR : NR, ch * CHUNK,
+                         (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles};
+  return unit;
+}
+
 void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
                const float* restrict b, int64_t b_batch, float* c, int64_t c_batch,
                const float* restrict bias, const float* res, int64_t act,
@@ -17,11 +31,10 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
   const int64_t units = panels * chunks, rows_outer = k * n * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
   #pragma omp parallel for schedule(static)
   for (int64_t q = 0; q < batch * units; ++q) {
-    const int64_t p = q / units, u = q % units;
-    const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, rows_outer);
+    const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
     const float* bp = b + p * b_batch + nb * k * NR;
-    const int64_t cols = n - nb * NR < NR ? n - nb * NR : NR, last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
-    for (int64_t t = ch * CHUNK; t < last; ++t) {
+    for (int64_t t = unit.first; t < unit.last; ++t) {
       const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
       const float* rows[MR];
       for (int64_t i = 0; i < MR; ++i) {
@@ -65,13 +78,11 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
     const float** rows = (const float**)malloc(sizeof(float*) * MR * kh);
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < n * units; ++q) {
-      const int64_t p = q / units, u = q % units;
-      const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, rows_outer);
+      const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
       const float* bp = b + nb * kh * seg * NR;
       const float* image = x + p * h * w * c;
-      const int64_t cols = cout - nb * NR < NR ? cout - nb * NR : NR;
-      const int64_t last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
-      for (int64_t t = ch * CHUNK; t < last; ++t) {
+      for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         for (int64_t i = 0; i < MR; ++i) {
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
@@ -142,11 +153,10 @@ void kiln_gemm_bf16(const float* restrict a, int64_t a_batch, int64_t row_width,
     uint32_t* converted = (uint32_t*)malloc(sizeof(uint32_t) * MR * kp);
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < batch * units; ++q) {
-      const int64_t p = q / units, u = q % units;
-      const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, rows_outer);
+      const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
       const uint32_t* bp = b + p * b_batch + nb * kp * NR;
-      const int64_t cols = n - nb * NR < NR ? n - nb * NR : NR, last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
-      for (int64_t t = ch * CHUNK; t < last; ++t) {
+      for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         const uint32_t* rows[MR];
         for (int64_t i = 0; i < MR; ++i) {
@@ -181,13 +191,11 @@ void kiln_conv_bf16(const float* restrict x, int64_t n, int64_t h, int64_t w, in
     const uint32_t* rows[MR * 16];   /* kernel heights up to 16 (supports() checks) */
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < n * units; ++q) {
-      const int64_t p = q / units, u = q % units;
-      const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, rows_outer);
+      const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
       const uint32_t* bp = b + nb * kh * segp * NR;
       const float* image = x + p * h * w * c;
-      const int64_t cols = cout - nb * NR < NR ? cout - nb * NR : NR;
-      const int64_t last = (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles;
-      for (int64_t t = ch * CHUNK; t < last; ++t) {
+      for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         for (int64_t i = 0; i < MR; ++i) {
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
