@@ -38,9 +38,9 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_gemm", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
                                I64, I64, I64, I64, I64)),
         Function("kiln_gemm_bf16", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
-                                    I64, I64, I64, I64, I64)),
+                                    I64, I64, I64, I64, I64, I64)),
         Function("kiln_conv", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 2),
-        Function("kiln_conv_bf16", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 2))),
+        Function("kiln_conv_bf16", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 3))),
     LibrarySpec("winograd", "winograd.c", (
         Function("wino_fused", (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64)),),
         rendered_by="the tile size M and the transforms (kiln.tactics.winograd_c.render)"),

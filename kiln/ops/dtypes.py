@@ -1,6 +1,7 @@
 """Data-type tables: ONNX element types, numpy dtypes, torch dtypes and TensorRT's names for them."""
 from __future__ import annotations
 
+import ml_dtypes  # noqa: F401  (np.dtype("bfloat16"))
 import numpy as np
 import torch
 from onnx import TensorProto
@@ -27,6 +28,7 @@ NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype("int8"): torch.int8,
     np.dtype("uint8"): torch.uint8,
     np.dtype("bool"): torch.bool,
+    np.dtype("bfloat16"): torch.bfloat16,   # ml_dtypes' (kiln.plan.model): tensors stored in BF16 between layers
 }
 TORCH_TO_NUMPY = {t: n for n, t in NUMPY_TO_TORCH.items()}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers np.dtype("bfloat16"): tensors kiln stores in BF16 between layers)
 import numpy as np
 
 

@@ -64,8 +64,8 @@ class Interpreter:
                             f"{type(exc).__name__}: {exc}") from None
             for name, value in zip(step.outputs, results):
                 env[name] = value
-                if observe is not None:
-                    observe(name, value)
+                if observe is not None:   # a tensor stored in bf16 is seen as the FP32 values it holds
+                    observe(name, value.float() if value.dtype == torch.bfloat16 else value)
             for name in step.free:
                 env.pop(name, None)
         return env

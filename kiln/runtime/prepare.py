@@ -20,6 +20,7 @@ from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, prepare_reformat
+from kiln.tactics.storage import native_view, with_conversions
 
 
 log = logging.getLogger("kiln.runtime")
@@ -119,10 +120,11 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
     elif tactic.source == "onnxruntime" and not onnxruntime_source.available():
         _warn_missing(layer.tactic_name, "onnxruntime")
         tactic = ReferenceTactic()
-    kernel = tactic.prepare(layer_view(layer, weights, opset))
+    view, widen, narrow = native_view(layer_view(layer, weights, opset), tactic)   # bf16 tensors it cannot read
+    kernel = tactic.prepare(view)
     if tactic.name == ReferenceTactic.name:
-        return in_planned_formats(kernel, layer)
-    return kernel
+        kernel = in_planned_formats(kernel, layer)
+    return with_conversions(kernel, widen, narrow)
 
 
 @lru_cache(maxsize=None)

@@ -28,6 +28,7 @@ class Conv1x1GemmTactic:
     needs_c_compiler = True
     entry_point = "kiln_gemm"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
     pack = staticmethod(gemm_c.pack_weights)
+    entry_args = staticmethod(gemm_c.entry_args)
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:
@@ -59,13 +60,14 @@ class Conv1x1GemmTactic:
         gemm = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         bias_ptr = None if bias is None else bias.data_ptr()
-        act = gemm_c.activation_code(layer.attrs.get("activation"))
+        act, tail = gemm_c.activation_code(layer.attrs.get("activation")), self.entry_args(layer)
 
         def launch(x, out, res):
             gemm(x.data_ptr(), h * w * c, ow, sw * c, sh * w * c, packed.data_ptr(), 0,
                  out.data_ptr(), oh * ow * cout, bias_ptr, None if res is None else res.data_ptr(),
-                 act, n, oh * ow, c, cout)
+                 act, n, oh * ow, c, cout, *tail)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
-                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
+                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
+                                 gemm_c.storage_dtype(layer.output_dtypes[0]))
         run.constants = (packed, bias)   # read through raw pointers
         return run

@@ -41,6 +41,7 @@ class DirectConvTactic:
     needs_c_compiler = True
     entry_point = "kiln_conv"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
     pack = staticmethod(pack_segments)
+    entry_args = staticmethod(gemm_c.entry_args)
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:
@@ -74,12 +75,13 @@ class DirectConvTactic:
         conv = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         bias_ptr = None if bias is None else bias.data_ptr()
-        act = gemm_c.activation_code(layer.attrs.get("activation"))
+        act, tail = gemm_c.activation_code(layer.attrs.get("activation")), self.entry_args(layer)
 
         def launch(x, out, res):
             conv(x.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(), out.data_ptr(),
-                 bias_ptr, None if res is None else res.data_ptr(), act, cout)
+                 bias_ptr, None if res is None else res.data_ptr(), act, cout, *tail)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
-                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
+                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
+                                 gemm_c.storage_dtype(layer.output_dtypes[0]))
         run.constants = (packed, bias)   # read through raw pointers
         return run

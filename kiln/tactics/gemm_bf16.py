@@ -1,7 +1,9 @@
 """kiln's own BF16 GEMM (kiln/native/csrc/gemm.c, `kiln_gemm_bf16`): the FP32 GEMM's tiles and epilogue with
 bf16 operands and FP32 accumulation on AVX512-BF16's `vdpbf16ps`, for convolutions (1x1 as a GEMM, others
-direct, window rows read in place) and linear layers under `--bf16`. Tensors stay FP32 in and out: the weights are rounded to bf16 once at load, each tile's activation rows
-as it starts, and the output is written in FP32 with bias, residual and ReLU or Swish applied.
+direct, window rows read in place) and linear layers under `--bf16`. The weights are rounded to bf16 once at load.
+The input, the output and the fused residual are each FP32 or bf16, as the plan stores them (kiln.tactics.storage):
+an FP32 input's rows are rounded as each tile starts, a bf16 one's read in place; the output is written with
+bias, residual and ReLU or Swish applied in FP32, rounded to bf16 where it is stored so.
 
 Why kiln has its own beside oneDNN's: a oneDNN call through torch costs ~50 µs of descriptor work and casts
 (benchmarks/overhead.py), kiln's ~6 µs, and at BF16 speeds a ResNet-50 layer often computes in less than that.
@@ -39,14 +41,30 @@ def pack_bf16_segments(weight: torch.Tensor) -> torch.Tensor:
     return pack_bf16_pairs(even.reshape(-1, cout))
 
 
+# gemm.c's `io` bits: which of the input, the output and the residual are stored in bf16
+IO_A_BF16, IO_C_BF16, IO_RES_BF16 = 1, 2, 4
+
+
+def io_flags(layer) -> tuple[int]:
+    """kiln_gemm_bf16's and kiln_conv_bf16's last argument, from the dtypes the plan stores the layer's tensors in."""
+    bf16 = "bfloat16"
+    residual = len(layer.input_dtypes) > 3 and layer.input_dtypes[3] == bf16
+    return ((IO_A_BF16 if layer.input_dtypes[0] == bf16 else 0) | (IO_C_BF16 if layer.output_dtypes[0] == bf16 else 0)
+            | (IO_RES_BF16 if residual else 0),)
+
+
 class Bf16Gemm:
     """Mixin: the same tactic on kiln_gemm_bf16, offered where the CPU has AVX512-BF16 (a loaded engine's kernel
-    falls back to the reference kernel where it is missing: `required_isa`)."""
+    falls back to the reference kernel where it is missing: `required_isa`). Reads its input (0) and residual (3)
+    and writes its output in bf16 where the plan stores them so."""
 
     reduced_precisions = frozenset({"BF16"})
     required_isa = BF16_DOT_ISA
     entry_point = "kiln_gemm_bf16"
     pack = staticmethod(pack_bf16_pairs)
+    entry_args = staticmethod(io_flags)
+    bf16_inputs = frozenset({0, 3})
+    writes_bf16 = True
 
     def supports(self, layer) -> bool:
         return super().supports(layer) and hardware.has_any(BF16_DOT_ISA)

@@ -36,11 +36,12 @@ def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
                                                     and layer.input_dtypes[3] == "float32")
 
 
-def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_residual: bool):
-    """The kernel around a C launch `launch(x, out, residual)` that writes an NHWC output with bias, residual and
-    ReLU or Swish applied as it stores (other activations run after it). With a residual it carries
-    `into_input` (kiln.runtime.donation): the variant writing over the residual's dead buffer, each element
-    read before it is overwritten."""
+def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_residual: bool,
+                out_dtype: torch.dtype = torch.float32):
+    """The kernel around a C launch `launch(x, out, residual)` that writes an NHWC output (of `out_dtype`) with
+    bias, residual and ReLU or Swish applied as it stores (other activations run after it). With a residual it
+    carries `into_input` (kiln.runtime.donation): the variant writing over the residual's dead buffer, each
+    element read before it is overwritten."""
     post = spec if spec and not activation_code(spec) else None
     last = torch.channels_last
 
@@ -48,20 +49,30 @@ def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_resid
         return [apply_activation(post, out) if post else out]
 
     def run(xs):
-        out = torch.empty(out_shape, memory_format=last)
+        out = torch.empty(out_shape, dtype=out_dtype, memory_format=last)
         launch(xs[0].contiguous(memory_format=last), out,
                xs[3].contiguous(memory_format=last) if has_residual else None)
         return finish(out)
 
     def run_into_residual(xs):
         r = xs[3]
-        if not r.is_contiguous(memory_format=last):
+        if r.dtype != out_dtype or not r.is_contiguous(memory_format=last):
             return run(xs)
         launch(xs[0].contiguous(memory_format=last), r, r)
         return finish(r)
     if has_residual:
         run.into_input = (3, run_into_residual)
     return run
+
+
+def entry_args(layer) -> tuple[int, ...]:
+    """The FP32 entry points' trailing arguments: none (the BF16 ones add the storage types, gemm_bf16)."""
+    return ()
+
+
+def storage_dtype(dtype: str | None) -> torch.dtype:
+    """The torch dtype of a plan tensor these kernels write: bf16 where the plan stores it so, else FP32."""
+    return torch.bfloat16 if dtype == "bfloat16" else torch.float32
 
 
 def activation_code(spec: dict | None) -> int:

@@ -17,6 +17,7 @@ from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
 from kiln.tactics.registry import candidates, reduced_precisions
+from kiln.tactics.storage import store_bf16
 from kiln.trt.vocab import reformat_names, runner_name
 
 CONSTANT_TACTIC = "kiln.constant"
@@ -76,6 +77,7 @@ class Lowering:
             self.lower_node(node)
             self.node_layers[node.name] = (start, len(self.layers))
         self.finish()
+        self.layers = store_bf16(self.layers, {v.name for v in self.g.outputs})
         return self.layers, self.weights
 
     def weight(self, v: Value) -> Arg:

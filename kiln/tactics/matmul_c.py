@@ -26,6 +26,7 @@ class MatMulGemmTactic:
     needs_c_compiler = True
     entry_point = "kiln_gemm"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
     pack = staticmethod(gemm_c.pack_weights)
+    entry_args = staticmethod(gemm_c.entry_args)
 
     def supports(self, layer: LayerView) -> bool:
         if not by_constant_matrix(layer):
@@ -50,15 +51,16 @@ class MatMulGemmTactic:
         gemm = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(linear_bias(layer, n)[1], n)
         bias_ptr = None if bias is None else bias.data_ptr()
-        act = gemm_c.activation_code(layer.attrs.get("activation"))
+        act, tail = gemm_c.activation_code(layer.attrs.get("activation")), self.entry_args(layer)
+        out_dtype = gemm_c.storage_dtype(layer.output_dtypes[0])
 
         def run(xs):
             x = xs[0].contiguous()
             rows = x.numel() // k
-            y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+            y = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
             if rows:
                 gemm(x.data_ptr(), 0, rows, k, 0, packed.data_ptr(), 0, y.data_ptr(), 0, bias_ptr, None, act, 1,
-                     rows, k, n)
+                     rows, k, n, *tail)
             return [y]
         run.constants = (packed, bias)   # read through raw pointers
         return run

@@ -39,6 +39,18 @@ def casts(dtype: torch.dtype):
     return (lambda x: x.to(dtype)), (lambda y: y.float())
 
 
+def finisher(post: dict | None, out_dtype: str):
+    """The last step of a oneDNN kernel: an activation oneDNN could not fuse (in FP32), then the result in the dtype
+    the plan stores it in (bf16 where kiln.tactics.storage chose it, else FP32)."""
+    out = torch.bfloat16 if out_dtype == "bfloat16" else torch.float32
+
+    def finish(y: torch.Tensor) -> list[torch.Tensor]:
+        if post:
+            y = apply_activation(post, y.float())
+        return [y if y.dtype == out else y.to(out)]
+    return finish
+
+
 def bf16_available() -> bool:
     """Native BF16 arithmetic here (AVX512-BF16 or AMX) and a oneDNN that uses it."""
     return hardware.has_any(hardware.BF16_ISA) and torch.backends.mkldnn.is_available() and \
@@ -66,7 +78,7 @@ class OneDnnConvTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         a = layer.attrs
         dtype = self.compute_dtype
-        to_compute, to_fp32 = casts(dtype)
+        to_compute, _ = casts(dtype)
         w = layer.const_inputs[1].contiguous().to(dtype)
         bias = layer.const_inputs.get(2)
         bias = None if bias is None else bias.to(dtype)
@@ -91,9 +103,7 @@ class OneDnnConvTactic:
         def padded(x):
             return x if explicit_pad is None else F.pad(x, explicit_pad).contiguous(memory_format=last)
 
-        def finish(y):
-            y = to_fp32(y)
-            return [apply_activation(post, y) if post else y]
+        finish = finisher(post, layer.output_dtypes[0])
 
         def run(xs):
             x = padded(to_compute(xs[0]))
@@ -122,6 +132,8 @@ class Bf16Variant:
     compute_dtype = torch.bfloat16
     reduced_precisions = frozenset({"BF16"})
     required_isa = hardware.BF16_ISA
+    bf16_inputs = frozenset({0, 3})   # read as they are where the plan stores them in bf16 (kiln.tactics.storage)
+    writes_bf16 = True
 
     def supports(self, layer: LayerView) -> bool:
         return super().supports(layer) and bf16_available()

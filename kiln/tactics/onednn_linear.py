@@ -10,9 +10,8 @@ import math
 
 import torch
 
-from kiln.ops.nn import apply_activation
 from kiln.tactics.base import LINEAR, Kernel, LayerView
-from kiln.tactics.onednn_conv import Bf16Variant, casts, fused_unary
+from kiln.tactics.onednn_conv import Bf16Variant, casts, finisher, fused_unary
 
 
 def linear_weight(layer: LayerView) -> torch.Tensor:
@@ -62,7 +61,7 @@ class OneDnnLinearTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         dtype = self.compute_dtype
-        to_compute, to_fp32 = casts(dtype)
+        to_compute, _ = casts(dtype)
         w = linear_weight(layer).contiguous().to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, math.prod(layer.input_shapes[0][:-1]))
         bias = linear_bias(layer, w.shape[0])[1]
@@ -73,9 +72,10 @@ class OneDnnLinearTactic:
         post = None if (not spec or fused is not None) else spec
         linear = torch.ops.mkldnn._linear_pointwise
 
+        finish = finisher(post, layer.output_dtypes[0])
+
         def run(xs):
-            y = to_fp32(linear(to_compute(xs[0].contiguous()), packed, bias, unary, scalars, algorithm or ""))
-            return [apply_activation(post, y) if post else y]
+            return finish(linear(to_compute(xs[0].contiguous()), packed, bias, unary, scalars, algorithm or ""))
         return run
 
 

@@ -14,13 +14,13 @@ from kiln.plan.model import HWC, Layer, TensorDesc
 WEIGHT_TYPE = {
     np.dtype("float32"): "Float", np.dtype("float16"): "Half", np.dtype("int8"): "Int8",
     np.dtype("int32"): "Int32", np.dtype("int64"): "Int64", np.dtype("bool"): "Bool", np.dtype("uint8"): "UInt8",
-    np.dtype("float64"): "Double",
+    np.dtype("float64"): "Double", np.dtype("bfloat16"): "BFloat16",
 }
 # Short names used in "Format/Datatype" strings.
 FORMAT_TYPE = {
     np.dtype("float32"): "FP32", np.dtype("float16"): "FP16", np.dtype("int8"): "Int8",
     np.dtype("int32"): "Int32", np.dtype("int64"): "Int64", np.dtype("bool"): "Bool", np.dtype("uint8"): "UInt8",
-    np.dtype("float64"): "FP64",
+    np.dtype("float64"): "FP64", np.dtype("bfloat16"): "BF16",
 }
 _LINEAR_TEXT = {"FP32": "Row major linear FP32", "Int32": "Row major linear Int32", "Bool": "Row major linear BOOL",
                 "Int8": "Row major Int8 format"}
@@ -124,7 +124,7 @@ METADATA_SEP = "\u001e"
 _ONNX_LAYER = re.compile(r"\[ONNX Layer: (.*?)\]")
 
 # Datatype words found in "Format/Datatype" strings and Myelin short types -> canonical precision names.
-_PRECISION_WORDS = [("BFloat16", "BF16"), ("FP8", "FP8"), ("FP16", "FP16"), ("Half", "FP16"), ("FP32", "FP32"),
+_PRECISION_WORDS = [("BFloat16", "BF16"), ("BF16", "BF16"), ("FP8", "FP8"), ("FP16", "FP16"), ("Half", "FP16"), ("FP32", "FP32"),
                     ("Float", "FP32"), ("Int8", "INT8"), ("INT8", "INT8"), ("Int32", "INT32"), ("Int64", "INT64"),
                     ("UInt8", "UINT8"), ("BOOL", "BOOL"), ("Bool", "BOOL"), ("Double", "FP64"), ("Int4", "INT4")]
 _PRECISION_PATTERNS = [(re.compile(rf"\b{word}\b"), name) for word, name in _PRECISION_WORDS]
@@ -133,7 +133,7 @@ _PRECISION_PATTERNS = [(re.compile(rf"\b{word}\b"), name) for word, name in _PRE
 # its text ("Row major linear FP64 format") names no precision the reader knows, so it reads as unknown.
 DTYPE_PRECISION = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16", np.dtype("int8"): "INT8",
                    np.dtype("uint8"): "UINT8", np.dtype("int32"): "INT32", np.dtype("int64"): "INT64",
-                   np.dtype("bool"): "BOOL"}
+                   np.dtype("bool"): "BOOL", np.dtype("bfloat16"): "BF16"}
 
 
 def precision_of(format_datatype: str | None) -> str | None:

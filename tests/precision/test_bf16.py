@@ -113,7 +113,11 @@ def test_an_engine_with_bf16_kernels_runs_in_fp32_where_the_cpu_lacks_bf16(tmp_p
     caplog.set_level(logging.WARNING, logger="kiln.runtime")
     loaded = kiln.load(path, allow_other_device=True)
     got, want = run_both(model, loaded)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)   # the reference kernels compute in FP32
+    # the reference kernels compute in FP32; the tensors the plan stores in bf16 between layers stay bf16
+    stored = [t.name for layer in loaded.plan.layers for t in layer.outputs if t.dtype == "bfloat16"]
+    assert stored, "the BF16 build stores some tensors in bf16"
+    assert cosine(got, want) > 0.9999
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
     warned = [r.getMessage() for r in caplog.records if "this CPU lacks it" in r.getMessage()]
     assert len(warned) == 2 and all("avx512_bf16 or amx_bf16" in m for m in warned)   # one per BF16 kernel
 

@@ -47,16 +47,18 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
   }
 }
 
-/* One kernel row of a convolution window: the kw * c floats of image row yy from column x0, read in place where
-   the window lies inside the image, else copied into `pad` with zeros where the padding is. */
-static inline const float* window_segment(const float* image, int64_t h, int64_t w, int64_t c, int64_t kw,
-                                          int64_t yy, int64_t x0, float* pad) {
+/* One kernel row of a convolution window: the kw * c elements (`elem` bytes each) of image row yy from column x0,
+   read in place where the window lies inside the image, else copied into `pad` with zeros where the padding is. */
+static inline const void* window_segment(const void* image, int64_t h, int64_t w, int64_t c, int64_t kw,
+                                         int64_t yy, int64_t x0, void* pad, size_t elem) {
   const int inside_y = yy >= 0 && yy < h;
-  if (inside_y && x0 >= 0 && x0 + kw <= w) return image + (yy * w + x0) * c;
+  const char* img = (const char*)image;
+  char* out = (char*)pad;
+  if (inside_y && x0 >= 0 && x0 + kw <= w) return img + (yy * w + x0) * c * elem;
   for (int64_t j = 0; j < kw; ++j) {
     const int64_t xx = x0 + j;
-    if (inside_y && xx >= 0 && xx < w) memcpy(pad + j * c, image + (yy * w + xx) * c, sizeof(float) * c);
-    else memset(pad + j * c, 0, sizeof(float) * c);
+    if (inside_y && xx >= 0 && xx < w) memcpy(out + j * c * elem, img + (yy * w + xx) * c * elem, elem * c);
+    else memset(out + j * c * elem, 0, elem * c);
   }
   return pad;
 }
@@ -87,7 +89,8 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
         for (int64_t i = 0; i < MR; ++i) {
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
           for (int64_t s = 0; s < kh; ++s)
-            rows[s * MR + i] = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad + (i * kh + s) * seg);
+            rows[s * MR + i] = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad + (i * kh + s) * seg,
+                                              sizeof(float));
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
         tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
@@ -99,8 +102,14 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
 }
 
 /* BF16 products with FP32 accumulation (vdpbf16ps, AVX512-BF16): kiln_gemm's loops and epilogue, with B packed
-   as bf16 pairs [n/32][k/2][32] (each 32-bit lane holds rows 2q and 2q+1 of one column) and each tile's rows of A
-   rounded to bf16 pairs as it starts (one vcvtne2ps2bf16 per 32 floats: ~3 % of the tile's instructions). */
+   as bf16 pairs [n/32][k/2][32] (each 32-bit lane holds rows 2q and 2q+1 of one column). `io` says which tensors
+   are stored in bf16 (kiln.tactics.storage): IO_A_BF16 the input, read in place as pairs where its rows are
+   even-length (else copied with a zero tail); otherwise each tile's FP32 rows are rounded to bf16 pairs as it
+   starts (one vcvtne2ps2bf16 per 32 floats: ~3 % of the tile's instructions). IO_C_BF16 and IO_RES_BF16: the
+   output and the residual, widened for the FP32 epilogue and the result rounded to nearest even as it is stored. */
+#define IO_A_BF16 1
+#define IO_C_BF16 2
+#define IO_RES_BF16 4
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -118,10 +127,54 @@ static void bf16_pairs(const float* src, int64_t k, uint32_t* dst) {
   }
 }
 
+/* k values of a row as bf16 pairs: `src` itself where it is bf16 already, even-length and 4-byte aligned, else
+   rounded (FP32) or copied (bf16) into `dst`, an odd k paired with a zero. */
+static inline const uint32_t* as_bf16_pairs(const void* src, int64_t k, int src_bf16, uint32_t* dst) {
+  if (!src_bf16) {
+    bf16_pairs((const float*)src, k, dst);
+    return dst;
+  }
+  if (k % 2 == 0 && ((uintptr_t)src & 3) == 0) return (const uint32_t*)src;
+  if (src != (const void*)dst) memmove(dst, src, sizeof(uint16_t) * k);
+  if (k % 2) ((uint16_t*)dst)[k] = 0;
+  return dst;
+}
+
+/* 16 bf16 values widened to FP32 (exact: bf16 is FP32's upper half). */
+static inline v16 widen16(const uint16_t* p) {
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+
+/* store_row for a bf16 output or residual: the epilogue in FP32, bias padded to whole panels (pad_bias). */
+static void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, const void* res, int64_t act,
+                         int64_t cols, int64_t io) {
+  float r[NR] = {0};
+  if (res && (io & IO_RES_BF16)) {
+    uint16_t wide[NR] = {0};
+    memcpy(wide, res, sizeof(uint16_t) * cols);
+    *(v16*)r = widen16(wide);
+    *(v16*)(r + 16) = widen16(wide + 16);
+  } else if (res) {
+    memcpy(r, res, sizeof(float) * cols);
+  }
+  float out[NR];
+  *(v16*)out = epilogue(lo, bias, res ? r : 0, act);
+  *(v16*)(out + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? r + 16 : 0, act);
+  if (!(io & IO_C_BF16)) {
+    memcpy(c, out, sizeof(float) * cols);
+    return;
+  }
+  uint16_t narrow[NR];
+  _mm256_storeu_si256((__m256i*)narrow, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out)));
+  _mm256_storeu_si256((__m256i*)(narrow + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + 16)));
+  memcpy(c, narrow, sizeof(uint16_t) * cols);
+}
+
 /* kiln's tile() in BF16: `segs` segments of `kp` bf16 pairs, segment s reading rows a[s * MR + i] and weights
-   b + s * kp * NR. */
+   b + s * kp * NR; output and residual elements of `io`'s types, row stride ldc elements. */
 static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_t kp, const uint32_t* restrict b,
-                      float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
+                      void* c, int64_t ldc, int64_t cols, const float* restrict bias, const void* res, int64_t act,
+                      int64_t io) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < segs; ++s) {
@@ -137,17 +190,30 @@ static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_
       }
     }
   }
-  for (int64_t i = 0; i < mr; ++i)
-    store_row(c + i * ldc, (v16)acc[i][0], (v16)acc[i][1], bias, res ? res + i * ldc : 0, act, cols);
+  const size_t c_size = io & IO_C_BF16 ? sizeof(uint16_t) : sizeof(float);
+  const size_t r_size = io & IO_RES_BF16 ? sizeof(uint16_t) : sizeof(float);
+  for (int64_t i = 0; i < mr; ++i) {
+    const void* ri = res ? (const char*)res + i * ldc * r_size : 0;
+    if (io & (IO_C_BF16 | IO_RES_BF16))
+      store_row_io((char*)c + i * ldc * c_size, (v16)acc[i][0], (v16)acc[i][1], bias, ri, act, cols, io);
+    else
+      store_row((float*)c + i * ldc, (v16)acc[i][0], (v16)acc[i][1], bias, (const float*)ri, act, cols);
+  }
 }
 
-void kiln_gemm_bf16(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-                    const uint32_t* restrict b, int64_t b_batch, float* c, int64_t c_batch,
-                    const float* restrict bias, const float* res, int64_t act,
-                    int64_t batch, int64_t m, int64_t k, int64_t n) {
+/* Byte address of element `at` of a tensor whose elements are bf16 where `bf16`, else FP32. */
+static inline const void* at_elem(const void* base, int64_t at, int bf16) {
+  return base ? (const char*)base + at * (bf16 ? sizeof(uint16_t) : sizeof(float)) : 0;
+}
+
+void kiln_gemm_bf16(const void* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
+                    const uint32_t* restrict b, int64_t b_batch, void* c, int64_t c_batch,
+                    const float* restrict bias, const void* res, int64_t act,
+                    int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
   const int64_t kp = (k + 1) / 2, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kp * n * (int64_t)sizeof(uint32_t) <= ROWS_OUTER_BYTES;
+  const int a_bf16 = (io & IO_A_BF16) != 0;
   #pragma omp parallel
   {
     uint32_t* converted = (uint32_t*)malloc(sizeof(uint32_t) * MR * kp);
@@ -162,13 +228,15 @@ void kiln_gemm_bf16(const float* restrict a, int64_t a_batch, int64_t row_width,
         for (int64_t i = 0; i < MR; ++i) {
           if (i < mr) {
             const int64_t r = r0 + i;
-            bf16_pairs(a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step, k,
-                       converted + i * kp);
+            rows[i] = as_bf16_pairs(at_elem(a, p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step,
+                                            a_bf16), k, a_bf16, converted + i * kp);
+          } else {
+            rows[i] = rows[0];   /* a partial tile repeats its first row */
           }
-          rows[i] = converted + (i < mr ? i : 0) * kp;   /* a partial tile repeats its first row */
         }
         const int64_t at = p * c_batch + r0 * n + nb * NR;
-        tile_bf16(rows, 1, mr, kp, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
+        tile_bf16(rows, 1, mr, kp, bp, (void*)at_elem(c, at, io & IO_C_BF16), n, cols, bias ? bias + nb * NR : 0,
+                  at_elem(res, at, io & IO_RES_BF16), act, io);
       }
     }
     free(converted);
@@ -176,14 +244,16 @@ void kiln_gemm_bf16(const float* restrict a, int64_t a_batch, int64_t row_width,
 }
 /* kiln_conv in BF16: B packed as bf16 pairs per kernel row, [cout/32][kh][(kw * c + 1) / 2][32]; each window
    segment (read in place, or copied with zero padding at the border) is rounded to bf16 pairs as its tile
-   starts. */
-void kiln_conv_bf16(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+   starts, or used as it is where the input is bf16 already (IO_A_BF16, an even segment). */
+void kiln_conv_bf16(const void* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
-                    const uint32_t* restrict b, float* y, const float* restrict bias, const float* res, int64_t act,
-                    int64_t cout) {
+                    const uint32_t* restrict b, void* y, const float* restrict bias, const void* res, int64_t act,
+                    int64_t cout, int64_t io) {
   const int64_t m = oh * ow, seg = kw * c, segp = (seg + 1) / 2, panels = (cout + NR - 1) / NR;
   const int64_t tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kh * segp * cout * (int64_t)sizeof(uint32_t) <= ROWS_OUTER_BYTES;
+  const int a_bf16 = (io & IO_A_BF16) != 0;
+  const size_t elem = a_bf16 ? sizeof(uint16_t) : sizeof(float);
   #pragma omp parallel
   {
     float* pad = (float*)malloc(sizeof(float) * seg);
@@ -194,19 +264,20 @@ void kiln_conv_bf16(const float* restrict x, int64_t n, int64_t h, int64_t w, in
       const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, rows_outer);
       const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
       const uint32_t* bp = b + nb * kh * segp * NR;
-      const float* image = x + p * h * w * c;
+      const void* image = at_elem(x, p * h * w * c, a_bf16);
       for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         for (int64_t i = 0; i < MR; ++i) {
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
           for (int64_t s = 0; s < kh; ++s) {
-            uint32_t* d = converted + (s * MR + i) * segp;
-            bf16_pairs(window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad), seg, d);
-            rows[s * MR + i] = d;
+            uint32_t* d = converted + (s * MR + i) * segp;   /* bf16 input: also the border's padded copy */
+            const void* src = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, a_bf16 ? (void*)d : pad, elem);
+            rows[s * MR + i] = as_bf16_pairs(src, seg, a_bf16, d);
           }
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
-        tile_bf16(rows, kh, mr, segp, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
+        tile_bf16(rows, kh, mr, segp, bp, (void*)at_elem(y, at, io & IO_C_BF16), cout, cols,
+                  bias ? bias + nb * NR : 0, at_elem(res, at, io & IO_RES_BF16), act, io);
       }
     }
     free(converted);
@@ -215,19 +286,19 @@ void kiln_conv_bf16(const float* restrict x, int64_t n, int64_t h, int64_t w, in
 }
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers its BF16 tactics only where AVX512-BF16 is. */
-void kiln_gemm_bf16(const float* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-                    const uint32_t* b, int64_t b_batch, float* c, int64_t c_batch, const float* bias, const float* res,
-                    int64_t act, int64_t batch, int64_t m, int64_t k, int64_t n) {
+void kiln_gemm_bf16(const void* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
+                    const uint32_t* b, int64_t b_batch, void* c, int64_t c_batch, const float* bias, const void* res,
+                    int64_t act, int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
   (void)a; (void)a_batch; (void)row_width; (void)col_step; (void)line_step; (void)b; (void)b_batch; (void)c;
-  (void)c_batch; (void)bias; (void)res; (void)act; (void)batch; (void)m; (void)k; (void)n;
+  (void)c_batch; (void)bias; (void)res; (void)act; (void)batch; (void)m; (void)k; (void)n; (void)io;
   abort();   /* unreachable: no tactic calls it without AVX512-BF16 */
 }
 
-void kiln_conv_bf16(const float* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw, int64_t sh,
-                    int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow, const uint32_t* b, float* y,
-                    const float* bias, const float* res, int64_t act, int64_t cout) {
+void kiln_conv_bf16(const void* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw, int64_t sh,
+                    int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow, const uint32_t* b, void* y,
+                    const float* bias, const void* res, int64_t act, int64_t cout, int64_t io) {
   (void)x; (void)n; (void)h; (void)w; (void)c; (void)kh; (void)kw; (void)sh; (void)sw; (void)pt; (void)pl;
-  (void)oh; (void)ow; (void)b; (void)y; (void)bias; (void)res; (void)act; (void)cout;
+  (void)oh; (void)ow; (void)b; (void)y; (void)bias; (void)res; (void)act; (void)cout; (void)io;
   abort();   /* unreachable, as above */
 }
 #endif

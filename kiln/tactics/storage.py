@@ -1,0 +1,91 @@
+"""Storage precision: which tensors between layers a plan stores in BF16, and the conversions kernels need.
+
+After lowering, a float32 tensor is stored in bf16 where the layer writing it was granted BF16 on a kernel that can
+write bf16 (`writes_bf16`) and every layer reading it runs a kernel that reads bf16 at that input (`bf16_inputs`):
+the conversion TensorRT would insert as a Reformat layer is fused into both neighbours, and the tensor moves half
+the bytes. Engine inputs and outputs stay FP32, and so does a tensor with any FP32 reader: its BF16 readers round
+it as they load it (one conversion fused into each), which costs less than a Reformat layer's extra pass.
+
+A kernel that cannot read or write bf16 itself, but runs a layer whose plan stores bf16 tensors (torch's reference
+kernel on a CPU without BF16, the accuracy budget's FP32 stand-ins), gets the conversions around it:
+`native_view` says what it is prepared for, `with_conversions` wraps it."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+
+import torch
+
+from kiln.plan.model import Layer, TensorDesc
+from kiln.tactics.base import Kernel, LayerView
+from kiln.tactics.registry import TACTICS_BY_NAME
+
+BF16 = "bfloat16"
+log = logging.getLogger("kiln.build")
+
+
+def _reads_bf16(layer: Layer, index: int) -> bool:
+    return index in getattr(TACTICS_BY_NAME.get(layer.tactic_name), "bf16_inputs", ())
+
+
+def _writes_bf16(layer: Layer) -> bool:
+    return layer.precision == "BF16" and getattr(TACTICS_BY_NAME.get(layer.tactic_name), "writes_bf16", False)
+
+
+def bf16_tensors(layers: list[Layer], engine_outputs: set[str]) -> set[str]:
+    """The tensors `store_bf16` keeps in bf16 (see the module's rule)."""
+    readers: dict[str, list[tuple[Layer, int]]] = defaultdict(list)
+    for layer in layers:
+        for index, arg in enumerate(layer.args):
+            if arg.kind == "tensor":
+                readers[arg.name].append((layer, index))
+    chosen = set()
+    for layer in layers:
+        if not _writes_bf16(layer) or len(layer.outputs) != 1:
+            continue
+        out = layer.outputs[0]
+        if out.dtype == "float32" and out.name not in engine_outputs and readers[out.name] and \
+                all(_reads_bf16(reader, index) for reader, index in readers[out.name]):
+            chosen.add(out.name)
+    return chosen
+
+
+def store_bf16(layers: list[Layer], engine_outputs: set[str]) -> list[Layer]:
+    """`layers` with the tensors between BF16 kernels that read and write bf16 stored in bf16."""
+    chosen = bf16_tensors(layers, engine_outputs)
+    if not chosen:
+        return layers
+    log.info("Storage: %d tensors between BF16 kernels stored in BF16 (conversions fused into their kernels)",
+             len(chosen))
+
+    def stored(descs: tuple[TensorDesc, ...]) -> tuple[TensorDesc, ...]:
+        return tuple(dataclasses.replace(d, dtype=BF16) if d.name in chosen else d for d in descs)
+    return [dataclasses.replace(layer, inputs=stored(layer.inputs), outputs=stored(layer.outputs)) for layer in layers]
+
+
+def native_view(view: LayerView, tactic) -> tuple[LayerView, tuple[int, ...], tuple[int, ...]]:
+    """(the view `tactic` is prepared with, the inputs to widen to FP32 before it, the outputs to round to bf16 after
+    it): bf16 tensors a kernel does not read or write itself are FP32 to it."""
+    reads, writes = getattr(tactic, "bf16_inputs", frozenset()), getattr(tactic, "writes_bf16", False)
+    widen = tuple(i for i, d in enumerate(view.input_dtypes) if d == BF16 and i not in reads)
+    narrow = () if writes else tuple(j for j, d in enumerate(view.output_dtypes) if d == BF16)
+    if not widen and not narrow:
+        return view, (), ()
+    inputs = tuple("float32" if i in widen else d for i, d in enumerate(view.input_dtypes))
+    outputs = tuple("float32" if j in narrow else d for j, d in enumerate(view.output_dtypes))
+    return dataclasses.replace(view, input_dtypes=inputs, output_dtypes=outputs), widen, narrow
+
+
+def with_conversions(kernel: Kernel, widen: tuple[int, ...], narrow: tuple[int, ...]) -> Kernel:
+    """`kernel` with inputs `widen` converted to FP32 before it and outputs `narrow` rounded to bf16 after it (no
+    in-place variant: the converted input is a new buffer)."""
+    if not widen and not narrow:
+        return kernel
+
+    def run(xs):
+        ys = kernel([x.float() if i in widen and x is not None else x for i, x in enumerate(xs)])
+        return [y.to(torch.bfloat16) if j in narrow else y for j, y in enumerate(ys)]
+    if hasattr(kernel, "constants"):
+        run.constants = kernel.constants
+    return run
