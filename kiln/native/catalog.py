@@ -45,7 +45,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("wino_fused", (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64)),),
         rendered_by="the tile size M and the transforms (kiln.tactics.winograd_c.render)"),
     LibrarySpec("layernorm", "layernorm.c", (
-        Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),)),
+        Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),
+        Function("kiln_layernorm_bf16", (POINTER,) * 5 + (I64,) * 2 + (F64, I64)))),
     LibrarySpec("pool", "pool.c", (
         Function("kiln_maxpool", (POINTER,) * 2 + (I64,) * 14),
         Function("kiln_global_pool", (POINTER,) * 2 + (I64,) * 4))),

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from kiln import native
+from kiln import hardware, native
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
+STORED_FLOATS = ("float32", "bfloat16")   # bf16 only where the plan stores it so, for the BF16 variant's kernel
+LN_X_BF16, LN_Y_BF16, LN_SKIP_BF16 = 1, 2, 4   # layernorm.c's `io` bits
 
 
 def _geometry(layer: LayerView) -> tuple[int, int] | None:
@@ -27,7 +29,8 @@ def _geometry(layer: LayerView) -> tuple[int, int] | None:
     if x is None or not x or len(layer.output_dtypes) != 1 or layer.attrs.get("stash_type", 1) != 1:
         return None
     acts = range(first)
-    if any(layer.input_dtypes[i] != "float32" or layer.input_shapes[i] != x or i in layer.const_inputs for i in acts):
+    if any(layer.input_dtypes[i] not in STORED_FLOATS or layer.input_shapes[i] != x or i in layer.const_inputs
+           for i in acts):
         return None
     axis = layer.attrs.get("axis", -1) % len(x)
     dynamic = [set(d) for d in layer.input_dynamic[:first]] if layer.input_dynamic else []
@@ -73,3 +76,42 @@ class LayerNormTactic:
                                None if beta is None else beta.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
             return [y]
         return run
+
+
+class LayerNormBf16Tactic(LayerNormTactic):
+    """The same rows with BF16 storage (`kiln_layernorm_bf16`): the input, the skip and the output are read and
+    written in bf16 where the plan stores them so (kiln.tactics.storage), the statistics and the scaling computed
+    in FP32. Offered with the BF16 kernels around it (native BF16 arithmetic), so a BF16 encoder's tensors stay
+    bf16 from one GEMM to the next."""
+
+    name = "kiln.layernorm_rows_bf16"
+    reduced_precisions = frozenset({"BF16"})
+    required_isa = hardware.BF16_ISA
+    bf16_inputs = frozenset({0, 1})   # LayerNormalization's input 1 is its scale, a weight: never a tensor
+    writes_bf16 = True
+
+    def supports(self, layer: LayerView) -> bool:
+        return super().supports(layer) and hardware.has_any(hardware.BF16_ISA)
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        lib = native.library("layernorm")
+        n, first = _geometry(layer)
+        gamma = layer.const_inputs[first].reshape(-1).contiguous().float()
+        beta = layer.const_inputs.get(first + 1)
+        beta = None if beta is None else beta.reshape(-1).contiguous().float()
+        eps = float(layer.attrs.get("epsilon", 1e-5))
+        bf16 = "bfloat16"
+        io = (LN_X_BF16 if layer.input_dtypes[0] == bf16 else 0) | (LN_Y_BF16 if layer.output_dtypes[0] == bf16 else 0) \
+            | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == bf16 else 0)
+        out_dtype = torch.bfloat16 if io & LN_Y_BF16 else torch.float32
+
+        def run(xs):
+            x = xs[0].contiguous()
+            skip = xs[1].contiguous() if first == 2 else None
+            y = torch.empty(x.shape, dtype=out_dtype)
+            lib.kiln_layernorm_bf16(x.data_ptr(), None if skip is None else skip.data_ptr(), gamma.data_ptr(),
+                                    None if beta is None else beta.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, io)
+            return [y]
+        run.constants = (gamma, beta)
+        return run
+

@@ -8,7 +8,7 @@ from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
-from kiln.tactics.layernorm_c import LayerNormTactic
+from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
 from kiln.tactics.onednn_conv import OneDnnBf16ConvTactic, OneDnnConvTactic
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
@@ -30,8 +30,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                                 MatMulGemmBf16Tactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
-                                     "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic()],
-                                     "SkipLayerNormalization": [LayerNormTactic()],
+                                     "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
+                                     "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      "QConv": [OneDnnInt8ConvTactic()], "QGemm": [OneDnnInt8LinearTactic()],
                                      "QMatMul": [OneDnnInt8LinearTactic()], "Attention": [Bf16AttentionTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]

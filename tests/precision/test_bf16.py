@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU has no na
 
 # kiln's BF16 kernels: oneDNN's through torch and kiln's own on vdpbf16ps; the autotuner picks per layer
 BF16_TACTICS = ("onednn.conv2d_nhwc_prepacked_bf16", "onednn.linear_prepacked_bf16", "kiln.conv2d_1x1_gemm_nhwc_bf16",
-                "kiln.conv2d_direct_gemm_nhwc_bf16", "kiln.matmul_gemm_bf16", "torch.attention_sdpa_bf16")
+                "kiln.conv2d_direct_gemm_nhwc_bf16", "kiln.matmul_gemm_bf16", "torch.attention_sdpa_bf16",
+                "kiln.layernorm_rows_bf16")
 
 
 def run_both(model, engine, seed: int = 0):
@@ -32,7 +33,8 @@ def run_both(model, engine, seed: int = 0):
 
 @pytest.mark.parametrize("make, bf16_layers", [
     (conv_net, {"conv1 + relu1", "conv2 + relu2", "fc", "head"}),
-    (transformer_net, {"q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn", "o_proj", "ffn2"}),
+    (transformer_net, {"q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn", "o_proj", "ffn2",
+                       "ln"}),
 ])
 def test_bf16_is_granted_on_kiln_kernels_and_stays_close_to_fp32(make, bf16_layers):
     model = make()

@@ -185,3 +185,44 @@ def test_bf16_tensors_run_on_a_cpu_without_bf16_through_conversions(chain, tmp_p
     seen = {}
     loaded.create_execution_context().execute(feeds, observe=lambda name, t: seen.setdefault(name, t.dtype))
     assert seen["c"] == torch.float32   # observers see a bf16 tensor's values as FP32
+
+
+@needs_bf16
+@pytest.mark.parametrize("skip,x_bf16,skip_bf16,out_bf16", [(True, 1, 1, 1), (True, 0, 1, 0), (False, 1, 0, 1),
+                                                             (False, 0, 0, 1)])
+def test_bf16_layernorm_reads_and_writes_bf16_and_computes_in_fp32(skip, x_bf16, skip_bf16, out_bf16):
+    from kiln.tactics.layernorm_c import LayerNormBf16Tactic
+
+    g = torch.Generator().manual_seed(23)
+    x, s = torch.randn(3, 5, 96, generator=g) * 4 + 1, torch.randn(3, 5, 96, generator=g)
+    gamma, beta = torch.rand(96, generator=g) + 0.5, torch.randn(96, generator=g)
+    x_in, s_in = (x.bfloat16() if x_bf16 else x), (s.bfloat16() if skip_bf16 else s)
+    want = F.layer_norm(x_in.float() + (s_in.float() if skip else 0), (96,), gamma, beta, 1e-5)
+    acts = (x_in, s_in) if skip else (x_in,)
+    dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in acts) + ("float32", "float32")
+    view = LayerView("SkipLayerNormalization" if skip else "LayerNormalization", "kiln" if skip else "",
+                     {"axis": -1, "epsilon": 1e-5}, tuple(t.shape for t in acts) + ((96,), (96,)), dtypes,
+                     {len(acts): gamma, len(acts) + 1: beta}, ("bfloat16" if out_bf16 else "float32",), 17,
+                     tuple(() for _ in range(len(acts) + 2)))
+    got = LayerNormBf16Tactic().prepare(view)([*acts, None, None])[0]
+    assert got.dtype == (torch.bfloat16 if out_bf16 else torch.float32)
+    if out_bf16:   # the FP32 result rounded to nearest even, within an ulp of torch's rounding of its own FP32 result
+        torch.testing.assert_close(got.float(), want, rtol=1 / 128, atol=1 / 64)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16
+def test_an_encoder_block_keeps_bf16_from_one_gemm_to_the_next():
+    from tests.precision.models import transformer_net
+
+    model = transformer_net()
+    engine = kiln.build(model, bf16=True, precision_constraints="prefer", accuracy="off")
+    by_layer = {layer.name: layer for layer in engine.plan.layers}
+    written_bf16 = {name for name, layer in by_layer.items() if layer.outputs[0].dtype == "bfloat16"}
+    # q||k||v -> attention -> o_proj, ln -> ffn1 (+GELU) -> ffn2; o_proj and ffn2 feed the FP32 residual Adds
+    assert written_bf16 == {"q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn", "ln",
+                            "ffn1 + gelu_div + gelu_erf + gelu_add + gelu_mul + gelu_half"}
+    assert by_layer["ln"].tactic_name == "kiln.layernorm_rows_bf16" and by_layer["ln"].precision == "BF16"
+    x = rand((1, 8, 16), seed=9)
+    assert cosine(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]) >= 0.999

@@ -1,8 +1,24 @@
 /* LayerNormalization and kiln's SkipLayerNormalization over the trailing axes (kiln.tactics.layernorm_c): one
    pass per row for the sum, two vectorized reductions in double (mean, then the centred variance, as torch and
-   onnxruntime compute it), one for the scaled output; OpenMP over rows. */
+   onnxruntime compute it), one for the scaled output; OpenMP over rows. The BF16 variant reads its input and skip
+   and writes its output in bf16 or FP32, as the plan stores them, and computes in FP32. */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <math.h>
+
+/* (mean, 1 / sqrt(variance + eps)) of one row. */
+static inline void row_stats(const float* restrict src, int64_t n, double eps, float* mean_out, float* inv_out) {
+  double sum = 0.0;
+  #pragma omp simd reduction(+:sum)
+  for (int64_t k = 0; k < n; ++k) sum += src[k];
+  const float mean = (float)(sum / (double)n);
+  double sq = 0.0;
+  #pragma omp simd reduction(+:sq)
+  for (int64_t k = 0; k < n; ++k) { const float d = src[k] - mean; sq += (double)d * d; }
+  *mean_out = mean;
+  *inv_out = (float)(1.0 / sqrt(sq / (double)n + eps));
+}
 
 void kiln_layernorm(const float* restrict x, const float* restrict skip, const float* restrict gamma,
                     const float* restrict beta, float* restrict y, int64_t rows, int64_t n, double eps) {
@@ -17,14 +33,8 @@ void kiln_layernorm(const float* restrict x, const float* restrict skip, const f
       for (int64_t k = 0; k < n; ++k) out[k] = a[k] + b[k];
       src = out;
     }
-    double sum = 0.0;
-    #pragma omp simd reduction(+:sum)
-    for (int64_t k = 0; k < n; ++k) sum += src[k];
-    const float mean = (float)(sum / (double)n);
-    double sq = 0.0;
-    #pragma omp simd reduction(+:sq)
-    for (int64_t k = 0; k < n; ++k) { const float d = src[k] - mean; sq += (double)d * d; }
-    const float inv = (float)(1.0 / sqrt(sq / (double)n + eps));
+    float mean, inv;
+    row_stats(src, n, eps, &mean, &inv);
     if (beta) {
       #pragma omp simd
       for (int64_t k = 0; k < n; ++k) out[k] = (src[k] - mean) * inv * gamma[k] + beta[k];
@@ -32,5 +42,65 @@ void kiln_layernorm(const float* restrict x, const float* restrict skip, const f
       #pragma omp simd
       for (int64_t k = 0; k < n; ++k) out[k] = (src[k] - mean) * inv * gamma[k];
     }
+  }
+}
+
+/* `io` bits: which tensors are stored in bf16 (kiln.tactics.storage). */
+#define LN_X_BF16 1
+#define LN_Y_BF16 2
+#define LN_SKIP_BF16 4
+
+/* bf16 is FP32's upper half: widening is exact; narrowing rounds to nearest even (a NaN stays a quiet NaN). */
+static inline float bf16_widen(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint16_t bf16_narrow(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void load_row(const void* base, int64_t at, int64_t n, int bf16, float* restrict dst) {
+  if (!bf16) {
+    memcpy(dst, (const float*)base + at, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* restrict src = (const uint16_t*)base + at;
+  #pragma omp simd
+  for (int64_t k = 0; k < n; ++k) dst[k] = bf16_widen(src[k]);
+}
+
+void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict gamma, const float* restrict beta,
+                         void* y, int64_t rows, int64_t n, double eps, int64_t io) {
+  #pragma omp parallel
+  {
+    float* row = (float*)malloc(sizeof(float) * 2 * n);
+    float* restrict other = row + n;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      load_row(x, r * n, n, io & LN_X_BF16, row);
+      if (skip) {
+        load_row(skip, r * n, n, io & LN_SKIP_BF16, other);
+        #pragma omp simd
+        for (int64_t k = 0; k < n; ++k) row[k] += other[k];
+      }
+      float mean, inv;
+      row_stats(row, n, eps, &mean, &inv);
+      #pragma omp simd
+      for (int64_t k = 0; k < n; ++k) row[k] = (row[k] - mean) * inv * gamma[k] + (beta ? beta[k] : 0.0f);
+      if (io & LN_Y_BF16) {
+        uint16_t* restrict out = (uint16_t*)y + r * n;
+        #pragma omp simd
+        for (int64_t k = 0; k < n; ++k) out[k] = bf16_narrow(row[k]);
+      } else {
+        memcpy((float*)y + r * n, row, sizeof(float) * n);
+      }
+    }
+    free(row);
   }
 }
