@@ -34,6 +34,22 @@ typedef struct {
 
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
 
+/* A GEMM layer's constant arguments (kiln.tactics.qgemm_c.GemmCall): a call passes only its tensors, so the
+   per-call cost is not spent converting a dozen integers. Row r of image p starts at a + p * a_batch +
+   (r / row_width) * line_step + (r % row_width) * col_step bytes (strided 1x1 convolutions read in place). */
+typedef struct {
+  const int8_t* b;   /* weights, [n/32][k/4][32][4] */
+  int64_t a_batch, row_width, col_step, line_step, c_batch, batch, k, n;
+  QEpilogue e;
+} QGemmCall;
+
+/* A direct convolution's constant arguments (kiln.tactics.qgemm_c.ConvCall). */
+typedef struct {
+  const int8_t* b;   /* weights, [cout/32][kh][(kw * c) / 4][32][4] */
+  int64_t n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, cout;
+  QEpilogue e;
+} QConvCall;
+
 typedef struct { int64_t p, nb, cols, first, last; } WorkUnit;
 
 /* gemm.c's work split: unit q of (batch x panels x row chunks), row chunks outermost where weights fit in L2. */
@@ -172,12 +188,13 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t k, const int8_t
 
 static inline int64_t out_size(const QEpilogue* e) { return e->out_kind == OUT_F32 ? 4 : 1; }
 
-/* C[m x n] = A[m x k] . B: row r of image p at a + p * a_batch + (r / row_width) * line_step +
-   (r % row_width) * col_step bytes (strided 1x1 convolutions in place); C rows n wide, c_batch elements per image;
-   `res` (the residual, output-typed) laid out as C, and may be C itself. */
-void kiln_qgemm(const uint8_t* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-                const int8_t* b, void* c, int64_t c_batch, const void* res, const QEpilogue* e,
-                int64_t batch, int64_t m, int64_t k, int64_t n) {
+/* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual,
+   output-typed) laid out as C, and may be C itself. */
+void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+  const int64_t a_batch = g->a_batch, row_width = g->row_width, col_step = g->col_step, line_step = g->line_step;
+  const int64_t c_batch = g->c_batch, batch = g->batch, k = g->k, n = g->n;
+  const int8_t* b = g->b;
+  const QEpilogue* e = &g->e;
   const int64_t quads = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks, esize = out_size(e);
   const int64_t rows_outer = quads * 4 * n <= ROWS_OUTER_BYTES;
@@ -206,9 +223,11 @@ void kiln_qgemm(const uint8_t* a, int64_t a_batch, int64_t row_width, int64_t co
 /* Direct convolution on NHWC x[n][h][w][c] (dilation 1, one group): output pixel r is a GEMM row, kernel row s of
    its window one segment of kw * c bytes; B packed from [kh][kw * c padded to quads][cout]. Windows crossing the
    border are copied into a per-thread buffer, padded with the zero point's byte. */
-void kiln_qconv(const uint8_t* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
-                int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
-                const int8_t* b, void* y, const void* res, const QEpilogue* e, int64_t cout) {
+void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
+  const int64_t n = g->n, h = g->h, w = g->w, c = g->c, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw;
+  const int64_t pt = g->pt, pl = g->pl, oh = g->oh, ow = g->ow, cout = g->cout;
+  const int8_t* b = g->b;
+  const QEpilogue* e = &g->e;
   const int64_t m = oh * ow, seg = kw * c, quads = (seg + 3) / 4, panels = (cout + NR - 1) / NR;
   const int64_t tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kh * quads * 4 * cout <= ROWS_OUTER_BYTES, esize = out_size(e);
@@ -244,19 +263,13 @@ void kiln_qconv(const uint8_t* x, int64_t n, int64_t h, int64_t w, int64_t c, in
 }
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers these tactics only where AVX512-VNNI is. */
-void kiln_qgemm(const uint8_t* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-                const int8_t* b, void* c, int64_t c_batch, const void* res, const QEpilogue* e,
-                int64_t batch, int64_t m, int64_t k, int64_t n) {
-  (void)a; (void)a_batch; (void)row_width; (void)col_step; (void)line_step; (void)b; (void)c; (void)c_batch;
-  (void)res; (void)e; (void)batch; (void)m; (void)k; (void)n;
+void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+  (void)g; (void)a; (void)c; (void)res; (void)m;
   abort();   /* unreachable: no tactic calls it without AVX512-VNNI */
 }
 
-void kiln_qconv(const uint8_t* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
-                int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
-                const int8_t* b, void* y, const void* res, const QEpilogue* e, int64_t cout) {
-  (void)x; (void)n; (void)h; (void)w; (void)c; (void)kh; (void)kw; (void)sh; (void)sw; (void)pt; (void)pl;
-  (void)oh; (void)ow; (void)b; (void)y; (void)res; (void)e; (void)cout;
+void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
+  (void)g; (void)x; (void)y; (void)res;
   abort();   /* unreachable, as above */
 }
 #endif
