@@ -135,55 +135,68 @@ static inline uint32_t tail_quad(const uint8_t* p, int64_t bytes) {
   return (uint32_t)_mm_cvtsi128_si32(_mm_maskz_loadu_epi8((__mmask16)((1u << bytes) - 1), p));
 }
 
-/* Sums `segs` segments of `k` bytes into one 6 x 32 tile (segment s: rows a[s * MR + i], weights
-   b + s * quads * NR * 4), then stores rows [0, mr) through the epilogue. `flip` is a compile-time 0 or
-   0x80808080 at each call site, so the u8 path broadcasts straight from memory. */
+/* Sums `segs` segments of `k` bytes into `rows` (1-6) rows of a 32-column tile (segment s: rows a[s * MR + i],
+   weights b + s * quads * NR * 4), then stores them through the epilogue. `rows` and `flip` (0, or 0x80808080 for
+   s8 input) are compile-time constants at each call site (tile_rows), so a short tile (a batch-1 linear layer, the
+   last rows) computes only its rows and the u8 path broadcasts straight from memory. */
 static inline __attribute__((always_inline)) void
-qtile(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t k, const int8_t* restrict b, uint8_t* c,
-      int64_t ldc_bytes, int64_t esize, int64_t cols, int64_t col0, const uint8_t* res, int64_t ldr,
-      const QEpilogue* e, const uint32_t flip) {
+qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b, uint8_t* c, int64_t ldc_bytes,
+      int64_t esize, int64_t cols, int64_t col0, const uint8_t* res, int64_t ldr, const QEpilogue* e,
+      const int rows, const uint32_t flip) {
   const int64_t full = k / 4, tail = k % 4, quads = full + (tail != 0);
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m512i c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-/* one quad step: six broadcast rows times the panel's two weight vectors */
-#define QSTEP(X0, X1, X2, X3, X4, X5, B)                                                                   \
+/* one quad step of row I (if the tile has it): its broadcast quad times the panel's two weight vectors */
+#define QROW(I, X, LO, HI)                                                                                 \
+  if (rows > (I)) {                                                                                       \
+    const __m512i x = _mm512_set1_epi32((int)((X) ^ flip));                                               \
+    LO = _mm512_dpbusd_epi32(LO, x, b0);                                                                  \
+    HI = _mm512_dpbusd_epi32(HI, x, b1);                                                                  \
+  }
+#define QSTEP(QUAD, AT, B)                                                                                 \
   do {                                                                                                    \
     const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512((B) + 64);                          \
-    __m512i x = _mm512_set1_epi32((int)((X0) ^ flip));                                                    \
-    c00 = _mm512_dpbusd_epi32(c00, x, b0); c01 = _mm512_dpbusd_epi32(c01, x, b1);                         \
-    x = _mm512_set1_epi32((int)((X1) ^ flip));                                                            \
-    c10 = _mm512_dpbusd_epi32(c10, x, b0); c11 = _mm512_dpbusd_epi32(c11, x, b1);                         \
-    x = _mm512_set1_epi32((int)((X2) ^ flip));                                                            \
-    c20 = _mm512_dpbusd_epi32(c20, x, b0); c21 = _mm512_dpbusd_epi32(c21, x, b1);                         \
-    x = _mm512_set1_epi32((int)((X3) ^ flip));                                                            \
-    c30 = _mm512_dpbusd_epi32(c30, x, b0); c31 = _mm512_dpbusd_epi32(c31, x, b1);                         \
-    x = _mm512_set1_epi32((int)((X4) ^ flip));                                                            \
-    c40 = _mm512_dpbusd_epi32(c40, x, b0); c41 = _mm512_dpbusd_epi32(c41, x, b1);                         \
-    x = _mm512_set1_epi32((int)((X5) ^ flip));                                                            \
-    c50 = _mm512_dpbusd_epi32(c50, x, b0); c51 = _mm512_dpbusd_epi32(c51, x, b1);                         \
+    QROW(0, QUAD(a0 + (AT)), c00, c01) QROW(1, QUAD(a1 + (AT)), c10, c11)                                 \
+    QROW(2, QUAD(a2 + (AT)), c20, c21) QROW(3, QUAD(a3 + (AT)), c30, c31)                                 \
+    QROW(4, QUAD(a4 + (AT)), c40, c41) QROW(5, QUAD(a5 + (AT)), c50, c51)                                 \
   } while (0)
+#define TAIL(P) tail_quad(P, tail)
   for (int64_t s = 0; s < segs; ++s) {
     const uint8_t *a0 = a[s * MR], *a1 = a[s * MR + 1], *a2 = a[s * MR + 2], *a3 = a[s * MR + 3];
     const uint8_t *a4 = a[s * MR + 4], *a5 = a[s * MR + 5];
     const int8_t* bs = b + s * quads * NR * 4;
-    for (int64_t q = 0; q < full; ++q)
-      QSTEP(quad(a0 + 4 * q), quad(a1 + 4 * q), quad(a2 + 4 * q), quad(a3 + 4 * q), quad(a4 + 4 * q),
-            quad(a5 + 4 * q), bs + q * NR * 4);
-    if (tail)   /* the last 1-3 bytes of each row, the rest of the quad zero (its weights are zero too) */
-      QSTEP(tail_quad(a0 + 4 * full, tail), tail_quad(a1 + 4 * full, tail), tail_quad(a2 + 4 * full, tail),
-            tail_quad(a3 + 4 * full, tail), tail_quad(a4 + 4 * full, tail), tail_quad(a5 + 4 * full, tail),
-            bs + full * NR * 4);
+    for (int64_t q = 0; q < full; ++q) QSTEP(quad, 4 * q, bs + q * NR * 4);
+    if (tail) QSTEP(TAIL, 4 * full, bs + full * NR * 4);   /* the last 1-3 bytes; their padded weights are 0 */
   }
+#undef TAIL
 #undef QSTEP
+#undef QROW
   const __m512i acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
   const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
   const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
-  for (int64_t i = 0; i < mr; ++i) {
+  for (int i = 0; i < rows; ++i) {
     uint8_t* row = c + i * ldc_bytes;
     const uint8_t* r = res ? res + i * ldr : 0;
     store16(acc[i][0], col0, e, r, row, lo);
     if (hi) store16(acc[i][1], col0 + 16, e, r ? r + 16 : 0, row + 16 * esize, hi);
   }
+}
+
+/* qtile for `mr` rows and the input's signedness, each combination compiled on its own. */
+static void tile_rows(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t k, const int8_t* restrict b,
+                      uint8_t* c, int64_t ldc_bytes, int64_t esize, int64_t cols, int64_t col0, const uint8_t* res,
+                      int64_t ldr, const QEpilogue* e) {
+#define QTILE(R) (e->signed_input ? qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr, e, R, 0x80808080u) \
+                                  : qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr, e, R, 0))
+  switch (mr) {
+    case 1: QTILE(1); break;
+    case 2: QTILE(2); break;
+    case 3: QTILE(3); break;
+    case 4: QTILE(4); break;
+    case 5: QTILE(5); break;
+    default: QTILE(6);
+  }
+#undef QTILE
 }
 
 static inline int64_t out_size(const QEpilogue* e) { return e->out_kind == OUT_F32 ? 4 : 1; }
@@ -212,10 +225,7 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
       const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
       uint8_t* out = (uint8_t*)c + at * esize;
       const uint8_t* r = res ? (const uint8_t*)res + at : 0;
-      if (e->signed_input)
-        qtile(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n, e, 0x80808080u);
-      else
-        qtile(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n, e, 0);
+      tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n, e);
     }
   }
 }
@@ -251,10 +261,7 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
         const int64_t at = (unit.p * m + r0) * cout + unit.nb * NR;
         uint8_t* out = (uint8_t*)y + at * esize;
         const uint8_t* r = res ? (const uint8_t*)res + at : 0;
-        if (e->signed_input)
-          qtile(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout, e, 0x80808080u);
-        else
-          qtile(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout, e, 0);
+        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout, e);
       }
     }
     free(rows);
