@@ -24,6 +24,7 @@ from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _
 VNNI_ISA = ("avx512_vnni",)
 PANEL, QUAD = 32, 4              # columns per packed panel (qgemm.c's NR), k bytes per int32 lane
 OUT_KINDS = {None: 0, "uint8": 1, "int8": 2}   # qgemm.c's OUT_F32, OUT_U8, OUT_S8 (None: no y_scale, FP32 out)
+MAX_K = (2**31 - 1) // (255 * 128)   # products summed per output (65,793) before an int32 sum could overflow
 
 
 class Epilogue(ctypes.Structure):
@@ -147,7 +148,7 @@ def _conv_supported(layer: LayerView) -> bool:
     if fused_activation(a.get("activation")) is None or (layer.input_dynamic and layer.input_dynamic[0]):
         return False
     kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
-    if oh < 1 or ow < 1 or min(pt, pl) < 0:
+    if oh < 1 or ow < 1 or min(pt, pl) < 0 or kh * kw * layer.input_shapes[0][1] > MAX_K:
         return False
     if _has_residual(layer):
         q = layer.attrs["quant"]
@@ -261,7 +262,7 @@ class QLinearGemmTactic:
         if layer.op_type not in ("QGemm", "QMatMul") or layer.domain != "kiln":
             return False
         x, w, a = layer.input_shapes[0], layer.const_inputs.get(1), layer.attrs
-        if x is None or len(x) < 2 or w is None or w.dim() != 2 or not _quant_supported(layer):
+        if x is None or len(x) < 2 or w is None or w.dim() != 2 or x[-1] > MAX_K or not _quant_supported(layer):
             return False
         if layer.op_type == "QGemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
                                          or a.get("beta", 1.0) != 1.0):

@@ -264,6 +264,11 @@ def test_int8_kernels_decline_what_they_cannot_run():
     for name, view in cases.items():
         assert not QConvDirectTactic().supports(view), name
         assert not QConvGemmTactic().supports(view), name
+    long_k = 65_800                                          # 255 * 128 * k could overflow the int32 sums
+    w = torch.zeros((long_k, 4), dtype=torch.int8)
+    assert not QLinearGemmTactic().supports(linear_view("QMatMul", (1, long_k), w, quant(4, axis=1)))
+    assert QLinearGemmTactic().supports(linear_view("QMatMul", (1, 4096), w[:4096], quant(4, axis=1))) or \
+        not (hardware.has_any(VNNI_ISA) and native.available())
 
 
 def resnet_like() -> nn.Module:

@@ -52,13 +52,16 @@ typedef struct {
 
 typedef struct { int64_t p, nb, cols, first, last; } WorkUnit;
 
-/* gemm.c's work split: unit q of (batch x panels x row chunks), row chunks outermost where weights fit in L2. */
+/* gemm.c's work split: unit q of (batch x panels x row chunks), row chunks outermost where weights fit in L2,
+   except that the tiles are shared evenly among the chunks (33 tiles: 7,7,7,6,6 rather than 8,8,8,8,1), so
+   OpenMP's static schedule hands each thread the same work whichever way the units are ordered. */
 static inline WorkUnit work_unit(int64_t q, int64_t panels, int64_t chunks, int64_t tiles, int64_t n,
                                  int64_t rows_outer) {
   const int64_t units = panels * chunks, u = q % units;
   const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
-  const WorkUnit unit = {q / units, nb, n - nb * NR < NR ? n - nb * NR : NR, ch * CHUNK,
-                         (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles};
+  const int64_t base = tiles / chunks, extra = tiles % chunks;
+  const int64_t first = ch * base + (ch < extra ? ch : extra), last = first + base + (ch < extra);
+  const WorkUnit unit = {q / units, nb, n - nb * NR < NR ? n - nb * NR : NR, first, last};
   return unit;
 }
 
