@@ -21,7 +21,8 @@ from cpu_info import cpu_line  # noqa: E402
 
 
 def tiny_layers():
-    """(label, LayerView) pairs: a 1x1 convolution on 8 channels at 4x4, and an 8x8 linear on 1 row."""
+    """(label, LayerView) pairs: a 1x1 convolution on 8 channels at 4x4 and an 8x8 linear on 1 row, in FP32 and
+    INT8 (u8 in and out, s8 weights per channel), and a padded 3x3 INT8 convolution (kiln's direct kernel)."""
     import torch
 
     from kiln.tactics.base import LayerView
@@ -38,8 +39,12 @@ def tiny_layers():
                       ("uint8", "int8", "float32"), {1: w8, 2: torch.randn(8)}, ("uint8",), 17, ((), (), ()))
     qgemm = LayerView("QGemm", "kiln", {"transB": 1, "quant": quant}, ((1, 8), (8, 8)), ("uint8", "int8"),
                       {1: w8.reshape(8, 8)}, ("uint8",), 17, ((), ()))
+    conv3 = {**conv_attrs, "kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "quant": quant}
+    w3 = torch.randint(-127, 128, (8, 8, 3, 3), dtype=torch.int8)
+    qconv3 = LayerView("QConv", "kiln", conv3, ((1, 8, 4, 4), (8, 8, 3, 3), (8,)), ("uint8", "int8", "float32"),
+                       {1: w3, 2: torch.randn(8)}, ("uint8",), 17, ((), (), ()))
     return [("conv 1x1 8ch 4x4", conv), ("linear 1x8x8", linear), ("INT8 conv 1x1 8ch 4x4", qconv),
-            ("INT8 linear 1x8x8", qgemm)]
+            ("INT8 conv 3x3 8ch 4x4", qconv3), ("INT8 linear 1x8x8", qgemm)]
 
 
 def per_call_us(kernel, xs, calls: int) -> float:

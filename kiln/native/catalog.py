@@ -41,6 +41,9 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
                                     I64, I64, I64, I64, I64, I64)),
         Function("kiln_conv", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 2),
         Function("kiln_conv_bf16", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 3))),
+    LibrarySpec("qgemm", "qgemm.c", (   # the first argument: the layer's constants (kiln.tactics.qgemm_c)
+        Function("kiln_qgemm", (POINTER,) * 4 + (I64,)),
+        Function("kiln_qconv", (POINTER,) * 4))),
     LibrarySpec("winograd", "winograd.c", (
         Function("wino_fused", (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64)),),
         rendered_by="the tile size M and the transforms (kiln.tactics.winograd_c.render)"),

@@ -16,6 +16,7 @@ from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTacti
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import NhwcPoolTactic
+from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.resize_c import NhwcResizeTactic
 from kiln.tactics.winograd import WinogradConvTactic
@@ -30,10 +31,13 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                                 MatMulGemmBf16Tactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
-                                     "Resize": [NhwcResizeTactic()], "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
+                                     "Resize": [NhwcResizeTactic()],
+                                     "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
-                                     "QConv": [OneDnnInt8ConvTactic()], "QGemm": [OneDnnInt8LinearTactic()],
-                                     "QMatMul": [OneDnnInt8LinearTactic()], "Attention": [Bf16AttentionTactic()]}
+                                     "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic()],
+                                     "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic()],
+                                     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic()],
+                                     "Attention": [Bf16AttentionTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")

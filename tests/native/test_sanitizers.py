@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, pooling, Resize, reformat, pointwise
+KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, pooling, Resize, reformat, pointwise, INT8
     "tests/tactics/test_conv1x1.py::test_matches_float64_convolution",
     "tests/tactics/test_conv1x1.py::test_batched_product_with_separate_weights_per_batch",
     "tests/tactics/test_conv_direct.py::test_matches_float64_convolution",
@@ -24,6 +24,8 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, pooli
     "tests/tactics/test_reformat.py::test_both_directions_are_exact",
     "tests/tactics/test_codegen.py::test_unary_ops_match_onnxruntime",
     "tests/tactics/test_codegen.py::test_binary_ops_with_broadcast_match_onnxruntime",
+    "tests/tactics/test_qgemm_c.py::test_quantized_conv_matches_its_formula_and_onednn",   # skipped without VNNI
+    "tests/tactics/test_qgemm_c.py::test_quantized_linear_matches_its_formula_and_onednn",
 ]
 CANARY = """
 import torch

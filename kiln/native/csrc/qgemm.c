@@ -1,0 +1,285 @@
+/* kiln's INT8 GEMM and direct convolution on AVX512-VNNI (kiln.tactics.qgemm_c): u8 activations times s8 weights
+   with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit saturation), int32 accumulation,
+   then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n] + bias[n], + the dequantized
+   INT8 residual, clamp (ReLU, Clip) or Swish, and FP32 out or requantized to u8/s8 (round half to even,
+   saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128: the caller's comp).
+
+   Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a
+   convolution pads each kernel row's segment of kw * c bytes); activations are read in place and a row's tail
+   quad is built from its remaining bytes, never past its end. The register tile is gemm.h's: 6 rows x 32
+   columns, 12 zmm accumulators; the work split (batch, panel, row chunk) over OpenMP is gemm.c's. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MR 6    /* rows per register tile */
+#define NR 32   /* columns per packed weight panel: two vectors of 16 int32 lanes, 4 k-bytes each */
+#define CHUNK 8 /* register tiles per work unit */
+#define ROWS_OUTER_BYTES (512 * 1024)   /* weights up to this size: row chunks outermost (gemm.c) */
+
+/* Everything after the int32 sums, fixed at load (kiln.tactics.qgemm_c.Epilogue mirrors it field by field). */
+typedef struct {
+  const int32_t* comp;      /* x_zp (+128 for s8 input) * column sum of the weights, padded to whole panels */
+  const float* scale;       /* x_scale * w_scale[n], padded */
+  const float* bias;        /* FP32 bias, padded; NULL: none */
+  float clamp_lo, clamp_hi; /* ReLU (0, inf), Clip (min, max); (-inf, inf) otherwise */
+  float r_scale;            /* the residual's scale (its type is the output's) */
+  float y_inv_scale;        /* 1 / y_scale */
+  int32_t r_zp, y_zp;
+  int32_t swish;            /* 1: x * sigmoid(x) after the clamp */
+  int32_t out_kind;         /* OUT_F32, OUT_U8, OUT_S8 */
+  int32_t signed_input;     /* 1: s8 activations (top bit flipped as read) */
+  int32_t pad_byte;         /* the raw input byte of a quantized zero (x_zp), written where a window is padded */
+} QEpilogue;
+
+enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
+
+/* A GEMM layer's constant arguments (kiln.tactics.qgemm_c.GemmCall): a call passes only its tensors, so the
+   per-call cost is not spent converting a dozen integers. Row r of image p starts at a + p * a_batch +
+   (r / row_width) * line_step + (r % row_width) * col_step bytes (strided 1x1 convolutions read in place). */
+typedef struct {
+  const int8_t* b;   /* weights, [n/32][k/4][32][4] */
+  int64_t a_batch, row_width, col_step, line_step, c_batch, batch, k, n;
+  QEpilogue e;
+} QGemmCall;
+
+/* A direct convolution's constant arguments (kiln.tactics.qgemm_c.ConvCall). */
+typedef struct {
+  const int8_t* b;   /* weights, [cout/32][kh][(kw * c) / 4][32][4] */
+  int64_t n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, cout;
+  QEpilogue e;
+} QConvCall;
+
+typedef struct { int64_t p, nb, cols, first, last; } WorkUnit;
+
+/* gemm.c's work split: unit q of (batch x panels x row chunks), row chunks outermost where weights fit in L2,
+   except that the tiles are shared evenly among the chunks (33 tiles: 7,7,7,6,6 rather than 8,8,8,8,1), so
+   OpenMP's static schedule hands each thread the same work whichever way the units are ordered. */
+static inline WorkUnit work_unit(int64_t q, int64_t panels, int64_t chunks, int64_t tiles, int64_t n,
+                                 int64_t rows_outer) {
+  const int64_t units = panels * chunks, u = q % units;
+  const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
+  const int64_t base = tiles / chunks, extra = tiles % chunks;
+  const int64_t first = ch * base + (ch < extra ? ch : extra), last = first + base + (ch < extra);
+  const WorkUnit unit = {q / units, nb, n - nb * NR < NR ? n - nb * NR : NR, first, last};
+  return unit;
+}
+
+/* One kernel row of a convolution window: the kw * c bytes of image row yy from column x0, read in place where
+   the window lies inside the image, else copied into `pad` with the zero point where the padding is (so the
+   column-sum compensation is the same for every pixel). */
+static inline const uint8_t* window_segment(const uint8_t* image, int64_t h, int64_t w, int64_t c, int64_t kw,
+                                            int64_t yy, int64_t x0, uint8_t* pad, int pad_byte) {
+  const int inside_y = yy >= 0 && yy < h;
+  if (inside_y && x0 >= 0 && x0 + kw <= w) return image + (yy * w + x0) * c;
+  for (int64_t j = 0; j < kw; ++j) {
+    const int64_t xx = x0 + j;
+    if (inside_y && xx >= 0 && xx < w) memcpy(pad + j * c, image + (yy * w + xx) * c, (size_t)c);
+    else memset(pad + j * c, pad_byte, (size_t)c);
+  }
+  return pad;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+static inline __m512 v_swish(__m512 x) {   /* x * sigmoid(x), gemm.h's Cephes expf in intrinsics */
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-87.0f)),
+                                 _mm512_set1_ps(87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f - 2.12194440e-4f), t);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                                              _mm512_set1_epi32(127)), 23));
+  return _mm512_div_ps(x, _mm512_fmadd_ps(e, scale, _mm512_set1_ps(1.0f)));
+}
+
+/* 16 output columns from their int32 sums: compensation, scales, bias, residual, activation, then stored as
+   FP32 or requantized u8/s8 (`mask`: the real columns of a partial panel; other lanes are never stored). */
+static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out,
+                           __mmask16 mask) {
+  __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(e->comp + col)));
+  y = _mm512_mul_ps(y, _mm512_loadu_ps(e->scale + col));
+  if (e->bias) y = _mm512_add_ps(y, _mm512_loadu_ps(e->bias + col));
+  if (res) {
+    const __m128i bytes = _mm_maskz_loadu_epi8(mask, res);
+    const __m512i r = e->out_kind == OUT_S8 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(r, _mm512_set1_epi32(e->r_zp))),
+                        _mm512_set1_ps(e->r_scale), y);
+  }
+  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(e->clamp_lo)), _mm512_set1_ps(e->clamp_hi));
+  if (e->swish) y = v_swish(y);
+  if (e->out_kind == OUT_F32) {
+    _mm512_mask_storeu_ps(out, mask, y);
+    return;
+  }
+  /* default MXCSR rounding: half to even, as QuantizeLinear rounds */
+  __m512i q = _mm512_cvtps_epi32(_mm512_fmadd_ps(y, _mm512_set1_ps(e->y_inv_scale), _mm512_set1_ps((float)e->y_zp)));
+  const __m128i packed = e->out_kind == OUT_S8 ? _mm512_cvtsepi32_epi8(q)
+                                               : _mm512_cvtusepi32_epi8(_mm512_max_epi32(q, _mm512_setzero_si512()));
+  _mm_mask_storeu_epi8(out, mask, packed);
+}
+
+static inline uint32_t quad(const uint8_t* p) {
+  uint32_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* 1-3 bytes, the rest zero: a masked load, which touches no byte past the row's end */
+static inline uint32_t tail_quad(const uint8_t* p, int64_t bytes) {
+  return (uint32_t)_mm_cvtsi128_si32(_mm_maskz_loadu_epi8((__mmask16)((1u << bytes) - 1), p));
+}
+
+/* Sums `segs` segments of `k` bytes into `rows` (1-6) rows of a 32-column tile (segment s: rows a[s * MR + i],
+   weights b + s * quads * NR * 4), then stores them through the epilogue. `rows` and `flip` (0, or 0x80808080 for
+   s8 input) are compile-time constants at each call site (tile_rows), so a short tile (a batch-1 linear layer, the
+   last rows) computes only its rows and the u8 path broadcasts straight from memory. */
+static inline __attribute__((always_inline)) void
+qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b, uint8_t* c, int64_t ldc_bytes,
+      int64_t esize, int64_t cols, int64_t col0, const uint8_t* res, int64_t ldr, const QEpilogue* e,
+      const int rows, const uint32_t flip) {
+  const int64_t full = k / 4, tail = k % 4, quads = full + (tail != 0);
+  __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m512i c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+/* one quad step of row I (if the tile has it): its broadcast quad times the panel's two weight vectors */
+#define QROW(I, X, LO, HI)                                                                                 \
+  if (rows > (I)) {                                                                                       \
+    const __m512i x = _mm512_set1_epi32((int)((X) ^ flip));                                               \
+    LO = _mm512_dpbusd_epi32(LO, x, b0);                                                                  \
+    HI = _mm512_dpbusd_epi32(HI, x, b1);                                                                  \
+  }
+#define QSTEP(QUAD, AT, B)                                                                                 \
+  do {                                                                                                    \
+    const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512((B) + 64);                          \
+    QROW(0, QUAD(a0 + (AT)), c00, c01) QROW(1, QUAD(a1 + (AT)), c10, c11)                                 \
+    QROW(2, QUAD(a2 + (AT)), c20, c21) QROW(3, QUAD(a3 + (AT)), c30, c31)                                 \
+    QROW(4, QUAD(a4 + (AT)), c40, c41) QROW(5, QUAD(a5 + (AT)), c50, c51)                                 \
+  } while (0)
+#define TAIL(P) tail_quad(P, tail)
+  for (int64_t s = 0; s < segs; ++s) {
+    const uint8_t *a0 = a[s * MR], *a1 = a[s * MR + 1], *a2 = a[s * MR + 2], *a3 = a[s * MR + 3];
+    const uint8_t *a4 = a[s * MR + 4], *a5 = a[s * MR + 5];
+    const int8_t* bs = b + s * quads * NR * 4;
+    for (int64_t q = 0; q < full; ++q) QSTEP(quad, 4 * q, bs + q * NR * 4);
+    if (tail) QSTEP(TAIL, 4 * full, bs + full * NR * 4);   /* the last 1-3 bytes; their padded weights are 0 */
+  }
+#undef TAIL
+#undef QSTEP
+#undef QROW
+  const __m512i acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+  for (int i = 0; i < rows; ++i) {
+    uint8_t* row = c + i * ldc_bytes;
+    const uint8_t* r = res ? res + i * ldr : 0;
+    store16(acc[i][0], col0, e, r, row, lo);
+    if (hi) store16(acc[i][1], col0 + 16, e, r ? r + 16 : 0, row + 16 * esize, hi);
+  }
+}
+
+/* qtile for `mr` rows and the input's signedness, each combination compiled on its own. */
+static void tile_rows(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t k, const int8_t* restrict b,
+                      uint8_t* c, int64_t ldc_bytes, int64_t esize, int64_t cols, int64_t col0, const uint8_t* res,
+                      int64_t ldr, const QEpilogue* e) {
+#define QTILE(R) (e->signed_input ? qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr, e, R, 0x80808080u) \
+                                  : qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr, e, R, 0))
+  switch (mr) {
+    case 1: QTILE(1); break;
+    case 2: QTILE(2); break;
+    case 3: QTILE(3); break;
+    case 4: QTILE(4); break;
+    case 5: QTILE(5); break;
+    default: QTILE(6);
+  }
+#undef QTILE
+}
+
+static inline int64_t out_size(const QEpilogue* e) { return e->out_kind == OUT_F32 ? 4 : 1; }
+
+/* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual,
+   output-typed) laid out as C, and may be C itself. */
+void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+  const int64_t a_batch = g->a_batch, row_width = g->row_width, col_step = g->col_step, line_step = g->line_step;
+  const int64_t c_batch = g->c_batch, batch = g->batch, k = g->k, n = g->n;
+  const int8_t* b = g->b;
+  const QEpilogue* e = &g->e;
+  const int64_t quads = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
+  const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks, esize = out_size(e);
+  const int64_t rows_outer = quads * 4 * n <= ROWS_OUTER_BYTES;
+  #pragma omp parallel for schedule(static)
+  for (int64_t q = 0; q < batch * units; ++q) {
+    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, rows_outer);
+    const int8_t* bp = b + unit.nb * quads * NR * 4;
+    for (int64_t t = unit.first; t < unit.last; ++t) {
+      const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+      const uint8_t* rows[MR];
+      for (int64_t i = 0; i < MR; ++i) {
+        const int64_t r = r0 + (i < mr ? i : 0);   /* a partial tile repeats its first row */
+        rows[i] = a + unit.p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+      }
+      const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
+      uint8_t* out = (uint8_t*)c + at * esize;
+      const uint8_t* r = res ? (const uint8_t*)res + at : 0;
+      tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n, e);
+    }
+  }
+}
+
+/* Direct convolution on NHWC x[n][h][w][c] (dilation 1, one group): output pixel r is a GEMM row, kernel row s of
+   its window one segment of kw * c bytes; B packed from [kh][kw * c padded to quads][cout]. Windows crossing the
+   border are copied into a per-thread buffer, padded with the zero point's byte. */
+void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
+  const int64_t n = g->n, h = g->h, w = g->w, c = g->c, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw;
+  const int64_t pt = g->pt, pl = g->pl, oh = g->oh, ow = g->ow, cout = g->cout;
+  const int8_t* b = g->b;
+  const QEpilogue* e = &g->e;
+  const int64_t m = oh * ow, seg = kw * c, quads = (seg + 3) / 4, panels = (cout + NR - 1) / NR;
+  const int64_t tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
+  const int64_t rows_outer = kh * quads * 4 * cout <= ROWS_OUTER_BYTES, esize = out_size(e);
+  #pragma omp parallel
+  {
+    uint8_t* pad = (uint8_t*)malloc((size_t)(MR * kh * seg));
+    const uint8_t** rows = (const uint8_t**)malloc(sizeof(uint8_t*) * MR * kh);
+    #pragma omp for schedule(static)
+    for (int64_t q = 0; q < n * units; ++q) {
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, rows_outer);
+      const int8_t* bp = b + unit.nb * kh * quads * NR * 4;
+      const uint8_t* image = x + unit.p * h * w * c;
+      for (int64_t t = unit.first; t < unit.last; ++t) {
+        const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+        for (int64_t i = 0; i < MR; ++i) {
+          const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
+          for (int64_t s = 0; s < kh; ++s)
+            rows[s * MR + i] = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad + (i * kh + s) * seg,
+                                              e->pad_byte);
+        }
+        const int64_t at = (unit.p * m + r0) * cout + unit.nb * NR;
+        uint8_t* out = (uint8_t*)y + at * esize;
+        const uint8_t* r = res ? (const uint8_t*)res + at : 0;
+        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout, e);
+      }
+    }
+    free(rows);
+    free(pad);
+  }
+}
+#else
+/* Compiled on every CPU so the library stays one unit; kiln offers these tactics only where AVX512-VNNI is. */
+void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+  (void)g; (void)a; (void)c; (void)res; (void)m;
+  abort();   /* unreachable: no tactic calls it without AVX512-VNNI */
+}
+
+void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
+  (void)g; (void)x; (void)y; (void)res;
+  abort();   /* unreachable, as above */
+}
+#endif

@@ -1,0 +1,299 @@
+"""kiln's own INT8 kernels in C (kiln/native/csrc/qgemm.c) on AVX512-VNNI's `vpdpbusd`: QConv as a GEMM (1x1,
+strides read in place) or a direct convolution (any kernel, stride and padding; windows read in place), QGemm and
+QMatMul by a constant matrix. The semantics are the oneDNN INT8 tactics' (kiln.tactics.onednn_int8): u8 or s8
+activations (s8 read as u8 with the top bit flipped, zero point + 128), symmetric s8 weights per tensor or per
+output channel, a constant FP32 bias, the INT8 residual summed before the activation, and FP32 out or
+requantized to u8/s8 (round half to even, saturated).
+
+The weights are packed once at load into 32-column panels of 4-byte quads, [n/32][k/4][32][4], with the column
+sums that undo the activation zero point (padded pixels hold the zero point, so the same sum holds at borders).
+Why kiln has its own beside oneDNN's: a oneDNN INT8 call through torch spends 20-30 µs on descriptors, kiln's
+3-4.5 µs (benchmarks/overhead.py), which decides small layers. On ResNet-50's layers (one Zen 4 thread) kiln's
+kernels take 0.88-1.13x oneDNN's time, the classifier 0.5x, the 3-channel stem 1.35x. Listed after oneDNN: the
+autotuner times both and keeps the faster per layer."""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from kiln import hardware, native
+from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _scales, unsigned_input
+
+VNNI_ISA = ("avx512_vnni",)
+PANEL = native.header_constant("qgemm.c", "NR")   # columns per packed weight panel, defined once in qgemm.c
+QUAD = 4                                          # k bytes per int32 lane: what one vpdpbusd sums
+OUT_KINDS = {None: 0, "uint8": 1, "int8": 2}   # qgemm.c's OUT_F32, OUT_U8, OUT_S8 (None: no y_scale, FP32 out)
+MAX_K = (2**31 - 1) // (255 * 128)   # products summed per output (65,793) before an int32 sum could overflow
+
+
+class Epilogue(ctypes.Structure):
+    """qgemm.c's QEpilogue, field by field: everything after the int32 sums, fixed at load."""
+
+    _fields_ = [("comp", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("clamp_lo", ctypes.c_float), ("clamp_hi", ctypes.c_float), ("r_scale", ctypes.c_float),
+                ("y_inv_scale", ctypes.c_float), ("r_zp", ctypes.c_int32), ("y_zp", ctypes.c_int32),
+                ("swish", ctypes.c_int32), ("out_kind", ctypes.c_int32), ("signed_input", ctypes.c_int32),
+                ("pad_byte", ctypes.c_int32)]
+
+
+I64 = ctypes.c_int64
+ONE_LINE = 1 << 62   # a GemmCall's row_width for linear rows: all on one line, row r at r * col_step
+
+
+class GemmCall(ctypes.Structure):
+    """qgemm.c's QGemmCall: a GEMM layer's constants, built once at load."""
+
+    _fields_ = [("b", ctypes.c_void_p), *((name, I64) for name in ("a_batch", "row_width", "col_step", "line_step",
+                                                                    "c_batch", "batch", "k", "n")),
+                ("e", Epilogue)]
+
+
+class ConvCall(ctypes.Structure):
+    """qgemm.c's QConvCall: a direct convolution's constants, built once at load."""
+
+    _fields_ = [("b", ctypes.c_void_p), *((name, I64) for name in ("n", "h", "w", "c", "kh", "kw", "sh", "sw", "pt",
+                                                                    "pl", "oh", "ow", "cout")),
+                ("e", Epilogue)]
+
+
+def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
+    """(clamp low, clamp high, swish) the kernel applies after the sum; None for an activation it has not."""
+    if not spec:
+        return -math.inf, math.inf, 0
+    attrs = spec.get("attrs", {})
+    if spec["op"] == "Relu":
+        return 0.0, math.inf, 0
+    if spec["op"] == "Clip":
+        return float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf)), 0
+    if spec["op"] == "Swish" and attrs.get("alpha", 1.0) == 1.0:
+        return -math.inf, math.inf, 1
+    return None
+
+
+def pack_quads(w: torch.Tensor) -> torch.Tensor:
+    """s8 [k, n] -> [panels, k/4, 32, 4]: lane j of quad q holds rows 4q..4q+3 of column j; k padded to whole
+    quads and the columns to whole panels with zero weights."""
+    k, n = w.shape
+    quads, panels = -(-k // QUAD), -(-n // PANEL)
+    padded = torch.zeros((quads * QUAD, panels * PANEL), dtype=torch.int8)
+    padded[:k, :n] = w
+    return padded.view(quads, QUAD, panels, PANEL).permute(2, 0, 3, 1).contiguous()
+
+
+def pack_segments(w: torch.Tensor) -> torch.Tensor:
+    """s8 [kh, kw * c, cout] -> kiln_qconv's panels: each kernel row's segment padded to whole quads, so no quad
+    straddles two rows."""
+    kh, seg, cout = w.shape
+    padded = torch.zeros((kh, -(-seg // QUAD) * QUAD, cout), dtype=torch.int8)
+    padded[:, :seg] = w
+    return pack_quads(padded.reshape(-1, cout))
+
+
+def _padded(values: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(-(-n // PANEL) * PANEL, dtype=dtype)
+    out[:n] = values.reshape(-1)
+    return out
+
+
+def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torch.Tensor, ...]]:
+    """The layer's QEpilogue for weights `w_kn` ([k, n] s8) and the tensors it points into (keep them alive)."""
+    q, n = layer.attrs["quant"], w_kn.shape[1]
+    x_zp = unsigned_input(q)[0]
+    comp = _padded(w_kn.to(torch.int32).sum(0) * x_zp, n, torch.int32)
+    scale = _padded(_scales(layer)[0].double() * float(q["x_scale"]), n, torch.float32)
+    bias = layer.const_inputs.get(2)
+    bias = None if bias is None else _padded(bias.float(), n, torch.float32)
+    lo, hi, swish = fused_activation(layer.attrs.get("activation"))
+    y_scale, y_zp, _ = _output(layer)
+    e = Epilogue(comp.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), lo, hi,
+                 float(q.get("r_scale", 1.0)), 1.0 / y_scale, int(q.get("r_zero_point", 0)), y_zp, swish,
+                 OUT_KINDS[q.get("y_dtype") if "y_scale" in q else None], int(q["x_dtype"] == "int8"),
+                 int(q["x_zero_point"]) & 0xFF)
+    return e, tuple(t for t in (comp, scale, bias) if t is not None)
+
+
+def vnni_available() -> bool:
+    return hardware.has_any(VNNI_ISA) and native.available()
+
+
+def _has_residual(layer: LayerView) -> bool:
+    return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
+
+
+def _output_dtype(layer: LayerView) -> torch.dtype:
+    q = layer.attrs["quant"]
+    return {"uint8": torch.uint8, "int8": torch.int8}[q["y_dtype"]] if "y_scale" in q else torch.float32
+
+
+def conv_geometry(layer: LayerView) -> tuple[int, int, int, int, int, int, int, int]:
+    """(kh, kw, sh, sw, pad top, pad left, out h, out w)."""
+    _, _, h, w = layer.input_shapes[0]
+    kh, kw = layer.const_inputs[1].shape[2:]
+    sh, sw = layer.attrs.get("strides") or [1, 1]
+    pt, pl, pb, pr = layer.attrs.get("pads") or [0, 0, 0, 0]
+    return kh, kw, sh, sw, pt, pl, (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
+
+
+def _conv_supported(layer: LayerView) -> bool:
+    """A 2-D QConv with constant s8 weights, one group, dilation 1, explicit pads, an activation the kernel has,
+    and a residual (if fused) of the output's shape and type."""
+    if layer.op_type != "QConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
+        return False
+    a, w = layer.attrs, layer.const_inputs.get(1)
+    if w is None or w.dim() != 4 or a.get("group", 1) != 1 or any(d != 1 for d in a.get("dilations") or [1, 1]):
+        return False
+    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer):
+        return False
+    if fused_activation(a.get("activation")) is None or (layer.input_dynamic and layer.input_dynamic[0]):
+        return False
+    kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
+    if oh < 1 or ow < 1 or min(pt, pl) < 0 or kh * kw * layer.input_shapes[0][1] > MAX_K:
+        return False
+    if _has_residual(layer):
+        q = layer.attrs["quant"]
+        out = (layer.input_shapes[0][0], w.shape[0], oh, ow)
+        if "y_scale" not in q or layer.input_dtypes[3] != q["y_dtype"] or tuple(layer.input_shapes[3]) != out:
+            return False
+    return vnni_available()
+
+
+def nhwc_kernel(launch, out_shape: tuple[int, ...], dtype: torch.dtype, has_residual: bool) -> Kernel:
+    """The kernel around `launch(x, out, residual)` writing a channel-major output of `dtype`; with a residual it
+    carries `into_input`, the variant writing over the residual's dead buffer (each element read before it is
+    written, by the same thread)."""
+    last = torch.channels_last
+    n, c, h, w = out_shape
+    strides = (h * w * c, 1, w * c, c)   # channel-major; torch.empty_strided costs ~0.6 µs less than memory_format
+
+    def run(xs):
+        out = torch.empty_strided(out_shape, strides, dtype=dtype)
+        x = xs[0] if xs[0].is_contiguous(memory_format=last) else xs[0].contiguous(memory_format=last)
+        launch(x, out, xs[3].contiguous(memory_format=last) if has_residual else None)
+        return [out]
+
+    def run_into_residual(xs):
+        r = xs[3]
+        if not r.is_contiguous(memory_format=last):
+            return run(xs)
+        launch(xs[0].contiguous(memory_format=last), r, r)
+        return [r]
+    if has_residual:
+        run.into_input = (3, run_into_residual)
+    return run
+
+
+class QConvGemmTactic:
+    """A 1x1 QConv without padding: [pixels x Cin] . [Cin x Cout], strided rows read in place."""
+
+    name = "kiln.qconv2d_1x1_gemm_nhwc_int8"
+    source = "kiln"
+    needs_c_compiler = True
+    required_isa = VNNI_ISA
+
+    def supports(self, layer: LayerView) -> bool:
+        if not _conv_supported(layer):
+            return False
+        return tuple(layer.const_inputs[1].shape[2:]) == (1, 1) and not any(layer.attrs.get("pads") or [0])
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [HWC] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return HWC
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        gemm = native.library("qgemm").kiln_qgemm
+        n, c, h, w = layer.input_shapes[0]
+        weight = layer.const_inputs[1]
+        cout = weight.shape[0]
+        _, _, sh, sw, _, _, oh, ow = conv_geometry(layer)
+        w_kn = weight.reshape(cout, c).t()
+        packed = pack_quads(w_kn)
+        e, kept = epilogue(layer, w_kn)
+        call = GemmCall(packed.data_ptr(), h * w * c, ow, sw * c, sh * w * c, oh * ow * cout, n, c, cout, e)
+        call_ptr, m = ctypes.addressof(call), oh * ow
+
+        def launch(x, out, res):
+            gemm(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), m)
+        run = nhwc_kernel(launch, (n, cout, oh, ow), _output_dtype(layer), _has_residual(layer))
+        run.constants = (packed, call, kept)   # read through raw pointers
+        return run
+
+
+class QConvDirectTactic(QConvGemmTactic):
+    """Any other QConv: each output pixel's window read in place, one segment of kw x Cin bytes per kernel row."""
+
+    name = "kiln.qconv2d_direct_nhwc_int8"
+
+    def supports(self, layer: LayerView) -> bool:
+        if not _conv_supported(layer):
+            return False
+        return tuple(layer.const_inputs[1].shape[2:]) != (1, 1) or any(layer.attrs.get("pads") or [0])
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        conv = native.library("qgemm").kiln_qconv
+        n, c, h, w = layer.input_shapes[0]
+        weight = layer.const_inputs[1]
+        cout = weight.shape[0]
+        kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
+        w_rows = weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout)   # [kh][kw * c][cout]
+        packed = pack_segments(w_rows)
+        e, kept = epilogue(layer, w_rows.reshape(-1, cout))
+        call = ConvCall(packed.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, cout, e)
+        call_ptr = ctypes.addressof(call)
+
+        def launch(x, out, res):
+            conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
+        run = nhwc_kernel(launch, (n, cout, oh, ow), _output_dtype(layer), _has_residual(layer))
+        run.constants = (packed, call, kept)
+        return run
+
+
+class QLinearGemmTactic:
+    """QGemm and QMatMul by a constant s8 matrix: the activation's rows are the GEMM's, counted per call."""
+
+    name = "kiln.qmatmul_gemm_int8"
+    source = "kiln"
+    needs_c_compiler = True
+    required_isa = VNNI_ISA
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type not in ("QGemm", "QMatMul") or layer.domain != "kiln":
+            return False
+        x, w, a = layer.input_shapes[0], layer.const_inputs.get(1), layer.attrs
+        if x is None or len(x) < 2 or w is None or w.dim() != 2 or x[-1] > MAX_K or not _quant_supported(layer):
+            return False
+        if layer.op_type == "QGemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
+                                         or a.get("beta", 1.0) != 1.0):
+            return False
+        dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
+        return fused_activation(a.get("activation")) is not None and len(x) - 1 not in dynamic and vnni_available()
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [LINEAR] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return LINEAR
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        gemm = native.library("qgemm").kiln_qgemm
+        w = layer.const_inputs[1]
+        w_kn = w.t() if _channel_axis(layer) == 0 else w
+        k, n = w_kn.shape
+        packed = pack_quads(w_kn)
+        e, kept = epilogue(layer, w_kn)
+        call = GemmCall(packed.data_ptr(), 0, ONE_LINE, k, 0, 0, 1, k, n, e)
+        call_ptr, dtype = ctypes.addressof(call), _output_dtype(layer)
+
+        def run(xs):
+            x = xs[0] if xs[0].is_contiguous() else xs[0].contiguous()
+            rows = x.numel() // k
+            y = torch.empty((*x.shape[:-1], n), dtype=dtype)
+            if rows:
+                gemm(call_ptr, x.data_ptr(), y.data_ptr(), None, rows)
+            return [y]
+        run.constants = (packed, call, kept)
+        return run
