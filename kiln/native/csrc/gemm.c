@@ -2,26 +2,7 @@
    matmul_c). OpenMP shares (batch, column panel, row chunk) units out on torch's own thread pool, row chunks
    outermost where the weights fit in L2 (ROWS_OUTER_BYTES). */
 #include "gemm.h"
-
-#define CHUNK 8   /* register tiles per work unit: one weight panel stays in L1 across them */
-/* Weights up to this size stay in L2 while a row chunk runs across every panel, so the chunk's rows are read
-   once and its output (and residual) rows are written in one contiguous sweep; larger weights go panel by
-   panel instead, each panel streamed once while all rows pass it. */
-#define ROWS_OUTER_BYTES (512 * 1024)
-
-/* The work split every loop below shares: unit q of (batch x column panels x row chunks) names an image p, a
-   weight panel nb with its `cols` real columns (of n), and row tiles [first, last); row chunks outermost where
-   the weights fit in L2 (ROWS_OUTER_BYTES). */
-typedef struct { int64_t p, nb, cols, first, last; } WorkUnit;
-
-static inline WorkUnit work_unit(int64_t q, int64_t panels, int64_t chunks, int64_t tiles, int64_t n,
-                                 int64_t rows_outer) {
-  const int64_t units = panels * chunks, u = q % units;
-  const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
-  const WorkUnit unit = {q / units, nb, n - nb * NR < NR ? n - nb * NR : NR, ch * CHUNK,
-                         (ch + 1) * CHUNK < tiles ? (ch + 1) * CHUNK : tiles};
-  return unit;
-}
+#include "work_split.h"
 
 void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
                const float* restrict b, int64_t b_batch, float* c, int64_t c_batch,
@@ -31,7 +12,7 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
   const int64_t units = panels * chunks, rows_outer = k * n * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
   #pragma omp parallel for schedule(static)
   for (int64_t q = 0; q < batch * units; ++q) {
-    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, rows_outer);
+    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
     const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
     const float* bp = b + p * b_batch + nb * k * NR;
     for (int64_t t = unit.first; t < unit.last; ++t) {
@@ -80,7 +61,7 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
     const float** rows = (const float**)malloc(sizeof(float*) * MR * kh);
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < n * units; ++q) {
-      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, rows_outer);
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, NR, rows_outer);
       const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
       const float* bp = b + nb * kh * seg * NR;
       const float* image = x + p * h * w * c;
@@ -219,7 +200,7 @@ void kiln_gemm_bf16(const void* restrict a, int64_t a_batch, int64_t row_width, 
     uint32_t* converted = (uint32_t*)malloc(sizeof(uint32_t) * MR * kp);
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < batch * units; ++q) {
-      const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, rows_outer);
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
       const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
       const uint32_t* bp = b + p * b_batch + nb * kp * NR;
       for (int64_t t = unit.first; t < unit.last; ++t) {
@@ -261,7 +242,7 @@ void kiln_conv_bf16(const void* restrict x, int64_t n, int64_t h, int64_t w, int
     const uint32_t* rows[MR * 16];   /* kernel heights up to 16 (supports() checks) */
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < n * units; ++q) {
-      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, rows_outer);
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, NR, rows_outer);
       const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
       const uint32_t* bp = b + nb * kh * segp * NR;
       const void* image = at_elem(x, p * h * w * c, a_bf16);

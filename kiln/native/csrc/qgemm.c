@@ -7,15 +7,16 @@
    Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a
    convolution pads each kernel row's segment of kw * c bytes); activations are read in place and a row's tail
    quad is built from its remaining bytes, never past its end. The register tile is gemm.h's: 6 rows x 32
-   columns, 12 zmm accumulators; the work split (batch, panel, row chunk) over OpenMP is gemm.c's. */
+   columns, 12 zmm accumulators; the work split (batch, panel, row chunk) over OpenMP is work_split.h's, as
+   gemm.c's. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "work_split.h"
+
 #define MR 6    /* rows per register tile */
 #define NR 32   /* columns per packed weight panel: two vectors of 16 int32 lanes, 4 k-bytes each */
-#define CHUNK 8 /* register tiles per work unit */
-#define ROWS_OUTER_BYTES (512 * 1024)   /* weights up to this size: row chunks outermost (gemm.c) */
 
 /* Everything after the int32 sums, fixed at load (kiln.tactics.qgemm_c.Epilogue mirrors it field by field). */
 typedef struct {
@@ -49,21 +50,6 @@ typedef struct {
   int64_t n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, cout;
   QEpilogue e;
 } QConvCall;
-
-typedef struct { int64_t p, nb, cols, first, last; } WorkUnit;
-
-/* gemm.c's work split: unit q of (batch x panels x row chunks), row chunks outermost where weights fit in L2,
-   except that the tiles are shared evenly among the chunks (33 tiles: 7,7,7,6,6 rather than 8,8,8,8,1), so
-   OpenMP's static schedule hands each thread the same work whichever way the units are ordered. */
-static inline WorkUnit work_unit(int64_t q, int64_t panels, int64_t chunks, int64_t tiles, int64_t n,
-                                 int64_t rows_outer) {
-  const int64_t units = panels * chunks, u = q % units;
-  const int64_t nb = rows_outer ? u % panels : u / chunks, ch = rows_outer ? u / panels : u % chunks;
-  const int64_t base = tiles / chunks, extra = tiles % chunks;
-  const int64_t first = ch * base + (ch < extra ? ch : extra), last = first + base + (ch < extra);
-  const WorkUnit unit = {q / units, nb, n - nb * NR < NR ? n - nb * NR : NR, first, last};
-  return unit;
-}
 
 /* One kernel row of a convolution window: the kw * c bytes of image row yy from column x0, read in place where
    the window lies inside the image, else copied into `pad` with the zero point where the padding is (so the
@@ -216,7 +202,7 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
   const int64_t rows_outer = quads * 4 * n <= ROWS_OUTER_BYTES;
   #pragma omp parallel for schedule(static)
   for (int64_t q = 0; q < batch * units; ++q) {
-    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, rows_outer);
+    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
     const int8_t* bp = b + unit.nb * quads * NR * 4;
     for (int64_t t = unit.first; t < unit.last; ++t) {
       const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
@@ -250,7 +236,7 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
     const uint8_t** rows = (const uint8_t**)malloc(sizeof(uint8_t*) * MR * kh);
     #pragma omp for schedule(static)
     for (int64_t q = 0; q < n * units; ++q) {
-      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, rows_outer);
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, NR, rows_outer);
       const int8_t* bp = b + unit.nb * kh * quads * NR * 4;
       const uint8_t* image = x + unit.p * h * w * c;
       for (int64_t t = unit.first; t < unit.last; ++t) {
