@@ -52,6 +52,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_layernorm_bf16", (POINTER,) * 5 + (I64,) * 2 + (F64, I64)))),
     LibrarySpec("pool", "pool.c", (
         Function("kiln_maxpool", (POINTER,) * 2 + (I64,) * 14),
+        Function("kiln_maxpool_u8", (POINTER,) * 2 + (I64,) * 14),
+        Function("kiln_maxpool_s8", (POINTER,) * 2 + (I64,) * 14),
         Function("kiln_global_pool", (POINTER,) * 2 + (I64,) * 4))),
     LibrarySpec("resize", "resize.c", (
         Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),)),

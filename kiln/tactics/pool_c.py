@@ -1,5 +1,5 @@
 """Pooling on channel-major (NHWC) activations in C (kiln/native/csrc/pool.c): 2-D MaxPool (any kernel, stride,
-dilation, padding, ceil mode) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output
+dilation, padding, ceil mode; FP32, u8 or s8) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output
 rows.
 
 The layer takes its input in whatever layout the producer wrote, so choosing it never adds Reformat layers: a
@@ -18,6 +18,8 @@ from kiln.ops.nn import global_average_pool, global_max_pool, max_pool, pool_out
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
+MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
+                 "int8": ("kiln_maxpool_s8", torch.int8)}   # the global pools: float32 only
 
 
 class NhwcPoolTactic:
@@ -29,7 +31,10 @@ class NhwcPoolTactic:
         if layer.op_type not in ("MaxPool", "GlobalAveragePool", "GlobalMaxPool") or layer.domain not in ("", "ai.onnx"):
             return False
         x = layer.input_shapes[0]
-        if x is None or len(x) != 4 or layer.input_dtypes[0] != "float32" or layer.output_dtypes != ("float32",):
+        if x is None or len(x) != 4 or layer.input_dtypes[0] not in MAXPOOL_TYPES or \
+                layer.output_dtypes != (layer.input_dtypes[0],):
+            return False
+        if layer.input_dtypes[0] != "float32" and layer.op_type != "MaxPool":
             return False
         if layer.input_dynamic and layer.input_dynamic[0]:
             return False
@@ -70,11 +75,14 @@ class NhwcPoolTactic:
         oh = pool_output_size(h, kh, sh, dh, pt, pb, ceil)
         ow = pool_output_size(w, kw, sw, dw, pl, pr, ceil)
 
+        entry, dtype = MAXPOOL_TYPES[layer.input_dtypes[0]]
+        pool = getattr(lib, entry)
+
         def run(xs):
             x = xs[0]
             if not x.is_contiguous(memory_format=last):
                 return planar(a, xs)   # channel-planar input: torch's kernel, output in the same layout
-            y = torch.empty((n, c, oh, ow), memory_format=last)
-            lib.kiln_maxpool(x.data_ptr(), y.data_ptr(), n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
+            y = torch.empty((n, c, oh, ow), dtype=dtype, memory_format=last)
+            pool(x.data_ptr(), y.data_ptr(), n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
             return [y]
         return run

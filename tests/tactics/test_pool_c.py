@@ -48,6 +48,24 @@ def test_maxpool_equals_onnxruntime(shape, attrs):
     np.testing.assert_array_equal(got.numpy(), want)   # a maximum is exact
 
 
+@pytest.mark.parametrize("dtype,onnx_type", [("uint8", TensorProto.UINT8), ("int8", TensorProto.INT8)])
+@pytest.mark.parametrize("shape,attrs", [MAXPOOL_CASES[0], MAXPOOL_CASES[3]], ids=["stem", "dilated"])
+def test_int8_maxpool_equals_onnxruntime(shape, attrs, dtype, onnx_type):
+    """Between INT8 layers a MaxPool runs on the quantized values (Q/DQ fusion swaps it with its Q)."""
+    layer = view("MaxPool", shape, outputs=(dtype,), dtype=dtype, **attrs)
+    assert NhwcPoolTactic().supports(layer)
+    info = torch.iinfo(getattr(torch, dtype))
+    x = torch.randint(info.min, info.max + 1, shape, generator=torch.Generator().manual_seed(3),
+                      dtype=getattr(torch, dtype)).contiguous(memory_format=torch.channels_last)
+    got = NhwcPoolTactic().prepare(layer)([x])[0]
+    node = helper.make_node("MaxPool", ["x"], ["y"], **attrs)
+    model = make_model([node], [helper.make_tensor_value_info("x", onnx_type, list(shape))],
+                       [helper.make_tensor_value_info("y", onnx_type, None)])
+    want = run_ort(model, {"x": x.contiguous().numpy()})[0]
+    assert got.dtype == x.dtype and got.is_contiguous(memory_format=torch.channels_last)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
 @pytest.mark.parametrize("op,reference", [("GlobalAveragePool", lambda x: x.mean(dim=(2, 3), keepdim=True)),
                                           ("GlobalMaxPool", lambda x: x.amax(dim=(2, 3), keepdim=True))])
 def test_global_pools_equal_torch(op, reference):
@@ -90,6 +108,7 @@ def test_channel_planar_input_runs_torchs_kernel_in_its_layout(op, attrs):
     view("MaxPool", (1, 4, 8, 8), auto_pad="SAME_UPPER", kernel_shape=[2, 2]),
     view("GlobalAveragePool", (1, 4, 8, 8), dtype="float16"),
     view("AveragePool", (1, 4, 8, 8), kernel_shape=[2, 2]),
-], ids=range(7))
+    view("GlobalAveragePool", (1, 4, 8, 8), outputs=("uint8",), dtype="uint8"),     # INT8 global pools: not here
+], ids=range(8))
 def test_declines_what_it_cannot_run(layer):
     assert not NhwcPoolTactic().supports(layer)
