@@ -20,7 +20,7 @@ from kiln.tactics.base import HWC, Kernel, LayerView
 DIRECT_TACTIC = "kiln.conv2d_direct_gemm_nhwc"
 
 
-def _geometry(layer: LayerView) -> tuple[int, int, int, int, int, int, int, int]:
+def conv_geometry(layer: LayerView) -> tuple[int, int, int, int, int, int, int, int]:
     """(kh, kw, sh, sw, pad top, pad left, out h, out w)."""
     _, _, h, w = layer.input_shapes[0]
     kh, kw = layer.const_inputs[1].shape[2:]
@@ -53,7 +53,7 @@ class DirectConvTactic:
             return False
         if tuple(w.shape[2:]) == (1, 1) and not any(a.get("pads") or [0]):
             return False   # the 1x1 GEMM tactic's layer
-        kh, kw, sh, sw, pt, pl, oh, ow = _geometry(layer)
+        kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
         if oh < 1 or ow < 1 or min(pt, pl) < 0 or not gemm_c.epilogue_inputs_fit(layer, (x[0], w.shape[0], oh, ow)):
             return False
         dynamic = bool(layer.input_dynamic and layer.input_dynamic[0])
@@ -70,7 +70,7 @@ class DirectConvTactic:
         n, c, h, w = layer.input_shapes[0]
         weight = layer.const_inputs[1]
         cout = weight.shape[0]
-        kh, kw, sh, sw, pt, pl, oh, ow = _geometry(layer)
+        kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
         packed = self.pack(weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout).float())
         conv = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)

@@ -46,6 +46,15 @@ def _geometry(layer: LayerView) -> tuple[int, int] | None:
     return n, first
 
 
+def _params(layer: LayerView) -> tuple[int, int, torch.Tensor, torch.Tensor | None, float]:
+    """(normalized size, index of the scale input, scale, bias or None, epsilon), the FP32 vectors contiguous."""
+    n, first = _geometry(layer)
+    gamma = layer.const_inputs[first].reshape(-1).contiguous().float()
+    beta = layer.const_inputs.get(first + 1)
+    beta = None if beta is None else beta.reshape(-1).contiguous().float()
+    return n, first, gamma, beta, float(layer.attrs.get("epsilon", 1e-5))
+
+
 class LayerNormTactic:
     name = LAYERNORM_TACTIC
     source = "kiln"
@@ -62,11 +71,7 @@ class LayerNormTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("layernorm")
-        n, first = _geometry(layer)
-        gamma = layer.const_inputs[first].reshape(-1).contiguous()
-        beta = layer.const_inputs.get(first + 1)
-        beta = None if beta is None else beta.reshape(-1).contiguous()
-        eps = float(layer.attrs.get("epsilon", 1e-5))
+        n, first, gamma, beta, eps = _params(layer)
 
         def run(xs):
             x = xs[0].contiguous()
@@ -95,11 +100,7 @@ class LayerNormBf16Tactic(LayerNormTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("layernorm")
-        n, first = _geometry(layer)
-        gamma = layer.const_inputs[first].reshape(-1).contiguous().float()
-        beta = layer.const_inputs.get(first + 1)
-        beta = None if beta is None else beta.reshape(-1).contiguous().float()
-        eps = float(layer.attrs.get("epsilon", 1e-5))
+        n, first, gamma, beta, eps = _params(layer)
         bf16 = "bfloat16"
         io = (LN_X_BF16 if layer.input_dtypes[0] == bf16 else 0) | (LN_Y_BF16 if layer.output_dtypes[0] == bf16 else 0) \
             | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == bf16 else 0)

@@ -149,22 +149,26 @@ def _has_residual(layer: LayerView) -> bool:
     return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
 
 
+def linear_supported(layer: LayerView) -> bool:
+    """A QGemm (plain: 2-D input, no transA, alpha = beta = 1) or QMatMul by a constant 2-D s8 matrix with the
+    quantization `_quant_supported` takes: what every INT8 linear kernel runs (the activation is each one's own)."""
+    if layer.op_type not in ("QGemm", "QMatMul") or layer.domain != "kiln":
+        return False
+    x, w, a = layer.input_shapes[0], layer.const_inputs.get(1), layer.attrs
+    if x is None or len(x) < 2 or w is None or w.dim() != 2 or not _quant_supported(layer):
+        return False
+    return layer.op_type != "QGemm" or (len(x) == 2 and not a.get("transA", 0) and a.get("alpha", 1.0) == 1.0
+                                        and a.get("beta", 1.0) == 1.0)
+
+
 class OneDnnInt8LinearTactic:
     name = "onednn.qlinear_prepacked"
     source = "torch-onednn"
     required_isa = INT8_DOT_ISA
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type not in ("QGemm", "QMatMul") or layer.domain != "kiln":
-            return False
-        x, w, a = layer.input_shapes[0], layer.const_inputs.get(1), layer.attrs
-        if x is None or len(x) < 2 or w is None or w.dim() != 2 or not _quant_supported(layer):
-            return False
-        if layer.op_type == "QGemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
-                                         or a.get("beta", 1.0) != 1.0):
-            return False
-        spec = a.get("activation")
-        return (not spec or fused_unary(spec) is not None) and int8_available()
+        spec = layer.attrs.get("activation")
+        return linear_supported(layer) and (not spec or fused_unary(spec) is not None) and int8_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [LINEAR] * len(layer.input_shapes)

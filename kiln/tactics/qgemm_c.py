@@ -20,7 +20,10 @@ import torch
 
 from kiln import hardware, native
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView
-from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _scales, unsigned_input
+from kiln.tactics.conv_direct import conv_geometry
+from kiln.tactics.gemm_c import nhwc_kernel
+from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _scales, linear_supported, \
+    unsigned_input
 
 VNNI_ISA = ("avx512_vnni",)
 PANEL = native.header_constant("qgemm.c", "NR")   # columns per packed weight panel, defined once in qgemm.c
@@ -128,15 +131,6 @@ def _output_dtype(layer: LayerView) -> torch.dtype:
     return {"uint8": torch.uint8, "int8": torch.int8}[q["y_dtype"]] if "y_scale" in q else torch.float32
 
 
-def conv_geometry(layer: LayerView) -> tuple[int, int, int, int, int, int, int, int]:
-    """(kh, kw, sh, sw, pad top, pad left, out h, out w)."""
-    _, _, h, w = layer.input_shapes[0]
-    kh, kw = layer.const_inputs[1].shape[2:]
-    sh, sw = layer.attrs.get("strides") or [1, 1]
-    pt, pl, pb, pr = layer.attrs.get("pads") or [0, 0, 0, 0]
-    return kh, kw, sh, sw, pt, pl, (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
-
-
 def _conv_supported(layer: LayerView) -> bool:
     """A 2-D QConv with constant s8 weights, one group, dilation 1, explicit pads, an activation the kernel has,
     and a residual (if fused) of the output's shape and type."""
@@ -158,31 +152,6 @@ def _conv_supported(layer: LayerView) -> bool:
         if "y_scale" not in q or layer.input_dtypes[3] != q["y_dtype"] or tuple(layer.input_shapes[3]) != out:
             return False
     return vnni_available()
-
-
-def nhwc_kernel(launch, out_shape: tuple[int, ...], dtype: torch.dtype, has_residual: bool) -> Kernel:
-    """The kernel around `launch(x, out, residual)` writing a channel-major output of `dtype`; with a residual it
-    carries `into_input`, the variant writing over the residual's dead buffer (each element read before it is
-    written, by the same thread)."""
-    last = torch.channels_last
-    n, c, h, w = out_shape
-    strides = (h * w * c, 1, w * c, c)   # channel-major; torch.empty_strided costs ~0.6 µs less than memory_format
-
-    def run(xs):
-        out = torch.empty_strided(out_shape, strides, dtype=dtype)
-        x = xs[0] if xs[0].is_contiguous(memory_format=last) else xs[0].contiguous(memory_format=last)
-        launch(x, out, xs[3].contiguous(memory_format=last) if has_residual else None)
-        return [out]
-
-    def run_into_residual(xs):
-        r = xs[3]
-        if not r.is_contiguous(memory_format=last):
-            return run(xs)
-        launch(xs[0].contiguous(memory_format=last), r, r)
-        return [r]
-    if has_residual:
-        run.into_input = (3, run_into_residual)
-    return run
 
 
 class QConvGemmTactic:
@@ -218,7 +187,7 @@ class QConvGemmTactic:
 
         def launch(x, out, res):
             gemm(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), m)
-        run = nhwc_kernel(launch, (n, cout, oh, ow), _output_dtype(layer), _has_residual(layer))
+        run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), _output_dtype(layer))
         run.constants = (packed, call, kept)   # read through raw pointers
         return run
 
@@ -247,7 +216,7 @@ class QConvDirectTactic(QConvGemmTactic):
 
         def launch(x, out, res):
             conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
-        run = nhwc_kernel(launch, (n, cout, oh, ow), _output_dtype(layer), _has_residual(layer))
+        run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), _output_dtype(layer))
         run.constants = (packed, call, kept)
         return run
 
@@ -261,16 +230,11 @@ class QLinearGemmTactic:
     required_isa = VNNI_ISA
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type not in ("QGemm", "QMatMul") or layer.domain != "kiln":
-            return False
-        x, w, a = layer.input_shapes[0], layer.const_inputs.get(1), layer.attrs
-        if x is None or len(x) < 2 or w is None or w.dim() != 2 or x[-1] > MAX_K or not _quant_supported(layer):
-            return False
-        if layer.op_type == "QGemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
-                                         or a.get("beta", 1.0) != 1.0):
+        if not linear_supported(layer) or layer.input_shapes[0][-1] > MAX_K:
             return False
         dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
-        return fused_activation(a.get("activation")) is not None and len(x) - 1 not in dynamic and vnni_available()
+        return fused_activation(layer.attrs.get("activation")) is not None and \
+            len(layer.input_shapes[0]) - 1 not in dynamic and vnni_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [LINEAR] * len(layer.input_shapes)
