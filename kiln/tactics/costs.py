@@ -33,7 +33,8 @@ class CostPolicy:
         "an external library's whole-graph region must beat kiln's own plan by this much: within it the two tie "
         "under timing noise, and kiln's plan is the one whose layers can be inspected, profiled and fused")})
     prune_ratio: float = field(default=1.15, metadata={"reason": (
-        "a whole plan this much slower than the best after the first timing round is not timed further")})
+        "a whole plan this much slower than the best in its fastest of the first two timing rounds is not timed "
+        "further")})
 
     def explain(self) -> list[tuple[str, object, str]]:
         """(name, value, reason) for every cost, for logs and docs."""

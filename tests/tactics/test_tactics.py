@@ -356,3 +356,40 @@ def test_a_whole_plan_counts_its_fastest_round_so_a_burst_does_not_decide(monkey
     times = race.measure_plans({"steady": (["steady"], {}), "bursty": (["bursty"], {})}, {}, Graph(), tuner)
     assert state["round"] == race.PLAN_ROUNDS - 1
     assert times == pytest.approx({"bursty": 5.0, "steady": 10.0})
+
+
+def test_a_burst_over_one_first_block_does_not_drop_the_fastest_plan(monkeypatch):
+    """"region" runs 5 ms but its first block is hit by noise (30 ms, 6x "own"'s 10 ms, far past the prune ratio);
+    pruning after the first round would drop it and keep "own". Judged on its fastest of two rounds, it stays in
+    and wins; "own" and "slow" (10 and 20 ms every round) are then far behind it and dropped after two rounds."""
+    import kiln.planning.race as race
+    from kiln.ir import Graph
+    from kiln.tactics.autotune import Autotuner, TimingOptions
+    from kiln.tactics.clock import FakeClock
+    from kiln.tactics.timing_cache import TimingCache
+
+    clock, state, calls = FakeClock(), {"round": 0}, {}
+    order = race._block_order
+
+    def spy(names, round_index):
+        state["round"] = round_index
+        return order(names, round_index)
+
+    def runner(layers, descs, weights, opset, inputs, keep):
+        def run():
+            name = layers[0]
+            calls.setdefault(name, set()).add(state["round"])
+            clock.advance({"own": 10.0, "slow": 20.0}.get(name, 30.0 if state["round"] == 0 else 5.0))
+            return {}
+        return run
+    monkeypatch.setattr(race, "_block_order", spy)
+    monkeypatch.setattr(race, "plan_runner", runner)
+    monkeypatch.setattr(race, "plan_signature", lambda layers: layers[0])
+    monkeypatch.setattr(race, "WARMUP_MS", 0.0)
+    tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=4, min_timing=1), clock=clock)
+    candidates = {name: ([name], {}) for name in ("own", "region", "slow")}
+    times = race.measure_plans(candidates, {}, Graph(), tuner)
+    assert times == pytest.approx({"own": 10.0, "region": 5.0, "slow": 20.0})
+    assert calls["region"] == set(range(race.PLAN_ROUNDS))
+    assert calls["own"] == calls["slow"] == set(range(race.PRUNE_AFTER_ROUNDS))
+    assert race.pick_fastest(times, tuner) == "region"
