@@ -16,6 +16,7 @@ from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTacti
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import NhwcPoolTactic
+from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.resize_c import NhwcResizeTactic
@@ -37,6 +38,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic()],
                                      "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic()],
                                      "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic()],
+                                     "QuantizeLinear": [QuantizeLinearTactic()],
+                                     "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [Bf16AttentionTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}

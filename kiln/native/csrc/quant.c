@@ -1,0 +1,81 @@
+/* QuantizeLinear and DequantizeLinear with one scale and zero point (kiln.tactics.quant_c), on u8 or s8: one
+   pass over the elements, OpenMP over blocks. Quantizing also converts a channel-planar (NCHW) input to the
+   channel-major (NHWC) layout kiln's INT8 convolutions read, so the network's input needs no Reformat after it.
+   Rounding is ONNX's: x / scale rounded half to even, plus the zero point, saturated. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 4096   /* elements per OpenMP work unit */
+#define ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
+
+/* x / scale + zp, saturated to [lo, hi] and rounded half to even: clamping first keeps |v| small for ROUNDER
+   (clamping before or after rounding gives the same integer since lo and hi are integers). */
+static inline float quantized(float x, float scale, float zp, float lo, float hi) {
+  float v = x / scale;
+  v = v < lo - zp ? lo - zp : v;
+  v = v > hi - zp ? hi - zp : v;
+  return (v + ROUNDER) - ROUNDER + zp;
+}
+
+#define QUANTIZE(NAME, T, LO, HI)                                                                            \
+  void NAME(const float* restrict x, T* restrict y, int64_t count, float scale, int64_t zero_point) {       \
+    const float zp = (float)zero_point;                                                                      \
+    _Pragma("omp parallel for schedule(static)")                                                             \
+    for (int64_t b = 0; b < (count + BLOCK - 1) / BLOCK; ++b) {                                              \
+      const int64_t end = (b + 1) * BLOCK < count ? (b + 1) * BLOCK : count;                                 \
+      _Pragma("omp simd")                                                                                    \
+      for (int64_t i = b * BLOCK; i < end; ++i) y[i] = (T)(int32_t)quantized(x[i], scale, zp, LO, HI);      \
+    }                                                                                                        \
+  }
+
+/* NCHW float in, NHWC out: a run of PIXELS pixels is quantized plane by plane into a small buffer (vectorized),
+   then interleaved into channel-major order. */
+#define PIXELS 256
+#define QUANTIZE_TO_NHWC(NAME, T, LO, HI)                                                                    \
+  void NAME(const float* restrict x, T* restrict y, int64_t n, int64_t c, int64_t hw, float scale,          \
+            int64_t zero_point) {                                                                            \
+    const float zp = (float)zero_point;                                                                      \
+    const int64_t runs = (hw + PIXELS - 1) / PIXELS;                                                         \
+    _Pragma("omp parallel")                                                                                  \
+    {                                                                                                        \
+      T* buf = (T*)malloc(sizeof(T) * PIXELS * c);                                                           \
+      _Pragma("omp for schedule(static)")                                                                    \
+      for (int64_t u = 0; u < n * runs; ++u) {                                                               \
+        const int64_t b = u / runs, p0 = (u % runs) * PIXELS, len = hw - p0 < PIXELS ? hw - p0 : PIXELS;     \
+        for (int64_t k = 0; k < c; ++k) {                                                                    \
+          const float* restrict src = x + (b * c + k) * hw + p0;                                             \
+          T* restrict row = buf + k * PIXELS;                                                                \
+          _Pragma("omp simd")                                                                                \
+          for (int64_t p = 0; p < len; ++p) row[p] = (T)(int32_t)quantized(src[p], scale, zp, LO, HI);      \
+        }                                                                                                    \
+        T* restrict dst = y + (b * hw + p0) * c;                                                             \
+        if (c == 3) { /* images: the channel count known, the interleave unrolls */                         \
+          for (int64_t p = 0; p < len; ++p) {                                                                \
+            dst[3 * p] = buf[p]; dst[3 * p + 1] = buf[PIXELS + p]; dst[3 * p + 2] = buf[2 * PIXELS + p];     \
+          }                                                                                                  \
+        } else {                                                                                             \
+          for (int64_t p = 0; p < len; ++p)                                                                  \
+            for (int64_t k = 0; k < c; ++k) dst[p * c + k] = buf[k * PIXELS + p];                            \
+        }                                                                                                    \
+      }                                                                                                      \
+      free(buf);                                                                                             \
+    }                                                                                                        \
+  }
+
+#define DEQUANTIZE(NAME, T)                                                                                  \
+  void NAME(const T* restrict q, float* restrict y, int64_t count, float scale, int64_t zero_point) {       \
+    const float zp = (float)zero_point;                                                                      \
+    _Pragma("omp parallel for schedule(static)")                                                             \
+    for (int64_t b = 0; b < (count + BLOCK - 1) / BLOCK; ++b) {                                              \
+      const int64_t end = (b + 1) * BLOCK < count ? (b + 1) * BLOCK : count;                                 \
+      _Pragma("omp simd")                                                                                    \
+      for (int64_t i = b * BLOCK; i < end; ++i) y[i] = ((float)q[i] - zp) * scale;                           \
+    }                                                                                                        \
+  }
+
+QUANTIZE(kiln_quantize_u8, uint8_t, 0.0f, 255.0f)
+QUANTIZE(kiln_quantize_s8, int8_t, -128.0f, 127.0f)
+QUANTIZE_TO_NHWC(kiln_quantize_nhwc_u8, uint8_t, 0.0f, 255.0f)
+QUANTIZE_TO_NHWC(kiln_quantize_nhwc_s8, int8_t, -128.0f, 127.0f)
+DEQUANTIZE(kiln_dequantize_u8, uint8_t)
+DEQUANTIZE(kiln_dequantize_s8, int8_t)
