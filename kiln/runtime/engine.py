@@ -72,9 +72,10 @@ class Engine:
         return found[0] if found else None
 
     def random_inputs(self, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
-        """Random feeds at the opt shapes, or at `shapes` (trtexec's --shapes) for dynamic inputs."""
+        """Random feeds at the opt shapes, or at `shapes` (trtexec's --shapes) for dynamic inputs. Integer inputs
+        that index a constant table (token ids into an embedding) stay within it."""
         rng = np.random.default_rng(seed)
-        feeds = {}
+        feeds, bounds = {}, index_bounds(self.plan)
         for t in self.plan.inputs:
             dims = tuple((shapes or {}).get(t.name, t.dims))
             if np.issubdtype(np.dtype(t.dtype), np.floating):
@@ -82,7 +83,7 @@ class Engine:
             elif t.dtype == "bool":
                 feeds[t.name] = rng.integers(0, 2, dims).astype(bool)
             else:
-                feeds[t.name] = rng.integers(0, 4, dims).astype(t.dtype)
+                feeds[t.name] = rng.integers(0, min(4, bounds.get(t.name, 4)), dims).astype(t.dtype)
         return feeds
 
     def save(self, path: str | os.PathLike) -> None:
@@ -152,3 +153,17 @@ def check_device(plan: Plan, where: str, allow_other_device: bool = False) -> No
 def set_threads(n: int | None) -> None:
     if n:
         torch.set_num_threads(n)
+
+
+def index_bounds(plan: Plan) -> dict[str, int]:
+    """{engine input: the length of the smallest constant table it indexes} for inputs read as Gather indices
+    (token ids, token types into BERT's 2-row table), also inside regions."""
+    inputs, bounds = {t.name for t in plan.inputs}, {}
+    for layer in plan.layers:
+        for inner in layer.inner or (layer,):
+            args = inner.args
+            if inner.op_type == "Gather" and len(args) > 1 and args[0].kind == "weight" and \
+                    args[1].kind == "tensor" and args[1].name in inputs:
+                length = plan.weights[args[0].name].shape[inner.attrs.get("axis", 0)]
+                bounds[args[1].name] = min(bounds.get(args[1].name, length), length)
+    return bounds

@@ -182,3 +182,19 @@ def test_other_hf_attention_styles_fuse_and_match(name, tmp_path):
     assert sum(layer.op_type == "Attention" for layer in engine.plan.layers) == 2
     feeds = {n: a.numpy() for n, a in zip(names, args)}
     assert_close_to_ort(engine.run(feeds)["out"], run_ort(proto, feeds)[0])
+
+
+def test_random_inputs_index_within_embedding_tables_so_kiln_run_works_without_inputs(tmp_path, capsys):
+    """`kiln run ENGINE` with no --inputs draws random feeds: BERT's token_type_ids index a 2-row table, so values
+    up to 3 failed inside Gather ("index out of range"). Inputs read as Gather indices stay within their table."""
+    pytest.importorskip("transformers")
+    from kiln.cli.main import main
+
+    model = encoders.make("bert", attn="eager")
+    proto = encoders.export(model, encoders.inputs(model, batch=1, seq=16), tmp_path / "bert.onnx", "legacy")
+    engine = kiln.build(proto, autotune=False)
+    feeds = engine.random_inputs(seed=1)
+    assert feeds["token_type_ids"].max() == 1 and feeds["input_ids"].max() == 3   # [0, 2) and [0, 4)
+    _compare(engine, proto, feeds)
+    engine.save(tmp_path / "bert.kiln")
+    assert main(["run", str(tmp_path / "bert.kiln"), "--iterations", "2"]) == 0
