@@ -211,7 +211,9 @@ def _drop_dead(g: Graph, nodes: list[Node]) -> None:
 def fuse_quantized_residual(g: Graph, plog: PassLog) -> None:
     """ConvEltwiseSumFusion on INT8: QAdd(QConv(x), r) becomes QConv(x, residual=r); the convolution adds the
     dequantized residual before its activation and requantizes once to the sum's scale (oneDNN's sum post-op),
-    so the convolution's own requantized output (and its rounding) disappears."""
+    so the convolution's own requantized output (and its rounding) disappears. Its scale stays in the layer's
+    quant as `sum_input_*`: an external library given the layer back as Q/DQ ONNX needs it to fuse the
+    convolution (onnxruntime's QLinearConv, then QLinearAdd)."""
     for add in [n for n in g.nodes if n.op_type == "QAdd" and n.domain == "kiln"]:
         convs = [(i, v.producer) for i, v in enumerate(add.inputs) if v.producer is not None
                  and v.producer.op_type == "QConv" and v.producer.domain == "kiln"]
@@ -252,7 +254,9 @@ def _fuse_residual(g: Graph, conv: Node, add: Node, i: int) -> None:
     a, other_side = add.attrs["quant"], "ab"[1 - i]
     quant = {**conv.attrs["quant"], "y_scale": a["y_scale"], "y_zero_point": a["y_zero_point"],
              "y_dtype": a["y_dtype"], "r_scale": a[f"{other_side}_scale"],
-             "r_zero_point": a[f"{other_side}_zero_point"]}
+             "r_zero_point": a[f"{other_side}_zero_point"], "sum_input_scale": conv.attrs["quant"]["y_scale"],
+             "sum_input_zero_point": conv.attrs["quant"]["y_zero_point"],
+             "sum_input_dtype": conv.attrs["quant"]["y_dtype"]}
     attrs = {**conv.attrs, "quant": quant, **({"activation": add.attrs["activation"]} if "activation" in add.attrs
                                               else {})}
     bias = conv.inputs[2] if len(conv.inputs) > 2 else None

@@ -217,7 +217,7 @@ def test_int8_sum_of_an_int8_conv_fuses_into_the_conv_with_the_sums_scale():
 
     assert str(g) == expected("""
         graph g(%xq: uint8[1x2x3x3], %rq: uint8[1x2x3x3]):
-          %y: uint8[1x2x3x3] = kiln.QConv(%xq, const %wq, const %bias, %rq) activation={'op': 'Relu', 'attrs': {}} kernel_shape=[1, 1] quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'uint8', 'w_scale': [0.25, 0.125], 'w_zero_point': [0, 0], 'w_axis': 0, 'y_scale': 0.5, 'y_zero_point': 0, 'y_dtype': 'uint8', 'r_scale': 0.25, 'r_zero_point': 3}  # conv + cq + add + relu + yq
+          %y: uint8[1x2x3x3] = kiln.QConv(%xq, const %wq, const %bias, %rq) activation={'op': 'Relu', 'attrs': {}} kernel_shape=[1, 1] quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'uint8', 'w_scale': [0.25, 0.125], 'w_zero_point': [0, 0], 'w_axis': 0, 'y_scale': 0.5, 'y_zero_point': 0, 'y_dtype': 'uint8', 'r_scale': 0.25, 'r_zero_point': 3, 'sum_input_scale': 0.125, 'sum_input_zero_point': 0, 'sum_input_dtype': 'uint8'}  # conv + cq + add + relu + yq
           return %y
         """)
     assert (run.stat.matches, run.stat.rejections) == (1, 0)
