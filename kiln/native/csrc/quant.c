@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #define BLOCK 4096   /* elements per OpenMP work unit */
+#define PARALLEL_MIN 32768   /* fewer elements run on the calling thread: waking the team costs more than they do */
 #define ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
 
 /* x / scale + zp, saturated to [lo, hi] and rounded half to even: clamping first keeps |v| small for ROUNDER
@@ -20,7 +21,7 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
 #define QUANTIZE(NAME, T, LO, HI)                                                                            \
   void NAME(const float* restrict x, T* restrict y, int64_t count, float scale, int64_t zero_point) {       \
     const float zp = (float)zero_point;                                                                      \
-    _Pragma("omp parallel for schedule(static)")                                                             \
+    _Pragma("omp parallel for schedule(static) if(count >= PARALLEL_MIN)")                                   \
     for (int64_t b = 0; b < (count + BLOCK - 1) / BLOCK; ++b) {                                              \
       const int64_t end = (b + 1) * BLOCK < count ? (b + 1) * BLOCK : count;                                 \
       _Pragma("omp simd")                                                                                    \
@@ -36,7 +37,7 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
             int64_t zero_point) {                                                                            \
     const float zp = (float)zero_point;                                                                      \
     const int64_t runs = (hw + PIXELS - 1) / PIXELS;                                                         \
-    _Pragma("omp parallel")                                                                                  \
+    _Pragma("omp parallel if(n * hw * c >= PARALLEL_MIN)")                                                   \
     {                                                                                                        \
       T* buf = (T*)malloc(sizeof(T) * PIXELS * c);                                                           \
       _Pragma("omp for schedule(static)")                                                                    \
@@ -65,7 +66,7 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
 #define DEQUANTIZE(NAME, T)                                                                                  \
   void NAME(const T* restrict q, float* restrict y, int64_t count, float scale, int64_t zero_point) {       \
     const float zp = (float)zero_point;                                                                      \
-    _Pragma("omp parallel for schedule(static)")                                                             \
+    _Pragma("omp parallel for schedule(static) if(count >= PARALLEL_MIN)")                                   \
     for (int64_t b = 0; b < (count + BLOCK - 1) / BLOCK; ++b) {                                              \
       const int64_t end = (b + 1) * BLOCK < count ? (b + 1) * BLOCK : count;                                 \
       _Pragma("omp simd")                                                                                    \
