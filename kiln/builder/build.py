@@ -126,11 +126,13 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
     if not options.calibration:
         return proto, None
     from kiln.preprocess.calibration import calibrate
+    from kiln.preprocess.fold import fold_batch_norms
 
     if not options.precision.int8:
         raise ModelError("calibration data was given without --int8; add --int8 (or drop --calib)")
     if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in proto.graph.node):
         raise ModelError("the model already has Q/DQ nodes (explicit quantization); build it without --calib")
+    proto = fold_batch_norms(proto)   # calibrated and quantized as folded, as TensorRT calibrates after fusions
     scales = calibrate(proto, options.calibration, options.calibration_method, options.calibration_cache)
     log.info("INT8 calibration (%s): %d activation scales from %s", options.calibration_method, len(scales),
              options.calibration)

@@ -72,7 +72,7 @@ def test_scale_edge_cases():
 def test_collect_ranges_through_onnxruntime():
     model, data = conv_net(), batches(4)
     names = cal.quantizable_activations(model)
-    assert names == ["x", "r1", "f", "m"]
+    assert names == ["x", "r1", "r2", "f", "m"]   # conv, conv, the pool's input (conv2 then writes INT8), fc, head
     stats = cal.collect_ranges(model, data, names)
     assert stats["x"].amax == pytest.approx(max(float(np.abs(b["x"]).max()) for b in data))
     assert stats["x"].count == 4 * 3 * 16 * 16 and int(stats["x"].hist.sum()) == stats["x"].count
@@ -99,7 +99,7 @@ def test_qdq_model_runs_in_onnxruntime_close_to_float(calibrated, method):
     model, stats = calibrated
     q = cal.quantize_with_qdq(model, cal.compute_scales(stats, method))
     onnx.checker.check_model(q)
-    assert count(q, "QuantizeLinear") == 4 and count(q, "DequantizeLinear") == 8   # 4 activations + 4 weights
+    assert count(q, "QuantizeLinear") == 5 and count(q, "DequantizeLinear") == 9   # 5 activations + 4 weights
     x = {"x": rand((1, 3, 16, 16), 999)}
     ref = ort_run(model, x)
     assert cosine(ort_run(q, x, basic=True), ref) >= 0.999
@@ -225,6 +225,6 @@ def test_calibrate_from_data_writes_a_cache_that_reproduces_the_scales(tmp_path)
     model = conv_net()
     np.savez(tmp_path / "calib.npz", x=np.concatenate([b["x"] for b in batches(3)]))
     scales = cal.calibrate(model, tmp_path / "calib.npz", "entropy", cache=tmp_path / "calib.json")
-    assert set(scales) == {"x", "r1", "f", "m"} and all(s > 0 for s in scales.values())
+    assert set(scales) == {"x", "r1", "r2", "f", "m"} and all(s > 0 for s in scales.values())
     assert cal.load_cache(tmp_path / "calib.json").method == "entropy"
     assert cal.calibrate(model, tmp_path / "calib.json") == pytest.approx(scales)

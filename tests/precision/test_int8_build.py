@@ -55,3 +55,31 @@ def test_cli_int8_calib(calib_data, tmp_path):
     assert done.returncode == 0, done.stderr
     assert any(l.op_type == "QConv" for l in kiln.load(out).plan.layers)
     assert "kiln-calibration-cache" in (tmp_path / "c.json").read_text()
+
+
+def test_calibrated_resnet_folds_batchnorm_and_every_conv_writes_int8(tmp_path):
+    """ResNet-18 (exported with its BatchNormalization nodes) through --int8 --calib: BatchNormalization is folded
+    before the Q/DQ go in, and the inputs of the pools and residual Adds are quantized too, so every convolution
+    is one INT8 layer with INT8 output, BatchNormalization, ReLU and the residual sum fused (no INT8 convolution
+    writing FP32 into a float BatchNormalization, TensorRT's classic trap), and MaxPool runs on INT8 values."""
+    import onnx
+    import torch
+
+    from tests.models.nets import export, make
+
+    export(make("resnet18"), torch.randn(1, 3, 32, 32), tmp_path / "r18.onnx", "legacy")
+    source = onnx.load(tmp_path / "r18.onnx")
+    assert sum(n.op_type == "BatchNormalization" for n in source.graph.node) == 20
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", input=rng.standard_normal((8, 3, 32, 32)).astype(np.float32))
+    engine = kiln.build(str(tmp_path / "r18.onnx"), autotune=False, int8=True, calibration=str(tmp_path / "calib.npz"),
+                        calibration_method="minmax")
+    layers = engine.plan.layers
+    convs = [l for l in layers if l.op_type == "QConv"]
+    assert len(convs) == 20 and all(l.outputs[0].dtype == "int8" for l in convs), [l.name for l in layers]
+    assert sum(len(l.inputs) == 2 for l in convs) == 8   # each basic block's residual sum fused into its conv
+    assert not [l for l in layers if l.op_type in ("BatchNormalization", "PointWise", "Add", "Relu")]
+    assert next(l for l in layers if l.op_type == "MaxPool").outputs[0].dtype == "int8"
+    x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+    got, want = engine.run({"input": x})["output"], run_ort(str(tmp_path / "r18.onnx"), {"input": x})[0]
+    assert cosine(got, want) >= 0.999
