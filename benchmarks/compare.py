@@ -62,8 +62,8 @@ def build_model(name: str, workdir: Path):
     """(torch model, feeds by input name, ONNX path) for one benchmark model, exported with the legacy exporter.
 
     resnet18/resnet50: tests/models/nets.py at 1x3x224x224. bert-base: HF BertModel at BERT-base shape (12 layers,
-    hidden 768, 12 heads, FFN 3072, random weights, eager attention), batch 1, seq 128, 20 padded tokens.
-    yolov8n: tests/models/detectors.py (YOLOv8n widths/depths, DFL head, anchors in the graph) at 1x3x640x640."""
+    hidden 768, 12 heads, FFN 3072, random weights, eager attention), batch 1, seq 128, 20 padded tokens; minilm:
+    the same at MiniLM-L6's shape (6 layers, hidden 384, 12 heads, FFN 1536). yolov8n: tests/models/detectors.py (YOLOv8n widths/depths, DFL head, anchors in the graph) at 1x3x640x640."""
     import torch
 
     path = workdir / f"{name}.onnx"
@@ -78,11 +78,12 @@ def build_model(name: str, workdir: Path):
             if name.endswith("-int8"):
                 return model, {"input": x}, quantize_qdq(path, x)
             return model, {"input": x}, path
-        if name == "bert-base":
+        if name in ("bert-base", "minilm"):
             from tests.models import encoders
 
-            model = encoders.make_bert(layers=12, hidden=768, heads=12, intermediate=3072, vocab=30522,
-                                       max_positions=512)
+            shape = dict(layers=12, hidden=768, heads=12, intermediate=3072) if name == "bert-base" else \
+                dict(layers=6, hidden=384, heads=12, intermediate=1536)
+            model = encoders.make_bert(**shape, vocab=30522, max_positions=512)
             feeds = encoders.inputs(model, batch=1, seq=128)
             feeds["attention_mask"][0, 108:] = 0
             encoders.export(model, feeds, path, "legacy")
@@ -94,7 +95,7 @@ def build_model(name: str, workdir: Path):
             x = np.random.default_rng(0).random((1, 3, 640, 640)).astype(np.float32)
             detectors.export(model, torch.from_numpy(x), path, "legacy")
             return model, {"images": x}, path
-    raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, resnet18-int8, resnet50-int8, bert-base, yolov8n)")
+    raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, resnet18-int8, resnet50-int8, bert-base, minilm, yolov8n)")
 
 
 def quantize_qdq(path: Path, x: np.ndarray) -> Path:
