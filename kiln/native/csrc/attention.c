@@ -1,0 +1,391 @@
+/* kiln's fused Attention layer (kiln.tactics.attention_c): softmax(Q·Kᵀ·scale + mask)·V per (batch, head), Q, K,
+   V, the additive FP32 mask and the output read and written in place through element strides (unit inner stride;
+   stride 0 along broadcast axes), each tensor FP32 or bf16 as the plan stores it.
+
+   A work unit is one (batch x head) and a block of query rows; OpenMP shares the units out with a static
+   schedule. A unit packs its head's K into key panels [Sk/32][D][32] and V into column panels [Dv/32][Sk][32]
+   (zero padded; a thread keeps them for its next unit of the same head), then per 6-row tile: the scores on
+   gemm.h's 6 x 32 register tile, the softmax in FP32 (max-subtracted, Cephes' expf 16 lanes at a time), P·V on
+   the same tile, and the output scaled by 1 / row sum as it is stored. The BF16 variant runs both products on
+   vdpbf16ps (bf16 operand pairs, FP32 accumulation), packing K and V as bf16 pairs and rounding Q and P to bf16;
+   the softmax stays FP32.
+
+   A row whose every key is masked with -inf gives NaN, as the ONNX graph does (Softmax over -inf), or 0 with
+   ATTN_NAN_TO_ZERO (the NaN guard of SDPA's export, which turns every NaN of the output into 0). */
+#include <math.h>
+#include <omp.h>
+
+#include "gemm.h"
+
+/* AttnCall.flags: which tensors are bf16, and the NaN guard. */
+#define ATTN_Q_BF16 1
+#define ATTN_K_BF16 2
+#define ATTN_V_BF16 4
+#define ATTN_OUT_BF16 8
+#define ATTN_NAN_TO_ZERO 16
+
+#define UNITS_PER_THREAD 4   /* split heads into query-row blocks until each thread has this many units */
+
+/* A layer's geometry, fixed per input shape (kiln.tactics.attention_c.AttnCall mirrors it field by field):
+   element strides of Q [batch][heads][sq][d], K [..][sk][d], V [..][sk][dv], the mask [..][sq][sk] and the
+   output [..][sq][dv]. */
+typedef struct {
+  int64_t batch, heads, sq, sk, d, dv;
+  int64_t q_b, q_h, q_s, k_b, k_h, k_s, v_b, v_h, v_s;
+  int64_t m_b, m_h, m_q, m_k, o_b, o_h, o_s;
+  float scale;
+  int32_t flags;
+} AttnCall;
+
+/* bf16 is FP32's upper half: widening is exact; narrowing rounds to nearest even (a NaN stays a quiet NaN). */
+static inline float bf16_widen(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint16_t bf16_narrow(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+static inline v16 v_max(v16 a, v16 b) { return v_select((v16i)(a > b), a, b); }
+
+/* The largest and the sum of a vector's 16 lanes, by halving (four shuffles, not fifteen lane extractions). */
+static inline float h_max(v16 x) {
+  x = v_max(x, __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = v_max(x, __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  x = v_max(x, __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  x = v_max(x, __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return x[0];
+}
+
+static inline float h_sum(v16 x) {
+  x += __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  x += __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return x[0];
+}
+
+/* exp(x) for x <= 0 through Cephes' expf (gemm.h's v_swish range reduction and polynomial), exactly 0 below
+   -87 (masked keys). */
+static inline v16 v_exp(v16 x) {
+  const v16 lo = (v16){0} - 87.0f;
+  const v16i below = (v16i)(x < lo);
+  const v16 t = v_select(below, lo, x);
+  const v16i ni = __builtin_convertvector(t * 1.44269504088896341f - 0.5f, v16i);   /* t <= 0: rounds */
+  const v16 n = __builtin_convertvector(ni, v16);
+  const v16 r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = (v16){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  const v16 e = (p * r * r + r + 1.0f) * (v16)((ni + 127) << 23);
+  return (v16)(~below & (v16i)e);
+}
+
+/* 16 scores from j: s * scale + the mask, `count` of them real and the rest -inf. */
+static inline v16 scaled(const float* restrict s, int64_t j, int64_t count, float scale, const float* restrict m,
+                         int64_t m_k) {
+  if (count == 16 && (!m || m_k == 1)) return *(const v16*)(s + j) * scale + (m ? *(const v16*)(m + j) : (v16){0});
+  v16 x;
+  for (int i = 0; i < 16; ++i) x[i] = i < count ? s[j + i] * scale + (m ? m[(j + i) * m_k] : 0.0f) : -INFINITY;
+  return x;
+}
+
+/* A tile's mr score rows (row stride ld) in place: s * scale + the mask (row i at m + i * m_q, key stride m_k),
+   then exp(s - the row's max) over the row rounded up to 16 (the padding exactly 0); inv[i] = 1 / row i's sum,
+   NaN where every key is -inf. The rows go through each pass together: their max and sum chains interleave. */
+static void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, float scale, const float* restrict m,
+                         int64_t m_q, int64_t m_k, float* inv) {
+  const int64_t n16 = round_up(n, 16);
+  v16 vmax[MR], sum[MR];
+  for (int64_t i = 0; i < mr; ++i) vmax[i] = (v16){0} - INFINITY, sum[i] = (v16){0};
+  for (int64_t j = 0; j < n16; j += 16)
+    for (int64_t i = 0; i < mr; ++i) {
+      const v16 x = scaled(s + i * ld, j, n - j < 16 ? n - j : 16, scale, m ? m + i * m_q : 0, m_k);
+      *(v16*)(s + i * ld + j) = x;
+      vmax[i] = v_max(vmax[i], x);
+    }
+  float top[MR];
+  for (int64_t i = 0; i < mr; ++i) {
+    top[i] = h_max(vmax[i]);
+    top[i] = top[i] == -INFINITY ? 0.0f : top[i];   /* every key masked: exp gives 0 throughout */
+  }
+  for (int64_t j = 0; j < n16; j += 16)
+    for (int64_t i = 0; i < mr; ++i) {
+      const v16 e = v_exp(*(const v16*)(s + i * ld + j) - top[i]);
+      *(v16*)(s + i * ld + j) = e;
+      sum[i] += e;
+    }
+  for (int64_t i = 0; i < mr; ++i) {
+    const float total = h_sum(sum[i]);
+    inv[i] = total > 0.0f ? 1.0f / total : NAN;   /* no key left: NaN (0 with the guard), as ONNX's Softmax */
+  }
+}
+
+/* One output row: o[c] * inv for c < dv, NaN as 0 under the guard, FP32 or bf16. */
+static void store_out(const float* restrict o, float inv, void* out, int64_t at, int64_t dv, int32_t flags) {
+  const int guard = (flags & ATTN_NAN_TO_ZERO) != 0;
+  if (flags & ATTN_OUT_BF16) {
+    uint16_t* restrict y = (uint16_t*)out + at;
+    for (int64_t c = 0; c < dv; ++c) {
+      const float x = o[c] * inv;
+      y[c] = bf16_narrow(guard && x != x ? 0.0f : x);
+    }
+  } else {
+    float* restrict y = (float*)out + at;
+    for (int64_t c = 0; c < dv; ++c) {
+      const float x = o[c] * inv;
+      y[c] = guard && x != x ? 0.0f : x;
+    }
+  }
+}
+
+/* Per-thread buffers: the packed K and V of one head, a tile's scores and outputs, and its rows as operands. */
+typedef struct {
+  int64_t skp, dvp, dp, skq;   /* sk and dv rounded up to whole panels; d and sk in bf16 pairs */
+  void *k, *v, *rows;
+  float *s, *o;
+} Scratch;
+
+static void* alloc64(int64_t bytes) { return aligned_alloc(64, (size_t)round_up(bytes > 0 ? bytes : 64, 64)); }
+
+static Scratch scratch_new(const AttnCall* c) {
+  Scratch w;
+  w.skp = round_up(c->sk, NR);
+  w.dvp = round_up(c->dv, NR);
+  w.dp = (c->d + 1) / 2;
+  w.skq = (c->sk + 1) / 2;
+  w.k = alloc64(sizeof(float) * w.skp * 2 * w.dp);
+  w.v = alloc64(sizeof(float) * w.dvp * 2 * w.skq);
+  w.rows = alloc64(sizeof(float) * MR * (2 * w.dp > w.skp ? 2 * w.dp : w.skp));
+  w.s = (float*)alloc64(sizeof(float) * MR * w.skp);
+  w.o = (float*)alloc64(sizeof(float) * MR * w.dvp);
+  return w;
+}
+
+static void scratch_free(Scratch* w) {
+  free(w->k); free(w->v); free(w->rows); free(w->s); free(w->o);
+}
+
+/* FP32 operands: K as key panels [skp/32][d][32], V as column panels [dvp/32][sk][32], zero padded. */
+static void pack_f32(const AttnCall* c, const void* k, const void* v, Scratch* w) {
+  const int64_t sk = c->sk, d = c->d, dv = c->dv;
+  float* restrict kp = (float*)w->k;
+  float* restrict vp = (float*)w->v;
+  if (sk % NR) memset(kp + (sk / NR) * d * NR, 0, sizeof(float) * d * NR);   /* the last panel's missing keys */
+  for (int64_t j = 0; j < sk; ++j) {
+    float* restrict dst = kp + (j / NR) * d * NR + j % NR;
+    if (c->flags & ATTN_K_BF16) {
+      const uint16_t* row = (const uint16_t*)k + j * c->k_s;
+      for (int64_t e = 0; e < d; ++e) dst[e * NR] = bf16_widen(row[e]);
+    } else {
+      const float* row = (const float*)k + j * c->k_s;
+      for (int64_t e = 0; e < d; ++e) dst[e * NR] = row[e];
+    }
+  }
+  for (int64_t j = 0; j < sk; ++j)
+    for (int64_t nb = 0; nb < w->dvp / NR; ++nb) {
+      float* restrict dst = vp + (nb * sk + j) * NR;
+      const int64_t cols = dv - nb * NR < NR ? dv - nb * NR : NR;
+      if (c->flags & ATTN_V_BF16) {
+        const uint16_t* row = (const uint16_t*)v + j * c->v_s + nb * NR;
+        for (int64_t e = 0; e < cols; ++e) dst[e] = bf16_widen(row[e]);
+      } else {
+        memcpy(dst, (const float*)v + j * c->v_s + nb * NR, sizeof(float) * cols);
+      }
+      if (cols < NR) memset(dst + cols, 0, sizeof(float) * (NR - cols));
+    }
+}
+
+/* FP32 math on one tile of mr query rows from row r0: scores, softmax, P·V, stored. `q`, `mask` and `out` point
+   at this (batch, head). */
+static void tile_f32(const AttnCall* c, Scratch* w, const void* q, const float* mask, void* out, int64_t r0,
+                     int64_t mr) {
+  const float* rows[MR];
+  float* qw = (float*)w->rows;
+  for (int64_t i = 0; i < MR; ++i) {
+    const int64_t r = r0 + (i < mr ? i : 0);
+    if (c->flags & ATTN_Q_BF16) {
+      for (int64_t e = 0; e < c->d; ++e) qw[i * c->d + e] = bf16_widen(((const uint16_t*)q)[r * c->q_s + e]);
+      rows[i] = qw + i * c->d;
+    } else {
+      rows[i] = (const float*)q + r * c->q_s;
+    }
+  }
+  for (int64_t nb = 0; nb < w->skp / NR; ++nb)
+    tile(rows, 1, mr, c->d, (const float*)w->k + nb * c->d * NR, w->s + nb * NR, w->skp, NR, 0, 0, 0);
+  float inv[MR];
+  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, inv);
+  for (int64_t i = 0; i < MR; ++i) rows[i] = w->s + (i < mr ? i : 0) * w->skp;
+  for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
+    tile(rows, 1, mr, c->sk, (const float*)w->v + nb * c->sk * NR, w->o + nb * NR, w->dvp, NR, 0, 0, 0);
+  for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
+}
+
+typedef void (*PackFn)(const AttnCall*, const void*, const void*, Scratch*);
+typedef void (*TileFn)(const AttnCall*, Scratch*, const void*, const float*, void*, int64_t, int64_t);
+
+/* The work split: units of (batch x head, query-row block), static schedule; a thread packs a head's K and V once
+   for its consecutive units of that head. */
+static void run_units(const AttnCall* c, const void* q, const void* k, const void* v, const float* mask, void* out,
+                      PackFn pack, TileFn compute) {
+  const int64_t heads = c->batch * c->heads, tiles = (c->sq + MR - 1) / MR;
+  const int64_t threads = omp_get_max_threads();
+  int64_t blocks = (UNITS_PER_THREAD * threads + heads - 1) / heads;
+  blocks = blocks < 1 ? 1 : (blocks > tiles ? tiles : blocks);
+  const size_t q_size = c->flags & ATTN_Q_BF16 ? 2 : 4, k_size = c->flags & ATTN_K_BF16 ? 2 : 4;
+  const size_t v_size = c->flags & ATTN_V_BF16 ? 2 : 4, o_size = c->flags & ATTN_OUT_BF16 ? 2 : 4;
+  #pragma omp parallel
+  {
+    Scratch w = scratch_new(c);
+    int64_t packed = -1;
+    #pragma omp for schedule(static)
+    for (int64_t u = 0; u < heads * blocks; ++u) {
+      const int64_t bh = u / blocks, blk = u % blocks, b = bh / c->heads, h = bh % c->heads;
+      if (packed != bh) {
+        pack(c, (const char*)k + (b * c->k_b + h * c->k_h) * k_size, (const char*)v + (b * c->v_b + h * c->v_h) * v_size,
+             &w);
+        packed = bh;
+      }
+      const int64_t base = tiles / blocks, extra = tiles % blocks;
+      const int64_t first = blk * base + (blk < extra ? blk : extra), last = first + base + (blk < extra);
+      const void* qh = (const char*)q + (b * c->q_b + h * c->q_h) * q_size;
+      const float* mh = mask ? mask + b * c->m_b + h * c->m_h : 0;
+      void* oh = (char*)out + (b * c->o_b + h * c->o_h) * o_size;
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t r0 = t * MR;
+        compute(c, &w, qh, mh, oh, r0, c->sq - r0 < MR ? c->sq - r0 : MR);
+      }
+    }
+    scratch_free(&w);
+  }
+}
+
+void kiln_attention(const AttnCall* call, const void* q, const void* k, const void* v, const float* mask,
+                    void* out) {
+  run_units(call, q, k, v, mask, out, pack_f32, tile_f32);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* n values of a row as bf16 pairs (an odd n paired with 0): `src` itself where it is bf16 already, n even and
+   4-byte aligned, else rounded (FP32, 32 at a time, the tail through masked loads) or copied (bf16) into `dst`. */
+static const uint32_t* row_pairs(const void* src, int64_t n, int src_bf16, uint32_t* dst) {
+  if (src_bf16) {
+    if (n % 2 == 0 && ((uintptr_t)src & 3) == 0) return (const uint32_t*)src;
+    memcpy(dst, src, sizeof(uint16_t) * n);
+    if (n % 2) ((uint16_t*)dst)[n] = 0;
+    return dst;
+  }
+  const float* f = (const float*)src;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32)
+    _mm512_storeu_si512(dst + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + j + 16), _mm512_loadu_ps(f + j)));
+  if (j < n) {
+    const int64_t left = n - j, pairs = (left + 1) / 2;
+    const __mmask16 lo = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 hi = left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : (__mmask16)0;
+    const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, f + j + 16), _mm512_maskz_loadu_ps(lo, f + j));
+    _mm512_mask_storeu_epi32(dst + j / 2, (__mmask16)((1u << pairs) - 1), (__m512i)x);
+  }
+  return dst;
+}
+
+/* Up to 16 values of a row (`cols`, the rest 0) as bf16 in the low halves of 32-bit lanes. */
+static inline __m512i bf16_lanes(const void* src, int64_t cols, int src_bf16) {
+  const __mmask16 keep = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __m256i h = src_bf16 ? _mm256_maskz_loadu_epi16(keep, src)
+                             : (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, src));
+  return _mm512_cvtepu16_epi32(h);
+}
+
+/* bf16 operands: K as key panels of d-pairs [skp/32][dp][32], V as column panels of key pairs [dvp/32][skq][32]
+   (each 32-bit lane two bf16 values of one column), odd tails paired with 0. `w->rows` is free here. */
+static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* w) {
+  const int k_half = (c->flags & ATTN_K_BF16) != 0, v_half = (c->flags & ATTN_V_BF16) != 0;
+  const size_t k_size = k_half ? 2 : 4, v_size = v_half ? 2 : 4;
+  const int64_t sk = c->sk, dp = w->dp;
+  uint32_t* restrict kp = (uint32_t*)w->k;
+  uint32_t* restrict vp = (uint32_t*)w->v;
+  if (sk % NR) memset(kp + (sk / NR) * dp * NR, 0, sizeof(uint32_t) * dp * NR);
+  for (int64_t j = 0; j < sk; ++j) {
+    const uint32_t* row = row_pairs((const char*)k + j * c->k_s * k_size, c->d, k_half, (uint32_t*)w->rows);
+    uint32_t* restrict dst = kp + (j / NR) * dp * NR + j % NR;
+    for (int64_t p = 0; p < dp; ++p) dst[p * NR] = row[p];
+  }
+  for (int64_t p = 0; p < w->skq; ++p) {
+    const char* row0 = (const char*)v + 2 * p * c->v_s * v_size;
+    const char* row1 = 2 * p + 1 < sk ? row0 + c->v_s * v_size : 0;
+    for (int64_t e = 0; e < w->dvp; e += 16) {
+      const int64_t cols = c->dv - e;
+      __m512i lanes = _mm512_setzero_si512();
+      if (cols > 0) {
+        lanes = bf16_lanes(row0 + e * v_size, cols, v_half);
+        if (row1) lanes = _mm512_or_si512(lanes, _mm512_slli_epi32(bf16_lanes(row1 + e * v_size, cols, v_half), 16));
+      }
+      _mm512_storeu_si512(vp + ((e / NR) * w->skq + p) * NR + e % NR, lanes);
+    }
+  }
+}
+
+/* A 6 x 32 FP32 tile of bf16-pair products: rows a[i] (kp pairs each) times the panel b [kp][32], stored whole
+   into c (row stride ldc floats). */
+static void tile_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* c,
+                    int64_t ldc) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * NR), b1 = (__m512bh)_mm512_loadu_si512(b + p * NR + 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i][p]);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+    }
+  }
+  for (int64_t i = 0; i < mr; ++i) {
+    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+  }
+}
+
+/* BF16 math on one tile: Q rounded to bf16 pairs, scores and P·V on vdpbf16ps, the softmax in FP32. */
+static void tile_bf16(const AttnCall* c, Scratch* w, const void* q, const float* mask, void* out, int64_t r0,
+                      int64_t mr) {
+  const uint32_t* rows[MR];
+  uint32_t* pairs = (uint32_t*)w->rows;
+  const size_t q_size = c->flags & ATTN_Q_BF16 ? 2 : 4;
+  for (int64_t i = 0; i < MR; ++i) {
+    const int64_t r = r0 + (i < mr ? i : 0);
+    rows[i] = row_pairs((const char*)q + r * c->q_s * q_size, c->d, c->flags & ATTN_Q_BF16, pairs + i * w->dp);
+  }
+  for (int64_t nb = 0; nb < w->skp / NR; ++nb)
+    tile_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * NR, w->s + nb * NR, w->skp);
+  float inv[MR];
+  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, inv);
+  for (int64_t i = 0; i < mr; ++i) row_pairs(w->s + i * w->skp, c->sk, 0, pairs + i * w->skq);
+  for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * w->skq;
+  for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
+    tile_dp(rows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * NR, w->o + nb * NR, w->dvp);
+  for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
+}
+
+void kiln_attention_bf16(const AttnCall* call, const void* q, const void* k, const void* v, const float* mask,
+                         void* out) {
+  run_units(call, q, k, v, mask, out, pack_bf16, tile_bf16);
+}
+#else
+/* Compiled on every CPU so the library stays one unit; kiln offers its BF16 tactic only where AVX512-BF16 is. */
+void kiln_attention_bf16(const AttnCall* call, const void* q, const void* k, const void* v, const float* mask,
+                         void* out) {
+  (void)call; (void)q; (void)k; (void)v; (void)mask; (void)out;
+  abort();   /* unreachable: no tactic calls it without AVX512-BF16 */
+}
+#endif
