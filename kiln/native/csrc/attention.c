@@ -52,6 +52,17 @@ static inline uint16_t bf16_narrow(float f) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
+
+/* bf16_narrow on 16 lanes. */
+static inline v16h v_bf16(v16 x) {
+  const v16u u = (v16u)x;
+  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  const v16u is_nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+  return __builtin_convertvector((is_nan & quiet) | (~is_nan & rounded), v16h);
+}
+
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 static inline v16 v_max(v16 a, v16 b) { return v_select((v16i)(a > b), a, b); }
@@ -73,42 +84,50 @@ static inline float h_sum(v16 x) {
   return x[0];
 }
 
-/* exp(x) for x <= 0 through Cephes' expf (gemm.h's v_swish range reduction and polynomial), exactly 0 below
-   -87 (masked keys). */
-static inline v16 v_exp(v16 x) {
-  const v16 lo = (v16){0} - 87.0f;
+/* 2^x for x <= 0 (the scores are kept in base 2: scale and mask times log2(e)): n = round(x), 2^(x - n) by a
+   polynomial on [-1/2, 1/2] fitted for relative error (degree 5: within 3.2e-7; degree 3, `cheap`: within 1.4e-4,
+   below the bf16 rounding the BF16 kernel applies to P next), times 2^n through the exponent bits; exactly 0
+   below -126 (masked keys). */
+static inline v16 v_exp2(v16 x, int cheap) {
+  const v16 lo = (v16){0} - 126.0f;
   const v16i below = (v16i)(x < lo);
   const v16 t = v_select(below, lo, x);
-  const v16i ni = __builtin_convertvector(t * 1.44269504088896341f - 0.5f, v16i);   /* t <= 0: rounds */
-  const v16 n = __builtin_convertvector(ni, v16);
-  const v16 r = t - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = (v16){0} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
-  const v16 e = (p * r * r + r + 1.0f) * (v16)((ni + 127) << 23);
-  return (v16)(~below & (v16i)e);
+  const v16i n = __builtin_convertvector(t - 0.5f, v16i);   /* t <= 0: truncation rounds */
+  const v16 f = t - __builtin_convertvector(n, v16);
+  v16 p;
+  if (cheap) {
+    p = ((0.055029309031f * f + 0.24225680198f) * f + 0.69325303606f) * f + 0.99995134716f;
+  } else {
+    p = (0.0013260921426f * f + 0.0096701760021f) * f + 0.055507121807f;
+    p = ((p * f + 0.2402222428f) * f + 0.6931470027f) * f + 1.0000000492f;
+  }
+  return (v16)(~below & ((v16i)p + (n << 23)));
 }
 
-/* 16 scores from j: s * scale + the mask, `count` of them real and the rest -inf. */
-static inline v16 scaled(const float* restrict s, int64_t j, int64_t count, float scale, const float* restrict m,
+#define LOG2E 1.44269504088896341f
+
+/* 16 scores from j in base 2: (s * scale + the mask) * log2(e), `count` of them real and the rest -inf. */
+static inline v16 scaled(const float* restrict s, int64_t j, int64_t count, float scale2, const float* restrict m,
                          int64_t m_k) {
-  if (count == 16 && (!m || m_k == 1)) return *(const v16*)(s + j) * scale + (m ? *(const v16*)(m + j) : (v16){0});
+  if (count == 16 && (!m || m_k == 1))
+    return *(const v16*)(s + j) * scale2 + (m ? *(const v16*)(m + j) * LOG2E : (v16){0});
   v16 x;
-  for (int i = 0; i < 16; ++i) x[i] = i < count ? s[j + i] * scale + (m ? m[(j + i) * m_k] : 0.0f) : -INFINITY;
+  for (int i = 0; i < 16; ++i) x[i] = i < count ? s[j + i] * scale2 + (m ? m[(j + i) * m_k] * LOG2E : 0.0f) : -INFINITY;
   return x;
 }
 
-/* A tile's mr score rows (row stride ld) in place: s * scale + the mask (row i at m + i * m_q, key stride m_k),
-   then exp(s - the row's max) over the row rounded up to 16 (the padding exactly 0); inv[i] = 1 / row i's sum,
-   NaN where every key is -inf. The rows go through each pass together: their max and sum chains interleave. */
-static void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, float scale, const float* restrict m,
-                         int64_t m_q, int64_t m_k, float* inv) {
+/* A tile's mr score rows (row stride ld) in place: the scaled, masked scores, then exp(s - the row's max) over
+   the row rounded up to 16 (the padding exactly 0); inv[i] = 1 / row i's sum, NaN where every key is -inf. The
+   mask's row i is at m + i * m_q, its key stride m_k. The rows go through each pass together, so their max and
+   sum chains interleave. */
+static inline void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, float scale,
+                                const float* restrict m, int64_t m_q, int64_t m_k, int cheap, float* inv) {
   const int64_t n16 = round_up(n, 16);
   v16 vmax[MR], sum[MR];
   for (int64_t i = 0; i < mr; ++i) vmax[i] = (v16){0} - INFINITY, sum[i] = (v16){0};
   for (int64_t j = 0; j < n16; j += 16)
     for (int64_t i = 0; i < mr; ++i) {
-      const v16 x = scaled(s + i * ld, j, n - j < 16 ? n - j : 16, scale, m ? m + i * m_q : 0, m_k);
+      const v16 x = scaled(s + i * ld, j, n - j < 16 ? n - j : 16, scale * LOG2E, m ? m + i * m_q : 0, m_k);
       *(v16*)(s + i * ld + j) = x;
       vmax[i] = v_max(vmax[i], x);
     }
@@ -119,7 +138,7 @@ static void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, f
   }
   for (int64_t j = 0; j < n16; j += 16)
     for (int64_t i = 0; i < mr; ++i) {
-      const v16 e = v_exp(*(const v16*)(s + i * ld + j) - top[i]);
+      const v16 e = v_exp2(*(const v16*)(s + i * ld + j) - top[i], cheap);
       *(v16*)(s + i * ld + j) = e;
       sum[i] += e;
     }
@@ -131,18 +150,18 @@ static void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, f
 
 /* One output row: o[c] * inv for c < dv, NaN as 0 under the guard, FP32 or bf16. */
 static void store_out(const float* restrict o, float inv, void* out, int64_t at, int64_t dv, int32_t flags) {
-  const int guard = (flags & ATTN_NAN_TO_ZERO) != 0;
-  if (flags & ATTN_OUT_BF16) {
-    uint16_t* restrict y = (uint16_t*)out + at;
-    for (int64_t c = 0; c < dv; ++c) {
-      const float x = o[c] * inv;
-      y[c] = bf16_narrow(guard && x != x ? 0.0f : x);
-    }
-  } else {
-    float* restrict y = (float*)out + at;
-    for (int64_t c = 0; c < dv; ++c) {
-      const float x = o[c] * inv;
-      y[c] = guard && x != x ? 0.0f : x;
+  for (int64_t c = 0; c < dv; c += 16) {   /* o is padded to whole panels: whole vectors read, `n` stored */
+    v16 x = *(const v16*)(o + c) * inv;
+    if (flags & ATTN_NAN_TO_ZERO) x = v_select((v16i)(x != x), (v16){0}, x);
+    const int64_t n = dv - c < 16 ? dv - c : 16;
+    if (flags & ATTN_OUT_BF16) {
+      const v16h h = v_bf16(x);
+      if (n == 16) *(v16h*)((uint16_t*)out + at + c) = h;
+      else memcpy((uint16_t*)out + at + c, &h, sizeof(uint16_t) * n);
+    } else if (n == 16) {
+      *(v16*)((float*)out + at + c) = x;
+    } else {
+      memcpy((float*)out + at + c, &x, sizeof(float) * n);
     }
   }
 }
@@ -222,7 +241,7 @@ static void tile_f32(const AttnCall* c, Scratch* w, const void* q, const float* 
   for (int64_t nb = 0; nb < w->skp / NR; ++nb)
     tile(rows, 1, mr, c->d, (const float*)w->k + nb * c->d * NR, w->s + nb * NR, w->skp, NR, 0, 0, 0);
   float inv[MR];
-  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, inv);
+  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, 0, inv);
   for (int64_t i = 0; i < MR; ++i) rows[i] = w->s + (i < mr ? i : 0) * w->skp;
   for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
     tile(rows, 1, mr, c->sk, (const float*)w->v + nb * c->sk * NR, w->o + nb * NR, w->dvp, NR, 0, 0, 0);
@@ -369,7 +388,7 @@ static void tile_bf16(const AttnCall* c, Scratch* w, const void* q, const float*
   for (int64_t nb = 0; nb < w->skp / NR; ++nb)
     tile_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * NR, w->s + nb * NR, w->skp);
   float inv[MR];
-  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, inv);
+  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, 1, inv);
   for (int64_t i = 0; i < mr; ++i) row_pairs(w->s + i * w->skp, c->sk, 0, pairs + i * w->skq);
   for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * w->skq;
   for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
