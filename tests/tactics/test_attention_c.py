@@ -23,11 +23,12 @@ needs_bf16 = pytest.mark.skipif(not hardware.has_any(BF16_DOT_ISA),
                                 reason="this CPU has no AVX512-BF16 (vdpbf16ps): kiln.attention_c_bf16 is not "
                                        "offered here, and kiln.attention_c's FP32 math is tested instead")
 NEG_INF = float("-inf")
-HEAD_STEPS = {"q": [{"transpose": [0, 2, 1, 3]}], "k": [{"transpose": [0, 2, 3, 1]}], "v": [{"transpose": [0, 2, 1, 3]}]}
+HEAD_STEPS = {"q": [{"transpose": [0, 2, 1, 3]}], "k": [{"transpose": [0, 2, 3, 1]}],
+              "v": [{"transpose": [0, 2, 1, 3]}]}
 
 
 def formula(q, k, v, mask, scale: float, nan_to_zero: bool = False) -> torch.Tensor:
-    """softmax(q·kᵀ·scale + mask)·v in float64 (q, k, v [..., S, D]; a row of -inf gives NaN, as ONNX's Softmax)."""
+    """softmax(q·kᵀ·scale + mask)·v in float64 (q, k, v [..., S, D]); a -inf row gives NaN, as ONNX's Softmax."""
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
     if mask is not None:
         s = s + mask.double()

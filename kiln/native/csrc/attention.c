@@ -269,8 +269,8 @@ static void run_units(const AttnCall* c, const void* q, const void* k, const voi
     for (int64_t u = 0; u < heads * blocks; ++u) {
       const int64_t bh = u / blocks, blk = u % blocks, b = bh / c->heads, h = bh % c->heads;
       if (packed != bh) {
-        pack(c, (const char*)k + (b * c->k_b + h * c->k_h) * k_size, (const char*)v + (b * c->v_b + h * c->v_h) * v_size,
-             &w);
+        pack(c, (const char*)k + (b * c->k_b + h * c->k_h) * k_size,
+             (const char*)v + (b * c->v_b + h * c->v_h) * v_size, &w);
         packed = bh;
       }
       const int64_t base = tiles / blocks, extra = tiles % blocks;
