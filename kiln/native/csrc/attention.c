@@ -106,46 +106,54 @@ static inline v16 v_exp2(v16 x, int cheap) {
 
 #define LOG2E 1.44269504088896341f
 
-/* 16 scores from j in base 2: (s * scale + the mask) * log2(e), `count` of them real and the rest -inf. */
-static inline v16 scaled(const float* restrict s, int64_t j, int64_t count, float scale2, const float* restrict m,
-                         int64_t m_k) {
-  if (count == 16 && (!m || m_k == 1))
-    return *(const v16*)(s + j) * scale2 + (m ? *(const v16*)(m + j) * LOG2E : (v16){0});
+/* 16 raw scores of keys j.. in base 2: (raw * scale + the mask) * log2(e), `count` of them real (the rest, and all
+   where count <= 0, -inf). */
+static inline v16 scaled(v16 raw, const float* restrict m, int64_t j, int64_t count, float scale2, int64_t m_k) {
+  if (count >= 16 && (!m || m_k == 1)) return raw * scale2 + (m ? *(const v16*)(m + j) * LOG2E : (v16){0});
   v16 x;
-  for (int i = 0; i < 16; ++i) x[i] = i < count ? s[j + i] * scale2 + (m ? m[(j + i) * m_k] * LOG2E : 0.0f) : -INFINITY;
+  for (int i = 0; i < 16; ++i) x[i] = i < count ? raw[i] * scale2 + (m ? m[(j + i) * m_k] * LOG2E : 0.0f) : -INFINITY;
   return x;
 }
 
-/* A tile's mr score rows (row stride ld) in place: the scaled, masked scores, then exp(s - the row's max) over
-   the row rounded up to 16 (the padding exactly 0); inv[i] = 1 / row i's sum, NaN where every key is -inf. The
-   mask's row i is at m + i * m_q, its key stride m_k. The rows go through each pass together, so their max and
-   sum chains interleave. */
-static inline void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, float scale,
-                                const float* restrict m, int64_t m_q, int64_t m_k, int cheap, float* inv) {
+/* Each row's max from its lanes' maxima; 0 where every key is -inf, so exp gives 0 throughout. */
+static inline void row_tops(const v16* vmax, int64_t mr, float* top) {
+  for (int64_t i = 0; i < mr; ++i) {
+    top[i] = h_max(vmax[i]);
+    top[i] = top[i] == -INFINITY ? 0.0f : top[i];
+  }
+}
+
+/* 1 / each row's sum; NaN where no key is left (0 with the guard), as ONNX's Softmax over -inf. */
+static inline void row_inverses(const v16* sum, int64_t mr, float* inv) {
+  for (int64_t i = 0; i < mr; ++i) {
+    const float total = h_sum(sum[i]);
+    inv[i] = total > 0.0f ? 1.0f / total : NAN;
+  }
+}
+
+/* A tile's mr raw score rows (row stride ld) in place: scaled and masked (the mask's row i at m + i * m_q, key
+   stride m_k), then exp(s - the row's max) over the row rounded up to 16 (the padding exactly 0); inv[i] = 1 / row
+   i's sum. The rows go through each pass together, so their max and sum chains interleave. */
+static void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, float scale, const float* restrict m,
+                         int64_t m_q, int64_t m_k, float* inv) {
   const int64_t n16 = round_up(n, 16);
   v16 vmax[MR], sum[MR];
+  float top[MR];
   for (int64_t i = 0; i < mr; ++i) vmax[i] = (v16){0} - INFINITY, sum[i] = (v16){0};
   for (int64_t j = 0; j < n16; j += 16)
     for (int64_t i = 0; i < mr; ++i) {
-      const v16 x = scaled(s + i * ld, j, n - j < 16 ? n - j : 16, scale * LOG2E, m ? m + i * m_q : 0, m_k);
+      const v16 x = scaled(*(const v16*)(s + i * ld + j), m ? m + i * m_q : 0, j, n - j, scale * LOG2E, m_k);
       *(v16*)(s + i * ld + j) = x;
       vmax[i] = v_max(vmax[i], x);
     }
-  float top[MR];
-  for (int64_t i = 0; i < mr; ++i) {
-    top[i] = h_max(vmax[i]);
-    top[i] = top[i] == -INFINITY ? 0.0f : top[i];   /* every key masked: exp gives 0 throughout */
-  }
+  row_tops(vmax, mr, top);
   for (int64_t j = 0; j < n16; j += 16)
     for (int64_t i = 0; i < mr; ++i) {
-      const v16 e = v_exp2(*(const v16*)(s + i * ld + j) - top[i], cheap);
+      const v16 e = v_exp2(*(const v16*)(s + i * ld + j) - top[i], 0);
       *(v16*)(s + i * ld + j) = e;
       sum[i] += e;
     }
-  for (int64_t i = 0; i < mr; ++i) {
-    const float total = h_sum(sum[i]);
-    inv[i] = total > 0.0f ? 1.0f / total : NAN;   /* no key left: NaN (0 with the guard), as ONNX's Softmax */
-  }
+  row_inverses(sum, mr, inv);
 }
 
 /* One output row: o[c] * inv for c < dv, NaN as 0 under the guard, FP32 or bf16. */
@@ -241,7 +249,7 @@ static void tile_f32(const AttnCall* c, Scratch* w, const void* q, const float* 
   for (int64_t nb = 0; nb < w->skp / NR; ++nb)
     tile(rows, 1, mr, c->d, (const float*)w->k + nb * c->d * NR, w->s + nb * NR, w->skp, NR, 0, 0, 0);
   float inv[MR];
-  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, 0, inv);
+  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, inv);
   for (int64_t i = 0; i < MR; ++i) rows[i] = w->s + (i < mr ? i : 0) * w->skp;
   for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
     tile(rows, 1, mr, c->sk, (const float*)w->v + nb * c->sk * NR, w->o + nb * NR, w->dvp, NR, 0, 0, 0);
@@ -355,24 +363,61 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
   }
 }
 
-/* A 6 x 32 FP32 tile of bf16-pair products: rows a[i] (kp pairs each) times the panel b [kp][32], stored whole
-   into c (row stride ldc floats). */
-static void tile_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* c,
-                    int64_t ldc) {
-  __m512 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < kp; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * NR), b1 = (__m512bh)_mm512_loadu_si512(b + p * NR + 16);
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i][p]);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
-    }
+/* The accumulators of a 6 x 32 tile of bf16-pair products: rows a[i] (kp pairs each) times the panel b [kp][32]. */
+#define DP_TILE(acc, a, kp, b)                                                                                      \
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();                                       \
+  for (int64_t p = 0; p < kp; ++p) {                                                                              \
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * NR), b1 = (__m512bh)_mm512_loadu_si512(b + p * NR + 16); \
+    for (int i = 0; i < MR; ++i) {                                                                                \
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i][p]);                                              \
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);                                                           \
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);                                                           \
+    }                                                                                                             \
   }
+
+/* P·V: the tile stored whole into c (row stride ldc floats). */
+static void values_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* c,
+                      int64_t ldc) {
+  __m512 acc[MR][2];
+  DP_TILE(acc, a, kp, b)
   for (int64_t i = 0; i < mr; ++i) {
     _mm512_storeu_ps(c + i * ldc, acc[i][0]);
     _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
   }
+}
+
+/* Q·Kᵀ for keys col0.. (one panel): the scores stored scaled and masked in base 2 into the rows of s (stride ld;
+   keys past n -inf), each row's running max in vmax: the softmax's first pass, done while the tile is in registers. */
+static void scores_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* s,
+                      int64_t ld, int64_t col0, int64_t n, float scale2, const float* m, int64_t m_q, int64_t m_k,
+                      v16* vmax) {
+  __m512 acc[MR][2];
+  DP_TILE(acc, a, kp, b)
+  for (int64_t i = 0; i < mr; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t j = col0 + 16 * h;
+      const v16 x = scaled((v16)acc[i][h], m ? m + i * m_q : 0, j, n - j, scale2, m_k);
+      *(v16*)(s + i * ld + j) = x;
+      vmax[i] = v_max(vmax[i], x);
+    }
+}
+
+/* The softmax's exp pass over a tile's base-2 scores (rows of n32, a multiple of 32), rounded straight into bf16
+   pairs of keys for P·V (row stride pld): P is never stored in FP32; inv[i] = 1 / row i's FP32 sum. */
+static void softmax_pairs(const float* restrict s, int64_t ld, int64_t mr, int64_t n32, const v16* vmax,
+                          uint32_t* pairs, int64_t pld, float* inv) {
+  v16 sum[MR];
+  float top[MR];
+  row_tops(vmax, mr, top);
+  for (int64_t i = 0; i < mr; ++i) sum[i] = (v16){0};
+  for (int64_t j = 0; j < n32; j += 32)
+    for (int64_t i = 0; i < mr; ++i) {
+      const v16 e0 = v_exp2(*(const v16*)(s + i * ld + j) - top[i], 1);
+      const v16 e1 = v_exp2(*(const v16*)(s + i * ld + j + 16) - top[i], 1);
+      sum[i] += e0 + e1;
+      _mm512_storeu_si512(pairs + i * pld + j / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));
+    }
+  row_inverses(sum, mr, inv);
 }
 
 /* BF16 math on one tile: Q rounded to bf16 pairs, scores and P·V on vdpbf16ps, the softmax in FP32. */
@@ -381,18 +426,22 @@ static void tile_bf16(const AttnCall* c, Scratch* w, const void* q, const float*
   const uint32_t* rows[MR];
   uint32_t* pairs = (uint32_t*)w->rows;
   const size_t q_size = c->flags & ATTN_Q_BF16 ? 2 : 4;
+  const int64_t pld = w->skp / 2;
   for (int64_t i = 0; i < MR; ++i) {
     const int64_t r = r0 + (i < mr ? i : 0);
     rows[i] = row_pairs((const char*)q + r * c->q_s * q_size, c->d, c->flags & ATTN_Q_BF16, pairs + i * w->dp);
   }
+  v16 vmax[MR];
+  for (int64_t i = 0; i < MR; ++i) vmax[i] = (v16){0} - INFINITY;
+  const float* m = mask ? mask + r0 * c->m_q : 0;
   for (int64_t nb = 0; nb < w->skp / NR; ++nb)
-    tile_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * NR, w->s + nb * NR, w->skp);
+    scores_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * NR, w->s, w->skp, nb * NR, c->sk,
+              c->scale * LOG2E, m, c->m_q, c->m_k, vmax);
   float inv[MR];
-  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, 1, inv);
-  for (int64_t i = 0; i < mr; ++i) row_pairs(w->s + i * w->skp, c->sk, 0, pairs + i * w->skq);
-  for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * w->skq;
+  softmax_pairs(w->s, w->skp, mr, w->skp, vmax, pairs, pld, inv);   /* Q's pairs are spent: P's overwrite them */
+  for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * pld;
   for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
-    tile_dp(rows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * NR, w->o + nb * NR, w->dvp);
+    values_dp(rows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * NR, w->o + nb * NR, w->dvp);
   for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
 }
 
