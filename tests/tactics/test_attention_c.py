@@ -154,6 +154,18 @@ def test_fp32_math_reads_and_writes_bf16_as_the_plan_stores_it(q, k, v, out):
     assert_matches(got, expected(layer, xs), 2 ** -8 if out == "bfloat16" else FP32_REL)
 
 
+def test_bf16_output_is_the_fp32_result_rounded_to_nearest_even():
+    """The kernel rounds its FP32 result as torch's .bfloat16() does, NaN rows included (a row tail of 13)."""
+    fp32, bf16 = (heads_layer(1, 2, 6, 7, 29, mask_shape=(1, 1, 6, 7), out=out) for out in ("float32", "bfloat16"))
+    xs = inputs(fp32, seed=11, masked=[(0, 0, 4)])
+    want = AttentionTactic().prepare(fp32)(xs)[0]
+    got = AttentionTactic().prepare(bf16)(xs)[0]
+    assert want[0, 4].isnan().all() and got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), want.isnan())   # NaN's payload bits may differ
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].bfloat16().view(torch.int16))
+
+
 def test_views_without_unit_inner_stride_and_outputs_that_are_not_views():
     """Q given as [B, H, D, S] (its steps transpose the last two axes: not unit inner stride, copied), an output
     layout the steps cannot undo as a view (written contiguous, then reshaped); and shapes changing between calls

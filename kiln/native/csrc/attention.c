@@ -37,7 +37,7 @@ typedef struct {
   int32_t flags;
 } AttnCall;
 
-/* bf16 is FP32's upper half: widening is exact; narrowing rounds to nearest even (a NaN stays a quiet NaN). */
+/* bf16 is FP32's upper half: widening is exact. */
 static inline float bf16_widen(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float f;
@@ -45,17 +45,10 @@ static inline float bf16_widen(uint16_t h) {
   return f;
 }
 
-static inline uint16_t bf16_narrow(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 
-/* bf16_narrow on 16 lanes. */
+/* 16 floats rounded to bf16, nearest even (a NaN stays a quiet NaN). */
 static inline v16h v_bf16(v16 x) {
   const v16u u = (v16u)x;
   const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
