@@ -121,6 +121,7 @@ class Plan:
     views of the inputs at fixed byte offsets (else they are rebuilt, copies included, on every call)."""
 
     call: AttnCall | None             # None: the reference kernel runs this geometry
+    call_ref: object                  # ctypes.byref(call), made once
     offsets: tuple[int | None, ...]   # per input: the operand's byte offset from the input's data, or None
     in_place: bool
     y_shape: tuple[int, ...]          # the tensor allocated per call
@@ -135,7 +136,7 @@ def make_plan(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> Plan
     """The Plan for inputs shaped, strided and typed like `xs`."""
     ops = operands(attrs, xs)
     if ops is None:
-        return Plan(None, (), False, (), False)
+        return Plan(None, None, (), False, (), False)
     steps = attrs.get("out_steps", [])
     final = tuple(apply_steps(torch.empty(ops.out_shape, device="meta"), steps).shape)
     out4 = output_view(torch.empty(final, dtype=out_dtype), steps, ops.out_shape)
@@ -149,7 +150,7 @@ def make_plan(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> Plan
                     for x, p in zip(xs, _pointers(ops)))
     in_place = all(o is not None for o, p in zip(offsets, _pointers(ops)) if p)
     call = _geometry(ops, _four_dims(out4), float(attrs["scale"]), flags)
-    return Plan(call, offsets, in_place, final if direct else ops.out_shape, direct)
+    return Plan(call, ctypes.byref(call), offsets, in_place, final if direct else ops.out_shape, direct)
 
 
 def _shares(x: torch.Tensor, ptr: int) -> bool:
@@ -205,7 +206,7 @@ class AttentionTactic:
 
         def run(xs):
             xs = [consts.get(i, x) for i, x in enumerate(xs)] if consts else xs
-            key = tuple(None if x is None else (x.shape, x.stride(), x.dtype) for x in xs)
+            key = tuple([None if x is None else (x.shape, x.stride(), x.dtype) for x in xs])
             plan = plans.get(key)
             if plan is None:
                 plan = plans.setdefault(key, make_plan(attrs, xs, out_dtype, flags))
@@ -213,12 +214,14 @@ class AttentionTactic:
                 wide = [x.float() if x is not None and x.is_floating_point() else x for x in xs]
                 return [y.to(out_dtype) for y in reference(attrs, wide)]
             if plan.in_place:
-                ptrs = [x.data_ptr() + o if o is not None else 0 for x, o in zip(xs, plan.offsets)] + [0]
+                ptrs = [x.data_ptr() + o for x, o in zip(xs, plan.offsets) if o is not None]
+                if len(ptrs) < 4:
+                    ptrs.append(0)   # no mask
             else:
                 ops = operands(attrs, xs)   # holds the copies until the call returns
                 ptrs = _pointers(ops)
             y = torch.empty(plan.y_shape, dtype=out_dtype)
-            entry(ctypes.byref(plan.call), ptrs[0], ptrs[1], ptrs[2], ptrs[3] or None, y.data_ptr())
+            entry(plan.call_ref, *ptrs, y.data_ptr())
             return [y if plan.direct else apply_steps(y, attrs.get("out_steps", []))]
         return run
 

@@ -25,6 +25,7 @@
 #define ATTN_NAN_TO_ZERO 16
 
 #define UNITS_PER_THREAD 4   /* split heads into query-row blocks until each thread has this many units */
+#define PARALLEL_MACS 65536  /* below this many multiply-adds one thread runs the layer: waking others costs more */
 
 /* A layer's geometry, fixed per input shape (kiln.tactics.attention_c.AttnCall mirrors it field by field):
    element strides of Q [batch][heads][sq][d], K [..][sk][d], V [..][sk][dv], the mask [..][sq][sk] and the
@@ -174,25 +175,23 @@ typedef struct {
   float *s, *o;
 } Scratch;
 
-static void* alloc64(int64_t bytes) { return aligned_alloc(64, (size_t)round_up(bytes > 0 ? bytes : 64, 64)); }
-
+/* The buffers in one 64-byte aligned block (one allocation per thread and call). */
 static Scratch scratch_new(const AttnCall* c) {
   Scratch w;
   w.skp = round_up(c->sk, NR);
   w.dvp = round_up(c->dv, NR);
   w.dp = (c->d + 1) / 2;
   w.skq = (c->sk + 1) / 2;
-  w.k = alloc64(sizeof(float) * w.skp * 2 * w.dp);
-  w.v = alloc64(sizeof(float) * w.dvp * 2 * w.skq);
-  w.rows = alloc64(sizeof(float) * MR * (2 * w.dp > w.skp ? 2 * w.dp : w.skp));
-  w.s = (float*)alloc64(sizeof(float) * MR * w.skp);
-  w.o = (float*)alloc64(sizeof(float) * MR * w.dvp);
+  const int64_t sizes[5] = {w.skp * 2 * w.dp, w.dvp * 2 * w.skq, MR * (2 * w.dp > w.skp ? 2 * w.dp : w.skp),
+                            MR * w.skp, MR * w.dvp};   /* floats: K, V, operand rows, scores, outputs */
+  int64_t at[5], total = 0;
+  for (int i = 0; i < 5; ++i) at[i] = total, total += round_up(sizes[i], 16);
+  float* block = (float*)aligned_alloc(64, sizeof(float) * (size_t)(total > 0 ? total : 16));
+  w.k = block + at[0], w.v = block + at[1], w.rows = block + at[2], w.s = block + at[3], w.o = block + at[4];
   return w;
 }
 
-static void scratch_free(Scratch* w) {
-  free(w->k); free(w->v); free(w->rows); free(w->s); free(w->o);
-}
+static void scratch_free(Scratch* w) { free(w->k); }
 
 /* FP32 operands: K as key panels [skp/32][d][32], V as column panels [dvp/32][sk][32], zero padded. */
 static void pack_f32(const AttnCall* c, const void* k, const void* v, Scratch* w) {
@@ -262,7 +261,8 @@ static void run_units(const AttnCall* c, const void* q, const void* k, const voi
   blocks = blocks < 1 ? 1 : (blocks > tiles ? tiles : blocks);
   const size_t q_size = c->flags & ATTN_Q_BF16 ? 2 : 4, k_size = c->flags & ATTN_K_BF16 ? 2 : 4;
   const size_t v_size = c->flags & ATTN_V_BF16 ? 2 : 4, o_size = c->flags & ATTN_OUT_BF16 ? 2 : 4;
-  #pragma omp parallel
+  const int64_t macs = heads * c->sq * c->sk * (c->d + c->dv);
+  #pragma omp parallel if (macs >= PARALLEL_MACS)
   {
     Scratch w = scratch_new(c);
     int64_t packed = -1;
