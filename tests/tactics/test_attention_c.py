@@ -6,6 +6,8 @@ same formula on bf16-rounded operands; and small encoders built by kiln with the
 kernels, matching onnxruntime."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -184,6 +186,26 @@ def test_views_without_unit_inner_stride_and_outputs_that_are_not_views():
         assert not plan.in_place and not plan.direct
         want = formula(qt.transpose(2, 3), kt.transpose(2, 3), v, None, 0.3).permute(0, 2, 3, 1).reshape(batch, -1)
         assert_matches(kernel([qt, kt, v])[0], want, FP32_REL)
+
+
+@pytest.mark.skipif(not hardware.has_any(("avx2",)), reason="this CPU has no AVX2")
+def test_the_avx2_build_matches_the_formula(tmp_path):
+    """attention.c compiled for AVX2 alone (-march=x86-64-v3: 8-float vectors, 6 x 16 tiles, as on a Zen 3), run
+    here on the same geometry the tactic computes."""
+    from kiln.native import catalog, compiler
+
+    spec = catalog.LIBRARIES["attention"]
+    target = tmp_path / "attention_avx2.so"
+    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, "attention.c",
+                          ("-march=x86-64-v3",))
+    lib = catalog.bind(ctypes.CDLL(str(target)), spec)
+    layer = heads_layer(2, 3, 37, 21, 20, 40, mask_shape=(2, 1, 37, 21), out="bfloat16")
+    xs = inputs(layer, seed=12, masked=[(0, 0, 3)])
+    plan = make_plan(layer.attrs, xs, torch.bfloat16, 0)
+    assert plan.in_place and plan.direct
+    y = torch.empty(plan.y_shape, dtype=torch.bfloat16)
+    lib.kiln_attention(plan.call_ref, *(x.data_ptr() + o for x, o in zip(xs, plan.offsets)), y.data_ptr())
+    assert_matches(y, expected(layer, xs), 2 ** -8)
 
 
 def test_three_dimensional_heads_and_a_constant_mask():

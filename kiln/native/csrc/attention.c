@@ -3,19 +3,35 @@
    stride 0 along broadcast axes), each tensor FP32 or bf16 as the plan stores it.
 
    A work unit is one (batch x head) and a block of query rows; OpenMP shares the units out with a static
-   schedule. A unit packs its head's K into key panels [Sk/32][D][32] and V into column panels [Dv/32][Sk][32]
-   (zero padded; a thread keeps them for its next unit of the same head), then per 6-row tile: the scores on
-   gemm.h's 6 x 32 register tile, the softmax in FP32 (max-subtracted, Cephes' expf 16 lanes at a time), P·V on
-   the same tile, and the output scaled by 1 / row sum as it is stored. The BF16 variant runs both products on
-   vdpbf16ps (bf16 operand pairs, FP32 accumulation), packing K and V as bf16 pairs and rounding Q and P to bf16;
-   the softmax stays FP32.
+   schedule. A unit packs its head's K into key panels [Sk/P][D][P] and V into column panels [Dv/P][Sk][P] (P =
+   PANEL, two vectors; zero padded; a thread keeps them for its next unit of the same head), then per 6-row tile:
+   the scores on a 6 x PANEL register tile (gemm.h's, in vectors as wide as the CPU's: 16 floats with AVX-512, 8
+   with AVX2, where 64-byte vectors would be lowered through memory), the softmax in FP32 (max-subtracted, in base
+   2), P·V on the same tile, and the output scaled by 1 / row sum as it is stored. The BF16 variant (AVX512-BF16)
+   runs both products on vdpbf16ps (bf16 operand pairs, FP32 accumulation), packing K and V as bf16 pairs and
+   rounding Q and P to bf16; the softmax stays FP32.
 
    A row whose every key is masked with -inf gives NaN, as the ONNX graph does (Softmax over -inf), or 0 with
    ATTN_NAN_TO_ZERO (the NaN guard of SDPA's export, which turns every NaN of the output into 0). */
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
-#include "gemm.h"
+/* Vectors as wide as the CPU's registers (VW floats), with GCC's vector extensions. */
+#ifdef __AVX512F__
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VW), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(4 * VW), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW), aligned(2)));
+
+#define MR 6           /* query rows per register tile */
+#define PANEL (2 * VW) /* keys (Q·Kᵀ) or output columns (P·V) per packed panel: two vectors per tile row */
 
 /* AttnCall.flags: which tensors are bf16, and the NaN guard. */
 #define ATTN_Q_BF16 1
@@ -46,35 +62,37 @@ static inline float bf16_widen(uint16_t h) {
   return f;
 }
 
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-
-/* 16 floats rounded to bf16, nearest even (a NaN stays a quiet NaN). */
-static inline v16h v_bf16(v16 x) {
-  const v16u u = (v16u)x;
-  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-  const v16u is_nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-  return __builtin_convertvector((is_nan & quiet) | (~is_nan & rounded), v16h);
+/* VW floats rounded to bf16, nearest even (a NaN stays a quiet NaN). */
+static inline vh v_bf16(vf x) {
+  const vu u = (vu)x;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  const vu is_nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  return __builtin_convertvector((is_nan & quiet) | (~is_nan & rounded), vh);
 }
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-static inline v16 v_max(v16 a, v16 b) { return v_select((v16i)(a > b), a, b); }
+static inline vf v_select(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
-/* The largest and the sum of a vector's 16 lanes, by halving (four shuffles, not fifteen lane extractions). */
-static inline float h_max(v16 x) {
-  x = v_max(x, __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  x = v_max(x, __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-  x = v_max(x, __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-  x = v_max(x, __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+static inline vf v_max(vf a, vf b) { return v_select((vi)(a > b), a, b); }
+
+/* The largest and the sum of a vector's lanes, by halving (log2(VW) shuffles, not VW - 1 lane extractions). */
+#if VW == 16
+#define HALVINGS {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}, {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, \
+  10, 11}, {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}, {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}
+#else
+#define HALVINGS {4, 5, 6, 7, 0, 1, 2, 3}, {2, 3, 0, 1, 6, 7, 4, 5}, {1, 0, 3, 2, 5, 4, 7, 6}
+#endif
+static const vi halvings[] = {HALVINGS};
+#define STEPS ((int)(sizeof halvings / sizeof halvings[0]))
+
+static inline float h_max(vf x) {
+  for (int k = 0; k < STEPS; ++k) x = v_max(x, __builtin_shuffle(x, halvings[k]));
   return x[0];
 }
 
-static inline float h_sum(v16 x) {
-  x += __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+static inline float h_sum(vf x) {
+  for (int k = 0; k < STEPS; ++k) x += __builtin_shuffle(x, halvings[k]);
   return x[0];
 }
 
@@ -82,35 +100,35 @@ static inline float h_sum(v16 x) {
    polynomial on [-1/2, 1/2] fitted for relative error (degree 5: within 3.2e-7; degree 3, `cheap`: within 1.4e-4,
    below the bf16 rounding the BF16 kernel applies to P next), times 2^n through the exponent bits; exactly 0
    below -126 (masked keys). */
-static inline v16 v_exp2(v16 x, int cheap) {
-  const v16 lo = (v16){0} - 126.0f;
-  const v16i below = (v16i)(x < lo);
-  const v16 t = v_select(below, lo, x);
-  const v16i n = __builtin_convertvector(t - 0.5f, v16i);   /* t <= 0: truncation rounds */
-  const v16 f = t - __builtin_convertvector(n, v16);
-  v16 p;
+static inline vf v_exp2(vf x, int cheap) {
+  const vf lo = (vf){0} - 126.0f;
+  const vi below = (vi)(x < lo);
+  const vf t = v_select(below, lo, x);
+  const vi n = __builtin_convertvector(t - 0.5f, vi);   /* t <= 0: truncation rounds */
+  const vf f = t - __builtin_convertvector(n, vf);
+  vf p;
   if (cheap) {
     p = ((0.055029309031f * f + 0.24225680198f) * f + 0.69325303606f) * f + 0.99995134716f;
   } else {
     p = (0.0013260921426f * f + 0.0096701760021f) * f + 0.055507121807f;
     p = ((p * f + 0.2402222428f) * f + 0.6931470027f) * f + 1.0000000492f;
   }
-  return (v16)(~below & ((v16i)p + (n << 23)));
+  return (vf)(~below & ((vi)p + (n << 23)));
 }
 
 #define LOG2E 1.44269504088896341f
 
-/* 16 raw scores of keys j.. in base 2: (raw * scale + the mask) * log2(e), `count` of them real (the rest, and all
+/* VW raw scores of keys j.. in base 2: (raw * scale + the mask) * log2(e), `count` of them real (the rest, and all
    where count <= 0, -inf). */
-static inline v16 scaled(v16 raw, const float* restrict m, int64_t j, int64_t count, float scale2, int64_t m_k) {
-  if (count >= 16 && (!m || m_k == 1)) return raw * scale2 + (m ? *(const v16*)(m + j) * LOG2E : (v16){0});
-  v16 x;
-  for (int i = 0; i < 16; ++i) x[i] = i < count ? raw[i] * scale2 + (m ? m[(j + i) * m_k] * LOG2E : 0.0f) : -INFINITY;
+static inline vf scaled(vf raw, const float* restrict m, int64_t j, int64_t count, float scale2, int64_t m_k) {
+  if (count >= VW && (!m || m_k == 1)) return raw * scale2 + (m ? *(const vf*)(m + j) * LOG2E : (vf){0});
+  vf x;
+  for (int i = 0; i < VW; ++i) x[i] = i < count ? raw[i] * scale2 + (m ? m[(j + i) * m_k] * LOG2E : 0.0f) : -INFINITY;
   return x;
 }
 
 /* Each row's max from its lanes' maxima; 0 where every key is -inf, so exp gives 0 throughout. */
-static inline void row_tops(const v16* vmax, int64_t mr, float* top) {
+static inline void row_tops(const vf* vmax, int64_t mr, float* top) {
   for (int64_t i = 0; i < mr; ++i) {
     top[i] = h_max(vmax[i]);
     top[i] = top[i] == -INFINITY ? 0.0f : top[i];
@@ -118,7 +136,7 @@ static inline void row_tops(const v16* vmax, int64_t mr, float* top) {
 }
 
 /* 1 / each row's sum; NaN where no key is left (0 with the guard), as ONNX's Softmax over -inf. */
-static inline void row_inverses(const v16* sum, int64_t mr, float* inv) {
+static inline void row_inverses(const vf* sum, int64_t mr, float* inv) {
   for (int64_t i = 0; i < mr; ++i) {
     const float total = h_sum(sum[i]);
     inv[i] = total > 0.0f ? 1.0f / total : NAN;
@@ -126,25 +144,25 @@ static inline void row_inverses(const v16* sum, int64_t mr, float* inv) {
 }
 
 /* A tile's mr raw score rows (row stride ld) in place: scaled and masked (the mask's row i at m + i * m_q, key
-   stride m_k), then exp(s - the row's max) over the row rounded up to 16 (the padding exactly 0); inv[i] = 1 / row
+   stride m_k), then exp(s - the row's max) over the row rounded up to VW (the padding exactly 0); inv[i] = 1 / row
    i's sum. The rows go through each pass together, so their max and sum chains interleave. */
 static void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, float scale, const float* restrict m,
                          int64_t m_q, int64_t m_k, float* inv) {
-  const int64_t n16 = round_up(n, 16);
-  v16 vmax[MR], sum[MR];
+  const int64_t nv = round_up(n, VW);
+  vf vmax[MR], sum[MR];
   float top[MR];
-  for (int64_t i = 0; i < mr; ++i) vmax[i] = (v16){0} - INFINITY, sum[i] = (v16){0};
-  for (int64_t j = 0; j < n16; j += 16)
+  for (int64_t i = 0; i < mr; ++i) vmax[i] = (vf){0} - INFINITY, sum[i] = (vf){0};
+  for (int64_t j = 0; j < nv; j += VW)
     for (int64_t i = 0; i < mr; ++i) {
-      const v16 x = scaled(*(const v16*)(s + i * ld + j), m ? m + i * m_q : 0, j, n - j, scale * LOG2E, m_k);
-      *(v16*)(s + i * ld + j) = x;
+      const vf x = scaled(*(const vf*)(s + i * ld + j), m ? m + i * m_q : 0, j, n - j, scale * LOG2E, m_k);
+      *(vf*)(s + i * ld + j) = x;
       vmax[i] = v_max(vmax[i], x);
     }
   row_tops(vmax, mr, top);
-  for (int64_t j = 0; j < n16; j += 16)
+  for (int64_t j = 0; j < nv; j += VW)
     for (int64_t i = 0; i < mr; ++i) {
-      const v16 e = v_exp2(*(const v16*)(s + i * ld + j) - top[i], 0);
-      *(v16*)(s + i * ld + j) = e;
+      const vf e = v_exp2(*(const vf*)(s + i * ld + j) - top[i], 0);
+      *(vf*)(s + i * ld + j) = e;
       sum[i] += e;
     }
   row_inverses(sum, mr, inv);
@@ -152,16 +170,16 @@ static void softmax_rows(float* restrict s, int64_t ld, int64_t mr, int64_t n, f
 
 /* One output row: o[c] * inv for c < dv, NaN as 0 under the guard, FP32 or bf16. */
 static void store_out(const float* restrict o, float inv, void* out, int64_t at, int64_t dv, int32_t flags) {
-  for (int64_t c = 0; c < dv; c += 16) {   /* o is padded to whole panels: whole vectors read, `n` stored */
-    v16 x = *(const v16*)(o + c) * inv;
-    if (flags & ATTN_NAN_TO_ZERO) x = v_select((v16i)(x != x), (v16){0}, x);
-    const int64_t n = dv - c < 16 ? dv - c : 16;
+  for (int64_t c = 0; c < dv; c += VW) {   /* o is padded to whole panels: whole vectors read, `n` stored */
+    vf x = *(const vf*)(o + c) * inv;
+    if (flags & ATTN_NAN_TO_ZERO) x = v_select((vi)(x != x), (vf){0}, x);
+    const int64_t n = dv - c < VW ? dv - c : VW;
     if (flags & ATTN_OUT_BF16) {
-      const v16h h = v_bf16(x);
-      if (n == 16) *(v16h*)((uint16_t*)out + at + c) = h;
+      const vh h = v_bf16(x);
+      if (n == VW) *(vh*)((uint16_t*)out + at + c) = h;
       else memcpy((uint16_t*)out + at + c, &h, sizeof(uint16_t) * n);
-    } else if (n == 16) {
-      *(v16*)((float*)out + at + c) = x;
+    } else if (n == VW) {
+      *(vf*)((float*)out + at + c) = x;
     } else {
       memcpy((float*)out + at + c, &x, sizeof(float) * n);
     }
@@ -178,8 +196,8 @@ typedef struct {
 /* The buffers in one 64-byte aligned block (one allocation per thread and call). */
 static Scratch scratch_new(const AttnCall* c) {
   Scratch w;
-  w.skp = round_up(c->sk, NR);
-  w.dvp = round_up(c->dv, NR);
+  w.skp = round_up(c->sk, PANEL);
+  w.dvp = round_up(c->dv, PANEL);
   w.dp = (c->d + 1) / 2;
   w.skq = (c->sk + 1) / 2;
   const int64_t sizes[5] = {w.skp * 2 * w.dp, w.dvp * 2 * w.skq, MR * (2 * w.dp > w.skp ? 2 * w.dp : w.skp),
@@ -198,29 +216,49 @@ static void pack_f32(const AttnCall* c, const void* k, const void* v, Scratch* w
   const int64_t sk = c->sk, d = c->d, dv = c->dv;
   float* restrict kp = (float*)w->k;
   float* restrict vp = (float*)w->v;
-  if (sk % NR) memset(kp + (sk / NR) * d * NR, 0, sizeof(float) * d * NR);   /* the last panel's missing keys */
+  if (sk % PANEL) memset(kp + (sk / PANEL) * d * PANEL, 0, sizeof(float) * d * PANEL);   /* the last panel's missing keys */
   for (int64_t j = 0; j < sk; ++j) {
-    float* restrict dst = kp + (j / NR) * d * NR + j % NR;
+    float* restrict dst = kp + (j / PANEL) * d * PANEL + j % PANEL;
     if (c->flags & ATTN_K_BF16) {
       const uint16_t* row = (const uint16_t*)k + j * c->k_s;
-      for (int64_t e = 0; e < d; ++e) dst[e * NR] = bf16_widen(row[e]);
+      for (int64_t e = 0; e < d; ++e) dst[e * PANEL] = bf16_widen(row[e]);
     } else {
       const float* row = (const float*)k + j * c->k_s;
-      for (int64_t e = 0; e < d; ++e) dst[e * NR] = row[e];
+      for (int64_t e = 0; e < d; ++e) dst[e * PANEL] = row[e];
     }
   }
   for (int64_t j = 0; j < sk; ++j)
-    for (int64_t nb = 0; nb < w->dvp / NR; ++nb) {
-      float* restrict dst = vp + (nb * sk + j) * NR;
-      const int64_t cols = dv - nb * NR < NR ? dv - nb * NR : NR;
+    for (int64_t nb = 0; nb < w->dvp / PANEL; ++nb) {
+      float* restrict dst = vp + (nb * sk + j) * PANEL;
+      const int64_t cols = dv - nb * PANEL < PANEL ? dv - nb * PANEL : PANEL;
       if (c->flags & ATTN_V_BF16) {
-        const uint16_t* row = (const uint16_t*)v + j * c->v_s + nb * NR;
+        const uint16_t* row = (const uint16_t*)v + j * c->v_s + nb * PANEL;
         for (int64_t e = 0; e < cols; ++e) dst[e] = bf16_widen(row[e]);
       } else {
-        memcpy(dst, (const float*)v + j * c->v_s + nb * NR, sizeof(float) * cols);
+        memcpy(dst, (const float*)v + j * c->v_s + nb * PANEL, sizeof(float) * cols);
       }
-      if (cols < NR) memset(dst + cols, 0, sizeof(float) * (NR - cols));
+      if (cols < PANEL) memset(dst + cols, 0, sizeof(float) * (PANEL - cols));
     }
+}
+
+/* gemm.h's register tile at this vector width: rows a[i] (k floats each, read in place) times the panel b [k][PANEL],
+   all PANEL columns stored into c (row stride ldc). 2 x MR accumulators: 12 of AVX2's 16 registers. */
+static void product_tile(const float* const* restrict a, int64_t mr, int64_t k, const float* restrict b, float* c,
+                         int64_t ldc) {
+  vf acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = (vf){0};
+  for (int64_t l = 0; l < k; ++l) {
+    const vf b0 = *(const vf*)(b + l * PANEL), b1 = *(const vf*)(b + l * PANEL + VW);
+    for (int i = 0; i < MR; ++i) {
+      const float x = a[i][l];
+      acc[i][0] += x * b0;
+      acc[i][1] += x * b1;
+    }
+  }
+  for (int64_t i = 0; i < mr; ++i) {
+    *(vf*)(c + i * ldc) = acc[i][0];
+    *(vf*)(c + i * ldc + VW) = acc[i][1];
+  }
 }
 
 /* FP32 math on one tile of mr query rows from row r0: scores, softmax, P·V, stored. `q`, `mask` and `out` point
@@ -238,13 +276,13 @@ static void tile_f32(const AttnCall* c, Scratch* w, const void* q, const float* 
       rows[i] = (const float*)q + r * c->q_s;
     }
   }
-  for (int64_t nb = 0; nb < w->skp / NR; ++nb)
-    tile(rows, 1, mr, c->d, (const float*)w->k + nb * c->d * NR, w->s + nb * NR, w->skp, NR, 0, 0, 0);
+  for (int64_t nb = 0; nb < w->skp / PANEL; ++nb)
+    product_tile(rows, mr, c->d, (const float*)w->k + nb * c->d * PANEL, w->s + nb * PANEL, w->skp);
   float inv[MR];
   softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, inv);
   for (int64_t i = 0; i < MR; ++i) rows[i] = w->s + (i < mr ? i : 0) * w->skp;
-  for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
-    tile(rows, 1, mr, c->sk, (const float*)w->v + nb * c->sk * NR, w->o + nb * NR, w->dvp, NR, 0, 0, 0);
+  for (int64_t nb = 0; nb < w->dvp / PANEL; ++nb)
+    product_tile(rows, mr, c->sk, (const float*)w->v + nb * c->sk * PANEL, w->o + nb * PANEL, w->dvp);
   for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
 }
 
@@ -335,11 +373,11 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
   const int64_t sk = c->sk, dp = w->dp;
   uint32_t* restrict kp = (uint32_t*)w->k;
   uint32_t* restrict vp = (uint32_t*)w->v;
-  if (sk % NR) memset(kp + (sk / NR) * dp * NR, 0, sizeof(uint32_t) * dp * NR);
+  if (sk % PANEL) memset(kp + (sk / PANEL) * dp * PANEL, 0, sizeof(uint32_t) * dp * PANEL);
   for (int64_t j = 0; j < sk; ++j) {
     const uint32_t* row = row_pairs((const char*)k + j * c->k_s * k_size, c->d, k_half, (uint32_t*)w->rows);
-    uint32_t* restrict dst = kp + (j / NR) * dp * NR + j % NR;
-    for (int64_t p = 0; p < dp; ++p) dst[p * NR] = row[p];
+    uint32_t* restrict dst = kp + (j / PANEL) * dp * PANEL + j % PANEL;
+    for (int64_t p = 0; p < dp; ++p) dst[p * PANEL] = row[p];
   }
   for (int64_t p = 0; p < w->skq; ++p) {
     const char* row0 = (const char*)v + 2 * p * c->v_s * v_size;
@@ -351,7 +389,7 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
         lanes = bf16_lanes(row0 + e * v_size, cols, v_half);
         if (row1) lanes = _mm512_or_si512(lanes, _mm512_slli_epi32(bf16_lanes(row1 + e * v_size, cols, v_half), 16));
       }
-      _mm512_storeu_si512(vp + ((e / NR) * w->skq + p) * NR + e % NR, lanes);
+      _mm512_storeu_si512(vp + ((e / PANEL) * w->skq + p) * PANEL + e % PANEL, lanes);
     }
   }
 }
@@ -360,7 +398,7 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
 #define DP_TILE(acc, a, kp, b)                                                                                      \
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();                                       \
   for (int64_t p = 0; p < kp; ++p) {                                                                              \
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * NR), b1 = (__m512bh)_mm512_loadu_si512(b + p * NR + 16); \
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * PANEL), b1 = (__m512bh)_mm512_loadu_si512(b + p * PANEL + 16); \
     for (int i = 0; i < MR; ++i) {                                                                                \
       const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i][p]);                                              \
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);                                                           \
@@ -383,30 +421,30 @@ static void values_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const ui
    keys past n -inf), each row's running max in vmax: the softmax's first pass, done while the tile is in registers. */
 static void scores_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* s,
                       int64_t ld, int64_t col0, int64_t n, float scale2, const float* m, int64_t m_q, int64_t m_k,
-                      v16* vmax) {
+                      vf* vmax) {
   __m512 acc[MR][2];
   DP_TILE(acc, a, kp, b)
   for (int64_t i = 0; i < mr; ++i)
     for (int h = 0; h < 2; ++h) {
-      const int64_t j = col0 + 16 * h;
-      const v16 x = scaled((v16)acc[i][h], m ? m + i * m_q : 0, j, n - j, scale2, m_k);
-      *(v16*)(s + i * ld + j) = x;
+      const int64_t j = col0 + VW * h;
+      const vf x = scaled((vf)acc[i][h], m ? m + i * m_q : 0, j, n - j, scale2, m_k);
+      *(vf*)(s + i * ld + j) = x;
       vmax[i] = v_max(vmax[i], x);
     }
 }
 
 /* The softmax's exp pass over a tile's base-2 scores (rows of n32, a multiple of 32), rounded straight into bf16
    pairs of keys for P·V (row stride pld): P is never stored in FP32; inv[i] = 1 / row i's FP32 sum. */
-static void softmax_pairs(const float* restrict s, int64_t ld, int64_t mr, int64_t n32, const v16* vmax,
+static void softmax_pairs(const float* restrict s, int64_t ld, int64_t mr, int64_t n32, const vf* vmax,
                           uint32_t* pairs, int64_t pld, float* inv) {
-  v16 sum[MR];
+  vf sum[MR];
   float top[MR];
   row_tops(vmax, mr, top);
-  for (int64_t i = 0; i < mr; ++i) sum[i] = (v16){0};
+  for (int64_t i = 0; i < mr; ++i) sum[i] = (vf){0};
   for (int64_t j = 0; j < n32; j += 32)
     for (int64_t i = 0; i < mr; ++i) {
-      const v16 e0 = v_exp2(*(const v16*)(s + i * ld + j) - top[i], 1);
-      const v16 e1 = v_exp2(*(const v16*)(s + i * ld + j + 16) - top[i], 1);
+      const vf e0 = v_exp2(*(const vf*)(s + i * ld + j) - top[i], 1);
+      const vf e1 = v_exp2(*(const vf*)(s + i * ld + j + 16) - top[i], 1);
       sum[i] += e0 + e1;
       _mm512_storeu_si512(pairs + i * pld + j / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));
     }
@@ -424,17 +462,17 @@ static void tile_bf16(const AttnCall* c, Scratch* w, const void* q, const float*
     const int64_t r = r0 + (i < mr ? i : 0);
     rows[i] = row_pairs((const char*)q + r * c->q_s * q_size, c->d, c->flags & ATTN_Q_BF16, pairs + i * w->dp);
   }
-  v16 vmax[MR];
-  for (int64_t i = 0; i < MR; ++i) vmax[i] = (v16){0} - INFINITY;
+  vf vmax[MR];
+  for (int64_t i = 0; i < MR; ++i) vmax[i] = (vf){0} - INFINITY;
   const float* m = mask ? mask + r0 * c->m_q : 0;
-  for (int64_t nb = 0; nb < w->skp / NR; ++nb)
-    scores_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * NR, w->s, w->skp, nb * NR, c->sk,
+  for (int64_t nb = 0; nb < w->skp / PANEL; ++nb)
+    scores_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * PANEL, w->s, w->skp, nb * PANEL, c->sk,
               c->scale * LOG2E, m, c->m_q, c->m_k, vmax);
   float inv[MR];
   softmax_pairs(w->s, w->skp, mr, w->skp, vmax, pairs, pld, inv);   /* Q's pairs are spent: P's overwrite them */
   for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * pld;
-  for (int64_t nb = 0; nb < w->dvp / NR; ++nb)
-    values_dp(rows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * NR, w->o + nb * NR, w->dvp);
+  for (int64_t nb = 0; nb < w->dvp / PANEL; ++nb)
+    values_dp(rows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * PANEL, w->o + nb * PANEL, w->dvp);
   for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
 }
 
