@@ -15,7 +15,7 @@ import torch
 import kiln
 from kiln import hardware, native
 from kiln.tactics.attention_c import (ATTENTION_BF16_TACTIC, ATTENTION_TACTIC, AttentionBf16Tactic,
-                                      AttentionTactic, make_plan)
+                                      AttentionTactic, call_geometry)
 from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
 from tests.conftest import assert_close_to_ort, cosine, run_ort
@@ -98,9 +98,9 @@ def test_bert_base_layer_reads_the_fused_qkv_slices_in_place():
     g = torch.Generator().manual_seed(1)
     qkv, mask = torch.randn(1, s, 3 * h * d, generator=g), torch.zeros(1, 1, s, s)
     mask[..., 100:] = -10000.0   # BERT's padding mask
-    plan = make_plan(attrs, [qkv, qkv, qkv, mask], torch.float32, 0)
-    assert plan.in_place and plan.direct   # no copy of Q, K, V, the output written in its merged layout
-    assert plan.offsets == (0, 768 * 4, 1536 * 4, 0)
+    geo = call_geometry(attrs, [qkv, qkv, qkv, mask], torch.float32, 0)
+    assert geo.in_place and geo.direct   # no copy of Q, K, V, the output written in its merged layout
+    assert geo.offsets == (0, 768 * 4, 1536 * 4, 0)
     got = AttentionTactic().prepare(layer)([qkv, qkv, qkv, mask])[0]
     q, k, v = (qkv[..., i * 768:(i + 1) * 768].reshape(1, s, h, d).transpose(1, 2) for i in range(3))
     want = formula(q, k, v, mask, 0.125).transpose(1, 2).reshape(1, s, h * d)
@@ -182,8 +182,8 @@ def test_views_without_unit_inner_stride_and_outputs_that_are_not_views():
         g = torch.Generator().manual_seed(batch * seq)
         qt, kt, v = (torch.randn(batch, h, d, seq, generator=g), torch.randn(batch, h, d, seq, generator=g),
                      torch.randn(batch, h, seq, d, generator=g))
-        plan = make_plan(attrs, [qt, kt, v], torch.float32, 0)
-        assert not plan.in_place and not plan.direct
+        geo = call_geometry(attrs, [qt, kt, v], torch.float32, 0)
+        assert not geo.in_place and not geo.direct
         want = formula(qt.transpose(2, 3), kt.transpose(2, 3), v, None, 0.3).permute(0, 2, 3, 1).reshape(batch, -1)
         assert_matches(kernel([qt, kt, v])[0], want, FP32_REL)
 
@@ -201,10 +201,10 @@ def test_the_avx2_build_matches_the_formula(tmp_path):
     lib = catalog.bind(ctypes.CDLL(str(target)), spec)
     layer = heads_layer(2, 3, 37, 21, 20, 40, mask_shape=(2, 1, 37, 21), out="bfloat16")
     xs = inputs(layer, seed=12, masked=[(0, 0, 3)])
-    plan = make_plan(layer.attrs, xs, torch.bfloat16, 0)
-    assert plan.in_place and plan.direct
-    y = torch.empty(plan.y_shape, dtype=torch.bfloat16)
-    lib.kiln_attention(plan.call_ref, *(x.data_ptr() + o for x, o in zip(xs, plan.offsets)), y.data_ptr())
+    geo = call_geometry(layer.attrs, xs, torch.bfloat16, 0)
+    assert geo.in_place and geo.direct
+    y = torch.empty(geo.y_shape, dtype=torch.bfloat16)
+    lib.kiln_attention(geo.call_ref, *(x.data_ptr() + o for x, o in zip(xs, geo.offsets)), y.data_ptr())
     assert_matches(y, expected(layer, xs), 2 ** -8)
 
 
@@ -276,13 +276,17 @@ def bert(tmp_path_factory):
     return encoders.export(model, feeds, tmp_path_factory.mktemp("bert") / "bert.onnx", "legacy"), feeds
 
 
-def test_encoder_attention_runs_on_the_c_kernel_and_matches_onnxruntime(bert):
+def test_encoder_attention_runs_on_the_c_kernel_and_matches_onnxruntime(bert, tmp_path):
     proto, feeds = bert
     engine = kiln.build(proto, autotune=False)
     attention = [layer for layer in engine.plan.layers if layer.op_type == "Attention"]
     assert len(attention) == 2 and {layer.tactic_name for layer in attention} == {ATTENTION_TACTIC}
-    for got, want in zip(engine.run(feeds).values(), run_ort(proto, feeds)):
-        assert_close_to_ort(got, want)
+    got = engine.run(feeds)
+    for out, want in zip(got.values(), run_ort(proto, feeds)):
+        assert_close_to_ort(out, want)
+    engine.save(tmp_path / "bert.kiln")
+    for name, out in kiln.load(tmp_path / "bert.kiln").run(feeds).items():
+        np.testing.assert_array_equal(out, got[name])
 
 
 @needs_bf16
