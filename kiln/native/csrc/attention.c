@@ -29,6 +29,8 @@ typedef float vf __attribute__((vector_size(4 * VW), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * VW), aligned(4)));
 typedef uint32_t vu __attribute__((vector_size(4 * VW), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(2 * VW), aligned(2)));
+typedef uint32_t word __attribute__((may_alias));   /* a float's or a bf16 pair's bits, moved as they are */
+typedef uint32_t vword __attribute__((vector_size(4 * VW), aligned(4), may_alias));
 
 #define MR 6           /* query rows per register tile */
 #define PANEL (2 * VW) /* keys (Q·Kᵀ) or output columns (P·V) per packed panel: two vectors per tile row */
@@ -78,8 +80,10 @@ static inline vf v_max(vf a, vf b) { return v_select((vi)(a > b), a, b); }
 
 /* The largest and the sum of a vector's lanes, by halving (log2(VW) shuffles, not VW - 1 lane extractions). */
 #if VW == 16
-#define HALVINGS {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}, {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, \
-  10, 11}, {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}, {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}
+#define HALVINGS {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},        \
+                 {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},        \
+                 {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},        \
+                 {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}
 #else
 #define HALVINGS {4, 5, 6, 7, 0, 1, 2, 3}, {2, 3, 0, 1, 6, 7, 4, 5}, {1, 0, 3, 2, 5, 4, 7, 6}
 #endif
@@ -200,7 +204,8 @@ static Scratch scratch_new(const AttnCall* c) {
   w.dvp = round_up(c->dv, PANEL);
   w.dp = (c->d + 1) / 2;
   w.skq = (c->sk + 1) / 2;
-  const int64_t sizes[5] = {w.skp * 2 * w.dp, w.dvp * 2 * w.skq, MR * (2 * w.dp > w.skp ? 2 * w.dp : w.skp),
+  const int64_t tile_rows = MR * (2 * w.dp > w.skp ? 2 * w.dp : w.skp), key_rows = VW * 2 * w.dp;
+  const int64_t sizes[5] = {w.skp * 2 * w.dp, w.dvp * 2 * w.skq, tile_rows > key_rows ? tile_rows : key_rows,
                             MR * w.skp, MR * w.dvp};   /* floats: K, V, operand rows, scores, outputs */
   int64_t at[5], total = 0;
   for (int i = 0; i < 5; ++i) at[i] = total, total += round_up(sizes[i], 16);
@@ -211,21 +216,73 @@ static Scratch scratch_new(const AttnCall* c) {
 
 static void scratch_free(Scratch* w) { free(w->k); }
 
+/* t, a VW x VW block of 32-bit lanes, transposed in place: log2(VW) stages, stage s swapping the off-diagonal b x b
+   blocks (b = VW / 2^(s+1)) of every 2b x 2b block: rows r and r + b take lanes from both (SWAPS: the pair of
+   two-vector shuffle indices per stage). */
+#if VW == 16
+#define SWAPS {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},                                        \
+              {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},                                  \
+              {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},                                      \
+              {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},                                    \
+              {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},                                      \
+              {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},                                    \
+              {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},                                      \
+              {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+#else
+#define SWAPS {0, 1, 2, 3, 8, 9, 10, 11}, {4, 5, 6, 7, 12, 13, 14, 15}, {0, 1, 8, 9, 4, 5, 12, 13},             \
+              {2, 3, 10, 11, 6, 7, 14, 15}, {0, 8, 2, 10, 4, 12, 6, 14}, {1, 9, 3, 11, 5, 13, 7, 15}
+#endif
+static const vu swaps[] = {SWAPS};
+
+static inline void transpose_block(vword* t) {
+  #pragma GCC unroll 4
+  for (int s = 0; s < STEPS; ++s) {
+    const int b = VW >> (s + 1);
+    #pragma GCC unroll 16
+    for (int r = 0; r < VW; ++r)
+      if (!(r & b)) {
+        const vword lo = t[r], hi = t[r + b];
+        t[r] = __builtin_shuffle(lo, hi, swaps[2 * s]);
+        t[r + b] = __builtin_shuffle(lo, hi, swaps[2 * s + 1]);
+      }
+  }
+}
+
+/* VW keys into a key panel: word e of key r (rows[r]; NULL: a missing key, zeros) to dst[e * PANEL + r] for e < n,
+   VW x VW blocks at a time through registers, the tail word by word. */
+static void transpose_keys(const word* const* rows, int64_t n, word* dst) {
+  int64_t e0 = 0;
+  for (; e0 + VW <= n; e0 += VW) {
+    vword t[VW];
+    for (int r = 0; r < VW; ++r) t[r] = rows[r] ? *(const vword*)(rows[r] + e0) : (vword){0};
+    transpose_block(t);
+    for (int r = 0; r < VW; ++r) *(vword*)(dst + (e0 + r) * PANEL) = t[r];
+  }
+  for (; e0 < n; ++e0)
+    for (int r = 0; r < VW; ++r) dst[e0 * PANEL + r] = rows[r] ? rows[r][e0] : 0;
+}
+
 /* FP32 operands: K as key panels [skp/32][d][32], V as column panels [dvp/32][sk][32], zero padded. */
 static void pack_f32(const AttnCall* c, const void* k, const void* v, Scratch* w) {
   const int64_t sk = c->sk, d = c->d, dv = c->dv;
   float* restrict kp = (float*)w->k;
   float* restrict vp = (float*)w->v;
-  if (sk % PANEL) memset(kp + (sk / PANEL) * d * PANEL, 0, sizeof(float) * d * PANEL);   /* the last panel's missing keys */
-  for (int64_t j = 0; j < sk; ++j) {
-    float* restrict dst = kp + (j / PANEL) * d * PANEL + j % PANEL;
-    if (c->flags & ATTN_K_BF16) {
-      const uint16_t* row = (const uint16_t*)k + j * c->k_s;
-      for (int64_t e = 0; e < d; ++e) dst[e * PANEL] = bf16_widen(row[e]);
-    } else {
-      const float* row = (const float*)k + j * c->k_s;
-      for (int64_t e = 0; e < d; ++e) dst[e * PANEL] = row[e];
+  float* restrict tmp = (float*)w->rows;   /* bf16 keys widened */
+  for (int64_t j0 = 0; j0 < w->skp; j0 += VW) {
+    const word* rows[VW];
+    for (int r = 0; r < VW; ++r) {
+      const int64_t j = j0 + r;
+      if (j >= sk) {
+        rows[r] = 0;
+      } else if (c->flags & ATTN_K_BF16) {
+        const uint16_t* row = (const uint16_t*)k + j * c->k_s;
+        for (int64_t e = 0; e < d; ++e) tmp[r * d + e] = bf16_widen(row[e]);
+        rows[r] = (const word*)(tmp + r * d);
+      } else {
+        rows[r] = (const word*)((const float*)k + j * c->k_s);
+      }
     }
+    transpose_keys(rows, d, (word*)kp + (j0 / PANEL) * d * PANEL + j0 % PANEL);
   }
   for (int64_t j = 0; j < sk; ++j)
     for (int64_t nb = 0; nb < w->dvp / PANEL; ++nb) {
@@ -233,11 +290,15 @@ static void pack_f32(const AttnCall* c, const void* k, const void* v, Scratch* w
       const int64_t cols = dv - nb * PANEL < PANEL ? dv - nb * PANEL : PANEL;
       if (c->flags & ATTN_V_BF16) {
         const uint16_t* row = (const uint16_t*)v + j * c->v_s + nb * PANEL;
-        for (int64_t e = 0; e < cols; ++e) dst[e] = bf16_widen(row[e]);
+        for (int64_t e = 0; e < PANEL; ++e) dst[e] = e < cols ? bf16_widen(row[e]) : 0.0f;
+      } else if (cols == PANEL) {
+        const float* row = (const float*)v + j * c->v_s + nb * PANEL;
+        *(vf*)dst = *(const vf*)row;
+        *(vf*)(dst + VW) = *(const vf*)(row + VW);
       } else {
-        memcpy(dst, (const float*)v + j * c->v_s + nb * PANEL, sizeof(float) * cols);
+        const float* row = (const float*)v + j * c->v_s + nb * PANEL;
+        for (int64_t e = 0; e < PANEL; ++e) dst[e] = e < cols ? row[e] : 0.0f;
       }
-      if (cols < PANEL) memset(dst + cols, 0, sizeof(float) * (PANEL - cols));
     }
 }
 
@@ -373,11 +434,12 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
   const int64_t sk = c->sk, dp = w->dp;
   uint32_t* restrict kp = (uint32_t*)w->k;
   uint32_t* restrict vp = (uint32_t*)w->v;
-  if (sk % PANEL) memset(kp + (sk / PANEL) * dp * PANEL, 0, sizeof(uint32_t) * dp * PANEL);
-  for (int64_t j = 0; j < sk; ++j) {
-    const uint32_t* row = row_pairs((const char*)k + j * c->k_s * k_size, c->d, k_half, (uint32_t*)w->rows);
-    uint32_t* restrict dst = kp + (j / PANEL) * dp * PANEL + j % PANEL;
-    for (int64_t p = 0; p < dp; ++p) dst[p * PANEL] = row[p];
+  for (int64_t j0 = 0; j0 < w->skp; j0 += VW) {
+    const word* rows[VW];
+    for (int r = 0; r < VW; ++r)
+      rows[r] = j0 + r >= sk ? 0 : row_pairs((const char*)k + (j0 + r) * c->k_s * k_size, c->d, k_half,
+                                             (uint32_t*)w->rows + r * dp);
+    transpose_keys(rows, dp, kp + (j0 / PANEL) * dp * PANEL + j0 % PANEL);
   }
   for (int64_t p = 0; p < w->skq; ++p) {
     const char* row0 = (const char*)v + 2 * p * c->v_s * v_size;
@@ -395,15 +457,16 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
 }
 
 /* The accumulators of a 6 x 32 tile of bf16-pair products: rows a[i] (kp pairs each) times the panel b [kp][32]. */
-#define DP_TILE(acc, a, kp, b)                                                                                      \
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();                                       \
-  for (int64_t p = 0; p < kp; ++p) {                                                                              \
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * PANEL), b1 = (__m512bh)_mm512_loadu_si512(b + p * PANEL + 16); \
-    for (int i = 0; i < MR; ++i) {                                                                                \
-      const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i][p]);                                              \
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);                                                           \
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);                                                           \
-    }                                                                                                             \
+#define DP_TILE(acc, a, kp, b)                                                     \
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();      \
+  for (int64_t p = 0; p < kp; ++p) {                                             \
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * PANEL);             \
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * PANEL + 16);        \
+    for (int i = 0; i < MR; ++i) {                                               \
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i][p]);             \
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);                          \
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);                          \
+    }                                                                            \
   }
 
 /* P·V: the tile stored whole into c (row stride ldc floats). */
