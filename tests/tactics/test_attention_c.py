@@ -114,6 +114,7 @@ def test_bert_base_layer_reads_the_fused_qkv_slices_in_place():
     (1, 1, 1, 77, 80, 80),      # one query over 77 keys (a decoder step); head size 80
     (2, 2, 5, 19, 20, 20),      # Sq != Sk, head size 20: not a multiple of 16
     (1, 3, 33, 7, 17, 40),      # odd head size, Dv != D
+    (1, 1, 200, 50, 16, 16),    # one head of 34 row tiles: split into row blocks where there are 2+ threads
 ])
 def test_fp32_matches_the_formula_for_odd_sizes(b, h, sq, sk, d, dv):
     layer = heads_layer(b, h, sq, sk, d, dv, mask_shape=(b, 1, 1, sk))

@@ -42,7 +42,8 @@ typedef uint32_t vword __attribute__((vector_size(4 * VW), aligned(4), may_alias
 #define ATTN_OUT_BF16 8
 #define ATTN_NAN_TO_ZERO 16
 
-#define UNITS_PER_THREAD 4   /* split heads into query-row blocks until each thread has this many units */
+#define UNITS_PER_THREAD 4   /* split heads into query-row blocks until each thread has this many units... */
+#define MIN_BLOCK_TILES 8    /* ...but a block keeps 8 row tiles, so packing its head's K and V stays under ~20 % */
 #define PARALLEL_MACS 65536  /* below this many multiply-adds one thread runs the layer: waking others costs more */
 
 /* A layer's geometry, fixed per input shape (kiln.tactics.attention_c.AttnCall mirrors it field by field):
@@ -356,8 +357,9 @@ static void run_units(const AttnCall* c, const void* q, const void* k, const voi
                       PackFn pack, TileFn compute) {
   const int64_t heads = c->batch * c->heads, tiles = (c->sq + MR - 1) / MR;
   const int64_t threads = omp_get_max_threads();
-  int64_t blocks = (UNITS_PER_THREAD * threads + heads - 1) / heads;
-  blocks = blocks < 1 ? 1 : (blocks > tiles ? tiles : blocks);
+  const int64_t most = tiles / MIN_BLOCK_TILES > 1 ? tiles / MIN_BLOCK_TILES : 1;
+  int64_t blocks = 1;   /* the fewest that share the units evenly among the threads, or give each several */
+  while (blocks < most && (heads * blocks) % threads != 0 && heads * blocks < UNITS_PER_THREAD * threads) ++blocks;
   const size_t q_size = c->flags & ATTN_Q_BF16 ? 2 : 4, k_size = c->flags & ATTN_K_BF16 ? 2 : 4;
   const size_t v_size = c->flags & ATTN_V_BF16 ? 2 : 4, o_size = c->flags & ATTN_OUT_BF16 ? 2 : 4;
   const int64_t macs = heads * c->sq * c->sk * (c->d + c->dv);
