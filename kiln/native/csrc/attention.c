@@ -155,7 +155,7 @@ static void transpose_keys(const word* const* rows, int64_t n, word* dst) {
     for (int r = 0; r < VW; ++r) dst[e0 * PANEL + r] = rows[r] ? rows[r][e0] : 0;
 }
 
-/* FP32 operands: K as key panels [skp/32][d][32], V as column panels [dvp/32][sk][32], zero padded. */
+/* FP32 operands: K as key panels [skp/PANEL][d][PANEL], V as column panels [dvp/PANEL][sk][PANEL], zero padded. */
 static void pack_f32(const AttnCall* c, const void* k, const void* v, Scratch* w) {
   const int64_t sk = c->sk, d = c->d, dv = c->dv;
   float* restrict kp = (float*)w->k;
