@@ -22,7 +22,8 @@ from cpu_info import cpu_line  # noqa: E402
 
 def tiny_layers():
     """(label, LayerView) pairs: a 1x1 convolution on 8 channels at 4x4 and an 8x8 linear on 1 row, in FP32 and
-    INT8 (u8 in and out, s8 weights per channel), and a padded 3x3 INT8 convolution (kiln's direct kernel)."""
+    INT8 (u8 in and out, s8 weights per channel), a padded 3x3 INT8 convolution (kiln's direct kernel), and an
+    attention layer of 2 heads, 4 tokens, head size 8, with a mask."""
     import torch
 
     from kiln.tactics.base import LayerView
@@ -43,8 +44,11 @@ def tiny_layers():
     w3 = torch.randint(-127, 128, (8, 8, 3, 3), dtype=torch.int8)
     qconv3 = LayerView("QConv", "kiln", conv3, ((1, 8, 4, 4), (8, 8, 3, 3), (8,)), ("uint8", "int8", "float32"),
                        {1: w3, 2: torch.randn(8)}, ("uint8",), 17, ((), (), ()))
+    heads = {"scale": 0.35, "k_steps": [{"transpose": [0, 1, 3, 2]}]}
+    attention = LayerView("Attention", "kiln", heads, ((1, 2, 4, 8),) * 3 + ((1, 1, 4, 4),), ("float32",) * 4, {},
+                          ("float32",), 17, ((),) * 4)
     return [("conv 1x1 8ch 4x4", conv), ("linear 1x8x8", linear), ("INT8 conv 1x1 8ch 4x4", qconv),
-            ("INT8 conv 3x3 8ch 4x4", qconv3), ("INT8 linear 1x8x8", qgemm)]
+            ("INT8 conv 3x3 8ch 4x4", qconv3), ("INT8 linear 1x8x8", qgemm), ("attention 2x4x8", attention)]
 
 
 def per_call_us(kernel, xs, calls: int) -> float:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kiln.errors import Error
 from kiln.tactics.attention_bf16 import Bf16AttentionTactic
+from kiln.tactics.attention_c import AttentionBf16Tactic, AttentionTactic
 from kiln.tactics.base import LayerView, Tactic
 from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
@@ -40,7 +41,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic()],
                                      "QuantizeLinear": [QuantizeLinearTactic()],
                                      "DequantizeLinear": [QuantizeLinearTactic()],
-                                     "Attention": [Bf16AttentionTactic()]}
+                                     "Attention": [AttentionTactic(), AttentionBf16Tactic(),
+                                                   Bf16AttentionTactic()]}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")

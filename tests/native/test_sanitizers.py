@@ -11,13 +11,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, pooling, Resize, reformat, pointwise, INT8
+KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, attention, pooling, Resize, reformat,
+                   # pointwise, INT8
     "tests/tactics/test_conv1x1.py::test_matches_float64_convolution",
     "tests/tactics/test_conv1x1.py::test_batched_product_with_separate_weights_per_batch",
     "tests/tactics/test_conv_direct.py::test_matches_float64_convolution",
     "tests/tactics/test_winograd.py::test_compiled_blocking_matches_float64",
     "tests/tactics/test_winograd.py::test_donated_residual_is_overwritten_with_the_same_result",
     "tests/tactics/test_layernorm_c.py::test_engine_layernorm_matches_onnxruntime",
+    "tests/tactics/test_attention_c.py::test_fp32_matches_the_formula_for_odd_sizes",
+    "tests/tactics/test_attention_c.py::test_fp32_math_reads_and_writes_bf16_as_the_plan_stores_it",
+    "tests/tactics/test_attention_c.py::test_bf16_math_matches_the_formula_on_bf16_operands",   # skipped without BF16
     "tests/tactics/test_pool_c.py::test_maxpool_equals_onnxruntime",
     "tests/tactics/test_pool_c.py::test_global_pools_equal_torch",
     "tests/tactics/test_resize_c.py::test_matches_onnxruntime_exactly",
@@ -62,5 +66,6 @@ def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(comp
     assert done.returncode == 0, output[-4000:]
     assert "AddressSanitizer" not in output and "runtime error:" not in output, output[-4000:]
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "kernels-sanitized").glob("*.so"))
-    assert {"gemm", "winograd", "layernorm", "pool", "resize", "reformat", "pointwise"} <= set(built), built
+    assert {"gemm", "winograd", "layernorm", "attention", "pool", "resize", "reformat", "pointwise"} <= set(built), \
+        built
     assert not (tmp_path / "kernels").exists()   # sanitized builds never mix with the normal ones
