@@ -16,6 +16,7 @@ from kiln.frontend.shape_inference import infer_shapes
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
 from kiln.ops.dtypes import onnx_to_numpy
+from kiln.preprocess.fold import FOLDED_KEY
 
 log = logging.getLogger("kiln")
 
@@ -241,7 +242,8 @@ def _import_nodes(g: Graph, proto: onnx.ModelProto) -> None:
         outputs = [g.value(x) for x in pnode.output if x]
         if pnode.op_type == "Split" and len(inputs) < 2 and "split" not in attrs:
             attrs.setdefault("num_outputs", len(outputs))   # before opset 18: as many equal parts as outputs
-        g.add_node(Node(name, pnode.op_type, inputs, outputs, attrs, pnode.domain, (name,)))
+        origin = (name, *(p.value for p in pnode.metadata_props if p.key == FOLDED_KEY))
+        g.add_node(Node(" + ".join(origin), pnode.op_type, inputs, outputs, attrs, pnode.domain, origin))
 
 
 def _check_arity(pnode: onnx.NodeProto, name: str, opset: int) -> None:

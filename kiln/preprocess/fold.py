@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+FOLDED_KEY = "kiln.folded_nodes"   # a folded Conv's metadata: the BatchNormalization node it took in (for origins)
+
 
 def fold_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` where every inference-mode BatchNormalization whose input is a Conv output read by nothing
@@ -37,6 +39,7 @@ def fold_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
         del conv.input[1:]
         conv.input.extend(names)
         conv.output[0] = bn.output[0]
+        conv.metadata_props.add(key=FOLDED_KEY, value=bn.name or bn.output[0])
         folded.append(bn)
     for bn in folded:
         g.node.remove(bn)

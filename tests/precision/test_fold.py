@@ -42,6 +42,8 @@ def test_folded_model_matches_the_original_in_onnxruntime(shared_weight):
     folded = fold_batch_norms(original)
     assert [n.op_type for n in folded.graph.node] == ["Conv", "Relu", "Conv"]
     assert [n.output[0] for n in folded.graph.node] == ["n1", "r", "y"]   # the Conv takes the BN's output name
+    assert [[(p.key, p.value) for p in n.metadata_props] for n in folded.graph.node] == \
+        [[("kiln.folded_nodes", "bn1")], [], [("kiln.folded_nodes", "bn2")]]
     assert {t.name for t in folded.graph.initializer} == {"conv1_bn_folded_weight", "conv1_bn_folded_bias",
                                                           "conv2_bn_folded_weight", "conv2_bn_folded_bias"}
     x = {"x": rand((1, 4, 8, 8), 7)}

@@ -78,6 +78,7 @@ def test_calibrated_resnet_folds_batchnorm_and_every_conv_writes_int8(tmp_path):
     convs = [l for l in layers if l.op_type == "QConv"]
     assert len(convs) == 20 and all(l.outputs[0].dtype == "int8" for l in convs), [l.name for l in layers]
     assert sum(len(l.inputs) == 2 for l in convs) == 8   # each basic block's residual sum fused into its conv
+    assert all(any("BatchNormalization" in o for o in l.origin) for l in convs)   # the folded node still answers
     assert not [l for l in layers if l.op_type in ("BatchNormalization", "PointWise", "Add", "Relu")]
     assert next(l for l in layers if l.op_type == "MaxPool").outputs[0].dtype == "int8"
     x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
