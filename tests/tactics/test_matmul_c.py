@@ -66,3 +66,31 @@ def view(op="MatMul", x=(2, 5, 8), w=None, dynamic=((0, 1),), activation=None, *
 def test_declines_what_it_cannot_run(layer):
     assert not MatMulGemmTactic().supports(layer)
     assert MatMulGemmTactic().supports(view(activation="Relu"))
+
+
+@pytest.mark.skipif(not __import__("kiln.hardware", fromlist=["has_any"]).has_any(("avx2",)),
+                    reason="this CPU has no AVX2")
+@pytest.mark.parametrize("n", [7, 16, 21, 70])   # a panel's first half only, exactly one half, both, several panels
+def test_the_avx2_build_of_the_gemm_tile_matches_this_cpus(n, monkeypatch, tmp_path):
+    """gemm.c compiled for AVX2 alone (-march=x86-64-v3, as on a Zen 3: 16 registers of 8 floats, where the
+    AVX-512 tile's 64-byte vectors spilled and ran 65x slower) computes what this CPU's build computes, bias,
+    ReLU and partial panels included."""
+    import ctypes
+
+    from kiln import native
+    from kiln.native import catalog, compiler
+
+    spec = catalog.LIBRARIES["gemm"]
+    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), tmp_path / "gemm_avx2.so", "gemm.c",
+                          ("-march=x86-64-v3",))
+    avx2 = catalog.bind(ctypes.CDLL(str(tmp_path / "gemm_avx2.so")), spec)
+    w, bias = torch.from_numpy(rand((40, n), 5)), torch.from_numpy(rand((n,), 6))
+    layer = LayerView("MatMul", "", {"activation": {"op": "Relu", "attrs": {}}}, ((2, 13, 40), (40, n), (n,)),
+                      ("float32",) * 3, {1: w, 2: bias}, ("float32",))
+    assert MatMulGemmTactic().supports(layer)
+    x = torch.from_numpy(rand((2, 13, 40), 7))
+    here = MatMulGemmTactic().prepare(layer)([x, None, None])[0]
+    torch.testing.assert_close(here, torch.relu(x @ w + bias), rtol=1e-5, atol=1e-5)
+    built = native.library
+    monkeypatch.setattr(native, "library", lambda name, generated="": avx2 if name == "gemm" else built(name, generated))
+    torch.testing.assert_close(MatMulGemmTactic().prepare(layer)([x, None, None])[0], here, rtol=1e-6, atol=1e-6)
