@@ -2,7 +2,7 @@
 FP32 means calibrating without quantizing it (no Q/DQ on its inputs, float weights). The scales are computed
 once; each trial re-inserts Q/DQ for every quantizable node except an exclusion set and lowers the result (the
 builder supplies that as `Trial`). A node's sensitivity is the score with only it excluded; nodes are ranked by
-it and the number excluded is bisected, as the BF16 search in kiln.planning.accuracy does for layers. Scores are
+it and the number excluded is searched (doubling, then bisecting), as the BF16 search in kiln.planning.accuracy does for layers. Scores are
 taken over the first calibration batches against the FP32 model's outputs on them."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from kiln.errors import ModelError
 from kiln.ir import Graph
-from kiln.planning.accuracy import AccuracyBudget
+from kiln.planning.accuracy import AccuracyBudget, fewest_that_pass
 from kiln.runtime.interpreter import Interpreter
 from kiln.runtime.prepare import TorchWeights, prepare_kernel
 from kiln.tactics.lower import Lowering
@@ -75,14 +75,10 @@ def fewest_kept_fp32(quantized: list[str], trial: Trial, budget: AccuracyBudget,
         return every, tuple(quantized), {}
     sensitivity = {name: trial(frozenset({name})).score for name in quantized}
     ranked = sorted(quantized, key=sensitivity.get, reverse=budget.metric == "cos")   # best score first
-    low, high, best = 0, len(ranked), every
-    while low < high:   # the fewest of the most sensitive nodes kept in FP32 that meet the budget
-        k = (low + high) // 2
-        attempt = trial(frozenset(ranked[:k]))
-        if budget.met(attempt.score):
-            high, best = k, attempt
-        else:
-            low = k + 1
+    def attempt(k: int) -> tuple[bool, Scored]:
+        scored = every if k == len(ranked) else trial(frozenset(ranked[:k]))
+        return budget.met(scored.score), scored
+    high, best = fewest_that_pass(len(ranked), attempt)   # every node kept meets it: found above
     kept = tuple(ranked[:high])
     log.info("Accuracy budget %s: %d of %d INT8-calibrated nodes kept in FP32 (%s %.8g -> %.8g): %s",
              budget.text(), len(kept), len(quantized), budget.metric, first.score, best.score, ", ".join(kept))

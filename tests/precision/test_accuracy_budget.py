@@ -151,3 +151,24 @@ def test_budget_inputs_draw_token_ids_within_the_embedding_and_masks_as_ones():
     assert drawn.dtype.is_floating_point is False and int(drawn.min()) >= 0 and int(drawn.max()) < 30
     assert len(set(drawn.flatten().tolist())) > 5                    # not a constant
     assert random_input(g.values["mask"]).eq(1).all()
+
+
+@pytest.mark.parametrize("passing, want", [
+    ({1} | set(range(5, 11)), 1),        # not monotonic: a bisection from the middle settles on 5
+    (set(range(6, 11)), 6),              # monotonic: the smallest passing count
+    ({10}, 10),                          # only every layer kept
+    (set(), None)])                      # not even every layer
+def test_the_search_finds_the_fewest_kept_layers_from_below(passing, want):
+    """Scores near the budget are not monotonic in the number of layers kept (re-lowering moves bf16 storage
+    around them): the search doubles from one kept layer before it bisects, so a small set that meets the budget
+    is found, and each count is tried once."""
+    from kiln.planning.accuracy import fewest_that_pass
+
+    tried = []
+
+    def attempt(k):
+        tried.append(k)
+        return k in passing, f"plan keeping {k}"
+    found = fewest_that_pass(10, attempt)
+    assert found == (None if want is None else (want, f"plan keeping {want}"))
+    assert len(tried) == len(set(tried))
