@@ -326,42 +326,9 @@ def test_whole_plan_blocks_never_follow_another_library_at_a_round_boundary():
         assert before[-1] == after[0]   # the first block of a round follows its own plan's block
 
 
-def test_a_whole_plan_counts_its_fastest_round_so_a_burst_does_not_decide(monkeypatch):
-    """Two plans on a fake clock: "bursty" runs 5 ms except in rounds 1 and 2 (30 ms, machine noise), "steady"
-    10 ms throughout. A median over all samples calls bursty 17.5 ms and keeps steady; its fastest round says 5 ms."""
-    import kiln.planning.race as race
-    from kiln.ir import Graph
-    from kiln.tactics.autotune import Autotuner, TimingOptions
-    from kiln.tactics.clock import FakeClock
-    from kiln.tactics.timing_cache import TimingCache
-
-    clock, state = FakeClock(), {"round": 0}
-    order = race._block_order
-
-    def spy(names, round_index):
-        state["round"] = round_index
-        return order(names, round_index)
-
-    def runner(layers, descs, weights, opset, inputs, keep):
-        def run():
-            burst = layers[0] == "bursty" and state["round"] in (1, 2)
-            clock.advance(30.0 if burst else 5.0 if layers[0] == "bursty" else 10.0)
-            return {}
-        return run
-    monkeypatch.setattr(race, "_block_order", spy)
-    monkeypatch.setattr(race, "plan_runner", runner)
-    monkeypatch.setattr(race, "plan_signature", lambda layers: layers[0])
-    monkeypatch.setattr(race, "WARMUP_MS", 0.0)
-    tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=4, min_timing=1), clock=clock)
-    times = race.measure_plans({"steady": (["steady"], {}), "bursty": (["bursty"], {})}, {}, Graph(), tuner)
-    assert state["round"] == race.PLAN_ROUNDS - 1
-    assert times == pytest.approx({"bursty": 5.0, "steady": 10.0})
-
-
-def test_a_burst_over_one_first_block_does_not_drop_the_fastest_plan(monkeypatch):
-    """"region" runs 5 ms but its first block is hit by noise (30 ms, 6x "own"'s 10 ms, far past the prune ratio);
-    pruning after the first round would drop it and keep "own". Judged on its fastest of two rounds, it stays in
-    and wins; "own" and "slow" (10 and 20 ms every round) are then far behind it and dropped after two rounds."""
+def fake_race(monkeypatch, plan_ms):
+    """Whole plans on a fake clock: `plan_ms(name, round)` is a run's time. Returns (measure(names) -> times,
+    the tuner, the rounds each plan ran in)."""
     import kiln.planning.race as race
     from kiln.ir import Graph
     from kiln.tactics.autotune import Autotuner, TimingOptions
@@ -377,9 +344,8 @@ def test_a_burst_over_one_first_block_does_not_drop_the_fastest_plan(monkeypatch
 
     def runner(layers, descs, weights, opset, inputs, keep):
         def run():
-            name = layers[0]
-            calls.setdefault(name, set()).add(state["round"])
-            clock.advance({"own": 10.0, "slow": 20.0}.get(name, 30.0 if state["round"] == 0 else 5.0))
+            calls.setdefault(layers[0], set()).add(state["round"])
+            clock.advance(plan_ms(layers[0], state["round"]))
             return {}
         return run
     monkeypatch.setattr(race, "_block_order", spy)
@@ -387,8 +353,34 @@ def test_a_burst_over_one_first_block_does_not_drop_the_fastest_plan(monkeypatch
     monkeypatch.setattr(race, "plan_signature", lambda layers: layers[0])
     monkeypatch.setattr(race, "WARMUP_MS", 0.0)
     tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=4, min_timing=1), clock=clock)
-    candidates = {name: ([name], {}) for name in ("own", "region", "slow")}
-    times = race.measure_plans(candidates, {}, Graph(), tuner)
+
+    def measure(names):
+        return race.measure_plans({name: ([name], {}) for name in names}, {}, Graph(), tuner)
+    return measure, tuner, calls
+
+
+def test_a_whole_plan_counts_its_fastest_round_so_a_burst_does_not_decide(monkeypatch):
+    """Two plans on a fake clock: "bursty" runs 5 ms except in rounds 1 and 2 (30 ms, machine noise), "steady"
+    10 ms throughout. A median over all samples calls bursty 17.5 ms and keeps steady; its fastest round says 5 ms."""
+    import kiln.planning.race as race
+
+    def plan_ms(name, round_index):
+        return 10.0 if name == "steady" else 30.0 if round_index in (1, 2) else 5.0
+    measure, _, calls = fake_race(monkeypatch, plan_ms)
+    assert measure(["steady", "bursty"]) == pytest.approx({"bursty": 5.0, "steady": 10.0})
+    assert calls["bursty"] == set(range(race.PLAN_ROUNDS))   # timed through its bursts to the last round
+
+
+def test_a_burst_over_one_first_block_does_not_drop_the_fastest_plan(monkeypatch):
+    """"region" runs 5 ms but its first block is hit by noise (30 ms, 6x "own"'s 10 ms, far past the prune ratio);
+    pruning after the first round would drop it and keep "own". Judged on its fastest of two rounds, it stays in
+    and wins; "own" and "slow" (10 and 20 ms every round) are then far behind it and dropped after two rounds."""
+    import kiln.planning.race as race
+
+    def plan_ms(name, round_index):
+        return {"own": 10.0, "slow": 20.0}.get(name, 30.0 if round_index == 0 else 5.0)
+    measure, tuner, calls = fake_race(monkeypatch, plan_ms)
+    times = measure(["own", "region", "slow"])
     assert times == pytest.approx({"own": 10.0, "region": 5.0, "slow": 20.0})
     assert calls["region"] == set(range(race.PLAN_ROUNDS))
     assert calls["own"] == calls["slow"] == set(range(race.PRUNE_AFTER_ROUNDS))

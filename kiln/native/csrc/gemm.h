@@ -76,6 +76,24 @@ static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, cons
   memcpy(c, out, sizeof(float) * cols);
 }
 
+/* The k loop of a 6-row register tile into accumulators c00..c51: segment s's rows a[s * MR + i] times two
+   vectors of type V, at `at` and `at + W` floats into each NR-float weight row of b + s * k * NR. */
+#define TILE_SUMS(V, at, W)                                                                                 \
+  for (int64_t s = 0; s < segs; ++s) {                                                                      \
+    const float *a0 = a[s * MR], *a1 = a[s * MR + 1], *a2 = a[s * MR + 2], *a3 = a[s * MR + 3];             \
+    const float *a4 = a[s * MR + 4], *a5 = a[s * MR + 5], *bs = b + s * k * NR + (at);                      \
+    for (int64_t l = 0; l < k; ++l) {                                                                       \
+      const V b0 = *(const V*)(bs + l * NR), b1 = *(const V*)(bs + l * NR + (W));                           \
+      float x;                                                                                              \
+      x = a0[l]; c00 += x * b0; c01 += x * b1;                                                              \
+      x = a1[l]; c10 += x * b0; c11 += x * b1;                                                              \
+      x = a2[l]; c20 += x * b0; c21 += x * b1;                                                              \
+      x = a3[l]; c30 += x * b0; c31 += x * b1;                                                              \
+      x = a4[l]; c40 += x * b0; c41 += x * b1;                                                              \
+      x = a5[l]; c50 += x * b0; c51 += x * b1;                                                              \
+    }                                                                                                       \
+  }
+
 #if defined(__AVX512F__)
 /* Sums `segs` segments of `k` products into one register tile: segment s reads rows a[s * MR + i] and weights
    b + s * k * NR. A GEMM has one segment; a direct convolution one per kernel row. */
@@ -83,20 +101,7 @@ static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64
                  float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
   v16 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
   v16 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
-  for (int64_t s = 0; s < segs; ++s) {
-    const float *a0 = a[s * MR], *a1 = a[s * MR + 1], *a2 = a[s * MR + 2], *a3 = a[s * MR + 3];
-    const float *a4 = a[s * MR + 4], *a5 = a[s * MR + 5], *bs = b + s * k * NR;
-    for (int64_t l = 0; l < k; ++l) {
-      const v16 b0 = *(const v16*)(bs + l * NR), b1 = *(const v16*)(bs + l * NR + 16);
-      float x;
-      x = a0[l]; c00 += x * b0; c01 += x * b1;
-      x = a1[l]; c10 += x * b0; c11 += x * b1;
-      x = a2[l]; c20 += x * b0; c21 += x * b1;
-      x = a3[l]; c30 += x * b0; c31 += x * b1;
-      x = a4[l]; c40 += x * b0; c41 += x * b1;
-      x = a5[l]; c50 += x * b0; c51 += x * b1;
-    }
-  }
+  TILE_SUMS(v16, 0, 16)
   const v16 lo[MR] = {c00, c10, c20, c30, c40, c50}, hi[MR] = {c01, c11, c21, c31, c41, c51};
   for (int64_t i = 0; i < mr; ++i)
     store_row(c + i * ldc, lo[i], hi[i], bias, res ? res + i * ldc : 0, act, cols);
@@ -114,20 +119,7 @@ static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64
   for (int64_t half = 0; half < (cols > 16 ? 2 : 1); ++half) {
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
-    for (int64_t s = 0; s < segs; ++s) {
-      const float *a0 = a[s * MR], *a1 = a[s * MR + 1], *a2 = a[s * MR + 2], *a3 = a[s * MR + 3];
-      const float *a4 = a[s * MR + 4], *a5 = a[s * MR + 5], *bs = b + s * k * NR + half * 16;
-      for (int64_t l = 0; l < k; ++l) {
-        const v8 b0 = *(const v8*)(bs + l * NR), b1 = *(const v8*)(bs + l * NR + 8);
-        float x;
-        x = a0[l]; c00 += x * b0; c01 += x * b1;
-        x = a1[l]; c10 += x * b0; c11 += x * b1;
-        x = a2[l]; c20 += x * b0; c21 += x * b1;
-        x = a3[l]; c30 += x * b0; c31 += x * b1;
-        x = a4[l]; c40 += x * b0; c41 += x * b1;
-        x = a5[l]; c50 += x * b0; c51 += x * b1;
-      }
-    }
+    TILE_SUMS(v8, half * 16, 8)
     const v8 sums[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     for (int i = 0; i < MR; ++i) memcpy(&acc[i][half * 16], sums[i], sizeof sums[i]);
   }

@@ -7,6 +7,8 @@
 #include <string.h>
 #include <math.h>
 
+#include "bf16.h"
+
 /* (mean, 1 / sqrt(variance + eps)) of one row. */
 static inline void row_stats(const float* restrict src, int64_t n, double eps, float* mean_out, float* inv_out) {
   double sum = 0.0;
@@ -49,21 +51,6 @@ void kiln_layernorm(const float* restrict x, const float* restrict skip, const f
 #define LN_X_BF16 1
 #define LN_Y_BF16 2
 #define LN_SKIP_BF16 4
-
-/* bf16 is FP32's upper half: widening is exact; narrowing rounds to nearest even (a NaN stays a quiet NaN). */
-static inline float bf16_widen(uint16_t h) {
-  const uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static inline uint16_t bf16_narrow(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline void load_row(const void* base, int64_t at, int64_t n, int bf16, float* restrict dst) {
   if (!bf16) {

@@ -18,16 +18,19 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
   return (v + ROUNDER) - ROUNDER + zp;
 }
 
-#define QUANTIZE(NAME, T, LO, HI)                                                                            \
-  void NAME(const float* restrict x, T* restrict y, int64_t count, float scale, int64_t zero_point) {       \
+/* One elementwise function over `count` elements, `y[i] = EXPR` (of x[i]), OpenMP over blocks of BLOCK. */
+#define ELEMENTWISE(NAME, IN, OUT, EXPR)                                                                     \
+  void NAME(const IN* restrict x, OUT* restrict y, int64_t count, float scale, int64_t zero_point) {        \
     const float zp = (float)zero_point;                                                                      \
     _Pragma("omp parallel for schedule(static) if(count >= PARALLEL_MIN)")                                   \
     for (int64_t b = 0; b < (count + BLOCK - 1) / BLOCK; ++b) {                                              \
       const int64_t end = (b + 1) * BLOCK < count ? (b + 1) * BLOCK : count;                                 \
       _Pragma("omp simd")                                                                                    \
-      for (int64_t i = b * BLOCK; i < end; ++i) y[i] = (T)(int32_t)quantized(x[i], scale, zp, LO, HI);      \
+      for (int64_t i = b * BLOCK; i < end; ++i) y[i] = EXPR;                                                 \
     }                                                                                                        \
   }
+#define QUANTIZE(NAME, T, LO, HI) ELEMENTWISE(NAME, float, T, (T)(int32_t)quantized(x[i], scale, zp, LO, HI))
+#define DEQUANTIZE(NAME, T) ELEMENTWISE(NAME, T, float, ((float)x[i] - zp) * scale)
 
 /* NCHW float in, NHWC out: a run of PIXELS pixels is quantized plane by plane into a small buffer (vectorized),
    then interleaved into channel-major order. */
@@ -60,17 +63,6 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
         }                                                                                                    \
       }                                                                                                      \
       free(buf);                                                                                             \
-    }                                                                                                        \
-  }
-
-#define DEQUANTIZE(NAME, T)                                                                                  \
-  void NAME(const T* restrict q, float* restrict y, int64_t count, float scale, int64_t zero_point) {       \
-    const float zp = (float)zero_point;                                                                      \
-    _Pragma("omp parallel for schedule(static) if(count >= PARALLEL_MIN)")                                   \
-    for (int64_t b = 0; b < (count + BLOCK - 1) / BLOCK; ++b) {                                              \
-      const int64_t end = (b + 1) * BLOCK < count ? (b + 1) * BLOCK : count;                                 \
-      _Pragma("omp simd")                                                                                    \
-      for (int64_t i = b * BLOCK; i < end; ++i) y[i] = ((float)q[i] - zp) * scale;                           \
     }                                                                                                        \
   }
 

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #ifdef __AVX512F__
 #define VW 16
 #else
@@ -18,14 +20,6 @@ typedef uint32_t vu __attribute__((vector_size(4 * VW), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(2 * VW), aligned(2)));
 typedef uint32_t word __attribute__((may_alias));   /* a float's or a bf16 pair's bits, moved as they are */
 typedef uint32_t vword __attribute__((vector_size(4 * VW), aligned(4), may_alias));
-
-/* bf16 is FP32's upper half: widening is exact. */
-static inline float bf16_widen(uint16_t h) {
-  const uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 /* VW floats rounded to bf16, nearest even (a NaN stays a quiet NaN). */
 static inline vh v_bf16(vf x) {
