@@ -33,7 +33,7 @@ from kiln.planning.accuracy import AccuracyBudget, BudgetReport
 from kiln.planning.int8_budget import Int8BudgetReport
 from kiln.planning.race import choose_plan, onnxruntime_reference
 from kiln.precision.policy import PrecisionDecision, decide
-from kiln.preprocess.calibration import quantize_with_qdq
+from kiln.preprocess.calibration import quantize_with_qdq, sum_ranks
 from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
 from kiln.tactics.lower import Lowering, desc_of, node_view
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
@@ -61,7 +61,8 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
 
     with stage("preprocess"):
         float_proto, scales = preprocess(model, options)
-        proto = float_proto if scales is None else quantize_with_qdq(float_proto, scales)
+        ranks = None if scales is None else sum_ranks(float_proto, scales)   # once: the budget's trials reuse them
+        proto = float_proto if scales is None else quantize_with_qdq(float_proto, scales, ranks=ranks)
     with stage("import"):
         g = import_onnx(proto, options.input_shapes, list(options.profiles))
     with stage("passes"):
@@ -83,8 +84,8 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         if scales is not None and budget is not None and options.accuracy is not None:   # explicit for INT8
             def lower_excluding(excluded: frozenset[str]) -> Lowered:
                 with holding_logs(held := []):
-                    trial = lower_model(quantize_with_qdq(float_proto, scales, exclude=excluded), options, sources,
-                                        tuner, excluded)
+                    trial = lower_model(quantize_with_qdq(float_proto, scales, exclude=excluded, ranks=ranks),
+                                        options, sources, tuner, excluded)
                 return dataclasses.replace(trial, held_logs=tuple(held))
             chosen, int8_report = within_int8_budget(float_proto, scales, Lowered(proto, g, stats, lowered),
                                                      lower_excluding, options, budget)

@@ -4,9 +4,9 @@ fused QKV output, reshaped and transposed, so they are views, never copied (a vi
 copied first) — and the output is written straight into the layout the layer's `out_steps` give it.
 
 `kiln.attention_c` computes in FP32; `kiln.attention_c_bf16` multiplies bf16 operands on vdpbf16ps with FP32
-accumulation (P split into two bf16 parts) and keeps the softmax in FP32. Both read Q, K, V and write the output in FP32 or bf16, as the plan
-stores them (kiln.tactics.storage). Each input geometry (shapes, strides, dtypes) is worked out once and cached,
-so a call costs a dictionary lookup, one output allocation and the C call.
+accumulation (P split into two bf16 parts) and keeps the softmax in FP32. Both read Q, K, V and write the output in
+FP32 or bf16, as the plan stores them (kiln.tactics.storage). Each input geometry (shapes, strides, dtypes) is
+worked out once and cached, so a call costs a dictionary lookup, one output allocation and the C call.
 
 BERT-base's layer (12 heads of 128 x 64, a 1x1x128x128 mask), 2 threads of a Zen 4: torch's SDPA 0.49 ms,
 kiln.attention_c 0.31 ms, kiln.attention_c_bf16 0.20 ms (docs/tactics.md). A call on a tiny layer costs ~6.6 µs.
@@ -25,6 +25,7 @@ from kiln.ops import lookup
 from kiln.ops.fused import apply_steps
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
+from kiln.tactics.gemm_c import storage_dtype
 
 ATTENTION_TACTIC = "kiln.attention_c"
 ATTENTION_BF16_TACTIC = "kiln.attention_c_bf16"
@@ -132,11 +133,7 @@ class CallGeometry:
     @functools.cached_property
     def y_strides(self) -> tuple[int, ...]:
         """Row-major strides of y_shape: torch.empty_strided costs ~0.5 µs less a call than torch.empty."""
-        strides, step = [], 1
-        for d in reversed(self.y_shape):
-            strides.append(step)
-            step *= max(d, 1)
-        return tuple(reversed(strides))
+        return torch.empty(self.y_shape, device="meta").stride()
 
 
 def _pointers(ops: Operands) -> list[int]:
@@ -157,9 +154,9 @@ def call_geometry(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> 
     dtypes = (ops.q.dtype, ops.k.dtype, ops.v.dtype)
     flags |= sum(bit for bit, dt in zip((Q_BF16, K_BF16, V_BF16), dtypes) if dt == torch.bfloat16)
     flags |= OUT_BF16 if out_dtype == torch.bfloat16 else 0
-    offsets = tuple(p - x.data_ptr() if x is not None and p and _shares(x, p) else None
-                    for x, p in zip(xs, _pointers(ops)))
-    in_place = all(o is not None for o, p in zip(offsets, _pointers(ops)) if p)
+    pointers = _pointers(ops)
+    offsets = tuple(p - x.data_ptr() if x is not None and p and _shares(x, p) else None for x, p in zip(xs, pointers))
+    in_place = all(o is not None for o, p in zip(offsets, pointers) if p)
     call = _attn_call(ops, _four_dims(out4), float(attrs["scale"]), flags)
     return CallGeometry(call, ctypes.byref(call), offsets, in_place, final if direct else ops.out_shape, direct)
 
@@ -168,10 +165,6 @@ def _shares(x: torch.Tensor, ptr: int) -> bool:
     """Whether address `ptr` lies in `x`'s storage (the operand is a view of it, not a copy)."""
     start = x.untyped_storage().data_ptr()
     return start <= ptr < start + x.untyped_storage().nbytes()
-
-
-def _dtype(name: str) -> torch.dtype:
-    return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
 class AttentionTactic:
@@ -209,7 +202,7 @@ class AttentionTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         entry = getattr(native.library("attention"), self.entry_point)
-        attrs, out_dtype = layer.attrs, _dtype(layer.output_dtypes[0])
+        attrs, out_dtype = layer.attrs, storage_dtype(layer.output_dtypes[0])
         flags = NAN_TO_ZERO if attrs.get("nan_to_zero") else 0
         consts = {i: (t.float().contiguous() if i == 3 else t) for i, t in layer.const_inputs.items()}
         reference = lookup("Attention", "kiln").impl

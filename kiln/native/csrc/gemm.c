@@ -2,6 +2,7 @@
    matmul_c). OpenMP shares (batch, column panel, row chunk) units out on torch's own thread pool, row chunks
    outermost where the weights fit in L2 (ROWS_OUTER_BYTES). */
 #include "gemm.h"
+#include "window.h"
 #include "work_split.h"
 
 void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
@@ -26,22 +27,6 @@ void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int6
       tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
     }
   }
-}
-
-/* One kernel row of a convolution window: the kw * c elements (`elem` bytes each) of image row yy from column x0,
-   read in place where the window lies inside the image, else copied into `pad` with zeros where the padding is. */
-static inline const void* window_segment(const void* image, int64_t h, int64_t w, int64_t c, int64_t kw,
-                                         int64_t yy, int64_t x0, void* pad, size_t elem) {
-  const int inside_y = yy >= 0 && yy < h;
-  const char* img = (const char*)image;
-  char* out = (char*)pad;
-  if (inside_y && x0 >= 0 && x0 + kw <= w) return img + (yy * w + x0) * c * elem;
-  for (int64_t j = 0; j < kw; ++j) {
-    const int64_t xx = x0 + j;
-    if (inside_y && xx >= 0 && xx < w) memcpy(out + j * c * elem, img + (yy * w + xx) * c * elem, elem * c);
-    else memset(out + j * c * elem, 0, elem * c);
-  }
-  return pad;
 }
 
 /* Direct convolution on NHWC input x[n][h][w][c] (dilation 1, one group): output pixel r of an image is a row
@@ -71,7 +56,7 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
           for (int64_t s = 0; s < kh; ++s)
             rows[s * MR + i] = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad + (i * kh + s) * seg,
-                                              sizeof(float));
+                                              sizeof(float), 0);
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
         tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
@@ -252,7 +237,8 @@ void kiln_conv_bf16(const void* restrict x, int64_t n, int64_t h, int64_t w, int
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
           for (int64_t s = 0; s < kh; ++s) {
             uint32_t* d = converted + (s * MR + i) * segp;   /* bf16 input: also the border's padded copy */
-            const void* src = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, a_bf16 ? (void*)d : pad, elem);
+            const void* src = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, a_bf16 ? (void*)d : pad, elem,
+                                             0);
             rows[s * MR + i] = as_bf16_pairs(src, seg, a_bf16, d);
           }
         }

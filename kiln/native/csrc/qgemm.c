@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "window.h"
 #include "work_split.h"
 
 #define MR 6    /* rows per register tile */
@@ -50,21 +51,6 @@ typedef struct {
   int64_t n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, cout;
   QEpilogue e;
 } QConvCall;
-
-/* One kernel row of a convolution window: the kw * c bytes of image row yy from column x0, read in place where
-   the window lies inside the image, else copied into `pad` with the zero point where the padding is (so the
-   column-sum compensation is the same for every pixel). */
-static inline const uint8_t* window_segment(const uint8_t* image, int64_t h, int64_t w, int64_t c, int64_t kw,
-                                            int64_t yy, int64_t x0, uint8_t* pad, int pad_byte) {
-  const int inside_y = yy >= 0 && yy < h;
-  if (inside_y && x0 >= 0 && x0 + kw <= w) return image + (yy * w + x0) * c;
-  for (int64_t j = 0; j < kw; ++j) {
-    const int64_t xx = x0 + j;
-    if (inside_y && xx >= 0 && xx < w) memcpy(pad + j * c, image + (yy * w + xx) * c, (size_t)c);
-    else memset(pad + j * c, pad_byte, (size_t)c);
-  }
-  return pad;
-}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -244,7 +230,7 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
         for (int64_t i = 0; i < MR; ++i) {
           const int64_t r = r0 + (i < mr ? i : 0), oy = r / ow, x0 = (r % ow) * sw - pl;
           for (int64_t s = 0; s < kh; ++s)
-            rows[s * MR + i] = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad + (i * kh + s) * seg,
+            rows[s * MR + i] = window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad + (i * kh + s) * seg, 1,
                                               e->pad_byte);
         }
         const int64_t at = (unit.p * m + r0) * cout + unit.nb * NR;
