@@ -13,24 +13,15 @@ from kiln.errors import EngineFormatError, Error, InputError, ModelError, Unsupp
 
 
 def build(model, **options):
-    """Build an Engine from an ONNX path or ModelProto. Options: see `kiln.builder.options.BuildOptions`; the
-    precision ones may be given flat as the CLI spells them: fp16, bf16, int8, best, layer_precisions,
-    precision_constraints; `tactic_sources` takes a set of names or the CLI's spec ("-openvino,-onnxruntime")."""
+    """Build an Engine from an ONNX path or ModelProto. Options: `kiln.builder.options.BuildOptions`' fields, or
+    as the CLI spells them (kiln.builder.spellings): bf16=True, int8=True, best=True, accuracy="cos:0.999",
+    tactic_sources="-openvino,-onnxruntime", calib="data.npz", shapes="input:1x3x224x224", threads=2, ..."""
     from kiln.builder.build import build_plan
-    from kiln.builder.options import BuildOptions
-    from kiln.precision.policy import PrecisionOptions
-    from kiln.runtime.engine import Engine
-    from kiln.tactics.registry import parse_sources
+    from kiln.builder.spellings import build_options
+    from kiln.runtime.engine import Engine, set_threads
 
-    if isinstance(options.get("tactic_sources"), str):
-        options["tactic_sources"] = parse_sources(options["tactic_sources"])
-    flat = {k: options.pop(k) for k in ("fp16", "bf16", "int8", "best", "layer_precisions") if k in options}
-    if "precision_constraints" in options:
-        flat["constraints"] = options.pop("precision_constraints")
-    if flat:
-        options["precision"] = PrecisionOptions(**flat)
-    opts = BuildOptions(**{k: (frozenset(v) if k in ("disabled_passes", "tactic_sources") and v is not None else v)
-                           for k, v in options.items()})
+    opts, threads = build_options(options)
+    set_threads(threads)
     return Engine(build_plan(model, opts))
 
 

@@ -129,8 +129,14 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
     from kiln.preprocess.calibration import calibrate
     from kiln.preprocess.fold import fold_batch_norms
 
-    if not options.precision.int8:
-        raise ModelError("calibration data was given without --int8; add --int8 (or drop --calib)")
+    allowed = options.precision
+    if not allowed.int8:
+        if allowed.bf16 or allowed.fp16 or allowed.best:   # the accuracy budget's representative inputs
+            log.info("--calib %s: inputs the accuracy budget is checked on (INT8 calibration needs --int8)",
+                     options.calibration)
+            return proto, None
+        raise ModelError("calibration data was given without --int8 (or --bf16/--fp16/--best, whose accuracy "
+                         "budget it feeds); add one of them, or drop --calib")
     if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in proto.graph.node):
         raise ModelError("the model already has Q/DQ nodes (explicit quantization); build it without --calib")
     proto = fold_batch_norms(proto)   # calibrated and quantized as folded, as TensorRT calibrates after fusions

@@ -56,6 +56,22 @@ def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog, bf16_kern
     assert info["big"]["GrantedPrecision"] == "FP32" and "accuracy budget" in info["big"]["PrecisionReason"]
 
 
+def test_the_budget_is_judged_on_calib_data_when_given(caplog, bf16_kernels, tmp_path):
+    """On data where the big branch's input is zero, only the small branch's BF16 error counts: the budget keeps
+    `small` in FP32 instead of `big` (as random inputs would), and no random-input warning is logged."""
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    rng = np.random.default_rng(3)
+    data = tmp_path / "data.npz"
+    np.savez(data, x1=np.zeros((2, 8, 64), np.float32), x2=rng.standard_normal((2, 8, 64)).astype(np.float32))
+    engine = kiln.build(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
+                        autotune=False, calibration=str(data))
+    assert {l.name: l.precision for l in engine.plan.layers if l.op_type == "MatMul"} == {"big": "BF16",
+                                                                                          "small": "FP32"}
+    assert "inputs the accuracy budget is checked on" in caplog.text and "random inputs" not in caplog.text
+    with pytest.raises(kiln.ModelError, match=r"without --int8 \(or --bf16/--fp16/--best"):
+        kiln.build(two_branch(), autotune=False, calibration=str(data))
+
+
 def test_the_default_budget_with_bf16_is_cosine_0_999(caplog, bf16_kernels):
     caplog.set_level(logging.INFO, logger="kiln.build")
     kiln.build(two_branch(), bf16=True, precision_constraints="prefer", autotune=False)

@@ -80,3 +80,34 @@ def test_bad_precision_options_are_clear_errors():
     with pytest.raises(kiln.Error, match=r"unknown tactic source 'cuda'"):
         kiln.build(conv_net(), tactic_sources="-openvino,+cuda")
 
+
+
+def test_the_python_api_takes_the_cli_spellings(tmp_path):
+    import torch
+
+    from kiln.builder.spellings import build_options
+
+    opts, threads = build_options({"bf16": True, "layer_precisions": "conv1:fp32,*:bf16", "shapes": "x:1x3x8x8",
+                                   "calib": "data.npz", "calib_method": "minmax", "builder_optimization_level": 0,
+                                   "tactic_sources": "-openvino,-onnxruntime", "disable_pass": "FuseConvBias",
+                                   "threads": 1, "precision_constraints": "prefer"})
+    assert opts.precision == PrecisionOptions(bf16=True, layer_precisions={"conv1": "FP32", "*": "BF16"},
+                                              constraints="prefer")
+    assert (opts.input_shapes, opts.calibration, opts.calibration_method, opts.autotune) == \
+        ({"x": (1, 3, 8, 8)}, "data.npz", "minmax", False)
+    assert "openvino" not in opts.tactic_sources and "kiln" in opts.tactic_sources
+    assert opts.disabled_passes == frozenset({"FuseConvBias"}) and threads == 1
+    assert build_options({"layer_precisions": {"conv1": "bf16"}})[0].precision.layer_precisions == {"conv1": "BF16"}
+    before = torch.get_num_threads()
+    try:
+        engine = kiln.build(conv_net(), threads=1, builder_optimization_level=0)
+        assert torch.get_num_threads() == 1 and engine.plan.layers
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_unknown_or_doubled_build_options_are_clear_errors():
+    with pytest.raises(kiln.ModelError, match=r"unknown build option\(s\) bf_16; known: .*\bbf16\b.*\bcalib\b"):
+        kiln.build(conv_net(), bf_16=True)
+    with pytest.raises(kiln.ModelError, match=r"build options 'calib' and 'calibration' are the same option"):
+        kiln.build(conv_net(), calib="a.npz", calibration="b.npz")

@@ -1,0 +1,76 @@
+"""`kiln.build(model, **options)`'s keywords: BuildOptions' own field names, and the CLI's spellings of the same
+options (`calib`, `shapes="input:1x3x224x224"`, `layer_precisions="conv1:bf16,*:fp32"`,
+`tactic_sources="-openvino"`, `builder_optimization_level=0`, `disable_pass`), so a script can move between
+`kiln build ...` and Python without renaming. An unknown keyword is a ModelError naming it and the known ones."""
+from __future__ import annotations
+
+import dataclasses
+
+from kiln.builder.options import BuildOptions
+from kiln.errors import ModelError
+from kiln.precision.policy import TYPE_NAMES, PrecisionOptions, parse_layer_precisions
+
+PRECISION_FLAGS = ("fp16", "bf16", "int8", "best")
+CLI_ALIASES = {"calib": "calibration", "calib_method": "calibration_method", "calib_cache": "calibration_cache",
+               "shapes": "input_shapes", "disable_pass": "disabled_passes"}
+EXTRA = ("layer_precisions", "layer_output_types", "precision_constraints", "builder_optimization_level", "threads")
+
+
+def known_options() -> list[str]:
+    fields = [f.name for f in dataclasses.fields(BuildOptions)]
+    return sorted(set(fields) | set(PRECISION_FLAGS) | set(CLI_ALIASES) | set(EXTRA))
+
+
+def build_options(options: dict) -> tuple[BuildOptions, int | None]:
+    """(BuildOptions, threads or None) from kiln.build's keywords."""
+    from kiln.tactics.registry import parse_sources
+
+    options = dict(options)
+    unknown = sorted(set(options) - set(known_options()))
+    if unknown:
+        raise ModelError(f"unknown build option(s) {', '.join(unknown)}; known: {', '.join(known_options())}")
+    for alias, name in CLI_ALIASES.items():
+        if alias in options:
+            if name in options:
+                raise ModelError(f"build options '{alias}' and '{name}' are the same option; give one")
+            options[name] = options.pop(alias)
+    threads = options.pop("threads", None)
+    if "builder_optimization_level" in options:
+        options["autotune"] = int(options.pop("builder_optimization_level")) > 0
+    if isinstance(options.get("input_shapes"), str):
+        from kiln.frontend.profiles import parse_shape_list
+
+        options["input_shapes"] = parse_shape_list(options["input_shapes"])
+    if isinstance(options.get("tactic_sources"), str):
+        options["tactic_sources"] = parse_sources(options["tactic_sources"])
+    if isinstance(options.get("disabled_passes"), str):
+        options["disabled_passes"] = [options["disabled_passes"]]
+    for name in ("disabled_passes", "tactic_sources"):
+        if options.get(name) is not None:
+            options[name] = frozenset(options[name])
+    precision = precision_options(options)
+    if precision is not None:
+        options["precision"] = precision
+    return BuildOptions(**options), threads
+
+
+def precision_options(options: dict) -> PrecisionOptions | None:
+    """PrecisionOptions from the flat flags (popped from `options`), or None where none was given; layer precisions
+    as a dict or the CLI's "name:type,..." string, --layer-output-types merged under them as the CLI does."""
+    flat = {k: options.pop(k) for k in PRECISION_FLAGS if k in options}
+    layers = {}
+    for key in ("layer_output_types", "layer_precisions"):
+        spec = options.pop(key, None)
+        if spec:
+            layers.update(parse_layer_precisions(spec) if isinstance(spec, str) else
+                          {name: TYPE_NAMES.get(str(kind).lower(), kind) for name, kind in dict(spec).items()})
+    if layers:
+        flat["layer_precisions"] = layers
+    if "precision_constraints" in options:
+        flat["constraints"] = options.pop("precision_constraints")
+    if not flat:
+        return None
+    if "precision" in options:
+        raise ModelError("give the precision either as precision=PrecisionOptions(...) or as flat flags "
+                         f"({', '.join(sorted(flat))}), not both")
+    return PrecisionOptions(**flat)
