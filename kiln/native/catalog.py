@@ -40,7 +40,11 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_gemm_bf16", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
                                     I64, I64, I64, I64, I64, I64)),
         Function("kiln_conv", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 2),
-        Function("kiln_conv_bf16", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 3))),
+        Function("kiln_conv_bf16", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 3),
+        Function("kiln_gemm_bf16_amx", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
+                                        I64, I64, I64, I64, I64, I64)),
+        Function("kiln_conv_bf16_amx", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 3),
+        Function("kiln_amx_ready", (), I64))),
     LibrarySpec("qgemm", "qgemm.c", (   # the first argument: the layer's constants (kiln.tactics.qgemm_c)
         Function("kiln_qgemm", (POINTER,) * 4 + (I64,)),
         Function("kiln_qconv", (POINTER,) * 4))),

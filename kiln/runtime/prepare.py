@@ -111,6 +111,9 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
     # kiln's C kernels (generated pointwise programs included) say `needs_c_compiler`: an engine built elsewhere,
     # loaded where kiln.native has no compiler, runs those layers on the reference kernels (Winograd keeps its
     # own torch path)
+    while getattr(tactic, "fallback_tactic", None) is not None and not hardware.has_any(tactic.required_isa):
+        _warn_fallback(tactic.name, " or ".join(tactic.required_isa), tactic.fallback_tactic.name)
+        tactic = tactic.fallback_tactic   # e.g. an AMX kernel's AVX512-BF16 sibling: same layer, same precision
     if getattr(tactic, "needs_c_compiler", False) and not native.available():
         _warn_missing(layer.tactic_name, "a C compiler (cc)")
         tactic = ReferenceTactic()   # an engine built elsewhere: the same layer on torch's kernels
@@ -131,6 +134,12 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
 def _warn_missing(tactic_name: str, what: str) -> None:
     log.warning("%s is not available here for %s (an engine built on another machine): its layers run on torch's "
                 "reference kernels, slower; install it or rebuild the engine here", what, tactic_name)
+
+
+@lru_cache(maxsize=None)
+def _warn_fallback(tactic_name: str, isa: str, fallback_name: str) -> None:
+    log.warning("%s needs %s, which this CPU lacks (an engine built on another machine): its layers run on %s, "
+                "in the same precision", tactic_name, isa, fallback_name)
 
 
 def reference_region(layer: Layer, weights: dict[str, torch.Tensor], opset: int) -> Kernel:

@@ -8,6 +8,7 @@ from kiln.tactics.base import LayerView, Tactic
 from kiln.tactics.codegen import CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.conv_direct import DirectConvTactic
+from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
 from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
@@ -26,11 +27,12 @@ from kiln.tactics.winograd import WinogradConvTactic
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
                                               WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic(),
-                                              Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic()],
+                                              Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
+                                              DirectConvAmxTactic()],
                                      "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                              MatMulGemmBf16Tactic()],
+                                              MatMulGemmBf16Tactic(), MatMulGemmAmxTactic()],
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                                MatMulGemmBf16Tactic()],
+                                                MatMulGemmBf16Tactic(), MatMulGemmAmxTactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
                                      "Resize": [NhwcResizeTactic()],

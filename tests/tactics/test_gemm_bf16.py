@@ -1,6 +1,7 @@
-"""kiln's own BF16 GEMM (vdpbf16ps): 1x1 convolutions and linear layers against the formula they compute (operands
-rounded to bf16, products summed in FP32, bias, residual and ReLU in FP32), ragged sizes included; the weight
-packing's layout on every CPU."""
+"""kiln's own BF16 GEMM, on vdpbf16ps and on AMX tiles (real where this CPU has AMX, else gemm.c built with
+-DKILN_AMX_EMULATE: tests/tactics/amx.py): 1x1 convolutions, direct convolutions and linear layers against the
+formula they compute (operands rounded to bf16, products summed in FP32, bias, residual and ReLU in FP32), ragged
+sizes included; the weight packing's layout on every CPU."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,11 @@ import torch.nn.functional as F
 from kiln import hardware, native
 from kiln.tactics import gemm_c
 from kiln.tactics.base import LayerView
-from kiln.tactics.gemm_bf16 import BF16_DOT_ISA, Conv1x1GemmBf16Tactic, MatMulGemmBf16Tactic, pack_bf16_pairs
+from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
+from kiln.tactics.gemm_bf16 import (
+    BF16_DOT_ISA, Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic, pack_bf16_pairs,
+)
+from tests.tactics.amx import amx_kernels, emulated_amx_library  # noqa: F401  (fixtures)
 
 needs_bf16 = pytest.mark.skipif(not (hardware.has_any(BF16_DOT_ISA) and native.available()),
                                 reason="this CPU has no AVX512-BF16 (vdpbf16ps) or there is no C compiler: kiln's "
@@ -19,6 +24,17 @@ needs_bf16 = pytest.mark.skipif(not (hardware.has_any(BF16_DOT_ISA) and native.a
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
+
+
+def tactic_of(kind: str, request, vdpbf16ps, amx):
+    """The tactic under test: the vdpbf16ps one, or the AMX one with AMX real or emulated (fixture amx_kernels)."""
+    if kind == "amx":
+        request.getfixturevalue("amx_kernels")
+        return amx
+    return vdpbf16ps
+
+
+both_kernels = pytest.mark.parametrize("kind", ["vdpbf16ps", "amx"])
 
 
 def test_weights_pack_as_bf16_pairs_in_32_column_panels():
@@ -47,14 +63,15 @@ def conv_view(n, c, h, w, cout, stride=1, residual=False, act=None):
 
 
 @needs_bf16
+@both_kernels
 @pytest.mark.parametrize("n,c,h,w,cout,stride,residual,act", [
     (1, 64, 7, 9, 96, 1, False, None),       # 63 rows: a partial row tile; 3 full panels
     (2, 45, 5, 5, 40, 1, True, "Relu"),      # odd k, a partial panel, batch 2, residual + ReLU
     (1, 32, 9, 9, 64, 2, False, "Relu"),     # strided: rows read in place
 ])
-def test_bf16_1x1_convolution_matches_its_formula(n, c, h, w, cout, stride, residual, act):
+def test_bf16_1x1_convolution_matches_its_formula(n, c, h, w, cout, stride, residual, act, kind, request):
     view = conv_view(n, c, h, w, cout, stride, residual, act)
-    tactic = Conv1x1GemmBf16Tactic()
+    tactic = tactic_of(kind, request, Conv1x1GemmBf16Tactic(), Conv1x1GemmAmxTactic())
     assert tactic.supports(view)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(n, c, h, w, generator=g).contiguous(memory_format=torch.channels_last)
@@ -73,13 +90,14 @@ def test_bf16_1x1_convolution_matches_its_formula(n, c, h, w, cout, stride, resi
 
 
 @needs_bf16
-@pytest.mark.parametrize("x_shape,n", [((1, 7, 48), 33), ((5, 768), 64)])
-def test_bf16_linear_matches_its_formula(x_shape, n):
+@both_kernels
+@pytest.mark.parametrize("x_shape,n", [((1, 7, 48), 33), ((5, 768), 64), ((2, 40, 75), 70)])
+def test_bf16_linear_matches_its_formula(x_shape, n, kind, request):
     g = torch.Generator().manual_seed(13)
     w = torch.randn(x_shape[-1], n, generator=g)
     view = LayerView("MatMul", "", {}, (x_shape, tuple(w.shape)), ("float32", "float32"), {1: w}, ("float32",),
                      17, ((), ()))
-    tactic = MatMulGemmBf16Tactic()
+    tactic = tactic_of(kind, request, MatMulGemmBf16Tactic(), MatMulGemmAmxTactic())
     assert tactic.supports(view)
     x = torch.randn(x_shape, generator=g)
     got = tactic.prepare(view)([x, None])[0]
@@ -92,14 +110,13 @@ def test_bf16_gemm_is_not_offered_without_avx512_bf16(monkeypatch):
 
 
 @needs_bf16
+@both_kernels
 @pytest.mark.parametrize("c,hw,cout,k,stride,pads,residual", [
     (16, 9, 40, 3, 1, (1, 1, 1, 1), True),        # borders copied with zeros, residual + ReLU
     (3, 15, 32, 7, 2, (3, 3, 3, 3), False),       # a stem: odd segments (7 * 3 = 21 floats)
     (24, 8, 64, 3, 2, (0, 0, 1, 1), False),       # asymmetric padding, strided
 ])
-def test_bf16_direct_convolution_matches_its_formula(c, hw, cout, k, stride, pads, residual):
-    from kiln.tactics.gemm_bf16 import DirectConvBf16Tactic
-
+def test_bf16_direct_convolution_matches_its_formula(c, hw, cout, k, stride, pads, residual, kind, request):
     g = torch.Generator().manual_seed(14)
     weight, bias = torch.randn(cout, c, k, k, generator=g), torch.randn(cout, generator=g)
     x = torch.randn(2, c, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
@@ -111,7 +128,7 @@ def test_bf16_direct_convolution_matches_its_formula(c, hw, cout, k, stride, pad
              **({"activation": {"op": "Relu", "attrs": {}}} if residual else {})}
     view = LayerView("Conv", "", attrs, shapes, ("float32",) * len(shapes), {1: weight, 2: bias}, ("float32",), 17,
                      tuple(() for _ in shapes))
-    tactic = DirectConvBf16Tactic()
+    tactic = tactic_of(kind, request, DirectConvBf16Tactic(), DirectConvAmxTactic())
     assert tactic.supports(view)
     got = tactic.prepare(view)([x, None, None] + ([r] if residual else []))[0]
     if residual:

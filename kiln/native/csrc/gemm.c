@@ -1,6 +1,7 @@
 /* kiln's GEMM and direct convolution on the micro-kernel of gemm.h (kiln.tactics.gemm_c, conv1x1, conv_direct,
-   matmul_c). OpenMP shares (batch, column panel, row chunk) units out on torch's own thread pool, row chunks
-   outermost where the weights fit in L2 (ROWS_OUTER_BYTES). */
+   matmul_c), in BF16 on AVX512-BF16 (gemm_bf16) and on AMX tiles (gemm_amx.h). OpenMP shares (batch, column
+   panel, row chunk) units out on torch's own thread pool, row chunks outermost where the weights fit in L2
+   (ROWS_OUTER_BYTES). */
 #include "gemm.h"
 #include "window.h"
 #include "work_split.h"
@@ -136,6 +137,22 @@ static void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, co
   memcpy(c, narrow, sizeof(uint16_t) * cols);
 }
 
+/* The FP32 results of `mr` rows of a tile, out[i][0..NR), stored with the epilogue: output and residual elements of
+   `io`'s types, row stride ldc elements, `cols` columns. */
+static void store_block(const float* out, int64_t mr, void* c, int64_t ldc, int64_t cols, const float* restrict bias,
+                        const void* res, int64_t act, int64_t io) {
+  const size_t c_size = io & IO_C_BF16 ? sizeof(uint16_t) : sizeof(float);
+  const size_t r_size = io & IO_RES_BF16 ? sizeof(uint16_t) : sizeof(float);
+  for (int64_t i = 0; i < mr; ++i) {
+    const v16 lo = *(const v16*)(out + i * NR), hi = *(const v16*)(out + i * NR + 16);
+    const void* ri = res ? (const char*)res + i * ldc * r_size : 0;
+    if (io & (IO_C_BF16 | IO_RES_BF16))
+      store_row_io((char*)c + i * ldc * c_size, lo, hi, bias, ri, act, cols, io);
+    else
+      store_row((float*)c + i * ldc, lo, hi, bias, (const float*)ri, act, cols);
+  }
+}
+
 /* kiln's tile() in BF16: `segs` segments of `kp` bf16 pairs, segment s reading rows a[s * MR + i] and weights
    b + s * kp * NR; output and residual elements of `io`'s types, row stride ldc elements. */
 static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_t kp, const uint32_t* restrict b,
@@ -156,15 +173,12 @@ static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_
       }
     }
   }
-  const size_t c_size = io & IO_C_BF16 ? sizeof(uint16_t) : sizeof(float);
-  const size_t r_size = io & IO_RES_BF16 ? sizeof(uint16_t) : sizeof(float);
+  float out[MR][NR] __attribute__((aligned(64)));
   for (int64_t i = 0; i < mr; ++i) {
-    const void* ri = res ? (const char*)res + i * ldc * r_size : 0;
-    if (io & (IO_C_BF16 | IO_RES_BF16))
-      store_row_io((char*)c + i * ldc * c_size, (v16)acc[i][0], (v16)acc[i][1], bias, ri, act, cols, io);
-    else
-      store_row((float*)c + i * ldc, (v16)acc[i][0], (v16)acc[i][1], bias, (const float*)ri, act, cols);
+    _mm512_store_ps(out[i], acc[i][0]);
+    _mm512_store_ps(out[i] + 16, acc[i][1]);
   }
+  store_block(&out[0][0], mr, c, ldc, cols, bias, res, act, io);
 }
 
 /* Byte address of element `at` of a tensor whose elements are bf16 where `bf16`, else FP32. */
@@ -251,6 +265,7 @@ void kiln_conv_bf16(const void* restrict x, int64_t n, int64_t h, int64_t w, int
     free(pad);
   }
 }
+#include "gemm_amx.h"
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers its BF16 tactics only where AVX512-BF16 is. */
 void kiln_gemm_bf16(const void* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
@@ -268,4 +283,19 @@ void kiln_conv_bf16(const void* x, int64_t n, int64_t h, int64_t w, int64_t c, i
   (void)oh; (void)ow; (void)b; (void)y; (void)bias; (void)res; (void)act; (void)cout; (void)io;
   abort();   /* unreachable, as above */
 }
+
+void kiln_gemm_bf16_amx(const void* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
+                        const uint32_t* b, int64_t b_batch, void* c, int64_t c_batch, const float* bias,
+                        const void* res, int64_t act, int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
+  kiln_gemm_bf16(a, a_batch, row_width, col_step, line_step, b, b_batch, c, c_batch, bias, res, act, batch, m, k, n,
+                 io);   /* aborts, as above: AMX CPUs all have AVX512-BF16 */
+}
+
+void kiln_conv_bf16_amx(const void* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+                        int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow, const uint32_t* b,
+                        void* y, const float* bias, const void* res, int64_t act, int64_t cout, int64_t io) {
+  kiln_conv_bf16(x, n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, b, y, bias, res, act, cout, io);   /* aborts */
+}
+
+int64_t kiln_amx_ready(void) { return 0; }
 #endif
