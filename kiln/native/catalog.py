@@ -47,7 +47,10 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_amx_ready", (), I64))),
     LibrarySpec("qgemm", "qgemm.c", (   # the first argument: the layer's constants (kiln.tactics.qgemm_c)
         Function("kiln_qgemm", (POINTER,) * 4 + (I64,)),
-        Function("kiln_qconv", (POINTER,) * 4))),
+        Function("kiln_qconv", (POINTER,) * 4),
+        Function("kiln_qgemm_amx", (POINTER,) * 4 + (I64,)),
+        Function("kiln_qconv_amx", (POINTER,) * 4),
+        Function("kiln_amx_int8_ready", (), I64))),
     LibrarySpec("winograd", "winograd.c", (
         Function("wino_fused", (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64)),),
         rendered_by="the tile size M and the transforms (kiln.tactics.winograd_c.render)"),

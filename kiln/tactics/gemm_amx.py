@@ -82,20 +82,23 @@ def self_check_error(lib) -> float:
     return float((outs[0] - outs[1]).abs().max() / outs[1].abs().max().clamp_min(1e-30))
 
 
-class AmxGemm:
-    """Mixin over a gemm_bf16 tactic: its AMX entry point and packing; `fallback_tactic` (the AVX512-BF16
-    sibling) runs the layer where a loading CPU cannot."""
-
-    required_isa = AMX_ISA
+class AmxVariant:
+    """Mixin over one of kiln's C tactics: its AMX entry point and packing, offered where `usable()` (AMX there,
+    granted, self-checked); `fallback_tactic` (the AVX-512 sibling) runs the layer where a loading CPU cannot."""
 
     def supports(self, layer) -> bool:
-        return super().supports(layer) and amx_usable()
+        return super().supports(layer) and self.usable()
 
     def prepare(self, layer):
-        if not amx_usable():
+        if not self.usable():
             log.warning("%s: AMX is not usable here; its layers run on %s", self.name, self.fallback_tactic.name)
             return self.fallback_tactic.prepare(layer)
         return super().prepare(layer)
+
+
+class AmxGemm(AmxVariant):
+    required_isa = AMX_ISA
+    usable = staticmethod(lambda: amx_usable())   # looked up per call, so tests can stand in emulated AMX
 
 
 class Conv1x1GemmAmxTactic(AmxGemm, Conv1x1GemmBf16Tactic):

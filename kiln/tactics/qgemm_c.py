@@ -161,6 +161,8 @@ class QConvGemmTactic:
     source = "kiln"
     needs_c_compiler = True
     required_isa = VNNI_ISA
+    entry_point = "kiln_qgemm"           # the AMX variants (kiln.tactics.qgemm_amx) swap these two
+    pack = staticmethod(pack_quads)
 
     def supports(self, layer: LayerView) -> bool:
         if not _conv_supported(layer):
@@ -174,13 +176,13 @@ class QConvGemmTactic:
         return HWC
 
     def prepare(self, layer: LayerView) -> Kernel:
-        gemm = native.library("qgemm").kiln_qgemm
+        gemm = getattr(native.library("qgemm"), self.entry_point)
         n, c, h, w = layer.input_shapes[0]
         weight = layer.const_inputs[1]
         cout = weight.shape[0]
         _, _, sh, sw, _, _, oh, ow = conv_geometry(layer)
         w_kn = weight.reshape(cout, c).t()
-        packed = pack_quads(w_kn)
+        packed = self.pack(w_kn)
         e, kept = epilogue(layer, w_kn)
         call = GemmCall(packed.data_ptr(), h * w * c, ow, sw * c, sh * w * c, oh * ow * cout, n, c, cout, e)
         call_ptr, m = ctypes.addressof(call), oh * ow
@@ -196,6 +198,8 @@ class QConvDirectTactic(QConvGemmTactic):
     """Any other QConv: each output pixel's window read in place, one segment of kw x Cin bytes per kernel row."""
 
     name = "kiln.qconv2d_direct_nhwc_int8"
+    entry_point = "kiln_qconv"
+    pack = staticmethod(pack_segments)
 
     def supports(self, layer: LayerView) -> bool:
         if not _conv_supported(layer):
@@ -203,13 +207,13 @@ class QConvDirectTactic(QConvGemmTactic):
         return tuple(layer.const_inputs[1].shape[2:]) != (1, 1) or any(layer.attrs.get("pads") or [0])
 
     def prepare(self, layer: LayerView) -> Kernel:
-        conv = native.library("qgemm").kiln_qconv
+        conv = getattr(native.library("qgemm"), self.entry_point)
         n, c, h, w = layer.input_shapes[0]
         weight = layer.const_inputs[1]
         cout = weight.shape[0]
         kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
         w_rows = weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout)   # [kh][kw * c][cout]
-        packed = pack_segments(w_rows)
+        packed = self.pack(w_rows)
         e, kept = epilogue(layer, w_rows.reshape(-1, cout))
         call = ConvCall(packed.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, cout, e)
         call_ptr = ctypes.addressof(call)
@@ -228,6 +232,8 @@ class QLinearGemmTactic:
     source = "kiln"
     needs_c_compiler = True
     required_isa = VNNI_ISA
+    entry_point = "kiln_qgemm"
+    pack = staticmethod(pack_quads)
 
     def supports(self, layer: LayerView) -> bool:
         if not linear_supported(layer) or layer.input_shapes[0][-1] > MAX_K:
@@ -243,11 +249,11 @@ class QLinearGemmTactic:
         return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
-        gemm = native.library("qgemm").kiln_qgemm
+        gemm = getattr(native.library("qgemm"), self.entry_point)
         w = layer.const_inputs[1]
         w_kn = w.t() if _channel_axis(layer) == 0 else w
         k, n = w_kn.shape
-        packed = pack_quads(w_kn)
+        packed = self.pack(w_kn)
         e, kept = epilogue(layer, w_kn)
         call = GemmCall(packed.data_ptr(), 0, ONE_LINE, k, 0, 0, 1, k, n, e)
         call_ptr, dtype = ctypes.addressof(call), _output_dtype(layer)

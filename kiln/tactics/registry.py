@@ -19,6 +19,7 @@ from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import NhwcPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
+from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.resize_c import NhwcResizeTactic
@@ -38,9 +39,10 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "Resize": [NhwcResizeTactic()],
                                      "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
-                                     "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic()],
-                                     "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic()],
-                                     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic()],
+                                     "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic(),
+                                               QConvGemmAmxTactic(), QConvDirectAmxTactic()],
+                                     "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
+                                     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
                                      "QuantizeLinear": [QuantizeLinearTactic()],
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),

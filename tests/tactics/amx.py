@@ -1,6 +1,7 @@
-"""AMX kernels on any CPU with AVX512-BF16: where this CPU has AMX and Linux grants it, the real kernels run;
-elsewhere gemm.c is compiled once per session with -DKILN_AMX_EMULATE (amx.h's tile operations in plain C) and
-stands in for kiln's gemm library, so the AMX kernels' packing, addressing and epilogue are tested everywhere."""
+"""AMX kernels on any CPU with AVX-512 (BF16 / VNNI): where this CPU has AMX and Linux grants it, the real kernels
+run; elsewhere gemm.c or qgemm.c is compiled once per session with -DKILN_AMX_EMULATE (amx.h's tile operations in
+plain C) and stands in for kiln's library, so the AMX kernels' packing, addressing and epilogue are tested
+everywhere."""
 from __future__ import annotations
 
 import ctypes
@@ -9,25 +10,42 @@ import pytest
 
 from kiln import native
 from kiln.native import catalog, compiler
-from kiln.tactics import gemm_amx
+from kiln.tactics import gemm_amx, qgemm_amx
 
 
 @pytest.fixture(scope="session")
-def emulated_amx_library(tmp_path_factory):
-    """gemm.c built with -DKILN_AMX_EMULATE, bound as kiln binds its own."""
-    spec = catalog.LIBRARIES["gemm"]
-    target = tmp_path_factory.mktemp("amx") / "gemm_amx_emulated.so"
-    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, "gemm.c", ("-DKILN_AMX_EMULATE",))
-    return catalog.bind(ctypes.CDLL(str(target)), spec)
+def emulated_amx_libraries(tmp_path_factory):
+    """{library name: that library built with -DKILN_AMX_EMULATE, bound as kiln binds its own}, built on demand."""
+    folder, built = tmp_path_factory.mktemp("amx"), {}
+
+    def library(name: str) -> ctypes.CDLL:
+        if name not in built:
+            spec = catalog.LIBRARIES[name]
+            target = folder / f"{name}_amx_emulated.so"
+            compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, spec.source,
+                                  ("-DKILN_AMX_EMULATE",))
+            built[name] = catalog.bind(ctypes.CDLL(str(target)), spec)
+        return built[name]
+    return library
+
+
+def _stand_in(request, monkeypatch, name: str, module, usable: str) -> str:
+    if getattr(module, usable)():
+        return "native"
+    lib = request.getfixturevalue("emulated_amx_libraries")(name)
+    built = native.library
+    monkeypatch.setattr(native, "library", lambda n, generated="": lib if n == name else built(n, generated))
+    monkeypatch.setattr(module, usable, lambda: True)
+    return "emulated"
 
 
 @pytest.fixture
 def amx_kernels(request, monkeypatch):
-    """"native" where AMX is usable here, else "emulated" with the emulated gemm library in kiln's place."""
-    if gemm_amx.amx_usable():
-        return "native"
-    lib = request.getfixturevalue("emulated_amx_library")
-    built = native.library
-    monkeypatch.setattr(native, "library", lambda name, generated="": lib if name == "gemm" else built(name, generated))
-    monkeypatch.setattr(gemm_amx, "amx_usable", lambda: True)
-    return "emulated"
+    """"native" where AMX-BF16 is usable here, else "emulated" with the emulated gemm library in kiln's place."""
+    return _stand_in(request, monkeypatch, "gemm", gemm_amx, "amx_usable")
+
+
+@pytest.fixture
+def amx_int8_kernels(request, monkeypatch):
+    """"native" where AMX-INT8 is usable here, else "emulated" with the emulated qgemm library in kiln's place."""
+    return _stand_in(request, monkeypatch, "qgemm", qgemm_amx, "amx_int8_usable")

@@ -19,7 +19,7 @@ from kiln.tactics.gemm_amx import (
 )
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA, DirectConvBf16Tactic, pack_bf16_pairs
 from tests.precision.models import conv_net
-from tests.tactics.amx import amx_kernels, emulated_amx_library  # noqa: F401  (fixtures)
+from tests.tactics.amx import amx_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
 
 needs_bf16 = pytest.mark.skipif(not (hardware.has_any(BF16_DOT_ISA) and native.available()),
                                 reason="this CPU has no AVX512-BF16 or there is no C compiler: gemm.c's BF16 section "

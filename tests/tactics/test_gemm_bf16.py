@@ -15,7 +15,7 @@ from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, Mat
 from kiln.tactics.gemm_bf16 import (
     BF16_DOT_ISA, Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic, pack_bf16_pairs,
 )
-from tests.tactics.amx import amx_kernels, emulated_amx_library  # noqa: F401  (fixtures)
+from tests.tactics.amx import amx_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
 
 needs_bf16 = pytest.mark.skipif(not (hardware.has_any(BF16_DOT_ISA) and native.available()),
                                 reason="this CPU has no AVX512-BF16 (vdpbf16ps) or there is no C compiler: kiln's "

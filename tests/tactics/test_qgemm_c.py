@@ -333,5 +333,6 @@ def test_quantize_static_resnet_runs_on_kilns_int8_kernels_and_matches_onnxrunti
 def test_registry_times_kilns_int8_kernels_after_onednns():
     from kiln.tactics.registry import REGISTRY
 
-    assert [t.name for t in REGISTRY["QConv"]] == ["onednn.qconv2d_nhwc_prepacked", *QTACTICS[:2]]
-    assert [t.name for t in REGISTRY["QGemm"]] == ["onednn.qlinear_prepacked", QTACTICS[2]]
+    amx = [name.replace("_int8", "_amx_int8") for name in QTACTICS]
+    assert [t.name for t in REGISTRY["QConv"]] == ["onednn.qconv2d_nhwc_prepacked", *QTACTICS[:2], *amx[:2]]
+    assert [t.name for t in REGISTRY["QGemm"]] == ["onednn.qlinear_prepacked", QTACTICS[2], amx[2]]

@@ -1,7 +1,8 @@
-/* AMX tile operations for kiln's BF16 GEMM (gemm_amx.h): the hardware's (AMX-TILE, AMX-BF16: eight tile
-   registers of up to 16 rows x 64 bytes, `tdpbf16ps` C[m][n] += sum over pairs A[m][2q..2q+1] . B[q][2n..2n+1]
-   in FP32) or, compiled with -DKILN_AMX_EMULATE, the same operations in plain C on thread-local tiles, so the
-   kernels' packing, addressing and epilogue are tested on CPUs without AMX (under the sanitizers too).
+/* AMX tile operations for kiln's BF16 and INT8 GEMMs (gemm_amx.h, qgemm_amx.h): the hardware's (AMX-TILE,
+   AMX-BF16, AMX-INT8: eight tile registers of up to 16 rows x 64 bytes; `tdpbf16ps` C[m][n] += sum over pairs
+   A[m][2q..2q+1] . B[q][2n..2n+1] in FP32, `tdpbusd` the same over u8 x s8 quads in int32) or, compiled with
+   -DKILN_AMX_EMULATE, the same operations in plain C on thread-local tiles, so the kernels' packing, addressing
+   and epilogue are tested on CPUs without AMX (under the sanitizers too).
 
    Linux hands out AMX state per process on request: amx_request() asks once (arch_prctl ARCH_REQ_XCOMP_PERM for
    XTILEDATA); a thread configures its tiles (TILE_CONFIG) before it uses them and releases them after. */
@@ -50,12 +51,25 @@ static inline void amx_emu_dpbf16ps(int c, int a, int b) {
     }
 }
 
+static inline void amx_emu_dpbusd(int c, int a, int b) {
+  for (int m = 0; m < amx_cfg.rows[c]; ++m)
+    for (int n = 0; n < amx_cfg.colsb[c] / 4; ++n) {
+      int32_t acc;
+      memcpy(&acc, &amx_tiles[c][m][4 * n], sizeof acc);
+      for (int q = 0; q < amx_cfg.colsb[a] / 4; ++q)
+        for (int j = 0; j < 4; ++j)
+          acc += (int32_t)amx_tiles[a][m][4 * q + j] * (int32_t)(int8_t)amx_tiles[b][q][4 * n + j];
+      memcpy(&amx_tiles[c][m][4 * n], &acc, sizeof acc);
+    }
+}
+
 #define TILE_CONFIG(cfg) memcpy(&amx_cfg, (cfg), sizeof amx_cfg)
 #define TILE_RELEASE() memset(&amx_cfg, 0, sizeof amx_cfg)
 #define TILE_ZERO(t) memset(amx_tiles[t], 0, sizeof amx_tiles[t])
 #define TILE_LOAD(t, base, stride) amx_emu_load(t, base, stride)
 #define TILE_STORE(t, base, stride) amx_emu_store(t, base, stride)
 #define TILE_DPBF16PS(c, a, b) amx_emu_dpbf16ps(c, a, b)
+#define TILE_DPBUSD(c, a, b) amx_emu_dpbusd(c, a, b)
 
 static inline int amx_request(void) { return 1; }
 
@@ -64,13 +78,14 @@ static inline int amx_request(void) { return 1; }
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 #define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
 #define TILE_RELEASE() _tile_release()
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
 #define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -81,8 +96,8 @@ static inline int amx_request(void) {
 }
 #endif
 
-/* Every tile 16 rows x 64 bytes: what the BF16 kernels use throughout (their operands are padded to whole tiles). */
-AMX_TARGET static inline void amx_configure_full_tiles(void) {
+/* Every tile 16 rows x 64 bytes: what kiln's kernels use throughout (their operands are padded to whole tiles). */
+AMX_TARGET __attribute__((noinline)) static void amx_begin(void) {
   TileConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
@@ -91,6 +106,60 @@ AMX_TARGET static inline void amx_configure_full_tiles(void) {
     cfg.colsb[t] = AMX_TILE_BYTES;
   }
   TILE_CONFIG(&cfg);
+}
+
+AMX_TARGET __attribute__((noinline)) static void amx_end(void) { TILE_RELEASE(); }
+
+/* The blocking shared by the BF16 (gemm_amx.h) and INT8 (qgemm_amx.h) kernels: a block of 32 rows packed once, k
+   in steps of 16 four-byte groups (bf16 pairs or u8 quads: one tile row), times panels of 32 columns packed
+   [k steps x 16][32][4 bytes]. */
+#define AMX_BLOCK_ROWS 32
+#define AMX_BLOCK_COLS 32
+#define AMX_STEP (AMX_TILE_BYTES / 4)   /* four-byte groups per tile row */
+
+static inline int64_t amx_whole_steps(int64_t groups) { return (groups + AMX_STEP - 1) / AMX_STEP * AMX_STEP; }
+
+/* A packed block's row stride in groups: one step more than kq, so 16 rows never sit 4 KiB apart (one L1 set). */
+static inline int64_t amx_block_stride(int64_t kq) { return kq + AMX_STEP; }
+
+/* Groups of panels per row block: enough units for two per thread. */
+static inline int64_t amx_panel_groups(int64_t row_units, int64_t panels, int64_t threads) {
+  const int64_t want = 2 * threads, groups = row_units >= want ? 1 : (want + row_units - 1) / row_units;
+  return groups < panels ? groups : panels;
+}
+
+/* out[32][32] (FP32 for BF16, int32 for INT8) = a[rows][kq] . b[kq][32] over the packed block's rows (the second
+   16 only where `two`): tiles C 0-3 (2 x 2 of 16 x 16), A 4-5, B 6-7 (a panel's columns 0-15 and 16-31). */
+AMX_TARGET __attribute__((noinline)) static void amx_block(const uint32_t* a, int64_t kq, int two, const void* b,
+                                                           void* out, int int8) {
+  const int64_t lda = amx_block_stride(kq) * 4, ldb = AMX_BLOCK_COLS * 4;
+  const char* bb = (const char*)b;
+  char* o = (char*)out;
+  const uint32_t* a1 = a + AMX_TILE_ROWS * amx_block_stride(kq);
+#define AMX_DP(C, A, B) do { if (int8) TILE_DPBUSD(C, A, B); else TILE_DPBF16PS(C, A, B); } while (0)
+  TILE_ZERO(0);
+  TILE_ZERO(1);
+  TILE_ZERO(2);
+  TILE_ZERO(3);
+  for (int64_t q = 0; q < kq; q += AMX_STEP) {
+    TILE_LOAD(4, a + q, lda);
+    TILE_LOAD(6, bb + q * ldb, ldb);
+    TILE_LOAD(7, bb + q * ldb + AMX_TILE_BYTES, ldb);
+    AMX_DP(0, 4, 6);
+    AMX_DP(1, 4, 7);
+    if (two) {
+      TILE_LOAD(5, a1 + q, lda);
+      AMX_DP(2, 5, 6);
+      AMX_DP(3, 5, 7);
+    }
+  }
+#undef AMX_DP
+  TILE_STORE(0, o, ldb);
+  TILE_STORE(1, o + AMX_TILE_BYTES, ldb);
+  if (two) {
+    TILE_STORE(2, o + AMX_TILE_ROWS * ldb, ldb);
+    TILE_STORE(3, o + AMX_TILE_ROWS * ldb + AMX_TILE_BYTES, ldb);
+  }
 }
 
 #endif /* KILN_AMX_H */

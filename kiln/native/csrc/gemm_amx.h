@@ -1,61 +1,15 @@
-/* kiln_gemm_bf16 and kiln_conv_bf16 on AMX tiles (amx.h), part of gemm.c's BF16 section (it uses that file's
-   bf16_pairs, at_elem, store_block and the IO_* bits; kiln.tactics.gemm_amx is the Python side).
+/* kiln_gemm_bf16 and kiln_conv_bf16 on AMX tiles (amx.h's blocking), part of gemm.c's BF16 section (it uses that
+   file's bf16_pairs, at_elem, store_block and the IO_* bits; kiln.tactics.gemm_amx is the Python side).
 
    A block of 32 rows is packed once as bf16 pairs, [32][kq] with kq a whole number of 16-pair tile steps (zeros
-   past k; for a convolution each kernel row's window segment padded so, side by side; rows one step further apart
-   than kq), then multiplied by every panel of its unit's group. B is packed [n/32][kq][32]
-   (kiln.tactics.gemm_amx.pack_amx_*), so a panel's columns 0-15 and 16-31 are two B tiles at a 128-byte stride. Tiles: C 0-3 (2 x 2 blocks of 16 x 16 FP32), A 4-5, B 6-7.
-   The 32 x 32 FP32 block is stored through gemm.c's epilogue (bias, residual, ReLU or Swish, bf16 or FP32).
-   Units are (batch item, row block, group of panels), with enough groups for two units per thread. */
+   past k; for a convolution each kernel row's window segment padded so, side by side), then multiplied by every
+   panel of its unit's group. B is packed [n/32][kq][32] (kiln.tactics.gemm_amx.pack_amx_*). The 32 x 32 FP32
+   block is stored through gemm.c's epilogue (bias, residual, ReLU or Swish, bf16 or FP32). Units are (batch
+   item, row block, group of panels), with enough groups for two units per thread. */
 #include <omp.h>
 #include "amx.h"
 
-#define AMX_BLOCK_ROWS 32                      /* rows per block: two A tiles */
-#define AMX_PAIRS (AMX_TILE_BYTES / 4)         /* bf16 pairs per tile row: one k step */
-
-static inline int64_t whole_steps(int64_t pairs) { return (pairs + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS; }
-
-AMX_TARGET __attribute__((noinline)) static void amx_begin(void) { amx_configure_full_tiles(); }
-
-AMX_TARGET __attribute__((noinline)) static void amx_end(void) { TILE_RELEASE(); }
-
-/* A packed block's row stride in pairs: kq and one step more, so 16 rows never sit 4 KiB apart (the same L1 set). */
-static inline int64_t block_stride(int64_t kq) { return kq + AMX_PAIRS; }
-
-/* out[32][NR] = a[0..rows)[kq] . b[kq][NR] for the block's rows (the second 16 only where `two`). */
-AMX_TARGET __attribute__((noinline)) static void amx_block(const uint32_t* a, int64_t kq, int two,
-                                                           const uint32_t* b, float* out) {
-  const int64_t lda = block_stride(kq) * (int64_t)sizeof(uint32_t), ldb = NR * (int64_t)sizeof(uint32_t);
-  const uint32_t* a1 = a + AMX_TILE_ROWS * block_stride(kq);
-  TILE_ZERO(0);
-  TILE_ZERO(1);
-  if (two) {
-    TILE_ZERO(2);
-    TILE_ZERO(3);
-    for (int64_t q = 0; q < kq; q += AMX_PAIRS) {
-      TILE_LOAD(4, a + q, lda);
-      TILE_LOAD(6, b + q * NR, ldb);
-      TILE_LOAD(7, b + q * NR + 16, ldb);
-      TILE_LOAD(5, a1 + q, lda);
-      TILE_DPBF16PS(0, 4, 6);
-      TILE_DPBF16PS(1, 4, 7);
-      TILE_DPBF16PS(2, 5, 6);
-      TILE_DPBF16PS(3, 5, 7);
-    }
-    TILE_STORE(2, out + AMX_TILE_ROWS * NR, ldb);
-    TILE_STORE(3, out + AMX_TILE_ROWS * NR + 16, ldb);
-  } else {
-    for (int64_t q = 0; q < kq; q += AMX_PAIRS) {
-      TILE_LOAD(4, a + q, lda);
-      TILE_LOAD(6, b + q * NR, ldb);
-      TILE_LOAD(7, b + q * NR + 16, ldb);
-      TILE_DPBF16PS(0, 4, 6);
-      TILE_DPBF16PS(1, 4, 7);
-    }
-  }
-  TILE_STORE(0, out, ldb);
-  TILE_STORE(1, out + 16, ldb);
-}
+_Static_assert(NR == AMX_BLOCK_COLS, "gemm.h's panels are amx.h's blocks");
 
 /* k values (FP32, or bf16 where `src_bf16`) as bf16 pairs into dst[0..kq), zeros past them. */
 static void pack_row(uint32_t* dst, const void* src, int64_t k, int src_bf16, int64_t kq) {
@@ -69,19 +23,12 @@ static void pack_row(uint32_t* dst, const void* src, int64_t k, int src_bf16, in
   memset(dst + pairs, 0, sizeof(uint32_t) * (kq - pairs));
 }
 
-/* Groups of panels per row block: enough units for two per thread. */
-static int64_t panel_groups(int64_t row_units, int64_t panels) {
-  const int64_t want = 2 * (int64_t)omp_get_max_threads();
-  const int64_t groups = row_units >= want ? 1 : (want + row_units - 1) / row_units;
-  return groups < panels ? groups : panels;
-}
-
 /* The packed block times the panels [nb0, nb1) of `b`, each 32 x 32 result stored into c (row stride ldc). */
 static void amx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const uint32_t* b, int64_t nb0, int64_t nb1,
                        int64_t n, float* out, void* c, int64_t c_at, int64_t ldc, const float* bias, const void* res,
                        int64_t act, int64_t io) {
   for (int64_t nb = nb0; nb < nb1; ++nb) {
-    amx_block(pa, kq, mr > AMX_TILE_ROWS, b + nb * kq * NR, out);
+    amx_block(pa, kq, mr > AMX_TILE_ROWS, b + nb * kq * NR, out, 0);
     const int64_t at = c_at + nb * NR, cols = n - nb * NR < NR ? n - nb * NR : NR;
     store_block(out, mr, (void*)at_elem(c, at, io & IO_C_BF16), ldc, cols, bias ? bias + nb * NR : 0,
                 at_elem(res, at, io & IO_RES_BF16), act, io);
@@ -92,13 +39,14 @@ void kiln_gemm_bf16_amx(const void* restrict a, int64_t a_batch, int64_t row_wid
                         int64_t line_step, const uint32_t* restrict b, int64_t b_batch, void* c, int64_t c_batch,
                         const float* restrict bias, const void* res, int64_t act,
                         int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
-  const int64_t kq = whole_steps((k + 1) / 2), panels = (n + NR - 1) / NR;
-  const int64_t blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS, groups = panel_groups(batch * blocks, panels);
+  const int64_t kq = amx_whole_steps((k + 1) / 2), lda = amx_block_stride(kq), panels = (n + NR - 1) / NR;
+  const int64_t blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
+  const int64_t groups = amx_panel_groups(batch * blocks, panels, omp_get_max_threads());
   const int64_t per_group = (panels + groups - 1) / groups;
   const int a_bf16 = (io & IO_A_BF16) != 0;
   #pragma omp parallel
   {
-    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * block_stride(kq));
+    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
     float* out = (float*)aligned_alloc(64, sizeof(float) * AMX_BLOCK_ROWS * NR);
     amx_begin();
     #pragma omp for schedule(static)
@@ -110,7 +58,7 @@ void kiln_gemm_bf16_amx(const void* restrict a, int64_t a_batch, int64_t row_wid
       for (int64_t i = 0; i < mr; ++i) {
         const int64_t r = r0 + i;
         const void* row = at_elem(a, p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step, a_bf16);
-        pack_row(pa + i * block_stride(kq), row, k, a_bf16, kq);
+        pack_row(pa + i * lda, row, k, a_bf16, kq);
       }
       amx_panels(pa, kq, mr, b + p * b_batch, nb0, nb1, n, out, c, p * c_batch + r0 * n, n, bias, res, act, io);
     }
@@ -124,14 +72,16 @@ void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w,
                         int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
                         const uint32_t* restrict b, void* y, const float* restrict bias, const void* res, int64_t act,
                         int64_t cout, int64_t io) {
-  const int64_t m = oh * ow, seg = kw * c, segq = whole_steps((seg + 1) / 2), kq = kh * segq;
-  const int64_t panels = (cout + NR - 1) / NR, blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
-  const int64_t groups = panel_groups(n * blocks, panels), per_group = (panels + groups - 1) / groups;
+  const int64_t m = oh * ow, seg = kw * c, segq = amx_whole_steps((seg + 1) / 2), kq = kh * segq;
+  const int64_t lda = amx_block_stride(kq), panels = (cout + NR - 1) / NR;
+  const int64_t blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
+  const int64_t groups = amx_panel_groups(n * blocks, panels, omp_get_max_threads());
+  const int64_t per_group = (panels + groups - 1) / groups;
   const int a_bf16 = (io & IO_A_BF16) != 0;
   const size_t elem = a_bf16 ? sizeof(uint16_t) : sizeof(float);
   #pragma omp parallel
   {
-    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * block_stride(kq));
+    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
     float* out = (float*)aligned_alloc(64, sizeof(float) * AMX_BLOCK_ROWS * NR);
     void* pad = malloc(elem * seg);
     amx_begin();
@@ -145,8 +95,8 @@ void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w,
       for (int64_t i = 0; i < mr; ++i) {
         const int64_t r = r0 + i, oy = r / ow, x0 = (r % ow) * sw - pl;
         for (int64_t s = 0; s < kh; ++s)
-          pack_row(pa + i * block_stride(kq) + s * segq,
-                   window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad, elem, 0), seg, a_bf16, segq);
+          pack_row(pa + i * lda + s * segq, window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad, elem, 0),
+                   seg, a_bf16, segq);
       }
       amx_panels(pa, kq, mr, b, nb0, nb1, cout, out, y, (p * m + r0) * cout, cout, bias, res, act, io);
     }

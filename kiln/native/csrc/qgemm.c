@@ -1,8 +1,9 @@
-/* kiln's INT8 GEMM and direct convolution on AVX512-VNNI (kiln.tactics.qgemm_c): u8 activations times s8 weights
-   with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit saturation), int32 accumulation,
-   then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n] + bias[n], + the dequantized
-   INT8 residual, clamp (ReLU, Clip) or Swish, and FP32 out or requantized to u8/s8 (round half to even,
-   saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128: the caller's comp).
+/* kiln's INT8 GEMM and direct convolution on AVX512-VNNI (kiln.tactics.qgemm_c; on AMX tiles: qgemm_amx.h):
+   u8 activations times s8 weights with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit
+   saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
+   + bias[n], + the dequantized INT8 residual, clamp (ReLU, Clip) or Swish, and FP32 out or requantized to u8/s8
+   (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
+   the caller's comp).
 
    Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a
    convolution pads each kernel row's segment of kw * c bytes); activations are read in place and a row's tail
@@ -243,6 +244,7 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
     free(pad);
   }
 }
+#include "qgemm_amx.h"
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers these tactics only where AVX512-VNNI is. */
 void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
@@ -254,4 +256,14 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
   (void)g; (void)x; (void)y; (void)res;
   abort();   /* unreachable, as above */
 }
+
+void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+  kiln_qgemm(g, a, c, res, m);   /* aborts, as above: AMX CPUs all have AVX512-VNNI */
+}
+
+void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
+  kiln_qconv(g, x, y, res);   /* aborts, as above */
+}
+
+int64_t kiln_amx_int8_ready(void) { return 0; }
 #endif

@@ -1,0 +1,111 @@
+/* kiln_qgemm and kiln_qconv on AMX-INT8 tiles (amx.h's blocking, `tdpbusd`), part of qgemm.c's VNNI section (it
+   uses that file's QGemmCall, QConvCall, store16 and out_size; kiln.tactics.qgemm_amx is the Python side).
+
+   A block of 32 rows is packed once as u8 quads, [32][kq] with kq a whole number of 16-quad tile steps (zero
+   bytes past k; for a convolution each kernel row's window segment padded so, side by side; s8 input with each
+   byte's top bit flipped, as the VNNI kernel reads it), then multiplied by every panel of its unit's group. The
+   weights are packed [n/32][kq][32][4] (kiln.tactics.qgemm_amx.pack_amx_*). Each 32 x 32 block of int32 sums goes
+   through qgemm.c's epilogue (zero-point compensation, scales, bias, residual, activation, FP32 or u8/s8). */
+#include <omp.h>
+#include "amx.h"
+
+_Static_assert(NR == AMX_BLOCK_COLS, "qgemm.c's panels are amx.h's blocks");
+
+/* k bytes of a row into dst as quads, zero bytes to kq quads; `flip` 0x80808080 reads s8 as u8. */
+static void pack_qrow(uint32_t* dst, const uint8_t* src, int64_t k, uint32_t flip, int64_t kq) {
+  memcpy(dst, src, (size_t)k);
+  memset((uint8_t*)dst + k, 0, (size_t)(kq * 4 - k));
+  if (flip)
+    for (int64_t q = 0; q < (k + 3) / 4; ++q) dst[q] ^= flip;   /* the pad bytes' products meet zero weights */
+}
+
+/* The packed block times the panels [nb0, nb1) of `b`, each 32 x 32 block of sums stored through the epilogue. */
+static void qamx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const int8_t* b, int64_t nb0, int64_t nb1,
+                        int64_t n, int32_t* out, uint8_t* c, const uint8_t* res, int64_t ldc, const QEpilogue* e) {
+  const int64_t esize = out_size(e);
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    amx_block(pa, kq, mr > AMX_TILE_ROWS, b + nb * kq * NR * 4, out, 1);
+    const int64_t cols = n - nb * NR < NR ? n - nb * NR : NR;
+    const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+    for (int64_t i = 0; i < mr; ++i) {
+      uint8_t* row = c + (i * ldc + nb * NR) * esize;
+      const uint8_t* r = res ? res + i * ldc + nb * NR : 0;
+      store16(_mm512_loadu_si512(out + i * NR), nb * NR, e, r, row, lo);
+      if (hi) store16(_mm512_loadu_si512(out + i * NR + 16), nb * NR + 16, e, r ? r + 16 : 0, row + 16 * esize, hi);
+    }
+  }
+}
+
+void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+  const int64_t k = g->k, n = g->n, batch = g->batch, kq = amx_whole_steps((k + 3) / 4), lda = amx_block_stride(kq);
+  const int64_t panels = (n + NR - 1) / NR, blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
+  const int64_t groups = amx_panel_groups(batch * blocks, panels, omp_get_max_threads());
+  const int64_t per_group = (panels + groups - 1) / groups, esize = out_size(&g->e);
+  const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
+  #pragma omp parallel
+  {
+    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
+    int32_t* out = (int32_t*)aligned_alloc(64, sizeof(int32_t) * AMX_BLOCK_ROWS * NR);
+    amx_begin();
+    #pragma omp for schedule(static)
+    for (int64_t u = 0; u < batch * blocks * groups; ++u) {
+      const int64_t gi = u % groups, blk = (u / groups) % blocks, p = u / (groups * blocks);
+      const int64_t r0 = blk * AMX_BLOCK_ROWS, mr = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
+      const int64_t nb0 = gi * per_group, nb1 = nb0 + per_group < panels ? nb0 + per_group : panels;
+      if (nb0 >= nb1) continue;
+      for (int64_t i = 0; i < mr; ++i) {
+        const int64_t r = r0 + i;
+        const uint8_t* row = a + p * g->a_batch + (r / g->row_width) * g->line_step + (r % g->row_width) * g->col_step;
+        pack_qrow(pa + i * lda, row, k, flip, kq);
+      }
+      const int64_t at = p * g->c_batch + r0 * n;
+      qamx_panels(pa, kq, mr, g->b, nb0, nb1, n, out, (uint8_t*)c + at * esize, res ? (const uint8_t*)res + at : 0,
+                  n, &g->e);
+    }
+    amx_end();
+    free(out);
+    free(pa);
+  }
+}
+
+void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
+  const int64_t h = g->h, w = g->w, c = g->c, kh = g->kh, kw = g->kw, ow = g->ow, cout = g->cout;
+  const int64_t m = g->oh * ow, seg = kw * c, segq = amx_whole_steps((seg + 3) / 4), kq = kh * segq;
+  const int64_t lda = amx_block_stride(kq), panels = (cout + NR - 1) / NR;
+  const int64_t blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
+  const int64_t groups = amx_panel_groups(g->n * blocks, panels, omp_get_max_threads());
+  const int64_t per_group = (panels + groups - 1) / groups, esize = out_size(&g->e);
+  const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
+  #pragma omp parallel
+  {
+    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
+    int32_t* out = (int32_t*)aligned_alloc(64, sizeof(int32_t) * AMX_BLOCK_ROWS * NR);
+    uint8_t* pad = (uint8_t*)malloc((size_t)seg);
+    amx_begin();
+    #pragma omp for schedule(static)
+    for (int64_t u = 0; u < g->n * blocks * groups; ++u) {
+      const int64_t gi = u % groups, blk = (u / groups) % blocks, p = u / (groups * blocks);
+      const int64_t r0 = blk * AMX_BLOCK_ROWS, mr = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
+      const int64_t nb0 = gi * per_group, nb1 = nb0 + per_group < panels ? nb0 + per_group : panels;
+      if (nb0 >= nb1) continue;
+      const uint8_t* image = x + p * h * w * c;
+      for (int64_t i = 0; i < mr; ++i) {
+        const int64_t r = r0 + i, oy = r / ow, x0 = (r % ow) * g->sw - g->pl;
+        for (int64_t s = 0; s < kh; ++s)
+          pack_qrow(pa + i * lda + s * segq,
+                    window_segment(image, h, w, c, kw, oy * g->sh - g->pt + s, x0, pad, 1, g->e.pad_byte), seg, flip,
+                    segq);
+      }
+      const int64_t at = (p * m + r0) * cout;
+      qamx_panels(pa, kq, mr, g->b, nb0, nb1, cout, out, (uint8_t*)y + at * esize,
+                  res ? (const uint8_t*)res + at : 0, cout, &g->e);
+    }
+    amx_end();
+    free(pad);
+    free(out);
+    free(pa);
+  }
+}
+
+int64_t kiln_amx_int8_ready(void) { return amx_request(); }

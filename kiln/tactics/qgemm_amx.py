@@ -1,0 +1,99 @@
+"""kiln's INT8 GEMM and direct convolution on AMX tiles (kiln/native/csrc/qgemm_amx.h, `tdpbusd`: 16 x 16 int32
+accumulators over 16 x 64 u8 and 16 x 16 x 4 s8 operand tiles): the same layers, semantics and epilogue as
+kiln.tactics.qgemm_c's VNNI kernels (zero-point compensation, per-channel scales, bias, INT8 residual,
+activation, FP32 or requantized u8/s8 out). A block of 32 rows is packed once and multiplied by every weight
+panel; the weights are packed at load with each k range padded to whole 64-byte tile steps.
+
+Offered where the CPU reports AMX-INT8, Linux grants the process AMX state, and a self-check gives exactly the
+VNNI kernel's bytes (integer sums, the same epilogue). Loaded where that fails, the layer runs on the VNNI
+sibling with one warning. Tested on CPUs without AMX through qgemm.c compiled with -DKILN_AMX_EMULATE."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from kiln import hardware, native
+from kiln.tactics.base import LayerView
+from kiln.tactics.gemm_amx import STEP_PAIRS, AmxVariant
+from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads
+
+log = logging.getLogger("kiln.tactics")
+AMX_INT8_ISA = ("amx_int8",)
+STEP_BYTES = STEP_PAIRS * 4   # k bytes per tile step: one 64-byte tile row
+
+
+def pack_amx_quads(w: torch.Tensor) -> torch.Tensor:
+    """s8 [k, n] -> [panels, kq, 32, 4] as pack_quads, k zero-padded to whole tile steps."""
+    k, n = w.shape
+    padded = torch.zeros((-(-k // STEP_BYTES) * STEP_BYTES, n), dtype=torch.int8)
+    padded[:k] = w
+    return pack_quads(padded)
+
+
+def pack_amx_segments(w: torch.Tensor) -> torch.Tensor:
+    """s8 [kh, kw * c, cout] -> [cout/32][kh * segment quads][32][4]: each kernel row padded to whole steps."""
+    kh, seg, cout = w.shape
+    padded = torch.zeros((kh, -(-seg // STEP_BYTES) * STEP_BYTES, cout), dtype=torch.int8)
+    padded[:, :seg] = w
+    return pack_quads(padded.reshape(-1, cout))
+
+
+def self_check_view() -> tuple[LayerView, torch.Tensor]:
+    """A 45-row u8 x s8 [70 x 75] QMatMul with per-channel scales, bias and ReLU, u8 out; and its input."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (70, 75), generator=gen, dtype=torch.int8)
+    quant = {"x_scale": 0.02, "x_zero_point": 3, "x_dtype": "uint8", "w_scale": [0.003 + 1e-5 * i for i in range(75)],
+             "w_zero_point": [0] * 75, "w_axis": 1, "y_scale": 0.05, "y_zero_point": 5, "y_dtype": "uint8"}
+    view = LayerView("QMatMul", "kiln", {"quant": quant, "activation": {"op": "Relu", "attrs": {}}},
+                     ((45, 70), (70, 75)), ("uint8", "int8"), {1: w}, ("uint8",), 17, ((), ()))
+    return view, torch.randint(0, 256, (45, 70), generator=gen, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def amx_int8_usable() -> bool:
+    """AMX-INT8 here, granted to this process, and giving the VNNI kernel's exact bytes on a self-check."""
+    if not hardware.has_any(AMX_INT8_ISA) or not hardware.has_any(("avx512_vnni",)) or not native.available():
+        return False
+    if not native.library("qgemm").kiln_amx_int8_ready():
+        log.warning("this CPU has AMX-INT8 but Linux did not grant this process AMX state (arch_prctl "
+                    "ARCH_REQ_XCOMP_PERM failed): kiln's AMX INT8 kernels are not offered")
+        return False
+    if not self_check_passes():
+        log.warning("kiln's AMX INT8 GEMM disagrees with its VNNI GEMM on a self-check: the AMX INT8 kernels are "
+                    "not offered")
+        return False
+    return True
+
+
+def self_check_passes() -> bool:
+    view, x = self_check_view()
+    amx = QLinearGemmTactic.prepare(QLinearGemmAmxTactic(), view)([x, None])[0]
+    return torch.equal(amx, QLinearGemmTactic().prepare(view)([x, None])[0])
+
+
+class AmxInt8(AmxVariant):
+    required_isa = AMX_INT8_ISA
+    usable = staticmethod(lambda: amx_int8_usable())   # looked up per call, so tests can stand in emulated AMX
+
+
+class QConvGemmAmxTactic(AmxInt8, QConvGemmTactic):
+    name = "kiln.qconv2d_1x1_gemm_nhwc_amx_int8"
+    entry_point = "kiln_qgemm_amx"
+    pack = staticmethod(pack_amx_quads)
+    fallback_tactic = QConvGemmTactic()
+
+
+class QConvDirectAmxTactic(AmxInt8, QConvDirectTactic):
+    name = "kiln.qconv2d_direct_nhwc_amx_int8"
+    entry_point = "kiln_qconv_amx"
+    pack = staticmethod(pack_amx_segments)
+    fallback_tactic = QConvDirectTactic()
+
+
+class QLinearGemmAmxTactic(AmxInt8, QLinearGemmTactic):
+    name = "kiln.qmatmul_gemm_amx_int8"
+    entry_point = "kiln_qgemm_amx"
+    pack = staticmethod(pack_amx_quads)
+    fallback_tactic = QLinearGemmTactic()

@@ -1,0 +1,87 @@
+"""kiln's AMX INT8 kernels (qgemm_amx.h) give exactly the VNNI kernels' bytes — integer sums, the same epilogue —
+on every quantized convolution and linear case of test_qgemm_c.py (u8 and s8 input, per-channel scales, padding
+at the zero point, strides, Clip/Swish, FP32 out, residual + ReLU), and pack each k range to whole 64-byte tile
+steps. AMX is real where this CPU has it, else emulated in C (tests/tactics/amx.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.tactics.qgemm_amx import (
+    QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic, pack_amx_quads, pack_amx_segments,
+    self_check_passes,
+)
+from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads
+from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
+from tests.tactics.test_qgemm_c import (
+    CONV_CASES, assert_spread, linear_view, needs_vnni, qconv_view, quant, rand_q, run,
+)
+
+
+def test_weights_pad_every_k_range_to_whole_64_byte_steps():
+    w = torch.randint(-127, 128, (70, 40), dtype=torch.int8)
+    packed = pack_amx_quads(w)
+    assert packed.shape == (2, 32, 32, 4)                         # 70 bytes: 18 quads padded to 2 steps of 16
+    assert torch.equal(packed[:, :18], pack_quads(w)) and not packed[:, 18:].any()
+    rows = torch.randint(-127, 128, (3, 21, 40), dtype=torch.int8)
+    segments = pack_amx_segments(rows)
+    assert segments.shape == (2, 3 * 16, 32, 4)
+    for s in range(3):
+        assert torch.equal(segments[:, s * 16:s * 16 + 6], pack_quads(rows[s]))
+        assert not segments[:, s * 16 + 6:(s + 1) * 16].any()
+
+
+@needs_vnni
+def test_the_self_check_passes(amx_int8_kernels):
+    assert self_check_passes()
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_quantized_conv_equals_the_vnni_kernel(case, amx_int8_kernels):
+    x_shape, (cout, kh), pads, stride, xq, yq, per_channel, act = CONV_CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    w = torch.randint(-127, 128, (cout, x_shape[1], kh, kh), generator=g, dtype=torch.int8)
+    x = rand_q(x_shape, xq[0], g)
+    view = qconv_view(x_shape, w, quant(cout, xq, yq, per_channel), pads, stride, act)
+    amx, vnni = (QConvGemmAmxTactic(), QConvGemmTactic()) if kh == 1 and not any(pads) else \
+        (QConvDirectAmxTactic(), QConvDirectTactic())
+    assert amx.supports(view)
+    got = run(amx, view, [x, None, None])
+    assert_spread(got)
+    assert torch.equal(got, run(vnni, view, [x, None, None]))
+
+
+@needs_vnni
+@pytest.mark.parametrize("kh,out", [(3, "uint8"), (1, "int8"), (3, None)])
+def test_residual_relu_and_fp32_out_equal_the_vnni_kernel(kh, out, amx_int8_kernels):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randint(-127, 128, (40, 16, kh, kh), generator=g, dtype=torch.int8)
+    x = rand_q((1, 16, 10, 10), "uint8", g)
+    pads = (1,) * 4 if kh == 3 else (0,) * 4
+    if out is None:
+        view, xs = qconv_view(tuple(x.shape), w, quant(40, y=None), pads), [x, None, None]
+    else:
+        r = rand_q((1, 40, 10, 10), out, g).contiguous(memory_format=torch.channels_last)
+        q = quant(40, y=(out, 5 if out == "uint8" else -4, 0.05), r=(7 if out == "uint8" else 3, 0.03))
+        view = qconv_view(tuple(x.shape), w, q, pads, act={"op": "Relu", "attrs": {}}, residual=True)
+        xs = [x, None, None, r]
+    amx, vnni = (QConvDirectAmxTactic(), QConvDirectTactic()) if kh == 3 else (QConvGemmAmxTactic(), QConvGemmTactic())
+    assert torch.equal(run(amx, view, xs), run(vnni, view, xs))
+
+
+@needs_vnni
+@pytest.mark.parametrize("op,x_shape,trans_b,x,y", [
+    ("QGemm", (7, 64), 1, ("uint8", 3, 0.02), ("uint8", 5, 0.05)),
+    ("QGemm", (1, 50), 0, ("uint8", 9, 0.02), ("int8", 0, 0.8)),
+    ("QMatMul", (2, 40, 48), 0, ("int8", -1, 0.03), ("uint8", 128, 0.05)),   # two row blocks per image
+    ("QMatMul", (13, 130), 0, ("uint8", 200, 0.02), None)])                  # k past one 64-byte step; FP32 out
+def test_quantized_linear_equals_the_vnni_kernel(op, x_shape, trans_b, x, y, amx_int8_kernels):
+    g = torch.Generator().manual_seed(4)
+    k, n = x_shape[-1], 70
+    w = torch.randint(-127, 128, (n, k) if trans_b else (k, n), generator=g, dtype=torch.int8)
+    xs = rand_q(x_shape, x[0], g)
+    view = linear_view(op, x_shape, w, quant(n, x, y, axis=0 if trans_b else 1), trans_b)
+    assert QLinearGemmAmxTactic().supports(view)
+    assert torch.equal(run(QLinearGemmAmxTactic(), view, [xs, None, None]),
+                       run(QLinearGemmTactic(), view, [xs, None, None]))
