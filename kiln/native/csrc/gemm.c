@@ -137,20 +137,24 @@ static void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, co
   memcpy(c, narrow, sizeof(uint16_t) * cols);
 }
 
-/* The FP32 results of `mr` rows of a tile, out[i][0..NR), stored with the epilogue: output and residual elements of
-   `io`'s types, row stride ldc elements, `cols` columns. */
-static void store_block(const float* out, int64_t mr, void* c, int64_t ldc, int64_t cols, const float* restrict bias,
-                        const void* res, int64_t act, int64_t io) {
+/* Row i of a tile, its FP32 sums lo (columns 0-15) and hi (16-31), stored with the epilogue: output and residual
+   elements of `io`'s types, row stride ldc elements, `cols` columns. */
+static inline void store_row_at(void* c, int64_t i, int64_t ldc, v16 lo, v16 hi, const float* restrict bias,
+                                const void* res, int64_t act, int64_t cols, int64_t io) {
   const size_t c_size = io & IO_C_BF16 ? sizeof(uint16_t) : sizeof(float);
   const size_t r_size = io & IO_RES_BF16 ? sizeof(uint16_t) : sizeof(float);
-  for (int64_t i = 0; i < mr; ++i) {
-    const v16 lo = *(const v16*)(out + i * NR), hi = *(const v16*)(out + i * NR + 16);
-    const void* ri = res ? (const char*)res + i * ldc * r_size : 0;
-    if (io & (IO_C_BF16 | IO_RES_BF16))
-      store_row_io((char*)c + i * ldc * c_size, lo, hi, bias, ri, act, cols, io);
-    else
-      store_row((float*)c + i * ldc, lo, hi, bias, (const float*)ri, act, cols);
-  }
+  const void* ri = res ? (const char*)res + i * ldc * r_size : 0;
+  if (io & (IO_C_BF16 | IO_RES_BF16))
+    store_row_io((char*)c + i * ldc * c_size, lo, hi, bias, ri, act, cols, io);
+  else
+    store_row((float*)c + i * ldc, lo, hi, bias, (const float*)ri, act, cols);
+}
+
+/* `mr` rows of FP32 sums out[i][0..NR) stored as store_row_at stores one (the AMX kernels' epilogue). */
+static void store_block(const float* out, int64_t mr, void* c, int64_t ldc, int64_t cols, const float* restrict bias,
+                        const void* res, int64_t act, int64_t io) {
+  for (int64_t i = 0; i < mr; ++i)
+    store_row_at(c, i, ldc, *(const v16*)(out + i * NR), *(const v16*)(out + i * NR + 16), bias, res, act, cols, io);
 }
 
 /* kiln's tile() in BF16: `segs` segments of `kp` bf16 pairs, segment s reading rows a[s * MR + i] and weights
@@ -173,12 +177,7 @@ static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_
       }
     }
   }
-  float out[MR][NR] __attribute__((aligned(64)));
-  for (int64_t i = 0; i < mr; ++i) {
-    _mm512_store_ps(out[i], acc[i][0]);
-    _mm512_store_ps(out[i] + 16, acc[i][1]);
-  }
-  store_block(&out[0][0], mr, c, ldc, cols, bias, res, act, io);
+  for (int64_t i = 0; i < mr; ++i) store_row_at(c, i, ldc, (v16)acc[i][0], (v16)acc[i][1], bias, res, act, cols, io);
 }
 
 /* Byte address of element `at` of a tensor whose elements are bf16 where `bf16`, else FP32. */
