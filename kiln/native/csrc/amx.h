@@ -122,10 +122,29 @@ static inline int64_t amx_whole_steps(int64_t groups) { return (groups + AMX_STE
 /* A packed block's row stride in groups: one step more than kq, so 16 rows never sit 4 KiB apart (one L1 set). */
 static inline int64_t amx_block_stride(int64_t kq) { return kq + AMX_STEP; }
 
-/* Groups of panels per row block: enough units for two per thread. */
-static inline int64_t amx_panel_groups(int64_t row_units, int64_t panels, int64_t threads) {
-  const int64_t want = 2 * threads, groups = row_units >= want ? 1 : (want + row_units - 1) / row_units;
-  return groups < panels ? groups : panels;
+/* The work split: units of (batch item, block of 32 rows, group of panels), with enough groups for two units per
+   thread; `units` in all. */
+typedef struct { int64_t blocks, groups, per_group, panels, m, units; } AmxSplit;
+
+static inline AmxSplit amx_split(int64_t batch, int64_t m, int64_t n, int64_t threads) {
+  AmxSplit s = {(m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS, 1, 0, (n + AMX_BLOCK_COLS - 1) / AMX_BLOCK_COLS, m, 0};
+  const int64_t row_units = batch * s.blocks, want = 2 * threads;
+  s.groups = row_units >= want ? 1 : (want + row_units - 1) / row_units;
+  s.groups = s.groups < s.panels ? s.groups : s.panels;
+  s.per_group = (s.panels + s.groups - 1) / s.groups;
+  s.units = row_units * s.groups;
+  return s;
+}
+
+/* Unit u: batch item p, rows [r0, r0 + mr), panels [nb0, nb1) (empty where the groups outnumber the panels). */
+typedef struct { int64_t p, r0, mr, nb0, nb1; } AmxUnit;
+
+static inline AmxUnit amx_unit(const AmxSplit* s, int64_t u) {
+  AmxUnit t = {u / (s->groups * s->blocks), (u / s->groups) % s->blocks * AMX_BLOCK_ROWS, 0,
+               u % s->groups * s->per_group, 0};
+  t.mr = s->m - t.r0 < AMX_BLOCK_ROWS ? s->m - t.r0 : AMX_BLOCK_ROWS;
+  t.nb1 = t.nb0 + s->per_group < s->panels ? t.nb0 + s->per_group : s->panels;
+  return t;
 }
 
 /* out[32][32] (FP32 for BF16, int32 for INT8) = a[rows][kq] . b[kq][32] over the packed block's rows (the second

@@ -39,10 +39,8 @@ void kiln_gemm_bf16_amx(const void* restrict a, int64_t a_batch, int64_t row_wid
                         int64_t line_step, const uint32_t* restrict b, int64_t b_batch, void* c, int64_t c_batch,
                         const float* restrict bias, const void* res, int64_t act,
                         int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
-  const int64_t kq = amx_whole_steps((k + 1) / 2), lda = amx_block_stride(kq), panels = (n + NR - 1) / NR;
-  const int64_t blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
-  const int64_t groups = amx_panel_groups(batch * blocks, panels, omp_get_max_threads());
-  const int64_t per_group = (panels + groups - 1) / groups;
+  const int64_t kq = amx_whole_steps((k + 1) / 2), lda = amx_block_stride(kq);
+  const AmxSplit split = amx_split(batch, m, n, omp_get_max_threads());
   const int a_bf16 = (io & IO_A_BF16) != 0;
   #pragma omp parallel
   {
@@ -50,17 +48,16 @@ void kiln_gemm_bf16_amx(const void* restrict a, int64_t a_batch, int64_t row_wid
     float* out = (float*)aligned_alloc(64, sizeof(float) * AMX_BLOCK_ROWS * NR);
     amx_begin();
     #pragma omp for schedule(static)
-    for (int64_t u = 0; u < batch * blocks * groups; ++u) {
-      const int64_t g = u % groups, blk = (u / groups) % blocks, p = u / (groups * blocks);
-      const int64_t r0 = blk * AMX_BLOCK_ROWS, mr = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
-      const int64_t nb0 = g * per_group, nb1 = nb0 + per_group < panels ? nb0 + per_group : panels;
-      if (nb0 >= nb1) continue;
-      for (int64_t i = 0; i < mr; ++i) {
-        const int64_t r = r0 + i;
-        const void* row = at_elem(a, p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step, a_bf16);
+    for (int64_t u = 0; u < split.units; ++u) {
+      const AmxUnit t = amx_unit(&split, u);
+      if (t.nb0 >= t.nb1) continue;
+      for (int64_t i = 0; i < t.mr; ++i) {
+        const int64_t r = t.r0 + i;
+        const void* row = at_elem(a, t.p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step, a_bf16);
         pack_row(pa + i * lda, row, k, a_bf16, kq);
       }
-      amx_panels(pa, kq, mr, b + p * b_batch, nb0, nb1, n, out, c, p * c_batch + r0 * n, n, bias, res, act, io);
+      amx_panels(pa, kq, t.mr, b + t.p * b_batch, t.nb0, t.nb1, n, out, c, t.p * c_batch + t.r0 * n, n, bias, res,
+                 act, io);
     }
     amx_end();
     free(out);
@@ -73,10 +70,8 @@ void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w,
                         const uint32_t* restrict b, void* y, const float* restrict bias, const void* res, int64_t act,
                         int64_t cout, int64_t io) {
   const int64_t m = oh * ow, seg = kw * c, segq = amx_whole_steps((seg + 1) / 2), kq = kh * segq;
-  const int64_t lda = amx_block_stride(kq), panels = (cout + NR - 1) / NR;
-  const int64_t blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
-  const int64_t groups = amx_panel_groups(n * blocks, panels, omp_get_max_threads());
-  const int64_t per_group = (panels + groups - 1) / groups;
+  const int64_t lda = amx_block_stride(kq);
+  const AmxSplit split = amx_split(n, m, cout, omp_get_max_threads());
   const int a_bf16 = (io & IO_A_BF16) != 0;
   const size_t elem = a_bf16 ? sizeof(uint16_t) : sizeof(float);
   #pragma omp parallel
@@ -86,19 +81,17 @@ void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w,
     void* pad = malloc(elem * seg);
     amx_begin();
     #pragma omp for schedule(static)
-    for (int64_t u = 0; u < n * blocks * groups; ++u) {
-      const int64_t g = u % groups, blk = (u / groups) % blocks, p = u / (groups * blocks);
-      const int64_t r0 = blk * AMX_BLOCK_ROWS, mr = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
-      const int64_t nb0 = g * per_group, nb1 = nb0 + per_group < panels ? nb0 + per_group : panels;
-      if (nb0 >= nb1) continue;
-      const void* image = at_elem(x, p * h * w * c, a_bf16);
-      for (int64_t i = 0; i < mr; ++i) {
-        const int64_t r = r0 + i, oy = r / ow, x0 = (r % ow) * sw - pl;
+    for (int64_t u = 0; u < split.units; ++u) {
+      const AmxUnit t = amx_unit(&split, u);
+      if (t.nb0 >= t.nb1) continue;
+      const void* image = at_elem(x, t.p * h * w * c, a_bf16);
+      for (int64_t i = 0; i < t.mr; ++i) {
+        const int64_t r = t.r0 + i, oy = r / ow, x0 = (r % ow) * sw - pl;
         for (int64_t s = 0; s < kh; ++s)
           pack_row(pa + i * lda + s * segq, window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad, elem, 0),
                    seg, a_bf16, segq);
       }
-      amx_panels(pa, kq, mr, b, nb0, nb1, cout, out, y, (p * m + r0) * cout, cout, bias, res, act, io);
+      amx_panels(pa, kq, t.mr, b, t.nb0, t.nb1, cout, out, y, (t.p * m + t.r0) * cout, cout, bias, res, act, io);
     }
     amx_end();
     free(pad);

@@ -38,10 +38,9 @@ static void qamx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const int8_t
 }
 
 void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
-  const int64_t k = g->k, n = g->n, batch = g->batch, kq = amx_whole_steps((k + 3) / 4), lda = amx_block_stride(kq);
-  const int64_t panels = (n + NR - 1) / NR, blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
-  const int64_t groups = amx_panel_groups(batch * blocks, panels, omp_get_max_threads());
-  const int64_t per_group = (panels + groups - 1) / groups, esize = out_size(&g->e);
+  const int64_t k = g->k, n = g->n, kq = amx_whole_steps((k + 3) / 4), lda = amx_block_stride(kq);
+  const AmxSplit split = amx_split(g->batch, m, n, omp_get_max_threads());
+  const int64_t esize = out_size(&g->e);
   const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
   #pragma omp parallel
   {
@@ -49,19 +48,17 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
     int32_t* out = (int32_t*)aligned_alloc(64, sizeof(int32_t) * AMX_BLOCK_ROWS * NR);
     amx_begin();
     #pragma omp for schedule(static)
-    for (int64_t u = 0; u < batch * blocks * groups; ++u) {
-      const int64_t gi = u % groups, blk = (u / groups) % blocks, p = u / (groups * blocks);
-      const int64_t r0 = blk * AMX_BLOCK_ROWS, mr = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
-      const int64_t nb0 = gi * per_group, nb1 = nb0 + per_group < panels ? nb0 + per_group : panels;
-      if (nb0 >= nb1) continue;
-      for (int64_t i = 0; i < mr; ++i) {
-        const int64_t r = r0 + i;
-        const uint8_t* row = a + p * g->a_batch + (r / g->row_width) * g->line_step + (r % g->row_width) * g->col_step;
-        pack_qrow(pa + i * lda, row, k, flip, kq);
+    for (int64_t u = 0; u < split.units; ++u) {
+      const AmxUnit t = amx_unit(&split, u);
+      if (t.nb0 >= t.nb1) continue;
+      for (int64_t i = 0; i < t.mr; ++i) {
+        const int64_t r = t.r0 + i;
+        const int64_t at_row = t.p * g->a_batch + (r / g->row_width) * g->line_step + (r % g->row_width) * g->col_step;
+        pack_qrow(pa + i * lda, a + at_row, k, flip, kq);
       }
-      const int64_t at = p * g->c_batch + r0 * n;
-      qamx_panels(pa, kq, mr, g->b, nb0, nb1, n, out, (uint8_t*)c + at * esize, res ? (const uint8_t*)res + at : 0,
-                  n, &g->e);
+      const int64_t at = t.p * g->c_batch + t.r0 * n;
+      qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, n, out, (uint8_t*)c + at * esize,
+                  res ? (const uint8_t*)res + at : 0, n, &g->e);
     }
     amx_end();
     free(out);
@@ -72,10 +69,8 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
 void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
   const int64_t h = g->h, w = g->w, c = g->c, kh = g->kh, kw = g->kw, ow = g->ow, cout = g->cout;
   const int64_t m = g->oh * ow, seg = kw * c, segq = amx_whole_steps((seg + 3) / 4), kq = kh * segq;
-  const int64_t lda = amx_block_stride(kq), panels = (cout + NR - 1) / NR;
-  const int64_t blocks = (m + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
-  const int64_t groups = amx_panel_groups(g->n * blocks, panels, omp_get_max_threads());
-  const int64_t per_group = (panels + groups - 1) / groups, esize = out_size(&g->e);
+  const int64_t lda = amx_block_stride(kq), esize = out_size(&g->e);
+  const AmxSplit split = amx_split(g->n, m, cout, omp_get_max_threads());
   const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
   #pragma omp parallel
   {
@@ -84,21 +79,19 @@ void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* r
     uint8_t* pad = (uint8_t*)malloc((size_t)seg);
     amx_begin();
     #pragma omp for schedule(static)
-    for (int64_t u = 0; u < g->n * blocks * groups; ++u) {
-      const int64_t gi = u % groups, blk = (u / groups) % blocks, p = u / (groups * blocks);
-      const int64_t r0 = blk * AMX_BLOCK_ROWS, mr = m - r0 < AMX_BLOCK_ROWS ? m - r0 : AMX_BLOCK_ROWS;
-      const int64_t nb0 = gi * per_group, nb1 = nb0 + per_group < panels ? nb0 + per_group : panels;
-      if (nb0 >= nb1) continue;
-      const uint8_t* image = x + p * h * w * c;
-      for (int64_t i = 0; i < mr; ++i) {
-        const int64_t r = r0 + i, oy = r / ow, x0 = (r % ow) * g->sw - g->pl;
+    for (int64_t u = 0; u < split.units; ++u) {
+      const AmxUnit t = amx_unit(&split, u);
+      if (t.nb0 >= t.nb1) continue;
+      const uint8_t* image = x + t.p * h * w * c;
+      for (int64_t i = 0; i < t.mr; ++i) {
+        const int64_t r = t.r0 + i, oy = r / ow, x0 = (r % ow) * g->sw - g->pl;
         for (int64_t s = 0; s < kh; ++s)
           pack_qrow(pa + i * lda + s * segq,
                     window_segment(image, h, w, c, kw, oy * g->sh - g->pt + s, x0, pad, 1, g->e.pad_byte), seg, flip,
                     segq);
       }
-      const int64_t at = (p * m + r0) * cout;
-      qamx_panels(pa, kq, mr, g->b, nb0, nb1, cout, out, (uint8_t*)y + at * esize,
+      const int64_t at = (t.p * m + t.r0) * cout;
+      qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, cout, out, (uint8_t*)y + at * esize,
                   res ? (const uint8_t*)res + at : 0, cout, &g->e);
     }
     amx_end();
