@@ -147,7 +147,8 @@ def budget_batches(g: Graph, options: BuildOptions, count: int) -> list[dict[str
         from kiln.preprocess.calibration import load_calibration_data
 
         ranks = {v.name: len(v.shape) for v in g.inputs if v.shape is not None}
-        batches = load_calibration_data(data, [v.name for v in g.inputs], ranks)[:count]
+        static = {v.name: v.shape[0] for v in g.inputs if v.shape and isinstance(v.shape[0], int)}
+        batches = load_calibration_data(data, [v.name for v in g.inputs], ranks, static)[:count]
         return [{name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
                 for batch in batches]
     log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")

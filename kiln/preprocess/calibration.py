@@ -57,10 +57,11 @@ class CalibrationCache:
 # ---------------------------------------------------------------- data
 
 def load_calibration_data(path: str | os.PathLike, input_names: Iterable[str],
-                          input_ranks: dict[str, int] | None = None) -> list[dict[str, np.ndarray]]:
+                          input_ranks: dict[str, int] | None = None,
+                          input_batches: dict[str, int] | None = None) -> list[dict[str, np.ndarray]]:
     """Batches by input name: a folder of .npz files (one batch each) or one .npz whose arrays carry a leading
-    batch axis (split into batches of 1). With `input_ranks`, an array of rank+1 is a stack of whole inputs:
-    each item along the first axis is one batch."""
+    batch axis, split into batches of the model's static batch size (`input_batches`, 1 where not given). With
+    `input_ranks`, an array of rank+1 is a stack of whole inputs: each item along the first axis is one batch."""
     path, names = Path(path), list(input_names)
     if path.is_dir():
         files = sorted(path.glob("*.npz"))
@@ -70,12 +71,19 @@ def load_calibration_data(path: str | os.PathLike, input_names: Iterable[str],
     if not path.is_file():
         raise InputError(f"{path}: no such calibration data (expected a .npz file or a folder of .npz files)")
     arrays = _read_npz(path, names)
-    counts = {k: len(v) if v.ndim else 0 for k, v in arrays.items()}
-    if len(set(counts.values())) != 1 or 0 in counts.values():
-        raise InputError(f"{path}: arrays need the same leading batch axis; got lengths {counts}")
     stacked = {k: bool(input_ranks and k in input_ranks and v.ndim == input_ranks[k] + 1) for k, v in arrays.items()}
+    steps = {k: 1 if stacked[k] else max(1, (input_batches or {}).get(k, 1)) for k in arrays}
+    for k, v in arrays.items():
+        if v.ndim and len(v) % steps[k]:
+            raise InputError(f"{path}: array '{k}' has {len(v)} rows along its first axis, and the model's input "
+                             f"'{k}' takes batches of {steps[k]}: give a multiple of {steps[k]} rows, or a stack of "
+                             f"whole inputs (one axis more)")
+    counts = {k: len(v) // steps[k] if v.ndim else 0 for k, v in arrays.items()}
+    if len(set(counts.values())) != 1 or 0 in counts.values():
+        raise InputError(f"{path}: arrays need the same number of batches along their first axis; got {counts}")
     n = next(iter(counts.values()))
-    return [{k: v[i] if stacked[k] else v[i:i + 1] for k, v in arrays.items()} for i in range(n)]
+    return [{k: v[i] if stacked[k] else v[i * steps[k]:(i + 1) * steps[k]] for k, v in arrays.items()}
+            for i in range(n)]
 
 
 def _read_npz(path: Path, names: list[str]) -> dict[str, np.ndarray]:
@@ -442,7 +450,8 @@ def calibrate(onnx_model: onnx.ModelProto, source: str | os.PathLike, method: st
     inits = {t.name for t in onnx_model.graph.initializer}
     inputs = [i for i in onnx_model.graph.input if i.name not in inits]
     ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in inputs if i.type.tensor_type.HasField("shape")}
-    batches = load_calibration_data(source, [i.name for i in inputs], ranks)
+    static = {i.name: i.type.tensor_type.shape.dim[0].dim_value for i in inputs if ranks.get(i.name)}
+    batches = load_calibration_data(source, [i.name for i in inputs], ranks, static)
     stats = collect_ranges(onnx_model, batches, quantizable_activations(onnx_model))
     layer_inputs = _layer_inputs(onnx_model)
     scales = compute_scales({n: r for n, r in stats.items() if n in layer_inputs}, method)

@@ -62,7 +62,7 @@ def test_the_budget_is_judged_on_calib_data_when_given(caplog, bf16_kernels, tmp
     caplog.set_level(logging.INFO, logger="kiln.build")
     rng = np.random.default_rng(3)
     data = tmp_path / "data.npz"
-    np.savez(data, x1=np.zeros((2, 8, 64), np.float32), x2=rng.standard_normal((2, 8, 64)).astype(np.float32))
+    np.savez(data, x1=np.zeros((16, 64), np.float32), x2=rng.standard_normal((16, 64)).astype(np.float32))
     engine = kiln.build(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
                         autotune=False, calibration=str(data))
     assert {l.name: l.precision for l in engine.plan.layers if l.op_type == "MatMul"} == {"big": "BF16",

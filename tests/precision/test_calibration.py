@@ -201,6 +201,17 @@ def test_data_from_one_npz(tmp_path):
     assert len(stacked) == 5 and stacked[4]["x"].shape == (1, 3, 16, 16)
 
 
+def test_one_npz_splits_into_batches_of_the_models_static_batch(tmp_path):
+    """A model taking x as [8, 64] reads an [16, 64] array as two batches of 8 (not 16 rows of 1, which the model
+    cannot take); a row count that is not a multiple of 8 is a clear error naming the array and the batch."""
+    np.savez(tmp_path / "calib.npz", x=rand((16, 64)), ids=np.arange(32).reshape(16, 2))
+    data = cal.load_calibration_data(tmp_path / "calib.npz", ["x", "ids"], {"x": 2, "ids": 2}, {"x": 8, "ids": 8})
+    assert len(data) == 2 and data[1]["x"].shape == (8, 64) and data[1]["ids"][0, 0] == 16
+    np.savez(tmp_path / "odd.npz", x=rand((12, 64)), ids=np.zeros((12, 2), np.int64))
+    with pytest.raises(kiln.InputError, match=r"odd\.npz: array 'x' has 12 rows .* takes batches of 8"):
+        cal.load_calibration_data(tmp_path / "odd.npz", ["x", "ids"], {"x": 2, "ids": 2}, {"x": 8, "ids": 8})
+
+
 def test_data_errors_name_the_file_and_the_inputs(tmp_path):
     np.savez(tmp_path / "calib.npz", image=rand((2, 3, 16, 16)))
     with pytest.raises(kiln.InputError, match=r"calib\.npz.*missing \['x'\], unknown \['image'\]"):
@@ -211,7 +222,7 @@ def test_data_errors_name_the_file_and_the_inputs(tmp_path):
     with pytest.raises(kiln.InputError, match="no .npz files"):
         cal.load_calibration_data(tmp_path / "empty", ["x"])
     np.savez(tmp_path / "ragged.npz", a=np.zeros((2, 3)), b=np.zeros((3, 3)))
-    with pytest.raises(kiln.InputError, match="same leading batch axis"):
+    with pytest.raises(kiln.InputError, match="same number of batches"):
         cal.load_calibration_data(tmp_path / "ragged.npz", ["a", "b"])
     np.savez(tmp_path / "pickled.npz", x=np.array([{"a": 1}], dtype=object))
     with pytest.raises(kiln.InputError, match="pickled.npz"):
