@@ -108,12 +108,12 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
     if tactic is None:
         raise EngineFormatError(f"layer '{layer.name}' uses tactic '{layer.tactic_name}', unknown to this kiln; "
                                 "rebuild the engine")
-    # kiln's C kernels (generated pointwise programs included) say `needs_c_compiler`: an engine built elsewhere,
-    # loaded where kiln.native has no compiler, runs those layers on the reference kernels (Winograd keeps its
-    # own torch path)
     while getattr(tactic, "fallback_tactic", None) is not None and not hardware.has_any(tactic.required_isa):
         _warn_fallback(tactic.name, " or ".join(tactic.required_isa), tactic.fallback_tactic.name)
         tactic = tactic.fallback_tactic   # e.g. an AMX kernel's AVX512-BF16 sibling: same layer, same precision
+    # kiln's C kernels (generated pointwise programs included) say `needs_c_compiler`: an engine built elsewhere,
+    # loaded where kiln.native has no compiler, runs those layers on the reference kernels (Winograd keeps its
+    # own torch path)
     if getattr(tactic, "needs_c_compiler", False) and not native.available():
         _warn_missing(layer.tactic_name, "a C compiler (cc)")
         tactic = ReferenceTactic()   # an engine built elsewhere: the same layer on torch's kernels
