@@ -26,9 +26,10 @@ def build_options(options: dict) -> tuple[BuildOptions, int | None]:
     from kiln.tactics.registry import parse_sources
 
     options = dict(options)
-    unknown = sorted(set(options) - set(known_options()))
+    known = known_options()
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ModelError(f"unknown build option(s) {', '.join(unknown)}; known: {', '.join(known_options())}")
+        raise ModelError(f"unknown build option(s) {', '.join(unknown)}; known: {', '.join(known)}")
     for alias, name in CLI_ALIASES.items():
         if alias in options:
             if name in options:

@@ -16,48 +16,33 @@ import logging
 import torch
 
 from kiln import hardware, native
+from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_bf16 import (
-    Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic, pack_bf16_pairs,
+    BF16_DOT_ISA, Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic, pack_bf16_pairs,
+    pack_bf16_segments,
 )
 
 log = logging.getLogger("kiln.tactics")
 AMX_ISA = ("amx_bf16",)
-STEP_PAIRS = native.header_constant("amx.h", "AMX_TILE_BYTES") // 4   # bf16 pairs per tile row: one k step
+TILE_BYTES = native.header_constant("amx.h", "AMX_TILE_BYTES")   # one tile row: one k step of the AMX kernels
 
-
-def whole_steps(values: int) -> int:
-    """`values` bf16 values padded to whole tile steps, counted in values."""
-    pairs = -(-values // 2)
-    return -(-pairs // STEP_PAIRS) * STEP_PAIRS * 2
-
-
-def pack_amx_pairs(b: torch.Tensor) -> torch.Tensor:
-    """[k, n] FP32 -> int32 [panels, kq, 32] as pack_bf16_pairs, k zero-padded to whole tile steps."""
-    k, n = b.shape
-    padded = torch.zeros((whole_steps(k), n), dtype=torch.float32)
-    padded[:k] = b
-    return pack_bf16_pairs(padded)
-
-
-def pack_amx_segments(weight: torch.Tensor) -> torch.Tensor:
-    """[kh, kw * c, cout] -> [cout/32][kh * segment steps][32]: each kernel row's segment padded to whole steps."""
-    kh, seg, cout = weight.shape
-    padded = torch.zeros((kh, whole_steps(seg), cout), dtype=torch.float32)
-    padded[:, :seg] = weight
-    return pack_bf16_pairs(padded.reshape(-1, cout))
+# The vdpbf16ps kernels' packing with every k range (a kernel row's segment for a convolution) padded to whole
+# tile steps: [n/32][kq][32] bf16 pairs, a tile row being TILE_BYTES / 4 pairs.
+pack_amx_pairs = functools.partial(pack_bf16_pairs, k_multiple=TILE_BYTES // 2)
+pack_amx_segments = functools.partial(pack_bf16_segments, k_multiple=TILE_BYTES // 2)
 
 
 @functools.lru_cache(maxsize=None)
 def amx_usable() -> bool:
     """AMX-BF16 here, granted to this process, and agreeing with the AVX512-BF16 kernel on a self-check GEMM."""
-    if not hardware.has_any(AMX_ISA) or not hardware.has_any(("avx512_bf16",)) or not native.available():
+    if not hardware.has_any(AMX_ISA) or not hardware.has_any(BF16_DOT_ISA) or not native.available():
         return False
     lib = native.library("gemm")
     if not lib.kiln_amx_ready():
         log.warning("this CPU has AMX-BF16 but Linux did not grant this process AMX state (arch_prctl "
                     "ARCH_REQ_XCOMP_PERM failed): kiln's AMX kernels are not offered")
         return False
-    error = self_check_error(lib)
+    error = self_check_error()
     if error > 1e-4:
         log.warning("kiln's AMX BF16 GEMM disagrees with its AVX512-BF16 GEMM on a self-check (max relative "
                     "difference %.3g): the AMX kernels are not offered", error)
@@ -65,21 +50,17 @@ def amx_usable() -> bool:
     return True
 
 
-def self_check_error(lib) -> float:
-    """Max difference, relative to the largest value, between the AMX and AVX512-BF16 GEMMs on a 45 x 70 x 75
-    product with bias and ReLU (partial row block, k step and panel)."""
+def self_check_error() -> float:
+    """Max difference, relative to the largest value, between the AMX and AVX512-BF16 kernels of a 45 x 70 x 75
+    MatMul with bias and ReLU (a partial row block, k step and panel). The AMX kernel is prepared through its
+    base class, past the usability check this result feeds."""
     gen = torch.Generator().manual_seed(0)
-    m, k, n = 45, 70, 75
-    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-    bias = torch.zeros(-(-n // 32) * 32)
-    bias[:n] = torch.randn(n, generator=gen)
-    outs = []
-    for entry, packed in ((lib.kiln_gemm_bf16_amx, pack_amx_pairs(b)), (lib.kiln_gemm_bf16, pack_bf16_pairs(b))):
-        out = torch.empty(m, n)
-        entry(a.data_ptr(), 0, m, k, 0, packed.data_ptr(), 0, out.data_ptr(), 0, bias.data_ptr(), None, 1, 1, m, k,
-              n, 0)
-        outs.append(out)
-    return float((outs[0] - outs[1]).abs().max() / outs[1].abs().max().clamp_min(1e-30))
+    w, bias, x = torch.randn(70, 75, generator=gen), torch.randn(75, generator=gen), torch.randn(45, 70, generator=gen)
+    view = LayerView("MatMul", "", {"activation": {"op": "Relu", "attrs": {}}}, ((45, 70), (70, 75), (75,)),
+                     ("float32",) * 3, {1: w, 2: bias}, ("float32",), 17, ((), (), ()))
+    amx = MatMulGemmBf16Tactic.prepare(MatMulGemmAmxTactic(), view)([x, None, None])[0]
+    want = MatMulGemmBf16Tactic().prepare(view)([x, None, None])[0]
+    return float((amx - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 class AmxVariant:

@@ -21,24 +21,25 @@ from kiln.tactics.matmul_c import MatMulGemmTactic
 BF16_DOT_ISA = ("avx512_bf16",)
 
 
-def pack_bf16_pairs(b: torch.Tensor) -> torch.Tensor:
+def pack_bf16_pairs(b: torch.Tensor, k_multiple: int = 2) -> torch.Tensor:
     """[k, n] FP32 -> int32 [panels, k/2, 32]: each 32-bit lane holds rows 2q (low half) and 2q+1 (high half) of
-    one column in bf16, rounded to nearest even; k padded to even and the columns to whole panels with zeros."""
+    one column in bf16, rounded to nearest even; k padded to a multiple of `k_multiple` (even) and the columns to
+    whole panels with zeros."""
     k, n = b.shape
-    panels, pairs = -(-n // gemm_c.PANEL), -(-k // 2)
+    panels, pairs = -(-n // gemm_c.PANEL), -(-k // k_multiple) * k_multiple // 2
     padded = torch.zeros((pairs * 2, panels * gemm_c.PANEL), dtype=torch.float32)
     padded[:k, :n] = b
     lanes = padded.view(pairs, 2, panels, gemm_c.PANEL).permute(2, 0, 3, 1)   # [panels, pairs, 32, 2]
     return lanes.to(torch.bfloat16).contiguous().view(torch.int32).reshape(panels, pairs, gemm_c.PANEL)
 
 
-def pack_bf16_segments(weight: torch.Tensor) -> torch.Tensor:
-    """[kh, kw * c, cout] -> kiln_conv_bf16's panels: each kernel row's segment padded to an even length, so no
-    bf16 pair straddles two rows, [cout/32][kh * segment pairs][32]."""
+def pack_bf16_segments(weight: torch.Tensor, k_multiple: int = 2) -> torch.Tensor:
+    """[kh, kw * c, cout] -> kiln_conv_bf16's panels: each kernel row's segment padded to a multiple of
+    `k_multiple` (even), so no bf16 pair straddles two rows, [cout/32][kh * segment pairs][32]."""
     kh, seg, cout = weight.shape
-    even = torch.zeros((kh, seg + seg % 2, cout), dtype=torch.float32)
-    even[:, :seg] = weight
-    return pack_bf16_pairs(even.reshape(-1, cout))
+    padded = torch.zeros((kh, -(-seg // k_multiple) * k_multiple, cout), dtype=torch.float32)
+    padded[:, :seg] = weight
+    return pack_bf16_pairs(padded.reshape(-1, cout))
 
 
 # gemm.c's `io` bits: which of the input, the output and the residual are stored in bf16

@@ -16,28 +16,17 @@ import torch
 
 from kiln import hardware, native
 from kiln.tactics.base import LayerView
-from kiln.tactics.gemm_amx import STEP_PAIRS, AmxVariant
-from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads
+from kiln.tactics.gemm_amx import TILE_BYTES, AmxVariant
+from kiln.tactics.qgemm_c import (
+    QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads, pack_segments,
+)
 
 log = logging.getLogger("kiln.tactics")
 AMX_INT8_ISA = ("amx_int8",)
-STEP_BYTES = STEP_PAIRS * 4   # k bytes per tile step: one 64-byte tile row
-
-
-def pack_amx_quads(w: torch.Tensor) -> torch.Tensor:
-    """s8 [k, n] -> [panels, kq, 32, 4] as pack_quads, k zero-padded to whole tile steps."""
-    k, n = w.shape
-    padded = torch.zeros((-(-k // STEP_BYTES) * STEP_BYTES, n), dtype=torch.int8)
-    padded[:k] = w
-    return pack_quads(padded)
-
-
-def pack_amx_segments(w: torch.Tensor) -> torch.Tensor:
-    """s8 [kh, kw * c, cout] -> [cout/32][kh * segment quads][32][4]: each kernel row padded to whole steps."""
-    kh, seg, cout = w.shape
-    padded = torch.zeros((kh, -(-seg // STEP_BYTES) * STEP_BYTES, cout), dtype=torch.int8)
-    padded[:, :seg] = w
-    return pack_quads(padded.reshape(-1, cout))
+# The VNNI kernels' packing with every k range (a kernel row's segment for a convolution) padded to whole
+# 64-byte tile steps: [n/32][kq][32][4] s8.
+pack_amx_quads = functools.partial(pack_quads, k_multiple=TILE_BYTES)
+pack_amx_segments = functools.partial(pack_segments, k_multiple=TILE_BYTES)
 
 
 def self_check_view() -> tuple[LayerView, torch.Tensor]:
@@ -68,6 +57,8 @@ def amx_int8_usable() -> bool:
 
 
 def self_check_passes() -> bool:
+    """The AMX kernel (prepared through its base class, past the usability check this result feeds) gives the
+    VNNI kernel's bytes."""
     view, x = self_check_view()
     amx = QLinearGemmTactic.prepare(QLinearGemmAmxTactic(), view)([x, None])[0]
     return torch.equal(amx, QLinearGemmTactic().prepare(view)([x, None])[0])

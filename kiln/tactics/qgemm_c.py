@@ -76,21 +76,21 @@ def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
     return None
 
 
-def pack_quads(w: torch.Tensor) -> torch.Tensor:
-    """s8 [k, n] -> [panels, k/4, 32, 4]: lane j of quad q holds rows 4q..4q+3 of column j; k padded to whole
-    quads and the columns to whole panels with zero weights."""
+def pack_quads(w: torch.Tensor, k_multiple: int = QUAD) -> torch.Tensor:
+    """s8 [k, n] -> [panels, k/4, 32, 4]: lane j of quad q holds rows 4q..4q+3 of column j; k padded to a
+    multiple of `k_multiple` (of whole quads) and the columns to whole panels with zero weights."""
     k, n = w.shape
-    quads, panels = -(-k // QUAD), -(-n // PANEL)
+    quads, panels = -(-k // k_multiple) * k_multiple // QUAD, -(-n // PANEL)
     padded = torch.zeros((quads * QUAD, panels * PANEL), dtype=torch.int8)
     padded[:k, :n] = w
     return padded.view(quads, QUAD, panels, PANEL).permute(2, 0, 3, 1).contiguous()
 
 
-def pack_segments(w: torch.Tensor) -> torch.Tensor:
-    """s8 [kh, kw * c, cout] -> kiln_qconv's panels: each kernel row's segment padded to whole quads, so no quad
-    straddles two rows."""
+def pack_segments(w: torch.Tensor, k_multiple: int = QUAD) -> torch.Tensor:
+    """s8 [kh, kw * c, cout] -> kiln_qconv's panels: each kernel row's segment padded to a multiple of
+    `k_multiple` (of whole quads), so no quad straddles two rows."""
     kh, seg, cout = w.shape
-    padded = torch.zeros((kh, -(-seg // QUAD) * QUAD, cout), dtype=torch.int8)
+    padded = torch.zeros((kh, -(-seg // k_multiple) * k_multiple, cout), dtype=torch.int8)
     padded[:, :seg] = w
     return pack_quads(padded.reshape(-1, cout))
 

@@ -14,7 +14,8 @@ from kiln.tactics.qgemm_amx import (
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads
 from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
 from tests.tactics.test_qgemm_c import (
-    CONV_CASES, assert_spread, linear_view, needs_vnni, qconv_view, quant, rand_q, run,
+    CONV_CASES, assert_requantized_equal, assert_spread, conv_formula, linear_formula, linear_view, needs_vnni,
+    qconv_view, quant, rand_q, run,
 )
 
 
@@ -50,6 +51,7 @@ def test_quantized_conv_equals_the_vnni_kernel(case, amx_int8_kernels):
     got = run(amx, view, [x, None, None])
     assert_spread(got)
     assert torch.equal(got, run(vnni, view, [x, None, None]))
+    assert_requantized_equal(got, conv_formula(view, x))   # and the formula the VNNI kernel is held to
 
 
 @needs_vnni
@@ -83,5 +85,10 @@ def test_quantized_linear_equals_the_vnni_kernel(op, x_shape, trans_b, x, y, amx
     xs = rand_q(x_shape, x[0], g)
     view = linear_view(op, x_shape, w, quant(n, x, y, axis=0 if trans_b else 1), trans_b)
     assert QLinearGemmAmxTactic().supports(view)
-    assert torch.equal(run(QLinearGemmAmxTactic(), view, [xs, None, None]),
-                       run(QLinearGemmTactic(), view, [xs, None, None]))
+    got = run(QLinearGemmAmxTactic(), view, [xs, None, None])
+    assert torch.equal(got, run(QLinearGemmTactic(), view, [xs, None, None]))
+    want = linear_formula(view, xs)
+    if y is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert_requantized_equal(got, want)
