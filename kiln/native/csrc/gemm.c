@@ -107,34 +107,42 @@ static inline const uint32_t* as_bf16_pairs(const void* src, int64_t k, int src_
   return dst;
 }
 
-/* 16 bf16 values widened to FP32 (exact: bf16 is FP32's upper half). */
-static inline v16 widen16(const uint16_t* p) {
-  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+/* Lanes [0, cols) of a row of NR columns. */
+static inline __mmask32 cols_mask(int64_t cols) { return cols >= NR ? 0xFFFFFFFFu : (__mmask32)((1u << cols) - 1); }
+
+/* The 32 elements at p (bf16 where `bf16`, else FP32) as FP32 halves lo (0-15) and hi (16-31), zero outside `mask`:
+   masked loads, no copies (widening bf16 is exact: it is FP32's upper half). */
+static inline void load_row32(const void* p, int bf16, __mmask32 mask, v16* lo, v16* hi) {
+  if (bf16) {
+    const __m512i h = _mm512_maskz_loadu_epi16(mask, p);
+    *lo = (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16);
+    *hi = (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16);
+  } else {
+    *lo = (v16)_mm512_maskz_loadu_ps((__mmask16)mask, p);
+    *hi = (v16)_mm512_maskz_loadu_ps((__mmask16)(mask >> 16), (const float*)p + 16);
+  }
 }
 
-/* store_row for a bf16 output or residual: the epilogue in FP32, bias padded to whole panels (pad_bias). */
-static void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, const void* res, int64_t act,
-                         int64_t cols, int64_t io) {
-  float r[NR] = {0};
-  if (res && (io & IO_RES_BF16)) {
-    uint16_t wide[NR] = {0};
-    memcpy(wide, res, sizeof(uint16_t) * cols);
-    *(v16*)r = widen16(wide);
-    *(v16*)(r + 16) = widen16(wide + 16);
-  } else if (res) {
-    memcpy(r, res, sizeof(float) * cols);
+/* lo and hi stored to the lanes of `mask` at p, rounded to bf16 (nearest even) where `bf16`. */
+static inline void store_row32(void* p, int bf16, __mmask32 mask, v16 lo, v16 hi) {
+  if (bf16) {
+    _mm512_mask_storeu_epi16(p, mask, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+  } else {
+    _mm512_mask_storeu_ps(p, (__mmask16)mask, (__m512)lo);
+    _mm512_mask_storeu_ps((float*)p + 16, (__mmask16)(mask >> 16), (__m512)hi);
   }
-  float out[NR];
-  *(v16*)out = epilogue(lo, bias, res ? r : 0, act);
-  *(v16*)(out + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? r + 16 : 0, act);
-  if (!(io & IO_C_BF16)) {
-    memcpy(c, out, sizeof(float) * cols);
-    return;
-  }
-  uint16_t narrow[NR];
-  _mm256_storeu_si256((__m256i*)narrow, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out)));
-  _mm256_storeu_si256((__m256i*)(narrow + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + 16)));
-  memcpy(c, narrow, sizeof(uint16_t) * cols);
+}
+
+/* store_row with masked loads and stores, for outputs and residuals of either type: the epilogue in FP32, bias
+   padded to whole panels (pad_bias). */
+static inline void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, const void* res, int64_t act,
+                                int64_t cols, int64_t io) {
+  const __mmask32 mask = cols_mask(cols);
+  v16 r[2];
+  if (res) load_row32(res, (io & IO_RES_BF16) != 0, mask, &r[0], &r[1]);
+  lo = epilogue(lo, bias, res ? (const float*)&r[0] : 0, act);
+  hi = epilogue(hi, bias ? bias + 16 : 0, res ? (const float*)&r[1] : 0, act);
+  store_row32(c, (io & IO_C_BF16) != 0, mask, lo, hi);
 }
 
 /* Row i of a tile, its FP32 sums lo (columns 0-15) and hi (16-31), stored with the epilogue: output and residual
@@ -143,11 +151,7 @@ static inline void store_row_at(void* c, int64_t i, int64_t ldc, v16 lo, v16 hi,
                                 const void* res, int64_t act, int64_t cols, int64_t io) {
   const size_t c_size = io & IO_C_BF16 ? sizeof(uint16_t) : sizeof(float);
   const size_t r_size = io & IO_RES_BF16 ? sizeof(uint16_t) : sizeof(float);
-  const void* ri = res ? (const char*)res + i * ldc * r_size : 0;
-  if (io & (IO_C_BF16 | IO_RES_BF16))
-    store_row_io((char*)c + i * ldc * c_size, lo, hi, bias, ri, act, cols, io);
-  else
-    store_row((float*)c + i * ldc, lo, hi, bias, (const float*)ri, act, cols);
+  store_row_io((char*)c + i * ldc * c_size, lo, hi, bias, res ? (const char*)res + i * ldc * r_size : 0, act, cols, io);
 }
 
 /* `mr` rows of FP32 sums out[i][0..NR) stored as store_row_at stores one (the AMX kernels' epilogue). */
