@@ -1,5 +1,6 @@
-"""The autotuner: times every eligible tactic of a layer on its real shapes and picks the cheapest, counting
-the Reformat copies a tactic's layout would add; logs trtexec-style timing tables and the reason."""
+"""The autotuner: times every eligible tactic of a layer on its real shapes and storage types and picks the
+cheapest, counting the Reformat copies a tactic's layout would add and the bf16/FP32 conversions its precision would
+cost its neighbours; logs trtexec-style timing tables and the reason."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from kiln.tactics.base import ANY, HWC, LINEAR, LayerView, Tactic, tactic_value
 from kiln.tactics.clock import WALL_CLOCK, Clock, elapsed_ms
 from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
 from kiln.tactics.reformat import to_format
+from kiln.tactics.storage import BF16, NO_GUESS, StorageGuess
 from kiln.tactics.timing_cache import TimingCache, digest
 from kiln.trt import build_log as log_lines
 
@@ -29,7 +31,7 @@ class TimingOptions:
 class Choice:
     tactic: Tactic
     kernel_ms: float
-    overhead_ms: float   # Reformat copies of the inputs plus an external library's thread-pool hand-over
+    overhead_ms: float   # Reformat copies of the inputs, bf16/FP32 conversions, an external library's hand-over
     timings_ms: dict[str, float]
 
 
@@ -123,12 +125,26 @@ class Autotuner:
         self.cache.put(key, "reformat", ms)
         return ms
 
-    def _measure(self, view: LayerView, tactics: list[Tactic], signature: str,
+    def convert_ms(self, shape, dtype: str) -> float:
+        """One pass converting a float tensor of `shape` into `dtype` (bfloat16 <-> float32): what a layer whose
+        kernel cannot read or write the type its neighbours store costs them (timed once, cached)."""
+        key = digest({"convert": list(shape), "to": dtype})
+        cached = self.cache.get(key, "convert")
+        if cached is not None:
+            return cached
+        src = torch.randn(shape, dtype=torch.float32 if dtype == "bfloat16" else torch.bfloat16)
+        target = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        ms = robust_ms(time_rounds_ms(lambda: src.to(target), self.options, self.clock))
+        self.cache.put(key, "convert", ms)
+        return ms
+
+    def _measure(self, views: dict[str, LayerView], tactics: list[Tactic], signatures: dict[str, str],
                  have_formats: list[str | None], dying: frozenset[int]) -> dict[str, float]:
+        """Each tactic's time on its own view of the layer (the storage types it would read and write)."""
         times: dict[str, float] = {}
         pending = []
         for t in tactics:
-            cached = self.cache.get(signature, t.name, self.current)
+            cached = self.cache.get(signatures[t.name], t.name, self.current)
             if cached is None:
                 pending.append(t)
             else:
@@ -137,6 +153,7 @@ class Autotuner:
         for t in pending:
             if self.on_timing is not None:
                 self.on_timing(f"{t.name} for {self.current}")
+            view = views[t.name]
             kernel = t.prepare(view)
             wanted = t.input_formats(view)
             # a layout-agnostic kernel is timed on the layout its producer really delivers
@@ -157,22 +174,39 @@ class Autotuner:
                                   time_rounds_ms(fn, TimingOptions(self.options.avg_timing, 1), self.clock)[0])
         for t, _, _, rounds in runners:
             times[t.name] = robust_ms(rounds)
-            self.cache.put(signature, t.name, times[t.name])
+            self.cache.put(signatures[t.name], t.name, times[t.name])
         return times
 
-    def choose(self, name: str, view: LayerView, tactics: list[Tactic], have_formats: list[str | None],
-               runner_names: dict[str, str], dying: frozenset[int] = frozenset(), precision: str = "FP32") -> Choice:
-        """`dying`: indices of inputs this layer reads last; a kernel that can write its output over one of
-        them (`into_input`, a fused residual) is timed doing so, as the plan runs it (kiln.runtime.donation).
-        `precision`: the layer's granted precision (part of the timing cache's key)."""
+    def _signature(self, view: LayerView, have_formats: list[str | None], precision: str,
+                   dying: frozenset[int]) -> str:
         signature = layer_signature(view, have_formats, precision)
+        if BF16 in view.output_dtypes:
+            signature = digest({"outputs": list(view.output_dtypes), "layer": signature})
         if dying:
             signature = digest({"dying": sorted(dying), "layer": signature})
         if self.evictor is not None:
             signature = digest({"cold_weights": signature})
+        return signature
+
+    def _conversions_ms(self, view: LayerView, stored: StorageGuess, t: Tactic) -> float:
+        """The bf16 <-> FP32 passes choosing `t` would cost its neighbours (`stored`: what they would store)."""
+        _, widen, narrow = stored.timing_view(view, t)
+        return (sum(self.convert_ms(view.input_shapes[i], "float32") for i in widen)
+                + (self.convert_ms(stored.output_shape, BF16) if narrow else 0.0))
+
+    def choose(self, name: str, view: LayerView, tactics: list[Tactic], have_formats: list[str | None],
+               runner_names: dict[str, str], dying: frozenset[int] = frozenset(), precision: str = "FP32",
+               stored: StorageGuess = NO_GUESS) -> Choice:
+        """`dying`: indices of inputs this layer reads last; a kernel that can write its output over one of
+        them (`into_input`, a fused residual) is timed doing so, as the plan runs it (kiln.runtime.donation).
+        `precision`: the layer's granted precision (part of the timing cache's key). `stored`: the bf16 tensors
+        expected around the layer: kernels that read or write them so are timed doing it, the others are charged
+        the conversions."""
+        views = {t.name: stored.timing_view(view, t)[0] for t in tactics}
+        signatures = {t.name: self._signature(views[t.name], have_formats, precision, dying) for t in tactics}
         self.current = f"layer '{name}'"
         log.debug(log_lines.computing_costs(name))
-        times = self._measure(view, tactics, signature, have_formats, dying)
+        times = self._measure(views, tactics, signatures, have_formats, dying)
         best: Choice | None = None
         for t in tactics:
             runner = runner_names.get(t.name, t.source)
@@ -180,20 +214,23 @@ class Autotuner:
             reformat = sum(self.reformat_ms(view.input_shapes[i], view.input_dtypes[i], w)
                            for i, (w, have) in enumerate(zip(wanted, have_formats))
                            if have is not None and w not in (ANY, have) and len(view.input_shapes[i]) == 4)
+            convert = self._conversions_ms(view, stored, t)
             handover = self.costs.handover_ms.get(t.source, 0.0)
             log.debug(log_lines.timing_runner(name, runner))
             log.debug(log_lines.tactic_time(t.name, tactic_value(t.name), times[t.name]))
             if reformat:
                 log.debug("  + input reformat %g ms (layout %s)", reformat, "/".join(w for w in wanted))
+            if convert:
+                log.debug("  + bf16/FP32 conversions %g ms (its neighbours store bf16)", convert)
             if handover:
                 log.debug("  + thread-pool hand-over %g ms (%s)", handover, t.source)
-            total = times[t.name] + reformat + handover
+            total = times[t.name] + reformat + convert + handover
             if best is None or total < (best.kernel_ms + best.overhead_ms) * (1 - self.costs.preference_margin):
-                best = Choice(t, times[t.name], reformat + handover, times)
+                best = Choice(t, times[t.name], reformat + convert + handover, times)
         log.debug(log_lines.chose_runner(runner_names.get(best.tactic.name, best.tactic.source),
                                          tactic_value(best.tactic.name)))
         others = ", ".join(f"{k} {v:g} ms" for k, v in times.items() if k != best.tactic.name)
-        log.debug("Reason: %s wins at %g ms kernel + %g ms reformat/hand-over (others: %s; a later-listed "
+        log.debug("Reason: %s wins at %g ms kernel + %g ms reformats/conversions/hand-over (others: %s; a later-listed "
                   "tactic must be %d%% faster)", best.tactic.name, best.kernel_ms, best.overhead_ms, others or "none",
                   round(self.costs.preference_margin * 100))
         return best

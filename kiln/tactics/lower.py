@@ -17,7 +17,7 @@ from kiln.tactics.onnxruntime_source import REGION_TACTIC
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, is_noop_reformat
 from kiln.tactics.registry import candidates, reduced_precisions
-from kiln.tactics.storage import store_bf16
+from kiln.tactics.storage import NO_GUESS, StorageGuess, store_bf16, writes_bf16
 from kiln.trt.vocab import reformat_names, runner_name
 
 CONSTANT_TACTIC = "kiln.constant"
@@ -48,6 +48,11 @@ def runtime_shape_inputs(node: Node) -> bool:
     return any(v is not None and not v.is_const and v.shape is not None and v.dtype is not None and
                (v.shape == () or (np.dtype(v.dtype).kind in "iu" and int(np.prod(v.shape)) <= 16))
                for v in node.inputs)
+
+
+def extra_cost(ms: float) -> str:
+    """' + 0.03 ms conversions, reformats and hand-overs' for a precision reason, '' for none."""
+    return f" + {ms:.2g} ms conversions, reformats and hand-overs" if ms else ""
 
 
 class Lowering:
@@ -129,15 +134,35 @@ class Lowering:
             return found[0]   # shape arithmetic on dynamic axes: random timing inputs would be meaningless
         have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
         names = {t.name: runner_name(t.name, t.source, node.op_type) for t in found}
-        choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), decision.granted)
+        choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), decision.granted,
+                                   self.storage_guess(node, decision))
         if reduced and reduced not in reduced_precisions(choice.tactic):
             fastest = min((t for t in found if reduced in reduced_precisions(t)),
                           key=lambda t: choice.timings_ms[t.name])
             self.precisions[node.name] = PrecisionDecision(
                 decision.requested, native, f"the {native} kernel {choice.tactic.name} timed faster "
-                f"({choice.timings_ms[choice.tactic.name]:.4g} ms against {choice.timings_ms[fastest.name]:.4g} ms "
-                f"for {fastest.name})")
+                f"({choice.timings_ms[choice.tactic.name]:.4g} ms{extra_cost(choice.overhead_ms)} against "
+                f"{choice.timings_ms[fastest.name]:.4g} ms for {fastest.name})")
         return choice.tactic
+
+    def storage_guess(self, node: Node, decision: PrecisionDecision) -> StorageGuess:
+        """For a layer granted BF16: its inputs whose producers write bf16, and its output's shape where every
+        reader is granted BF16 too (kiln.tactics.storage.StorageGuess)."""
+        if decision.granted != "BF16":
+            return NO_GUESS
+        inputs = frozenset(i for i, v in enumerate(node.inputs) if self.readers_bf16(v) and self.written_bf16(v))
+        out = node.outputs[0] if len(node.outputs) == 1 else None
+        return StorageGuess(inputs, tuple(out.shape) if self.readers_bf16(out) and out.shape is not None else None)
+
+    def readers_bf16(self, v: Value | None) -> bool:
+        """Whether every reader of activation `v` is granted BF16 (so far) and the graph does not return it."""
+        return v is not None and not v.is_const and str(v.dtype) == "float32" and not self.g.is_output(v) and \
+            bool(v.users) and all(self.decision(u).granted == "BF16" for u in v.users)
+
+    def written_bf16(self, v: Value) -> bool:
+        """Whether the layer writing `v` (lowered already) can write it in bf16."""
+        start, end = self.node_layers.get(v.producer.name, (0, 0)) if v.producer is not None else (0, 0)
+        return any(writes_bf16(layer) for layer in self.layers[start:end] if v.name in (d.name for d in layer.outputs))
 
     def stamped(self, layer: Layer, node: Node) -> Layer:
         d = self.decision(node)

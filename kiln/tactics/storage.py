@@ -8,12 +8,18 @@ it as they load it (one conversion fused into each), which costs less than a Ref
 
 A kernel that cannot read or write bf16 itself, but runs a layer whose plan stores bf16 tensors (torch's reference
 kernel on a CPU without BF16, the accuracy budget's FP32 stand-ins), gets the conversions around it:
-`native_view` says what it is prepared for, `with_conversions` wraps it."""
+`native_view` says what it is prepared for, `with_conversions` wraps it.
+
+While kernels are being chosen the rule cannot be applied yet (later layers have none), so the autotuner works from
+a `StorageGuess`: the inputs a layer's producers would hand over in bf16 and whether its readers would take its
+output in bf16. A kernel that reads or writes bf16 there is timed doing so; any other is charged the conversions
+its choice would cost (TensorRT's Reformat layers between precisions)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +35,8 @@ def _reads_bf16(layer: Layer, index: int) -> bool:
     return index in getattr(TACTICS_BY_NAME.get(layer.tactic_name), "bf16_inputs", ())
 
 
-def _writes_bf16(layer: Layer) -> bool:
+def writes_bf16(layer: Layer) -> bool:
+    """Whether `layer` writes its output in bf16 where its readers all read bf16."""
     return layer.precision == "BF16" and getattr(TACTICS_BY_NAME.get(layer.tactic_name), "writes_bf16", False)
 
 
@@ -42,7 +49,7 @@ def bf16_tensors(layers: list[Layer], engine_outputs: set[str]) -> set[str]:
                 readers[arg.name].append((layer, index))
     chosen = set()
     for layer in layers:
-        if not _writes_bf16(layer) or len(layer.outputs) != 1:
+        if not writes_bf16(layer) or len(layer.outputs) != 1:
             continue
         out = layer.outputs[0]
         if out.dtype == "float32" and out.name not in engine_outputs and readers[out.name] and \
@@ -62,6 +69,30 @@ def store_bf16(layers: list[Layer], engine_outputs: set[str]) -> list[Layer]:
     def stored(descs: tuple[TensorDesc, ...]) -> tuple[TensorDesc, ...]:
         return tuple(dataclasses.replace(d, dtype=BF16) if d.name in chosen else d for d in descs)
     return [dataclasses.replace(layer, inputs=stored(layer.inputs), outputs=stored(layer.outputs)) for layer in layers]
+
+
+@dataclass(frozen=True)
+class StorageGuess:
+    """Around one BF16 layer, before its neighbours' kernels are all chosen: the activation inputs its producers
+    write in bf16, and the output's shape where every reader would read it in bf16 (None: FP32 either way)."""
+
+    inputs: frozenset[int] = frozenset()
+    output_shape: tuple[int, ...] | None = None
+
+    def timing_view(self, view: LayerView, tactic) -> tuple[LayerView, tuple[int, ...], bool]:
+        """(`view` with the inputs and output `tactic` would read and write in bf16 given as bf16, the guessed bf16
+        inputs it would need converted to FP32, whether its output would need rounding to bf16 for its readers)."""
+        bf16_kernel = "BF16" in getattr(tactic, "reduced_precisions", ())
+        reads = self.inputs & getattr(tactic, "bf16_inputs", frozenset()) if bf16_kernel else frozenset()
+        writes = bf16_kernel and getattr(tactic, "writes_bf16", False) and self.output_shape is not None
+        inputs = tuple(BF16 if i in reads else d for i, d in enumerate(view.input_dtypes))
+        outputs = (BF16,) + tuple(view.output_dtypes[1:]) if writes else view.output_dtypes
+        if reads or writes:
+            view = dataclasses.replace(view, input_dtypes=inputs, output_dtypes=outputs)
+        return view, tuple(sorted(self.inputs - reads)), self.output_shape is not None and not writes
+
+
+NO_GUESS = StorageGuess()
 
 
 def native_view(view: LayerView, tactic) -> tuple[LayerView, tuple[int, ...], tuple[int, ...]]:

@@ -26,9 +26,9 @@ def test_only_inputs_read_for_the_last_time_are_offered_for_in_place_timing(tmp_
     seen = {}
     choose = Autotuner.choose
 
-    def spy(self, name, view, tactics, have, runners, dying=frozenset(), precision="FP32"):
+    def spy(self, name, view, tactics, have, runners, dying=frozenset(), *rest, **options):
         seen[name] = dying
-        return choose(self, name, view, tactics, have, runners, dying, precision)
+        return choose(self, name, view, tactics, have, runners, dying, *rest, **options)
     monkeypatch.setattr(Autotuner, "choose", spy)
     path = tmp_path / "block.onnx"
     export(Block().eval(), torch.randn(1, 3, 8, 8), path)

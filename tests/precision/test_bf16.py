@@ -4,6 +4,7 @@ onnxruntime's FP32 outputs, and fall back (one warning per kernel) when loaded o
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -62,8 +63,10 @@ def test_bf16_is_allowed_not_required_a_faster_fp32_kernel_keeps_the_layer_fp32(
     engine = kiln.build(conv_gemm_net(), bf16=True, tactic_sources="-onnxruntime,-openvino")
     convs = [l for l in engine.plan.layers if l.op_type == "Conv"]
     assert convs and all(l.precision == "FP32" and l.requested_precision == "BF16" for l in convs)
-    assert all(l.precision_reason.startswith("the FP32 kernel ") and "timed faster (1 ms against 2 ms for "
-               "onednn.conv2d_nhwc_prepacked_bf16)" in l.precision_reason for l in convs)
+    # the FP32 kernel's time may carry the bf16/FP32 conversions its choice costs the BF16 neighbours
+    timed = re.compile(r"the FP32 kernel \S+ timed faster \(1 ms( \+ [0-9.e-]+ ms conversions, reformats and "
+                       r"hand-overs)? against 2 ms for onednn.conv2d_nhwc_prepacked_bf16\)")
+    assert all(timed.fullmatch(l.precision_reason) for l in convs)
     monkeypatch.setattr(Autotuner, "_measure", lambda self, view, tactics, *a: {
         t.name: (0.5 if t.name.endswith("_bf16") else 1.0) for t in tactics})
     engine = kiln.build(conv_gemm_net(), bf16=True, tactic_sources="-onnxruntime,-openvino")

@@ -159,6 +159,25 @@ def test_tensors_between_bf16_kernels_are_stored_in_bf16_and_layer_info_says_so(
 
 
 @needs_bf16
+def test_the_autotuner_is_told_which_neighbours_store_bf16(monkeypatch):
+    from kiln.tactics.autotune import Autotuner
+    seen, choose = {}, Autotuner.choose
+
+    def spy(self, name, view, tactics, *args, **kwargs):
+        seen[name] = args[4] if len(args) > 4 else kwargs.get("stored")   # (have, names, dying, precision, stored)
+        return choose(self, name, view, tactics, *args, **kwargs)
+    monkeypatch.setattr(Autotuner, "choose", spy)
+    kiln.build(conv_chain(), bf16=True, tactic_sources=KILN_ONLY, accuracy="off")
+    # c1 reads the engine input and feeds the FP32 MaxPool, so c2 and c5 read its output in FP32 too; c2 feeds c3,
+    # granted BF16; c3 reads c2's bf16 output (after the fused ReLU) and feeds c4; c5 ends the graph
+    assert (seen["c1"].inputs, seen["c1"].output_shape) == (frozenset(), None)
+    assert (seen["c2 + r1"].inputs, seen["c2 + r1"].output_shape) == (frozenset(), (1, 48, 12, 12))
+    assert (seen["c3"].inputs, seen["c3"].output_shape) == (frozenset({0}), (1, 48, 12, 12))
+    assert seen["c4"].inputs == frozenset({0})
+    assert (seen["c5 + add + r2"].inputs, seen["c5 + add + r2"].output_shape) == (frozenset({3}), None)
+
+
+@needs_bf16
 def test_an_engine_with_bf16_tensors_saves_loads_and_runs_the_same(chain, tmp_path):
     _, engine = chain
     path = tmp_path / "chain.kiln"

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
-from kiln.tactics.autotune import Autotuner
+from kiln.tactics.autotune import Autotuner, TimingOptions
 from kiln.tactics.base import LINEAR, LayerView
 from kiln.tactics.clock import FakeClock
 from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
+from kiln.tactics.storage import StorageGuess
 from kiln.tactics.timing_cache import TimingCache
 
 HANDOVER_MS = DEFAULT_COSTS.handover_ms
@@ -193,3 +195,46 @@ def test_last_level_cache_size_is_the_largest_sysfs_cache(tmp_path):
         (tmp_path / index / "size").write_text(size + "\n")
     assert last_level_cache_bytes(tmp_path) == 8 << 20
     assert last_level_cache_bytes(tmp_path / "missing") == 32 << 20   # unreadable: a common L3 size
+
+
+class StorageTactic(FakeTactic):
+    """Takes `ms` on the fake clock per call; records the dtypes it was prepared for and called with."""
+
+    def __init__(self, name, clock, ms, bf16_io=False):
+        super().__init__(name, "kiln")
+        self.clock, self.ms, self.seen = clock, ms, set()
+        if bf16_io:
+            self.reduced_precisions, self.bf16_inputs, self.writes_bf16 = frozenset({"BF16"}), frozenset({0}), True
+
+    def prepare(self, layer):
+        def run(xs):
+            self.seen.add((xs[0].dtype, layer.output_dtypes[0]))
+            self.clock.advance(self.ms)
+            return [xs[0]]
+        return run
+
+
+def test_bf16_io_kernels_are_timed_on_bf16_and_the_others_pay_the_conversions(caplog):
+    clock = FakeClock()
+
+    def race(guess):
+        bf16, fp32 = StorageTactic("bf16", clock, 1.0, bf16_io=True), StorageTactic("fp32", clock, 0.8)
+        tuner = Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=1, min_timing=1), clock=clock)
+        tuner.convert_ms = lambda shape, dtype: 0.1   # one pass, either way
+        with caplog.at_level(logging.DEBUG, logger="kiln.build"):
+            choice = tuner.choose("layer", VIEW, [bf16, fp32], [LINEAR], {}, precision="BF16", stored=guess)
+        return choice, bf16.seen | fp32.seen
+
+    # its neighbours store FP32: both kernels run on FP32 tensors and the faster one wins
+    choice, seen = race(StorageGuess())
+    assert seen == {(torch.float32, "float32")}
+    assert choice.tactic.name == "fp32" and choice.overhead_ms == 0
+    # its producer writes bf16 and its readers read bf16: the BF16 kernel reads and writes bf16 as it will in the
+    # plan; the FP32 kernel pays a pass widening its input and one rounding its output, and loses
+    choice, seen = race(StorageGuess(frozenset({0}), (1, 8)))
+    assert seen == {(torch.bfloat16, "bfloat16"), (torch.float32, "float32")}
+    assert choice.tactic.name == "bf16" and choice.timings_ms == pytest.approx({"bf16": 1.0, "fp32": 0.8})
+    assert "+ bf16/FP32 conversions 0.2 ms" in caplog.text
+    # only the input arrives in bf16: one conversion leaves the FP32 kernel ahead (0.9 ms against 1.0)
+    choice, _ = race(StorageGuess(frozenset({0})))
+    assert choice.tactic.name == "fp32" and choice.overhead_ms == pytest.approx(0.1)
