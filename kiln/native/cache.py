@@ -152,9 +152,10 @@ def ensure(name: str, key: str, unit: str, toolchain: Toolchain) -> Path:
 
 
 def remove(library: Path) -> None:
-    """Delete a library and its record, excluding other kiln processes meanwhile."""
+    """Delete a library, its record and its self-check verdicts (kiln.native.selfcheck), excluding other kiln
+    processes meanwhile."""
     with _locked(library):
-        for path in (library, record_path(library)):
+        for path in (library, record_path(library), *library.parent.glob(f"{library.name}.selfcheck-*.json")):
             try:
                 path.unlink()
             except FileNotFoundError:

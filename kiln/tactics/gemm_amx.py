@@ -5,7 +5,7 @@ packed once as bf16 and multiplied by every weight panel; the weights are packed
 padded to whole 32-value tile steps.
 
 Offered only where the CPU reports AMX-BF16, Linux grants the process AMX state, and a self-check GEMM agrees
-with the AVX512-BF16 kernel (`amx_usable`). A loaded engine whose CPU lacks any of these runs the layer on the
+with the AVX512-BF16 kernel (`amx_usable`), run in a child process with its verdict cached (kiln.native.selfcheck). A loaded engine whose CPU lacks any of these runs the layer on the
 AVX512-BF16 sibling (`fallback_tactic`) with one warning. The autotuner times both, and oneDNN's, per layer.
 Tested on CPUs without AMX through gemm.c compiled with -DKILN_AMX_EMULATE (amx.h's tile operations in C)."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import torch
 
 from kiln import hardware, native
+from kiln.native import selfcheck
 from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_bf16 import (
     BF16_DOT_ISA, Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic, pack_bf16_pairs,
@@ -37,17 +38,23 @@ def amx_usable() -> bool:
     """AMX-BF16 here, granted to this process, and agreeing with the AVX512-BF16 kernel on a self-check GEMM."""
     if not hardware.has_any(AMX_ISA) or not hardware.has_any(BF16_DOT_ISA) or not native.available():
         return False
-    lib = native.library("gemm")
-    if not lib.kiln_amx_ready():
+    if not native.library("gemm").kiln_amx_ready():
         log.warning("this CPU has AMX-BF16 but Linux did not grant this process AMX state (arch_prctl "
                     "ARCH_REQ_XCOMP_PERM failed): kiln's AMX kernels are not offered")
         return False
+    verdict = selfcheck.verdict("gemm", "kiln.tactics.gemm_amx")
+    if not verdict.passed:
+        log.warning("kiln's AMX BF16 kernels failed their self-check (%s): they are not offered", verdict.detail)
+    return verdict.passed
+
+
+def self_check() -> tuple[bool, str]:
+    """The self-check as kiln.native.selfcheck runs it, in a child process (a fault there costs only the AMX
+    tactics): AMX state granted, then `self_check_error` within 1e-4."""
+    if not native.library("gemm").kiln_amx_ready():
+        return False, "Linux did not grant the self-check process AMX state"
     error = self_check_error()
-    if error > 1e-4:
-        log.warning("kiln's AMX BF16 GEMM disagrees with its AVX512-BF16 GEMM on a self-check (max relative "
-                    "difference %.3g): the AMX kernels are not offered", error)
-        return False
-    return True
+    return error <= 1e-4, f"max relative difference {error:.3g} from the AVX512-BF16 GEMM (at most 1e-4 passes)"
 
 
 def self_check_error() -> float:
@@ -101,3 +108,7 @@ class DirectConvAmxTactic(AmxGemm, DirectConvBf16Tactic):
     entry_point = "kiln_conv_bf16_amx"
     pack = staticmethod(pack_amx_segments)
     fallback_tactic = DirectConvBf16Tactic()
+
+
+if __name__ == "__main__":   # the self-check's child process (kiln.native.selfcheck)
+    selfcheck.report(*self_check())

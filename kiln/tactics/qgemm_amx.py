@@ -5,7 +5,8 @@ activation, FP32 or requantized u8/s8 out). A block of 32 rows is packed once an
 panel; the weights are packed at load with each k range padded to whole 64-byte tile steps.
 
 Offered where the CPU reports AMX-INT8, Linux grants the process AMX state, and a self-check gives exactly the
-VNNI kernel's bytes (integer sums, the same epilogue). Loaded where that fails, the layer runs on the VNNI
+VNNI kernel's bytes (integer sums, the same epilogue), run in a child process with its verdict cached
+(kiln.native.selfcheck). Loaded where that fails, the layer runs on the VNNI
 sibling with one warning. Tested on CPUs without AMX through qgemm.c compiled with -DKILN_AMX_EMULATE."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import logging
 import torch
 
 from kiln import hardware, native
+from kiln.native import selfcheck
 from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_amx import TILE_BYTES, AmxVariant
 from kiln.tactics.qgemm_c import (
@@ -49,11 +51,20 @@ def amx_int8_usable() -> bool:
         log.warning("this CPU has AMX-INT8 but Linux did not grant this process AMX state (arch_prctl "
                     "ARCH_REQ_XCOMP_PERM failed): kiln's AMX INT8 kernels are not offered")
         return False
+    verdict = selfcheck.verdict("qgemm", "kiln.tactics.qgemm_amx")
+    if not verdict.passed:
+        log.warning("kiln's AMX INT8 kernels failed their self-check (%s): they are not offered", verdict.detail)
+    return verdict.passed
+
+
+def self_check() -> tuple[bool, str]:
+    """The self-check as kiln.native.selfcheck runs it, in a child process: AMX state granted, then
+    `self_check_passes`."""
+    if not native.library("qgemm").kiln_amx_int8_ready():
+        return False, "Linux did not grant the self-check process AMX state"
     if not self_check_passes():
-        log.warning("kiln's AMX INT8 GEMM disagrees with its VNNI GEMM on a self-check: the AMX INT8 kernels are "
-                    "not offered")
-        return False
-    return True
+        return False, "its bytes differ from the VNNI GEMM's"
+    return True, "the VNNI GEMM's bytes exactly"
 
 
 def self_check_passes() -> bool:
@@ -88,3 +99,7 @@ class QLinearGemmAmxTactic(AmxInt8, QLinearGemmTactic):
     entry_point = "kiln_qgemm_amx"
     pack = staticmethod(pack_amx_quads)
     fallback_tactic = QLinearGemmTactic()
+
+
+if __name__ == "__main__":   # the self-check's child process (kiln.native.selfcheck)
+    selfcheck.report(*self_check())
