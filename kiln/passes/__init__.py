@@ -8,6 +8,7 @@ from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_layer_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
+from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
                                      merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
@@ -16,6 +17,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("DeadLayerRemoval", remove_dead_layers, "dead-layer removal"),
     # Identity/Dropout first so that every later pattern sees producers directly.
     Pass("IdentityRemoval", remove_identities, "identity removal"),
+    # QOperator INT8 (QLinearConv ...) becomes Q/DQ before folding, which leaves DQ(INT8 weights) for the Q/DQ fusions.
+    Pass("QOperatorUnfolding", unfold_qoperators, "QOperator unfolding"),
     # Folding turns shape arithmetic (Shape->Gather->Concat->Reshape) into constant reshape targets.
     Pass("ConstantFolding", fold_constants, "constant folding"),
     Pass("DeadLayerRemoval", remove_dead_layers),

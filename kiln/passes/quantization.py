@@ -72,11 +72,19 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
                         note)
         origin = tuple(o for n in [dqx, dqw] if len(n.outputs[0].users) == 1 for o in n.origin) + \
             tuple(o for n in nodes for o in n.origin)
-        name = fused_layer_name(n.name for n in nodes)
+        name = _layer_name(nodes)
         plog.fusing(dqx, node)
         attrs = {**node.attrs, "quant": quant}
         inputs = [dqx.inputs[0], dqw.inputs[0]] + list(node.inputs[2:])
         replace_nodes(g, nodes, Node(name, QUANTIZABLE[node.op_type], inputs, [out], attrs, "kiln", origin))
+
+
+def _layer_name(nodes: list[Node]) -> str:
+    """The fused layer's name, from its nodes' names; a QuantizeLinear that an unfolded QOperator node made (its
+    origin, that node, already named by the op: kiln.passes.qoperator) adds nothing to it."""
+    named = {o for n in nodes if n.op_type != "QuantizeLinear" for o in n.origin}
+    return fused_layer_name(n.name for n in nodes
+                            if n.op_type != "QuantizeLinear" or not n.origin or not set(n.origin) <= named)
 
 
 def _blocker(dqx: Node | None, dqw: Node) -> str | None:
@@ -169,7 +177,7 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         origin = tuple(o for d in dqs if len(d.outputs[0].users) == 1 for o in d.origin) + \
             tuple(o for n in nodes for o in n.origin)
         attrs = {"quant": quant, **({"activation": act} if act else {})}
-        replace_nodes(g, nodes, Node(fused_layer_name(n.name for n in nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
+        replace_nodes(g, nodes, Node(_layer_name(nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
                                      [nxt.outputs[0]], attrs, "kiln", origin))
         _drop_dead(g, dqs)   # the sum reads the INT8 tensors: the producers' sole consumer is the sum again
 

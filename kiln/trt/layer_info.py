@@ -137,7 +137,7 @@ def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:
 
 def _pooling(plan: Plan, layer: Layer) -> dict[str, Any]:
     a, op = layer.attrs, layer.op_type
-    if op.startswith("Global"):
+    if "Global" in op:   # GlobalAveragePool, GlobalMaxPool, com.microsoft QLinearGlobalAveragePool
         window = list(layer.inputs[0].dims[2:])
         pads, strides = [0] * (2 * len(window)), [1] * len(window)
     else:

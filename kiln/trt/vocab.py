@@ -156,8 +156,9 @@ def dtype_precision(dtype: str) -> str | None:
 
 
 def metadata_text(origins: tuple[str, ...]) -> str:
-    """A layer's ONNX origins as TensorRT's `Metadata`: "[ONNX Layer: a]\\u001e[ONNX Layer: b]"."""
-    return METADATA_SEP.join(f"[ONNX Layer: {o}]" for o in origins)
+    """A layer's ONNX origins as TensorRT's `Metadata`: "[ONNX Layer: a]\\u001e[ONNX Layer: b]", each once (the
+    nodes one QOperator node unfolds into share it)."""
+    return METADATA_SEP.join(f"[ONNX Layer: {o}]" for o in dict.fromkeys(origins))
 
 
 def origins_from_metadata(metadata: str | None) -> tuple[str, ...]:
