@@ -32,6 +32,12 @@ class LayerView:
         return None if shape is None else tuple(-1 if k in dyn else d for k, d in enumerate(shape))
 
 
+def batch_dynamic_only(layer: LayerView) -> bool:
+    """Whether the layer's inputs vary with the input shapes along axis 0 (the batch) at most: kernels that read
+    the batch per call, everything else fixed at load, take such layers."""
+    return all(set(axes) <= {0} for axes in layer.input_dynamic)
+
+
 class Tactic(Protocol):
     name: str
     source: str

@@ -11,7 +11,7 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import HWC, Kernel, LayerView
+from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only
 
 CONV1X1_TACTIC = "kiln.conv2d_1x1_gemm_nhwc"
 
@@ -40,8 +40,7 @@ class Conv1x1GemmTactic:
             return False
         if not gemm_c.epilogue_inputs_fit(layer, (x[0], w.shape[0], *_output_hw(layer))):
             return False
-        dynamic = bool(layer.input_dynamic and layer.input_dynamic[0])   # any axis, the batch (0) included
-        return not dynamic and native.available()
+        return batch_dynamic_only(layer) and native.available()   # the batch is read per call
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [HWC] * len(layer.input_shapes)
@@ -51,7 +50,7 @@ class Conv1x1GemmTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("gemm")
-        n, c, h, w = layer.input_shapes[0]
+        n, c, h, w = layer.input_shapes[0]   # n at the profile's opt point; each call reads its own
         weight = layer.const_inputs[1]
         cout = weight.shape[0]
         sh, sw = layer.attrs.get("strides") or [1, 1]
@@ -65,7 +64,7 @@ class Conv1x1GemmTactic:
         def launch(x, out, res):
             gemm(x.data_ptr(), h * w * c, ow, sw * c, sh * w * c, packed.data_ptr(), 0,
                  out.data_ptr(), oh * ow * cout, bias_ptr, None if res is None else res.data_ptr(),
-                 act, n, oh * ow, c, cout, *tail)
+                 act, x.shape[0], oh * ow, c, cout, *tail)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
                                  len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
                                  gemm_c.storage_dtype(layer.output_dtypes[0]))

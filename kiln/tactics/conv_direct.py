@@ -15,7 +15,7 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import HWC, Kernel, LayerView
+from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only
 
 DIRECT_TACTIC = "kiln.conv2d_direct_gemm_nhwc"
 
@@ -56,8 +56,7 @@ class DirectConvTactic:
         kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
         if oh < 1 or ow < 1 or min(pt, pl) < 0 or not gemm_c.epilogue_inputs_fit(layer, (x[0], w.shape[0], oh, ow)):
             return False
-        dynamic = bool(layer.input_dynamic and layer.input_dynamic[0])
-        return not dynamic and native.available()
+        return batch_dynamic_only(layer) and native.available()   # the batch is read per call
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [HWC] * len(layer.input_shapes)
@@ -78,7 +77,7 @@ class DirectConvTactic:
         act, tail = gemm_c.activation_code(layer.attrs.get("activation")), self.entry_args(layer)
 
         def launch(x, out, res):
-            conv(x.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(), out.data_ptr(),
+            conv(x.data_ptr(), x.shape[0], h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(), out.data_ptr(),
                  bias_ptr, None if res is None else res.data_ptr(), act, cout, *tail)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
                                  len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,

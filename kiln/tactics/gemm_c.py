@@ -38,20 +38,20 @@ def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
 
 def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_residual: bool,
                 out_dtype: torch.dtype = torch.float32):
-    """The kernel around a C launch `launch(x, out, residual)` that writes an NHWC output (of `out_dtype`) with
-    bias, residual and ReLU or Swish applied as it stores (other activations run after it). With a residual it
+    """The kernel around a C launch `launch(x, out, residual)` that writes an NHWC output (of `out_dtype`, its batch
+    the input's) with bias, residual and ReLU or Swish applied as it stores (other activations run after it). With a residual it
     carries `into_input` (kiln.runtime.donation): the variant writing over the residual's dead buffer, each
     element read before it is overwritten."""
     post = spec if spec and not activation_code(spec) else None
     last = torch.channels_last
-    n, c, h, w = out_shape
+    _, c, h, w = out_shape
     strides = (h * w * c, 1, w * c, c)   # channel-major; torch.empty_strided costs ~0.6 µs less than memory_format
 
     def finish(out):
         return [apply_activation(post, out) if post else out]
 
     def run(xs):
-        out = torch.empty_strided(out_shape, strides, dtype=out_dtype)
+        out = torch.empty_strided((xs[0].shape[0], c, h, w), strides, dtype=out_dtype)   # the batch: per call
         launch(xs[0].contiguous(memory_format=last), out,
                xs[3].contiguous(memory_format=last) if has_residual else None)
         return finish(out)

@@ -15,7 +15,7 @@ import torch
 
 from kiln import native
 from kiln.ops.nn import global_average_pool, global_max_pool, max_pool, pool_output_size
-from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
 MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
@@ -36,7 +36,7 @@ class NhwcPoolTactic:
             return False
         if layer.input_dtypes[0] != "float32" and layer.op_type != "MaxPool":
             return False
-        if layer.input_dynamic and layer.input_dynamic[0]:
+        if not batch_dynamic_only(layer):   # the batch is read per call
             return False
         if layer.op_type == "MaxPool" and (len(layer.attrs.get("kernel_shape") or ()) != 2
                                            or layer.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET")):
@@ -51,7 +51,7 @@ class NhwcPoolTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("pool")
-        n, c, h, w = layer.input_shapes[0]
+        _, c, h, w = layer.input_shapes[0]   # the batch: per call
         last = torch.channels_last
         planar = {"MaxPool": max_pool, "GlobalAveragePool": global_average_pool,
                   "GlobalMaxPool": global_max_pool}[layer.op_type]
@@ -62,8 +62,8 @@ class NhwcPoolTactic:
                 x = xs[0]
                 if not x.is_contiguous(memory_format=last):
                     return planar(layer.attrs, xs)
-                y = torch.empty((n, c, 1, 1), memory_format=last)
-                lib.kiln_global_pool(x.data_ptr(), y.data_ptr(), n, h * w, c, mean)
+                y = torch.empty((x.shape[0], c, 1, 1), memory_format=last)
+                lib.kiln_global_pool(x.data_ptr(), y.data_ptr(), x.shape[0], h * w, c, mean)
                 return [y]
             return run_global
         a = layer.attrs
@@ -82,7 +82,7 @@ class NhwcPoolTactic:
             x = xs[0]
             if not x.is_contiguous(memory_format=last):
                 return planar(a, xs)   # channel-planar input: torch's kernel, output in the same layout
-            y = torch.empty((n, c, oh, ow), dtype=dtype, memory_format=last)
-            pool(x.data_ptr(), y.data_ptr(), n, h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
+            y = torch.empty((x.shape[0], c, oh, ow), dtype=dtype, memory_format=last)
+            pool(x.data_ptr(), y.data_ptr(), x.shape[0], h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
             return [y]
         return run

@@ -19,7 +19,7 @@ import math
 import torch
 
 from kiln import hardware, native
-from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
 from kiln.tactics.gemm_c import nhwc_kernel
 from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _scales, linear_supported, \
@@ -60,6 +60,20 @@ class ConvCall(ctypes.Structure):
     _fields_ = [("b", ctypes.c_void_p), *((name, I64) for name in ("n", "h", "w", "c", "kh", "kw", "sh", "sw", "pt",
                                                                     "pl", "oh", "ow", "cout")),
                 ("e", Epilogue)]
+
+
+def per_batch(make):
+    """`calls(batch)`: the address of the call structure `make(batch)` builds, one per batch size seen (kept alive
+    here), so a layer with a dynamic batch needs no per-call structure and concurrent calls share none they write."""
+    made: dict[int, ctypes.Structure] = {}
+
+    def calls(batch: int) -> int:
+        call = made.get(batch)
+        if call is None:
+            call = made.setdefault(batch, make(batch))
+        return ctypes.addressof(call)
+    calls.made = made
+    return calls
 
 
 def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
@@ -141,7 +155,7 @@ def _conv_supported(layer: LayerView) -> bool:
         return False
     if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer):
         return False
-    if fused_activation(a.get("activation")) is None or (layer.input_dynamic and layer.input_dynamic[0]):
+    if fused_activation(a.get("activation")) is None or not batch_dynamic_only(layer):
         return False
     kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
     if oh < 1 or ow < 1 or min(pt, pl) < 0 or kh * kw * layer.input_shapes[0][1] > MAX_K:
@@ -184,13 +198,14 @@ class QConvGemmTactic:
         w_kn = weight.reshape(cout, c).t()
         packed = self.pack(w_kn)
         e, kept = epilogue(layer, w_kn)
-        call = GemmCall(packed.data_ptr(), h * w * c, ow, sw * c, sh * w * c, oh * ow * cout, n, c, cout, e)
-        call_ptr, m = ctypes.addressof(call), oh * ow
+        calls = per_batch(lambda batch: GemmCall(packed.data_ptr(), h * w * c, ow, sw * c, sh * w * c,
+                                                 oh * ow * cout, batch, c, cout, e))
+        m = oh * ow
 
         def launch(x, out, res):
-            gemm(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), m)
+            gemm(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), m)
         run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), _output_dtype(layer))
-        run.constants = (packed, call, kept)   # read through raw pointers
+        run.constants = (packed, calls, kept)   # read through raw pointers
         return run
 
 
@@ -215,13 +230,13 @@ class QConvDirectTactic(QConvGemmTactic):
         w_rows = weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout)   # [kh][kw * c][cout]
         packed = self.pack(w_rows)
         e, kept = epilogue(layer, w_rows.reshape(-1, cout))
-        call = ConvCall(packed.data_ptr(), n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, cout, e)
-        call_ptr = ctypes.addressof(call)
+        calls = per_batch(lambda batch: ConvCall(packed.data_ptr(), batch, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow,
+                                                 cout, e))
 
         def launch(x, out, res):
-            conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
+            conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
         run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), _output_dtype(layer))
-        run.constants = (packed, call, kept)
+        run.constants = (packed, calls, kept)
         return run
 
 

@@ -13,6 +13,7 @@ with separate pad, gather and epilogue passes.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,7 +23,7 @@ import torch
 from kiln import native
 from kiln.ops.nn import apply_activation
 from kiln.tactics import gemm_c, winograd_c
-from kiln.tactics.base import HWC, Kernel, LayerView
+from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only
 
 # Transform matrices (Lavin & Gray 2016), interpolation points 0, ±1, ±2 (and ∞) for F(4,3); 0, ±1 for F(2,3).
 _MATRICES = {
@@ -99,8 +100,9 @@ class WinogradConvTactic:
             return False
         pads = a.get("pads") or [0, 0, 0, 0]
         out_h, out_w = x[2] + pads[0] + pads[2] - 2, x[3] + pads[1] + pads[3] - 2
+        # a dynamic batch only on the C path, which sizes its blocks per call
         return (min(out_h, out_w) >= MIN_OUTPUT and min(w.shape[0], w.shape[1]) >= MIN_CHANNELS
-                and not (layer.input_dynamic and layer.input_dynamic[0]))   # a dynamic batch (axis 0) too
+                and (not any(layer.input_dynamic) or (batch_dynamic_only(layer) and native.available())))
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [HWC] * len(layer.input_shapes)
@@ -170,12 +172,15 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib) -> Kernel:
     packed = gemm_c.pack_weights(u)
     panel_stride = packed[0].numel()
     threads = torch.get_num_threads()
-    block, groups, per_thread = fused_blocking(g, threads)
+    blockings = {g.n: fused_blocking(g, threads)}   # per batch size seen: a dynamic batch changes the tile count
     act = g.act
 
     def launch(x, out, res):
+        n = x.shape[0]
+        blocking = blockings.get(n) or blockings.setdefault(n, fused_blocking(dataclasses.replace(g, n=n), threads))
+        block, groups, per_thread = blocking
         lib.wino_fused(x.data_ptr(), packed.data_ptr(), panel_stride, out.data_ptr(), bias_ptr,
-                       None if res is None else res.data_ptr(), act, g.n, g.h, g.w, g.c, g.cout,
+                       None if res is None else res.data_ptr(), act, n, g.h, g.w, g.c, g.cout,
                        g.pads[0], g.pads[1], g.out_h, g.out_w, g.tiles_h, g.tiles_w, block, groups,
                        scratch(per_thread * threads).data_ptr(), threads)
     run = gemm_c.nhwc_kernel(launch, (g.n, g.cout, g.out_h, g.out_w), g.spec, g.has_residual)

@@ -151,3 +151,25 @@ def test_trtexec_min_opt_max_shapes_and_run_shapes(encoder_onnx, tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "input 'ids': shape [1, 70] is outside" in bad.stderr + bad.stdout
+
+
+def test_a_dynamic_batch_runs_on_kilns_own_c_kernels(tmp_path):
+    """The common export (only the batch dynamic) keeps kiln's C convolutions and pools: they read the batch per
+    call. Before, any dynamic axis sent them to oneDNN or torch."""
+    from tests.models.nets import make
+
+    path = tmp_path / "r18.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(make("resnet18"), (torch.randn(1, 3, 64, 64),), str(path), input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "batch"}}, dynamo=False)
+    profile = {"x": ((1, 3, 64, 64), (2, 3, 64, 64), (4, 3, 64, 64))}
+    engine = kiln.build(str(path), profiles=[profile], tactic_sources="-openvino,-onnxruntime,-torch-onednn",
+                        autotune=False)
+    convs = [l for l in engine.plan.layers if l.op_type == "Conv"]
+    pools = [l for l in engine.plan.layers if "Pool" in l.op_type]
+    assert len(convs) == 20 and all(l.tactic_name.startswith("kiln.conv2d_") for l in convs)
+    assert len(pools) == 2 and all(l.tactic_name == "kiln.pool2d_nhwc" for l in pools)
+    for n in (1, 3, 4):
+        x = np.random.default_rng(n).standard_normal((n, 3, 64, 64)).astype(np.float32)
+        assert_close_to_ort(engine.run({"x": x})["y"], run_ort(str(path), {"x": x})[0])

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
 
 
 def conv_view(c, cout, h, w, stride=1, n=1, bias=True, residual=False, activation="Relu", kernel=1, pads=(0, 0, 0, 0),
-              group=1, residual_shape=None, dynamic=False):
+              group=1, residual_shape=None, dynamic=()):
     g = torch.Generator().manual_seed(c * 1000 + cout)
     weight = torch.randn(cout, c // group, kernel, kernel, generator=g) * (2 / c) ** 0.5
     consts = {1: weight}
@@ -31,9 +31,9 @@ def conv_view(c, cout, h, w, stride=1, n=1, bias=True, residual=False, activatio
     shapes = [(n, c, h, w), tuple(weight.shape), (cout,) if bias else None]
     if residual:
         shapes.append(residual_shape or (n, cout, oh, ow))
-    dyn = ((0,),) if dynamic else ((),)
+    dyn = (tuple(dynamic),) + ((),) * 2 + ((tuple(dynamic),) if residual else ())   # `dynamic`: input 0's axes
     return LayerView("Conv", "", attrs, tuple(shapes), tuple("float32" if s else None for s in shapes), consts,
-                     input_dynamic=dyn + ((),) * (len(shapes) - 1))
+                     input_dynamic=dyn)
 
 
 def channels_last(*shape, seed=1):
@@ -101,7 +101,8 @@ def test_donated_residual_is_overwritten_with_the_same_result():
 
 
 @pytest.mark.parametrize("change", [dict(kernel=3, pads=(1, 1, 1, 1)), dict(pads=(1, 1, 1, 1)), dict(group=2),
-                                    dict(dynamic=True), dict(residual=True, residual_shape=(1, 16, 1, 1))], ids=str)
+                                    dict(dynamic=(2, 3)), dict(residual=True, residual_shape=(1, 16, 1, 1))],
+                         ids=str)
 def test_declines_layers_it_cannot_run(change):
     assert not Conv1x1GemmTactic().supports(conv_view(**(dict(c=16, cout=16, h=6, w=6) | change)))
 

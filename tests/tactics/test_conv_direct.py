@@ -65,7 +65,7 @@ def test_donated_residual_is_overwritten_with_the_same_result():
     check_donated_residual(DirectConvTactic().prepare(view), inputs(view))
 
 
-@pytest.mark.parametrize("change", [dict(kernel=1), dict(group=2, kernel=3), dict(dynamic=True, kernel=3),
+@pytest.mark.parametrize("change", [dict(kernel=1), dict(group=2, kernel=3), dict(dynamic=(2,), kernel=3),
                                     dict(kernel=3, residual=True, residual_shape=(1, 16, 1, 1))], ids=str)
 def test_declines_layers_it_cannot_run(change):
     assert not DirectConvTactic().supports(conv_view(**(dict(c=16, cout=16, h=6, w=6) | change)))

@@ -104,7 +104,7 @@ def test_channel_planar_input_runs_torchs_kernel_in_its_layout(op, attrs):
     view("MaxPool", (1, 4, 8), kernel_shape=[2]),                                    # 1-D
     view("MaxPool", (1, 4, 8, 8, 8), kernel_shape=[2, 2, 2]),                        # 3-D
     view("MaxPool", (1, 4, 8, 8), outputs=("float32", "int64"), kernel_shape=[2, 2]),  # with indices
-    view("MaxPool", (1, 4, 8, 8), dynamic=(0,), kernel_shape=[2, 2]),                # dynamic batch
+    view("MaxPool", (1, 4, 8, 8), dynamic=(2,), kernel_shape=[2, 2]),                # dynamic height
     view("MaxPool", (1, 4, 8, 8), auto_pad="SAME_UPPER", kernel_shape=[2, 2]),
     view("GlobalAveragePool", (1, 4, 8, 8), dtype="float16"),
     view("AveragePool", (1, 4, 8, 8), kernel_shape=[2, 2]),

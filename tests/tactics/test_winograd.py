@@ -153,15 +153,15 @@ def test_donated_residual_is_overwritten_with_the_same_result(tile):
     check_donated_residual(WinogradConvTactic(tile).prepare(view), xs)
 
 
-def test_declines_dynamic_shapes_the_batch_axis_included():
-    """Tiling is fixed when the kernel is prepared, so any dynamic input axis rules Winograd out (axis 0 once
-    slipped through a truthiness test)."""
+def test_declines_dynamic_spatial_axes_and_takes_a_dynamic_batch():
+    """Tiles are fixed when the kernel is prepared; a dynamic batch only changes how many there are, which the C
+    path counts per call (axis 0 once slipped through a truthiness test)."""
     import dataclasses
 
     view = conv_view(16, 16, 20, 20)
-    for axes in [(0,), (2, 3)]:
+    for axes, taken in [((2, 3), False), ((2,), False), ((0,), True)]:
         dynamic = dataclasses.replace(view, input_dynamic=(axes,) + view.input_dynamic[1:])
-        assert not WinogradConvTactic(4).supports(dynamic)
+        assert WinogradConvTactic(4).supports(dynamic) == taken
     assert WinogradConvTactic(4).supports(view)
 
 
