@@ -119,17 +119,38 @@ def _activation(attrs: dict) -> str:
     return ACTIVATION_TYPE.get(spec["op"], "GENERIC") if spec else "NONE"
 
 
+# (weights, bias) argument indices of the convolutions whose operands are not Conv's (x, W, B)
+CONV_OPERANDS = {"QLinearConv": (3, 8), "ConvInteger": (1, None)}
+
+
+def _conv_geometry(plan: Plan, layer: Layer, weights: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(kernel, pads, strides, dilations), ONNX's defaults filled in where the model left them out (kiln's import
+    fills them for Conv; QLinearConv and ConvInteger keep the model's attributes)."""
+    a, w = layer.attrs, layer.args[weights]
+    if a.get("kernel_shape"):
+        kernel = list(a["kernel_shape"])
+    elif w.kind == "weight":
+        kernel = list(plan.weights[w.name].shape[2:])
+    else:   # weights computed at run time: their tensor's spatial dims
+        kernel = list(next(d.dims[2:] for d in layer.inputs if d.name == w.name))
+    n = len(kernel)
+    return (kernel, list(a.get("pads") or [0] * (2 * n)), list(a.get("strides") or [1] * n),
+            list(a.get("dilations") or [1] * n))
+
+
 def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:
     a = layer.attrs
-    n = len(a["kernel_shape"])
-    has_bias = len(layer.args) > 2 and layer.args[2].kind == "weight"
-    has_res = len(layer.args) > 3 and layer.args[3].kind == "tensor"
+    weights, bias = CONV_OPERANDS.get(layer.op_type, (1, 2))
+    kernel, pads, strides, dilations = _conv_geometry(plan, layer, weights)
+    n = len(kernel)
+    has_bias = bias is not None and len(layer.args) > bias and layer.args[bias].kind == "weight"
+    has_res = layer.op_type in ("Conv", "QConv") and len(layer.args) > 3 and layer.args[3].kind == "tensor"
     act = _activation(a)
-    return {"Kernel": list(a["kernel_shape"]), "PaddingMode": _padding_mode(a), "PrePadding": list(a["pads"][:n]),
-            "PostPadding": list(a["pads"][n:]), "Stride": list(a["strides"]), "Dilation": list(a["dilations"]),
+    return {"Kernel": kernel, "PaddingMode": _padding_mode(a), "PrePadding": pads[:n], "PostPadding": pads[n:],
+            "Stride": strides, "Dilation": dilations,
             "OutMaps": int(layer.outputs[0].dims[1]), "Groups": int(a.get("group", 1)),
-            "Weights": _weight_info(plan, layer, 1),
-            "Bias": _weight_info(plan, layer, 2) if has_bias else {"Type": "Float", "Count": 0},
+            "Weights": _weight_info(plan, layer, weights),
+            "Bias": _weight_info(plan, layer, bias) if has_bias else {"Type": "Float", "Count": 0},
             "HasBias": int(has_bias), "HasReLU": int(act == "RELU"), "HasSparseWeights": 0, "HasDynamicFilter": 0,
             "HasDynamicBias": 0, "HasResidual": int(has_res), "ConvXAsActInputIdx": -1, "BiasAsActInputIdx": -1,
             "ResAsActInputIdx": -1, "Activation": act}
@@ -149,8 +170,19 @@ def _pooling(plan: Plan, layer: Layer) -> dict[str, Any]:
             "AverageCountExcludesPadding": int(not a.get("count_include_pad", 0))}
 
 
+def _shuffle_steps(layer: Layer) -> list[dict[str, Any]]:
+    """A fused Shuffle's steps; for a single ONNX node (Transpose, Reshape, Flatten, ...) the one it takes: its
+    permutation, or its output's dims (-1 on axes that vary with the input shapes)."""
+    if "steps" in layer.attrs:
+        return layer.attrs["steps"]
+    if layer.op_type == "Transpose":
+        rank = len(layer.inputs[0].dims) if layer.inputs else 0
+        return [{"transpose": list(layer.attrs.get("perm") or range(rank - 1, -1, -1))}]
+    return [{"reshape": list(layer.outputs[0].shape_spec)}]
+
+
 def _shuffle(plan: Plan, layer: Layer) -> dict[str, Any]:
-    steps = layer.attrs["steps"]
+    steps = _shuffle_steps(layer)
     rank_in, rank_out = len(layer.inputs[0].dims) if layer.inputs else 0, len(layer.outputs[0].dims)
     first, reshape, second = list(range(rank_in)), None, list(range(rank_out))
     rest = list(steps)

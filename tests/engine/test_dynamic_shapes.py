@@ -173,3 +173,31 @@ def test_a_dynamic_batch_runs_on_kilns_own_c_kernels(tmp_path):
     for n in (1, 3, 4):
         x = np.random.default_rng(n).standard_normal((n, 3, 64, 64)).astype(np.float32)
         assert_close_to_ort(engine.run({"x": x})["y"], run_ort(str(path), {"x": x})[0])
+
+
+def test_detailed_layer_info_describes_a_reshape_whose_shape_is_computed_at_run_time():
+    """A flat [n * s] tensor reshaped to Concat(Shape(x)[0], 1, 1, Shape(x)[1]) (BERT's attention mask, exported
+    with a dynamic batch and length) stays one ONNX Reshape reading its target per inference: no fixed target with
+    0 and -1 says it. Detailed layer info once failed on such a layer (it has no fused Shuffle steps)."""
+    from onnx import TensorProto, helper
+
+    from tests.conftest import init, make_model
+
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["f"], name="flat"),
+             helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "zero"], ["n"], name="batch"),
+             helper.make_node("Gather", ["s", "one"], ["l"], name="length"),
+             helper.make_node("Concat", ["n", "ones", "l"], ["target"], name="target", axis=0),
+             helper.make_node("Reshape", ["f", "target"], ["r"], name="mask"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "s"])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                       [init("flat", np.array([-1], np.int64)), init("zero", np.array([0], np.int64)),
+                        init("one", np.array([1], np.int64)), init("ones", np.array([1, 1], np.int64))])
+    engine = kiln.build(model, autotune=False, profiles=[{"x": ((1, 2), (2, 8), (4, 16))}])
+    reshape = next(l for l in engine.plan.layers if l.name == "mask")
+    assert reshape.op_type == "Reshape" and "steps" not in reshape.attrs   # the ONNX op, not a fused Shuffle
+    info = next(l for l in engine.layer_info("detailed")["Layers"] if l["Name"] == "mask")
+    assert info["ParameterType"] == "Shuffle" and info["Reshape"] == [-1, 1, 1, -1]
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    np.testing.assert_allclose(engine.run({"x": x})["y"], np.maximum(x.reshape(3, 1, 1, 5), 0))
