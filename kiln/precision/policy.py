@@ -95,7 +95,7 @@ def requested(name: str, op_type: str, output_dtypes: Iterable, options: Precisi
     if op_type in INT8_LAYERS or op_type in QDQ_OPS:
         return "INT8"
     if options.best:
-        return "BF16"   # INT8 only where the model's Q/DQ gives scales (above); FP16 has no kernel of kiln's
+        return "BF16"   # INT8 only where the model's Q/DQ gives scales (above); BF16 beats FP16 where both are
     float_out = any(np.dtype(d).kind == "f" for d in output_dtypes)
     if options.int8 and (op_type in INT8_CAPABLE or float_out):
         return "INT8"   # --int8 allows INT8 everywhere, as TensorRT's flag does; kiln says where it was not given

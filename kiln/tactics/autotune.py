@@ -4,6 +4,7 @@ cost its neighbours; logs trtexec-style timing tables and the reason."""
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.errors import ModelError
 from kiln.tactics.base import ANY, HWC, LINEAR, LayerView, Tactic, tactic_value
 from kiln.tactics.clock import WALL_CLOCK, Clock, elapsed_ms
 from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
@@ -149,24 +151,9 @@ class Autotuner:
                 pending.append(t)
             else:
                 times[t.name] = cached
-        runners = []
-        for t in pending:
-            if self.on_timing is not None:
-                self.on_timing(f"{t.name} for {self.current}")
-            view = views[t.name]
-            kernel = t.prepare(view)
-            wanted = t.input_formats(view)
-            # a layout-agnostic kernel is timed on the layout its producer really delivers
-            xs = [None if (s is None or i in view.const_inputs) else
-                  example_input(s, view.input_dtypes[i], (have_formats[i] or LINEAR) if wanted[i] == ANY else wanted[i])
-                  for i, s in enumerate(view.input_shapes)]
-            into = getattr(kernel, "into_input", None)
-            if into is not None and into[0] in dying:
-                kernel = into[1]   # the plan will run it over the dying input's buffer: time it that way
-            runners.append((t, lambda kernel=kernel, xs=xs: kernel(xs), xs, []))
+        runners = [r for r in (self._runner(t, views[t.name], have_formats, dying, times) for t in pending) if r]
         with torch.inference_mode():
-            for t, fn, _, _ in runners:
-                fn()   # first call: lazy initialisation, not timed
+            runners = [r for r in runners if self._first_call(r, times)]   # lazy initialisation, not timed
             for _ in range(self.options.min_timing):   # interleave candidates so drift hits all alike
                 for t, fn, xs, rounds in runners:
                     rounds.append(statistics.median(self.evictor.time_ms(fn, xs, self.options.avg_timing, self.clock))
@@ -176,6 +163,40 @@ class Autotuner:
             times[t.name] = robust_ms(rounds)
             self.cache.put(signatures[t.name], t.name, times[t.name])
         return times
+
+    def _runner(self, t: Tactic, view: LayerView, have_formats: list[str | None], dying: frozenset[int],
+                times: dict[str, float]):
+        """(tactic, a call on example inputs, the inputs, its rounds), or None where preparing the kernel fails."""
+        if self.on_timing is not None:
+            self.on_timing(f"{t.name} for {self.current}")
+        try:
+            kernel = t.prepare(view)
+        except RuntimeError as exc:
+            return self._skip(t, exc, times)
+        wanted = t.input_formats(view)
+        # a layout-agnostic kernel is timed on the layout its producer really delivers
+        xs = [None if (s is None or i in view.const_inputs) else
+              example_input(s, view.input_dtypes[i], (have_formats[i] or LINEAR) if wanted[i] == ANY else wanted[i])
+              for i, s in enumerate(view.input_shapes)]
+        into = getattr(kernel, "into_input", None)
+        if into is not None and into[0] in dying:
+            kernel = into[1]   # the plan will run it over the dying input's buffer: time it that way
+        return t, lambda: kernel(xs), xs, []
+
+    def _first_call(self, runner, times: dict[str, float]) -> bool:
+        try:
+            runner[1]()
+            return True
+        except RuntimeError as exc:
+            self._skip(runner[0], exc, times)
+            return False
+
+    def _skip(self, t: Tactic, exc: Exception, times: dict[str, float]) -> None:
+        """TensorRT's "Skipping tactic ... due to failure": a kernel the library refuses here (torch's oneDNN
+        without the ISA it needs, say) is left out of this layer's race with a warning, never cached."""
+        log.warning("Skipping tactic %s for %s: it failed here (%s)", t.name, self.current,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        times[t.name] = math.inf
 
     def _signature(self, view: LayerView, have_formats: list[str | None], precision: str,
                    dying: frozenset[int]) -> str:
@@ -209,6 +230,8 @@ class Autotuner:
         times = self._measure(views, tactics, signatures, have_formats, dying)
         best: Choice | None = None
         for t in tactics:
+            if math.isinf(times[t.name]):   # failed here (_skip warned)
+                continue
             runner = runner_names.get(t.name, t.source)
             wanted = t.input_formats(view)
             reformat = sum(self.reformat_ms(view.input_shapes[i], view.input_dtypes[i], w)
@@ -227,6 +250,9 @@ class Autotuner:
             total = times[t.name] + reformat + convert + handover
             if best is None or total < (best.kernel_ms + best.overhead_ms) * (1 - self.costs.preference_margin):
                 best = Choice(t, times[t.name], reformat + convert + handover, times)
+        if best is None:
+            raise ModelError(f"every tactic for layer '{name}' failed on this CPU ({', '.join(times)}); the build log's "
+                             f"warnings say why")
         log.debug(log_lines.chose_runner(runner_names.get(best.tactic.name, best.tactic.source),
                                          tactic_value(best.tactic.name)))
         others = ", ".join(f"{k} {v:g} ms" for k, v in times.items() if k != best.tactic.name)

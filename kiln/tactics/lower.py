@@ -4,6 +4,8 @@ its producer gives, and a Region node (a run of nodes one library runs) becomes 
 from __future__ import annotations
 
 import dataclasses
+import math
+
 import numpy as np
 import torch
 
@@ -139,10 +141,11 @@ class Lowering:
         if reduced and reduced not in reduced_precisions(choice.tactic):
             fastest = min((t for t in found if reduced in reduced_precisions(t)),
                           key=lambda t: choice.timings_ms[t.name])
-            self.precisions[node.name] = PrecisionDecision(
-                decision.requested, native, f"the {native} kernel {choice.tactic.name} timed faster "
-                f"({choice.timings_ms[choice.tactic.name]:.4g} ms{extra_cost(choice.overhead_ms)} against "
-                f"{choice.timings_ms[fastest.name]:.4g} ms for {fastest.name})")
+            why = f"its {reduced} kernels failed on this CPU (the build log's warnings say how)" \
+                if math.isinf(choice.timings_ms[fastest.name]) else \
+                f"the {native} kernel {choice.tactic.name} timed faster ({choice.timings_ms[choice.tactic.name]:.4g} " \
+                f"ms{extra_cost(choice.overhead_ms)} against {choice.timings_ms[fastest.name]:.4g} ms for {fastest.name})"
+            self.precisions[node.name] = PrecisionDecision(decision.requested, native, why)
         return choice.tactic
 
     def storage_guess(self, node: Node, decision: PrecisionDecision) -> StorageGuess:

@@ -1,6 +1,7 @@
 """oneDNN convolution through torch: channel-major (NHWC) activations, weights prepacked once at load,
 bias, residual sum and activation fused as post-ops (`torch.ops.mkldnn._convolution_pointwise`). The BF16 variant
-computes in bfloat16 (AMX or AVX512-BF16) with FP32 tensors in and out: the conversions are fused into the kernel."""
+computes in bfloat16 (AMX or AVX512-BF16) with FP32 tensors in and out: the conversions are fused into the kernel.
+The FP16 variant likewise in float16 where the CPU has AVX512-FP16 (torch's oneDNN needs it for FP16 weights)."""
 from __future__ import annotations
 
 import torch
@@ -49,6 +50,12 @@ def finisher(post: dict | None, out_dtype: str):
             y = apply_activation(post, y.float())
         return [y if y.dtype == out else y.to(out)]
     return finish
+
+
+def fp16_available() -> bool:
+    """Native FP16 arithmetic here (AVX512-FP16) and a oneDNN that uses it (torch refuses FP16 weights elsewhere)."""
+    return hardware.has_any(hardware.FP16_ISA) and torch.backends.mkldnn.is_available() and \
+        torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 def bf16_available() -> bool:
@@ -141,3 +148,19 @@ class Bf16Variant:
 
 class OneDnnBf16ConvTactic(Bf16Variant, OneDnnConvTactic):
     name = "onednn.conv2d_nhwc_prepacked_bf16"
+
+
+class Fp16Variant:
+    """Mixin for a oneDNN tactic: the same kernel computing in FP16 (AVX512-FP16), offered only where the CPU has
+    it; FP32 tensors in and out (the plan stores no fp16 between layers), the conversions fused into the kernel."""
+
+    compute_dtype = torch.float16
+    reduced_precisions = frozenset({"FP16"})
+    required_isa = hardware.FP16_ISA
+
+    def supports(self, layer: LayerView) -> bool:
+        return super().supports(layer) and fp16_available()
+
+
+class OneDnnFp16ConvTactic(Fp16Variant, OneDnnConvTactic):
+    name = "onednn.conv2d_nhwc_prepacked_fp16"

@@ -3,7 +3,7 @@ prepacked once into oneDNN's blocked layout, bias and activation fused (`torch.o
 
 A classifier's 2048x1000 FC inside ResNet-50, its weights coming from memory: 0.27 ms against 0.43 ms for
 torch's `linear` on the plain matrix (0.08 against 0.13 ms with hot caches). The BF16 variant computes in bfloat16
-with FP32 tensors in and out (conversions fused into the kernel)."""
+with FP32 tensors in and out (conversions fused into the kernel), the FP16 variant in float16 on AVX512-FP16."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import math
 import torch
 
 from kiln.tactics.base import LINEAR, Kernel, LayerView
-from kiln.tactics.onednn_conv import Bf16Variant, casts, finisher, fused_unary
+from kiln.tactics.onednn_conv import Bf16Variant, Fp16Variant, casts, finisher, fused_unary
 
 
 def linear_weight(layer: LayerView) -> torch.Tensor:
@@ -81,3 +81,7 @@ class OneDnnLinearTactic:
 
 class OneDnnBf16LinearTactic(Bf16Variant, OneDnnLinearTactic):
     name = "onednn.linear_prepacked_bf16"
+
+
+class OneDnnFp16LinearTactic(Fp16Variant, OneDnnLinearTactic):
+    name = "onednn.linear_prepacked_fp16"

@@ -12,9 +12,9 @@ from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, Mat
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
 from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
-from kiln.tactics.onednn_conv import OneDnnBf16ConvTactic, OneDnnConvTactic
+from kiln.tactics.onednn_conv import OneDnnBf16ConvTactic, OneDnnConvTactic, OneDnnFp16ConvTactic
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
-from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTactic
+from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import NhwcPoolTactic
@@ -29,11 +29,12 @@ from kiln.tactics.winograd import WinogradConvTactic
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
                                               WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic(),
                                               Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
-                                              DirectConvAmxTactic()],
+                                              DirectConvAmxTactic(), OneDnnFp16ConvTactic()],
                                      "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                              MatMulGemmBf16Tactic(), MatMulGemmAmxTactic()],
+                                              MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()],
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                                MatMulGemmBf16Tactic(), MatMulGemmAmxTactic()],
+                                                MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(),
+                                                OneDnnFp16LinearTactic()],
                                      "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
                                      "Resize": [NhwcResizeTactic()],

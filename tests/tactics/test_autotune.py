@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from kiln.tactics.autotune import Autotuner, TimingOptions
+from kiln.errors import ModelError
+from kiln.tactics.autotune import Autotuner, TimingOptions, layer_signature
 from kiln.tactics.base import LINEAR, LayerView
 from kiln.tactics.clock import FakeClock
 from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
@@ -238,3 +239,37 @@ def test_bf16_io_kernels_are_timed_on_bf16_and_the_others_pay_the_conversions(ca
     # only the input arrives in bf16: one conversion leaves the FP32 kernel ahead (0.9 ms against 1.0)
     choice, _ = race(StorageGuess(frozenset({0})))
     assert choice.tactic.name == "fp32" and choice.overhead_ms == pytest.approx(0.1)
+
+
+class FailingTactic(FakeTactic):
+    """Refused by its library here: at prepare, or at its first call."""
+
+    def __init__(self, name, when):
+        super().__init__(name, "torch-onednn")
+        self.when = when
+
+    def prepare(self, layer):
+        if self.when == "prepare":
+            raise RuntimeError("mkldnn_reorder_conv2d_weight: fp16 path needs the cpu support avx512_fp16")
+
+        def run(xs):
+            raise RuntimeError("could not create a primitive")
+        return run
+
+
+@pytest.mark.parametrize("when", ["prepare", "first call"])
+def test_a_tactic_that_fails_here_is_skipped_with_a_warning_and_not_cached(when, caplog):
+    clock, cache = FakeClock(), TimingCache({"device": "test"})
+    tactics = [FailingTactic("fp16", when), BurstyTactic("fp32", clock, steady_ms=5.0)]
+    with caplog.at_level(logging.WARNING, logger="kiln.build"):
+        choice = Autotuner(cache, TimingOptions(avg_timing=1, min_timing=1), clock=clock).choose(
+            "conv", VIEW, tactics, [LINEAR], {})
+    assert choice.tactic.name == "fp32" and choice.timings_ms["fp16"] == float("inf")
+    assert "Skipping tactic fp16 for layer 'conv': it failed here (" in caplog.text
+    assert cache.get(layer_signature(VIEW, [LINEAR]), "fp16") is None   # tried again next build
+
+
+def test_a_layer_whose_every_tactic_fails_is_a_model_error():
+    with pytest.raises(ModelError, match="every tactic for layer 'conv' failed on this CPU"):
+        Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=1, min_timing=1)).choose(
+            "conv", VIEW, [FailingTactic("fp16", "prepare")], [LINEAR], {})
