@@ -66,8 +66,8 @@ def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, 
     if budget is None or not any(l.precision in REDUCED_FLOATS for l in lowered.layers):
         return lowered, None
 
-    def relower(decisions: dict[str, PrecisionDecision]) -> Lowering:
-        again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision)
+    def relower(decisions: dict[str, PrecisionDecision]) -> Lowering:   # the other layers keep their kernels
+        again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision, lowered.picked)
         again.run()
         return again
     inputs = budget_batches(g, options, 1)[0]

@@ -61,12 +61,16 @@ class Lowering:
     """Walks the optimized graph in order, choosing tactics and inserting Reformat layers between layouts."""
 
     def __init__(self, g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
-                 precisions: dict[str, PrecisionDecision] | None = None, strict_precision: bool = True):
+                 precisions: dict[str, PrecisionDecision] | None = None, strict_precision: bool = True,
+                 pinned: dict[str, str] | None = None):
         """`strict_precision` (--precision-constraints prefer/obey): a layer granted a reduced precision runs one
         of its kernels; otherwise (TensorRT's default) the precision is allowed, not required, and its kernels
-        race the native precision's, the winner deciding the layer's granted precision."""
+        race the native precision's, the winner deciding the layer's granted precision. `pinned`: node -> the
+        tactic an earlier lowering picked (`picked`), kept wherever it is still a candidate (the accuracy budget's
+        trials change only the layers they keep in FP32, not the kernels a new timing round would pick)."""
         self.g, self.sources, self.tuner, self.precisions = g, sources, tuner, dict(precisions or {})
-        self.strict_precision = strict_precision
+        self.strict_precision, self.pinned = strict_precision, dict(pinned or {})
+        self.picked: dict[str, str] = {}
         self.node_layers: dict[str, tuple[int, int]] = {}   # node -> its layers' [start, end) in `layers`
         self.layers: list[Layer] = []
         self.weights: dict[str, np.ndarray] = {}
@@ -134,6 +138,9 @@ class Lowering:
             found += [t for t in candidates(view, self.sources) if t not in found]
         if self.tuner is None or len(found) == 1 or runtime_shape_inputs(node):
             return found[0]   # shape arithmetic on dynamic axes: random timing inputs would be meaningless
+        pinned = next((t for t in found if t.name == self.pinned.get(node.name)), None)
+        if pinned is not None:
+            return pinned
         have = [None if v is None or v.is_const else self.formats[v.name] for v in node.inputs]
         names = {t.name: runner_name(t.name, t.source, node.op_type) for t in found}
         choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), decision.granted,
@@ -214,6 +221,7 @@ class Lowering:
             return
         view = node_view(node, self.g.opset)
         tactic = self.pick(node, view)
+        self.picked[node.name] = tactic.name
         args, in_descs, in_formats = self.wire_inputs(node, tactic.input_formats(view))
         out_format = tactic.output_format(view, in_formats)
         outs = []

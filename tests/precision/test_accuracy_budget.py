@@ -188,3 +188,40 @@ def test_the_search_finds_the_fewest_kept_layers_from_below(passing, want):
     found = fewest_that_pass(10, attempt)
     assert found == (None if want is None else (want, f"plan keeping {want}"))
     assert len(tried) == len(set(tried))
+
+
+def many_branches(n: int = 16) -> onnx.ModelProto:
+    """y = x @ Wbig + sum of `n` small branches x_i @ W_i (inputs of their own, so they do not merge): only the big
+    branch's BF16 error matters."""
+    h, vi = helper.make_node, helper.make_tensor_value_info
+    nodes = [h("MatMul", ["x", "wbig"], ["big_out"], name="big")]
+    inits = [init("wbig", rand((64, 64), 1) * 100)]
+    for i in range(n):
+        nodes.append(h("MatMul", [f"x{i}", f"w{i}"], [f"s{i}"], name=f"small{i}"))
+        inits.append(init(f"w{i}", rand((64, 64), 10 + i) * 0.01))
+    nodes.append(h("Sum", ["big_out"] + [f"s{i}" for i in range(n)], ["y"], name="sum"))
+    inputs = [vi(name, TensorProto.FLOAT, [8, 64]) for name in ["x"] + [f"x{i}" for i in range(n)]]
+    return make_model(nodes, inputs, [vi("y", TensorProto.FLOAT, [8, 64])], inits)
+
+
+def test_when_single_kernel_sensitivity_misleads_each_layer_is_measured_relowered(caplog, bf16_kernels,
+                                                                                    monkeypatch):
+    """Swapping one kernel keeps the bf16 tensors around it, so a layer whose harm is the tensor it writes looks
+    harmless (BERT's first Q/K/V projection ranked last, and the search kept all 86 layers). Here the misranking is
+    forced: the big branch ranked least sensitive. The search then needs every layer, so kiln measures each layer
+    re-lowered alone in FP32 and keeps just the big one."""
+    from kiln.planning import accuracy
+
+    real = accuracy.sensitivity
+
+    def misleading(*args):   # l2 with a layer reverted: lower is better, so the highest ranks last
+        scores = real(*args)
+        return {name: (max(scores.values()) + 1.0 if name == "big" else score) for name, score in scores.items()}
+    monkeypatch.setattr(accuracy, "sensitivity", misleading)
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    engine = kiln.build(many_branches(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
+                        autotune=False)
+    kept = [l.name for l in engine.plan.layers if l.precision_reason.startswith("accuracy budget")]
+    assert kept == ["big"]
+    assert "measuring each layer re-lowered alone in FP32" in caplog.text
+    assert "Accuracy budget l2:0.0005: 1 of 17 reduced-precision layers kept in FP32" in caplog.text

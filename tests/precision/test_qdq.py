@@ -34,23 +34,27 @@ def calibration_reader(name: str, shape: tuple[int, ...], batches: int, uniform:
     return Reader()
 
 
-@pytest.fixture(scope="module")
-def qdq_resnet(tmp_path_factory):
+def quantized_resnet18(folder, quant_format: str) -> tuple[str, str]:
+    """(quantized, pre-processed FP32) paths of a 64x64 ResNet-18 through onnxruntime's quantize_static in
+    `quant_format` ("QDQ" or "QOperator"): per-channel s8 weights, u8 activations."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from tests.models.nets import export, make
 
-    folder = tmp_path_factory.mktemp("qdq")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         export(make("resnet18"), torch.randn(1, 3, 64, 64), folder / "fp32.onnx", "legacy")
-
     quant_pre_process(str(folder / "fp32.onnx"), str(folder / "pre.onnx"))
-    quantize_static(str(folder / "pre.onnx"), str(folder / "qdq.onnx"), calibration_reader("input", (1, 3, 64, 64), 4),
-                    quant_format=QuantFormat.QDQ,
+    quantize_static(str(folder / "pre.onnx"), str(folder / "quantized.onnx"),
+                    calibration_reader("input", (1, 3, 64, 64), 4), quant_format=QuantFormat[quant_format],
                     per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
-    return str(folder / "qdq.onnx")
+    return str(folder / "quantized.onnx"), str(folder / "pre.onnx")
+
+
+@pytest.fixture(scope="module")
+def qdq_resnet(tmp_path_factory):
+    return quantized_resnet18(tmp_path_factory.mktemp("qdq"), "QDQ")[0]
 
 
 def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_resnet, caplog):

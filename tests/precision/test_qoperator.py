@@ -3,37 +3,22 @@ QLinearGlobalAveragePool, QGemm) build onto kiln's own INT8 kernels, as their Q/
 nodes' names, and match onnxruntime's own execution of the model."""
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 
 import numpy as np
 import onnx
 import pytest
-import torch
 
 import kiln
 from tests.conftest import cosine, run_ort
-from tests.precision.test_qdq import calibration_reader
+from tests.precision.test_qdq import quantized_resnet18
 
 KILN_ONLY = "-openvino,-onnxruntime"
 
 
 @pytest.fixture(scope="module")
 def qoperator_resnet(tmp_path_factory):
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from tests.models.nets import export, make
-
-    folder = tmp_path_factory.mktemp("qoperator")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export(make("resnet18"), torch.randn(1, 3, 64, 64), folder / "fp32.onnx", "legacy")
-    quant_pre_process(str(folder / "fp32.onnx"), str(folder / "pre.onnx"))
-    quantize_static(str(folder / "pre.onnx"), str(folder / "qop.onnx"), calibration_reader("input", (1, 3, 64, 64), 4),
-                    quant_format=QuantFormat.QOperator, per_channel=True, activation_type=QuantType.QUInt8,
-                    weight_type=QuantType.QInt8)
-    return str(folder / "qop.onnx"), str(folder / "pre.onnx")
+    return quantized_resnet18(tmp_path_factory.mktemp("qoperator"), "QOperator")
 
 
 def test_qoperator_resnet_runs_on_kilns_int8_kernels_and_matches_onnxruntime(qoperator_resnet):
