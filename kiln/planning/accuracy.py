@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -91,11 +91,14 @@ class BudgetReport:
     reduced_layers: tuple[str, ...]
     kept_fp32: tuple[str, ...]
     sensitivity: dict[str, float]
+    origins: dict[str, tuple[str, ...]] = field(default_factory=dict)   # reduced layer -> its ONNX nodes
+    granted: dict[str, str] = field(default_factory=dict)   # reduced layer -> its precision in kiln's plan
 
     def to_dict(self) -> dict:
         return {"budget": self.budget, "score_before": self.score_before, "score_after": self.score_after,
                 "reduced_layers": list(self.reduced_layers), "kept_fp32": list(self.kept_fp32),
-                "sensitivity": dict(self.sensitivity)}
+                "sensitivity": dict(self.sensitivity), "origins": {k: list(v) for k, v in self.origins.items()},
+                "granted": dict(self.granted)}
 
 
 Relower = Callable[[dict[str, PrecisionDecision]], Lowering]
@@ -110,7 +113,7 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
     if not reduced or budget.met(score):
         log.info("Accuracy budget %s met: %s %.8g with %d reduced-precision layers", budget.text(), budget.metric,
                  score, len(reduced))
-        return lowered, BudgetReport(budget.text(), score, score, tuple(reduced), (), {})
+        return lowered, BudgetReport(budget.text(), score, score, tuple(reduced), (), {}, *_described(lowered, reduced))
     if obey:
         raise ModelError(f"the plan misses the accuracy budget {budget.text()} ({budget.metric} {score:.6g}) and "
                          "--precision-constraints obey forbids keeping layers in FP32; relax the budget or the "
@@ -135,7 +138,16 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
     high, best, kept = found
     log.info("Accuracy budget %s: %d of %d reduced-precision layers kept in FP32 (%s %.8g -> %.8g): %s",
              budget.text(), len(kept), len(reduced), budget.metric, score, best[1], ", ".join(kept))
-    return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), reverted)
+    return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), reverted,
+                                 *_described(best[0], reduced))
+
+
+def _described(lowered: Lowering, names: list[str]) -> tuple[dict, dict]:
+    """(ONNX nodes, granted precision) of each named layer of kiln's plan: `kiln debug precision` answers from
+    them even where the whole-plan race then picks an external library's region."""
+    layers = {l.name: l for l in lowered.layers}
+    return ({n: tuple(layers[n].origin) for n in names if n in layers},
+            {n: layers[n].precision for n in names if n in layers})
 
 
 def fewest_kept(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyBudget, inputs: dict,

@@ -70,12 +70,13 @@ def debug_precision(model: str | os.PathLike | onnx.ModelProto, **build_options)
         raise ModelError("no layer was granted a reduced precision, so there is nothing to search: ask for one "
                          "(--bf16, --best, --layer-precisions) on a CPU with the kernels for it (see the build log "
                          "for each layer's reason)")
-    layers = {l.name: l for l in engine.plan.layers}
+    # kiln's plan as the budget left it (the engine may run an external region that won the whole-plan race)
     kept = set(report["kept_fp32"])
     ranked = report["kept_fp32"] + sorted(set(report["reduced_layers"]) - kept,
                                           key=lambda n: report["reduced_layers"].index(n))
-    verdicts = tuple(NodeVerdict(name, tuple(layers[name].origin), name in kept, report["sensitivity"].get(name),
-                                 layers[name].precision) for name in ranked)
+    verdicts = tuple(NodeVerdict(name, tuple(report["origins"].get(name, ())), name in kept,
+                                 report["sensitivity"].get(name), report["granted"].get(name, ""))
+                     for name in ranked)
     return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts)
 
 

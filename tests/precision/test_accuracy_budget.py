@@ -145,6 +145,29 @@ def test_debug_precision_names_the_onnx_nodes_to_keep_in_fp32(tmp_path):
     assert {l["layer"]: l["keep_fp32"] for l in doc["layers"]} == {"big": True, "small": False}
 
 
+def test_debug_precision_answers_when_an_external_region_wins_the_race(monkeypatch):
+    """The whole-plan race may replace kiln's plan by one OpenVINO or onnxruntime region (ResNet-18 did, and
+    `kiln debug precision` failed with a KeyError on the first layer): the answer comes from kiln's plan as the
+    budget left it, recorded in the build info."""
+    import dataclasses
+
+    import kiln.tools.debug_precision as tool
+
+    build = kiln.build
+
+    def region_wins(model, **options):
+        engine = build(model, **options)
+        only = dataclasses.replace(engine.plan.layers[0], name="{ForeignNode[big...sum]}", origin=("big", "small"))
+        engine.plan = dataclasses.replace(engine.plan, layers=(only,))
+        return engine
+    monkeypatch.setattr(kiln, "build", region_wins)
+    report = tool.debug_precision(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
+                                  autotune=False)
+    assert report.keep_fp32_nodes == ("big",)
+    assert [(v.layer, v.onnx_nodes, v.keep_fp32, v.granted) for v in report.verdicts] == [
+        ("big", ("big",), True, "FP32"), ("small", ("small",), False, "BF16")]
+
+
 def test_debug_precision_without_a_reduced_precision_layer_says_why(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(two_branch(), path)
