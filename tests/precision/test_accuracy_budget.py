@@ -227,20 +227,26 @@ def many_branches(n: int = 16) -> onnx.ModelProto:
     return make_model(nodes, inputs, [vi("y", TensorProto.FLOAT, [8, 64])], inits)
 
 
+def rank_big_last(monkeypatch) -> None:
+    """Single-kernel sensitivity misled on purpose: the big branch ranked least sensitive (l2 with a layer
+    reverted: lower is better, so the highest ranks last)."""
+    from kiln.planning import accuracy
+
+    real = accuracy.sensitivity
+
+    def misleading(*args):
+        scores = real(*args)
+        return {name: (max(scores.values()) + 1.0 if name == "big" else score) for name, score in scores.items()}
+    monkeypatch.setattr(accuracy, "sensitivity", misleading)
+
+
 def test_when_single_kernel_sensitivity_misleads_each_layer_is_measured_relowered(caplog, bf16_kernels,
                                                                                     monkeypatch):
     """Swapping one kernel keeps the bf16 tensors around it, so a layer whose harm is the tensor it writes looks
     harmless (BERT's first Q/K/V projection ranked last, and the search kept all 86 layers). Here the misranking is
     forced: the big branch ranked least sensitive. The search then needs every layer, so kiln measures each layer
     re-lowered alone in FP32 and keeps just the big one."""
-    from kiln.planning import accuracy
-
-    real = accuracy.sensitivity
-
-    def misleading(*args):   # l2 with a layer reverted: lower is better, so the highest ranks last
-        scores = real(*args)
-        return {name: (max(scores.values()) + 1.0 if name == "big" else score) for name, score in scores.items()}
-    monkeypatch.setattr(accuracy, "sensitivity", misleading)
+    rank_big_last(monkeypatch)
     caplog.set_level(logging.INFO, logger="kiln.build")
     engine = kiln.build(many_branches(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
                         autotune=False)
@@ -248,3 +254,26 @@ def test_when_single_kernel_sensitivity_misleads_each_layer_is_measured_relowere
     assert kept == ["big"]
     assert "measuring each layer re-lowered alone in FP32" in caplog.text
     assert "Accuracy budget l2:0.0005: 1 of 17 reduced-precision layers kept in FP32" in caplog.text
+
+
+def test_the_exact_ranking_stops_at_its_time_limit(caplog, bf16_kernels, monkeypatch):
+    """Re-lowering every layer of a large model could take minutes: past EXACT_RANKING_S the layers not yet measured
+    keep their single-kernel score (here none is measured, so the misled search's answer stands)."""
+    from kiln.planning import accuracy
+
+    rank_big_last(monkeypatch)
+    monkeypatch.setattr(accuracy, "EXACT_RANKING_S", 0)
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    engine = kiln.build(many_branches(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
+                        autotune=False)
+    assert "Accuracy budget: 0 of 17 layers measured re-lowered within 0 s" in caplog.text
+    kept = [l.name for l in engine.plan.layers if l.precision_reason.startswith("accuracy budget")]
+    assert len(kept) == 17 and relative_l2_of(engine) < 5e-4   # every branch kept: correct, not the fewest
+
+
+def relative_l2_of(engine) -> float:
+    rng = np.random.default_rng(7)
+    model = many_branches()
+    feeds = {i.name: rng.standard_normal((8, 64)).astype(np.float32) for i in model.graph.input}
+    got, want = engine.run(feeds)["y"].astype(np.float64), run_ort(model, feeds)[0].astype(np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
