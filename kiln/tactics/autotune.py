@@ -251,8 +251,8 @@ class Autotuner:
             if best is None or total < (best.kernel_ms + best.overhead_ms) * (1 - self.costs.preference_margin):
                 best = Choice(t, times[t.name], reformat + convert + handover, times)
         if best is None:
-            raise ModelError(f"every tactic for layer '{name}' failed on this CPU ({', '.join(times)}); the build log's "
-                             f"warnings say why")
+            raise ModelError(f"every tactic for layer '{name}' failed on this CPU ({', '.join(times)}); the build "
+                             f"log's warnings say why")
         log.debug(log_lines.chose_runner(runner_names.get(best.tactic.name, best.tactic.source),
                                          tactic_value(best.tactic.name)))
         others = ", ".join(f"{k} {v:g} ms" for k, v in times.items() if k != best.tactic.name)

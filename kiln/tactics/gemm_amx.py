@@ -5,8 +5,9 @@ packed once as bf16 and multiplied by every weight panel; the weights are packed
 padded to whole 32-value tile steps.
 
 Offered only where the CPU reports AMX-BF16, Linux grants the process AMX state, and a self-check GEMM agrees
-with the AVX512-BF16 kernel (`amx_usable`), run in a child process with its verdict cached (kiln.native.selfcheck). A loaded engine whose CPU lacks any of these runs the layer on the
-AVX512-BF16 sibling (`fallback_tactic`) with one warning. The autotuner times both, and oneDNN's, per layer.
+with the AVX512-BF16 kernel (`amx_usable`), run in a child process with its verdict cached (kiln.native.selfcheck).
+A loaded engine whose CPU lacks any of these runs the layer on the AVX512-BF16 sibling (`fallback_tactic`) with
+one warning. The autotuner times both, and oneDNN's, per layer.
 Tested on CPUs without AMX through gemm.c compiled with -DKILN_AMX_EMULATE (amx.h's tile operations in C)."""
 from __future__ import annotations
 

@@ -148,10 +148,11 @@ class Lowering:
         if reduced and reduced not in reduced_precisions(choice.tactic):
             fastest = min((t for t in found if reduced in reduced_precisions(t)),
                           key=lambda t: choice.timings_ms[t.name])
+            times = choice.timings_ms
             why = f"its {reduced} kernels failed on this CPU (the build log's warnings say how)" \
-                if math.isinf(choice.timings_ms[fastest.name]) else \
-                f"the {native} kernel {choice.tactic.name} timed faster ({choice.timings_ms[choice.tactic.name]:.4g} " \
-                f"ms{extra_cost(choice.overhead_ms)} against {choice.timings_ms[fastest.name]:.4g} ms for {fastest.name})"
+                if math.isinf(times[fastest.name]) else \
+                f"the {native} kernel {choice.tactic.name} timed faster ({times[choice.tactic.name]:.4g} ms" \
+                f"{extra_cost(choice.overhead_ms)} against {times[fastest.name]:.4g} ms for {fastest.name})"
             self.precisions[node.name] = PrecisionDecision(decision.requested, native, why)
         return choice.tactic
 

@@ -48,8 +48,8 @@ def test_convolutions_read_the_batch_per_call(tactic, view, rtol):
     assert tactic.supports(view)
     kernel = tactic.prepare(view)
     bf16 = rtol is None
-    formula = dataclasses.replace(view, const_inputs={**view.const_inputs, 1: view.const_inputs[1].bfloat16().float()}) \
-        if bf16 else view
+    rounded = {**view.const_inputs, 1: view.const_inputs[1].bfloat16().float()}
+    formula = dataclasses.replace(view, const_inputs=rounded) if bf16 else view
     for n in BATCHES:
         xs = batch(view, n)
         got = kernel(xs)[0]
