@@ -196,3 +196,30 @@ def qgemm(attrs, xs):
     if len(xs) > 7 and xs[7] is not None:
         return [quantize(y, xs[7], _zp(xs, 8), xs[8].dtype if len(xs) > 8 and xs[8] is not None else torch.uint8)]
     return [y]
+
+
+@register_ms("QLinearSoftmax", OpKind.REDUCTION)
+def qlinear_softmax(attrs, xs):
+    """X, x_scale, x_zp, y_scale, y_zp; `opset` < 13 is the old form: softmax over the axes from `axis` on."""
+    x = dequantize(xs[0], xs[1], _zp(xs, 2))
+    axis = attrs.get("axis", -1) % max(x.dim(), 1)
+    if attrs.get("opset", 13) < 13 and axis != x.dim() - 1:
+        y = torch.softmax(x.reshape(*x.shape[:axis], -1), dim=-1).reshape(x.shape)
+    else:
+        y = torch.softmax(x, dim=axis)
+    return [quantize(y, xs[3], _zp(xs, 4), xs[4].dtype if len(xs) > 4 and xs[4] is not None else xs[0].dtype)]
+
+
+@register_ms("QLinearAveragePool", OpKind.REDUCTION)
+def qlinear_average_pool(attrs, xs):
+    """X, x_scale, x_zp, y_scale, y_zp, AveragePool's attributes; channels_last=1: NHWC in and out."""
+    from kiln.ops.registry import OPS
+
+    x = dequantize(xs[0], xs[1], _zp(xs, 2))
+    nhwc = bool(attrs.get("channels_last", 0))
+    if nhwc:
+        x = x.movedim(-1, 1)
+    y = OPS["AveragePool"].impl({k: v for k, v in attrs.items() if k != "channels_last"}, [x])[0]
+    if nhwc:
+        y = y.movedim(1, -1)
+    return [quantize(y, xs[3], _zp(xs, 4), xs[0].dtype)]

@@ -1,10 +1,10 @@
 """QOperator-format INT8 (onnxruntime's `quantize_static(..., quant_format=QuantFormat.QOperator)`: QLinearConv,
-QLinearMatMul, and com.microsoft's QGemm, QLinearAdd, QLinearMul, QLinearGlobalAveragePool, QLinearConcat,
-QLinearSigmoid, QLinearLeakyRelu) unfolded into the Q/DQ form the quantization passes fuse: DequantizeLinear on each
-INT8 input, the float op, QuantizeLinear on its output (an int32 bias becomes the float bias it stands for). A
-QLinearConv followed by a QLinearAdd then becomes one INT8 convolution with its residual fused, on kiln's own INT8
-kernels, as in a Q/DQ model; before, each op ran dequantize -> FP32 -> quantize in torch. TensorRT reads only the
-Q/DQ form; kiln takes both.
+QLinearMatMul, and com.microsoft's QGemm, QLinearAdd, QLinearMul, QLinearGlobalAveragePool, QLinearAveragePool,
+QLinearConcat, QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax) unfolded into the Q/DQ form the quantization
+passes fuse: DequantizeLinear on each INT8 input, the float op, QuantizeLinear on its output (an int32 bias becomes
+the float bias it stands for). A QLinearConv followed by a QLinearAdd then becomes one INT8 convolution with its
+residual fused, on kiln's own INT8 kernels, as in a Q/DQ model; before, each op ran dequantize -> FP32 -> quantize
+in torch. TensorRT reads only the Q/DQ form; kiln takes both.
 
 Every node the unfolding makes keeps the QOperator node as its origin, so layer info still names the ONNX node."""
 from __future__ import annotations
@@ -40,6 +40,8 @@ UNFOLDINGS = {
     ("QLinearGlobalAveragePool", MS): Unfolding("GlobalAveragePool", ((0, 1, 2),), (3, 4)),
     ("QLinearSigmoid", MS): Unfolding("Sigmoid", ((0, 1, 2),), (3, 4)),
     ("QLinearLeakyRelu", MS): Unfolding("LeakyRelu", ((0, 1, 2),), (3, 4)),
+    ("QLinearSoftmax", MS): Unfolding("Softmax", ((0, 1, 2),), (3, 4)),
+    ("QLinearAveragePool", MS): Unfolding("AveragePool", ((0, 1, 2),), (3, 4)),
 }
 
 
@@ -56,6 +58,11 @@ def _unfolding(node: Node) -> Unfolding | None:
 def _blocker(node: Node, spec: Unfolding) -> str | None:
     if node.attrs.get("channels_last", 0):
         return "channels_last=1 (NHWC) is not unfolded"
+    if node.op_type == "QLinearSoftmax" and node.attrs.get("opset", 13) < 13 and \
+            node.attrs.get("axis", -1) % len(node.inputs[0].shape) != len(node.inputs[0].shape) - 1:
+        return "opset < 13 softmax over several axes (Softmax-13 takes one)"
+    if node.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET", ""):
+        return "auto_pad is not unfolded (explicit pads are)"
     if node.op_type == "QGemm" and float(node.attrs.get("alpha", 1.0)) != 1.0:
         return "alpha != 1: the int32 bias's scale is then ambiguous"
     bias = _arg(node, spec.bias) if spec.bias is not None else None
@@ -87,7 +94,7 @@ def _unfold(g: Graph, node: Node, spec: Unfolding) -> None:
     out = node.outputs[0]
     quantized = _arg(node, spec.output[0]) is not None
     y = _like(g, out, f"{out.name}_float") if quantized else out
-    attrs = {k: v for k, v in node.attrs.items() if k != "channels_last"}
+    attrs = {k: v for k, v in node.attrs.items() if k not in ("channels_last", "opset")}
     g.remove_node(node)
     new.append(Node(node.name, spec.float_op, inputs, [y], attrs, "", node.origin))
     if quantized:

@@ -72,3 +72,19 @@ def test_what_cannot_unfold_faithfully_stays_with_the_reason():
     assert [n.op_type for n in g.nodes] == ["QLinearGlobalAveragePool"]
     assert run.stat.matches == 0
     assert any("gap: QLinearGlobalAveragePool stays as it is: channels_last=1" in line for line in run.lines)
+
+
+def test_an_old_softmax_over_several_axes_stays_and_a_new_one_unfolds():
+    for opset, axis, unfolded in [(11, 1, False), (11, 2, True), (13, 1, True)]:
+        b = IRBuilder()
+        x = b.input("x", (2, 3, 4), np.uint8)
+        xs, xz = scalars(b, "x", 0.5, 0)
+        ys, yz = scalars(b, "y", 1 / 256, 0)
+        y = b.node("QLinearSoftmax", [x, xs, xz, ys, yz], "y", (2, 3, 4), name="softmax", domain=MS, axis=axis,
+                   opset=opset)
+        g = b.graph(y)
+        run_pass(g, "QOperatorUnfolding", unfold_qoperators)
+        ops = [n.op_type for n in g.nodes]
+        assert ops == (["DequantizeLinear", "Softmax", "QuantizeLinear"] if unfolded else ["QLinearSoftmax"])
+        if unfolded:
+            assert g.nodes[1].attrs == {"axis": axis}   # opset is the QOperator node's, not Softmax's

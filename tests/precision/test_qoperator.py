@@ -53,3 +53,67 @@ def test_without_unfolding_the_qoperator_nodes_run_as_they_are_and_layer_info_de
     pool = next(l for l in layers.values() if "GlobalAveragePool" in l["Name"])
     assert pool["LayerType"] == "Pooling" and pool["WindowSize"] == [2, 2] and pool["PoolingType"] == "AVERAGE"
     assert sum(l.get("TacticName") == "torch.reference" for l in layers.values()) >= 29   # dequantize, FP32, quantize
+
+
+def test_a_qoperator_encoder_with_qlinear_softmax_builds_and_matches_onnxruntime(tmp_path):
+    """quantize_static in QOperator format on a BERT-shaped encoder writes com.microsoft QLinearSoftmax (kiln once
+    refused the whole model for it), QLinearMatMul, QLinearAdd and QLinearMul: all unfold into Q/DQ."""
+    import warnings
+
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    from tests.models import encoders
+
+    model = encoders.make("bert")
+    feeds = encoders.inputs(model, 1, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        encoders.export(model, feeds, tmp_path / "fp32.onnx", "legacy")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([dict(feeds)])
+
+        def get_next(self):
+            return next(self.batches, None)
+    quantize_static(str(tmp_path / "fp32.onnx"), str(tmp_path / "qop.onnx"), Reader(),
+                    quant_format=QuantFormat.QOperator, per_channel=True)
+    ops = Counter(n.op_type for n in onnx.load(tmp_path / "qop.onnx").graph.node)
+    assert ops["QLinearSoftmax"] and ops["QLinearMatMul"] and ops["QLinearAdd"]
+    engine = kiln.build(str(tmp_path / "qop.onnx"), int8=True, tactic_sources=KILN_ONLY, autotune=False)
+    assert not [l for l in engine.plan.layers if l.op_type.startswith("QLinear")]   # every one unfolded
+    got, want = engine.run(feeds), run_ort(str(tmp_path / "qop.onnx"), feeds)
+    for name, ref in zip(engine.output_names, want):
+        assert cosine(got[name], ref) > 0.9999
+
+
+def single_node(op: str, attrs: dict, shape: list[int], y_scale: float, y_zero: int) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    inits = [helper.make_tensor("xs", TensorProto.FLOAT, [], [0.05]),
+             helper.make_tensor("xz", TensorProto.UINT8, [], [128]),
+             helper.make_tensor("ys", TensorProto.FLOAT, [], [y_scale]),
+             helper.make_tensor("yz", TensorProto.UINT8, [], [y_zero])]
+    node = helper.make_node(op, ["x", "xs", "xz", "ys", "yz"], ["y"], domain="com.microsoft", name="q", **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    return model
+
+
+@pytest.mark.parametrize("op, attrs, shape, y_scale, y_zero", [
+    ("QLinearAveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, [1, 4, 9, 9], 0.05,
+     128),
+    ("QLinearAveragePool", {"kernel_shape": [2, 2], "strides": [2, 2], "channels_last": 1}, [1, 8, 8, 4], 0.05, 128),
+    ("QLinearSoftmax", {"axis": -1, "opset": 13}, [2, 3, 5], 1 / 256, 0),
+    ("QLinearSoftmax", {"axis": 1, "opset": 11}, [2, 3, 5], 1 / 256, 0),   # the old form: axes 1 and 2 together
+], ids=["avgpool", "avgpool_nhwc", "softmax", "softmax_opset11"])
+@pytest.mark.parametrize("unfold", [True, False], ids=["unfolded", "as_is"])
+def test_qlinear_pooling_and_softmax_match_onnxruntime(op, attrs, shape, y_scale, y_zero, unfold):
+    model = single_node(op, attrs, shape, y_scale, y_zero)
+    x = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    engine = kiln.build(model, autotune=False, **({} if unfold else {"disable_pass": "QOperatorUnfolding"}))
+    got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
+    assert got.shape == want.shape and np.abs(got.astype(int) - want.astype(int)).max() <= 1   # one rounding step
