@@ -88,7 +88,7 @@ def unfold_qoperators(g: Graph, plog: PassLog) -> None:
 
 def _unfold(g: Graph, node: Node, spec: Unfolding) -> None:
     at, new = g.nodes.index(node), []
-    inputs = [_dequantized(g, node, i, triple, new) for i, triple in enumerate(spec.inputs)]
+    inputs = [_dequantized(g, node, spec.float_op, i, triple, new) for i, triple in enumerate(spec.inputs)]
     if spec.bias is not None and _arg(node, spec.bias) is not None:
         inputs.append(_float_bias(g, node, spec))
     out = node.outputs[0]
@@ -111,7 +111,8 @@ def _like(g: Graph, v: Value, name: str, dtype: np.dtype = FLOAT) -> Value:
     return out
 
 
-def _dequantized(g: Graph, node: Node, index: int, triple: tuple[int, int, int], new: list[Node]) -> Value:
+def _dequantized(g: Graph, node: Node, float_op: str, index: int, triple: tuple[int, int, int],
+                 new: list[Node]) -> Value:
     """Input `triple` of `node` as a float value: a DequantizeLinear node (per-channel along the axis its scale
     runs: Conv weights' output channels, a MatMul's or Gemm's columns)."""
     x, scale, zp = (_arg(node, i) for i in triple)
@@ -119,7 +120,7 @@ def _dequantized(g: Graph, node: Node, index: int, triple: tuple[int, int, int],
     if scale.shape and int(np.prod(scale.shape)) > 1 and index == 1:
         rank = len(x.shape)
         attrs["axis"] = {"Conv": 0, "Gemm": 0 if node.attrs.get("transB", 0) else 1}.get(
-            _unfolding(node).float_op, rank - 1)
+            float_op, rank - 1)
     out = _like(g, x, f"{x.name}_dequantized")
     new.append(Node(f"{node.name} [DequantizeLinear {index}]", "DequantizeLinear", [x, scale] + ([zp] if zp else []),
                     [out], attrs, "", node.origin))

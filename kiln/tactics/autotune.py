@@ -172,7 +172,8 @@ class Autotuner:
         try:
             kernel = t.prepare(view)
         except RuntimeError as exc:
-            return self._skip(t, exc, times)
+            self._skip(t, exc, times)
+            return None
         wanted = t.input_formats(view)
         # a layout-agnostic kernel is timed on the layout its producer really delivers
         xs = [None if (s is None or i in view.const_inputs) else
@@ -209,9 +210,9 @@ class Autotuner:
             signature = digest({"cold_weights": signature})
         return signature
 
-    def _conversions_ms(self, view: LayerView, stored: StorageGuess, t: Tactic) -> float:
-        """The bf16 <-> FP32 passes choosing `t` would cost its neighbours (`stored`: what they would store)."""
-        _, widen, narrow = stored.timing_view(view, t)
+    def _conversions_ms(self, view: LayerView, stored: StorageGuess, widen: tuple[int, ...], narrow: bool) -> float:
+        """The bf16 <-> FP32 passes a tactic's choice would cost its neighbours: the guessed bf16 inputs it would
+        widen and, with `narrow`, its output rounded for readers that store it in bf16 (StorageGuess.timing_view)."""
         return (sum(self.convert_ms(view.input_shapes[i], "float32") for i in widen)
                 + (self.convert_ms(stored.output_shape, BF16) if narrow else 0.0))
 
@@ -223,7 +224,8 @@ class Autotuner:
         `precision`: the layer's granted precision (part of the timing cache's key). `stored`: the bf16 tensors
         expected around the layer: kernels that read or write them so are timed doing it, the others are charged
         the conversions."""
-        views = {t.name: stored.timing_view(view, t)[0] for t in tactics}
+        timing = {t.name: stored.timing_view(view, t) for t in tactics}   # (view, inputs to widen, narrow output)
+        views = {name: seen[0] for name, seen in timing.items()}
         signatures = {t.name: self._signature(views[t.name], have_formats, precision, dying) for t in tactics}
         self.current = f"layer '{name}'"
         log.debug(log_lines.computing_costs(name))
@@ -237,7 +239,7 @@ class Autotuner:
             reformat = sum(self.reformat_ms(view.input_shapes[i], view.input_dtypes[i], w)
                            for i, (w, have) in enumerate(zip(wanted, have_formats))
                            if have is not None and w not in (ANY, have) and len(view.input_shapes[i]) == 4)
-            convert = self._conversions_ms(view, stored, t)
+            convert = self._conversions_ms(view, stored, *timing[t.name][1:])
             handover = self.costs.handover_ms.get(t.source, 0.0)
             log.debug(log_lines.timing_runner(name, runner))
             log.debug(log_lines.tactic_time(t.name, tactic_value(t.name), times[t.name]))

@@ -34,28 +34,42 @@ pack_amx_pairs = functools.partial(pack_bf16_pairs, k_multiple=TILE_BYTES // 2)
 pack_amx_segments = functools.partial(pack_bf16_segments, k_multiple=TILE_BYTES // 2)
 
 
+def amx_offered(kind: str, isas: tuple[tuple[str, ...], ...], library: str, ready: str, module: str) -> bool:
+    """Whether kiln's AMX `kind` kernels may be offered: every one of `isas` here (each any of its names), Linux
+    granting this process AMX state (`library`'s `ready` function), and their self-check passing in a child
+    process (`python -m module`, kiln.native.selfcheck); a warning names whichever failed."""
+    if not all(hardware.has_any(isa) for isa in isas) or not native.available():
+        return False
+    if not getattr(native.library(library), ready)():
+        log.warning("this CPU has AMX-%s but Linux did not grant this process AMX state (arch_prctl "
+                    "ARCH_REQ_XCOMP_PERM failed): kiln's AMX %s kernels are not offered", kind, kind)
+        return False
+    verdict = selfcheck.verdict(library, module)
+    if not verdict.passed:
+        log.warning("kiln's AMX %s kernels failed their self-check (%s): they are not offered", kind, verdict.detail)
+    return verdict.passed
+
+
+def child_check(library: str, ready: str, check) -> tuple[bool, str]:
+    """A self-check as its child process runs it: AMX state requested for this process, then `check()`."""
+    if not getattr(native.library(library), ready)():
+        return False, "Linux did not grant the self-check process AMX state"
+    return check()
+
+
 @functools.lru_cache(maxsize=None)
 def amx_usable() -> bool:
     """AMX-BF16 here, granted to this process, and agreeing with the AVX512-BF16 kernel on a self-check GEMM."""
-    if not hardware.has_any(AMX_ISA) or not hardware.has_any(BF16_DOT_ISA) or not native.available():
-        return False
-    if not native.library("gemm").kiln_amx_ready():
-        log.warning("this CPU has AMX-BF16 but Linux did not grant this process AMX state (arch_prctl "
-                    "ARCH_REQ_XCOMP_PERM failed): kiln's AMX kernels are not offered")
-        return False
-    verdict = selfcheck.verdict("gemm", "kiln.tactics.gemm_amx")
-    if not verdict.passed:
-        log.warning("kiln's AMX BF16 kernels failed their self-check (%s): they are not offered", verdict.detail)
-    return verdict.passed
+    return amx_offered("BF16", (AMX_ISA, BF16_DOT_ISA), "gemm", "kiln_amx_ready", "kiln.tactics.gemm_amx")
 
 
 def self_check() -> tuple[bool, str]:
     """The self-check as kiln.native.selfcheck runs it, in a child process (a fault there costs only the AMX
-    tactics): AMX state granted, then `self_check_error` within 1e-4."""
-    if not native.library("gemm").kiln_amx_ready():
-        return False, "Linux did not grant the self-check process AMX state"
-    error = self_check_error()
-    return error <= 1e-4, f"max relative difference {error:.3g} from the AVX512-BF16 GEMM (at most 1e-4 passes)"
+    tactics): `self_check_error` within 1e-4."""
+    def within() -> tuple[bool, str]:
+        error = self_check_error()
+        return error <= 1e-4, f"max relative difference {error:.3g} from the AVX512-BF16 GEMM (at most 1e-4 passes)"
+    return child_check("gemm", "kiln_amx_ready", within)
 
 
 def self_check_error() -> float:

@@ -11,19 +11,16 @@ sibling with one warning. Tested on CPUs without AMX through qgemm.c compiled wi
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-from kiln import hardware, native
 from kiln.native import selfcheck
 from kiln.tactics.base import LayerView
-from kiln.tactics.gemm_amx import TILE_BYTES, AmxVariant
+from kiln.tactics.gemm_amx import TILE_BYTES, AmxVariant, amx_offered, child_check
 from kiln.tactics.qgemm_c import (
     QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads, pack_segments,
 )
 
-log = logging.getLogger("kiln.tactics")
 AMX_INT8_ISA = ("amx_int8",)
 # The VNNI kernels' packing with every k range (a kernel row's segment for a convolution) padded to whole
 # 64-byte tile steps: [n/32][kq][32][4] s8.
@@ -45,26 +42,16 @@ def self_check_view() -> tuple[LayerView, torch.Tensor]:
 @functools.lru_cache(maxsize=None)
 def amx_int8_usable() -> bool:
     """AMX-INT8 here, granted to this process, and giving the VNNI kernel's exact bytes on a self-check."""
-    if not hardware.has_any(AMX_INT8_ISA) or not hardware.has_any(("avx512_vnni",)) or not native.available():
-        return False
-    if not native.library("qgemm").kiln_amx_int8_ready():
-        log.warning("this CPU has AMX-INT8 but Linux did not grant this process AMX state (arch_prctl "
-                    "ARCH_REQ_XCOMP_PERM failed): kiln's AMX INT8 kernels are not offered")
-        return False
-    verdict = selfcheck.verdict("qgemm", "kiln.tactics.qgemm_amx")
-    if not verdict.passed:
-        log.warning("kiln's AMX INT8 kernels failed their self-check (%s): they are not offered", verdict.detail)
-    return verdict.passed
+    return amx_offered("INT8", (AMX_INT8_ISA, ("avx512_vnni",)), "qgemm", "kiln_amx_int8_ready",
+                       "kiln.tactics.qgemm_amx")
 
 
 def self_check() -> tuple[bool, str]:
-    """The self-check as kiln.native.selfcheck runs it, in a child process: AMX state granted, then
-    `self_check_passes`."""
-    if not native.library("qgemm").kiln_amx_int8_ready():
-        return False, "Linux did not grant the self-check process AMX state"
-    if not self_check_passes():
-        return False, "its bytes differ from the VNNI GEMM's"
-    return True, "the VNNI GEMM's bytes exactly"
+    """The self-check as kiln.native.selfcheck runs it, in a child process: `self_check_passes`."""
+    def exact() -> tuple[bool, str]:
+        passed = self_check_passes()
+        return passed, "the VNNI GEMM's bytes exactly" if passed else "its bytes differ from the VNNI GEMM's"
+    return child_check("qgemm", "kiln_amx_int8_ready", exact)
 
 
 def self_check_passes() -> bool:

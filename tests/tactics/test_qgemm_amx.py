@@ -14,7 +14,7 @@ from kiln.tactics.qgemm_amx import (
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads
 from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
 from tests.tactics.test_qgemm_c import (
-    CONV_CASES, assert_requantized_equal, assert_spread, conv_formula, linear_formula, linear_view, needs_vnni,
+    CONV_CASES, assert_requantized_equal, assert_spread, conv_formula, linear_case, linear_formula, needs_vnni,
     qconv_view, quant, rand_q, run,
 )
 
@@ -79,11 +79,7 @@ def test_residual_relu_and_fp32_out_equal_the_vnni_kernel(kh, out, amx_int8_kern
     ("QMatMul", (2, 40, 48), 0, ("int8", -1, 0.03), ("uint8", 128, 0.05)),   # two row blocks per image
     ("QMatMul", (13, 130), 0, ("uint8", 200, 0.02), None)])                  # k past one 64-byte step; FP32 out
 def test_quantized_linear_equals_the_vnni_kernel(op, x_shape, trans_b, x, y, amx_int8_kernels):
-    g = torch.Generator().manual_seed(4)
-    k, n = x_shape[-1], 70
-    w = torch.randint(-127, 128, (n, k) if trans_b else (k, n), generator=g, dtype=torch.int8)
-    xs = rand_q(x_shape, x[0], g)
-    view = linear_view(op, x_shape, w, quant(n, x, y, axis=0 if trans_b else 1), trans_b)
+    view, xs = linear_case(op, x_shape, trans_b, x, y)
     assert QLinearGemmAmxTactic().supports(view)
     got = run(QLinearGemmAmxTactic(), view, [xs, None, None])
     assert torch.equal(got, run(QLinearGemmTactic(), view, [xs, None, None]))

@@ -213,6 +213,15 @@ def linear_formula(view, x):
     return requantize((y + view.const_inputs[2]).float(), q)
 
 
+def linear_case(op, x_shape, trans_b, x, y, n=70):
+    """A QGemm/QMatMul view by s8 weights of `n` columns (per-column scales) and its quantized input."""
+    g = torch.Generator().manual_seed(4)
+    k = x_shape[-1]
+    w = torch.randint(-127, 128, (n, k) if trans_b else (k, n), generator=g, dtype=torch.int8)
+    xs = rand_q(x_shape, x[0], g)
+    return linear_view(op, x_shape, w, quant(n, x, y, axis=0 if trans_b else 1), trans_b), xs
+
+
 @needs_vnni
 @pytest.mark.parametrize("op,x_shape,trans_b,x,y", [
     ("QGemm", (7, 64), 1, ("uint8", 3, 0.02), ("uint8", 5, 0.05)),       # rows not a multiple of 6
@@ -220,14 +229,10 @@ def linear_formula(view, x):
     ("QMatMul", (2, 5, 48), 0, ("int8", -1, 0.03), ("uint8", 128, 0.05)),
     ("QMatMul", (13, 30), 0, ("uint8", 200, 0.02), None)])               # FP32 out
 def test_quantized_linear_matches_its_formula_and_onednn(op, x_shape, trans_b, x, y):
-    g = torch.Generator().manual_seed(4)
-    k, n = x_shape[-1], 70
-    w = torch.randint(-127, 128, (n, k) if trans_b else (k, n), generator=g, dtype=torch.int8)
-    xs = rand_q(x_shape, x[0], g)
-    view = linear_view(op, x_shape, w, quant(n, x, y, axis=0 if trans_b else 1), trans_b)
+    view, xs = linear_case(op, x_shape, trans_b, x, y)
     assert QLinearGemmTactic().supports(view)
     got = run(QLinearGemmTactic(), view, [xs, None, None])
-    assert got.shape == (*x_shape[:-1], n)
+    assert got.shape == (*x_shape[:-1], 70)
     for want in [linear_formula(view, xs)] + ([run(OneDnnInt8LinearTactic(), view, [xs, None, None])]
                                               if int8_available() else []):
         if y is None:

@@ -10,6 +10,7 @@
 #define KILN_AMX_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define AMX_TILE_ROWS 16    /* rows of a tile */
@@ -134,6 +135,26 @@ static inline AmxSplit amx_split(int64_t batch, int64_t m, int64_t n, int64_t th
   s.per_group = (s.panels + s.groups - 1) / s.groups;
   s.units = row_units * s.groups;
   return s;
+}
+
+/* One thread's share of an AMX kernel's parallel region: its packed block (AMX_BLOCK_ROWS rows of `lda` four-byte
+   groups), the block's 32-bit sums (32 x 32, FP32 or int32), `pad_bytes` for a border window's zero-padded copy,
+   and its tiles configured (amx_worker_begin) until amx_worker_end releases all of it. */
+typedef struct { uint32_t* rows; void* sums; void* pad; } AmxWorker;
+
+static inline AmxWorker amx_worker_begin(int64_t lda, size_t pad_bytes) {
+  const AmxWorker w = {(uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda),
+                       aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * AMX_BLOCK_COLS),
+                       pad_bytes ? malloc(pad_bytes) : 0};
+  amx_begin();
+  return w;
+}
+
+static inline void amx_worker_end(AmxWorker* w) {
+  amx_end();
+  free(w->pad);
+  free(w->sums);
+  free(w->rows);
 }
 
 /* Unit u: batch item p, rows [r0, r0 + mr), panels [nb0, nb1) (empty where the groups outnumber the panels). */

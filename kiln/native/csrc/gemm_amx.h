@@ -44,9 +44,9 @@ void kiln_gemm_bf16_amx(const void* restrict a, int64_t a_batch, int64_t row_wid
   const int a_bf16 = (io & IO_A_BF16) != 0;
   #pragma omp parallel
   {
-    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
-    float* out = (float*)aligned_alloc(64, sizeof(float) * AMX_BLOCK_ROWS * NR);
-    amx_begin();
+    AmxWorker worker = amx_worker_begin(lda, 0);
+    uint32_t* pa = worker.rows;
+    float* out = (float*)worker.sums;
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
@@ -59,9 +59,7 @@ void kiln_gemm_bf16_amx(const void* restrict a, int64_t a_batch, int64_t row_wid
       amx_panels(pa, kq, t.mr, b + t.p * b_batch, t.nb0, t.nb1, n, out, c, t.p * c_batch + t.r0 * n, n, bias, res,
                  act, io);
     }
-    amx_end();
-    free(out);
-    free(pa);
+    amx_worker_end(&worker);
   }
 }
 
@@ -76,10 +74,10 @@ void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w,
   const size_t elem = a_bf16 ? sizeof(uint16_t) : sizeof(float);
   #pragma omp parallel
   {
-    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
-    float* out = (float*)aligned_alloc(64, sizeof(float) * AMX_BLOCK_ROWS * NR);
-    void* pad = malloc(elem * seg);
-    amx_begin();
+    AmxWorker worker = amx_worker_begin(lda, elem * seg);
+    uint32_t* pa = worker.rows;
+    float* out = (float*)worker.sums;
+    void* pad = worker.pad;
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
@@ -93,10 +91,7 @@ void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w,
       }
       amx_panels(pa, kq, t.mr, b, t.nb0, t.nb1, cout, out, y, (t.p * m + t.r0) * cout, cout, bias, res, act, io);
     }
-    amx_end();
-    free(pad);
-    free(out);
-    free(pa);
+    amx_worker_end(&worker);
   }
 }
 

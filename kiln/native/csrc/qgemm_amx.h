@@ -44,9 +44,9 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
   const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
   #pragma omp parallel
   {
-    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
-    int32_t* out = (int32_t*)aligned_alloc(64, sizeof(int32_t) * AMX_BLOCK_ROWS * NR);
-    amx_begin();
+    AmxWorker worker = amx_worker_begin(lda, 0);
+    uint32_t* pa = worker.rows;
+    int32_t* out = (int32_t*)worker.sums;
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
@@ -60,9 +60,7 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
       qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, n, out, (uint8_t*)c + at * esize,
                   res ? (const uint8_t*)res + at : 0, n, &g->e);
     }
-    amx_end();
-    free(out);
-    free(pa);
+    amx_worker_end(&worker);
   }
 }
 
@@ -74,10 +72,10 @@ void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* r
   const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
   #pragma omp parallel
   {
-    uint32_t* pa = (uint32_t*)aligned_alloc(64, sizeof(uint32_t) * AMX_BLOCK_ROWS * lda);
-    int32_t* out = (int32_t*)aligned_alloc(64, sizeof(int32_t) * AMX_BLOCK_ROWS * NR);
-    uint8_t* pad = (uint8_t*)malloc((size_t)seg);
-    amx_begin();
+    AmxWorker worker = amx_worker_begin(lda, (size_t)seg);
+    uint32_t* pa = worker.rows;
+    int32_t* out = (int32_t*)worker.sums;
+    uint8_t* pad = (uint8_t*)worker.pad;
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
@@ -94,10 +92,7 @@ void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* r
       qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, cout, out, (uint8_t*)y + at * esize,
                   res ? (const uint8_t*)res + at : 0, cout, &g->e);
     }
-    amx_end();
-    free(pad);
-    free(out);
-    free(pa);
+    amx_worker_end(&worker);
   }
 }
 
