@@ -69,7 +69,13 @@ def test_residual_relu_and_fp32_out_equal_the_vnni_kernel(kh, out, amx_int8_kern
         view = qconv_view(tuple(x.shape), w, q, pads, act={"op": "Relu", "attrs": {}}, residual=True)
         xs = [x, None, None, r]
     amx, vnni = (QConvDirectAmxTactic(), QConvDirectTactic()) if kh == 3 else (QConvGemmAmxTactic(), QConvGemmTactic())
-    assert torch.equal(run(amx, view, xs), run(vnni, view, xs))
+    got = run(amx, view, xs)
+    assert torch.equal(got, run(vnni, view, xs))
+    want = conv_formula(view, x, xs[3] if out else None)   # and the formula: dequantized sum + residual, requantized
+    if out is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert_requantized_equal(got, want)
 
 
 @needs_vnni
