@@ -34,16 +34,11 @@ class LibrarySpec:
 
 
 LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
-    LibrarySpec("gemm", "gemm.c", (
-        Function("kiln_gemm", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
-                               I64, I64, I64, I64, I64)),
-        Function("kiln_gemm_bf16", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
-                                    I64, I64, I64, I64, I64, I64)),
-        Function("kiln_conv", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 2),
-        Function("kiln_conv_bf16", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 3),
-        Function("kiln_gemm_bf16_amx", (POINTER, I64, I64, I64, I64, POINTER, I64, POINTER, I64, POINTER, POINTER,
-                                        I64, I64, I64, I64, I64, I64)),
-        Function("kiln_conv_bf16_amx", (POINTER,) + (I64,) * 12 + (POINTER,) * 4 + (I64,) * 3),
+    LibrarySpec("gemm", "gemm.c", (   # the first argument: the layer's constants (kiln.tactics.gemm_c)
+        *(Function(name, (POINTER,) * 4 + (I64, I64))   # ..., batch, rows
+          for name in ("kiln_gemm", "kiln_gemm_bf16", "kiln_gemm_bf16_amx")),
+        *(Function(name, (POINTER,) * 4 + (I64,))   # ..., batch
+          for name in ("kiln_conv", "kiln_conv_bf16", "kiln_conv_bf16_amx")),
         Function("kiln_amx_ready", (), I64))),
     LibrarySpec("qgemm", "qgemm.c", (   # the first argument: the layer's constants (kiln.tactics.qgemm_c)
         Function("kiln_qgemm", (POINTER,) * 4 + (I64,)),

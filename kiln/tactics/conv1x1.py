@@ -7,6 +7,8 @@ descriptor set-up inside ideep: that matters in ResNet-50, which has 36 of these
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kiln import native
@@ -28,7 +30,7 @@ class Conv1x1GemmTactic:
     needs_c_compiler = True
     entry_point = "kiln_gemm"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
     pack = staticmethod(gemm_c.pack_weights)
-    entry_args = staticmethod(gemm_c.entry_args)
+    io_flags = staticmethod(gemm_c.no_io_flags)
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:
@@ -58,15 +60,16 @@ class Conv1x1GemmTactic:
         packed = self.pack(weight.reshape(cout, c).t().float())
         gemm = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        act, tail = gemm_c.activation_code(layer.attrs.get("activation")), self.entry_args(layer)
+        call = gemm_c.GemmCall(packed.data_ptr(), gemm_c.tensor_address(bias), a_batch=h * w * c, row_width=ow,
+                               col_step=sw * c, line_step=sh * w * c, c_batch=oh * ow * cout,
+                               act=gemm_c.activation_code(layer.attrs.get("activation")), k=c, n=cout,
+                               io=self.io_flags(layer))
+        call_ptr, m = ctypes.addressof(call), oh * ow
 
         def launch(x, out, res):
-            gemm(x.data_ptr(), h * w * c, ow, sw * c, sh * w * c, packed.data_ptr(), 0,
-                 out.data_ptr(), oh * ow * cout, bias_ptr, None if res is None else res.data_ptr(),
-                 act, x.shape[0], oh * ow, c, cout, *tail)
+            gemm(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0], m)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
                                  len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
                                  gemm_c.storage_dtype(layer.output_dtypes[0]))
-        run.constants = (packed, bias)   # read through raw pointers
+        run.constants = (packed, bias, call)   # read through raw pointers
         return run

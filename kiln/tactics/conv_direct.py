@@ -11,6 +11,8 @@ it must be the autotuner's margin faster to be chosen, and oneDNN stays the unti
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kiln import native
@@ -41,7 +43,7 @@ class DirectConvTactic:
     needs_c_compiler = True
     entry_point = "kiln_conv"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
     pack = staticmethod(pack_segments)
-    entry_args = staticmethod(gemm_c.entry_args)
+    io_flags = staticmethod(gemm_c.no_io_flags)
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or 1 not in layer.const_inputs:
@@ -73,14 +75,14 @@ class DirectConvTactic:
         packed = self.pack(weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout).float())
         conv = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        act, tail = gemm_c.activation_code(layer.attrs.get("activation")), self.entry_args(layer)
+        call = gemm_c.ConvCall(packed.data_ptr(), gemm_c.tensor_address(bias), h, w, c, kh, kw, sh, sw, pt, pl, oh, ow,
+                               gemm_c.activation_code(layer.attrs.get("activation")), cout, self.io_flags(layer))
+        call_ptr = ctypes.addressof(call)
 
         def launch(x, out, res):
-            conv(x.data_ptr(), x.shape[0], h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, packed.data_ptr(), out.data_ptr(),
-                 bias_ptr, None if res is None else res.data_ptr(), act, cout, *tail)
+            conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0])
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
                                  len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
                                  gemm_c.storage_dtype(layer.output_dtypes[0]))
-        run.constants = (packed, bias)   # read through raw pointers
+        run.constants = (packed, bias, call)   # read through raw pointers
         return run

@@ -46,12 +46,13 @@ def pack_bf16_segments(weight: torch.Tensor, k_multiple: int = 2) -> torch.Tenso
 IO_A_BF16, IO_C_BF16, IO_RES_BF16 = 1, 2, 4
 
 
-def io_flags(layer) -> tuple[int]:
-    """kiln_gemm_bf16's and kiln_conv_bf16's last argument, from the dtypes the plan stores the layer's tensors in."""
+def io_flags(layer) -> int:
+    """The `io` field of kiln_gemm_bf16's and kiln_conv_bf16's call structure, from the dtypes the plan stores the
+    layer's tensors in."""
     bf16 = "bfloat16"
     residual = len(layer.input_dtypes) > 3 and layer.input_dtypes[3] == bf16
     return ((IO_A_BF16 if layer.input_dtypes[0] == bf16 else 0) | (IO_C_BF16 if layer.output_dtypes[0] == bf16 else 0)
-            | (IO_RES_BF16 if residual else 0),)
+            | (IO_RES_BF16 if residual else 0))
 
 
 class Bf16Gemm:
@@ -63,7 +64,7 @@ class Bf16Gemm:
     required_isa = BF16_DOT_ISA
     entry_point = "kiln_gemm_bf16"
     pack = staticmethod(pack_bf16_pairs)
-    entry_args = staticmethod(io_flags)
+    io_flags = staticmethod(io_flags)
     bf16_inputs = frozenset({0, 3})
     writes_bf16 = True
 

@@ -16,6 +16,8 @@ torch.bmm (MKL) reaches 120-190.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kiln import native
@@ -68,9 +70,36 @@ def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_resid
     return run
 
 
-def entry_args(layer) -> tuple[int, ...]:
-    """The FP32 entry points' trailing arguments: none (the BF16 ones add the storage types, gemm_bf16)."""
-    return ()
+def no_io_flags(layer) -> int:
+    """The FP32 entry points' `io` field: every tensor FP32 (the BF16 ones read the plan's storage, gemm_bf16)."""
+    return 0
+
+
+_I64 = ctypes.c_int64
+ONE_LINE = 1 << 62   # a call structure's row_width for linear rows: all on one line, row r at r * col_step
+
+
+class GemmCall(ctypes.Structure):
+    """gemm.c's GemmCall, field by field: a GEMM layer's constants, built once at load, so a call converts four
+    pointers and two integers (ctypes spends ~0.1 µs an argument). Row r of item p of A starts at element
+    p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step."""
+
+    _fields_ = [("b", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                *((name, _I64) for name in ("a_batch", "row_width", "col_step", "line_step", "b_batch", "c_batch",
+                                            "act", "k", "n", "io"))]
+
+
+class ConvCall(ctypes.Structure):
+    """gemm.c's ConvCall: a direct convolution's constants, built once at load."""
+
+    _fields_ = [("b", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                *((name, _I64) for name in ("h", "w", "c", "kh", "kw", "sh", "sw", "pt", "pl", "oh", "ow", "act",
+                                            "cout", "io"))]
+
+
+def tensor_address(t: torch.Tensor | None) -> int | None:
+    """A constant's data pointer for a call structure (None for a missing bias)."""
+    return None if t is None else t.data_ptr()
 
 
 def storage_dtype(dtype: str | None) -> torch.dtype:

@@ -10,6 +10,8 @@ GFLOP/s), so kiln's GEMM is listed after oneDNN and must win the timing by the a
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kiln import native
@@ -26,7 +28,7 @@ class MatMulGemmTactic:
     needs_c_compiler = True
     entry_point = "kiln_gemm"                       # the BF16 variant (kiln.tactics.gemm_bf16) swaps these two
     pack = staticmethod(gemm_c.pack_weights)
-    entry_args = staticmethod(gemm_c.entry_args)
+    io_flags = staticmethod(gemm_c.no_io_flags)
 
     def supports(self, layer: LayerView) -> bool:
         if not by_constant_matrix(layer):
@@ -50,17 +52,17 @@ class MatMulGemmTactic:
         packed = self.pack(w.t().float())
         gemm = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(linear_bias(layer, n)[1], n)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        act, tail = gemm_c.activation_code(layer.attrs.get("activation")), self.entry_args(layer)
-        out_dtype = gemm_c.storage_dtype(layer.output_dtypes[0])
+        call = gemm_c.GemmCall(packed.data_ptr(), gemm_c.tensor_address(bias), row_width=gemm_c.ONE_LINE, col_step=k,
+                               act=gemm_c.activation_code(layer.attrs.get("activation")), k=k, n=n,
+                               io=self.io_flags(layer))
+        call_ptr, out_dtype = ctypes.addressof(call), gemm_c.storage_dtype(layer.output_dtypes[0])
 
         def run(xs):
             x = xs[0].contiguous()
             rows = x.numel() // k
             y = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
             if rows:
-                gemm(x.data_ptr(), 0, rows, k, 0, packed.data_ptr(), 0, y.data_ptr(), 0, bias_ptr, None, act, 1,
-                     rows, k, n, *tail)
+                gemm(call_ptr, x.data_ptr(), y.data_ptr(), None, 1, rows)
             return [y]
-        run.constants = (packed, bias)   # read through raw pointers
+        run.constants = (packed, bias, call)   # read through raw pointers
         return run

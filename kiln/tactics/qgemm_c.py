@@ -21,7 +21,7 @@ import torch
 from kiln import hardware, native
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
-from kiln.tactics.gemm_c import nhwc_kernel
+from kiln.tactics.gemm_c import ONE_LINE, nhwc_kernel
 from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _scales, linear_supported, \
     unsigned_input
 
@@ -43,7 +43,6 @@ class Epilogue(ctypes.Structure):
 
 
 I64 = ctypes.c_int64
-ONE_LINE = 1 << 62   # a GemmCall's row_width for linear rows: all on one line, row r at r * col_step
 
 
 class GemmCall(ctypes.Structure):

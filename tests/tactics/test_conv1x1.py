@@ -3,6 +3,8 @@ float64, partial register tiles and column panels included; it writes into a don
 a fresh buffer; it declines what it cannot run; a model forced onto source "kiln" matches onnxruntime."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,8 +116,9 @@ def test_batched_product_with_separate_weights_per_batch():
     packed = gemm_c.pack_weights(b)
     assert packed.shape == (batch, 3, k, gemm_c.PANEL)
     c = torch.full((batch, m, n), float("nan"))
-    native.library("gemm").kiln_gemm(a.data_ptr(), m * k, m, k, 0, packed.data_ptr(), packed[0].numel(), c.data_ptr(),
-                               m * n, None, None, 0, batch, m, k, n)
+    call = gemm_c.GemmCall(packed.data_ptr(), None, a_batch=m * k, row_width=m, col_step=k, b_batch=packed[0].numel(),
+                           c_batch=m * n, k=k, n=n)
+    native.library("gemm").kiln_gemm(ctypes.addressof(call), a.data_ptr(), c.data_ptr(), None, batch, m)
     torch.testing.assert_close(c, torch.bmm(a, b), rtol=1e-5, atol=1e-5)
 
 
@@ -154,8 +157,8 @@ def test_swish_in_the_store_matches_silu_over_the_whole_float_range():
         a = values[: values.numel() // n * n].reshape(-1, n)
         m = a.shape[0]
         c = torch.full((m, n), -1.0)
-        native.library("gemm").kiln_gemm(a.data_ptr(), m * n, m, n, 0, eye.data_ptr(), 0, c.data_ptr(), m * n, None, None,
-                                   2, 1, m, n, n)
+        call = gemm_c.GemmCall(eye.data_ptr(), None, row_width=m, col_step=n, act=2, k=n, n=n)
+        native.library("gemm").kiln_gemm(ctypes.addressof(call), a.data_ptr(), c.data_ptr(), None, 1, m)
         want = F.silu(a.double())
         finite = ~a.isnan()
         torch.testing.assert_close(c[finite].double(), want[finite], rtol=2e-6, atol=1e-30)

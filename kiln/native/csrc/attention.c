@@ -16,6 +16,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "parallel.h"
 #include "simd.h"
 
 #define MR 6           /* query rows per register tile */
@@ -30,7 +31,6 @@
 
 #define UNITS_PER_THREAD 4   /* split heads into query-row blocks until each thread has this many units... */
 #define MIN_BLOCK_TILES 8    /* ...but a block keeps 8 row tiles, so packing its head's K and V stays under ~20 % */
-#define PARALLEL_MACS 65536  /* below this many multiply-adds one thread runs the layer: waking others costs more */
 
 /* A layer's geometry, fixed per input shape (kiln.tactics.attention_c.AttnCall mirrors it field by field):
    element strides of Q [batch][heads][sq][d], K [..][sk][d], V [..][sk][dv], the mask [..][sq][sk] and the
@@ -255,11 +255,10 @@ static void run_units(const AttnCall* c, const void* q, const void* k, const voi
   const size_t q_size = c->flags & ATTN_Q_BF16 ? 2 : 4, k_size = c->flags & ATTN_K_BF16 ? 2 : 4;
   const size_t v_size = c->flags & ATTN_V_BF16 ? 2 : 4, o_size = c->flags & ATTN_OUT_BF16 ? 2 : 4;
   const int64_t macs = heads * c->sq * c->sk * (c->d + c->dv);
-  #pragma omp parallel if (macs >= PARALLEL_MACS)
-  {
+  MAYBE_PARALLEL(threads_pay(heads * blocks, macs), {
     Scratch w = scratch_new(c);
     int64_t packed = -1;
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < heads * blocks; ++u) {
       const int64_t bh = u / blocks, blk = u % blocks, b = bh / c->heads, h = bh % c->heads;
       if (packed != bh) {
@@ -278,7 +277,7 @@ static void run_units(const AttnCall* c, const void* q, const void* k, const voi
       }
     }
     scratch_free(&w);
-  }
+  });
 }
 
 void kiln_attention(const AttnCall* call, const void* q, const void* k, const void* v, const float* mask,

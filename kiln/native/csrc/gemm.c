@@ -6,46 +6,65 @@
 #include "window.h"
 #include "work_split.h"
 
-void kiln_gemm(const float* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-               const float* restrict b, int64_t b_batch, float* c, int64_t c_batch,
-               const float* restrict bias, const float* res, int64_t act,
-               int64_t batch, int64_t m, int64_t k, int64_t n) {
+/* A GEMM layer's constants (kiln.tactics.gemm_c.GemmCall), built once at load: a call passes only its tensors,
+   its batch and its row count, not a dozen integers for ctypes to convert (~1.2 us a call). Row r of item p
+   starts at a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step elements of A. */
+typedef struct {
+  const void* b;       /* packed weights: FP32 panels, or bf16 pairs for the BF16 entry points */
+  const float* bias;   /* padded to whole panels (pad_bias), or NULL */
+  int64_t a_batch, row_width, col_step, line_step, b_batch, c_batch, act, k, n, io;
+} GemmCall;
+
+/* A direct convolution's constants (kiln.tactics.gemm_c.ConvCall): input h x w x c, kernel kh x kw, strides, top
+   and left padding, output oh x ow x cout. */
+typedef struct {
+  const void* b;
+  const float* bias;
+  int64_t h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, act, cout, io;
+} ConvCall;
+
+void kiln_gemm(const GemmCall* g, const float* restrict a, float* c, const float* res, int64_t batch, int64_t m) {
+  const float* restrict b = g->b;
+  const float* restrict bias = g->bias;
+  const int64_t k = g->k, n = g->n, row_width = g->row_width, col_step = g->col_step, line_step = g->line_step;
   const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK;
   const int64_t units = panels * chunks, rows_outer = k * n * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
-  #pragma omp parallel for schedule(static)
-  for (int64_t q = 0; q < batch * units; ++q) {
-    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
-    const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
-    const float* bp = b + p * b_batch + nb * k * NR;
-    for (int64_t t = unit.first; t < unit.last; ++t) {
-      const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
-      const float* rows[MR];
-      for (int64_t i = 0; i < MR; ++i) {
-        const int64_t r = r0 + (i < mr ? i : 0);
-        rows[i] = a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+  MAYBE_PARALLEL(threads_pay(batch * units, batch * m * k * n), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t q = 0; q < batch * units; ++q) {
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
+      const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
+      const float* bp = b + p * g->b_batch + nb * k * NR;
+      for (int64_t t = unit.first; t < unit.last; ++t) {
+        const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+        const float* rows[MR];
+        for (int64_t i = 0; i < MR; ++i) {
+          const int64_t r = r0 + (i < mr ? i : 0);
+          rows[i] = a + p * g->a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+        }
+        const int64_t at = p * g->c_batch + r0 * n + nb * NR;
+        tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, g->act);
       }
-      const int64_t at = p * c_batch + r0 * n + nb * NR;
-      tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
     }
-  }
+  });
 }
 
 /* Direct convolution on NHWC input x[n][h][w][c] (dilation 1, one group): output pixel r of an image is a row
    of the GEMM, and kernel row s of its window is one segment of kw * c contiguous input floats. Windows that
    cross the border are copied into a per-thread buffer with zeros where the padding is. Weights are packed as
    for kiln_gemm from [kh][kw][c][cout]; the work split and the epilogue are kiln_gemm's. */
-void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
-               int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
-               const float* restrict b, float* y, const float* restrict bias, const float* res, int64_t act,
-               int64_t cout) {
+void kiln_conv(const ConvCall* g, const float* restrict x, float* y, const float* res, int64_t n) {
+  const float* restrict b = g->b;
+  const float* restrict bias = g->bias;
+  const int64_t h = g->h, w = g->w, c = g->c, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw, pt = g->pt, pl = g->pl;
+  const int64_t oh = g->oh, ow = g->ow, cout = g->cout;
   const int64_t m = oh * ow, seg = kw * c, panels = (cout + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kh * seg * cout * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(n * units, n * m * kh * seg * cout), {
     float* pad = (float*)malloc(sizeof(float) * MR * kh * seg);
     const float** rows = (const float**)malloc(sizeof(float*) * MR * kh);
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t q = 0; q < n * units; ++q) {
       const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, NR, rows_outer);
       const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
@@ -60,12 +79,12 @@ void kiln_conv(const float* restrict x, int64_t n, int64_t h, int64_t w, int64_t
                                               sizeof(float), 0);
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
-        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, act);
+        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, g->act);
       }
     }
     free(rows);
     free(pad);
-  }
+  });
 }
 
 /* BF16 products with FP32 accumulation (vdpbf16ps, AVX512-BF16): kiln_gemm's loops and epilogue, with B packed
@@ -189,60 +208,60 @@ static inline const void* at_elem(const void* base, int64_t at, int bf16) {
   return base ? (const char*)base + at * (bf16 ? sizeof(uint16_t) : sizeof(float)) : 0;
 }
 
-void kiln_gemm_bf16(const void* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-                    const uint32_t* restrict b, int64_t b_batch, void* c, int64_t c_batch,
-                    const float* restrict bias, const void* res, int64_t act,
-                    int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
+void kiln_gemm_bf16(const GemmCall* g, const void* restrict a, void* c, const void* res, int64_t batch, int64_t m) {
+  const uint32_t* restrict b = g->b;
+  const float* restrict bias = g->bias;
+  const int64_t k = g->k, n = g->n, io = g->io, row_width = g->row_width, col_step = g->col_step;
+  const int64_t line_step = g->line_step;
   const int64_t kp = (k + 1) / 2, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kp * n * (int64_t)sizeof(uint32_t) <= ROWS_OUTER_BYTES;
   const int a_bf16 = (io & IO_A_BF16) != 0;
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(batch * units, batch * m * k * n), {
     uint32_t* converted = (uint32_t*)malloc(sizeof(uint32_t) * MR * kp);
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t q = 0; q < batch * units; ++q) {
       const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
       const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
-      const uint32_t* bp = b + p * b_batch + nb * kp * NR;
+      const uint32_t* bp = b + p * g->b_batch + nb * kp * NR;
       for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         const uint32_t* rows[MR];
         for (int64_t i = 0; i < MR; ++i) {
           if (i < mr) {
             const int64_t r = r0 + i;
-            rows[i] = as_bf16_pairs(at_elem(a, p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step,
-                                            a_bf16), k, a_bf16, converted + i * kp);
+            const int64_t at = p * g->a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+            rows[i] = as_bf16_pairs(at_elem(a, at, a_bf16), k, a_bf16, converted + i * kp);
           } else {
             rows[i] = rows[0];   /* a partial tile repeats its first row */
           }
         }
-        const int64_t at = p * c_batch + r0 * n + nb * NR;
+        const int64_t at = p * g->c_batch + r0 * n + nb * NR;
         tile_bf16(rows, 1, mr, kp, bp, (void*)at_elem(c, at, io & IO_C_BF16), n, cols, bias ? bias + nb * NR : 0,
-                  at_elem(res, at, io & IO_RES_BF16), act, io);
+                  at_elem(res, at, io & IO_RES_BF16), g->act, io);
       }
     }
     free(converted);
-  }
+  });
 }
 /* kiln_conv in BF16: B packed as bf16 pairs per kernel row, [cout/32][kh][(kw * c + 1) / 2][32]; each window
    segment (read in place, or copied with zero padding at the border) is rounded to bf16 pairs as its tile
    starts, or used as it is where the input is bf16 already (IO_A_BF16, an even segment). */
-void kiln_conv_bf16(const void* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
-                    int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
-                    const uint32_t* restrict b, void* y, const float* restrict bias, const void* res, int64_t act,
-                    int64_t cout, int64_t io) {
+void kiln_conv_bf16(const ConvCall* g, const void* restrict x, void* y, const void* res, int64_t n) {
+  const uint32_t* restrict b = g->b;
+  const float* restrict bias = g->bias;
+  const int64_t h = g->h, w = g->w, c = g->c, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw, pt = g->pt, pl = g->pl;
+  const int64_t oh = g->oh, ow = g->ow, cout = g->cout, io = g->io;
   const int64_t m = oh * ow, seg = kw * c, segp = (seg + 1) / 2, panels = (cout + NR - 1) / NR;
   const int64_t tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kh * segp * cout * (int64_t)sizeof(uint32_t) <= ROWS_OUTER_BYTES;
   const int a_bf16 = (io & IO_A_BF16) != 0;
   const size_t elem = a_bf16 ? sizeof(uint16_t) : sizeof(float);
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(n * units, n * m * kh * seg * cout), {
     float* pad = (float*)malloc(sizeof(float) * seg);
     uint32_t* converted = (uint32_t*)malloc(sizeof(uint32_t) * MR * kh * segp);
     const uint32_t* rows[MR * 16];   /* kernel heights up to 16 (supports() checks) */
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t q = 0; q < n * units; ++q) {
       const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, NR, rows_outer);
       const int64_t p = unit.p, nb = unit.nb, cols = unit.cols;
@@ -261,43 +280,32 @@ void kiln_conv_bf16(const void* restrict x, int64_t n, int64_t h, int64_t w, int
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
         tile_bf16(rows, kh, mr, segp, bp, (void*)at_elem(y, at, io & IO_C_BF16), cout, cols,
-                  bias ? bias + nb * NR : 0, at_elem(res, at, io & IO_RES_BF16), act, io);
+                  bias ? bias + nb * NR : 0, at_elem(res, at, io & IO_RES_BF16), g->act, io);
       }
     }
     free(converted);
     free(pad);
-  }
+  });
 }
 #include "gemm_amx.h"
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers its BF16 tactics only where AVX512-BF16 is. */
-void kiln_gemm_bf16(const void* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-                    const uint32_t* b, int64_t b_batch, void* c, int64_t c_batch, const float* bias, const void* res,
-                    int64_t act, int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
-  (void)a; (void)a_batch; (void)row_width; (void)col_step; (void)line_step; (void)b; (void)b_batch; (void)c;
-  (void)c_batch; (void)bias; (void)res; (void)act; (void)batch; (void)m; (void)k; (void)n; (void)io;
+void kiln_gemm_bf16(const GemmCall* g, const void* a, void* c, const void* res, int64_t batch, int64_t m) {
+  (void)g; (void)a; (void)c; (void)res; (void)batch; (void)m;
   abort();   /* unreachable: no tactic calls it without AVX512-BF16 */
 }
 
-void kiln_conv_bf16(const void* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw, int64_t sh,
-                    int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow, const uint32_t* b, void* y,
-                    const float* bias, const void* res, int64_t act, int64_t cout, int64_t io) {
-  (void)x; (void)n; (void)h; (void)w; (void)c; (void)kh; (void)kw; (void)sh; (void)sw; (void)pt; (void)pl;
-  (void)oh; (void)ow; (void)b; (void)y; (void)bias; (void)res; (void)act; (void)cout; (void)io;
+void kiln_conv_bf16(const ConvCall* g, const void* x, void* y, const void* res, int64_t n) {
+  (void)g; (void)x; (void)y; (void)res; (void)n;
   abort();   /* unreachable, as above */
 }
 
-void kiln_gemm_bf16_amx(const void* a, int64_t a_batch, int64_t row_width, int64_t col_step, int64_t line_step,
-                        const uint32_t* b, int64_t b_batch, void* c, int64_t c_batch, const float* bias,
-                        const void* res, int64_t act, int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
-  kiln_gemm_bf16(a, a_batch, row_width, col_step, line_step, b, b_batch, c, c_batch, bias, res, act, batch, m, k, n,
-                 io);   /* aborts, as above: AMX CPUs all have AVX512-BF16 */
+void kiln_gemm_bf16_amx(const GemmCall* g, const void* a, void* c, const void* res, int64_t batch, int64_t m) {
+  kiln_gemm_bf16(g, a, c, res, batch, m);   /* aborts, as above: AMX CPUs all have AVX512-BF16 */
 }
 
-void kiln_conv_bf16_amx(const void* x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
-                        int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow, const uint32_t* b,
-                        void* y, const float* bias, const void* res, int64_t act, int64_t cout, int64_t io) {
-  kiln_conv_bf16(x, n, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, b, y, bias, res, act, cout, io);   /* aborts */
+void kiln_conv_bf16_amx(const ConvCall* g, const void* x, void* y, const void* res, int64_t n) {
+  kiln_conv_bf16(g, x, y, res, n);   /* aborts */
 }
 
 int64_t kiln_amx_ready(void) { return 0; }

@@ -35,50 +35,47 @@ static void amx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const uint32_
   }
 }
 
-void kiln_gemm_bf16_amx(const void* restrict a, int64_t a_batch, int64_t row_width, int64_t col_step,
-                        int64_t line_step, const uint32_t* restrict b, int64_t b_batch, void* c, int64_t c_batch,
-                        const float* restrict bias, const void* res, int64_t act,
-                        int64_t batch, int64_t m, int64_t k, int64_t n, int64_t io) {
+void kiln_gemm_bf16_amx(const GemmCall* g, const void* restrict a, void* c, const void* res, int64_t batch,
+                        int64_t m) {
+  const int64_t k = g->k, n = g->n, io = g->io, row_width = g->row_width;
   const int64_t kq = amx_whole_steps((k + 1) / 2), lda = amx_block_stride(kq);
   const AmxSplit split = amx_split(batch, m, n, omp_get_max_threads());
   const int a_bf16 = (io & IO_A_BF16) != 0;
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(split.units, batch * m * k * n), {
     AmxWorker worker = amx_worker_begin(lda, 0);
     uint32_t* pa = worker.rows;
     float* out = (float*)worker.sums;
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
       if (t.nb0 >= t.nb1) continue;
       for (int64_t i = 0; i < t.mr; ++i) {
         const int64_t r = t.r0 + i;
-        const void* row = at_elem(a, t.p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step, a_bf16);
+        const void* row = at_elem(a, t.p * g->a_batch + (r / row_width) * g->line_step + (r % row_width) * g->col_step,
+                                  a_bf16);
         pack_row(pa + i * lda, row, k, a_bf16, kq);
       }
-      amx_panels(pa, kq, t.mr, b + t.p * b_batch, t.nb0, t.nb1, n, out, c, t.p * c_batch + t.r0 * n, n, bias, res,
-                 act, io);
+      amx_panels(pa, kq, t.mr, (const uint32_t*)g->b + t.p * g->b_batch, t.nb0, t.nb1, n, out, c,
+                 t.p * g->c_batch + t.r0 * n, n, g->bias, res, g->act, io);
     }
     amx_worker_end(&worker);
-  }
+  });
 }
 
-void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
-                        int64_t sh, int64_t sw, int64_t pt, int64_t pl, int64_t oh, int64_t ow,
-                        const uint32_t* restrict b, void* y, const float* restrict bias, const void* res, int64_t act,
-                        int64_t cout, int64_t io) {
+void kiln_conv_bf16_amx(const ConvCall* g, const void* restrict x, void* y, const void* res, int64_t n) {
+  const int64_t h = g->h, w = g->w, c = g->c, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw, pt = g->pt, pl = g->pl;
+  const int64_t oh = g->oh, ow = g->ow, cout = g->cout, io = g->io;
   const int64_t m = oh * ow, seg = kw * c, segq = amx_whole_steps((seg + 1) / 2), kq = kh * segq;
   const int64_t lda = amx_block_stride(kq);
   const AmxSplit split = amx_split(n, m, cout, omp_get_max_threads());
   const int a_bf16 = (io & IO_A_BF16) != 0;
   const size_t elem = a_bf16 ? sizeof(uint16_t) : sizeof(float);
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(split.units, n * m * kh * seg * cout), {
     AmxWorker worker = amx_worker_begin(lda, elem * seg);
     uint32_t* pa = worker.rows;
     float* out = (float*)worker.sums;
     void* pad = worker.pad;
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
       if (t.nb0 >= t.nb1) continue;
@@ -89,10 +86,11 @@ void kiln_conv_bf16_amx(const void* restrict x, int64_t n, int64_t h, int64_t w,
           pack_row(pa + i * lda + s * segq, window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad, elem, 0),
                    seg, a_bf16, segq);
       }
-      amx_panels(pa, kq, t.mr, b, t.nb0, t.nb1, cout, out, y, (t.p * m + t.r0) * cout, cout, bias, res, act, io);
+      amx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, cout, out, y, (t.p * m + t.r0) * cout, cout, g->bias, res, g->act,
+                 io);
     }
     amx_worker_end(&worker);
-  }
+  });
 }
 
 int64_t kiln_amx_ready(void) { return amx_request(); }

@@ -187,23 +187,25 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
   const int64_t quads = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks, esize = out_size(e);
   const int64_t rows_outer = quads * 4 * n <= ROWS_OUTER_BYTES;
-  #pragma omp parallel for schedule(static)
-  for (int64_t q = 0; q < batch * units; ++q) {
-    const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
-    const int8_t* bp = b + unit.nb * quads * NR * 4;
-    for (int64_t t = unit.first; t < unit.last; ++t) {
-      const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
-      const uint8_t* rows[MR];
-      for (int64_t i = 0; i < MR; ++i) {
-        const int64_t r = r0 + (i < mr ? i : 0);   /* a partial tile repeats its first row */
-        rows[i] = a + unit.p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+  MAYBE_PARALLEL(threads_pay(batch * units, batch * m * k * n), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t q = 0; q < batch * units; ++q) {
+      const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
+      const int8_t* bp = b + unit.nb * quads * NR * 4;
+      for (int64_t t = unit.first; t < unit.last; ++t) {
+        const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
+        const uint8_t* rows[MR];
+        for (int64_t i = 0; i < MR; ++i) {
+          const int64_t r = r0 + (i < mr ? i : 0);   /* a partial tile repeats its first row */
+          rows[i] = a + unit.p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
+        }
+        const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
+        uint8_t* out = (uint8_t*)c + at * esize;
+        const uint8_t* r = res ? (const uint8_t*)res + at : 0;
+        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n, e);
       }
-      const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
-      uint8_t* out = (uint8_t*)c + at * esize;
-      const uint8_t* r = res ? (const uint8_t*)res + at : 0;
-      tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n, e);
     }
-  }
+  });
 }
 
 /* Direct convolution on NHWC x[n][h][w][c] (dilation 1, one group): output pixel r is a GEMM row, kernel row s of
@@ -217,11 +219,10 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
   const int64_t m = oh * ow, seg = kw * c, quads = (seg + 3) / 4, panels = (cout + NR - 1) / NR;
   const int64_t tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kh * quads * 4 * cout <= ROWS_OUTER_BYTES, esize = out_size(e);
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(n * units, n * m * kh * seg * cout), {
     uint8_t* pad = (uint8_t*)malloc((size_t)(MR * kh * seg));
     const uint8_t** rows = (const uint8_t**)malloc(sizeof(uint8_t*) * MR * kh);
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t q = 0; q < n * units; ++q) {
       const WorkUnit unit = work_unit(q, panels, chunks, tiles, cout, NR, rows_outer);
       const int8_t* bp = b + unit.nb * kh * quads * NR * 4;
@@ -242,7 +243,7 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
     }
     free(rows);
     free(pad);
-  }
+  });
 }
 #include "qgemm_amx.h"
 #else

@@ -42,12 +42,11 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
   const AmxSplit split = amx_split(g->batch, m, n, omp_get_max_threads());
   const int64_t esize = out_size(&g->e);
   const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(split.units, g->batch * m * k * n), {
     AmxWorker worker = amx_worker_begin(lda, 0);
     uint32_t* pa = worker.rows;
     int32_t* out = (int32_t*)worker.sums;
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
       if (t.nb0 >= t.nb1) continue;
@@ -61,7 +60,7 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
                   res ? (const uint8_t*)res + at : 0, n, &g->e);
     }
     amx_worker_end(&worker);
-  }
+  });
 }
 
 void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
@@ -70,13 +69,12 @@ void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* r
   const int64_t lda = amx_block_stride(kq), esize = out_size(&g->e);
   const AmxSplit split = amx_split(g->n, m, cout, omp_get_max_threads());
   const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
-  #pragma omp parallel
-  {
+  MAYBE_PARALLEL(threads_pay(split.units, g->n * m * kh * seg * cout), {
     AmxWorker worker = amx_worker_begin(lda, (size_t)seg);
     uint32_t* pa = worker.rows;
     int32_t* out = (int32_t*)worker.sums;
     uint8_t* pad = (uint8_t*)worker.pad;
-    #pragma omp for schedule(static)
+    _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
       if (t.nb0 >= t.nb1) continue;
@@ -93,7 +91,7 @@ void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* r
                   res ? (const uint8_t*)res + at : 0, cout, &g->e);
     }
     amx_worker_end(&worker);
-  }
+  });
 }
 
 int64_t kiln_amx_int8_ready(void) { return amx_request(); }

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "parallel.h"
+
 #define CHUNK 8   /* register tiles per work unit: one weight panel stays in L1 across them */
 /* Weights up to this size stay in L2 while a row chunk runs across every panel, so the chunk's rows are read
    once and its output (and residual) rows are written in one contiguous sweep; larger weights go panel by
