@@ -49,13 +49,21 @@ def bf16_tensors(layers: list[Layer], engine_outputs: set[str]) -> set[str]:
                 readers[arg.name].append((layer, index))
     chosen = set()
     for layer in layers:
-        if not writes_bf16(layer) or len(layer.outputs) != 1:
-            continue
-        out = layer.outputs[0]
-        if out.dtype == "float32" and out.name not in engine_outputs and readers[out.name] and \
-                all(_reads_bf16(reader, index) for reader, index in readers[out.name]):
-            chosen.add(out.name)
+        for out in _bf16_capable_outputs(layer):
+            if out.dtype == "float32" and out.name not in engine_outputs and readers[out.name] and \
+                    all(_reads_bf16(reader, index) for reader, index in readers[out.name]):
+                chosen.add(out.name)
     return chosen
+
+
+def _bf16_capable_outputs(layer: Layer) -> tuple[TensorDesc, ...]:
+    """The outputs `layer` can write in bf16: a single-output kernel's one output, or each of a Split's where its
+    tactic writes every output as the plan stores it (`writes_every_output`)."""
+    if not writes_bf16(layer):
+        return ()
+    if len(layer.outputs) == 1 or getattr(TACTICS_BY_NAME.get(layer.tactic_name), "writes_every_output", False):
+        return layer.outputs
+    return ()
 
 
 def store_bf16(layers: list[Layer], engine_outputs: set[str]) -> list[Layer]:

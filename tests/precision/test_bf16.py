@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU has no na
 # kiln's BF16 kernels: oneDNN's through torch and kiln's own on vdpbf16ps; the autotuner picks per layer
 BF16_TACTICS = ("onednn.conv2d_nhwc_prepacked_bf16", "onednn.linear_prepacked_bf16", "kiln.conv2d_1x1_gemm_nhwc_bf16",
                 "kiln.conv2d_direct_gemm_nhwc_bf16", "kiln.matmul_gemm_bf16", "torch.attention_sdpa_bf16",
-                "kiln.layernorm_rows_bf16", "kiln.attention_c_bf16")
+                "kiln.layernorm_rows_bf16", "kiln.attention_c_bf16", "torch.reference_bf16")
 
 
 def run_both(model, engine, seed: int = 0):

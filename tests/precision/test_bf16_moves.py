@@ -1,0 +1,128 @@
+"""BF16 through data-movement layers (kiln.tactics.reference.Bf16ReferenceTactic): a YOLO C2f-shaped block whose
+Split, Slice and Concat are granted BF16 and keep the tensors between BF16 convolutions in bf16; the kernel's
+conversions where an input is stored otherwise than its output; where it is offered; engines loaded elsewhere."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import kiln
+from kiln import hardware, native
+from kiln.tactics.base import LayerView
+from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
+from kiln.tactics.reference import Bf16ReferenceTactic
+from tests.conftest import cosine, init, make_model, rand, run_ort
+
+needs_bf16 = pytest.mark.skipif(not (hardware.has_any(BF16_DOT_ISA) and native.available()),
+                                reason="this CPU has no AVX512-BF16 (vdpbf16ps) or there is no C compiler: kiln's "
+                                "BF16 kernels, which read and write bf16 tensors, are not offered here")
+KILN_ONLY = "-openvino,-onnxruntime,-torch-onednn"
+MOVE = "torch.reference_bf16"
+
+
+def c2f_block() -> bytes:
+    """x -> 1x1 conv + ReLU -> a; Split(a) -> s0, s1; Slice(a, channels 8:24) -> m; 3x3 conv(s1) -> b;
+    Concat(s0, s1, m, b) -> cat; 1x1 conv(cat) -> y. A second output reads the 1x1 conv's input so x stays FP32."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a0"], name="cv1"),
+             helper.make_node("Relu", ["a0"], ["a"], name="act1"),
+             helper.make_node("Split", ["a", "halves"], ["s0", "s1"], name="split", axis=1),
+             helper.make_node("Slice", ["a", "starts", "ends", "axes"], ["m"], name="middle"),
+             helper.make_node("Conv", ["s1", "w2", "b2"], ["b"], name="m0", pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["s0", "s1", "m", "b"], ["cat"], name="concat", axis=1),
+             helper.make_node("Conv", ["cat", "w3", "b3"], ["y"], name="cv2")]
+    inits = [init("w1", rand((32, 16, 1, 1), seed=1) * 0.25), init("b1", rand((32,), seed=2) * 0.1),
+             init("w2", rand((16, 16, 3, 3), seed=3) * 0.08), init("b2", rand((16,), seed=4) * 0.1),
+             init("w3", rand((24, 64, 1, 1), seed=5) * 0.12), init("b3", rand((24,), seed=6) * 0.1),
+             init("halves", np.array([16, 16], np.int64)), init("starts", np.array([8], np.int64)),
+             init("ends", np.array([24], np.int64)), init("axes", np.array([1], np.int64))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 10, 10])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+
+
+@pytest.fixture(scope="module")
+def block():
+    model = c2f_block()
+    return model, kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer",
+                             accuracy="off")
+
+
+@needs_bf16
+def test_split_slice_and_concat_between_bf16_convolutions_move_bf16(block):
+    model, engine = block
+    info = {layer["Name"]: layer for layer in engine.layer_info()["Layers"]}
+    moves = {name: layer for name, layer in info.items() if layer["TacticName"] == MOVE}
+    assert set(moves) == {"split", "middle", "concat"}
+    for layer in moves.values():
+        assert (layer["RequestedPrecision"], layer["GrantedPrecision"]) == ("BF16", "BF16")
+        assert "PrecisionReason" not in layer
+        formats = [t["Format/Datatype"] for t in (*layer["Inputs"], *layer["Outputs"])]
+        assert formats and all(f.endswith("BF16 format") for f in formats), formats
+    stored = {t.name: t.dtype for layer in engine.plan.layers for t in (*layer.inputs, *layer.outputs)}
+    assert {name for name, dtype in stored.items() if dtype == "bfloat16"} == {"a", "s0", "s1", "m", "b", "cat"}
+    x = rand((1, 16, 10, 10), seed=7)
+    got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
+    assert got.dtype == np.float32 and cosine(got, want) > 0.9999
+
+
+@needs_bf16
+def test_a_concat_of_an_fp32_layer_and_bf16_layers_converts_as_it_copies():
+    """m0 pinned to FP32 reads s1 and writes b in FP32; the Concat rounds them into its bf16 output, which cv2
+    reads (s0 and m, read by BF16 kernels only, stay bf16)."""
+    model = c2f_block()
+    engine = kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer", accuracy="off",
+                        layer_precisions="m0:fp32")
+    layers = {layer.name: layer for layer in engine.plan.layers}
+    concat = layers["concat"]
+    assert concat.tactic_name == MOVE and concat.outputs[0].dtype == "bfloat16"
+    assert [t.dtype for t in concat.inputs] == ["bfloat16", "float32", "bfloat16", "float32"]
+    x = rand((1, 16, 10, 10), seed=8)
+    assert cosine(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]) > 0.9999
+
+
+def _view(op, in_shapes, in_dtypes, out_dtypes, attrs=None, consts=None):
+    return LayerView(op, "", attrs or {}, tuple(in_shapes), tuple(in_dtypes), consts or {}, tuple(out_dtypes), 17,
+                     tuple(() for _ in in_shapes))
+
+
+@needs_bf16
+def test_the_kernel_writes_each_output_as_the_plan_stores_it():
+    tactic = Bf16ReferenceTactic()
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    concat = tactic.prepare(_view("Concat", [(2, 3, 4), (2, 5, 4)], ["float32", "bfloat16"], ["bfloat16"],
+                                  {"axis": 1}))
+    y = concat([a, b.bfloat16()])[0]
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch.cat([a, b], 1).bfloat16())
+    widened = tactic.prepare(_view("Concat", [(2, 3, 4), (2, 5, 4)], ["bfloat16", "bfloat16"], ["float32"],
+                                   {"axis": 1}))([a.bfloat16(), b.bfloat16()])[0]
+    assert widened.dtype == torch.float32 and torch.equal(widened, torch.cat([a, b], 1).bfloat16().float())
+    split = tactic.prepare(_view("Split", [(2, 8, 4), (2,)], ["bfloat16", "int64"], ["bfloat16", "float32"],
+                                 {"axis": 1}, {1: torch.tensor([3, 5])}))
+    x = torch.randn(2, 8, 4).bfloat16()
+    first, second = split([x, None])
+    assert (first.dtype, second.dtype) == (torch.bfloat16, torch.float32)
+    assert torch.equal(first, x[:, :3]) and torch.equal(second, x[:, 3:].float())
+
+
+def test_it_is_offered_for_float_data_movement_on_bf16_cpus_only(monkeypatch):
+    tactic = Bf16ReferenceTactic()
+    floats = _view("Concat", [(2, 3), (2, 3)], ["float32", "float32"], ["float32"], {"axis": 0})
+    shapes = _view("Concat", [(2,), (2,)], ["int64", "int64"], ["int64"], {"axis": 0})
+    relu = _view("Relu", [(2, 3)], ["float32"], ["float32"])
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert tactic.supports(floats) and not tactic.supports(shapes) and not tactic.supports(relu)
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2"}))
+    assert not tactic.supports(floats)   # no native BF16: --bf16 is denied with that reason, not granted here
+
+
+@needs_bf16
+def test_an_engine_with_bf16_moves_runs_unchanged_on_a_cpu_without_bf16(block, tmp_path, monkeypatch, caplog):
+    model, engine = block
+    path = tmp_path / "block.kiln"
+    engine.save(path)
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f"}))
+    loaded = kiln.load(path, allow_other_device=True)   # the BF16 convolutions fall back to torch's, in FP32
+    assert not [r for r in caplog.records if MOVE in r.getMessage()]   # the moves need no instruction of their own
+    x = rand((1, 16, 10, 10), seed=9)
+    assert cosine(loaded.run({"x": x})["y"], run_ort(model, {"x": x})[0]) > 0.9999
