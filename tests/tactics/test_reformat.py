@@ -1,19 +1,22 @@
-"""Reformat copies between NCHW and NHWC: exact in both directions (the C transposes where they apply, torch's
-copy elsewhere), no copy when the tensor already has the target layout, other dtypes through torch."""
+"""Reformat copies between NCHW and NHWC: exact in both directions (the C transposes for float32: whole register
+blocks, edges of every size, more images than one), no copy when the tensor already has the target layout, other
+dtypes through torch."""
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 
-from kiln import native
+from kiln import hardware, native
 from kiln.tactics import codegen
-from kiln.tactics.reformat import FEW_CHANNELS, prepare_reformat, to_format
+from kiln.tactics.reformat import prepare_reformat, to_format
 
 LAST = torch.channels_last
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 17, 23), (2, 48, 9, 70), (1, FEW_CHANNELS + 1, 5, 5), (3, 130, 4, 67),
-                                   (1, 16, 1, 129)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 17, 23), (2, 48, 9, 70), (1, 65, 5, 5), (3, 130, 4, 67), (1, 16, 1, 129),
+                                   (2, 33, 17, 65), (1, 144, 80, 80), (1, 0, 4, 4)], ids=str)
 def test_both_directions_are_exact(shape):
     x = torch.randn(shape)
     to_hwc = prepare_reformat("hwc")([x])[0]
@@ -41,6 +44,25 @@ def test_the_c_transposes_run_where_they_apply(monkeypatch):
             return getattr(lib, name)
     monkeypatch.setattr("kiln.native.library", lambda name, generated="": Spy())
     to_format(torch.randn(1, 16, 8, 8), "hwc")
-    to_format(torch.randn(1, FEW_CHANNELS + 1, 8, 8), "hwc")   # many channels: torch's copy
+    to_format(torch.randn(1, 256, 8, 8), "hwc")
     to_format(torch.randn(1, 256, 8, 8).contiguous(memory_format=LAST), "linear")
-    assert calls == ["kiln_to_nhwc", "kiln_to_nchw"]
+    to_format(torch.randn(1, 256, 8, 8).bfloat16(), "hwc")   # other dtypes: torch's copy
+    assert calls == ["kiln_to_nhwc", "kiln_to_nhwc", "kiln_to_nchw"]
+
+
+@pytest.mark.skipif(not (codegen.available() and hardware.has_any(("avx2",))), reason="no C compiler or no AVX2")
+def test_the_avx2_build_transposes_exactly(tmp_path):
+    """reformat.c compiled for AVX2 alone (-march=x86-64-v3: 8 x 8 register blocks, as on a Zen 3)."""
+    from kiln.native import catalog, compiler
+
+    spec = catalog.LIBRARIES["reformat"]
+    target = tmp_path / "reformat_avx2.so"
+    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, "reformat.c",
+                          ("-march=x86-64-v3",))
+    lib = catalog.bind(ctypes.CDLL(str(target)), spec)
+    for n, c, h, w in [(2, 19, 5, 13), (1, 64, 8, 8), (1, 3, 11, 11)]:
+        x = torch.randn(n, c, h, w)
+        hwc, back = torch.empty(n, h, w, c), torch.empty(n, c, h, w)
+        lib.kiln_to_nhwc(x.data_ptr(), hwc.data_ptr(), n, c, h * w)
+        lib.kiln_to_nchw(hwc.data_ptr(), back.data_ptr(), n, c, h * w)
+        assert torch.equal(hwc, x.permute(0, 2, 3, 1)) and torch.equal(back, x)
