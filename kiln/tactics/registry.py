@@ -23,13 +23,13 @@ from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLi
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import NhwcResizeTactic
-from kiln.tactics.winograd import WinogradConvTactic
+from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
                                               WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic(),
                                               Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
-                                              DirectConvAmxTactic(), OneDnnFp16ConvTactic()],
+                                              DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic()],
                                      "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                               MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()],
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),

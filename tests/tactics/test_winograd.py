@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln import hardware, native
 from kiln.tactics.base import LayerView
-from kiln.tactics.winograd import WinogradConvTactic, transform_weights
+from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic, transform_weights
 from tests.tactics.forced import build_forced_onto
 from kiln.trt.vocab import layer_type
 
@@ -212,3 +213,42 @@ def test_model_forced_onto_winograd_matches_onnxruntime(tmp_path, monkeypatch):
     runners = {l.name.split(" + ")[0]: layer_type(l) for l in engine.plan.layers if l.op_type == "Conv"}
     # the 3-channel stem is nobody's in source "kiln" (torch's kernel backs it); the 1x1 head is kiln's GEMM
     assert sorted(n for n, t in runners.items() if t == "WinogradConvolution") == ["/a/Conv", "/b/Conv"], runners
+
+
+# ---- FP32 arithmetic, bf16 storage (kiln.conv2d_winograd_f4x4_3x3_nhwc_bf16) --------------------------------------
+
+def _bf16_io_view(x_bf16: bool, out_bf16: bool, res_bf16: bool, c: int, cout: int, hw: int, weight, bias):
+    attrs = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [1, 1], "dilations": [1, 1], "group": 1,
+             "activation": {"op": "Relu", "attrs": {}}}
+    stored = lambda bf16: "bfloat16" if bf16 else "float32"  # noqa: E731
+    shapes = ((2, c, hw, hw), (cout, c, 3, 3), (cout,), (2, cout, hw, hw))
+    return LayerView("Conv", "", attrs, shapes, (stored(x_bf16), "float32", "float32", stored(res_bf16)),
+                     {1: weight, 2: bias}, (stored(out_bf16),), 17, ((),) * 4)
+
+
+@pytest.mark.skipif(not (hardware.has_any(hardware.BF16_ISA) and native.available()),
+                    reason="BF16 tactics are offered only where the CPU computes BF16 natively (and C builds)")
+@pytest.mark.parametrize("x_bf16,out_bf16,res_bf16", [(1, 1, 1), (0, 1, 0), (1, 0, 0), (0, 0, 1), (0, 0, 0)])
+def test_bf16_storage_winograd_computes_in_fp32_and_rounds_only_its_output(x_bf16, out_bf16, res_bf16):
+    g = torch.Generator().manual_seed(31)
+    c, cout, hw = 24, 40, 13                        # partial tiles, a partial column panel
+    weight, bias = torch.randn(cout, c, 3, 3, generator=g) * 0.2, torch.randn(cout, generator=g)
+    x = torch.randn(2, c, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
+    r = torch.randn(2, cout, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
+    x, r = (x.bfloat16() if x_bf16 else x), (r.bfloat16() if res_bf16 else r)
+    want = torch.relu(F.conv2d(x.double(), weight.double(), bias.double(), padding=1) + r.double())
+    kernel = WinogradBf16Tactic().prepare(_bf16_io_view(x_bf16, out_bf16, res_bf16, c, cout, hw, weight, bias))
+    got = kernel([x, None, None, r])[0]
+    assert got.dtype == (torch.bfloat16 if out_bf16 else torch.float32)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    err = ((got.double() - want).abs() / want.abs().clamp(min=1.0)).max().item()
+    assert err < (2 ** -8 if out_bf16 else 1e-4), err   # FP32 Winograd F(4,3): ~4e-5; bf16: rounded once more
+    into_residual = kernel.into_input[1]([x, None, None, r.clone()])[0]   # the residual's buffer, read first
+    assert torch.equal(into_residual, got)
+
+
+def test_bf16_storage_winograd_is_offered_only_on_bf16_cpus(monkeypatch):
+    view = _bf16_io_view(True, True, False, 16, 16, 10, torch.randn(16, 16, 3, 3), torch.randn(16))
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f"}))
+    assert not WinogradBf16Tactic().supports(view)
+    assert not WinogradConvTactic(4).supports(view)   # the FP32 tactic reads FP32 only

@@ -93,9 +93,6 @@ void kiln_conv(const ConvCall* g, const float* restrict x, float* y, const float
    even-length (else copied with a zero tail); otherwise each tile's FP32 rows are rounded to bf16 pairs as it
    starts (one vcvtne2ps2bf16 per 32 floats: ~3 % of the tile's instructions). IO_C_BF16 and IO_RES_BF16: the
    output and the residual, widened for the FP32 epilogue and the result rounded to nearest even as it is stored. */
-#define IO_A_BF16 1
-#define IO_C_BF16 2
-#define IO_RES_BF16 4
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 

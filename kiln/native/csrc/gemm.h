@@ -16,6 +16,12 @@
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 
+/* Which of a layer's tensors are stored in bf16 (kiln.tactics.storage), the `io` bits of the BF16 GEMMs and of
+   the Winograd kernel: the input, the output, the residual. */
+#define IO_A_BF16 1
+#define IO_C_BF16 2
+#define IO_RES_BF16 4
+
 /* Activations applied as tiles are stored: 1 ReLU, 2 Swish (x * sigmoid(x), SiLU). */
 #define ACT_RELU 1
 #define ACT_SWISH 2
