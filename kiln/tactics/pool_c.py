@@ -1,6 +1,6 @@
 """Pooling on channel-major (NHWC) activations in C (kiln/native/csrc/pool.c): 2-D MaxPool (any kernel, stride,
-dilation, padding, ceil mode; FP32, u8 or s8) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output
-rows.
+dilation, padding, ceil mode; FP32, u8, s8 or bf16) and GlobalAveragePool / GlobalMaxPool, vectorized over channels,
+OpenMP over output rows.
 
 The layer takes its input in whatever layout the producer wrote, so choosing it never adds Reformat layers: a
 channel-major input runs the C loops, a channel-planar one (e.g. between INT8 layers) torch's own kernel.
@@ -11,27 +11,31 @@ NaN propagates as in torch (a window holding NaN gives NaN); averages accumulate
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from kiln import native
+from kiln import hardware, native
 from kiln.ops.nn import global_average_pool, global_max_pool, max_pool, pool_output_size
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
 MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
-                 "int8": ("kiln_maxpool_s8", torch.int8)}   # the global pools: float32 only
+                 "int8": ("kiln_maxpool_s8", torch.int8),   # the global pools: float32 only
+                 "bfloat16": ("kiln_maxpool_bf16", torch.bfloat16)}   # NhwcMaxPoolBf16Tactic's
 
 
 class NhwcPoolTactic:
     name = POOL_TACTIC
     source = "kiln"
     needs_c_compiler = True
+    stored_types = ("float32", "uint8", "int8")
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type not in ("MaxPool", "GlobalAveragePool", "GlobalMaxPool") or layer.domain not in ("", "ai.onnx"):
             return False
         x = layer.input_shapes[0]
-        if x is None or len(x) != 4 or layer.input_dtypes[0] not in MAXPOOL_TYPES or \
+        if x is None or len(x) != 4 or layer.input_dtypes[0] not in self.stored_types or \
                 layer.output_dtypes != (layer.input_dtypes[0],):
             return False
         if layer.input_dtypes[0] != "float32" and layer.op_type != "MaxPool":
@@ -86,3 +90,34 @@ class NhwcPoolTactic:
             pool(x.data_ptr(), y.data_ptr(), x.shape[0], h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
             return [y]
         return run
+
+
+class NhwcMaxPoolBf16Tactic(NhwcPoolTactic):
+    """MaxPool granted BF16, on tensors as the plan stores them, so a pool between BF16 layers (ResNet's stem, YOLO's
+    SPPF) keeps their tensors bf16. Exact: the maximum of bf16 values is one of them, and an FP32 input rounded to a
+    bf16 output first gives the rounded FP32 maximum (rounding is monotonic). Offered where the CPU computes BF16
+    natively, as every BF16 tactic; it needs no instruction of its own."""
+
+    name = POOL_TACTIC + "_bf16"
+    reduced_precisions = frozenset({"BF16"})
+    stored_types = ("float32", "bfloat16")
+    bf16_inputs = frozenset({0})
+    writes_bf16 = True
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type != "MaxPool" or not hardware.has_any(hardware.BF16_ISA) or len(layer.output_dtypes) != 1:
+            return False
+        stored = layer.input_dtypes[0] in self.stored_types and layer.output_dtypes[0] in self.stored_types
+        return stored and super().supports(self._typed(layer))
+
+    @staticmethod
+    def _typed(layer: LayerView) -> LayerView:
+        """`layer` read in its output's type (the kernel's: an input stored otherwise is converted first)."""
+        return dataclasses.replace(layer, input_dtypes=(layer.output_dtypes[0], *layer.input_dtypes[1:]))
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        kernel = super().prepare(self._typed(layer))
+        if layer.input_dtypes[0] == layer.output_dtypes[0]:
+            return kernel
+        dtype = MAXPOOL_TYPES[layer.output_dtypes[0]][1]
+        return lambda xs: kernel([xs[0].to(dtype), *xs[1:]])

@@ -17,7 +17,7 @@ from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTacti
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
-from kiln.tactics.pool_c import NhwcPoolTactic
+from kiln.tactics.pool_c import NhwcMaxPoolBf16Tactic, NhwcPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
@@ -35,7 +35,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                                 MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(),
                                                 OneDnnFp16LinearTactic()],
-                                     "PointWise": [CodegenPointWiseTactic()], "MaxPool": [NhwcPoolTactic()],
+                                     "PointWise": [CodegenPointWiseTactic()],
+                                     "MaxPool": [NhwcPoolTactic(), NhwcMaxPoolBf16Tactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
                                      "Resize": [NhwcResizeTactic()],
                                      "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],

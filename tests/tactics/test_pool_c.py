@@ -8,9 +8,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from kiln import hardware
 from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
-from kiln.tactics.pool_c import NhwcPoolTactic
+from kiln.tactics.pool_c import NhwcMaxPoolBf16Tactic, NhwcPoolTactic
 from tests.conftest import make_model, run_ort
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
@@ -112,3 +113,32 @@ def test_channel_planar_input_runs_torchs_kernel_in_its_layout(op, attrs):
 ], ids=range(8))
 def test_declines_what_it_cannot_run(layer):
     assert not NhwcPoolTactic().supports(layer)
+
+
+@pytest.mark.skipif(not (codegen.available() and hardware.has_any(hardware.BF16_ISA)),
+                    reason="no C compiler, or no native BF16 (BF16 tactics are offered only there)")
+@pytest.mark.parametrize("x_dtype,y_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                             ("bfloat16", "float32")])
+def test_bf16_maxpool_is_exact_in_every_storage_combination(x_dtype, y_dtype):
+    """The maximum of bf16 values is one of them; an FP32 input rounded first gives the rounded FP32 maximum. NaN
+    propagates; windows over the padding only see real pixels."""
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(2, 20, 11, 13, generator=g).contiguous(memory_format=torch.channels_last)
+    x[0, 3, 4, 5] = float("nan")
+    x = x.to(getattr(torch, x_dtype))
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}
+    view = LayerView("MaxPool", "", attrs, ((2, 20, 11, 13),), (x_dtype,), {}, (y_dtype,), 17, ((),))
+    tactic = NhwcMaxPoolBf16Tactic()
+    assert tactic.supports(view)
+    got = tactic.prepare(view)([x])[0]
+    want = torch.nn.functional.max_pool2d(x.float(), 3, 2, 1, ceil_mode=True).to(getattr(torch, y_dtype))
+    assert got.dtype == want.dtype and got.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+    assert got.float().isnan().sum() == want.float().isnan().sum() > 0
+
+
+def test_bf16_maxpool_is_offered_on_bf16_cpus_only(monkeypatch):
+    view = LayerView("MaxPool", "", {"kernel_shape": [2, 2]}, ((1, 8, 4, 4),), ("bfloat16",), {}, ("bfloat16",), 17,
+                     ((),))
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f"}))
+    assert not NhwcMaxPoolBf16Tactic().supports(view) and not NhwcPoolTactic().supports(view)

@@ -1,9 +1,11 @@
 /* Pooling on channel-major (NHWC) activations (kiln.tactics.pool_c): 2-D MaxPool (any kernel, stride,
    dilation, padding) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output rows.
-   MaxPool also on u8/s8 tensors. NaN propagates as in torch (a window holding NaN gives NaN); averages accumulate
-   in double. */
+   MaxPool also on u8/s8 and bf16 tensors. NaN propagates as in torch (a window holding NaN gives NaN); averages
+   accumulate in double. */
 #include <stdint.h>
 #include <math.h>
+
+#include "bf16.h"
 #define CB 64   /* channels per block of the global pools */
 
 /* The window loop of kiln_maxpool and its INT8 forms: `T` the element type, `LOWEST` its start value, `MAX(v, m)`
@@ -31,6 +33,7 @@
 
 #define FLOAT_MAX(v, m) (((v) > (m) || (v) != (v)) ? (v) : (m))
 #define INT_MAX_OF(v, m) ((v) > (m) ? (v) : (m))
+#define BF16_MAX(v, m) ((bf16_widen(v) > bf16_widen(m) || bf16_widen(v) != bf16_widen(v)) ? (v) : (m))
 #define MAXPOOL_ARGS int64_t n, int64_t h, int64_t w, int64_t c, int64_t oh, int64_t ow, int64_t kh, int64_t kw, \
                      int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl
 
@@ -41,6 +44,11 @@ void kiln_maxpool(const float* restrict x, float* restrict y, MAXPOOL_ARGS) { MA
 void kiln_maxpool_u8(const uint8_t* restrict x, uint8_t* restrict y, MAXPOOL_ARGS) { MAXPOOL_BODY(uint8_t, 0, INT_MAX_OF) }
 
 void kiln_maxpool_s8(const int8_t* restrict x, int8_t* restrict y, MAXPOOL_ARGS) { MAXPOOL_BODY(int8_t, -128, INT_MAX_OF) }
+
+/* bf16 tensors (between BF16 layers): the maximum of bf16 values is one of them, so the result is exact */
+void kiln_maxpool_bf16(const uint16_t* restrict x, uint16_t* restrict y, MAXPOOL_ARGS) {
+  MAXPOOL_BODY(uint16_t, 0xFF80u, BF16_MAX)   /* 0xFF80: -inf */
+}
 
 void kiln_global_pool(const float* restrict x, float* restrict y, int64_t n, int64_t hw, int64_t c, int64_t mean) {
   const int64_t blocks = (c + CB - 1) / CB;
