@@ -23,10 +23,15 @@ typedef struct {
   int64_t h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, act, cout, io;
 } ConvCall;
 
+/* The element offset of row r of item p of A. */
+static inline int64_t row_at(const GemmCall* g, int64_t p, int64_t r) {
+  return p * g->a_batch + (r / g->row_width) * g->line_step + (r % g->row_width) * g->col_step;
+}
+
 void kiln_gemm(const GemmCall* g, const float* restrict a, float* c, const float* res, int64_t batch, int64_t m) {
   const float* restrict b = g->b;
   const float* restrict bias = g->bias;
-  const int64_t k = g->k, n = g->n, row_width = g->row_width, col_step = g->col_step, line_step = g->line_step;
+  const int64_t k = g->k, n = g->n;
   const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, chunks = (tiles + CHUNK - 1) / CHUNK;
   const int64_t units = panels * chunks, rows_outer = k * n * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
   MAYBE_PARALLEL(threads_pay(batch * units, batch * m * k * n), {
@@ -38,10 +43,7 @@ void kiln_gemm(const GemmCall* g, const float* restrict a, float* c, const float
       for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         const float* rows[MR];
-        for (int64_t i = 0; i < MR; ++i) {
-          const int64_t r = r0 + (i < mr ? i : 0);
-          rows[i] = a + p * g->a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
-        }
+        for (int64_t i = 0; i < MR; ++i) rows[i] = a + row_at(g, p, r0 + (i < mr ? i : 0));
         const int64_t at = p * g->c_batch + r0 * n + nb * NR;
         tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, g->act);
       }
@@ -208,8 +210,7 @@ static inline const void* at_elem(const void* base, int64_t at, int bf16) {
 void kiln_gemm_bf16(const GemmCall* g, const void* restrict a, void* c, const void* res, int64_t batch, int64_t m) {
   const uint32_t* restrict b = g->b;
   const float* restrict bias = g->bias;
-  const int64_t k = g->k, n = g->n, io = g->io, row_width = g->row_width, col_step = g->col_step;
-  const int64_t line_step = g->line_step;
+  const int64_t k = g->k, n = g->n, io = g->io;
   const int64_t kp = (k + 1) / 2, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks;
   const int64_t rows_outer = kp * n * (int64_t)sizeof(uint32_t) <= ROWS_OUTER_BYTES;
@@ -226,9 +227,7 @@ void kiln_gemm_bf16(const GemmCall* g, const void* restrict a, void* c, const vo
         const uint32_t* rows[MR];
         for (int64_t i = 0; i < MR; ++i) {
           if (i < mr) {
-            const int64_t r = r0 + i;
-            const int64_t at = p * g->a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
-            rows[i] = as_bf16_pairs(at_elem(a, at, a_bf16), k, a_bf16, converted + i * kp);
+            rows[i] = as_bf16_pairs(at_elem(a, row_at(g, p, r0 + i), a_bf16), k, a_bf16, converted + i * kp);
           } else {
             rows[i] = rows[0];   /* a partial tile repeats its first row */
           }

@@ -37,7 +37,7 @@ static void amx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const uint32_
 
 void kiln_gemm_bf16_amx(const GemmCall* g, const void* restrict a, void* c, const void* res, int64_t batch,
                         int64_t m) {
-  const int64_t k = g->k, n = g->n, io = g->io, row_width = g->row_width;
+  const int64_t k = g->k, n = g->n, io = g->io;
   const int64_t kq = amx_whole_steps((k + 1) / 2), lda = amx_block_stride(kq);
   const AmxSplit split = amx_split(batch, m, n, omp_get_max_threads());
   const int a_bf16 = (io & IO_A_BF16) != 0;
@@ -50,9 +50,7 @@ void kiln_gemm_bf16_amx(const GemmCall* g, const void* restrict a, void* c, cons
       const AmxUnit t = amx_unit(&split, u);
       if (t.nb0 >= t.nb1) continue;
       for (int64_t i = 0; i < t.mr; ++i) {
-        const int64_t r = t.r0 + i;
-        const void* row = at_elem(a, t.p * g->a_batch + (r / row_width) * g->line_step + (r % row_width) * g->col_step,
-                                  a_bf16);
+        const void* row = at_elem(a, row_at(g, t.p, t.r0 + i), a_bf16);
         pack_row(pa + i * lda, row, k, a_bf16, kq);
       }
       amx_panels(pa, kq, t.mr, (const uint32_t*)g->b + t.p * g->b_batch, t.nb0, t.nb1, n, out, c,
