@@ -10,7 +10,7 @@ import ctypes
 import numpy as np
 import torch
 
-from kiln import native
+from kiln import hardware, native
 from kiln.errors import EngineFormatError
 from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
 from kiln.tactics.pointwise_c import expressible, generate, loop_nest
@@ -37,15 +37,16 @@ class CodegenPointWiseTactic:
     name = CODEGEN_TACTIC
     source = "codegen"
     needs_c_compiler = True
+    stored_types = ("float32",)   # the types its inputs and output may be stored in
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "PointWise" or layer.domain != "kiln" or not layer.input_shapes:
             return False
         if len(layer.input_shapes) > MAX_INPUTS or any(s is None for s in layer.input_shapes):
             return False
-        if any(layer.input_dynamic) or layer.output_dtypes != ("float32",):
+        if any(layer.input_dynamic) or len(layer.output_dtypes) != 1:
             return False
-        if any(d != "float32" for d in layer.input_dtypes):
+        if any(d not in self.stored_types for d in (*layer.input_dtypes, *layer.output_dtypes)):
             return False
         try:
             np.broadcast_shapes(*layer.input_shapes)
@@ -65,8 +66,12 @@ class CodegenPointWiseTactic:
         flat = _is_flat(layer)
         shapes = [out_shape if flat else s for s in layer.input_shapes]
         nest = loop_nest(out_shape, shapes)
+        consts_at = set(layer.const_inputs)   # constants are held in FP32
+        out_dtype = torch.bfloat16 if layer.output_dtypes[0] == "bfloat16" else torch.float32
         try:
-            source = generate(layer.attrs["program"], len(shapes), nest, scalars)
+            bf16 = frozenset(i for i, d in enumerate(layer.input_dtypes) if d == "bfloat16" and i not in consts_at)
+            source = generate(layer.attrs["program"], len(shapes), nest, scalars, bf16,
+                              layer.output_dtypes[0] == "bfloat16")
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise EngineFormatError(f"a PointWise program cannot be compiled ({exc}); the engine is damaged, "
                                     "rebuild it") from None
@@ -87,9 +92,25 @@ class CodegenPointWiseTactic:
             pointers = pointer_array(*base)   # per call: contexts on other threads share this kernel
             for i, x in zip(read, ins):
                 pointers[i] = x.data_ptr()
-            out = torch.empty(out_shape, dtype=torch.float32, memory_format=fmt)
+            out = torch.empty(out_shape, dtype=out_dtype, memory_format=fmt)
             fn(pointers, out.data_ptr())
             return [out]
         run.generated_source = source
         run.constants = consts   # the kernel reads them through raw pointers: they live as long as it does
         return run
+
+
+class CodegenPointWiseBf16Tactic(CodegenPointWiseTactic):
+    """The same generated loop reading and writing tensors as a BF16 plan stores them: inputs widened from bf16 as
+    they are loaded, the FP32 result rounded to nearest even as it is stored, so a pointwise layer between BF16
+    layers keeps their tensors bf16. Its arithmetic is FP32; its only rounding is its output's. Offered where the
+    CPU computes BF16 natively, as every BF16 tactic; it needs no instruction of its own."""
+
+    name = CODEGEN_TACTIC + "_bf16"
+    reduced_precisions = frozenset({"BF16"})
+    stored_types = ("float32", "bfloat16")
+    bf16_inputs = frozenset(range(MAX_INPUTS))
+    writes_bf16 = True
+
+    def supports(self, layer: LayerView) -> bool:
+        return hardware.has_any(hardware.BF16_ISA) and super().supports(layer)

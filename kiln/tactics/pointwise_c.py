@@ -180,43 +180,51 @@ def loop_nest(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]) -> L
     return LoopNest(tuple(dims), tuple(tuple(m) for m in merged))
 
 
-def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None) -> str:
-    """The C translation unit: `void kiln_pointwise(const float* const* in, float* out)`. Inputs in `scalars`
+def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None,
+             bf16_inputs: frozenset[int] = frozenset(), bf16_output: bool = False) -> str:
+    """The C translation unit: `void kiln_pointwise(const void* const* in, void* out)`. Inputs in `scalars`
     (one-element constants) become literals and are not read, nor are inputs no step uses. The work is split in
     blocks of at most BLOCK_ELEMENTS of one row, shared out among the OpenMP threads; each block is one
-    vectorized loop."""
+    vectorized loop. Inputs in `bf16_inputs` are read as bf16 and widened, and a `bf16_output` is rounded to
+    nearest even as it is stored: the arithmetic is FP32 either way."""
     scalars = scalars or {}
+    in_type = {i: "uint16_t" if i in bf16_inputs else "float" for i in range(n_inputs)}
+    out_type = "uint16_t" if bf16_output else "float"
     expressions = _expressions(steps, n_inputs, scalars)
     used = [i for i in range(n_inputs) if any(re.search(rf"\bv{i}\b", e) for e in expressions)]
     rows, inner = math.prod(nest.dims[:-1]), nest.dims[-1]
     chunk = min(inner, BLOCK_ELEMENTS)
     per_row = -(-inner // chunk) if inner else 1
     read = [i for i in used if i not in scalars]
-    params = "".join(f"const float* restrict x{i}, " for i in read)
+    params = "".join(f"const {in_type[i]}* restrict x{i}, " for i in read)
     lines = [f'#include "{HEADER_FILE}"', "",
-             f"static void k_block({params}float* restrict out, const int64_t r, const int64_t j0, const int64_t j1) {{"]
+             f"static void k_block({params}{out_type}* restrict out, const int64_t r, const int64_t j0, "
+             "const int64_t j1) {"]
     for i in read:
         terms, div = [], 1
         for k in range(len(nest.dims) - 2, -1, -1):
             if nest.strides[i][k]:
                 terms.append(f"((r / {div}) % {nest.dims[k]}) * {nest.strides[i][k]}")
             div *= nest.dims[k]
-        lines.append(f"  const float* restrict p{i} = x{i} + {' + '.join(terms) or '0'};")
+        lines.append(f"  const {in_type[i]}* restrict p{i} = x{i} + {' + '.join(terms) or '0'};")
     if not any("(r / " in line for line in lines):
         lines.append("  (void)r;   /* no input is broadcast along rows */")
     lines.append("  #pragma omp simd")
     lines.append("  for (int64_t j = j0; j < j1; ++j) {")
     for i in used:
         index = "j" if nest.strides[i][-1] else "0"
-        lines.append(f"    const float v{i} = {_f(scalars[i])};" if i in scalars else f"    const float v{i} = p{i}[{index}];")
+        load = f"bf16_widen(p{i}[{index}])" if i in bf16_inputs else f"p{i}[{index}]"
+        lines.append(f"    const float v{i} = {_f(scalars[i])};" if i in scalars else f"    const float v{i} = {load};")
     lines += [f"    const float t{k} = {expr};" for k, expr in enumerate(expressions)]
-    lines += [f"    out[j] = t{len(steps) - 1};", "  }", "}", "",
-              "void kiln_pointwise(const float* const* in, float* out) {",
+    result = f"t{len(steps) - 1}"
+    lines += [f"    out[j] = {f'bf16_narrow({result})' if bf16_output else result};", "  }", "}", "",
+              "void kiln_pointwise(const void* const* in, void* out) {",
               f"  #pragma omp parallel for schedule(static) if({int(nest.elements >= PARALLEL_MIN_ELEMENTS)})",
               f"  for (int64_t b = 0; b < {rows * per_row}; ++b) {{",
               f"    const int64_t r = b / {per_row}, j0 = (b % {per_row}) * {chunk};",
               f"    const int64_t j1 = j0 + {chunk} < {inner} ? j0 + {chunk} : {inner};",
-              f"    k_block({''.join(f'in[{i}], ' for i in read)}out + r * {inner}, r, j0, j1);",
+              f"    k_block({''.join(f'(const {in_type[i]}*)in[{i}], ' for i in read)}"
+              f"({out_type}*)out + r * {inner}, r, j0, j1);",
               "  }", "}", ""]
     return "\n".join(lines)
 

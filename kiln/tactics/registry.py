@@ -5,7 +5,7 @@ from kiln.errors import Error
 from kiln.tactics.attention_bf16 import Bf16AttentionTactic
 from kiln.tactics.attention_c import AttentionBf16Tactic, AttentionTactic
 from kiln.tactics.base import LayerView, Tactic
-from kiln.tactics.codegen import CodegenPointWiseTactic
+from kiln.tactics.codegen import CodegenPointWiseBf16Tactic, CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
@@ -35,7 +35,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                                 MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(),
                                                 OneDnnFp16LinearTactic()],
-                                     "PointWise": [CodegenPointWiseTactic()],
+                                     "PointWise": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
                                      "MaxPool": [NhwcPoolTactic(), NhwcMaxPoolBf16Tactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
                                      "Resize": [NhwcResizeTactic()],

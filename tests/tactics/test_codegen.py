@@ -9,7 +9,7 @@ import torch
 from onnx import TensorProto, helper
 
 import kiln
-from kiln import native
+from kiln import hardware, native
 from kiln.errors import EngineFormatError
 from kiln.tactics import codegen
 from kiln.tactics.base import HWC, LINEAR, LayerView
@@ -228,3 +228,25 @@ def test_model_forced_onto_codegen_matches_onnxruntime(tmp_path):
     engine.save(tmp_path / "m.kiln")
     again = kiln.load(tmp_path / "m.kiln")
     np.testing.assert_array_equal(again.run(feeds)["y"], engine.run(feeds)["y"])
+
+
+@pytest.mark.skipif(not hardware.has_any(hardware.BF16_ISA), reason="BF16 tactics are offered only on BF16 CPUs")
+@pytest.mark.parametrize("x_bf16,y_bf16,out_bf16", [(1, 1, 1), (1, 0, 0), (0, 1, 1), (0, 0, 1)])
+def test_bf16_storage_programs_compute_in_fp32_and_round_only_the_output(x_bf16, y_bf16, out_bf16):
+    """x * sigmoid(x) + y + a per-channel constant, broadcast and flat inputs in either storage type."""
+    program = [{"op": "Sigmoid", "attrs": {}, "args": ["x0"]}, {"op": "Mul", "attrs": {}, "args": ["t0", "x0"]},
+               {"op": "Add", "attrs": {}, "args": ["t1", "x1"]}, {"op": "Add", "attrs": {}, "args": ["t2", "x2"]}]
+    g = torch.Generator().manual_seed(51)
+    x, y, c = torch.randn(2, 24, 9, 70, generator=g), torch.randn(24, 1, 70, generator=g), torch.randn(24, 1, 1)
+    x, y = (x.bfloat16() if x_bf16 else x), (y.bfloat16() if y_bf16 else y)
+    stored = lambda bf16: "bfloat16" if bf16 else "float32"  # noqa: E731
+    v = LayerView("PointWise", "kiln", {"program": program}, ((2, 24, 9, 70), (24, 1, 70), (24, 1, 1)),
+                  (stored(x_bf16), stored(y_bf16), "float32"), {2: c}, (stored(out_bf16),), 17, ((),) * 3)
+    tactic = codegen.CodegenPointWiseBf16Tactic()
+    assert tactic.supports(v) and not TACTIC.supports(v)   # the FP32 tactic reads and writes FP32 only
+    got = tactic.prepare(v)([x, y, None])[0]
+    xd = x.double()
+    want = torch.sigmoid(xd) * xd + y.double() + c.double()
+    assert got.dtype == (torch.bfloat16 if out_bf16 else torch.float32)
+    tol = 2 ** -8 if out_bf16 else 2e-6   # a bf16 output: the FP32 result rounded once
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

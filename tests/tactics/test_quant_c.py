@@ -113,7 +113,8 @@ def test_a_qdq_network_runs_its_edges_on_the_c_kernels_without_an_input_reformat
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 64, 64])], inits)
     path = tmp_path / "qdq.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    engine = kiln.build(str(path), tactic_sources="-openvino,-onnxruntime", avg_timing=1, min_timing=1)
+    # kiln's kernels only: with every source a noisy host can time torch's Dequantize faster on this small map
+    engine = kiln.build(str(path), tactic_sources="kiln", avg_timing=1, min_timing=1)
     tactics = {l.name: l.tactic_name for l in engine.plan.layers}
     assert tactics["input_Q"] == tactics["out_DQ"] == QUANT_TACTIC
     types = [l.op_type for l in engine.plan.layers]

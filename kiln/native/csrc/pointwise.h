@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"   /* programs reading or writing bf16 tensors widen and round through it */
+
 #ifdef KILN_SIMD_LIBM
 #define DECL_SIMD _Pragma("omp declare simd notinbranch")
 DECL_SIMD float expf(float);
