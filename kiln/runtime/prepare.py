@@ -14,7 +14,7 @@ from kiln.errors import EngineFormatError
 from kiln.ops.nn import check_window_attrs
 from kiln.plan.model import Layer
 from kiln.tactics import onnxruntime_source, openvino_source
-from kiln.tactics.base import HWC, Kernel, LayerView
+from kiln.tactics.base import HWC, STORED_FLOATS, Kernel, LayerView, storage_dtype
 from kiln.tactics.onnx_emit import emit_region
 from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
@@ -170,7 +170,8 @@ def in_planned_formats(kernel: Kernel, layer: Layer) -> Kernel:
     if layer.op_type == "Concat" and layer.domain in ("", "ai.onnx"):
         axis = layer.attrs.get("axis", 1) % 4
 
-        stored = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(layer.outputs[0].dtype)
+        out_dtype = layer.outputs[0].dtype
+        stored = storage_dtype(out_dtype) if out_dtype in STORED_FLOATS else None
 
         def concat(xs):
             """Straight into a channel-major output: 4x faster than concatenating row-major, then converting; in the

@@ -23,13 +23,11 @@ import torch
 from kiln import hardware, native
 from kiln.ops import lookup
 from kiln.ops.fused import apply_steps
-from kiln.tactics.base import LINEAR, Kernel, LayerView
+from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, storage_dtype
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
-from kiln.tactics.gemm_c import storage_dtype
 
 ATTENTION_TACTIC = "kiln.attention_c"
 ATTENTION_BF16_TACTIC = "kiln.attention_c_bf16"
-STORED_FLOATS = ("float32", "bfloat16")
 Q_BF16, K_BF16, V_BF16, OUT_BF16, NAN_TO_ZERO = 1, 2, 4, 8, 16   # attention.c's AttnCall.flags
 GEOMETRY_FIELDS = ("batch", "heads", "sq", "sk", "d", "dv", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s",
                    "v_b", "v_h", "v_s", "m_b", "m_h", "m_q", "m_k", "o_b", "o_h", "o_s")

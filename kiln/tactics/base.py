@@ -7,6 +7,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from kiln import hardware
+
 LINEAR, HWC, ANY = "linear", "hwc", "any"
 
 Kernel = Callable[[list[torch.Tensor | None]], list[torch.Tensor]]
@@ -36,6 +38,27 @@ def batch_dynamic_only(layer: LayerView) -> bool:
     """Whether the layer's inputs vary with the input shapes along axis 0 (the batch) at most: kernels that read
     the batch per call, everything else fixed at load, take such layers."""
     return all(set(axes) <= {0} for axes in layer.input_dynamic)
+
+
+STORED_FLOATS = ("float32", "bfloat16")   # the types a plan stores float tensors in (kiln.tactics.storage)
+
+
+def storage_dtype(dtype: str | None) -> torch.dtype:
+    """The torch dtype of a plan tensor a kernel writes: bf16 where the plan stores it so, else FP32."""
+    return torch.bfloat16 if dtype == "bfloat16" else torch.float32
+
+
+class Bf16Storage:
+    """Mixin for a tactic granted BF16 that computes in FP32 (or only moves data) and reads and writes tensors as a
+    BF16 plan stores them, widening bf16 as it loads and rounding its output as it stores. Like every BF16 tactic it
+    is offered only where the CPU computes BF16 natively (elsewhere --bf16 is denied with that reason); needing no
+    instruction of its own, it runs unchanged where an engine built with it is loaded on another CPU."""
+
+    reduced_precisions = frozenset({"BF16"})
+    writes_bf16 = True
+
+    def supports(self, layer: LayerView) -> bool:
+        return hardware.has_any(hardware.BF16_ISA) and super().supports(layer)
 
 
 class Tactic(Protocol):

@@ -10,9 +10,9 @@ import ctypes
 import numpy as np
 import torch
 
-from kiln import hardware, native
+from kiln import native
 from kiln.errors import EngineFormatError
-from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
 from kiln.tactics.pointwise_c import expressible, generate, loop_nest
 
 available = native.available   # "codegen" is an available tactic source where kiln.native has a C compiler
@@ -67,7 +67,7 @@ class CodegenPointWiseTactic:
         shapes = [out_shape if flat else s for s in layer.input_shapes]
         nest = loop_nest(out_shape, shapes)
         consts_at = set(layer.const_inputs)   # constants are held in FP32
-        out_dtype = torch.bfloat16 if layer.output_dtypes[0] == "bfloat16" else torch.float32
+        out_dtype = storage_dtype(layer.output_dtypes[0])
         try:
             bf16 = frozenset(i for i, d in enumerate(layer.input_dtypes) if d == "bfloat16" and i not in consts_at)
             source = generate(layer.attrs["program"], len(shapes), nest, scalars, bf16,
@@ -100,17 +100,11 @@ class CodegenPointWiseTactic:
         return run
 
 
-class CodegenPointWiseBf16Tactic(CodegenPointWiseTactic):
+class CodegenPointWiseBf16Tactic(Bf16Storage, CodegenPointWiseTactic):
     """The same generated loop reading and writing tensors as a BF16 plan stores them: inputs widened from bf16 as
     they are loaded, the FP32 result rounded to nearest even as it is stored, so a pointwise layer between BF16
-    layers keeps their tensors bf16. Its arithmetic is FP32; its only rounding is its output's. Offered where the
-    CPU computes BF16 natively, as every BF16 tactic; it needs no instruction of its own."""
+    layers keeps their tensors bf16. Its arithmetic is FP32; its only rounding is its output's."""
 
     name = CODEGEN_TACTIC + "_bf16"
-    reduced_precisions = frozenset({"BF16"})
-    stored_types = ("float32", "bfloat16")
+    stored_types = STORED_FLOATS
     bf16_inputs = frozenset(range(MAX_INPUTS))
-    writes_bf16 = True
-
-    def supports(self, layer: LayerView) -> bool:
-        return hardware.has_any(hardware.BF16_ISA) and super().supports(layer)

@@ -17,7 +17,7 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only
+from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only, storage_dtype
 
 DIRECT_TACTIC = "kiln.conv2d_direct_gemm_nhwc"
 
@@ -83,6 +83,6 @@ class DirectConvTactic:
             conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0])
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
                                  len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
-                                 gemm_c.storage_dtype(layer.output_dtypes[0]))
+                                 storage_dtype(layer.output_dtypes[0]))
         run.constants = (packed, bias, call)   # read through raw pointers
         return run

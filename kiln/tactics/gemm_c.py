@@ -102,11 +102,6 @@ def tensor_address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def storage_dtype(dtype: str | None) -> torch.dtype:
-    """The torch dtype of a plan tensor these kernels write: bf16 where the plan stores it so, else FP32."""
-    return torch.bfloat16 if dtype == "bfloat16" else torch.float32
-
-
 def activation_code(spec: dict | None) -> int:
     """The C kernels' fused activation: 1 ReLU, 2 Swish (alpha 1); 0 for none or one applied after the kernel."""
     if not spec:

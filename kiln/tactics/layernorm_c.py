@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from kiln import hardware, native
-from kiln.tactics.base import LINEAR, Kernel, LayerView
+from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
-STORED_FLOATS = ("float32", "bfloat16")   # bf16 only where the plan stores it so, for the BF16 variant's kernel
 LN_X_BF16, LN_Y_BF16, LN_SKIP_BF16 = 1, 2, 4   # layernorm.c's `io` bits
 
 

@@ -16,7 +16,7 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import LINEAR, Kernel, LayerView
+from kiln.tactics.base import LINEAR, Kernel, LayerView, storage_dtype
 from kiln.tactics.onednn_linear import by_constant_matrix, linear_bias, linear_weight
 
 MATMUL_TACTIC = "kiln.matmul_gemm"
@@ -55,7 +55,7 @@ class MatMulGemmTactic:
         call = gemm_c.GemmCall(packed.data_ptr(), gemm_c.tensor_address(bias), row_width=gemm_c.ONE_LINE, col_step=k,
                                act=gemm_c.activation_code(layer.attrs.get("activation")), k=k, n=n,
                                io=self.io_flags(layer))
-        call_ptr, out_dtype = ctypes.addressof(call), gemm_c.storage_dtype(layer.output_dtypes[0])
+        call_ptr, out_dtype = ctypes.addressof(call), storage_dtype(layer.output_dtypes[0])
 
         def run(xs):
             x = xs[0].contiguous()

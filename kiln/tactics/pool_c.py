@@ -15,9 +15,9 @@ import dataclasses
 
 import torch
 
-from kiln import hardware, native
+from kiln import native
 from kiln.ops.nn import global_average_pool, global_max_pool, max_pool, pool_output_size
-from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
+from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
 MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
@@ -92,20 +92,17 @@ class NhwcPoolTactic:
         return run
 
 
-class NhwcMaxPoolBf16Tactic(NhwcPoolTactic):
+class NhwcMaxPoolBf16Tactic(Bf16Storage, NhwcPoolTactic):
     """MaxPool granted BF16, on tensors as the plan stores them, so a pool between BF16 layers (ResNet's stem, YOLO's
     SPPF) keeps their tensors bf16. Exact: the maximum of bf16 values is one of them, and an FP32 input rounded to a
-    bf16 output first gives the rounded FP32 maximum (rounding is monotonic). Offered where the CPU computes BF16
-    natively, as every BF16 tactic; it needs no instruction of its own."""
+    bf16 output first gives the rounded FP32 maximum (rounding is monotonic)."""
 
     name = POOL_TACTIC + "_bf16"
-    reduced_precisions = frozenset({"BF16"})
-    stored_types = ("float32", "bfloat16")
+    stored_types = STORED_FLOATS
     bf16_inputs = frozenset({0})
-    writes_bf16 = True
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "MaxPool" or not hardware.has_any(hardware.BF16_ISA) or len(layer.output_dtypes) != 1:
+        if layer.op_type != "MaxPool" or len(layer.output_dtypes) != 1:
             return False
         stored = layer.input_dtypes[0] in self.stored_types and layer.output_dtypes[0] in self.stored_types
         return stored and super().supports(self._typed(layer))

@@ -2,12 +2,9 @@
 BF16 form for layers that only move data, so tensors between BF16 kernels stay bf16 through them."""
 from __future__ import annotations
 
-import torch
-
-from kiln import hardware
 from kiln.ops import lookup
 from kiln.ops.registry import host_value
-from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
+from kiln.tactics.base import ANY, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
 
 # Ops whose torch implementation is layout-transparent and cheap on channel-major tensors.
 LAYOUT_AGNOSTIC = {"PointWise", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Concat",
@@ -53,25 +50,20 @@ class ReferenceTactic:
 
 # Layers that only move data: on bf16 tensors they compute exactly what they do on FP32 ones, moving half the bytes.
 MOVES_DATA = {"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity"}
-STORED = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BF16_OPS = sorted(MOVES_DATA | {"Shuffle"})   # the registry's entries (Shuffle: kiln's domain)
 MOVED_INPUTS = 64   # a Concat's inputs beyond these stay FP32 (the kernel rounds them as it copies)
 
 
-class Bf16ReferenceTactic(ReferenceTactic):
+class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
     """torch's kernels for layers that only move data (Concat, Slice, Split, Reshape, Transpose, kiln's Shuffle),
     granted BF16: they read and write tensors as the plan stores them (kiln.tactics.storage), so a Concat of BF16
     convolutions' outputs feeding BF16 convolutions copies bf16 and neither side converts (YOLOv8n's C2f blocks:
     ~5 % of its latency on kiln's own kernels). A Concat input stored otherwise than its output is converted first
     (a mixed torch.cat is ~10x slower); other layers' outputs are converted to their storage, exactly. Residual Adds
-    stay FP32: a bf16 residual stream costs transformers accuracy. Offered where the CPU computes BF16 natively, as
-    every BF16 tactic (elsewhere --bf16 is denied with that reason), but needing no instruction itself, it runs
-    unchanged where an engine built there is loaded on a CPU without BF16."""
+    stay FP32: a bf16 residual stream costs transformers accuracy."""
 
     name = "torch.reference_bf16"
-    reduced_precisions = frozenset({"BF16"})
     bf16_inputs = frozenset(range(MOVED_INPUTS))
-    writes_bf16 = True
     writes_every_output = True   # a Split's outputs each stored as their readers take them
 
     def supports(self, layer: LayerView) -> bool:
@@ -80,13 +72,12 @@ class Bf16ReferenceTactic(ReferenceTactic):
         if not (onnx_op or (op, layer.domain) == ("Shuffle", "kiln")) or not layer.output_dtypes:
             return False
         data = layer.input_dtypes if op == "Concat" else layer.input_dtypes[:1]
-        return all(d in STORED for d in (*data, *layer.output_dtypes)) and hardware.has_any(hardware.BF16_ISA) \
-            and super().supports(layer)
+        return all(d in STORED_FLOATS for d in (*data, *layer.output_dtypes)) and super().supports(layer)
 
     def prepare(self, layer: LayerView) -> Kernel:
         kernel = super().prepare(layer)
-        outs = [STORED[d] for d in layer.output_dtypes]
-        if layer.op_type == "Concat" and any(STORED[d] != outs[0] for d in layer.input_dtypes):
+        outs = [storage_dtype(d) for d in layer.output_dtypes]
+        if layer.op_type == "Concat" and any(storage_dtype(d) != outs[0] for d in layer.input_dtypes):
             inner, out = kernel, outs[0]
 
             def kernel(xs):

@@ -20,11 +20,11 @@ from functools import lru_cache
 
 import torch
 
-from kiln import hardware, native
+from kiln import native
 from kiln.ops.nn import apply_activation
 from kiln.tactics import gemm_c, winograd_c
-from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only
-from kiln.tactics.gemm_bf16 import IO_C_BF16, io_flags
+from kiln.tactics.base import HWC, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, storage_dtype
+from kiln.tactics.gemm_bf16 import io_flags
 
 # Transform matrices (Lavin & Gray 2016), interpolation points 0, ±1, ±2 (and ∞) for F(4,3); 0, ±1 for F(2,3).
 _MATRICES = {
@@ -86,6 +86,7 @@ class WinogradConvTactic:
 
     source = "kiln"
     stored_types = ("float32",)   # the types its input and residual may be stored in
+    io_flags = staticmethod(gemm_c.no_io_flags)
 
     def __init__(self, m: int):
         self.m = m
@@ -119,36 +120,28 @@ class WinogradConvTactic:
         g = _Geometry.of(layer, self.m)
         u = transform_weights(layer.const_inputs[1], self.m)
         lib = _compiled(self.m)
-        return _torch_kernel(g, u) if lib is None else _compiled_kernel(g, u, lib)
+        return _torch_kernel(g, u) if lib is None else _compiled_kernel(g, u, lib, self.io_flags(layer),
+                                                                       storage_dtype(layer.output_dtypes[0]))
 
 
-class WinogradBf16Tactic(WinogradConvTactic):
+class WinogradBf16Tactic(Bf16Storage, WinogradConvTactic):
     """F(4x4, 3x3) with FP32 arithmetic throughout and bf16 storage: it reads its input and residual and writes its
     output as the plan stores them (widened as tiles are read, the result rounded to nearest even as it is written),
     so a 3x3 layer between BF16 layers keeps their tensors bf16. Its only rounding is the output's, less than any
-    BF16 kernel's (bf16 products in the transformed domain lost 10x more accuracy: 2e-2 relative error). Offered
-    where the CPU computes BF16 natively, as every BF16 tactic; it needs no instruction itself, so a loaded engine
-    runs it anywhere kiln's C kernels build."""
+    BF16 kernel's (bf16 products in the transformed domain lost 10x more accuracy: 2e-2 relative error). C only:
+    where no compiler is, a loaded engine runs it on torch's reference kernel (kiln.runtime.prepare)."""
 
-    reduced_precisions = frozenset({"BF16"})
     needs_c_compiler = True
-    stored_types = ("float32", "bfloat16")
+    stored_types = STORED_FLOATS
     bf16_inputs = frozenset({0, 3})
-    writes_bf16 = True
+    io_flags = staticmethod(io_flags)
 
     def __init__(self, m: int = 4):
         super().__init__(m)
         self.name += "_bf16"
 
     def supports(self, layer: LayerView) -> bool:
-        return hardware.has_any(hardware.BF16_ISA) and native.available() and super().supports(layer)
-
-    def prepare(self, layer: LayerView) -> Kernel:
-        lib = _compiled(self.m)
-        if lib is None:
-            raise RuntimeError(f"{self.name} needs kiln's C kernels (no C compiler here)")
-        return _compiled_kernel(_Geometry.of(layer, self.m), transform_weights(layer.const_inputs[1], self.m), lib,
-                                io_flags(layer))
+        return native.available() and super().supports(layer)
 
 
 @dataclass(frozen=True)
@@ -199,10 +192,10 @@ class _Geometry:
         return out if self.relu or not self.spec else apply_activation(self.spec, out)
 
 
-def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib, io: int = 0) -> Kernel:
+def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib, io: int, out_dtype: torch.dtype) -> Kernel:
     """Per block of tiles, in C: the input transform read straight from the NHWC input, the GEMMs, the output
     transform with bias, residual and ReLU or Swish applied as tiles are written (kiln/native/csrc/winograd.c).
-    `io`: which of input, output and residual are stored in bf16 (gemm_bf16's IO_* bits)."""
+    `io`: which of input, output and residual are stored in bf16 (gemm_bf16's IO_* bits), `out_dtype` the output's."""
     bias_ptr = None if g.bias is None else g.bias.data_ptr()
     packed = gemm_c.pack_weights(u)
     panel_stride = packed[0].numel()
@@ -218,7 +211,6 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib, io: int = 0) -> Kernel:
                        None if res is None else res.data_ptr(), act, n, g.h, g.w, g.c, g.cout,
                        g.pads[0], g.pads[1], g.out_h, g.out_w, g.tiles_h, g.tiles_w, block, groups,
                        scratch(per_thread * threads).data_ptr(), threads, io)
-    out_dtype = torch.bfloat16 if io & IO_C_BF16 else torch.float32
     run = gemm_c.nhwc_kernel(launch, (g.n, g.cout, g.out_h, g.out_w), g.spec, g.has_residual, out_dtype)
     run.constants = (packed, g.bias)   # the C code reads them through raw pointers
     return run

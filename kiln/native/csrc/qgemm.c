@@ -46,6 +46,11 @@ typedef struct {
   QEpilogue e;
 } QGemmCall;
 
+/* The byte offset of row r of image p of A. */
+static inline int64_t qrow_at(const QGemmCall* g, int64_t p, int64_t r) {
+  return p * g->a_batch + (r / g->row_width) * g->line_step + (r % g->row_width) * g->col_step;
+}
+
 /* A direct convolution's constant arguments (kiln.tactics.qgemm_c.ConvCall). */
 typedef struct {
   const int8_t* b;   /* weights, [cout/32][kh][(kw * c) / 4][32][4] */
@@ -180,7 +185,6 @@ static inline int64_t out_size(const QEpilogue* e) { return e->out_kind == OUT_F
 /* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual,
    output-typed) laid out as C, and may be C itself. */
 void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
-  const int64_t a_batch = g->a_batch, row_width = g->row_width, col_step = g->col_step, line_step = g->line_step;
   const int64_t c_batch = g->c_batch, batch = g->batch, k = g->k, n = g->n;
   const int8_t* b = g->b;
   const QEpilogue* e = &g->e;
@@ -195,10 +199,8 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
       for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         const uint8_t* rows[MR];
-        for (int64_t i = 0; i < MR; ++i) {
-          const int64_t r = r0 + (i < mr ? i : 0);   /* a partial tile repeats its first row */
-          rows[i] = a + unit.p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step;
-        }
+        for (int64_t i = 0; i < MR; ++i)   /* a partial tile repeats its first row */
+          rows[i] = a + qrow_at(g, unit.p, r0 + (i < mr ? i : 0));
         const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
         uint8_t* out = (uint8_t*)c + at * esize;
         const uint8_t* r = res ? (const uint8_t*)res + at : 0;

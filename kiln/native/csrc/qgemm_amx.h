@@ -50,11 +50,7 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
     for (int64_t u = 0; u < split.units; ++u) {
       const AmxUnit t = amx_unit(&split, u);
       if (t.nb0 >= t.nb1) continue;
-      for (int64_t i = 0; i < t.mr; ++i) {
-        const int64_t r = t.r0 + i;
-        const int64_t at_row = t.p * g->a_batch + (r / g->row_width) * g->line_step + (r % g->row_width) * g->col_step;
-        pack_qrow(pa + i * lda, a + at_row, k, flip, kq);
-      }
+      for (int64_t i = 0; i < t.mr; ++i) pack_qrow(pa + i * lda, a + qrow_at(g, t.p, t.r0 + i), k, flip, kq);
       const int64_t at = t.p * g->c_batch + t.r0 * n;
       qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, n, out, (uint8_t*)c + at * esize,
                   res ? (const uint8_t*)res + at : 0, n, &g->e);

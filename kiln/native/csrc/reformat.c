@@ -8,6 +8,9 @@
 #include "simd.h"
 
 #define TB 64   /* pixels per work unit */
+/* threads_pay weighs work in multiply-adds: an element moved through a register transpose costs about as much as
+   this many, so copies of more than ~4,000 elements are shared among the threads. */
+#define MACS_PER_ELEMENT 16
 
 /* dst[j * ld + i] = src[i * ls + j] for i < rows, j < cols. */
 static void transpose_tile(const float* restrict src, int64_t ls, float* restrict dst, int64_t ld, int64_t rows,
@@ -31,7 +34,7 @@ static void transpose_tile(const float* restrict src, int64_t ls, float* restric
 /* Each image's [rows][cols] matrix transposed into [cols][rows], in units of TB along `pixels_are_rows`' axis. */
 static void transpose_images(const float* x, float* y, int64_t n, int64_t rows, int64_t cols, int pixels_are_rows) {
   const int64_t pixels = pixels_are_rows ? rows : cols, blocks = (pixels + TB - 1) / TB;
-  MAYBE_PARALLEL(threads_pay(n * blocks, n * rows * cols * 16), {
+  MAYBE_PARALLEL(threads_pay(n * blocks, n * rows * cols * MACS_PER_ELEMENT), {
     _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < n * blocks; ++t) {
       const int64_t b = t / blocks, p0 = (t % blocks) * TB, np = pixels - p0 < TB ? pixels - p0 : TB;
