@@ -336,11 +336,11 @@ def fake_race(monkeypatch, plan_ms):
     from kiln.tactics.timing_cache import TimingCache
 
     clock, state, calls = FakeClock(), {"round": 0}, {}
-    order = race._block_order
+    time_round = race.time_round
 
-    def spy(names, round_index):
+    def spy(runners, names, round_index, tuner):
         state["round"] = round_index
-        return order(names, round_index)
+        return time_round(runners, names, round_index, tuner)
 
     def runner(layers, descs, weights, opset, inputs, keep):
         def run():
@@ -348,7 +348,7 @@ def fake_race(monkeypatch, plan_ms):
             clock.advance(plan_ms(layers[0], state["round"]))
             return {}
         return run
-    monkeypatch.setattr(race, "_block_order", spy)
+    monkeypatch.setattr(race, "time_round", spy)
     monkeypatch.setattr(race, "plan_runner", runner)
     monkeypatch.setattr(race, "plan_signature", lambda layers: layers[0])
     monkeypatch.setattr(race, "WARMUP_MS", 0.0)
@@ -385,3 +385,27 @@ def test_a_burst_over_one_first_block_does_not_drop_the_fastest_plan(monkeypatch
     assert calls["region"] == set(range(race.PLAN_ROUNDS))
     assert calls["own"] == calls["slow"] == set(range(race.PRUNE_AFTER_ROUNDS))
     assert race.pick_fastest(times, tuner) == "region"
+
+
+def test_a_close_race_is_timed_again_before_it_is_decided(monkeypatch):
+    """"region" runs 9 ms, but the host is busier during its first four rounds (10.4 ms) than during "own"'s
+    (10 ms every round): on those rounds kiln's own plan would be kept. The two are within CONFIRM_WITHIN, so both
+    run CONFIRM_ROUNDS more rounds, where region's 9 ms beats own by more than the own-plan margin."""
+    import kiln.planning.race as race
+
+    def plan_ms(name, round_index):
+        return 10.0 if name == "own" else 10.4 if round_index < race.PLAN_ROUNDS else 9.0
+    measure, tuner, calls = fake_race(monkeypatch, plan_ms)
+    times = measure(["own", "region"])
+    assert times == pytest.approx({"own": 10.0, "region": 9.0})
+    assert calls["own"] == calls["region"] == set(range(race.PLAN_ROUNDS + race.CONFIRM_ROUNDS))
+    assert race.pick_fastest(times, tuner) == "region"
+
+
+def test_a_clear_race_is_not_timed_again(monkeypatch):
+    """Plans 10 and 11.2 ms: further apart than CONFIRM_WITHIN, closer than the prune ratio. PLAN_ROUNDS decide."""
+    import kiln.planning.race as race
+
+    measure, _, calls = fake_race(monkeypatch, lambda name, round_index: 10.0 if name == "own" else 11.2)
+    assert measure(["own", "region"]) == pytest.approx({"own": 10.0, "region": 11.2})
+    assert calls["own"] == calls["region"] == set(range(race.PLAN_ROUNDS))
