@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 import kiln
 from kiln import hardware
 from kiln.tactics.onednn_conv import bf16_available
+from kiln.tactics.registry import TACTICS_BY_NAME, reduced_precisions
 from tests.conftest import cosine, init, make_model, rand, run_ort
 from tests.precision.models import conv_net, transformer_net
 
@@ -20,10 +21,10 @@ pytestmark = pytest.mark.skipif(not bf16_available(), reason="this CPU has no na
                                 "or AMX): --bf16 is denied per layer here, as tests/precision/test_qdq.py checks")
 
 
-# kiln's BF16 kernels: oneDNN's through torch and kiln's own on vdpbf16ps; the autotuner picks per layer
-BF16_TACTICS = ("onednn.conv2d_nhwc_prepacked_bf16", "onednn.linear_prepacked_bf16", "kiln.conv2d_1x1_gemm_nhwc_bf16",
-                "kiln.conv2d_direct_gemm_nhwc_bf16", "kiln.matmul_gemm_bf16", "torch.attention_sdpa_bf16",
-                "kiln.layernorm_rows_bf16", "kiln.attention_c_bf16", "torch.reference_bf16")
+# kiln's BF16 kernels: oneDNN's through torch, kiln's own on vdpbf16ps or AMX tiles (Winograd with bf16 storage
+# among them), torch's for layers that only move data. The autotuner picks one per layer by timing (conv_net's conv2
+# races oneDNN's, the direct and the Winograd kernel; AMX CPUs add the AMX GEMMs): any of them may win
+BF16_TACTICS = frozenset(name for name, tactic in TACTICS_BY_NAME.items() if "BF16" in reduced_precisions(tactic))
 
 
 def run_both(model, engine, seed: int = 0):

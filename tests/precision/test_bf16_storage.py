@@ -161,12 +161,18 @@ def test_tensors_between_bf16_kernels_are_stored_in_bf16_and_layer_info_says_so(
 @needs_bf16
 def test_the_autotuner_is_told_which_neighbours_store_bf16(monkeypatch):
     from kiln.tactics.autotune import Autotuner
+    from kiln.tactics.registry import reduced_precisions
     seen, choose = {}, Autotuner.choose
 
     def spy(self, name, view, tactics, *args, **kwargs):
         seen[name] = args[4] if len(args) > 4 else kwargs.get("stored")   # (have, names, dying, precision, stored)
         return choose(self, name, view, tactics, *args, **kwargs)
     monkeypatch.setattr(Autotuner, "choose", spy)
+    # BF16 is allowed, not required: each layer's FP32 kernels race its BF16 ones, and c2, c3 and c4 write bf16 only
+    # where a BF16 kernel wins them (c2's won by ~35% on a Zen 4, within reach of a noisy host). BF16 kernels timed
+    # faster everywhere, what each layer is told follows from the storage guess, not from this host's timing
+    monkeypatch.setattr(Autotuner, "_measure", lambda self, views, tactics, *args: {
+        t.name: 1.0 if "BF16" in reduced_precisions(t) else 2.0 for t in tactics})
     kiln.build(conv_chain(), bf16=True, tactic_sources=KILN_ONLY, accuracy="off")
     # c1 reads the engine input and feeds the FP32 AveragePool, so c2 and c5 read its output in FP32 too; c2 feeds c3,
     # granted BF16; c3 reads c2's bf16 output (after the fused ReLU) and feeds c4; c5 ends the graph
