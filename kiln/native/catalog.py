@@ -71,7 +71,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),)),
     LibrarySpec("reformat", "reformat.c", (
         Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 3),
-        Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 3))),
+        Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 3),
+        Function("kiln_copy_rows", (POINTER, I64, POINTER, POINTER, I64, I64, I64)))),
     LibrarySpec("pointwise", None, (Function("kiln_pointwise", (POINTER, POINTER)),),
                 rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),
     LibrarySpec("probe", "probe.c", (Function("kiln_probe", (ctypes.c_float,), ctypes.c_float),)),

@@ -14,11 +14,11 @@ from kiln.errors import EngineFormatError
 from kiln.ops.nn import check_window_attrs
 from kiln.plan.model import Layer
 from kiln.tactics import onnxruntime_source, openvino_source
-from kiln.tactics.base import HWC, STORED_FLOATS, Kernel, LayerView, storage_dtype
+from kiln.tactics.base import HWC, LINEAR, STORED_FLOATS, Kernel, LayerView, storage_dtype
 from kiln.tactics.onnx_emit import emit_region
 from kiln.tactics.onnxruntime_source import REGION_TACTIC, region_kernel
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
-from kiln.tactics.reference import ReferenceTactic
+from kiln.tactics.reference import ReferenceTactic, as_planned
 from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC, prepare_reformat
 from kiln.tactics.storage import native_view, with_conversions
 
@@ -127,6 +127,8 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
     kernel = tactic.prepare(view)
     if isinstance(tactic, ReferenceTactic):
         kernel = in_planned_formats(kernel, layer)
+    elif getattr(tactic, "outputs_as_planned", False):
+        kernel = as_planned(kernel, [o.format if len(o.dims) == 4 else LINEAR for o in layer.outputs])
     return with_conversions(kernel, widen, narrow)
 
 
@@ -184,7 +186,4 @@ def in_planned_formats(kernel: Kernel, layer: Layer) -> Kernel:
             return [torch.cat([x if x.dtype == dtype else x.to(dtype) for x in xs], axis, out=out)]
         return concat
 
-    def run(xs):
-        return [y.contiguous(memory_format=last) if want and isinstance(y, torch.Tensor) and y.dim() == 4 else y
-                for y, want in zip(kernel(xs), hwc)]
-    return run
+    return as_planned(kernel, [HWC if want else LINEAR for want in hwc])

@@ -16,6 +16,7 @@ from kiln.errors import ModelError
 from kiln.tactics.base import ANY, HWC, LINEAR, LayerView, Tactic, tactic_value
 from kiln.tactics.clock import WALL_CLOCK, Clock, elapsed_ms
 from kiln.tactics.costs import DEFAULT_COSTS, CostPolicy
+from kiln.tactics.reference import as_planned
 from kiln.tactics.reformat import to_format
 from kiln.tactics.storage import BF16, NO_GUESS, StorageGuess
 from kiln.tactics.timing_cache import TimingCache, digest
@@ -175,6 +176,9 @@ class Autotuner:
             self._skip(t, exc, times)
             return None
         wanted = t.input_formats(view)
+        if getattr(t, "outputs_as_planned", False):   # timed as the plan runs it: outputs in the layout it records
+            kernel = as_planned(kernel, [t.output_format(view, [f or LINEAR for f in have_formats])] *
+                                len(view.output_dtypes))
         # a layout-agnostic kernel is timed on the layout its producer really delivers
         xs = [None if (s is None or i in view.const_inputs) else
               example_input(s, view.input_dtypes[i], (have_formats[i] or LINEAR) if wanted[i] == ANY else wanted[i])

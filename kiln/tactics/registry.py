@@ -21,6 +21,7 @@ from kiln.tactics.pool_c import NhwcMaxPoolBf16Tactic, NhwcPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
+from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import NhwcResizeTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
@@ -49,7 +50,9 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),
                                                    Bf16AttentionTactic()],
-                                     **{op: [Bf16ReferenceTactic()] for op in BF16_OPS}}
+                                     **{op: [Bf16ReferenceTactic()] for op in BF16_OPS},
+                                     **{op: [Bf16ReferenceTactic(), CopyRowsTactic(), CopyRowsBf16Tactic()]
+                                        for op in COPY_OPS}}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")

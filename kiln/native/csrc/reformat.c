@@ -1,6 +1,10 @@
-/* Reformat copies between row-major (NCHW) and channel-major (NHWC) float32 layouts (kiln.tactics.reformat): each
-   image is a matrix transposed, [c][hw] <-> [hw][c], VW x VW blocks at a time through registers (simd.h's
-   transpose_block), the edges element by element. Units are blocks of TB pixels, shared among the threads. */
+/* Data movement in C.
+   - Reformat copies between row-major (NCHW) and channel-major (NHWC) float32 layouts (kiln.tactics.reformat): each
+     image is a matrix transposed, [c][hw] <-> [hw][c], VW x VW blocks at a time through registers (simd.h's
+     transpose_block), the edges element by element. Units are blocks of TB pixels, shared among the threads.
+   - Row-chunk copies (kiln.tactics.copy_c): Concat, Slice and Split along one axis move, for every row of the
+     axes before it (in memory order), one contiguous chunk per input; FP32 or bf16 on either side, rounded to
+     nearest even when narrowed. Units are blocks of RB rows. */
 #include <stdint.h>
 #include <string.h>
 
@@ -11,6 +15,8 @@
 /* threads_pay weighs work in multiply-adds: an element moved through a register transpose costs about as much as
    this many, so copies of more than ~4,000 elements are shared among the threads. */
 #define MACS_PER_ELEMENT 16
+/* ... and an element copied or converted in a row chunk about this many: copies of more than ~16,000 share. */
+#define MACS_PER_COPIED 4
 
 /* dst[j * ld + i] = src[i * ls + j] for i < rows, j < cols. */
 static void transpose_tile(const float* restrict src, int64_t ls, float* restrict dst, int64_t ld, int64_t rows,
@@ -56,4 +62,101 @@ void kiln_to_nhwc(const float* restrict x, float* restrict y, int64_t n, int64_t
 /* NHWC -> NCHW: y[b][ch][p] = x[b][p][ch]. */
 void kiln_to_nchw(const float* restrict x, float* restrict y, int64_t n, int64_t c, int64_t hw) {
   transpose_images(x, y, n, hw, c, 1);
+}
+
+
+/* ------------------------------------------------------------------------------------------- row-chunk copies */
+#define RB 64   /* rows per work unit */
+
+/* One input's chunk: in each row, `count` elements from element `src_at` (rows `src_step` apart) go to element
+   `dst_at` of the output's row. */
+typedef struct {
+  int64_t src_step, src_at, count, dst_at, src_bf16;
+} CopyPart;
+
+static inline void copy_bytes(char* restrict d, const char* restrict s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) memcpy(d + i, s + i, 64);   /* fixed sizes: inlined as vector moves */
+  if (i + 32 <= n) { memcpy(d + i, s + i, 32); i += 32; }
+  if (i + 16 <= n) { memcpy(d + i, s + i, 16); i += 16; }
+  if (i + 8 <= n) { memcpy(d + i, s + i, 8); i += 8; }
+  if (i + 4 <= n) { memcpy(d + i, s + i, 4); i += 4; }
+  if (i + 2 <= n) memcpy(d + i, s + i, 2);
+}
+
+static inline void narrow_row(uint16_t* restrict d, const float* restrict s, int64_t n) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    vf x;
+    memcpy(&x, s + i, sizeof x);
+    const vh h = v_bf16(x);
+    memcpy(d + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) d[i] = bf16_narrow(s[i]);
+}
+
+static inline void widen_row(float* restrict d, const uint16_t* restrict s, int64_t n) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    vh h;
+    memcpy(&h, s + i, sizeof h);
+    const vu u = __builtin_convertvector(h, vu) << 16;
+    memcpy(d + i, &u, sizeof u);
+  }
+  for (; i < n; ++i) d[i] = bf16_widen(s[i]);
+}
+
+/* Rows of a fixed size: the compiler unrolls the copy or conversion into vector moves (a channel chunk of NHWC
+   tensors is 16-256 bytes; a loop over a run-time count spent ~10 cycles a row on 32-byte rows, 3x torch.cat). */
+#define COPY_ROWS_OF(BYTES)                                                                                        \
+  case BYTES:                                                                                                      \
+    for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) memcpy(d, s, BYTES);                             \
+    return;
+
+static inline void convert_row(char* restrict d, const char* restrict s, int64_t count, int dst_bf16) {
+  if (dst_bf16)
+    narrow_row((uint16_t*)d, (const float*)s, count);
+  else
+    widen_row((float*)d, (const uint16_t*)s, count);
+}
+
+#define CONVERT_ROWS_OF(COUNT)                                                                                     \
+  case COUNT:                                                                                                      \
+    for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) convert_row(d, s, COUNT, dst_bf16);              \
+    return;
+
+static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst_step, int dst_bf16, int64_t r0,
+                      int64_t r1) {
+  const int64_t in_size = p->src_bf16 ? 2 : 4, out_size = dst_bf16 ? 2 : 4;
+  const int64_t s_step = p->src_step * in_size, d_step = dst_step * out_size;
+  const char* s = (const char*)src + r0 * s_step + p->src_at * in_size;
+  char* d = (char*)dst + r0 * d_step + p->dst_at * out_size;
+  if (in_size == out_size) {
+    switch (p->count * in_size) {
+      COPY_ROWS_OF(16) COPY_ROWS_OF(32) COPY_ROWS_OF(64) COPY_ROWS_OF(96) COPY_ROWS_OF(128) COPY_ROWS_OF(192)
+      COPY_ROWS_OF(256)
+      default:
+        for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) copy_bytes(d, s, p->count * in_size);
+    }
+    return;
+  }
+  switch (p->count) {
+    CONVERT_ROWS_OF(16) CONVERT_ROWS_OF(32) CONVERT_ROWS_OF(48) CONVERT_ROWS_OF(64) CONVERT_ROWS_OF(128)
+    default:
+      for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) convert_row(d, s, p->count, dst_bf16);
+  }
+}
+
+/* For each of `rows` rows and each part: dst[row * dst_step + dst_at + j] = srcs[part][row * src_step + src_at + j],
+   j < count, converted between FP32 and bf16 where the two sides differ. */
+void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* srcs, void* dst, int64_t dst_step,
+                    int64_t dst_bf16, int64_t rows) {
+  const int64_t blocks = (rows + RB - 1) / RB;
+  MAYBE_PARALLEL(threads_pay(blocks, rows * dst_step * MACS_PER_COPIED), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = b * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+      for (int64_t k = 0; k < n_parts; ++k) copy_part(&parts[k], srcs[k], dst, dst_step, (int)dst_bf16, r0, r1);
+    }
+  });
 }
