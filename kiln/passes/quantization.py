@@ -70,13 +70,21 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
                         "output scale. Add a QuantizeLinear/DequantizeLinear pair after its output '%s' to keep "
                         "the next layer in INT8 (TensorRT builds this silently).%s", node.name, node.outputs[0].name,
                         note)
-        origin = tuple(o for n in [dqx, dqw] if len(n.outputs[0].users) == 1 for o in n.origin) + \
-            tuple(o for n in nodes for o in n.origin)
+        origin = _dq_origins(g, [dqx, dqw], nodes) + tuple(o for n in nodes for o in n.origin)
         name = _layer_name(nodes)
         plog.fusing(dqx, node)
         attrs = {**node.attrs, "quant": quant}
         inputs = [dqx.inputs[0], dqw.inputs[0]] + list(node.inputs[2:])
         replace_nodes(g, nodes, Node(name, QUANTIZABLE[node.op_type], inputs, [out], attrs, "kiln", origin))
+
+
+def _dq_origins(g: Graph, dqs: list[Node], nodes: list[Node]) -> tuple[str, ...]:
+    """The ONNX nodes a fused layer names for the DequantizeLinear nodes it absorbs: those of a DQ only this layer
+    reads, less any another node stands for. A DQ merged with another consumer's (HorizontalMergeQNodes) carries
+    that consumer's origin too: an unfolded QOperator model's DQs stand for the QLinear node reading them, and a
+    ResNet block's downsample convolution named its neighbouring conv1 after reading conv1's merged DQ."""
+    others = {o for n in g.nodes if n not in dqs and n not in nodes for o in n.origin}
+    return tuple(o for d in dqs if len(d.outputs[0].users) == 1 for o in d.origin if o not in others)
 
 
 def _layer_name(nodes: list[Node]) -> str:
@@ -120,6 +128,7 @@ def merge_duplicate_qdq(g: Graph, plog: PassLog) -> None:
                     continue
                 plog.running(keep)
                 plog.fusing(keep, dup)
+                keep.origin += tuple(o for o in dup.origin if o not in keep.origin)   # each consumer's, for metadata
                 g.remove_node(dup)
                 g.replace_all_uses(dup.outputs[0], keep.outputs[0])
 
@@ -174,8 +183,7 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         nodes.append(nxt)
         for n in nodes[1:]:
             plog.fusing(add, n)
-        origin = tuple(o for d in dqs if len(d.outputs[0].users) == 1 for o in d.origin) + \
-            tuple(o for n in nodes for o in n.origin)
+        origin = _dq_origins(g, dqs, nodes) + tuple(o for n in nodes for o in n.origin)
         attrs = {"quant": quant, **({"activation": act} if act else {})}
         replace_nodes(g, nodes, Node(_layer_name(nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
                                      [nxt.outputs[0]], attrs, "kiln", origin))

@@ -3,6 +3,7 @@ QLinearGlobalAveragePool, QGemm) build onto kiln's own INT8 kernels, as their Q/
 nodes' names, and match onnxruntime's own execution of the model."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -51,6 +52,22 @@ def test_qoperator_resnet_runs_on_kilns_int8_kernels_and_matches_onnxruntime(qop
     got = engine.run({"input": x})[engine.output_names[0]]
     assert cosine(got, run_ort(path, {"input": x})[0]) > 0.999      # onnxruntime running the QOperator model
     assert cosine(got, run_ort(fp32, {"input": x})[0]) > 0.999      # and the FP32 network it came from
+
+
+def test_each_layers_metadata_names_the_qoperator_nodes_it_runs_and_no_neighbour(qoperator_resnet):
+    """A ResNet block's conv1 and downsample read one INT8 tensor through DequantizeLinear nodes the unfolding made
+    and HorizontalMergeQNodes merged; the downsample layer's Metadata (and the conv2 + residual-add layer's) named
+    conv1 too. Every such layer now names exactly the QOperator nodes in its name, and each of them once."""
+    path, _ = qoperator_resnet
+    engine = kiln.build(path, int8=True, tactic_sources=KILN_ONLY, autotune=False)
+    named = []
+    for layer in engine.layer_info()["Layers"]:
+        metadata = re.findall(r"\[ONNX Layer: (.*?)\]", layer.get("Metadata", ""))
+        if layer["LayerType"] in ("Convolution", "MatrixMultiply"):
+            assert sorted(metadata) == sorted(layer["Name"].split(" + ")), layer["Name"]
+            named += metadata
+    weighted = [n.name for n in onnx.load(path).graph.node if n.op_type in ("QLinearConv", "QLinearAdd", "QGemm")]
+    assert sorted(named) == sorted(weighted)   # each convolution, residual add and the classifier: once
 
 
 def test_without_unfolding_the_qoperator_nodes_run_as_they_are_and_layer_info_describes_them(qoperator_resnet):
