@@ -123,7 +123,7 @@ class CallGeometry:
 
     call: AttnCall | None             # None: the reference kernel runs this geometry
     call_ref: object                  # ctypes.byref(call), made once
-    offsets: tuple[int | None, ...]   # per input: the operand's byte offset from the input's data, or None
+    slots: tuple[tuple[int, int], ...]   # (input, byte offset) of each operand read in place, Q, K, V, mask
     in_place: bool
     y_shape: tuple[int, ...]          # the tensor allocated per call
     direct: bool                      # y is the layer's output (else out_steps are applied to it)
@@ -155,8 +155,9 @@ def call_geometry(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> 
     pointers = _pointers(ops)
     offsets = tuple(p - x.data_ptr() if x is not None and p and _shares(x, p) else None for x, p in zip(xs, pointers))
     in_place = all(o is not None for o, p in zip(offsets, pointers) if p)
+    slots = tuple((i, o) for i, o in enumerate(offsets) if o is not None)
     call = _attn_call(ops, _four_dims(out4), float(attrs["scale"]), flags)
-    return CallGeometry(call, ctypes.byref(call), offsets, in_place, final if direct else ops.out_shape, direct)
+    return CallGeometry(call, ctypes.byref(call), slots, in_place, final if direct else ops.out_shape, direct)
 
 
 def _shares(x: torch.Tensor, ptr: int) -> bool:
@@ -216,7 +217,7 @@ class AttentionTactic:
                 wide = [x.float() if x is not None and x.is_floating_point() else x for x in xs]
                 return [y.to(out_dtype) for y in reference(attrs, wide)]
             if geo.in_place:
-                ptrs = [x.data_ptr() + o for x, o in zip(xs, geo.offsets) if o is not None]
+                ptrs = [xs[i].data_ptr() + o for i, o in geo.slots]
                 if len(ptrs) < 4:
                     ptrs.append(0)   # no mask
             else:

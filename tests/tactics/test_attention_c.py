@@ -100,7 +100,7 @@ def test_bert_base_layer_reads_the_fused_qkv_slices_in_place():
     mask[..., 100:] = -10000.0   # BERT's padding mask
     geo = call_geometry(attrs, [qkv, qkv, qkv, mask], torch.float32, 0)
     assert geo.in_place and geo.direct   # no copy of Q, K, V, the output written in its merged layout
-    assert geo.offsets == (0, 768 * 4, 1536 * 4, 0)
+    assert geo.slots == ((0, 0), (1, 768 * 4), (2, 1536 * 4), (3, 0))
     got = AttentionTactic().prepare(layer)([qkv, qkv, qkv, mask])[0]
     q, k, v = (qkv[..., i * 768:(i + 1) * 768].reshape(1, s, h, d).transpose(1, 2) for i in range(3))
     want = formula(q, k, v, mask, 0.125).transpose(1, 2).reshape(1, s, h * d)
@@ -205,7 +205,7 @@ def test_the_avx2_build_matches_the_formula(tmp_path):
     geo = call_geometry(layer.attrs, xs, torch.bfloat16, 0)
     assert geo.in_place and geo.direct
     y = torch.empty(geo.y_shape, dtype=torch.bfloat16)
-    lib.kiln_attention(geo.call_ref, *(x.data_ptr() + o for x, o in zip(xs, geo.offsets)), y.data_ptr())
+    lib.kiln_attention(geo.call_ref, *(xs[i].data_ptr() + o for i, o in geo.slots), y.data_ptr())
     assert_matches(y, expected(layer, xs), 2 ** -8)
 
 
