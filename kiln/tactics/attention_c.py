@@ -9,7 +9,7 @@ FP32 or bf16, as the plan stores them (kiln.tactics.storage). Each input geometr
 worked out once and cached, so a call costs a dictionary lookup, one output allocation and the C call.
 
 BERT-base's layer (12 heads of 128 x 64, a 1x1x128x128 mask), 2 threads of a Zen 4: torch's SDPA 0.49 ms,
-kiln.attention_c 0.31 ms, kiln.attention_c_bf16 0.20 ms (docs/tactics.md). A call on a tiny layer costs ~5.9 µs.
+kiln.attention_c 0.31 ms, kiln.attention_c_bf16 0.20 ms (docs/tactics.md). A call on a tiny layer costs ~5.7 µs.
 """
 from __future__ import annotations
 
