@@ -30,6 +30,7 @@ from kiln.tactics.reformat import to_format
 COPY_TACTIC = "kiln.copy_rows"
 COPY_OPS = ("Concat", "Slice", "Split")
 MEMORY_ORDER = {LINEAR: (0, 1, 2, 3), HWC: (0, 2, 3, 1)}   # a 4-D tensor's axes in memory order, per format
+LAYOUTS = ((LINEAR, torch.contiguous_format), (HWC, torch.channels_last))   # row-major first: see in_one_layout
 
 
 class CopyPart(ctypes.Structure):
@@ -159,8 +160,7 @@ class CopyRowsTactic:
         in_types = [storage_dtype(d) for d in layer.input_dtypes[:n_data]]
         out_types = [(t, int(t == torch.bfloat16)) for t in map(storage_dtype, layer.output_dtypes)]
         bf16 = tuple(t == torch.bfloat16 for t in in_types)
-        layouts = ((LINEAR, torch.contiguous_format), (HWC, torch.channels_last)) \
-            if len(layer.input_shapes[0]) == 4 else ((LINEAR, torch.contiguous_format),)
+        layouts = LAYOUTS if len(layer.input_shapes[0]) == 4 else LAYOUTS[:1]
         calls = {fmt: copy_parts(ranges, layer.input_shapes[0], fmt, bf16) for fmt, _ in layouts}
         shapes = [tuple(ranges.out_extents[o] if k == ranges.axis else d for k, d in enumerate(layer.input_shapes[0]))
                   for o in range(len(out_types))]
@@ -185,11 +185,16 @@ class CopyRowsTactic:
             rest = iter(live)
             return fmt, [consts[fmt][i] if i in consts[fmt] else next(rest) for i in range(n_data)]
 
+        tails = [tuple(s[1:]) for s in layer.input_shapes[:n_data]]   # the chunks assume them: checked per call
+
         def run(xs):
             fmt, xs = with_consts(xs[:n_data]) if consts[LINEAR] else in_one_layout(xs[:n_data])
             if any(x.dtype != t for x, t in zip(xs, in_types)):
                 xs = [x.to(t) for x, t in zip(xs, in_types)]
             batch = xs[0].shape[0]
+            if [x.shape[1:] for x in xs] != tails or any(x.shape[0] != batch for x in xs):
+                raise ValueError(f"{self.name}: inputs shaped {[list(x.shape) for x in xs]}, the plan's are "
+                                 f"{[['N', *t] for t in tails]}")
             srcs = (ctypes.c_void_p * n_data)(*[x.data_ptr() for x in xs])
             outs = []
             for (parts, row, rows), shape, stride, (dtype, to_bf16) in zip(calls[fmt], shapes, strides[fmt],

@@ -159,6 +159,17 @@ def test_the_batch_is_read_per_call():
     check(kernel(xs)[0], torch.cat(xs, 1), "hwc")
 
 
+def test_inputs_shaped_otherwise_than_planned_are_refused():
+    """The chunks are worked out from the plan's shapes: a tensor of another shape would be read past its end."""
+    shapes = [(1, 8, 3, 3), (1, 24, 3, 3)]
+    kernel = CopyRowsTactic().prepare(view("Concat", shapes, ("float32",) * 2, ("float32",), {"axis": 1},
+                                           dynamic=((0,), (0,))))
+    with pytest.raises(ValueError, match=r"the plan's are \[\['N', 8, 3, 3\], \['N', 24, 3, 3\]\]"):
+        kernel([tensor((1, 8, 3, 3)), tensor((1, 16, 3, 3))])
+    with pytest.raises(ValueError, match="inputs shaped"):
+        kernel([tensor((2, 8, 3, 3)), tensor((1, 24, 3, 3))])
+
+
 def test_rounding_to_bf16_is_torchs():
     """Round to nearest even at the halfway points, overflow to infinity, subnormals and signed zeros: bit for bit
     torch's conversion; a NaN stays NaN (its payload is kiln's bf16.h's, quiet, where torch's is all ones)."""
