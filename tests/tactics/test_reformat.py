@@ -51,8 +51,9 @@ def test_the_c_transposes_run_where_they_apply(monkeypatch):
 
 
 @pytest.mark.skipif(not (codegen.available() and hardware.has_any(("avx2",))), reason="no C compiler or no AVX2")
-def test_the_avx2_build_transposes_exactly(tmp_path):
-    """reformat.c compiled for AVX2 alone (-march=x86-64-v3: 8 x 8 register blocks, as on a Zen 3)."""
+def test_the_avx2_build_transposes_and_copies_exactly(tmp_path):
+    """reformat.c compiled for AVX2 alone (-march=x86-64-v3: 8 x 8 register blocks, 8-lane conversions, as on a
+    Zen 3)."""
     from kiln.native import catalog, compiler
 
     spec = catalog.LIBRARIES["reformat"]
@@ -66,3 +67,14 @@ def test_the_avx2_build_transposes_exactly(tmp_path):
         lib.kiln_to_nhwc(x.data_ptr(), hwc.data_ptr(), n, c, h * w)
         lib.kiln_to_nchw(hwc.data_ptr(), back.data_ptr(), n, c, h * w)
         assert torch.equal(hwc, x.permute(0, 2, 3, 1)) and torch.equal(back, x)
+    # the row-chunk copies too: 8-lane conversions and their tails, fixed-size and run-time-size rows
+    from kiln.tactics.copy_c import CopyPart
+
+    for c in (16, 12, 21):
+        a32, b16 = torch.randn(40, c), torch.randn(40, c).to(torch.bfloat16)
+        for out_type, to_bf16 in ((torch.bfloat16, 1), (torch.float32, 0)):
+            y = torch.empty(40, 2 * c, dtype=out_type)
+            parts = (CopyPart * 2)(CopyPart(c, 0, c, 0, 0), CopyPart(c, 0, c, c, 1))
+            srcs = (ctypes.c_void_p * 2)(a32.data_ptr(), b16.data_ptr())
+            lib.kiln_copy_rows(parts, 2, srcs, y.data_ptr(), 2 * c, to_bf16, 40)
+            assert torch.equal(y, torch.cat([a32.to(out_type), b16.to(out_type)], 1))
