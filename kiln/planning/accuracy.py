@@ -130,10 +130,10 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
                  "re-lowered alone in FP32", budget.text(), found[0], len(reduced))
         exact = dict(reverted)
         deadline = time.monotonic() + EXACT_RANKING_S
-        for name in reduced:   # plan order; past the deadline the rest keep their single-kernel score
+        for done, name in enumerate(reduced):   # plan order; past the deadline the rest keep their single-kernel score
             if time.monotonic() > deadline:
-                log.info("Accuracy budget: %d of %d layers measured re-lowered within %d s", list(reduced).index(name),
-                         len(reduced), EXACT_RANKING_S)
+                log.info("Accuracy budget: %d of %d layers measured re-lowered within %d s", done, len(reduced),
+                         EXACT_RANKING_S)
                 break
             exact[name] = evaluate(g, relower(keep_fp32(lowered.precisions, [name])), budget, inputs, reference)
         again = fewest_kept(g, lowered, relower, budget, inputs, reference, reduced, exact)
@@ -143,7 +143,7 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
         every_score = evaluate(g, relower(keep_fp32(lowered.precisions, reduced)), budget, inputs, reference)
         raise ModelError(f"the accuracy budget {budget.text()} cannot be met even with every layer in FP32 "
                          f"({budget.metric} {every_score:.6g} against the FP32 reference): relax it")
-    high, best, kept = found
+    _, best, kept = found
     log.info("Accuracy budget %s: %d of %d reduced-precision layers kept in FP32 (%s %.8g -> %.8g): %s",
              budget.text(), len(kept), len(reduced), budget.metric, score, best[1], ", ".join(kept))
     return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), reverted,

@@ -128,7 +128,7 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
     if isinstance(tactic, ReferenceTactic):
         kernel = in_planned_formats(kernel, layer)
     elif getattr(tactic, "outputs_as_planned", False):
-        kernel = as_planned(kernel, [o.format if len(o.dims) == 4 else LINEAR for o in layer.outputs])
+        kernel = as_planned(kernel, planned_formats(layer))
     return with_conversions(kernel, widen, narrow)
 
 
@@ -165,12 +165,10 @@ def in_planned_formats(kernel: Kernel, layer: Layer) -> Kernel:
     for a layout-agnostic op: torch.cat of a row-major and a channel-major input is row-major, recorded as
     channel-major. Outputs recorded channel-major are made so (no copy when they already are), so layer info
     tells the truth and consumers do not each pay a hidden conversion."""
-    hwc = [o.format == HWC and len(o.dims) == 4 for o in layer.outputs]
-    if not any(hwc):
+    if HWC not in planned_formats(layer):
         return kernel
-    last = torch.channels_last
     if layer.op_type == "Concat" and layer.domain in ("", "ai.onnx"):
-        axis = layer.attrs.get("axis", 1) % 4
+        axis, last = layer.attrs.get("axis", 1) % 4, torch.channels_last
 
         out_dtype = layer.outputs[0].dtype
         stored = storage_dtype(out_dtype) if out_dtype in STORED_FLOATS else None
@@ -186,4 +184,9 @@ def in_planned_formats(kernel: Kernel, layer: Layer) -> Kernel:
             return [torch.cat([x if x.dtype == dtype else x.to(dtype) for x in xs], axis, out=out)]
         return concat
 
-    return as_planned(kernel, [HWC if want else LINEAR for want in hwc])
+    return as_planned(kernel, planned_formats(layer))
+
+
+def planned_formats(layer: Layer) -> list[str]:
+    """The layout the plan records for each output, as a layout-following kernel must give it (4-D tensors only)."""
+    return [HWC if o.format == HWC and len(o.dims) == 4 else LINEAR for o in layer.outputs]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln import hardware
+from kiln import hardware, native
 from kiln.tactics import gemm_c
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.conv_direct import DirectConvTactic
@@ -42,8 +42,10 @@ def pack_bf16_segments(weight: torch.Tensor, k_multiple: int = 2) -> torch.Tenso
     return pack_bf16_pairs(padded.reshape(-1, cout))
 
 
-# gemm.c's `io` bits: which of the input, the output and the residual are stored in bf16
-IO_A_BF16, IO_C_BF16, IO_RES_BF16 = 1, 2, 4
+# gemm.h's `io` bits (one definition, read from the header): which of the input, the output and the residual are
+# stored in bf16
+IO_A_BF16, IO_C_BF16, IO_RES_BF16 = (native.header_constant("gemm.h", name)
+                                     for name in ("IO_A_BF16", "IO_C_BF16", "IO_RES_BF16"))
 
 
 def io_flags(layer) -> int:

@@ -42,9 +42,8 @@ def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_resid
                 out_dtype: torch.dtype = torch.float32):
     """The kernel around a C launch `launch(x, out, residual)` that writes an NHWC output (of `out_dtype`, its
     batch the input's) with bias, residual and ReLU or Swish applied as it stores (other activations run after
-    it). With a residual it
-    carries `into_input` (kiln.runtime.donation): the variant writing over the residual's dead buffer, each
-    element read before it is overwritten."""
+    it). With a residual it carries `into_input` (kiln.runtime.donation): the variant writing over the residual's
+    dead buffer, each element read before it is overwritten."""
     post = spec if spec and not activation_code(spec) else None
     last = torch.channels_last
     _, c, h, w = out_shape

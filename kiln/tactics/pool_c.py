@@ -17,7 +17,8 @@ import torch
 
 from kiln import native
 from kiln.ops.nn import global_average_pool, global_max_pool, max_pool, pool_output_size
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only
+from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, \
+    storage_dtype
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
 MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
@@ -116,5 +117,5 @@ class NhwcMaxPoolBf16Tactic(Bf16Storage, NhwcPoolTactic):
         kernel = super().prepare(self._typed(layer))
         if layer.input_dtypes[0] == layer.output_dtypes[0]:
             return kernel
-        dtype = MAXPOOL_TYPES[layer.output_dtypes[0]][1]
+        dtype = storage_dtype(layer.output_dtypes[0])
         return lambda xs: kernel([xs[0].to(dtype), *xs[1:]])

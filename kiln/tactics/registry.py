@@ -7,6 +7,7 @@ from kiln.tactics.attention_c import AttentionBf16Tactic, AttentionTactic
 from kiln.tactics.base import LayerView, Tactic
 from kiln.tactics.codegen import CodegenPointWiseBf16Tactic, CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
+from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
 from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
@@ -21,7 +22,6 @@ from kiln.tactics.pool_c import NhwcMaxPoolBf16Tactic, NhwcPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
-from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import NhwcResizeTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
@@ -50,9 +50,9 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),
                                                    Bf16AttentionTactic()],
-                                     **{op: [Bf16ReferenceTactic()] for op in BF16_OPS},
-                                     **{op: [Bf16ReferenceTactic(), CopyRowsTactic(), CopyRowsBf16Tactic()]
-                                        for op in COPY_OPS}}
+                                     **{op: [Bf16ReferenceTactic()] + ([CopyRowsTactic(), CopyRowsBf16Tactic()]
+                                                                       if op in COPY_OPS else [])
+                                        for op in BF16_OPS}}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")
