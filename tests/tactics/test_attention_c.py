@@ -7,6 +7,7 @@ kernels, matching onnxruntime."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 import kiln
 from kiln import hardware, native
 from kiln.tactics.attention_c import (ATTENTION_BF16_TACTIC, ATTENTION_TACTIC, AttentionBf16Tactic,
-                                      AttentionTactic, call_geometry)
+                                      AttentionTactic, call_geometry, input_addresses)
 from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
 from tests.conftest import assert_close_to_ort, cosine, run_ort
@@ -100,7 +101,7 @@ def test_bert_base_layer_reads_the_fused_qkv_slices_in_place():
     mask[..., 100:] = -10000.0   # BERT's padding mask
     geo = call_geometry(attrs, [qkv, qkv, qkv, mask], torch.float32, 0)
     assert geo.in_place and geo.direct   # no copy of Q, K, V, the output written in its merged layout
-    assert geo.slots == ((0, 0), (1, 768 * 4), (2, 1536 * 4), (3, 0))
+    assert (geo.call.q_at, geo.call.k_at, geo.call.v_at, geo.call.m_at) == (0, 768 * 4, 1536 * 4, 0)   # bytes
     got = AttentionTactic().prepare(layer)([qkv, qkv, qkv, mask])[0]
     q, k, v = (qkv[..., i * 768:(i + 1) * 768].reshape(1, s, h, d).transpose(1, 2) for i in range(3))
     want = formula(q, k, v, mask, 0.125).transpose(1, 2).reshape(1, s, h * d)
@@ -129,6 +130,22 @@ def test_masks_of_every_rank_broadcast_by_strides(mask_shape):
     layer = heads_layer(2, 3, 6, 9, 16, mask_shape=mask_shape)
     xs = inputs(layer, seed=5)
     assert_matches(AttentionTactic().prepare(layer)(xs)[0], expected(layer, xs), FP32_REL)
+
+
+def test_an_absent_mask_slot_and_inputs_that_are_views():
+    """A layer whose mask slot is planned empty (None) takes the general readers. Q, K and V are views starting 20
+    bytes into their storage: the call takes the views' own addresses (the steps add no offset here), 0 for the
+    mask."""
+    base = heads_layer(2, 3, 6, 9, 16)
+    layer = dataclasses.replace(base, input_shapes=base.input_shapes + (None,), input_dtypes=base.input_dtypes + (None,),
+                                input_dynamic=base.input_dynamic + ((),))
+    g = torch.Generator().manual_seed(8)
+    wide = [torch.randn(s[0], s[1], s[2], s[3] + 5, generator=g) for s in base.input_shapes]
+    xs = [w[..., 5:] for w in wide] + [None]   # offset 20 bytes into each storage, unit inner stride
+    geo = call_geometry(layer.attrs, xs, torch.float32, 0)
+    assert geo.in_place and (geo.call.q_at, geo.call.k_at, geo.call.v_at, geo.call.m_at) == (0, 0, 0, 0)
+    assert input_addresses(xs) == [w.data_ptr() + 20 for w in wide] + [0]
+    assert_matches(AttentionTactic().prepare(layer)(xs)[0], expected(base, xs[:3]), FP32_REL)
 
 
 @pytest.mark.parametrize("nan_to_zero", [False, True])
@@ -205,7 +222,7 @@ def test_the_avx2_build_matches_the_formula(tmp_path):
     geo = call_geometry(layer.attrs, xs, torch.bfloat16, 0)
     assert geo.in_place and geo.direct
     y = torch.empty(geo.y_shape, dtype=torch.bfloat16)
-    lib.kiln_attention(geo.call_ref, *(xs[i].data_ptr() + o for i, o in geo.slots), y.data_ptr())
+    lib.kiln_attention(geo.call_ref, *input_addresses(xs), y.data_ptr())
     assert_matches(y, expected(layer, xs), 2 ** -8)
 
 

@@ -39,6 +39,7 @@ typedef struct {
   int64_t batch, heads, sq, sk, d, dv;
   int64_t q_b, q_h, q_s, k_b, k_h, k_s, v_b, v_h, v_s;
   int64_t m_b, m_h, m_q, m_k, o_b, o_h, o_s;
+  int64_t q_at, k_at, v_at, m_at;   /* bytes from each pointer passed to where its operand starts */
   float scale;
   int32_t flags;
 } AttnCall;
@@ -255,6 +256,8 @@ static void run_units(const AttnCall* c, const void* q, const void* k, const voi
   const size_t q_size = c->flags & ATTN_Q_BF16 ? 2 : 4, k_size = c->flags & ATTN_K_BF16 ? 2 : 4;
   const size_t v_size = c->flags & ATTN_V_BF16 ? 2 : 4, o_size = c->flags & ATTN_OUT_BF16 ? 2 : 4;
   const int64_t macs = heads * c->sq * c->sk * (c->d + c->dv);
+  q = (const char*)q + c->q_at, k = (const char*)k + c->k_at, v = (const char*)v + c->v_at;
+  mask = mask ? (const float*)((const char*)mask + c->m_at) : 0;
   MAYBE_PARALLEL(threads_pay(heads * blocks, macs), {
     Scratch w = scratch_new(c);
     int64_t packed = -1;
