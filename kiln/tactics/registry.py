@@ -24,6 +24,7 @@ from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLi
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import NhwcResizeTactic
+from kiln.tactics.softmax_c import SOFTMAX_OPS, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
@@ -50,6 +51,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),
                                                    Bf16AttentionTactic()],
+                                     **{op: [SoftmaxTactic(), SoftmaxBf16Tactic()] for op in SOFTMAX_OPS},
                                      **{op: [Bf16ReferenceTactic()] + ([CopyRowsTactic(), CopyRowsBf16Tactic()]
                                                                        if op in COPY_OPS else [])
                                         for op in BF16_OPS}}

@@ -46,6 +46,8 @@ CONCATS = [  # shapes, axis, layout
     ([(1, 5, 6, 4), (1, 7, 6, 4)], 1, "linear"),
     ([(1, 144, 33), (1, 144, 5)], 2, "linear"),               # YOLO's detect head
     ([(3, 20), (3, 44)], 1, "linear"),
+    ([(2, 3, 7001), (2, 5, 7001)], 1, "linear"),             # rows of 56,008 elements: cut into 4 segments
+    ([(1, 144, 6400), (1, 144, 1600), (1, 144, 400)], 2, "linear"),   # the head at full size: a row a unit
 ]
 
 

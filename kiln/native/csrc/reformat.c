@@ -4,7 +4,9 @@
      transpose_block), the edges element by element. Units are blocks of TB pixels, shared among the threads.
    - Row-chunk copies (kiln.tactics.copy_c): Concat, Slice and Split along one axis move, for every row of the
      axes before it (in memory order), one contiguous chunk per input; FP32 or bf16 on either side, rounded to
-     nearest even when narrowed. Units are blocks of RB rows. */
+     nearest even when narrowed. Units are blocks of up to RB rows, each row cut into segments of at most SEG
+     output elements where rows are long, so that a batch-1 Concat of long rows (a detector's [1, 144, 8400]
+     head, or one row of 700,000 elements) still shares out evenly. */
 #include <stdint.h>
 #include <string.h>
 
@@ -66,7 +68,8 @@ void kiln_to_nchw(const float* restrict x, float* restrict y, int64_t n, int64_t
 
 
 /* ------------------------------------------------------------------------------------------- row-chunk copies */
-#define RB 64   /* rows per work unit */
+#define RB 64       /* rows per work unit, at most */
+#define SEG 16384   /* output elements per work unit, at most (rows of more are cut into segments) */
 
 /* One input's chunk: in each row, `count` elements from element `src_at` (rows `src_step` apart) go to element
    `dst_at` of the output's row. */
@@ -125,25 +128,29 @@ static inline void convert_row(char* restrict d, const char* restrict s, int64_t
     for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) convert_row(d, s, COUNT, dst_bf16);              \
     return;
 
+/* Part p's elements that land in output columns [c0, c1) of rows [r0, r1). */
 static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst_step, int dst_bf16, int64_t r0,
-                      int64_t r1) {
-  const int64_t in_size = p->src_bf16 ? 2 : 4, out_size = dst_bf16 ? 2 : 4;
+                      int64_t r1, int64_t c0, int64_t c1) {
+  const int64_t lo = p->dst_at > c0 ? p->dst_at : c0;
+  const int64_t hi = p->dst_at + p->count < c1 ? p->dst_at + p->count : c1;
+  if (lo >= hi) return;
+  const int64_t in_size = p->src_bf16 ? 2 : 4, out_size = dst_bf16 ? 2 : 4, count = hi - lo;
   const int64_t s_step = p->src_step * in_size, d_step = dst_step * out_size;
-  const char* s = (const char*)src + r0 * s_step + p->src_at * in_size;
-  char* d = (char*)dst + r0 * d_step + p->dst_at * out_size;
+  const char* s = (const char*)src + r0 * s_step + (p->src_at + lo - p->dst_at) * in_size;
+  char* d = (char*)dst + r0 * d_step + lo * out_size;
   if (in_size == out_size) {
-    switch (p->count * in_size) {
+    switch (count * in_size) {
       COPY_ROWS_OF(16) COPY_ROWS_OF(32) COPY_ROWS_OF(64) COPY_ROWS_OF(96) COPY_ROWS_OF(128) COPY_ROWS_OF(192)
       COPY_ROWS_OF(256)
       default:
-        for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) copy_bytes(d, s, p->count * in_size);
+        for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) copy_bytes(d, s, count * in_size);
     }
     return;
   }
-  switch (p->count) {
+  switch (count) {
     CONVERT_ROWS_OF(16) CONVERT_ROWS_OF(32) CONVERT_ROWS_OF(48) CONVERT_ROWS_OF(64) CONVERT_ROWS_OF(128)
     default:
-      for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) convert_row(d, s, p->count, dst_bf16);
+      for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step) convert_row(d, s, count, dst_bf16);
   }
 }
 
@@ -151,12 +158,17 @@ static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst
    j < count, converted between FP32 and bf16 where the two sides differ. */
 void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* srcs, void* dst, int64_t dst_step,
                     int64_t dst_bf16, int64_t rows) {
-  const int64_t blocks = (rows + RB - 1) / RB;
-  MAYBE_PARALLEL(threads_pay(blocks, rows * dst_step * MACS_PER_COPIED), {
+  if (rows <= 0 || dst_step <= 0) return;   /* an empty output */
+  const int64_t segments = (dst_step + SEG - 1) / SEG, width = (dst_step + segments - 1) / segments;
+  const int64_t fit = SEG / dst_step, block = fit < 1 ? 1 : (fit > RB ? RB : fit);
+  const int64_t blocks = (rows + block - 1) / block, units = blocks * segments;
+  MAYBE_PARALLEL(threads_pay(units, rows * dst_step * MACS_PER_COPIED), {
     _Pragma("omp for schedule(static)")
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t r0 = b * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
-      for (int64_t k = 0; k < n_parts; ++k) copy_part(&parts[k], srcs[k], dst, dst_step, (int)dst_bf16, r0, r1);
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t b = u / segments, c0 = u % segments * width, c1 = c0 + width < dst_step ? c0 + width : dst_step;
+      const int64_t r0 = b * block, r1 = r0 + block < rows ? r0 + block : rows;
+      for (int64_t k = 0; k < n_parts; ++k)
+        copy_part(&parts[k], srcs[k], dst, dst_step, (int)dst_bf16, r0, r1, c0, c1);
     }
   });
 }
