@@ -32,7 +32,7 @@ from kiln.planning.memory import plan_memory
 from kiln.planning.accuracy import AccuracyBudget, BudgetReport
 from kiln.planning.int8_budget import Int8BudgetReport
 from kiln.planning.race import choose_plan, onnxruntime_reference
-from kiln.precision.policy import PrecisionDecision, decide
+from kiln.precision.policy import PrecisionDecision, decide, output_tail
 from kiln.preprocess.calibration import quantize_with_qdq, sum_ranks
 from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
 from kiln.tactics.lower import Lowering, desc_of, node_view
@@ -170,7 +170,7 @@ def decide_precisions(g: Graph, sources: frozenset[str], options: BuildOptions) 
     offer, before any tactic is chosen or timed."""
     def kernel_offers(node: Node, precision: str) -> bool:
         return offers(node_view(node, g.opset), sources, precision)
-    return decide(g.nodes, options.precision, kernel_offers)
+    return decide(g.nodes, options.precision, kernel_offers, tail=output_tail(g))
 
 
 def autotuner(g: Graph, cache: TimingCache, options: BuildOptions) -> Autotuner | None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from kiln import hardware
 from kiln.errors import ModelError
-from kiln.ir import Node
+from kiln.ir import Graph, Node
 
 log = logging.getLogger("kiln.build")
 
@@ -88,6 +88,11 @@ def native_precision(op_type: str, output_dtypes: Iterable) -> str:
     return "FP32"
 
 
+def named(name: str, options: PrecisionOptions) -> bool:
+    """Whether a `--layer-precisions` pattern names the layer."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in options.layer_precisions)
+
+
 def requested(name: str, op_type: str, output_dtypes: Iterable, options: PrecisionOptions) -> str:
     for pattern, kind in options.layer_precisions.items():
         if fnmatch.fnmatchcase(name, pattern):
@@ -122,19 +127,48 @@ def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
 
 REDUCED_FLOATS = ("BF16", "FP16")
 KernelOffers = Callable[[Node, str], bool]   # (node, precision) -> does an enabled tactic compute it so?
+# Layers whose arithmetic a reduced float precision speeds up, and layers that only move data (exact in bf16).
+MATRIX_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Attention", "Einsum", *INT8_LAYERS})
+MOVES_DATA = frozenset({"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose",
+                        "Identity", "Shuffle", "Gather", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth"})
+OUTPUT_TAIL = ("it computes the network's output after its last matrix layer, where BF16/FP16 saves little and "
+               "rounds the result (a detector's box arithmetic to ~2 px at 640); it runs in FP32 (--layer-precisions "
+               "NAME:bf16 overrides)")
+
+
+def output_tail(g: Graph) -> frozenset[str]:
+    """The arithmetic layers after the last matrix layers: nodes (neither matrix layers nor pure data movement)
+    whose every output only reaches graph outputs, through no matrix layer. OpenVINO keeps such tails in f32 too
+    (YOLOv8's box decoding and class Sigmoid; an encoder's last residual Add and LayerNorm, not the residual Adds
+    before them, which also feed the next block's matrices)."""
+    pure: set[str] = set()
+    for node in reversed(g.nodes):
+        outs = [v for v in node.outputs if v is not None]
+        users = [u for v in outs for u in v.users]
+        if (users or any(g.is_output(v) for v in outs)) and \
+                all(u.name in pure and u.op_type not in MATRIX_OPS for u in users):
+            pure.add(node.name)
+    return frozenset(n.name for n in g.nodes if n.name in pure and n.op_type not in MATRIX_OPS
+                     and n.op_type not in MOVES_DATA)
 
 
 def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: KernelOffers,
-           support: dict[str, bool] | None = None) -> dict[str, PrecisionDecision]:
+           support: dict[str, bool] | None = None, tail: frozenset[str] = frozenset()) -> dict[str, PrecisionDecision]:
     """Each node's decision, by node name. A node runs at its native precision (`native_precision`) unless it is
     FP32-native and some enabled tactic computes it in the requested precision (`kernel_offers`, asked only for
-    requests that differ from the native one). Under `--precision-constraints obey` the first unmet request
-    raises, naming the layer."""
+    requests that differ from the native one); without precision constraints the `tail` (`output_tail`) keeps
+    FP32 unless a layer precision names it. Under `--precision-constraints obey` the first unmet request raises,
+    naming the layer."""
     support = cpu_reduced_float_support() if support is None else support
     decisions = {}
     for node in nodes:
         dtypes = [v.dtype for v in node.outputs if v is not None and v.dtype is not None]
         want, native = requested(node.name, node.op_type, dtypes, options), native_precision(node.op_type, dtypes)
+        if want in REDUCED_FLOATS and node.name in tail and native == "FP32" and options.constraints == "none" \
+                and not named(node.name, options):
+            decisions[node.name] = PrecisionDecision(want, native, OUTPUT_TAIL)
+            log.info("Layer %s: requested %s, granted %s: %s", node.name, want, native, OUTPUT_TAIL)
+            continue
         got = want if want != native and native == "FP32" and kernel_offers(node, want) else native
         why = reason(node.op_type, want, got, support)
         if why:

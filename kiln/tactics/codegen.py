@@ -6,6 +6,7 @@ reference kernels (kiln.runtime.prepare)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import torch
@@ -13,12 +14,25 @@ import torch
 from kiln import native
 from kiln.errors import EngineFormatError
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
-from kiln.tactics.pointwise_c import expressible, generate, loop_nest
+from kiln.tactics.pointwise_c import BINARY, UNARY, VARIADIC, expressible, generate, loop_nest
 
 available = native.available   # "codegen" is an available tactic source where kiln.native has a C compiler
 CODEGEN_TACTIC = "codegen.pointwise_c_simd"
 POINTWISE_LIBRARY = "pointwise"   # kiln.native's name for generated pointwise programs
 MAX_INPUTS = 32
+SINGLE_OPS = tuple(sorted(set(UNARY) | set(BINARY) | set(VARIADIC)))   # elementwise ops with no host inputs
+
+
+def one_op_program(layer: LayerView) -> LayerView | None:
+    """A PointWise layer as is; a single elementwise layer (Add, Sigmoid, ...: an op the generator writes) as the
+    one-step PointWise program PointWiseFusion would give it (kiln.passes.pointwise.as_program); else None."""
+    if layer.op_type == "PointWise" and layer.domain == "kiln":
+        return layer
+    if layer.domain not in ("", "ai.onnx") or layer.op_type not in SINGLE_OPS or None in layer.input_shapes:
+        return None
+    attrs = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in layer.attrs.items()}
+    step = {"op": layer.op_type, "attrs": attrs, "args": [f"x{i}" for i in range(len(layer.input_shapes))]}
+    return dataclasses.replace(layer, op_type="PointWise", domain="kiln", attrs={"program": [step]})
 
 
 def _scalar_inputs(layer: LayerView) -> dict[int, float]:
@@ -40,7 +54,8 @@ class CodegenPointWiseTactic:
     stored_types = ("float32",)   # the types its inputs and output may be stored in
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "PointWise" or layer.domain != "kiln" or not layer.input_shapes:
+        layer = one_op_program(layer)
+        if layer is None or not layer.input_shapes:
             return False
         if len(layer.input_shapes) > MAX_INPUTS or any(s is None for s in layer.input_shapes):
             return False
@@ -61,6 +76,7 @@ class CodegenPointWiseTactic:
         return HWC if HWC in input_formats and _is_flat(layer) else LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
+        layer = one_op_program(layer)
         out_shape = tuple(np.broadcast_shapes(*layer.input_shapes))
         scalars = _scalar_inputs(layer)
         flat = _is_flat(layer)

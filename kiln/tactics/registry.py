@@ -5,7 +5,7 @@ from kiln.errors import Error
 from kiln.tactics.attention_bf16 import Bf16AttentionTactic
 from kiln.tactics.attention_c import AttentionBf16Tactic, AttentionTactic
 from kiln.tactics.base import LayerView, Tactic
-from kiln.tactics.codegen import CodegenPointWiseBf16Tactic, CodegenPointWiseTactic
+from kiln.tactics.codegen import SINGLE_OPS, CodegenPointWiseBf16Tactic, CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
 from kiln.tactics.conv_direct import DirectConvTactic
@@ -52,6 +52,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),
                                                    Bf16AttentionTactic()],
                                      **{op: [SoftmaxTactic(), SoftmaxBf16Tactic()] for op in SOFTMAX_OPS},
+                                     **{op: [CodegenPointWiseBf16Tactic()] for op in SINGLE_OPS},
                                      **{op: [Bf16ReferenceTactic()] + ([CopyRowsTactic(), CopyRowsBf16Tactic()]
                                                                        if op in COPY_OPS else [])
                                         for op in BF16_OPS}}

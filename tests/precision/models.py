@@ -25,8 +25,9 @@ def conv_net(relu2: bool = True) -> onnx.ModelProto:
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6])], inits, name="convnet")
 
 
-def transformer_net(seq: int = 8, dim: int = 16) -> onnx.ModelProto:
-    """One encoder block: single-head attention, residual, LayerNorm, GELU (Erf) MLP, residual."""
+def transformer_net(seq: int = 8, dim: int = 16, pooled: bool = False) -> onnx.ModelProto:
+    """One encoder block: single-head attention, residual, LayerNorm, GELU (Erf) MLP, residual; `pooled`: then a
+    mean over the sequence (ReduceMean: no BF16 kernel)."""
     h = helper.make_node
     nodes = [h("MatMul", ["x", "wq"], ["q"], name="q_proj"), h("MatMul", ["x", "wk"], ["k"], name="k_proj"),
              h("MatMul", ["x", "wv"], ["v"], name="v_proj"),
@@ -39,14 +40,18 @@ def transformer_net(seq: int = 8, dim: int = 16) -> onnx.ModelProto:
              h("Erf", ["d"], ["e"], name="gelu_erf"), h("Add", ["e", "one"], ["e1"], name="gelu_add"),
              h("Mul", ["f1", "e1"], ["fm"], name="gelu_mul"), h("Mul", ["fm", "half"], ["g"], name="gelu_half"),
              h("MatMul", ["g", "w2"], ["f2"], name="ffn2"), h("Add", ["res1", "f2"], ["y"], name="residual2")]
+    if pooled:
+        nodes[-1].output[0] = "r2"
+        nodes.append(h("ReduceMean", ["r2"], ["y"], name="pool", axes=[1], keepdims=0))
     inits = [init("wq", rand((dim, dim), 11) * 0.3), init("wk", rand((dim, dim), 12) * 0.3),
              init("wv", rand((dim, dim), 13) * 0.3), init("wo", rand((dim, dim), 14) * 0.3),
              init("scale", np.float32(dim ** -0.5)), init("ln_g", rand((dim,), 15, positive=True)),
              init("ln_b", rand((dim,), 16) * 0.1), init("w1", rand((dim, 2 * dim), 17) * 0.3),
              init("sqrt2", np.float32(np.sqrt(2.0))), init("one", np.float32(1.0)), init("half", np.float32(0.5)),
              init("w2", rand((2 * dim, dim), 18) * 0.3)]
+    out = [1, dim] if pooled else [1, seq, dim]
     return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, dim])],
-                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, seq, dim])], inits, name="block")
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits, name="block")
 
 
 def perturbed(model: onnx.ModelProto, initializer: str, delta: float = 0.5) -> onnx.ModelProto:

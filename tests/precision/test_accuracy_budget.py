@@ -51,7 +51,7 @@ def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog, bf16_kern
     assert (layers["big"].precision, layers["small"].precision) == ("FP32", "BF16")
     assert layers["big"].requested_precision == "BF16" and layers["big"].precision_reason.startswith("accuracy budget")
     assert relative_l2(tight, model) < 5e-4
-    assert "Accuracy budget l2:0.0005: 1 of 2 reduced-precision layers kept in FP32" in caplog.text
+    assert "Accuracy budget l2:0.0005: 1 of 3 reduced-precision layers kept in FP32" in caplog.text
     info = {l["Name"]: l for l in tight.layer_info()["Layers"]}
     assert info["big"]["GrantedPrecision"] == "FP32" and "accuracy budget" in info["big"]["PrecisionReason"]
 
@@ -129,7 +129,8 @@ def test_debug_precision_names_the_onnx_nodes_to_keep_in_fp32(tmp_path):
                              autotune=False)
     assert report.keep_fp32_nodes == ("big",) and report.budget == "l2:0.0005"
     assert [(v.layer, v.keep_fp32, v.granted) for v in report.verdicts] == [("big", True, "FP32"),
-                                                                            ("small", False, "BF16")]
+                                                                            ("small", False, "BF16"),
+                                                                            ("sum", False, "BF16")]
     assert report.score_final <= 0.0005 < report.score_all_reduced
     path, out = tmp_path / "m.onnx", tmp_path / "report.json"
     onnx.save(two_branch(), path)
@@ -142,7 +143,7 @@ def test_debug_precision_names_the_onnx_nodes_to_keep_in_fp32(tmp_path):
     assert lines[at + 1] == "big"
     doc = json.loads(out.read_text())
     assert (doc["kind"], doc["version"], doc["keep_fp32_onnx_nodes"]) == ("kiln-debug-precision", 1, ["big"])
-    assert {l["layer"]: l["keep_fp32"] for l in doc["layers"]} == {"big": True, "small": False}
+    assert {l["layer"]: l["keep_fp32"] for l in doc["layers"]} == {"big": True, "small": False, "sum": False}
 
 
 def test_debug_precision_answers_when_an_external_region_wins_the_race(monkeypatch):
@@ -165,7 +166,7 @@ def test_debug_precision_answers_when_an_external_region_wins_the_race(monkeypat
                                   autotune=False)
     assert report.keep_fp32_nodes == ("big",)
     assert [(v.layer, v.onnx_nodes, v.keep_fp32, v.granted) for v in report.verdicts] == [
-        ("big", ("big",), True, "FP32"), ("small", ("small",), False, "BF16")]
+        ("big", ("big",), True, "FP32"), ("small", ("small",), False, "BF16"), ("sum", ("sum",), False, "BF16")]
 
 
 def test_debug_precision_without_a_reduced_precision_layer_says_why(tmp_path):
@@ -253,7 +254,7 @@ def test_when_single_kernel_sensitivity_misleads_each_layer_is_measured_relowere
     kept = [l.name for l in engine.plan.layers if l.precision_reason.startswith("accuracy budget")]
     assert kept == ["big"]
     assert "measuring each layer re-lowered alone in FP32" in caplog.text
-    assert "Accuracy budget l2:0.0005: 1 of 17 reduced-precision layers kept in FP32" in caplog.text
+    assert "Accuracy budget l2:0.0005: 1 of 18 reduced-precision layers kept in FP32" in caplog.text
 
 
 def test_the_exact_ranking_stops_at_its_time_limit(caplog, bf16_kernels, monkeypatch):
@@ -266,9 +267,9 @@ def test_the_exact_ranking_stops_at_its_time_limit(caplog, bf16_kernels, monkeyp
     caplog.set_level(logging.INFO, logger="kiln.build")
     engine = kiln.build(many_branches(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
                         autotune=False)
-    assert "Accuracy budget: 0 of 17 layers measured re-lowered within 0 s" in caplog.text
+    assert "Accuracy budget: 0 of 18 layers measured re-lowered within 0 s" in caplog.text
     kept = [l.name for l in engine.plan.layers if l.precision_reason.startswith("accuracy budget")]
-    assert len(kept) == 17 and relative_l2_of(engine) < 5e-4   # every branch kept: correct, not the fewest
+    assert len(kept) == 18 and relative_l2_of(engine) < 5e-4   # every layer kept: correct, not the fewest
 
 
 def relative_l2_of(engine) -> float:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln.precision.policy import PrecisionDecision, PrecisionOptions, decide
+from kiln.precision.policy import OUTPUT_TAIL, PrecisionDecision, PrecisionOptions, decide, output_tail
 from kiln.tactics import registry
 from kiln.tactics.autotune import layer_signature
 from kiln.tactics.base import LINEAR, LayerView
@@ -19,7 +19,7 @@ class ClockThatMustNotBeRead:
         raise AssertionError("a tactic or plan was timed before the precision stage refused the build")
 
 
-@pytest.mark.parametrize("make_model", [conv_net, transformer_net])
+@pytest.mark.parametrize("make_model", [conv_net, lambda: transformer_net(pooled=True)], ids=["conv", "transformer"])
 def test_an_impossible_obey_request_fails_before_any_timing(make_model):
     with pytest.raises(kiln.ModelError, match=r"layer '[^']+' \(\w+\): --precision-constraints obey asks for BF16, "
                                               r"which kiln cannot give: "):
@@ -111,3 +111,32 @@ def test_unknown_or_doubled_build_options_are_clear_errors():
         kiln.build(conv_net(), bf_16=True)
     with pytest.raises(kiln.ModelError, match=r"build options 'calib' and 'calibration' are the same option"):
         kiln.build(conv_net(), calib="a.npz", calibration="b.npz")
+
+
+def test_the_output_tail_is_the_arithmetic_after_the_last_matrix_layers():
+    """A detector's box arithmetic after its last convolution, and a class Sigmoid, reach the outputs through no
+    matrix layer: the tail. Data movement on the way is not arithmetic; a Sigmoid feeding a convolution is not the
+    tail, nor is anything before that convolution."""
+    b = IRBuilder()
+    x = b.input("x", (1, 4, 8, 8))
+    conv1 = b.node("Conv", [x, b.const("w1", np.ones((4, 4, 1, 1)))], "c1", (1, 4, 8, 8), name="conv1")
+    gate = b.node("Sigmoid", [conv1], "g", (1, 4, 8, 8), name="gate")
+    conv2 = b.node("Conv", [gate, b.const("w2", np.ones((4, 4, 1, 1)))], "c2", (1, 4, 8, 8), name="conv2")
+    flat = b.node("Reshape", [conv2, b.const("s", np.array([1, 4, 64]), np.int64)], "r", (1, 4, 64), name="flat")
+    scores = b.node("Sigmoid", [flat], "p", (1, 4, 64), name="scores")
+    scaled = b.node("Mul", [scores, b.const("k", np.float32(32.0))], "y", (1, 4, 64), name="scale")
+    g = b.graph(scaled, b.node("Add", [conv1, conv1], "side", (1, 4, 8, 8), name="side"))
+    assert output_tail(g) == {"scores", "scale", "side"}
+
+
+def test_the_output_tail_keeps_fp32_unless_the_user_asks():
+    """Without constraints the encoder block's last residual Add (after ffn2, writing the output) stays FP32 with
+    the reason; a layer precision naming it, or `prefer`, grants BF16."""
+    model = transformer_net()
+    layers = {l.name: l for l in kiln.build(model, bf16=True, autotune=False).plan.layers}
+    assert layers["residual2"].precision == "FP32" and layers["residual2"].requested_precision == "BF16"
+    assert layers["residual2"].precision_reason == OUTPUT_TAIL
+    assert layers["residual1"].precision == "BF16"   # the same Add between matrix layers
+    for options in ({"layer_precisions": {"residual2": "BF16"}}, {"precision_constraints": "prefer"}):
+        named = {l.name: l for l in kiln.build(model, bf16=True, autotune=False, **options).plan.layers}
+        assert named["residual2"].precision == "BF16", options
