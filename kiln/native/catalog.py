@@ -53,6 +53,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("layernorm", "layernorm.c", (
         Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),
         Function("kiln_layernorm_bf16", (POINTER,) * 5 + (I64,) * 2 + (F64, I64)))),
+    LibrarySpec("conv_planes", "conv_planes.c", (   # the first argument: the layer's constants
+        Function("kiln_conv_planes", (POINTER,) * 5 + (I64,)),)),   # ..., x, w, bias, y, batch
     LibrarySpec("softmax", "softmax.c", (
         Function("kiln_softmax", (POINTER,) * 2 + (I64,) * 4),)),   # x, y, outer, n, inner, io
     LibrarySpec("attention", "attention.c", (   # the first argument: the layer's geometry (kiln.tactics.attention_c)

@@ -9,6 +9,7 @@ from kiln.tactics.codegen import SINGLE_OPS, CodegenPointWiseBf16Tactic, Codegen
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
 from kiln.tactics.conv_direct import DirectConvTactic
+from kiln.tactics.conv_planes import Conv1x1PlanesBf16Tactic, Conv1x1PlanesTactic
 from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
 from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
@@ -31,7 +32,8 @@ from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
                                               WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic(),
                                               Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
-                                              DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic()],
+                                              DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(),
+                                              Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic()],
                                      "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                               MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()],
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, attention, pooling, Resize, reformat,
-                   # row copies, softmax, pointwise, INT8
+                   # row copies, softmax, NCHW 1x1 planes, pointwise, INT8
     "tests/tactics/test_conv1x1.py::test_matches_float64_convolution",
     "tests/tactics/test_conv1x1.py::test_batched_product_with_separate_weights_per_batch",
     "tests/tactics/test_conv_direct.py::test_matches_float64_convolution",
@@ -33,6 +33,8 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, atten
     "tests/tactics/test_copy_c.py::test_concat_equals_torch_cat_in_every_storage",   # skipped without BF16
     "tests/tactics/test_softmax_c.py::test_fp32_equals_torch_on_every_axis",
     "tests/tactics/test_softmax_c.py::test_bf16_storage_computes_in_fp32",
+    "tests/tactics/test_conv_planes.py::test_fp32_matches_torch",
+    "tests/tactics/test_conv_planes.py::test_bf16_storage_computes_in_fp32",
     "tests/tactics/test_codegen.py::test_unary_ops_match_onnxruntime",
     "tests/tactics/test_codegen.py::test_binary_ops_with_broadcast_match_onnxruntime",
     "tests/tactics/test_qgemm_c.py::test_quantized_conv_matches_its_formula_and_onednn",   # skipped without VNNI

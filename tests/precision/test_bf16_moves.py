@@ -42,11 +42,21 @@ def c2f_block() -> bytes:
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
 
 
+def channel_major_build(model, **options):
+    """The block on kiln's channel-major kernels: the NCHW planes kernel, which cv2 (24 outputs) could also take
+    after a Reformat of `cat` into row-major order, is left out, so timing cannot move `cat` to FP32."""
+    from kiln.tactics.conv_planes import Conv1x1PlanesTactic
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Conv1x1PlanesTactic, "supports", lambda self, layer: False)
+        return kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer", accuracy="off",
+                          **options)
+
+
 @pytest.fixture(scope="module")
 def block():
     model = c2f_block()
-    return model, kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer",
-                             accuracy="off")
+    return model, channel_major_build(model)
 
 
 @needs_bf16
@@ -72,8 +82,7 @@ def test_a_concat_of_an_fp32_layer_and_bf16_layers_converts_as_it_copies():
     """m0 pinned to FP32 reads s1 and writes b in FP32; the Concat rounds them into its bf16 output, which cv2
     reads (s0 and m, read by BF16 kernels only, stay bf16)."""
     model = c2f_block()
-    engine = kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer", accuracy="off",
-                        layer_precisions="m0:fp32")
+    engine = channel_major_build(model, layer_precisions="m0:fp32")
     layers = {layer.name: layer for layer in engine.plan.layers}
     concat = layers["concat"]
     assert concat.tactic_name in MOVES and concat.outputs[0].dtype == "bfloat16"

@@ -129,8 +129,9 @@ def test_declines_what_it_cannot_compute(view):
     assert not SoftmaxTactic().supports(view)
 
 
-def _dfl_model(path) -> None:
-    """YOLOv8's DFL: [1, 64, A] -> [1, 4, 16, A] -> transpose -> Softmax(axis=1) -> 1x1 conv with weights 0..15."""
+def dfl_model() -> onnx.ModelProto:
+    """YOLOv8's DFL: [1, 64, A] -> [1, 4, 16, A] -> transpose -> Softmax(axis=1) -> 1x1 conv with weights 0..15,
+    then a LogSoftmax over the last axis."""
     a = 336
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),
              helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]),
@@ -141,13 +142,13 @@ def _dfl_model(path) -> None:
              helper.make_tensor("w", TensorProto.FLOAT, [1, 16, 1, 1], list(map(float, range(16))))]
     graph = helper.make_graph(nodes, "dfl", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, a])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4, a])], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def test_a_dfl_model_on_kilns_kernels_matches_onnxruntime(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     path = str(tmp_path / "dfl.onnx")
-    _dfl_model(path)
+    onnx.save(dfl_model(), path)
     engine = kiln.build(path, tactic_sources="kiln", avg_timing=1, min_timing=1)
     softmaxes = [l for l in engine.layer_info()["Layers"] if l["LayerType"] == "SoftMax"]
     assert len(softmaxes) == 2 and {l["TacticName"] for l in softmaxes} == {"kiln.softmax"}
