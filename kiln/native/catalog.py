@@ -76,6 +76,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("reformat", "reformat.c", (
         Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 3),
         Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 3),
+        Function("kiln_to_nhwc_io", (POINTER,) * 2 + (I64,) * 4),   # ..., n, c, hw, io (bf16 sides)
+        Function("kiln_to_nchw_io", (POINTER,) * 2 + (I64,) * 4),
         Function("kiln_copy_rows", (POINTER, I64, POINTER, POINTER, I64, I64, I64)))),
     LibrarySpec("pointwise", None, (Function("kiln_pointwise", (POINTER, POINTER)),),
                 rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),

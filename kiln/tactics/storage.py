@@ -4,7 +4,8 @@ After lowering, a float32 tensor is stored in bf16 where the layer writing it wa
 write bf16 (`writes_bf16`) and every layer reading it runs a kernel that reads bf16 at that input (`bf16_inputs`):
 the conversion TensorRT would insert as a Reformat layer is fused into both neighbours, and the tensor moves half
 the bytes. Engine inputs and outputs stay FP32, and so does a tensor with any FP32 reader: its BF16 readers round
-it as they load it (one conversion fused into each), which costs less than a Reformat layer's extra pass.
+it as they load it (one conversion fused into each), which costs less than a Reformat layer's extra pass. A layout
+Reformat is transparent: it copies bf16 where its input is bf16 and all its output's readers read bf16.
 
 A kernel that cannot read or write bf16 itself, but runs a layer whose plan stores bf16 tensors (torch's reference
 kernel on a CPU without BF16, the accuracy budget's FP32 stand-ins), gets the conversions around it:
@@ -25,13 +26,23 @@ import torch
 
 from kiln.plan.model import Layer, TensorDesc
 from kiln.tactics.base import Kernel, LayerView
+from kiln.tactics.reformat import NOOP_TACTIC, REFORMAT_TACTIC
 from kiln.tactics.registry import TACTICS_BY_NAME
 
 BF16 = "bfloat16"
 log = logging.getLogger("kiln.build")
 
 
-def _reads_bf16(layer: Layer, index: int) -> bool:
+REFORMATS = (REFORMAT_TACTIC, NOOP_TACTIC)   # layout copies: any dtype in, the same out
+
+
+def _reads_bf16(layer: Layer, index: int, readers: dict, engine_outputs: set[str]) -> bool:
+    """Whether `layer` takes input `index` in bf16: its kernel reads bf16 there, or it is a layout Reformat whose
+    output every reader takes in bf16 (the Reformat then copies bf16: YOLOv8's detect head into NCHW)."""
+    if layer.tactic_name in REFORMATS:
+        out = layer.outputs[0].name
+        return out not in engine_outputs and bool(readers[out]) and \
+            all(_reads_bf16(reader, i, readers, engine_outputs) for reader, i in readers[out])
     return index in getattr(TACTICS_BY_NAME.get(layer.tactic_name), "bf16_inputs", ())
 
 
@@ -48,10 +59,14 @@ def bf16_tensors(layers: list[Layer], engine_outputs: set[str]) -> set[str]:
             if arg.kind == "tensor":
                 readers[arg.name].append((layer, index))
     chosen = set()
-    for layer in layers:
+    for layer in layers:   # in order: a Reformat's input is decided before it
+        if layer.tactic_name in REFORMATS:
+            if layer.args[0].name in chosen and _reads_bf16(layer, 0, readers, engine_outputs):
+                chosen.add(layer.outputs[0].name)
+            continue
         for out in _bf16_capable_outputs(layer):
             if out.dtype == "float32" and out.name not in engine_outputs and readers[out.name] and \
-                    all(_reads_bf16(reader, index) for reader, index in readers[out.name]):
+                    all(_reads_bf16(reader, index, readers, engine_outputs) for reader, index in readers[out.name]):
                 chosen.add(out.name)
     return chosen
 

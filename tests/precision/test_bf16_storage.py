@@ -50,6 +50,20 @@ def test_a_tensor_is_bf16_only_between_a_bf16_writer_and_bf16_readers():
     assert bf16_tensors(layers, {"y", "tg"}) == {"ta", "te"}
 
 
+def test_a_layout_reformat_carries_bf16_where_its_readers_take_it():
+    """A Reformat copies any dtype: its input and output are bf16 when the writer writes bf16 and every reader of
+    its output reads bf16; one FP32 reader keeps both FP32 (the Reformat does not convert)."""
+    bf = "kiln.conv2d_1x1_gemm_nhwc_bf16"
+
+    def reformat(name, src, out):
+        return dataclasses.replace(_layer(name, "kiln.reformat_copy", [src], out, precision="FP32"),
+                                   op_type="Reformat")
+    layers = [_layer("a", bf, ["x"], "ta"), reformat("r1", "ta", "ra"), _layer("b", bf, ["ra"], "tb"),
+              _layer("c", bf, ["tb"], "tc"), reformat("r2", "tc", "rc"), reformat("r3", "rc", "rr"),
+              _layer("d", "kiln.conv2d_1x1_gemm_nhwc", ["rr"], "td"), _layer("e", bf, ["td"], "y")]
+    assert bf16_tensors(layers, {"y"}) == {"ta", "ra", "tb"}   # r2 -> r3 -> an FP32 reader: tc, rc, rr FP32
+
+
 def test_kernels_without_bf16_io_get_conversions_around_them():
     from kiln.tactics.reference import ReferenceTactic
 

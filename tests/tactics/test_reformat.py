@@ -1,6 +1,6 @@
-"""Reformat copies between NCHW and NHWC: exact in both directions (the C transposes for float32: whole register
-blocks, edges of every size, more images than one), no copy when the tensor already has the target layout, other
-dtypes through torch."""
+"""Reformat copies between NCHW and NHWC: exact in both directions (the C transposes for float32 and bf16: whole
+register blocks, edges of every size, more images than one; FP32 <-> bf16 conversions as torch rounds), no copy when
+the tensor already has the target layout, other dtypes through torch."""
 from __future__ import annotations
 
 import ctypes
@@ -17,8 +17,9 @@ LAST = torch.channels_last
 
 @pytest.mark.parametrize("shape", [(1, 3, 17, 23), (2, 48, 9, 70), (1, 65, 5, 5), (3, 130, 4, 67), (1, 16, 1, 129),
                                    (2, 33, 17, 65), (1, 144, 80, 80), (1, 0, 4, 4)], ids=str)
-def test_both_directions_are_exact(shape):
-    x = torch.randn(shape)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_directions_are_exact(shape, dtype):
+    x = torch.randn(shape).to(dtype)
     to_hwc = prepare_reformat("hwc")([x])[0]
     assert to_hwc.is_contiguous(memory_format=LAST) and torch.equal(to_hwc, x)
     back = prepare_reformat("linear")([to_hwc])[0]
@@ -46,8 +47,9 @@ def test_the_c_transposes_run_where_they_apply(monkeypatch):
     to_format(torch.randn(1, 16, 8, 8), "hwc")
     to_format(torch.randn(1, 256, 8, 8), "hwc")
     to_format(torch.randn(1, 256, 8, 8).contiguous(memory_format=LAST), "linear")
-    to_format(torch.randn(1, 256, 8, 8).bfloat16(), "hwc")   # other dtypes: torch's copy
-    assert calls == ["kiln_to_nhwc", "kiln_to_nhwc", "kiln_to_nchw"]
+    to_format(torch.randn(1, 256, 8, 8).bfloat16(), "hwc")   # bf16 as 32-bit lanes
+    to_format(torch.randn(1, 256, 8, 8).half(), "hwc")       # other dtypes: torch's copy
+    assert calls == ["kiln_to_nhwc_io", "kiln_to_nhwc_io", "kiln_to_nchw_io", "kiln_to_nhwc_io"]
 
 
 @pytest.mark.skipif(not (codegen.available() and hardware.has_any(("avx2",))), reason="no C compiler or no AVX2")
@@ -67,6 +69,11 @@ def test_the_avx2_build_transposes_and_copies_exactly(tmp_path):
         lib.kiln_to_nhwc(x.data_ptr(), hwc.data_ptr(), n, c, h * w)
         lib.kiln_to_nchw(hwc.data_ptr(), back.data_ptr(), n, c, h * w)
         assert torch.equal(hwc, x.permute(0, 2, 3, 1)) and torch.equal(back, x)
+        hwc16 = torch.empty(n, h, w, c, dtype=torch.bfloat16)   # FP32 -> bf16, rounded; bf16 -> bf16, exact
+        lib.kiln_to_nhwc_io(x.data_ptr(), hwc16.data_ptr(), n, c, h * w, 2)
+        back16 = torch.empty(n, c, h, w, dtype=torch.bfloat16)
+        lib.kiln_to_nchw_io(hwc16.data_ptr(), back16.data_ptr(), n, c, h * w, 3)
+        assert torch.equal(hwc16, x.bfloat16().permute(0, 2, 3, 1)) and torch.equal(back16, x.bfloat16())
     # the row-chunk copies too: 8-lane conversions and their tails, fixed-size and run-time-size rows
     from kiln.tactics.copy_c import CopyPart
 
@@ -78,3 +85,19 @@ def test_the_avx2_build_transposes_and_copies_exactly(tmp_path):
             srcs = (ctypes.c_void_p * 2)(a32.data_ptr(), b16.data_ptr())
             lib.kiln_copy_rows(parts, 2, srcs, y.data_ptr(), 2 * c, to_bf16, 40)
             assert torch.equal(y, torch.cat([a32.to(out_type), b16.to(out_type)], 1))
+
+
+@pytest.mark.skipif(not codegen.available(), reason="no C compiler")
+@pytest.mark.parametrize("io,src,dst", [(1, torch.bfloat16, torch.float32), (2, torch.float32, torch.bfloat16)],
+                         ids=["widen", "narrow"])
+def test_the_transposes_convert_as_torch_rounds(io, src, dst):
+    x = (torch.randn(2, 37, 6, 11) * 100).to(src)
+    x[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    lib = native.library("reformat")
+    hwc = torch.empty(2, 6, 11, 37, dtype=dst)
+    lib.kiln_to_nhwc_io(x.data_ptr(), hwc.data_ptr(), 2, 37, 66, io)
+    want = x.to(dst).permute(0, 2, 3, 1)
+    assert torch.equal(hwc.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+    back, channel_major = torch.empty(2, 37, 6, 11, dtype=dst), x.permute(0, 2, 3, 1).contiguous()
+    lib.kiln_to_nchw_io(channel_major.data_ptr(), back.data_ptr(), 2, 37, 66, io)
+    assert torch.equal(back.float().nan_to_num(7.0), x.to(dst).float().nan_to_num(7.0))
