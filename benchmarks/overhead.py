@@ -22,8 +22,8 @@ from cpu_info import cpu_line  # noqa: E402
 
 def tiny_layers():
     """(label, LayerView) pairs: a 1x1 convolution on 8 channels at 4x4 and an 8x8 linear on 1 row, in FP32 and
-    INT8 (u8 in and out, s8 weights per channel), a padded 3x3 INT8 convolution (kiln's direct kernel), and an
-    attention layer of 2 heads, 4 tokens, head size 8, with a mask."""
+    INT8 (u8 in and out, s8 weights per channel), a padded 3x3 INT8 convolution (kiln's direct kernel), an
+    attention layer of 2 heads, 4 tokens, head size 8, with a mask, a softmax over 8 channels and an Add."""
     import torch
 
     from kiln.tactics.base import LayerView
@@ -47,8 +47,11 @@ def tiny_layers():
     heads = {"scale": 0.35, "k_steps": [{"transpose": [0, 1, 3, 2]}]}
     attention = LayerView("Attention", "kiln", heads, ((1, 2, 4, 8),) * 3 + ((1, 1, 4, 4),), ("float32",) * 4, {},
                           ("float32",), 17, ((),) * 4)
+    softmax = LayerView("Softmax", "", {"axis": 1}, ((1, 8, 4, 4),), ("float32",), {}, ("float32",), 17, ((),))
+    add = LayerView("Add", "", {}, ((1, 8, 4, 4),) * 2, ("float32",) * 2, {}, ("float32",), 17, ((), ()))
     return [("conv 1x1 8ch 4x4", conv), ("linear 1x8x8", linear), ("INT8 conv 1x1 8ch 4x4", qconv),
-            ("INT8 conv 3x3 8ch 4x4", qconv3), ("INT8 linear 1x8x8", qgemm), ("attention 2x4x8", attention)]
+            ("INT8 conv 3x3 8ch 4x4", qconv3), ("INT8 linear 1x8x8", qgemm), ("attention 2x4x8", attention),
+            ("softmax 8ch 4x4 axis 1", softmax), ("add 8ch 4x4", add)]
 
 
 def per_call_us(kernel, xs, calls: int) -> float:

@@ -20,6 +20,7 @@ import numpy as np
 from kiln import hardware
 from kiln.errors import ModelError
 from kiln.ir import Graph, Node
+from kiln.ops import OpKind, lookup
 
 log = logging.getLogger("kiln.build")
 
@@ -88,15 +89,16 @@ def native_precision(op_type: str, output_dtypes: Iterable) -> str:
     return "FP32"
 
 
-def named(name: str, options: PrecisionOptions) -> bool:
-    """Whether a `--layer-precisions` pattern names the layer."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in options.layer_precisions)
+def named_precision(name: str, options: PrecisionOptions) -> str | None:
+    """The precision the first `--layer-precisions` pattern naming the layer asks for, else None."""
+    return next((kind for pattern, kind in options.layer_precisions.items() if fnmatch.fnmatchcase(name, pattern)),
+                None)
 
 
 def requested(name: str, op_type: str, output_dtypes: Iterable, options: PrecisionOptions) -> str:
-    for pattern, kind in options.layer_precisions.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return kind
+    named = named_precision(name, options)
+    if named is not None:
+        return named
     if op_type in INT8_LAYERS or op_type in QDQ_OPS:
         return "INT8"
     if options.best:
@@ -127,10 +129,6 @@ def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
 
 REDUCED_FLOATS = ("BF16", "FP16")
 KernelOffers = Callable[[Node, str], bool]   # (node, precision) -> does an enabled tactic compute it so?
-# Layers whose arithmetic a reduced float precision speeds up, and layers that only move data (exact in bf16).
-MATRIX_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Attention", "Einsum", *INT8_LAYERS})
-MOVES_DATA = frozenset({"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose",
-                        "Identity", "Shuffle", "Gather", "Expand", "Tile", "Pad", "DepthToSpace", "SpaceToDepth"})
 OUTPUT_TAIL = ("it computes the network's output after its last matrix layer, where BF16/FP16 saves little and "
                "rounds the result (a detector's box arithmetic to ~2 px at 640); it runs in FP32 (--layer-precisions "
                "NAME:bf16 overrides)")
@@ -145,11 +143,21 @@ def output_tail(g: Graph) -> frozenset[str]:
     for node in reversed(g.nodes):
         outs = [v for v in node.outputs if v is not None]
         users = [u for v in outs for u in v.users]
-        if (users or any(g.is_output(v) for v in outs)) and \
-                all(u.name in pure and u.op_type not in MATRIX_OPS for u in users):
+        if (users or any(g.is_output(v) for v in outs)) and all(u.name in pure and not _matrix(u) for u in users):
             pure.add(node.name)
-    return frozenset(n.name for n in g.nodes if n.name in pure and n.op_type not in MATRIX_OPS
-                     and n.op_type not in MOVES_DATA)
+    return frozenset(n.name for n in g.nodes if n.name in pure and not _matrix(n) and not _moves_data(n))
+
+
+def _matrix(node: Node) -> bool:
+    """A layer whose arithmetic a reduced float precision speeds up: convolutions, matrix products, attention."""
+    opdef = lookup(node.op_type, node.domain)
+    return node.op_type == "Attention" or (opdef is not None and opdef.kind == OpKind.COMPLEX)
+
+
+def _moves_data(node: Node) -> bool:
+    """A layer that only moves data (exact in bf16): Concat, Reshape, Gather, ...; Resize interpolates."""
+    opdef = lookup(node.op_type, node.domain)
+    return opdef is not None and opdef.kind == OpKind.INJECTIVE and node.op_type != "Resize"
 
 
 def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: KernelOffers,
@@ -165,7 +173,7 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
         dtypes = [v.dtype for v in node.outputs if v is not None and v.dtype is not None]
         want, native = requested(node.name, node.op_type, dtypes, options), native_precision(node.op_type, dtypes)
         if want in REDUCED_FLOATS and node.name in tail and native == "FP32" and options.constraints == "none" \
-                and not named(node.name, options):
+                and named_precision(node.name, options) is None:
             decisions[node.name] = PrecisionDecision(want, native, OUTPUT_TAIL)
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, native, OUTPUT_TAIL)
             continue

@@ -10,6 +10,7 @@ import torch
 from kiln import hardware
 
 LINEAR, HWC, ANY = "linear", "hwc", "any"
+MEMORY_ORDER = {LINEAR: (0, 1, 2, 3), HWC: (0, 2, 3, 1)}   # a 4-D tensor's axes in memory order, per layout
 
 Kernel = Callable[[list[torch.Tensor | None]], list[torch.Tensor]]
 

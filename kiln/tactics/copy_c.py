@@ -22,14 +22,13 @@ import torch
 
 from kiln import native
 from kiln.ops import lookup
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, \
-    storage_dtype
+from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
+    batch_dynamic_only, storage_dtype
 from kiln.tactics.reference import ReferenceTactic
 from kiln.tactics.reformat import to_format
 
 COPY_TACTIC = "kiln.copy_rows"
 COPY_OPS = ("Concat", "Slice", "Split")
-MEMORY_ORDER = {LINEAR: (0, 1, 2, 3), HWC: (0, 2, 3, 1)}   # a 4-D tensor's axes in memory order, per format
 LAYOUTS = ((LINEAR, torch.contiguous_format), (HWC, torch.channels_last))   # row-major first: see in_one_layout
 
 

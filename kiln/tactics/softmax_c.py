@@ -16,12 +16,12 @@ import math
 import torch
 
 from kiln import native
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
+from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
+    storage_dtype
 
 SOFTMAX_TACTIC = "kiln.softmax"
 SOFTMAX_OPS = ("Softmax", "LogSoftmax")
 X_BF16, Y_BF16, LOG = 1, 2, 4   # softmax.c's `io` bits
-MEMORY_ORDER = {LINEAR: (0, 1, 2, 3), HWC: (0, 2, 3, 1)}   # a 4-D tensor's axes in memory order, per layout
 
 
 def reduced_axes(layer: LayerView) -> tuple[int, ...]:

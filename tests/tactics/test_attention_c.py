@@ -6,7 +6,6 @@ same formula on bf16-rounded operands; and small encoders built by kiln with the
 kernels, matching onnxruntime."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
 import numpy as np
@@ -20,6 +19,7 @@ from kiln.tactics.attention_c import (ATTENTION_BF16_TACTIC, ATTENTION_TACTIC, A
 from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
 from tests.conftest import assert_close_to_ort, cosine, run_ort
+from tests.tactics.avx2 import avx2_build
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: kiln's C kernels are not built here")
 needs_bf16 = pytest.mark.skipif(not hardware.has_any(BF16_DOT_ISA),
@@ -210,13 +210,7 @@ def test_views_without_unit_inner_stride_and_outputs_that_are_not_views():
 def test_the_avx2_build_matches_the_formula(tmp_path):
     """attention.c compiled for AVX2 alone (-march=x86-64-v3: 8-float vectors, 6 x 16 tiles, as on a Zen 3), run
     here on the same geometry the tactic computes."""
-    from kiln.native import catalog, compiler
-
-    spec = catalog.LIBRARIES["attention"]
-    target = tmp_path / "attention_avx2.so"
-    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, "attention.c",
-                          ("-march=x86-64-v3",))
-    lib = catalog.bind(ctypes.CDLL(str(target)), spec)
+    lib = avx2_build("attention", tmp_path)
     layer = heads_layer(2, 3, 37, 21, 20, 40, mask_shape=(2, 1, 37, 21), out="bfloat16")
     xs = inputs(layer, seed=12, masked=[(0, 0, 3)])
     geo = call_geometry(layer.attrs, xs, torch.bfloat16, 0)

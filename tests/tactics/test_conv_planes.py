@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln import hardware, native
+from kiln import hardware
 from kiln.tactics import codegen
 from kiln.tactics.base import LINEAR, LayerView
 from kiln.tactics.conv_planes import Conv1x1PlanesBf16Tactic, Conv1x1PlanesTactic, PlaneCall
+from tests.tactics.avx2 import avx2_build
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
 bf16_cpu = pytest.mark.skipif(not hardware.has_any(hardware.BF16_ISA),
@@ -105,13 +106,7 @@ def test_declines_what_it_does_not_compute(attrs, cout, bias_input, residual):
 @pytest.mark.skipif(not hardware.has_any(("avx2",)), reason="no AVX2")
 def test_the_avx2_build_matches_torch(tmp_path):
     """conv_planes.c compiled for AVX2 alone (-march=x86-64-v3: 8-lane vectors, 16-pixel blocks)."""
-    from kiln.native import catalog, compiler
-
-    spec = catalog.LIBRARIES["conv_planes"]
-    target = tmp_path / "conv_planes_avx2.so"
-    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, "conv_planes.c",
-                          ("-march=x86-64-v3",))
-    lib = catalog.bind(ctypes.CDLL(str(target)), spec)
+    lib = avx2_build("conv_planes", tmp_path)
     layer = conv_layer(2, 7, 5, 11, 10, relu=True)
     x = torch.randn(2, 7, 5, 11)
     w, b = layer.const_inputs[1].reshape(10, 7).contiguous(), layer.const_inputs[2]

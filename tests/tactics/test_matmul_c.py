@@ -75,15 +75,10 @@ def test_the_avx2_build_of_the_gemm_tile_matches_this_cpus(n, monkeypatch, tmp_p
     """gemm.c compiled for AVX2 alone (-march=x86-64-v3, as on a Zen 3: 16 registers of 8 floats, where the
     AVX-512 tile's 64-byte vectors spilled and ran 65x slower) computes what this CPU's build computes, bias,
     ReLU and partial panels included."""
-    import ctypes
-
     from kiln import native
-    from kiln.native import catalog, compiler
+    from tests.tactics.avx2 import avx2_build
 
-    spec = catalog.LIBRARIES["gemm"]
-    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), tmp_path / "gemm_avx2.so", "gemm.c",
-                          ("-march=x86-64-v3",))
-    avx2 = catalog.bind(ctypes.CDLL(str(tmp_path / "gemm_avx2.so")), spec)
+    avx2 = avx2_build("gemm", tmp_path)
     w, bias = torch.from_numpy(rand((40, n), 5)), torch.from_numpy(rand((n,), 6))
     layer = LayerView("MatMul", "", {"activation": {"op": "Relu", "attrs": {}}}, ((2, 13, 40), (40, n), (n,)),
                       ("float32",) * 3, {1: w, 2: bias}, ("float32",))

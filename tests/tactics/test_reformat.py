@@ -11,6 +11,7 @@ import torch
 from kiln import hardware, native
 from kiln.tactics import codegen
 from kiln.tactics.reformat import prepare_reformat, to_format
+from tests.tactics.avx2 import avx2_build
 
 LAST = torch.channels_last
 
@@ -56,13 +57,7 @@ def test_the_c_transposes_run_where_they_apply(monkeypatch):
 def test_the_avx2_build_transposes_and_copies_exactly(tmp_path):
     """reformat.c compiled for AVX2 alone (-march=x86-64-v3: 8 x 8 register blocks, 8-lane conversions, as on a
     Zen 3)."""
-    from kiln.native import catalog, compiler
-
-    spec = catalog.LIBRARIES["reformat"]
-    target = tmp_path / "reformat_avx2.so"
-    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, "reformat.c",
-                          ("-march=x86-64-v3",))
-    lib = catalog.bind(ctypes.CDLL(str(target)), spec)
+    lib = avx2_build("reformat", tmp_path)
     for n, c, h, w in [(2, 19, 5, 13), (1, 64, 8, 8), (1, 3, 11, 11)]:
         x = torch.randn(n, c, h, w)
         hwc, back = torch.empty(n, h, w, c), torch.empty(n, c, h, w)

@@ -14,6 +14,7 @@ from kiln import hardware
 from kiln.tactics import codegen
 from kiln.tactics.base import ANY, HWC, LayerView
 from kiln.tactics.softmax_c import SoftmaxBf16Tactic, SoftmaxTactic, reduced_axes
+from tests.tactics.avx2 import avx2_build
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
 bf16_cpu = pytest.mark.skipif(not hardware.has_any(hardware.BF16_ISA),
@@ -161,16 +162,7 @@ def test_a_dfl_model_on_kilns_kernels_matches_onnxruntime(tmp_path):
 @pytest.mark.skipif(not hardware.has_any(("avx2",)), reason="no AVX2")
 def test_the_avx2_build_matches_torch(tmp_path):
     """softmax.c compiled for AVX2 alone (-march=x86-64-v3: 8-lane vectors and tails, as on a Zen 3)."""
-    import ctypes
-
-    from kiln import native
-    from kiln.native import catalog, compiler
-
-    spec = catalog.LIBRARIES["softmax"]
-    target = tmp_path / "softmax_avx2.so"
-    compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, "softmax.c",
-                          ("-march=x86-64-v3",))
-    lib = catalog.bind(ctypes.CDLL(str(target)), spec)
+    lib = avx2_build("softmax", tmp_path)
     for (outer, n, inner), log in [((3, 21, 1), 0), ((2, 16, 37), 0), ((2, 5, 11), 4), ((4, 100, 1), 4)]:
         x = torch.randn(outer, n, inner) * 5
         y = torch.empty_like(x)
