@@ -72,7 +72,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         + [Function(f"kiln_quantize_nhwc_{t}", (POINTER, POINTER, I64, I64, I64, ctypes.c_float, I64))
            for t in ("u8", "s8")])),
     LibrarySpec("resize", "resize.c", (
-        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),)),
+        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),
+        Function("kiln_resize_nearest_bytes", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2))),
     LibrarySpec("reformat", "reformat.c", (
         Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 3),
         Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 3),

@@ -24,7 +24,7 @@ from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
-from kiln.tactics.resize_c import NhwcResizeTactic
+from kiln.tactics.resize_c import NhwcResizeBf16Tactic, NhwcResizeTactic
 from kiln.tactics.softmax_c import SOFTMAX_OPS, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
@@ -42,7 +42,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "PointWise": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
                                      "MaxPool": [NhwcPoolTactic(), NhwcMaxPoolBf16Tactic()],
                                      "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
-                                     "Resize": [NhwcResizeTactic()],
+                                     "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic()],
                                      "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic(),

@@ -13,7 +13,7 @@ import torch
 from kiln import native
 from kiln.ops.norm_resize import nearest_source_indices, resize
 from kiln.ops.registry import host_value
-from kiln.tactics.base import ANY, HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
 
 RESIZE_TACTIC = "kiln.resize_nearest_nhwc"
 
@@ -35,9 +35,12 @@ class NhwcResizeTactic:
     name = RESIZE_TACTIC
     source = "kiln"
     needs_c_compiler = True
+    stored_types = ("float32",)
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "Resize" or layer.domain not in ("", "ai.onnx") or layer.input_dtypes[0] != "float32":
+        if layer.op_type != "Resize" or layer.domain not in ("", "ai.onnx") or len(layer.output_dtypes) != 1:
+            return False
+        if layer.input_dtypes[0] not in self.stored_types or layer.output_dtypes[0] not in self.stored_types:
             return False
         if layer.input_dynamic and layer.input_dynamic[0]:
             return False
@@ -55,14 +58,25 @@ class NhwcResizeTactic:
         _, _, rows, cols = _tables(layer)
         oh, ow = len(rows), len(cols)
         host = {i: host_value(layer.const_inputs.get(i)) for i in (1, 2, 3)}
-        last = torch.channels_last
+        last, dtype = torch.channels_last, storage_dtype(layer.output_dtypes[0])
+        pixel_bytes = c * dtype.itemsize
 
         def run(xs):
-            x = xs[0]
+            x = xs[0] if xs[0].dtype == dtype else xs[0].to(dtype)   # a move: converted once, before it
             if not x.is_contiguous(memory_format=last):   # row-major input: torch's kernel, same layout out
                 return resize(layer.attrs, [x, host[1], host[2], host[3]][:len(xs)])
-            y = torch.empty((n, c, oh, ow), memory_format=last)
-            lib.kiln_resize_nearest(x.data_ptr(), y.data_ptr(), n, h, w, c, oh, ow, rows.data_ptr(), cols.data_ptr())
+            y = torch.empty((n, c, oh, ow), dtype=dtype, memory_format=last)
+            lib.kiln_resize_nearest_bytes(x.data_ptr(), y.data_ptr(), n, h, w, pixel_bytes, oh, ow, rows.data_ptr(),
+                                          cols.data_ptr())
             return [y]
         run.constants = (rows, cols)   # read through raw pointers
         return run
+
+
+class NhwcResizeBf16Tactic(Bf16Storage, NhwcResizeTactic):
+    """Granted BF16: the copies move bf16 pixels where the plan stores them so (exact: a nearest Resize only moves
+    data), so YOLOv8's upsamples between bf16 layers stay bf16."""
+
+    name = RESIZE_TACTIC + "_bf16"
+    stored_types = STORED_FLOATS
+    bf16_inputs = frozenset({0})

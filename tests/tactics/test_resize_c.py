@@ -74,6 +74,28 @@ def test_matches_onnxruntime_exactly(case):
     np.testing.assert_array_equal(planar.numpy(), want)
 
 
+@pytest.mark.skipif(not __import__("kiln.hardware", fromlist=["has_any"]).has_any(("avx512_bf16", "amx_bf16")),
+                    reason="no native BF16 (BF16 tactics are offered only there)")
+@pytest.mark.parametrize("in_dtype,out_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                                ("bfloat16", "float32")])
+def test_bf16_pixels_move_exactly(in_dtype, out_dtype):
+    """The BF16 form moves bf16 pixels (odd channel counts too: 2-byte pixels of any size); an input stored
+    otherwise than the output is converted once, as torch rounds."""
+    from kiln.tactics.resize_c import NhwcResizeBf16Tactic
+
+    attrs, scales = CASES[1][0], CASES[1][1]
+    base = view(attrs, scales, shape=(1, 13, 5, 6))
+    v = LayerView("Resize", "", attrs, base.input_shapes, (in_dtype,) + base.input_dtypes[1:], base.const_inputs,
+                  (out_dtype,), input_dynamic=base.input_dynamic)
+    assert NhwcResizeBf16Tactic().supports(v) and not NhwcResizeTactic().supports(v)
+    x = torch.randn(1, 13, 5, 6).to(getattr(torch, in_dtype)).contiguous(memory_format=torch.channels_last)
+    xs = [x] + [host_value(v.const_inputs[i]) for i in (1, 2)]
+    got = NhwcResizeBf16Tactic().prepare(v)(xs)[0]
+    want = onnxruntime_resize(attrs, x.float().numpy(), scales)
+    assert got.dtype == getattr(torch, out_dtype) and got.is_contiguous(memory_format=torch.channels_last)
+    np.testing.assert_array_equal(got.float().numpy(), torch.from_numpy(want).to(getattr(torch, out_dtype)).float())
+
+
 @pytest.mark.parametrize("attrs, scales", [({"mode": "linear"}, [1, 1, 2, 2]),
                                            ({"mode": "nearest", "coordinate_transformation_mode": "tf_crop_and_resize"},
                                             [1, 1, 2, 2]),
