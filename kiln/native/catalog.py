@@ -72,13 +72,10 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         + [Function(f"kiln_quantize_nhwc_{t}", (POINTER, POINTER, I64, I64, I64, ctypes.c_float, I64))
            for t in ("u8", "s8")])),
     LibrarySpec("resize", "resize.c", (
-        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),
-        Function("kiln_resize_nearest_bytes", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2))),
+        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),)),   # ..., pixel bytes, ...
     LibrarySpec("reformat", "reformat.c", (
-        Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 3),
-        Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 3),
-        Function("kiln_to_nhwc_io", (POINTER,) * 2 + (I64,) * 4),   # ..., n, c, hw, io (bf16 sides)
-        Function("kiln_to_nchw_io", (POINTER,) * 2 + (I64,) * 4),
+        Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 4),   # x, y, n, c, hw, io (which sides are bf16)
+        Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 4),
         Function("kiln_copy_rows", (POINTER, I64, POINTER, POINTER, I64, I64, I64)))),
     LibrarySpec("pointwise", None, (Function("kiln_pointwise", (POINTER, POINTER)),),
                 rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),

@@ -130,10 +130,6 @@ class CallGeometry:
     y_template: torch.Tensor | None   # y's shape and dtype over one element: torch.empty_like(it) allocates y
     direct: bool                      # y is the layer's output (else out_steps are applied to it)
 
-    @property
-    def y_shape(self) -> tuple[int, ...]:
-        return tuple(self.y_template.shape)
-
 
 def _pointers(ops: Operands) -> list[int]:
     return [ops.q.data_ptr(), ops.k.data_ptr(), ops.v.data_ptr(), 0 if ops.mask is None else ops.mask.data_ptr()]

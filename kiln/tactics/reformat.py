@@ -25,11 +25,11 @@ def to_format(x: torch.Tensor, target_format: str) -> torch.Tensor:
     n, c = (x.shape[0], x.shape[1]) if x.dim() == 4 else (0, 0)
     if lib is not None and target_format == HWC and x.is_contiguous():
         y = torch.empty(x.shape, dtype=x.dtype, memory_format=last)
-        lib.kiln_to_nhwc_io(x.data_ptr(), y.data_ptr(), n, c, x.shape[2] * x.shape[3], IO_BITS[x.dtype])
+        lib.kiln_to_nhwc(x.data_ptr(), y.data_ptr(), n, c, x.shape[2] * x.shape[3], IO_BITS[x.dtype])
         return y
     if lib is not None and target_format != HWC and x.is_contiguous(memory_format=last):
         y = torch.empty(x.shape, dtype=x.dtype)
-        lib.kiln_to_nchw_io(x.data_ptr(), y.data_ptr(), n, c, x.shape[2] * x.shape[3], IO_BITS[x.dtype])
+        lib.kiln_to_nchw(x.data_ptr(), y.data_ptr(), n, c, x.shape[2] * x.shape[3], IO_BITS[x.dtype])
         return y
     return x.contiguous(memory_format=last) if target_format == HWC else x.contiguous()
 

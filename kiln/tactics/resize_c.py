@@ -66,8 +66,8 @@ class NhwcResizeTactic:
             if not x.is_contiguous(memory_format=last):   # row-major input: torch's kernel, same layout out
                 return resize(layer.attrs, [x, host[1], host[2], host[3]][:len(xs)])
             y = torch.empty((n, c, oh, ow), dtype=dtype, memory_format=last)
-            lib.kiln_resize_nearest_bytes(x.data_ptr(), y.data_ptr(), n, h, w, pixel_bytes, oh, ow, rows.data_ptr(),
-                                          cols.data_ptr())
+            lib.kiln_resize_nearest(x.data_ptr(), y.data_ptr(), n, h, w, pixel_bytes, oh, ow, rows.data_ptr(),
+                                    cols.data_ptr())
             return [y]
         run.constants = (rows, cols)   # read through raw pointers
         return run

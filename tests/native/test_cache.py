@@ -20,10 +20,10 @@ PLANTED = r"""
 #include <stdint.h>
 #include <stdio.h>
 __attribute__((constructor)) static void mark(void) { FILE* f = fopen(MARK_PATH, "w"); if (f) fclose(f); }
-void kiln_to_nhwc(const float* x, float* y, int64_t n, int64_t c, int64_t hw) { (void)x, (void)y, (void)n, (void)c,
-                                                                              (void)hw; }
-void kiln_to_nchw(const float* x, float* y, int64_t n, int64_t c, int64_t hw) { (void)x, (void)y, (void)n, (void)c,
-                                                                              (void)hw; }
+void kiln_to_nhwc(const void* x, void* y, int64_t n, int64_t c, int64_t hw, int64_t io) { (void)x, (void)y, (void)n,
+                                                                                       (void)c, (void)hw, (void)io; }
+void kiln_to_nchw(const void* x, void* y, int64_t n, int64_t c, int64_t hw, int64_t io) { (void)x, (void)y, (void)n,
+                                                                                       (void)c, (void)hw, (void)io; }
 """
 
 

@@ -46,7 +46,7 @@ CANARY = """
 import torch
 from kiln import native
 x, y = torch.randn(1, 8, 4, 4), torch.empty(8 * 4 * 4 - 1)   # one float short
-native.library("reformat").kiln_to_nhwc(x.data_ptr(), y.data_ptr(), 1, 8, 16)
+native.library("reformat").kiln_to_nhwc(x.data_ptr(), y.data_ptr(), 1, 8, 16, 0)
 """
 
 

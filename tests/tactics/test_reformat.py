@@ -50,7 +50,7 @@ def test_the_c_transposes_run_where_they_apply(monkeypatch):
     to_format(torch.randn(1, 256, 8, 8).contiguous(memory_format=LAST), "linear")
     to_format(torch.randn(1, 256, 8, 8).bfloat16(), "hwc")   # bf16 as 32-bit lanes
     to_format(torch.randn(1, 256, 8, 8).half(), "hwc")       # other dtypes: torch's copy
-    assert calls == ["kiln_to_nhwc_io", "kiln_to_nhwc_io", "kiln_to_nchw_io", "kiln_to_nhwc_io"]
+    assert calls == ["kiln_to_nhwc", "kiln_to_nhwc", "kiln_to_nchw", "kiln_to_nhwc"]
 
 
 @pytest.mark.skipif(not (codegen.available() and hardware.has_any(("avx2",))), reason="no C compiler or no AVX2")
@@ -61,13 +61,13 @@ def test_the_avx2_build_transposes_and_copies_exactly(tmp_path):
     for n, c, h, w in [(2, 19, 5, 13), (1, 64, 8, 8), (1, 3, 11, 11)]:
         x = torch.randn(n, c, h, w)
         hwc, back = torch.empty(n, h, w, c), torch.empty(n, c, h, w)
-        lib.kiln_to_nhwc(x.data_ptr(), hwc.data_ptr(), n, c, h * w)
-        lib.kiln_to_nchw(hwc.data_ptr(), back.data_ptr(), n, c, h * w)
+        lib.kiln_to_nhwc(x.data_ptr(), hwc.data_ptr(), n, c, h * w, 0)
+        lib.kiln_to_nchw(hwc.data_ptr(), back.data_ptr(), n, c, h * w, 0)
         assert torch.equal(hwc, x.permute(0, 2, 3, 1)) and torch.equal(back, x)
         hwc16 = torch.empty(n, h, w, c, dtype=torch.bfloat16)   # FP32 -> bf16, rounded; bf16 -> bf16, exact
-        lib.kiln_to_nhwc_io(x.data_ptr(), hwc16.data_ptr(), n, c, h * w, 2)
+        lib.kiln_to_nhwc(x.data_ptr(), hwc16.data_ptr(), n, c, h * w, 2)
         back16 = torch.empty(n, c, h, w, dtype=torch.bfloat16)
-        lib.kiln_to_nchw_io(hwc16.data_ptr(), back16.data_ptr(), n, c, h * w, 3)
+        lib.kiln_to_nchw(hwc16.data_ptr(), back16.data_ptr(), n, c, h * w, 3)
         assert torch.equal(hwc16, x.bfloat16().permute(0, 2, 3, 1)) and torch.equal(back16, x.bfloat16())
     # the row-chunk copies too: 8-lane conversions and their tails, fixed-size and run-time-size rows
     from kiln.tactics.copy_c import CopyPart
@@ -90,9 +90,9 @@ def test_the_transposes_convert_as_torch_rounds(io, src, dst):
     x[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     lib = native.library("reformat")
     hwc = torch.empty(2, 6, 11, 37, dtype=dst)
-    lib.kiln_to_nhwc_io(x.data_ptr(), hwc.data_ptr(), 2, 37, 66, io)
+    lib.kiln_to_nhwc(x.data_ptr(), hwc.data_ptr(), 2, 37, 66, io)
     want = x.to(dst).permute(0, 2, 3, 1)
     assert torch.equal(hwc.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
     back, channel_major = torch.empty(2, 37, 6, 11, dtype=dst), x.permute(0, 2, 3, 1).contiguous()
-    lib.kiln_to_nchw_io(channel_major.data_ptr(), back.data_ptr(), 2, 37, 66, io)
+    lib.kiln_to_nchw(channel_major.data_ptr(), back.data_ptr(), 2, 37, 66, io)
     assert torch.equal(back.float().nan_to_num(7.0), x.to(dst).float().nan_to_num(7.0))

@@ -106,21 +106,13 @@ static void transpose_images(const void* x, void* y, int64_t n, int64_t rows, in
 }
 
 /* NCHW -> NHWC: y[b][p][ch] = x[b][ch][p]; `io`: which side is bf16. */
-void kiln_to_nhwc_io(const void* restrict x, void* restrict y, int64_t n, int64_t c, int64_t hw, int64_t io) {
+void kiln_to_nhwc(const void* restrict x, void* restrict y, int64_t n, int64_t c, int64_t hw, int64_t io) {
   transpose_images(x, y, n, c, hw, 0, (int)io);
 }
 
 /* NHWC -> NCHW: y[b][ch][p] = x[b][p][ch]. */
-void kiln_to_nchw_io(const void* restrict x, void* restrict y, int64_t n, int64_t c, int64_t hw, int64_t io) {
+void kiln_to_nchw(const void* restrict x, void* restrict y, int64_t n, int64_t c, int64_t hw, int64_t io) {
   transpose_images(x, y, n, hw, c, 1, (int)io);
-}
-
-void kiln_to_nhwc(const float* restrict x, float* restrict y, int64_t n, int64_t c, int64_t hw) {
-  kiln_to_nhwc_io(x, y, n, c, hw, 0);
-}
-
-void kiln_to_nchw(const float* restrict x, float* restrict y, int64_t n, int64_t c, int64_t hw) {
-  kiln_to_nchw_io(x, y, n, c, hw, 0);
 }
 
 
