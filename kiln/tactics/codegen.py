@@ -21,6 +21,7 @@ CODEGEN_TACTIC = "codegen.pointwise_c_simd"
 POINTWISE_LIBRARY = "pointwise"   # kiln.native's name for generated pointwise programs
 MAX_INPUTS = 32
 SINGLE_OPS = tuple(sorted(set(UNARY) | set(BINARY) | set(VARIADIC)))   # elementwise ops with no host inputs
+CHANNEL_MAJOR_AXES = (0, 2, 3, 1)   # NCHW axes in the order a channel-major (NHWC) tensor stores them
 
 
 def one_op_program(layer: LayerView) -> LayerView | None:
@@ -47,6 +48,40 @@ def _is_flat(layer: LayerView) -> bool:
                for i, s in enumerate(layer.input_shapes))
 
 
+def _padded(shape: tuple[int, ...], rank: int = 4) -> tuple[int, ...]:
+    return (1,) * (rank - len(shape)) + tuple(shape)
+
+
+def _channel_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape broadcast to NCHW, in NHWC order (the order a channel-major tensor holds its elements in)."""
+    return tuple(_padded(shape)[k] for k in CHANNEL_MAJOR_AXES)
+
+
+def _reference_input(layer: LayerView) -> int | None:
+    """The first input read per call that holds the whole output: its layout decides the kernel's and the output's."""
+    out = tuple(np.broadcast_shapes(*layer.input_shapes))
+    return next((i for i, s in enumerate(layer.input_shapes) if i not in layer.const_inputs and tuple(s) == out),
+                None)
+
+
+def _broadcasts_channel_major(layer: LayerView) -> bool:
+    """A 4-D broadcasting layer the kernel can also run on channel-major tensors (a squeeze-excite scale, a
+    per-channel constant, a spatial mask): a runtime input holds the whole output, the other 4-D inputs are made
+    channel-major per call, constants are permuted once, and any lower-rank runtime input reads the same in either
+    order (no channel axis, or channels only)."""
+    if len(np.broadcast_shapes(*layer.input_shapes)) != 4 or _reference_input(layer) is None:
+        return False
+    for i, shape in enumerate(layer.input_shapes):
+        padded = _padded(shape)
+        if i not in layer.const_inputs and len(shape) < 4 and padded[1] != 1 and padded[2:] != (1, 1):
+            return False
+    return True
+
+
+def _layout_free(layer: LayerView) -> bool:
+    return _is_flat(layer) or _broadcasts_channel_major(layer)
+
+
 class CodegenPointWiseTactic:
     name = CODEGEN_TACTIC
     source = "codegen"
@@ -70,50 +105,79 @@ class CodegenPointWiseTactic:
         return expressible(layer.attrs.get("program", []), len(layer.input_shapes)) and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
-        return [ANY if _is_flat(layer) else LINEAR] * len(layer.input_shapes)
+        return [ANY if _layout_free(layer) else LINEAR] * len(layer.input_shapes)
 
     def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return HWC if HWC in input_formats and _is_flat(layer) else LINEAR
+        """The reference input's layout (`input_formats` lists the inputs read per call, constants left out)."""
+        ref = _reference_input(layer)
+        if ref is None or not _layout_free(layer):
+            return LINEAR
+        return input_formats[sum(1 for i in range(ref) if i not in layer.const_inputs)]
 
     def prepare(self, layer: LayerView) -> Kernel:
         layer = one_op_program(layer)
         out_shape = tuple(np.broadcast_shapes(*layer.input_shapes))
         scalars = _scalar_inputs(layer)
         flat = _is_flat(layer)
-        shapes = [out_shape if flat else s for s in layer.input_shapes]
-        nest = loop_nest(out_shape, shapes)
-        consts_at = set(layer.const_inputs)   # constants are held in FP32
-        out_dtype = storage_dtype(layer.output_dtypes[0])
-        try:
-            bf16 = frozenset(i for i, d in enumerate(layer.input_dtypes) if d == "bfloat16" and i not in consts_at)
-            source = generate(layer.attrs["program"], len(shapes), nest, scalars, bf16,
-                              layer.output_dtypes[0] == "bfloat16")
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise EngineFormatError(f"a PointWise program cannot be compiled ({exc}); the engine is damaged, "
-                                    "rebuild it") from None
-        fn = native.library(POINTWISE_LIBRARY, source).kiln_pointwise
         consts = {i: t.to(torch.float32).contiguous() for i, t in layer.const_inputs.items() if i not in scalars}
-        read = [i for i in range(len(shapes)) if i not in scalars and i not in consts]
-        base = [consts[i].data_ptr() if i in consts else None for i in range(len(shapes))]
-        pointer_array = ctypes.c_void_p * len(shapes)
+        planar = _compiled(layer, [out_shape if flat else s for s in layer.input_shapes], scalars, consts)
+        channel_major = planar   # a flat loop reads either layout
+        if not flat and _broadcasts_channel_major(layer):
+            permuted = {i: t.reshape(_padded(layer.input_shapes[i])).permute(*CHANNEL_MAJOR_AXES).contiguous()
+                        for i, t in consts.items()}
+            channel_major = _compiled(layer, [_channel_major(s) for s in layer.input_shapes], scalars, permuted)
+        read = [i for i in range(len(layer.input_shapes)) if i not in scalars and i not in consts]
+        ref = _reference_input(layer)
+        check_layout = ref is not None and _layout_free(layer) and len(out_shape) == 4
+        out_dtype = storage_dtype(layer.output_dtypes[0])
+        pointer_array = ctypes.c_void_p * len(layer.input_shapes)
         last = torch.channels_last
 
         def run(xs):
-            fmt = torch.contiguous_format
-            if flat and read:   # same-shape inputs: read them all in the first one's layout
-                first = xs[read[0]]
-                if first.dim() == 4 and not first.is_contiguous() and first.is_contiguous(memory_format=last):
-                    fmt = last
-            ins = [xs[i].contiguous(memory_format=fmt) for i in read]   # no copy where already laid out so
-            pointers = pointer_array(*base)   # per call: contexts on other threads share this kernel
+            kernel, fmt = planar, torch.contiguous_format
+            if check_layout:   # the reference input's layout, the others made so (no copy where already laid out)
+                first = xs[ref]
+                if not first.is_contiguous() and first.is_contiguous(memory_format=last):
+                    kernel, fmt = channel_major, last
+            ins = [xs[i].contiguous(memory_format=fmt) if xs[i].dim() == 4 else xs[i].contiguous() for i in read]
+            pointers = pointer_array(*kernel.constant_pointers)   # per call: other threads' contexts share it
             for i, x in zip(read, ins):
                 pointers[i] = x.data_ptr()
             out = torch.empty(out_shape, dtype=out_dtype, memory_format=fmt)
-            fn(pointers, out.data_ptr())
+            kernel.fn(pointers, out.data_ptr())
             return [out]
-        run.generated_source = source
-        run.constants = consts   # the kernel reads them through raw pointers: they live as long as it does
+        run.generated_source = planar.source
+        run.constants = (planar, channel_major)   # each holds the constants its code reads through raw pointers
         return run
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """A PointWise program compiled for inputs of given shapes, with the constants it reads (held here, as long as
+    the kernel lives) and each input's constant pointer (None for inputs read per call)."""
+
+    fn: object
+    source: str
+    constants: dict[int, torch.Tensor]
+    constant_pointers: tuple[int | None, ...]
+
+
+def _compiled(layer: LayerView, shapes: list[tuple[int, ...]], scalars: dict[int, float],
+              consts: dict[int, torch.Tensor]) -> CompiledProgram:
+    """The program compiled for inputs of these shapes, each input's elements in that shape's row-major order."""
+    out_shape = tuple(np.broadcast_shapes(*shapes))
+    nest = loop_nest(out_shape, shapes)
+    consts_at = set(layer.const_inputs)   # constants are held in FP32
+    try:
+        bf16 = frozenset(i for i, d in enumerate(layer.input_dtypes) if d == "bfloat16" and i not in consts_at)
+        source = generate(layer.attrs["program"], len(shapes), nest, scalars, bf16,
+                          layer.output_dtypes[0] == "bfloat16")
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise EngineFormatError(f"a PointWise program cannot be compiled ({exc}); the engine is damaged, "
+                                "rebuild it") from None
+    fn = native.library(POINTWISE_LIBRARY, source).kiln_pointwise
+    pointers = tuple(consts[i].data_ptr() if i in consts else None for i in range(len(shapes)))
+    return CompiledProgram(fn, source, consts, pointers)
 
 
 class CodegenPointWiseBf16Tactic(Bf16Storage, CodegenPointWiseTactic):

@@ -1,9 +1,10 @@
 """Pooling on channel-major (NHWC) activations in C (kiln/native/csrc/pool.c): 2-D MaxPool (any kernel, stride,
-dilation, padding, ceil mode; FP32, u8, s8 or bf16) and GlobalAveragePool / GlobalMaxPool, vectorized over channels,
-OpenMP over output rows.
+dilation, padding, ceil mode; FP32, u8, s8 or bf16), and GlobalAveragePool / GlobalMaxPool and ReduceMean / ReduceMax
+over the spatial axes (FP32 or bf16, either layout), vectorized over channels, OpenMP over output rows.
 
 The layer takes its input in whatever layout the producer wrote, so choosing it never adds Reformat layers: a
-channel-major input runs the C loops, a channel-planar one (e.g. between INT8 layers) torch's own kernel.
+channel-major input runs the C loops, a channel-planar one (e.g. between INT8 layers) torch's own MaxPool or the
+global pool's row loop.
 
 torch's channels-last pooling spends most of its time outside the loop that matters on small maps: ResNet-50's
 stem MaxPool takes 0.22 ms there and its global average pool 0.10 ms, against 0.09 and 0.03 ms in OpenVINO.
@@ -16,14 +17,34 @@ import dataclasses
 import torch
 
 from kiln import native
-from kiln.ops.nn import global_average_pool, global_max_pool, max_pool, pool_output_size
+from kiln.ops.nn import max_pool, pool_output_size
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, \
     storage_dtype
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
 MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
-                 "int8": ("kiln_maxpool_s8", torch.int8),   # the global pools: float32 only
-                 "bfloat16": ("kiln_maxpool_bf16", torch.bfloat16)}   # NhwcMaxPoolBf16Tactic's
+                 "int8": ("kiln_maxpool_s8", torch.int8),
+                 "bfloat16": ("kiln_maxpool_bf16", torch.bfloat16)}   # NhwcPoolBf16Tactic's
+GLOBAL_MEAN = {"GlobalAveragePool": 1, "GlobalMaxPool": 0, "ReduceMean": 1, "ReduceMax": 0}   # op -> averages?
+POOL_OPS = ("MaxPool", *GLOBAL_MEAN)
+SRC_BF16, DST_BF16 = 1, 2   # kiln_global_pool's io bits
+
+
+def reduced_axes(layer: LayerView) -> list[int] | None:
+    """A Reduce layer's axes (the attribute, or opset 18's constant input), None where they are not known."""
+    if len(layer.input_shapes) > 1:
+        axes = layer.const_inputs.get(1)
+        return None if axes is None else [int(a) for a in axes.reshape(-1).tolist()]
+    return layer.attrs.get("axes")
+
+
+def global_pool(layer: LayerView) -> bool:
+    """A global pool, or a ReduceMean/ReduceMax over exactly the spatial axes of a 4-D tensor (how torch.onnx's
+    dynamo exporter writes adaptive_avg_pool2d(x, 1), and Keras models write global pooling)."""
+    if layer.op_type.startswith("Global"):
+        return True
+    axes = reduced_axes(layer)
+    return bool(axes) and sorted(a % 4 for a in axes) == [2, 3]
 
 
 class NhwcPoolTactic:
@@ -33,44 +54,62 @@ class NhwcPoolTactic:
     stored_types = ("float32", "uint8", "int8")
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type not in ("MaxPool", "GlobalAveragePool", "GlobalMaxPool") or layer.domain not in ("", "ai.onnx"):
+        if layer.op_type not in POOL_OPS or layer.domain not in ("", "ai.onnx"):
             return False
         x = layer.input_shapes[0]
         if x is None or len(x) != 4 or layer.input_dtypes[0] not in self.stored_types or \
-                layer.output_dtypes != (layer.input_dtypes[0],):
+                layer.output_dtypes[0] not in self.stored_types or len(layer.output_dtypes) != 1:
             return False
-        if layer.input_dtypes[0] != "float32" and layer.op_type != "MaxPool":
+        if not self._types_ok(layer) or not batch_dynamic_only(layer):   # the batch is read per call
             return False
-        if not batch_dynamic_only(layer):   # the batch is read per call
-            return False
-        if layer.op_type == "MaxPool" and (len(layer.attrs.get("kernel_shape") or ()) != 2
-                                           or layer.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET")):
+        if layer.op_type != "MaxPool":
+            return global_pool(layer) and native.available()
+        if len(layer.attrs.get("kernel_shape") or ()) != 2 or \
+                layer.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET"):
             return False
         return native.available()
 
+    def _types_ok(self, layer: LayerView) -> bool:
+        """FP32 in and out; MaxPool also on INT8 tensors (the maximum commutes with quantization)."""
+        same = layer.output_dtypes[0] == layer.input_dtypes[0]
+        return same and (layer.op_type == "MaxPool" or layer.input_dtypes[0] == "float32")
+
     def input_formats(self, layer: LayerView) -> list[str]:
-        return [ANY]
+        return [ANY] * len(layer.input_shapes)
 
     def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
         return HWC if HWC in input_formats else LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
+        if layer.op_type != "MaxPool":
+            return self._prepare_global(layer)
+        return self._prepare_maxpool(layer)
+
+    @staticmethod
+    def _prepare_global(layer: LayerView) -> Kernel:
         lib = native.library("pool")
         _, c, h, w = layer.input_shapes[0]   # the batch: per call
+        mean = GLOBAL_MEAN[layer.op_type]
+        keep = layer.op_type.startswith("Global") or bool(layer.attrs.get("keepdims", 1))
+        io = SRC_BF16 * (layer.input_dtypes[0] == "bfloat16") + DST_BF16 * (layer.output_dtypes[0] == "bfloat16")
+        dtype = storage_dtype(layer.output_dtypes[0])
         last = torch.channels_last
-        planar = {"MaxPool": max_pool, "GlobalAveragePool": global_average_pool,
-                  "GlobalMaxPool": global_max_pool}[layer.op_type]
-        if layer.op_type != "MaxPool":
-            mean = int(layer.op_type == "GlobalAveragePool")
 
-            def run_global(xs):
-                x = xs[0]
-                if not x.is_contiguous(memory_format=last):
-                    return planar(layer.attrs, xs)
-                y = torch.empty((x.shape[0], c, 1, 1), memory_format=last)
-                lib.kiln_global_pool(x.data_ptr(), y.data_ptr(), x.shape[0], h * w, c, mean)
-                return [y]
-            return run_global
+        def run_global(xs):
+            x = xs[0]
+            planar = not x.is_contiguous(memory_format=last)   # a 1x1 map is both: either reading serves
+            if planar:
+                x = x.contiguous()
+            n = x.shape[0]
+            y = torch.empty((n, c, 1, 1), dtype=dtype, memory_format=last) if keep else torch.empty((n, c), dtype=dtype)
+            lib.kiln_global_pool(x.data_ptr(), y.data_ptr(), n, h * w, c, mean, io, int(planar))
+            return [y]
+        return run_global
+
+    @staticmethod
+    def _prepare_maxpool(layer: LayerView) -> Kernel:
+        lib = native.library("pool")
+        _, c, h, w = layer.input_shapes[0]   # the batch: per call
         a = layer.attrs
         kh, kw = a["kernel_shape"]
         sh, sw = a.get("strides") or [1, 1]
@@ -79,43 +118,37 @@ class NhwcPoolTactic:
         ceil = bool(a.get("ceil_mode", 0))
         oh = pool_output_size(h, kh, sh, dh, pt, pb, ceil)
         ow = pool_output_size(w, kw, sw, dw, pl, pr, ceil)
-
         entry, dtype = MAXPOOL_TYPES[layer.input_dtypes[0]]
         pool = getattr(lib, entry)
+        last = torch.channels_last
 
         def run(xs):
             x = xs[0]
             if not x.is_contiguous(memory_format=last):
-                return planar(a, xs)   # channel-planar input: torch's kernel, output in the same layout
+                return max_pool(a, xs)   # channel-planar input: torch's kernel, output in the same layout
             y = torch.empty((x.shape[0], c, oh, ow), dtype=dtype, memory_format=last)
             pool(x.data_ptr(), y.data_ptr(), x.shape[0], h, w, c, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
             return [y]
         return run
 
 
-class NhwcMaxPoolBf16Tactic(Bf16Storage, NhwcPoolTactic):
-    """MaxPool granted BF16, on tensors as the plan stores them, so a pool between BF16 layers (ResNet's stem, YOLO's
-    SPPF) keeps their tensors bf16. Exact: the maximum of bf16 values is one of them, and an FP32 input rounded to a
-    bf16 output first gives the rounded FP32 maximum (rounding is monotonic)."""
+class NhwcPoolBf16Tactic(Bf16Storage, NhwcPoolTactic):
+    """Pools granted BF16, on tensors as the plan stores them, so a pool between BF16 layers (ResNet's stem, YOLO's
+    SPPF, a squeeze-excite block's average) keeps their tensors bf16. MaxPool is exact: the maximum of bf16 values
+    is one of them, and an FP32 input rounded to a bf16 output first gives the rounded FP32 maximum (rounding is
+    monotonic). The global pools read either type and accumulate in double; a bf16 output rounds the result once."""
 
     name = POOL_TACTIC + "_bf16"
     stored_types = STORED_FLOATS
     bf16_inputs = frozenset({0})
 
-    def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "MaxPool" or len(layer.output_dtypes) != 1:
-            return False
-        stored = layer.input_dtypes[0] in self.stored_types and layer.output_dtypes[0] in self.stored_types
-        return stored and super().supports(self._typed(layer))
-
-    @staticmethod
-    def _typed(layer: LayerView) -> LayerView:
-        """`layer` read in its output's type (the kernel's: an input stored otherwise is converted first)."""
-        return dataclasses.replace(layer, input_dtypes=(layer.output_dtypes[0], *layer.input_dtypes[1:]))
+    def _types_ok(self, layer: LayerView) -> bool:
+        return True   # any combination of FP32 and bf16: the global pools read and write both, MaxPool converts
 
     def prepare(self, layer: LayerView) -> Kernel:
-        kernel = super().prepare(self._typed(layer))
-        if layer.input_dtypes[0] == layer.output_dtypes[0]:
-            return kernel
+        if layer.op_type != "MaxPool" or layer.input_dtypes[0] == layer.output_dtypes[0]:
+            return super().prepare(layer)
+        typed = dataclasses.replace(layer, input_dtypes=(layer.output_dtypes[0], *layer.input_dtypes[1:]))
+        kernel = super().prepare(typed)   # the kernel reads its output's type: the input is converted first
         dtype = storage_dtype(layer.output_dtypes[0])
         return lambda xs: kernel([xs[0].to(dtype), *xs[1:]])

@@ -19,7 +19,7 @@ from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTacti
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
-from kiln.tactics.pool_c import NhwcMaxPoolBf16Tactic, NhwcPoolTactic
+from kiln.tactics.pool_c import POOL_OPS, NhwcPoolBf16Tactic, NhwcPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
@@ -40,8 +40,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                                 MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(),
                                                 OneDnnFp16LinearTactic()],
                                      "PointWise": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
-                                     "MaxPool": [NhwcPoolTactic(), NhwcMaxPoolBf16Tactic()],
-                                     "GlobalAveragePool": [NhwcPoolTactic()], "GlobalMaxPool": [NhwcPoolTactic()],
+                                     **{op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
                                      "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic()],
                                      "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],

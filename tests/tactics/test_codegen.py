@@ -86,12 +86,38 @@ def test_a_chain_with_constants_scalars_and_clip_bounds():
     consts = {1: torch.randn(24, 1, 1), 2: torch.tensor([0.75]), 3: torch.tensor(2.0)}
     shapes = [(1, 24, 70, 70), (24, 1, 1), (1,), ()]
     v = view(program, shapes, consts)
-    assert TACTIC.input_formats(v) == [LINEAR] * 4   # a tensor constant broadcasts: linear layout
-    got = TACTIC.prepare(v)([x, None, None, None])[0]
+    assert TACTIC.input_formats(v) == ["any"] * 4   # the per-channel constant is permuted for channel-major x
+    kernel = TACTIC.prepare(v)
     xd = x.double()
     want = ((torch.sigmoid(xd) * xd + consts[1].double()) * 0.75).clamp(-0.5, 1.5) ** 2   # in float64
-    torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=2e-6)
-    assert "0.75f" in TACTIC.prepare(v).generated_source   # the scalar is compiled in
+    for layout in (torch.contiguous_format, torch.channels_last):
+        got = kernel([x.contiguous(memory_format=layout), None, None, None])[0]
+        assert got.is_contiguous(memory_format=layout)
+        torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=2e-6)
+    assert "0.75f" in kernel.generated_source   # the scalar is compiled in
+
+
+@pytest.mark.parametrize("other_shape", [(2, 24, 1, 1), (2, 1, 9, 11), (24, 1, 1), (9, 11), (1, 1, 11), (24, 9, 11)])
+def test_broadcasts_on_channel_major_tensors(other_shape):
+    """A squeeze-excite scale [N,C,1,1], a spatial mask [N,1,H,W] and lower-rank operands broadcast against a
+    channel-major tensor without a Reformat; the output keeps its layout. A [C,H,W] tensor read per call would need
+    a transpose of its own: that layer takes linear inputs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, 9, 11, generator=g).contiguous(memory_format=torch.channels_last)
+    other = torch.randn(other_shape, generator=g)
+    program = [{"op": "Mul", "attrs": {}, "args": ["x0", "x1"]}, {"op": "Sigmoid", "attrs": {}, "args": ["t0"]}]
+    v = view(program, [tuple(x.shape), other_shape])
+    free = other_shape != (24, 9, 11)
+    assert TACTIC.input_formats(v) == (["any"] * 2 if free else [LINEAR] * 2)
+    assert TACTIC.output_format(v, [HWC, LINEAR]) == (HWC if free else LINEAR)
+    got = TACTIC.prepare(v)([x if free else x.contiguous(), other])[0]
+    assert got.is_contiguous(memory_format=torch.channels_last if free else torch.contiguous_format)
+    torch.testing.assert_close(got, torch.sigmoid(x * other), rtol=1e-6, atol=1e-6)
+    as_constant = view(program, [tuple(x.shape), other_shape], {1: other})   # constants: permuted once
+    assert TACTIC.input_formats(as_constant) == ["any", "any"]
+    got = TACTIC.prepare(as_constant)([x, None])[0]
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got, torch.sigmoid(x * other), rtol=1e-6, atol=1e-6)
 
 
 def test_loop_nest_merges_axes_that_broadcast_alike():
@@ -250,3 +276,20 @@ def test_bf16_storage_programs_compute_in_fp32_and_round_only_the_output(x_bf16,
     assert got.dtype == (torch.bfloat16 if out_bf16 else torch.float32)
     tol = 2 ** -8 if out_bf16 else 2e-6   # a bf16 output: the FP32 result rounded once
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not hardware.has_any(hardware.BF16_ISA), reason="BF16 tactics are offered only on BF16 CPUs")
+def test_bf16_squeeze_excite_scale_keeps_channel_major_bf16():
+    """x * sigmoid(s) with x [N,C,H,W] channel-major bf16 and s [N,C,1,1]: no Reformat, one rounding."""
+    program = [{"op": "Sigmoid", "attrs": {}, "args": ["x1"]}, {"op": "Mul", "attrs": {}, "args": ["x0", "t0"]}]
+    g = torch.Generator().manual_seed(52)
+    x = torch.randn(1, 40, 13, 17, generator=g).bfloat16().contiguous(memory_format=torch.channels_last)
+    s = torch.randn(1, 40, 1, 1, generator=g)
+    v = LayerView("PointWise", "kiln", {"program": program}, ((1, 40, 13, 17), (1, 40, 1, 1)),
+                  ("bfloat16", "float32"), {}, ("bfloat16",), 17, ((),) * 2)
+    tactic = codegen.CodegenPointWiseBf16Tactic()
+    assert tactic.input_formats(v) == ["any", "any"] and tactic.output_format(v, [HWC, LINEAR]) == HWC
+    got = tactic.prepare(v)([x, s])[0]
+    assert got.dtype == torch.bfloat16 and got.is_contiguous(memory_format=torch.channels_last)
+    want = x.double() * torch.sigmoid(s.double())
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=2 ** -8)

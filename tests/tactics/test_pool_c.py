@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 from kiln import hardware
 from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
-from kiln.tactics.pool_c import NhwcMaxPoolBf16Tactic, NhwcPoolTactic
+from kiln.tactics.pool_c import NhwcPoolBf16Tactic, NhwcPoolTactic
 from tests.conftest import make_model, run_ort
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
@@ -78,6 +78,31 @@ def test_global_pools_equal_torch(op, reference):
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
+SPATIAL_REDUCTIONS = [  # op, attrs, const axes input (opset 18), torch reference of float64 x
+    ("ReduceMean", dict(axes=[2, 3]), None, lambda x: x.mean(dim=(2, 3), keepdim=True)),
+    ("ReduceMean", dict(axes=[-1, -2], keepdims=0), None, lambda x: x.mean(dim=(2, 3))),
+    ("ReduceMean", {}, torch.tensor([3, 2]), lambda x: x.mean(dim=(2, 3), keepdim=True)),
+    ("ReduceMax", dict(keepdims=0), torch.tensor([2, -1]), lambda x: x.amax(dim=(2, 3))),
+]
+
+
+@pytest.mark.parametrize("op,attrs,axes,reference", SPATIAL_REDUCTIONS, ids=range(4))
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["nhwc", "nchw"])
+def test_spatial_reductions_run_as_global_pools(op, attrs, axes, reference, layout):
+    """ReduceMean/ReduceMax over H and W (the dynamo exporter's adaptive_avg_pool2d(x, 1); Keras' global pooling),
+    with axes as an attribute or opset 18's input, negative or in any order, keepdims either way."""
+    shape = (2, 70, 5, 6)
+    consts = {} if axes is None else {1: axes}
+    layer = LayerView(op, "", attrs, (shape,) + (((2,),) if consts else ()), ("float32", "int64")[:1 + len(consts)],
+                      consts, ("float32",), 18, ((),) * (1 + len(consts)))
+    assert NhwcPoolTactic().supports(layer)
+    x = channels_last(shape, seed=4).contiguous(memory_format=layout)
+    got = NhwcPoolTactic().prepare(layer)([x, None][:1 + len(consts)])[0]
+    want = reference(x.double())
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("op,attrs", [("MaxPool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
                                       ("GlobalAveragePool", {}), ("GlobalMaxPool", {})])
 def test_nan_propagates_like_torch(op, attrs):
@@ -89,8 +114,9 @@ def test_nan_propagates_like_torch(op, attrs):
 
 @pytest.mark.parametrize("op,attrs", [("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
                                       ("GlobalAveragePool", {})])
-def test_channel_planar_input_runs_torchs_kernel_in_its_layout(op, attrs):
-    """The tactic takes the producer's layout (no Reformat layers): NCHW in, NCHW out, same values."""
+def test_channel_planar_input_keeps_its_layout(op, attrs):
+    """The tactic takes the producer's layout (no Reformat layers): NCHW in, NCHW out, same values (MaxPool on
+    torch's kernel, the global pools on their row loop)."""
     layer = view(op, (1, 8, 10, 10), **attrs)
     assert NhwcPoolTactic().input_formats(layer) == ["any"]
     assert NhwcPoolTactic().output_format(layer, ["linear"]) == "linear"
@@ -110,7 +136,12 @@ def test_channel_planar_input_runs_torchs_kernel_in_its_layout(op, attrs):
     view("GlobalAveragePool", (1, 4, 8, 8), dtype="float16"),
     view("AveragePool", (1, 4, 8, 8), kernel_shape=[2, 2]),
     view("GlobalAveragePool", (1, 4, 8, 8), outputs=("uint8",), dtype="uint8"),     # INT8 global pools: not here
-], ids=range(8))
+    view("ReduceMean", (1, 4, 8, 8), axes=[1, 2, 3]),                                # not the spatial axes only
+    view("ReduceMean", (1, 4, 8, 8), axes=[3]),
+    view("ReduceMax", (4, 8, 8), axes=[1, 2]),                                       # 3-D
+    view("ReduceSum", (1, 4, 8, 8), axes=[2, 3]),
+    view("ReduceMean", (1, 4, 8, 8)),                                                # no axes: all of them
+], ids=range(13))
 def test_declines_what_it_cannot_run(layer):
     assert not NhwcPoolTactic().supports(layer)
 
@@ -128,7 +159,7 @@ def test_bf16_maxpool_is_exact_in_every_storage_combination(x_dtype, y_dtype):
     x = x.to(getattr(torch, x_dtype))
     attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}
     view = LayerView("MaxPool", "", attrs, ((2, 20, 11, 13),), (x_dtype,), {}, (y_dtype,), 17, ((),))
-    tactic = NhwcMaxPoolBf16Tactic()
+    tactic = NhwcPoolBf16Tactic()
     assert tactic.supports(view)
     got = tactic.prepare(view)([x])[0]
     want = torch.nn.functional.max_pool2d(x.float(), 3, 2, 1, ceil_mode=True).to(getattr(torch, y_dtype))
@@ -141,4 +172,28 @@ def test_bf16_maxpool_is_offered_on_bf16_cpus_only(monkeypatch):
     view = LayerView("MaxPool", "", {"kernel_shape": [2, 2]}, ((1, 8, 4, 4),), ("bfloat16",), {}, ("bfloat16",), 17,
                      ((),))
     monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f"}))
-    assert not NhwcMaxPoolBf16Tactic().supports(view) and not NhwcPoolTactic().supports(view)
+    assert not NhwcPoolBf16Tactic().supports(view) and not NhwcPoolTactic().supports(view)
+
+
+@pytest.mark.skipif(not (codegen.available() and hardware.has_any(hardware.BF16_ISA)),
+                    reason="no C compiler, or no native BF16 (BF16 tactics are offered only there)")
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
+@pytest.mark.parametrize("x_dtype,y_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                             ("bfloat16", "float32")])
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["nhwc", "nchw"])
+def test_bf16_global_pools_accumulate_wide_and_round_once(op, x_dtype, y_dtype, layout):
+    """A squeeze-excite block's average between BF16 layers: bf16 or FP32 in, either out, the sum in double, so the
+    only error is the output's one rounding (the maximum is exact). NaN propagates."""
+    shape = (2, 100, 14, 14)
+    x = channels_last(shape, seed=5).to(getattr(torch, x_dtype)).contiguous(memory_format=layout)
+    x[1, 7, 3, 4] = float("nan")
+    view_ = LayerView(op, "", {}, (shape,), (x_dtype,), {}, (y_dtype,), 17, ((),))
+    tactic = NhwcPoolBf16Tactic()
+    assert tactic.supports(view_)
+    got = tactic.prepare(view_)([x])[0]
+    xd = x.double()
+    exact = xd.mean(dim=(2, 3), keepdim=True) if op == "GlobalAveragePool" else xd.amax(dim=(2, 3), keepdim=True)
+    want = exact.to(getattr(torch, y_dtype))   # the exact result rounded once to the output's type
+    assert got.dtype == want.dtype and got.shape == (2, 100, 1, 1)
+    assert torch.equal(got.float().nan_to_num(9.0), want.float().nan_to_num(9.0))
+    assert bool(got[1, 7].isnan()) and int(got.float().isnan().sum()) == 1

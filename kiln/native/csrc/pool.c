@@ -1,12 +1,16 @@
 /* Pooling on channel-major (NHWC) activations (kiln.tactics.pool_c): 2-D MaxPool (any kernel, stride,
    dilation, padding) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output rows.
-   MaxPool also on u8/s8 and bf16 tensors. NaN propagates as in torch (a window holding NaN gives NaN); averages
-   accumulate in double. */
+   MaxPool also on u8/s8 and bf16 tensors; the global pools read and write FP32 or bf16, in either layout. NaN
+   propagates as in torch (a window holding NaN gives NaN); averages add FP32 sums of 32 pixels in double. */
 #include <stdint.h>
 #include <math.h>
 
+#include <stdlib.h>
+
 #include "bf16.h"
-#define CB 64   /* channels per block of the global pools */
+#include "parallel.h"
+#define CB 64        /* channels per block of the global pools */
+#define GP_FLUSH 32  /* pixels a global average sums in FP32 before adding the sum in double */
 
 /* The window loop of kiln_maxpool and its INT8 forms: `T` the element type, `LOWEST` its start value, `MAX(v, m)`
    the running maximum (a window with no pixel inside the image keeps LOWEST). */
@@ -50,24 +54,124 @@ void kiln_maxpool_bf16(const uint16_t* restrict x, uint16_t* restrict y, MAXPOOL
   MAXPOOL_BODY(uint16_t, 0xFF80u, BF16_MAX)   /* 0xFF80: -inf */
 }
 
-void kiln_global_pool(const float* restrict x, float* restrict y, int64_t n, int64_t hw, int64_t c, int64_t mean) {
-  const int64_t blocks = (c + CB - 1) / CB;
-  #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < n * blocks; ++t) {
-    const int64_t b = t / blocks, c0 = (t % blocks) * CB, cb = c - c0 < CB ? c - c0 : CB;
-    double sum[CB];
-    float top[CB];
-    for (int64_t k = 0; k < cb; ++k) { sum[k] = 0.0; top[k] = -INFINITY; }
-    for (int64_t p = 0; p < hw; ++p) {
-      const float* restrict src = x + (b * hw + p) * c + c0;
-      if (mean) {
-        #pragma omp simd
-        for (int64_t k = 0; k < cb; ++k) sum[k] += src[k];
-      } else {
-        #pragma omp simd
-        for (int64_t k = 0; k < cb; ++k) top[k] = (src[k] > top[k] || src[k] != src[k]) ? src[k] : top[k];
-      }
-    }
-    for (int64_t k = 0; k < cb; ++k) y[b * c + c0 + k] = mean ? (float)(sum[k] / (double)hw) : top[k];
+/* Global pool `io` bits: the input, the output stored in bf16 (else FP32). */
+#define GP_SRC_BF16 1
+#define GP_DST_BF16 2
+
+static inline float gp_load_f32(const float* p, int64_t k) { return p[k]; }
+static inline float gp_load_bf16(const uint16_t* p, int64_t k) { return bf16_widen(p[k]); }
+static inline void gp_store_f32(float* p, int64_t k, float v) { p[k] = v; }
+static inline void gp_store_bf16(uint16_t* p, int64_t k, float v) { p[k] = bf16_narrow(v); }
+
+/* Channel-major: units of (image, block of CB channels, segment of pixels), each pixel's block read as a vector;
+   a unit leaves its block's partial sums (or maxima) in `part`, which a second pass combines per channel. */
+#define GLOBAL_POOL_NHWC(NAME, TIN, TOUT, LOAD, STORE)                                                       \
+  static void NAME(const TIN* restrict x, TOUT* restrict y, int64_t n, int64_t hw, int64_t c, int mean,     \
+                   int64_t segs, double* restrict part) {                                                   \
+    const int64_t blocks = (c + CB - 1) / CB, units = n * blocks * segs, per_seg = (hw + segs - 1) / segs;  \
+    MAYBE_PARALLEL(threads_pay(units, n * hw * c), {                                                        \
+      _Pragma("omp for schedule(static)")                                                                   \
+      for (int64_t t = 0; t < units; ++t) {                                                                 \
+        const int64_t s = t % segs, b = t / segs / blocks, c0 = (t / segs % blocks) * CB;                   \
+        const int64_t cb = c - c0 < CB ? c - c0 : CB;                                                       \
+        const int64_t p0 = s * per_seg, p1 = p0 + per_seg < hw ? p0 + per_seg : hw;                         \
+        double acc[CB];                                                                                     \
+        float run[CB];                                                                                      \
+        for (int64_t k = 0; k < cb; ++k) acc[k] = mean ? 0.0 : -INFINITY;                                   \
+        for (int64_t q = p0; q < p1; q += GP_FLUSH) { /* FP32 sums of GP_FLUSH pixels, added up in double */\
+          const int64_t q1 = q + GP_FLUSH < p1 ? q + GP_FLUSH : p1;                                         \
+          for (int64_t k = 0; k < cb; ++k) run[k] = mean ? 0.0f : -INFINITY;                                \
+          for (int64_t p = q; p < q1; ++p) {                                                                \
+            const TIN* restrict src = x + (b * hw + p) * c + c0;                                            \
+            if (mean) {                                                                                     \
+              _Pragma("omp simd")                                                                           \
+              for (int64_t k = 0; k < cb; ++k) run[k] += LOAD(src, k);                                      \
+            } else {                                                                                        \
+              _Pragma("omp simd")                                                                           \
+              for (int64_t k = 0; k < cb; ++k) {                                                            \
+                const float v = LOAD(src, k);                                                               \
+                run[k] = (v > run[k] || v != v) ? v : run[k];                                               \
+              }                                                                                             \
+            }                                                                                               \
+          }                                                                                                 \
+          for (int64_t k = 0; k < cb; ++k)                                                                  \
+            acc[k] = mean ? acc[k] + run[k] : ((run[k] > acc[k] || run[k] != run[k]) ? run[k] : acc[k]);    \
+        }                                                                                                   \
+        for (int64_t k = 0; k < cb; ++k) {                                                                  \
+          if (segs == 1) STORE(y, b * c + c0 + k, (float)(mean ? acc[k] / (double)hw : acc[k]));            \
+          else part[(b * segs + s) * c + c0 + k] = acc[k];                                                  \
+        }                                                                                                   \
+      }                                                                                                     \
+    });                                                                                                     \
+    for (int64_t b = 0; b < n && segs > 1; ++b)                                                             \
+      for (int64_t ch = 0; ch < c; ++ch) {                                                                  \
+        double r = part[b * segs * c + ch];                                                                 \
+        for (int64_t s = 1; s < segs; ++s) {                                                                \
+          const double v = part[(b * segs + s) * c + ch];                                                   \
+          r = mean ? r + v : ((v > r || v != v) ? v : r);   /* a NaN, once in r, stays */                   \
+        }                                                                                                   \
+        STORE(y, b * c + ch, (float)(mean ? r / (double)hw : r));                                           \
+      }                                                                                                     \
   }
+
+/* Channel-planar: one row of hw pixels per image and channel. */
+#define GLOBAL_POOL_NCHW(NAME, TIN, TOUT, LOAD, STORE)                                                       \
+  static void NAME(const TIN* restrict x, TOUT* restrict y, int64_t rows, int64_t hw, int mean) {           \
+    MAYBE_PARALLEL(threads_pay(rows, rows * hw), {                                                          \
+      _Pragma("omp for schedule(static)")                                                                   \
+      for (int64_t r = 0; r < rows; ++r) {                                                                  \
+        const TIN* restrict src = x + r * hw;                                                               \
+        double sum = 0.0;                                                                                   \
+        float top = -INFINITY;                                                                              \
+        if (mean) {                                                                                         \
+          _Pragma("omp simd reduction(+:sum)")                                                              \
+          for (int64_t p = 0; p < hw; ++p) sum += LOAD(src, p);                                             \
+        } else {                                                                                            \
+          for (int64_t p = 0; p < hw; ++p) {                                                                \
+            const float v = LOAD(src, p);                                                                   \
+            top = (v > top || v != v) ? v : top;                                                            \
+          }                                                                                                 \
+        }                                                                                                   \
+        STORE(y, r, mean ? (float)(sum / (double)hw) : top);                                                \
+      }                                                                                                     \
+    });                                                                                                     \
+  }
+
+GLOBAL_POOL_NHWC(gp_nhwc_ff, float, float, gp_load_f32, gp_store_f32)
+GLOBAL_POOL_NHWC(gp_nhwc_bf, uint16_t, float, gp_load_bf16, gp_store_f32)
+GLOBAL_POOL_NHWC(gp_nhwc_fb, float, uint16_t, gp_load_f32, gp_store_bf16)
+GLOBAL_POOL_NHWC(gp_nhwc_bb, uint16_t, uint16_t, gp_load_bf16, gp_store_bf16)
+GLOBAL_POOL_NCHW(gp_nchw_ff, float, float, gp_load_f32, gp_store_f32)
+GLOBAL_POOL_NCHW(gp_nchw_bf, uint16_t, float, gp_load_bf16, gp_store_f32)
+GLOBAL_POOL_NCHW(gp_nchw_fb, float, uint16_t, gp_load_f32, gp_store_bf16)
+GLOBAL_POOL_NCHW(gp_nchw_bb, uint16_t, uint16_t, gp_load_bf16, gp_store_bf16)
+
+/* GlobalAveragePool (`mean`) or GlobalMaxPool over the hw pixels of n images of c channels, channel-major or
+   (`planar`) channel-planar input; y[b][ch]. A window holding NaN gives NaN; means accumulate in double. */
+void kiln_global_pool(const void* restrict x, void* restrict y, int64_t n, int64_t hw, int64_t c, int64_t mean,
+                      int64_t io, int64_t planar) {
+  const int m = (int)mean;
+  if (n * c == 0) return;
+  if (planar) {
+    switch (io & 3) {
+      case 0: gp_nchw_ff(x, y, n * c, hw, m); break;
+      case GP_SRC_BF16: gp_nchw_bf(x, y, n * c, hw, m); break;
+      case GP_DST_BF16: gp_nchw_fb(x, y, n * c, hw, m); break;
+      default: gp_nchw_bb(x, y, n * c, hw, m); break;
+    }
+    return;
+  }
+  /* pixel segments: enough units for every thread to get two where images x channel blocks give fewer */
+  const int64_t blocks = (c + CB - 1) / CB, want = 2 * (int64_t)omp_get_max_threads();
+  int64_t segs = n * blocks >= want ? 1 : (want + n * blocks - 1) / (n * blocks);
+  segs = segs < hw ? segs : (hw > 0 ? hw : 1);
+  double* part = segs > 1 ? malloc((size_t)(n * segs * c) * sizeof *part) : NULL;
+  if (!part) segs = 1;   /* one segment writes y directly */
+  switch (io & 3) {
+    case 0: gp_nhwc_ff(x, y, n, hw, c, m, segs, part); break;
+    case GP_SRC_BF16: gp_nhwc_bf(x, y, n, hw, c, m, segs, part); break;
+    case GP_DST_BF16: gp_nhwc_fb(x, y, n, hw, c, m, segs, part); break;
+    default: gp_nhwc_bb(x, y, n, hw, c, m, segs, part); break;
+  }
+  free(part);
 }
