@@ -5,6 +5,7 @@ Without a C compiler the source is unavailable, and engines built elsewhere run 
 reference kernels (kiln.runtime.prepare)."""
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 
@@ -25,15 +26,62 @@ CHANNEL_MAJOR_AXES = (0, 2, 3, 1)   # NCHW axes in the order a channel-major (NH
 
 
 def one_op_program(layer: LayerView) -> LayerView | None:
-    """A PointWise layer as is; a single elementwise layer (Add, Sigmoid, ...: an op the generator writes) as the
-    one-step PointWise program PointWiseFusion would give it (kiln.passes.pointwise.as_program); else None."""
+    """A PointWise layer as is; a single elementwise layer (Add, Sigmoid, ...: an op the generator writes, or an
+    inference BatchNormalization) as the one-step PointWise program PointWiseFusion would give it
+    (kiln.passes.pointwise.as_program); else None."""
     if layer.op_type == "PointWise" and layer.domain == "kiln":
         return layer
-    if layer.domain not in ("", "ai.onnx") or layer.op_type not in SINGLE_OPS or None in layer.input_shapes:
+    if layer.domain not in ("", "ai.onnx") or layer.op_type not in (*SINGLE_OPS, "BatchNormalization") or \
+            None in layer.input_shapes:
         return None
     attrs = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in layer.attrs.items()}
     step = {"op": layer.op_type, "attrs": attrs, "args": [f"x{i}" for i in range(len(layer.input_shapes))]}
     return dataclasses.replace(layer, op_type="PointWise", domain="kiln", attrs={"program": [step]})
+
+
+def program_view(layer: LayerView) -> LayerView | None:
+    """The layer as the generator compiles it: a PointWise program (`one_op_program`) with each BatchNormalization
+    step folded into a per-channel scale and shift (`fold_batchnorm`); None where it has no such form."""
+    program = one_op_program(layer)
+    return None if program is None else fold_batchnorm(program)
+
+
+def fold_batchnorm(layer: LayerView) -> LayerView | None:
+    """Each inference BatchNormalization step of the program as kiln's ScaleShift step, x * scale + shift, with
+    scale = gamma / sqrt(var + eps) and shift = beta - mean * scale computed once in double. Its four parameters,
+    constants of one value per channel, become [C, 1, ...] tensors that broadcast along axis 1 (scale and shift in
+    gamma's and beta's places, mean and var unused scalars). None where a step's parameters are not such constants,
+    or another step reads them."""
+    steps = layer.attrs.get("program", [])
+    if not any(step.get("op") == "BatchNormalization" for step in steps):
+        return layer
+    uses = collections.Counter(a for step in steps for a in step.get("args", []) if isinstance(a, str))
+    params: dict[int, tuple[int, ...]] = {}   # step index -> gamma, beta, mean, var input indices
+    for k, step in enumerate(steps):
+        if step.get("op") != "BatchNormalization":
+            continue
+        args = step.get("args", [])
+        at = [int(a[1:]) if isinstance(a, str) and a[:1] == "x" and a[1:].isdigit() else -1 for a in args[1:]]
+        if len(args) != 5 or step.get("attrs", {}).get("training_mode", 0) or len(set(at)) != 4 or \
+                any(i not in layer.const_inputs or layer.const_inputs[i].dim() != 1 or uses[f"x{i}"] != 1
+                    for i in at):
+            return None
+        params[k] = tuple(at)
+    folded = {i for at in params.values() for i in at}
+    rank = max((len(s) for i, s in enumerate(layer.input_shapes) if i not in folded), default=0)
+    if rank < 2:
+        return None
+    shapes, consts, program = list(layer.input_shapes), dict(layer.const_inputs), list(steps)
+    for k, (g, b, m, v) in params.items():
+        gamma, beta, mean, var = (layer.const_inputs[i].double() for i in (g, b, m, v))
+        scale = gamma / torch.sqrt(var + float(steps[k].get("attrs", {}).get("epsilon", 1e-5)))
+        per_channel = (len(gamma),) + (1,) * (rank - 2)
+        consts[g], consts[b] = scale.float().reshape(per_channel), (beta - mean * scale).float().reshape(per_channel)
+        consts[m] = consts[v] = torch.zeros(())
+        shapes[g] = shapes[b] = per_channel
+        shapes[m] = shapes[v] = ()
+        program[k] = {"op": "ScaleShift", "attrs": {}, "args": [steps[k]["args"][0], f"x{g}", f"x{b}"]}
+    return dataclasses.replace(layer, input_shapes=tuple(shapes), const_inputs=consts, attrs={"program": program})
 
 
 def _scalar_inputs(layer: LayerView) -> dict[int, float]:
@@ -89,7 +137,7 @@ class CodegenPointWiseTactic:
     stored_types = ("float32",)   # the types its inputs and output may be stored in
 
     def supports(self, layer: LayerView) -> bool:
-        layer = one_op_program(layer)
+        layer = program_view(layer)
         if layer is None or not layer.input_shapes:
             return False
         if len(layer.input_shapes) > MAX_INPUTS or any(s is None for s in layer.input_shapes):
@@ -105,17 +153,18 @@ class CodegenPointWiseTactic:
         return expressible(layer.attrs.get("program", []), len(layer.input_shapes)) and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
-        return [ANY if _layout_free(layer) else LINEAR] * len(layer.input_shapes)
+        return [ANY if _layout_free(program_view(layer)) else LINEAR] * len(layer.input_shapes)
 
     def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
         """The reference input's layout (`input_formats` lists the inputs read per call, constants left out)."""
+        layer = program_view(layer)
         ref = _reference_input(layer)
         if ref is None or not _layout_free(layer):
             return LINEAR
         return input_formats[sum(1 for i in range(ref) if i not in layer.const_inputs)]
 
     def prepare(self, layer: LayerView) -> Kernel:
-        layer = one_op_program(layer)
+        layer = program_view(layer)
         out_shape = tuple(np.broadcast_shapes(*layer.input_shapes))
         scalars = _scalar_inputs(layer)
         flat = _is_flat(layer)

@@ -125,6 +125,8 @@ def step_expression(step: dict, args: list[str], consts: list[float | None]) -> 
         return expr
     if op == "Mean" and args:
         return "((" + " + ".join(args) + f") / {_f(len(args))})"
+    if op == "ScaleShift" and len(args) == 3:   # kiln's folded BatchNormalization (kiln.tactics.codegen)
+        return f"({args[0]} * {args[1]} + {args[2]})"
     raise ValueError(f"op {op} has no C expression")
 
 
@@ -134,7 +136,7 @@ def supported_step(step: dict) -> bool:
         return attrs.get("to") == FLOAT
     if op == "Gelu":
         return attrs.get("approximate", "none") in ("none", "tanh")
-    return op in UNARY or op in BINARY or op in VARIADIC or op in ("Clip", "Pow", "Mean")
+    return op in UNARY or op in BINARY or op in VARIADIC or op in ("Clip", "Pow", "Mean", "ScaleShift")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                                 MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(),
                                                 OneDnnFp16LinearTactic()],
-                                     "PointWise": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
+                                     **{op: [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()]
+                                        for op in ("PointWise", "BatchNormalization")},
                                      **{op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
                                      "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic()],
                                      "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],

@@ -103,6 +103,7 @@ def test_detailed_layer_info_describes_every_node_case() -> None:
         except kiln.Error:   # needs build-time values (shapes, axes) from its inputs: the backend freezes those
             continue
         layers = engine.layer_info("detailed")["Layers"]
-        assert all("ParameterType" in layer and "Name" in layer for layer in layers), name
+        assert all("Name" in layer and ("ParameterType" in layer or layer["LayerType"] == "NoOp") for layer in layers), \
+            name   # TensorRT's NoOp layers (a Reformat that copies nothing) carry none either
         built += 1
     assert built >= 300, built

@@ -9,14 +9,14 @@ from tests.conftest import init, make_model, rand
 
 
 def conv_net(relu2: bool = True, pool: str = "GlobalAveragePool") -> onnx.ModelProto:
-    """conv1+relu -> conv2(+relu) -> global pool -> flatten -> MatMul -> Gemm(transB). `pool="AveragePool"`: the
-    pool as an AveragePool over the whole map (node "avgpool": no BF16 kernel)."""
+    """conv1+relu -> conv2(+relu) -> global pool -> flatten -> MatMul -> Gemm(transB). `pool="ReduceL2"`: the pool
+    as the L2 norm over the map (node "l2pool": no BF16 kernel)."""
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
              helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
              helper.make_node("Relu" if relu2 else "Identity", ["c2"], ["r2"], name="relu2"),
              helper.make_node("GlobalAveragePool", ["r2"], ["g"], name="gap") if pool == "GlobalAveragePool" else
-             helper.make_node("AveragePool", ["r2"], ["g"], name="avgpool", kernel_shape=[16, 16]),
+             helper.make_node("ReduceL2", ["r2"], ["g"], name="l2pool", axes=[2, 3]),
              helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
              helper.make_node("MatMul", ["f", "fc_w"], ["m"], name="fc"),
              helper.make_node("Gemm", ["m", "g_w", "g_b"], ["y"], name="head", transB=1)]

@@ -293,3 +293,49 @@ def test_bf16_squeeze_excite_scale_keeps_channel_major_bf16():
     assert got.dtype == torch.bfloat16 and got.is_contiguous(memory_format=torch.channels_last)
     want = x.double() * torch.sigmoid(s.double())
     torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=2 ** -8)
+
+
+def batchnorm_view(program, x_shape, c):
+    g = torch.Generator().manual_seed(53)
+    params = {1: torch.rand(c, generator=g) + 0.5, 2: torch.randn(c, generator=g), 3: torch.randn(c, generator=g),
+              4: torch.rand(c, generator=g) + 0.1}
+    return view(program, [x_shape] + [(c,)] * 4, params), params
+
+
+BATCHNORM = {"op": "BatchNormalization", "attrs": {"epsilon": 1e-3}, "args": ["x0", "x1", "x2", "x3", "x4"]}
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_a_batchnorm_step_runs_as_a_per_channel_scale_and_shift(layout):
+    """Pre-activation BatchNormalization + ReLU (DenseNet, pre-act ResNets: nothing to fold into): its [C]
+    parameters become [C,1,1] scale and shift, so the program broadcasts, in either layout."""
+    v, p = batchnorm_view([BATCHNORM, {"op": "Relu", "attrs": {}, "args": ["t0"]}], (2, 40, 9, 13), 40)
+    assert TACTIC.supports(v) and TACTIC.input_formats(v) == ["any"] * 5
+    x = torch.randn(2, 40, 9, 13, generator=torch.Generator().manual_seed(54)).contiguous(memory_format=layout)
+    got = TACTIC.prepare(v)([x, None, None, None, None])[0]
+    xd, (gamma, beta, mean, var) = x.double(), (p[i].double() for i in range(1, 5))
+    want = torch.relu(torch.nn.functional.batch_norm(xd, mean, var, gamma, beta, eps=1e-3))
+    assert got.is_contiguous(memory_format=layout)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lone_batchnorm_layer_is_a_one_step_program():
+    v, p = batchnorm_view([], (1, 24, 5, 5), 24)
+    lone = LayerView("BatchNormalization", "", {"epsilon": 1e-5}, v.input_shapes, v.input_dtypes, p, ("float32",), 17,
+                     v.input_dynamic)
+    assert TACTIC.supports(lone)
+    x = torch.randn(1, 24, 5, 5)
+    want = torch.nn.functional.batch_norm(x.double(), p[3].double(), p[4].double(), p[1].double(), p[2].double(),
+                                          eps=1e-5)
+    torch.testing.assert_close(TACTIC.prepare(lone)([x] + [None] * 4)[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batchnorm_whose_parameters_are_not_per_channel_constants_is_declined():
+    v, _ = batchnorm_view([BATCHNORM], (1, 8, 4, 4), 8)
+    runtime_mean = LayerView(v.op_type, v.domain, v.attrs, v.input_shapes, v.input_dtypes,
+                             {i: t for i, t in v.const_inputs.items() if i != 3}, v.output_dtypes, 17, v.input_dynamic)
+    assert TACTIC.supports(v) and not TACTIC.supports(runtime_mean)
+    reused = [BATCHNORM, {"op": "Add", "attrs": {}, "args": ["t0", "x1"]}]   # gamma read again: cannot fold
+    assert not TACTIC.supports(batchnorm_view(reused, (1, 8, 4, 4), 8)[0])
+    training = [{**BATCHNORM, "attrs": {"training_mode": 1}}]
+    assert not TACTIC.supports(batchnorm_view(training, (1, 8, 4, 4), 8)[0])

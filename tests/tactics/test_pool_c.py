@@ -49,6 +49,52 @@ def test_maxpool_equals_onnxruntime(shape, attrs):
     np.testing.assert_array_equal(got.numpy(), want)   # a maximum is exact
 
 
+AVGPOOL_CASES = [  # input shape, attrs (opset 19: dilations)
+    ((1, 32, 20, 20), dict(kernel_shape=[2, 2], strides=[2, 2])),                            # DenseNet's transition
+    ((1, 70, 9, 9), dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),           # Inception's branch
+    ((1, 70, 9, 9), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)),
+    ((2, 10, 9, 7), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1], ceil_mode=1)),
+    ((2, 10, 9, 7), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1], ceil_mode=1, count_include_pad=1)),
+    ((1, 3, 11, 12), dict(kernel_shape=[3, 2], strides=[1, 2], dilations=[2, 1], pads=[2, 0, 1, 1])),
+]
+
+
+@pytest.mark.parametrize("shape,attrs", AVGPOOL_CASES, ids=range(len(AVGPOOL_CASES)))
+def test_average_pool_equals_onnxruntime(shape, attrs):
+    """Padding counted or not, the ceil-mode overhang never; either input layout (a planar one is transposed)."""
+    layer = view("AveragePool", shape, **attrs)
+    assert NhwcPoolTactic().supports(layer) and NhwcPoolTactic().input_formats(layer) == ["hwc"]
+    x = channels_last(shape, seed=6)
+    node = helper.make_node("AveragePool", ["x"], ["y"], **attrs)
+    model = make_model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=19)
+    want = run_ort(model, {"x": x.contiguous().numpy()})[0]
+    kernel = NhwcPoolTactic().prepare(layer)
+    for given in (x, x.contiguous()):
+        got = kernel([given])[0]
+        assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not (codegen.available() and hardware.has_any(hardware.BF16_ISA)),
+                    reason="no C compiler, or no native BF16 (BF16 tactics are offered only there)")
+@pytest.mark.parametrize("x_dtype,y_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                             ("bfloat16", "float32")])
+def test_bf16_average_pool_sums_in_fp32_and_rounds_once(x_dtype, y_dtype):
+    shape, attrs = AVGPOOL_CASES[4]
+    x = channels_last(shape, seed=7).to(getattr(torch, x_dtype))
+    layer = LayerView("AveragePool", "", attrs, (shape,), (x_dtype,), {}, (y_dtype,), 19, ((),))
+    assert NhwcPoolBf16Tactic().supports(layer)
+    got = NhwcPoolBf16Tactic().prepare(layer)([x])[0]
+    node = helper.make_node("AveragePool", ["x"], ["y"], **attrs)
+    model = make_model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=19)
+    want = torch.from_numpy(run_ort(model, {"x": x.float().contiguous().numpy()})[0])
+    assert got.dtype == getattr(torch, y_dtype) and got.is_contiguous(memory_format=torch.channels_last)
+    tol = 2 ** -8 if y_dtype == "bfloat16" else 1e-6   # a bf16 output: the FP32 average rounded once
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype,onnx_type", [("uint8", TensorProto.UINT8), ("int8", TensorProto.INT8)])
 @pytest.mark.parametrize("shape,attrs", [MAXPOOL_CASES[0], MAXPOOL_CASES[3]], ids=["stem", "dilated"])
 def test_int8_maxpool_equals_onnxruntime(shape, attrs, dtype, onnx_type):
@@ -115,8 +161,8 @@ def test_nan_propagates_like_torch(op, attrs):
 @pytest.mark.parametrize("op,attrs", [("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
                                       ("GlobalAveragePool", {})])
 def test_channel_planar_input_keeps_its_layout(op, attrs):
-    """The tactic takes the producer's layout (no Reformat layers): NCHW in, NCHW out, same values (MaxPool on
-    torch's kernel, the global pools on their row loop)."""
+    """The tactic takes the producer's layout (no Reformat layers): NCHW in, NCHW out, same values (MaxPool between
+    two transposes, the global pools on their row loop)."""
     layer = view(op, (1, 8, 10, 10), **attrs)
     assert NhwcPoolTactic().input_formats(layer) == ["any"]
     assert NhwcPoolTactic().output_format(layer, ["linear"]) == "linear"
@@ -134,7 +180,7 @@ def test_channel_planar_input_keeps_its_layout(op, attrs):
     view("MaxPool", (1, 4, 8, 8), dynamic=(2,), kernel_shape=[2, 2]),                # dynamic height
     view("MaxPool", (1, 4, 8, 8), auto_pad="SAME_UPPER", kernel_shape=[2, 2]),
     view("GlobalAveragePool", (1, 4, 8, 8), dtype="float16"),
-    view("AveragePool", (1, 4, 8, 8), kernel_shape=[2, 2]),
+    view("AveragePool", (1, 4, 8), kernel_shape=[2]),                               # 1-D
     view("GlobalAveragePool", (1, 4, 8, 8), outputs=("uint8",), dtype="uint8"),     # INT8 global pools: not here
     view("ReduceMean", (1, 4, 8, 8), axes=[1, 2, 3]),                                # not the spatial axes only
     view("ReduceMean", (1, 4, 8, 8), axes=[3]),

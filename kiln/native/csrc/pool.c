@@ -1,5 +1,5 @@
-/* Pooling on channel-major (NHWC) activations (kiln.tactics.pool_c): 2-D MaxPool (any kernel, stride,
-   dilation, padding) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output rows.
+/* Pooling on channel-major (NHWC) activations (kiln.tactics.pool_c): 2-D MaxPool and AveragePool (any kernel,
+   stride, dilation, padding) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output rows.
    MaxPool also on u8/s8 and bf16 tensors; the global pools read and write FP32 or bf16, in either layout. NaN
    propagates as in torch (a window holding NaN gives NaN); averages add FP32 sums of 32 pixels in double. */
 #include <stdint.h>
@@ -52,6 +52,75 @@ void kiln_maxpool_s8(const int8_t* restrict x, int8_t* restrict y, MAXPOOL_ARGS)
 /* bf16 tensors (between BF16 layers): the maximum of bf16 values is one of them, so the result is exact */
 void kiln_maxpool_bf16(const uint16_t* restrict x, uint16_t* restrict y, MAXPOOL_ARGS) {
   MAXPOOL_BODY(uint16_t, 0xFF80u, BF16_MAX)   /* 0xFF80: -inf */
+}
+
+/* One output pixel's channels [c0, c0 + cb): the window's sum over the taps inside the image, times 1 / the count
+   of taps that count (inside the padded image with `include_pad`, inside the image without). Inlined per storage
+   combination so the conversions vectorize. */
+static inline __attribute__((always_inline)) void avg_window(
+    const void* restrict x, void* restrict y, int64_t at_out, int64_t b, int64_t oy, int64_t ox, int64_t c0,
+    int64_t cb, const int64_t* g, const int src_bf16, const int dst_bf16) {
+  const int64_t h = g[0], w = g[1], c = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], dh = g[7], dw = g[8];
+  const int64_t pt = g[9], pl = g[10], pb = g[11], pr = g[12], include_pad = g[13];
+  float acc[CB];
+  int64_t count = 0;
+  for (int64_t k = 0; k < cb; ++k) acc[k] = 0.0f;
+  for (int64_t i = 0; i < kh; ++i) {
+    const int64_t yy = oy * sh - pt + i * dh;
+    if (yy >= h + pb) break;   /* the ceil-mode overhang past the padding never counts */
+    for (int64_t j = 0; j < kw; ++j) {
+      const int64_t xx = ox * sw - pl + j * dw;
+      if (xx >= w + pr) break;
+      const int inside = yy >= 0 && yy < h && xx >= 0 && xx < w;
+      count += inside || include_pad;
+      if (!inside) continue;
+      const int64_t at = ((b * h + yy) * w + xx) * c + c0;
+      if (src_bf16) {
+        const uint16_t* restrict src = (const uint16_t*)x + at;
+        _Pragma("omp simd")
+        for (int64_t k = 0; k < cb; ++k) acc[k] += bf16_widen(src[k]);
+      } else {
+        const float* restrict src = (const float*)x + at;
+        _Pragma("omp simd")
+        for (int64_t k = 0; k < cb; ++k) acc[k] += src[k];
+      }
+    }
+  }
+  const float scale = count ? 1.0f / (float)count : NAN;   /* no tap counts: 0/0, as the reference gives */
+  if (dst_bf16) {
+    uint16_t* restrict out = (uint16_t*)y + at_out;
+    _Pragma("omp simd")
+    for (int64_t k = 0; k < cb; ++k) out[k] = bf16_narrow(acc[k] * scale);
+  } else {
+    float* restrict out = (float*)y + at_out;
+    _Pragma("omp simd")
+    for (int64_t k = 0; k < cb; ++k) out[k] = acc[k] * scale;
+  }
+}
+
+#define AVGPOOL_LOOP(SRC_BF16, DST_BF16)                                                                     \
+  MAYBE_PARALLEL(threads_pay(n * oh, n * oh * ow * c * geometry[3] * geometry[4]), {                        \
+    _Pragma("omp for schedule(static)")                                                                     \
+    for (int64_t line = 0; line < n * oh; ++line) {                                                         \
+      const int64_t b = line / oh, oy = line % oh;                                                          \
+      for (int64_t ox = 0; ox < ow; ++ox)                                                                   \
+        for (int64_t c0 = 0; c0 < c; c0 += CB)                                                              \
+          avg_window(x, y, (line * ow + ox) * c + c0, b, oy, ox, c0, c - c0 < CB ? c - c0 : CB, geometry,   \
+                     SRC_BF16, DST_BF16);                                                                   \
+    }                                                                                                       \
+  })
+
+/* 2-D AveragePool on channel-major tensors, FP32 or bf16 either side (`io`: 1 the input, 2 the output bf16);
+   `geometry`: h, w, c, kh, kw, sh, sw, dh, dw, pt, pl, pb, pr, count_include_pad. OpenMP over output rows. */
+void kiln_avgpool(const void* restrict x, void* restrict y, int64_t n, int64_t oh, int64_t ow,
+                  const int64_t* restrict geometry, int64_t io) {
+  const int64_t c = geometry[2];
+  switch (io & 3) {
+    case 0: AVGPOOL_LOOP(0, 0); break;
+    case 1: AVGPOOL_LOOP(1, 0); break;
+    case 2: AVGPOOL_LOOP(0, 1); break;
+    default: AVGPOOL_LOOP(1, 1); break;
+  }
 }
 
 /* Global pool `io` bits: the input, the output stored in bf16 (else FP32). */
