@@ -178,7 +178,9 @@ def log_softmax(attrs, xs):
     return [torch.log_softmax(xs[0], dim=attrs.get("axis", -1))]
 
 
-def _reduce_axes(attrs, xs, rank):
+def reduce_axes(attrs, xs, rank):
+    """A Reduce op's axes in [0, rank): the attribute, or the second input (opset 18); none given: every axis, or None
+    under noop_with_empty_axes."""
     axes = xs[1] if len(xs) > 1 and xs[1] is not None else attrs.get("axes")
     if not axes:
         if attrs.get("noop_with_empty_axes", 0):
@@ -190,7 +192,7 @@ def _reduce_axes(attrs, xs, rank):
 def _reduce(op_type: str, fn):
     def impl(attrs, xs):
         x = xs[0]
-        axes = _reduce_axes(attrs, xs, x.dim())
+        axes = reduce_axes(attrs, xs, x.dim())
         if axes is None:
             return [x]
         keep = bool(attrs.get("keepdims", 1))

@@ -49,6 +49,12 @@ def storage_dtype(dtype: str | None) -> torch.dtype:
     return torch.bfloat16 if dtype == "bfloat16" else torch.float32
 
 
+def bf16_io(layer: LayerView) -> int:
+    """The `io` bits kiln's C kernels take for storage types: 1 where the first input is stored bf16, 2 where the
+    output is (else FP32); a kernel's own flags go above them."""
+    return int(layer.input_dtypes[0] == "bfloat16") | 2 * int(layer.output_dtypes[0] == "bfloat16")
+
+
 class Bf16Storage:
     """Mixin for a tactic granted BF16 that computes in FP32 (or only moves data) and reads and writes tensors as a
     BF16 plan stores them, widening bf16 as it loads and rounding its output as it stores. Like every BF16 tactic it

@@ -14,7 +14,8 @@ import torch
 
 from kiln import native
 from kiln.errors import EngineFormatError
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
+from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
+    storage_dtype
 from kiln.tactics.pointwise_c import BINARY, UNARY, VARIADIC, expressible, generate, loop_nest
 
 available = native.available   # "codegen" is an available tactic source where kiln.native has a C compiler
@@ -22,7 +23,6 @@ CODEGEN_TACTIC = "codegen.pointwise_c_simd"
 POINTWISE_LIBRARY = "pointwise"   # kiln.native's name for generated pointwise programs
 MAX_INPUTS = 32
 SINGLE_OPS = tuple(sorted(set(UNARY) | set(BINARY) | set(VARIADIC)))   # elementwise ops with no host inputs
-CHANNEL_MAJOR_AXES = (0, 2, 3, 1)   # NCHW axes in the order a channel-major (NHWC) tensor stores them
 
 
 def one_op_program(layer: LayerView) -> LayerView | None:
@@ -102,7 +102,7 @@ def _padded(shape: tuple[int, ...], rank: int = 4) -> tuple[int, ...]:
 
 def _channel_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A shape broadcast to NCHW, in NHWC order (the order a channel-major tensor holds its elements in)."""
-    return tuple(_padded(shape)[k] for k in CHANNEL_MAJOR_AXES)
+    return tuple(_padded(shape)[k] for k in MEMORY_ORDER[HWC])
 
 
 def _reference_input(layer: LayerView) -> int | None:
@@ -172,7 +172,7 @@ class CodegenPointWiseTactic:
         planar = _compiled(layer, [out_shape if flat else s for s in layer.input_shapes], scalars, consts)
         channel_major = planar   # a flat loop reads either layout
         if not flat and _broadcasts_channel_major(layer):
-            permuted = {i: t.reshape(_padded(layer.input_shapes[i])).permute(*CHANNEL_MAJOR_AXES).contiguous()
+            permuted = {i: t.reshape(_padded(layer.input_shapes[i])).permute(*MEMORY_ORDER[HWC]).contiguous()
                         for i, t in consts.items()}
             channel_major = _compiled(layer, [_channel_major(s) for s in layer.input_shapes], scalars, permuted)
         read = [i for i in range(len(layer.input_shapes)) if i not in scalars and i not in consts]

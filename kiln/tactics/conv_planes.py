@@ -13,12 +13,11 @@ import ctypes
 import torch
 
 from kiln import native
-from kiln.tactics.base import LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, \
+from kiln.tactics.base import LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, bf16_io, \
     storage_dtype
 
 PLANES_TACTIC = "kiln.conv2d_1x1_planes"
 MAX_OUT_CHANNELS = 32   # each output channel reads the input planes again (from cache): beyond, the GEMMs win
-X_BF16, Y_BF16 = 1, 2   # conv_planes.c's `io` bits
 
 
 class PlaneCall(ctypes.Structure):
@@ -68,7 +67,7 @@ class Conv1x1PlanesTactic:
         bias = None if bias is None else bias.reshape(-1).float().contiguous()
         cout = weight.shape[0]
         in_dtype, out_dtype = storage_dtype(layer.input_dtypes[0]), storage_dtype(layer.output_dtypes[0])
-        io = (X_BF16 if in_dtype == torch.bfloat16 else 0) | (Y_BF16 if out_dtype == torch.bfloat16 else 0)
+        io = bf16_io(layer)
         call = PlaneCall(cin, cout, h * w, int(bool(layer.attrs.get("activation"))), io)
         call_ptr, w_ptr, b_ptr = ctypes.addressof(call), weight.data_ptr(), None if bias is None else bias.data_ptr()
         tail, strides = (cin, h, w), (cout * h * w, h * w, w, 1)   # torch.empty_strided: ~0.6 µs less a call

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from kiln import hardware, native
-from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView
+from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, bf16_io, storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
-LN_X_BF16, LN_Y_BF16, LN_SKIP_BF16 = 1, 2, 4   # layernorm.c's `io` bits
+LN_SKIP_BF16 = 4   # layernorm.c's `io` bit above the storage bits (kiln.tactics.base.bf16_io): the skip in bf16
 
 
 def _geometry(layer: LayerView) -> tuple[int, int] | None:
@@ -100,10 +100,8 @@ class LayerNormBf16Tactic(LayerNormTactic):
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("layernorm")
         n, first, gamma, beta, eps = _params(layer)
-        bf16 = "bfloat16"
-        io = (LN_X_BF16 if layer.input_dtypes[0] == bf16 else 0) | (LN_Y_BF16 if layer.output_dtypes[0] == bf16 else 0) \
-            | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == bf16 else 0)
-        out_dtype = torch.bfloat16 if io & LN_Y_BF16 else torch.float32
+        io = bf16_io(layer) | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == "bfloat16" else 0)
+        out_dtype = storage_dtype(layer.output_dtypes[0])
 
         def run(xs):
             x = xs[0].contiguous()

@@ -19,9 +19,9 @@ import dataclasses
 import torch
 
 from kiln import native
-from kiln.ops.nn import pool_output_size
+from kiln.ops.nn import pool_output_size, reduce_axes
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, \
-    storage_dtype
+    bf16_io, storage_dtype
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
 MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
@@ -30,15 +30,6 @@ MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_max
 GLOBAL_MEAN = {"GlobalAveragePool": 1, "GlobalMaxPool": 0, "ReduceMean": 1, "ReduceMax": 0}   # op -> averages?
 WINDOW_POOLS = ("MaxPool", "AveragePool")
 POOL_OPS = (*WINDOW_POOLS, *GLOBAL_MEAN)
-SRC_BF16, DST_BF16 = 1, 2   # kiln_global_pool's io bits
-
-
-def reduced_axes(layer: LayerView) -> list[int] | None:
-    """A Reduce layer's axes (the attribute, or opset 18's constant input), None where they are not known."""
-    if len(layer.input_shapes) > 1:
-        axes = layer.const_inputs.get(1)
-        return None if axes is None else [int(a) for a in axes.reshape(-1).tolist()]
-    return layer.attrs.get("axes")
 
 
 def global_pool(layer: LayerView) -> bool:
@@ -46,8 +37,11 @@ def global_pool(layer: LayerView) -> bool:
     dynamo exporter writes adaptive_avg_pool2d(x, 1), and Keras models write global pooling)."""
     if layer.op_type.startswith("Global"):
         return True
-    axes = reduced_axes(layer)
-    return bool(axes) and sorted(a % 4 for a in axes) == [2, 3]
+    axes = layer.const_inputs.get(1)   # opset 18's axes input: known at build time only as a constant
+    if len(layer.input_shapes) > 1 and axes is None:
+        return False
+    axes = reduce_axes(layer.attrs, [None, None if axes is None else axes.reshape(-1).tolist()], 4)
+    return axes is not None and sorted(axes) == [2, 3]
 
 
 class NhwcPoolTactic:
@@ -102,7 +96,7 @@ class NhwcPoolTactic:
         oh, ow = pool_output_size(h, kh, sh, dh, pt, pb, ceil), pool_output_size(w, kw, sw, dw, pl, pr, ceil)
         geometry = torch.tensor([h, w, c, kh, kw, sh, sw, dh, dw, pt, pl, pb, pr, int(a.get("count_include_pad", 0))],
                                 dtype=torch.int64)
-        io = SRC_BF16 * (layer.input_dtypes[0] == "bfloat16") + DST_BF16 * (layer.output_dtypes[0] == "bfloat16")
+        io = bf16_io(layer)
         dtype = storage_dtype(layer.output_dtypes[0])
         last = torch.channels_last
 
@@ -120,7 +114,7 @@ class NhwcPoolTactic:
         _, c, h, w = layer.input_shapes[0]   # the batch: per call
         mean = GLOBAL_MEAN[layer.op_type]
         keep = layer.op_type.startswith("Global") or bool(layer.attrs.get("keepdims", 1))
-        io = SRC_BF16 * (layer.input_dtypes[0] == "bfloat16") + DST_BF16 * (layer.output_dtypes[0] == "bfloat16")
+        io = bf16_io(layer)
         dtype = storage_dtype(layer.output_dtypes[0])
         last = torch.channels_last
 

@@ -16,12 +16,12 @@ import math
 import torch
 
 from kiln import native
-from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
+from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, bf16_io, \
     storage_dtype
 
 SOFTMAX_TACTIC = "kiln.softmax"
 SOFTMAX_OPS = ("Softmax", "LogSoftmax")
-X_BF16, Y_BF16, LOG = 1, 2, 4   # softmax.c's `io` bits
+LOG = 4   # softmax.c's `io` bit above the storage bits (kiln.tactics.base.bf16_io)
 
 
 def reduced_axes(layer: LayerView) -> tuple[int, ...]:
@@ -69,8 +69,7 @@ class SoftmaxTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         entry = native.library("softmax").kiln_softmax
         in_dtype, out_dtype = storage_dtype(layer.input_dtypes[0]), storage_dtype(layer.output_dtypes[0])
-        io = (X_BF16 if in_dtype == torch.bfloat16 else 0) | (Y_BF16 if out_dtype == torch.bfloat16 else 0) \
-            | (LOG if layer.op_type == "LogSoftmax" else 0)
+        io = bf16_io(layer) | (LOG if layer.op_type == "LogSoftmax" else 0)
         axes = reduced_axes(layer)
         linear = (min(axes), len(axes))
         channel_major = self._channel_major_run(layer)

@@ -6,6 +6,11 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The `io` bits kiln's C kernels take for storage types (kiln.tactics.base.bf16_io): the first input, the output
+   stored bf16 (else FP32). A kernel's own flags go above them. */
+#define IO_X_BF16 1
+#define IO_Y_BF16 2
+
 static inline float bf16_widen(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float f;

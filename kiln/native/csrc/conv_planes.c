@@ -9,8 +9,6 @@
 #include "parallel.h"
 #include "simd.h"
 
-#define PL_X_BF16 1
-#define PL_Y_BF16 2
 #define OB 8             /* output channels per register block */
 #define PB (2 * VW)      /* pixels per register block */
 #define UNIT_PIXELS 512  /* pixels per work unit */
@@ -51,7 +49,7 @@ static inline void store_one(void* y, int64_t at, float v, int bf16) {
 /* Pixels [p0, p1) of one image: whole PB blocks in registers, the rest one pixel at a time. */
 static void planes(const PlaneCall* c, const void* x, const float* w, const float* bias, void* y, int64_t p0,
                    int64_t p1) {
-  const int xb = c->io & PL_X_BF16, yb = c->io & PL_Y_BF16;
+  const int xb = c->io & IO_X_BF16, yb = c->io & IO_Y_BF16;
   int64_t p = p0;
   for (; p + PB <= p1; p += PB)
     for (int64_t o0 = 0; o0 < c->cout; o0 += OB) {
@@ -84,7 +82,7 @@ static void planes(const PlaneCall* c, const void* x, const float* w, const floa
 void kiln_conv_planes(const PlaneCall* c, const void* x, const float* w, const float* bias, void* y, int64_t batch) {
   if (batch <= 0 || c->hw <= 0) return;
   const int64_t per_image = (c->hw + UNIT_PIXELS - 1) / UNIT_PIXELS, units = batch * per_image;
-  const size_t in_size = c->io & PL_X_BF16 ? 2 : 4, out_size = c->io & PL_Y_BF16 ? 2 : 4;
+  const size_t in_size = c->io & IO_X_BF16 ? 2 : 4, out_size = c->io & IO_Y_BF16 ? 2 : 4;
   MAYBE_PARALLEL(threads_pay(units, batch * c->hw * c->cin * c->cout), {
     _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < units; ++u) {

@@ -47,9 +47,7 @@ void kiln_layernorm(const float* restrict x, const float* restrict skip, const f
   }
 }
 
-/* `io` bits: which tensors are stored in bf16 (kiln.tactics.storage). */
-#define LN_X_BF16 1
-#define LN_Y_BF16 2
+/* `io` bit above bf16.h's IO_X_BF16/IO_Y_BF16: the skip input stored in bf16. */
 #define LN_SKIP_BF16 4
 
 static inline void load_row(const void* base, int64_t at, int64_t n, int bf16, float* restrict dst) {
@@ -70,7 +68,7 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
     float* restrict other = row + n;
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      load_row(x, r * n, n, io & LN_X_BF16, row);
+      load_row(x, r * n, n, io & IO_X_BF16, row);
       if (skip) {
         load_row(skip, r * n, n, io & LN_SKIP_BF16, other);
         #pragma omp simd
@@ -80,7 +78,7 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
       row_stats(row, n, eps, &mean, &inv);
       #pragma omp simd
       for (int64_t k = 0; k < n; ++k) row[k] = (row[k] - mean) * inv * gamma[k] + (beta ? beta[k] : 0.0f);
-      if (io & LN_Y_BF16) {
+      if (io & IO_Y_BF16) {
         uint16_t* restrict out = (uint16_t*)y + r * n;
         #pragma omp simd
         for (int64_t k = 0; k < n; ++k) out[k] = bf16_narrow(row[k]);

@@ -110,22 +110,19 @@ static inline __attribute__((always_inline)) void avg_window(
     }                                                                                                       \
   })
 
-/* 2-D AveragePool on channel-major tensors, FP32 or bf16 either side (`io`: 1 the input, 2 the output bf16);
+/* 2-D AveragePool on channel-major tensors, FP32 or bf16 either side (`io`: bf16.h's bits);
    `geometry`: h, w, c, kh, kw, sh, sw, dh, dw, pt, pl, pb, pr, count_include_pad. OpenMP over output rows. */
 void kiln_avgpool(const void* restrict x, void* restrict y, int64_t n, int64_t oh, int64_t ow,
                   const int64_t* restrict geometry, int64_t io) {
   const int64_t c = geometry[2];
-  switch (io & 3) {
+  switch (io & (IO_X_BF16 | IO_Y_BF16)) {
     case 0: AVGPOOL_LOOP(0, 0); break;
-    case 1: AVGPOOL_LOOP(1, 0); break;
-    case 2: AVGPOOL_LOOP(0, 1); break;
+    case IO_X_BF16: AVGPOOL_LOOP(1, 0); break;
+    case IO_Y_BF16: AVGPOOL_LOOP(0, 1); break;
     default: AVGPOOL_LOOP(1, 1); break;
   }
 }
 
-/* Global pool `io` bits: the input, the output stored in bf16 (else FP32). */
-#define GP_SRC_BF16 1
-#define GP_DST_BF16 2
 
 static inline float gp_load_f32(const float* p, int64_t k) { return p[k]; }
 static inline float gp_load_bf16(const uint16_t* p, int64_t k) { return bf16_widen(p[k]); }
@@ -222,10 +219,10 @@ void kiln_global_pool(const void* restrict x, void* restrict y, int64_t n, int64
   const int m = (int)mean;
   if (n * c == 0) return;
   if (planar) {
-    switch (io & 3) {
+    switch (io & (IO_X_BF16 | IO_Y_BF16)) {
       case 0: gp_nchw_ff(x, y, n * c, hw, m); break;
-      case GP_SRC_BF16: gp_nchw_bf(x, y, n * c, hw, m); break;
-      case GP_DST_BF16: gp_nchw_fb(x, y, n * c, hw, m); break;
+      case IO_X_BF16: gp_nchw_bf(x, y, n * c, hw, m); break;
+      case IO_Y_BF16: gp_nchw_fb(x, y, n * c, hw, m); break;
       default: gp_nchw_bb(x, y, n * c, hw, m); break;
     }
     return;
@@ -236,10 +233,10 @@ void kiln_global_pool(const void* restrict x, void* restrict y, int64_t n, int64
   segs = segs < hw ? segs : (hw > 0 ? hw : 1);
   double* part = segs > 1 ? malloc((size_t)(n * segs * c) * sizeof *part) : NULL;
   if (!part) segs = 1;   /* one segment writes y directly */
-  switch (io & 3) {
+  switch (io & (IO_X_BF16 | IO_Y_BF16)) {
     case 0: gp_nhwc_ff(x, y, n, hw, c, m, segs, part); break;
-    case GP_SRC_BF16: gp_nhwc_bf(x, y, n, hw, c, m, segs, part); break;
-    case GP_DST_BF16: gp_nhwc_fb(x, y, n, hw, c, m, segs, part); break;
+    case IO_X_BF16: gp_nhwc_bf(x, y, n, hw, c, m, segs, part); break;
+    case IO_Y_BF16: gp_nhwc_fb(x, y, n, hw, c, m, segs, part); break;
     default: gp_nhwc_bb(x, y, n, hw, c, m, segs, part); break;
   }
   free(part);

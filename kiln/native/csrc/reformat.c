@@ -21,10 +21,6 @@
 /* ... and an element copied or converted in a row chunk about this many: copies of more than ~16,000 share. */
 #define MACS_PER_COPIED 4
 
-/* Reformat `io` bits: the source, the destination stored in bf16 (else FP32). */
-#define RF_SRC_BF16 1
-#define RF_DST_BF16 2
-
 /* VW elements from `at` as 32-bit lanes: FP32 bits, or bf16 widened to FP32 (exact). */
 static inline vword load_lanes(const void* src, int64_t at, int bf16) {
   if (!bf16) return *(const vword*)((const float*)src + at);
@@ -80,8 +76,8 @@ static void transpose_tile_io(const void* src, int64_t ls, void* dst, int64_t ld
                               int io) {
   switch (io & 3) {
     case 0: transpose_tile(src, ls, dst, ld, rows, cols, 0, 0); break;
-    case RF_SRC_BF16: transpose_tile(src, ls, dst, ld, rows, cols, 1, 0); break;
-    case RF_DST_BF16: transpose_tile(src, ls, dst, ld, rows, cols, 0, 1); break;
+    case IO_X_BF16: transpose_tile(src, ls, dst, ld, rows, cols, 1, 0); break;
+    case IO_Y_BF16: transpose_tile(src, ls, dst, ld, rows, cols, 0, 1); break;
     default: transpose_tile(src, ls, dst, ld, rows, cols, 1, 1);
   }
 }
@@ -90,7 +86,7 @@ static void transpose_tile_io(const void* src, int64_t ls, void* dst, int64_t ld
 static void transpose_images(const void* x, void* y, int64_t n, int64_t rows, int64_t cols, int pixels_are_rows,
                              int io) {
   const int64_t pixels = pixels_are_rows ? rows : cols, blocks = (pixels + TB - 1) / TB;
-  const int64_t in_size = io & RF_SRC_BF16 ? 2 : 4, out_size = io & RF_DST_BF16 ? 2 : 4;
+  const int64_t in_size = io & IO_X_BF16 ? 2 : 4, out_size = io & IO_Y_BF16 ? 2 : 4;
   MAYBE_PARALLEL(threads_pay(n * blocks, n * rows * cols * MACS_PER_ELEMENT), {
     _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < n * blocks; ++t) {

@@ -15,9 +15,7 @@
 #include "parallel.h"
 #include "simd.h"
 
-#define SM_X_BF16 1
-#define SM_Y_BF16 2
-#define SM_LOG 4
+#define SM_LOG 4   /* `io` bit above bf16.h's IO_X_BF16/IO_Y_BF16: LogSoftmax */
 
 /* Work per element, in threads_pay's multiply-adds: three passes, one or two exponentials. */
 #define MACS_PER_ELEMENT 24
@@ -87,7 +85,7 @@ static inline void store(void* base, int64_t at, int64_t count, int bf16, vf v) 
 
 /* One contiguous row of n elements at element `at`. */
 static void softmax_row(const void* x, void* y, int64_t at, int64_t n, int io) {
-  const int xb = io & SM_X_BF16, yb = io & SM_Y_BF16, log = io & SM_LOG;
+  const int xb = io & IO_X_BF16, yb = io & IO_Y_BF16, log = io & SM_LOG;
   vf m = (vf){0} - INFINITY;
   for (int64_t j = 0; j < n; j += VW) m = v_max(m, load(x, at + j, n - j < VW ? n - j : VW, xb, -INFINITY));
   const vf max = (vf){0} + h_max(m);
@@ -116,7 +114,7 @@ static void softmax_row(const void* x, void* y, int64_t at, int64_t n, int io) {
    exponentials are kept for the last pass: in y where it is FP32, else on the stack where n * width <= KEPT (the
    caller narrows bf16 outputs' units to fit), else computed again. */
 static void softmax_columns(const void* x, void* y, int64_t at, int64_t n, int64_t inner, int64_t width, int io) {
-  const int xb = io & SM_X_BF16, yb = io & SM_Y_BF16, log = io & SM_LOG;
+  const int xb = io & IO_X_BF16, yb = io & IO_Y_BF16, log = io & SM_LOG;
   const int64_t vectors = (width + VW - 1) / VW;
   vf max[LANE_BLOCKS], sum[LANE_BLOCKS], kept[yb && !log && n * vectors * VW <= KEPT ? KEPT / VW : 1];
   const int keep = yb && !log && n * vectors * VW <= KEPT;
@@ -155,7 +153,7 @@ static void softmax_columns(const void* x, void* y, int64_t at, int64_t n, int64
 void kiln_softmax(const void* x, void* y, int64_t outer, int64_t n, int64_t inner, int64_t io) {
   if (outer <= 0 || n <= 0 || inner <= 0) return;
   /* VW-lane columns per unit: LANE_BLOCKS, fewer where a bf16 output's exponentials are kept on the stack */
-  const int64_t fit = (io & SM_Y_BF16) && !(io & SM_LOG) ? KEPT / VW / n : LANE_BLOCKS;
+  const int64_t fit = (io & IO_Y_BF16) && !(io & SM_LOG) ? KEPT / VW / n : LANE_BLOCKS;
   const int64_t blocks = fit < 1 ? LANE_BLOCKS : (fit < LANE_BLOCKS ? fit : LANE_BLOCKS);
   const int64_t lane_units = inner == 1 ? 1 : ((inner + VW - 1) / VW + blocks - 1) / blocks;
   const int64_t units = outer * lane_units;
