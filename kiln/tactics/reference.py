@@ -82,7 +82,7 @@ class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
             inner, out = kernel, outs[0]
 
             def kernel(xs):
-                return inner([x if x.dtype == out else x.to(out) for x in xs])
+                return inner([x if x is None or x.dtype == out else x.to(out) for x in xs])   # None: a constant
 
         def run(xs):
             return [y if y.dtype == dtype else y.to(dtype) for y, dtype in zip(kernel(xs), outs)]

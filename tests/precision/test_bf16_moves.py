@@ -91,6 +91,25 @@ def test_a_concat_of_an_fp32_layer_and_bf16_layers_converts_as_it_copies():
     assert cosine(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]) > 0.9999
 
 
+@needs_bf16
+def test_a_concat_of_a_constant_and_a_bf16_layer():
+    """ViT's class token: Concat(constant [1,1,C], bf16 patch tokens) between BF16 MatMuls. The constant reaches
+    the kernel as a weight, not a runtime tensor (this build failed on HF ViT with an AttributeError)."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["tokens"], name="embed"),
+             helper.make_node("Concat", ["cls", "tokens"], ["seq"], name="concat", axis=1),
+             helper.make_node("MatMul", ["seq", "w2"], ["y"], name="head")]
+    inits = [init("w1", rand((24, 32), seed=1) * 0.2), init("w2", rand((32, 16), seed=2) * 0.2),
+             init("cls", rand((1, 1, 32), seed=3))]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 9, 24])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    engine = kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer", accuracy="off")
+    concat = {layer.name: layer for layer in engine.plan.layers}["concat"]
+    assert concat.tactic_name in MOVES and concat.precision == "BF16"
+    x = rand((1, 9, 24), seed=4)
+    got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
+    assert got.shape == (1, 10, 16) and cosine(got, want) > 0.9999
+
+
 def _view(op, in_shapes, in_dtypes, out_dtypes, attrs=None, consts=None):
     return LayerView(op, "", attrs or {}, tuple(in_shapes), tuple(in_dtypes), consts or {}, tuple(out_dtypes), 17,
                      tuple(() for _ in in_shapes))
