@@ -14,7 +14,8 @@ from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, Mat
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
 from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
-from kiln.tactics.onednn_conv import OneDnnBf16ConvTactic, OneDnnConvTactic, OneDnnFp16ConvTactic
+from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTactic, OneDnnConv1dTactic,
+                                     OneDnnConvTactic, OneDnnFp16Conv1dTactic, OneDnnFp16ConvTactic)
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
@@ -33,7 +34,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                               WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic(),
                                               Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
                                               DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(),
-                                              Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic()],
+                                              Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(), OneDnnConv1dTactic(),
+                                              OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()],
                                      "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                               MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()],
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),

@@ -91,7 +91,8 @@ _KINDS: dict[str, tuple[str, ...]] = {
 PARAMETER_TYPE = {op: kind for kind, ops in _KINDS.items() for op in ops}
 # TensorRT's "LayerType" names the runner: kiln names the kernel library (the tactic) and the layer kind.
 _RUNNERS = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution", "onednn.linear_prepacked": "OneDnnMatrixMultiply",
-            "onednn.conv2d_nhwc_prepacked_bf16": "OneDnnConvolution",
+            "onednn.conv2d_nhwc_prepacked_bf16": "OneDnnConvolution", "onednn.conv1d_prepacked": "OneDnnConvolution",
+            "onednn.conv1d_prepacked_bf16": "OneDnnConvolution",
             "onednn.linear_prepacked_bf16": "OneDnnMatrixMultiply",
             "codegen.pointwise_c_simd": "PointWiseV2", "kiln.noop": "NoOp", "kiln.constant": "Constant"}
 _LIBRARY_RUNNERS = {"onnxruntime": "OnnxRuntime", "openvino": "OpenVINO"}   # external libraries, by tactic source
