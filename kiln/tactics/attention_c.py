@@ -4,7 +4,7 @@ fused QKV output, reshaped and transposed, so they are views, never copied (a vi
 copied first) — and the output is written straight into the layout the layer's `out_steps` give it.
 
 `kiln.attention_c` computes in FP32; `kiln.attention_c_bf16` multiplies bf16 operands on vdpbf16ps with FP32
-accumulation (P split into two bf16 parts) and keeps the softmax in FP32. Both read Q, K, V and write the output in
+accumulation (Q, K, V and P rounded to bf16) and keeps the softmax and its row sums in FP32. Both read Q, K, V and write the output in
 FP32 or bf16, as the plan stores them (kiln.tactics.storage). Each input geometry (shapes, strides, dtypes) is
 worked out once and cached, so a call costs its key, a dictionary lookup, one output allocation and the C call.
 

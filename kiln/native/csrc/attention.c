@@ -8,7 +8,7 @@
    the scores on a 6 x PANEL register tile (gemm.h's, in simd.h's vectors as wide as the CPU's), the softmax in
    FP32 (max-subtracted, in base 2), P·V on the same tile, and the output scaled by 1 / row sum as it is stored.
    The BF16 variant (AVX512-BF16) runs both products on vdpbf16ps (bf16 operand pairs, FP32 accumulation), packing K and V as bf16 pairs and
-   rounding Q to bf16, P split into two bf16 parts (hi + lo); the softmax stays FP32.
+   rounding Q and P to bf16; the softmax and its row sums stay FP32.
 
    A row whose every key is masked with -inf gives NaN, as the ONNX graph does (Softmax over -inf), or 0 with
    ATTN_NAN_TO_ZERO (the NaN guard of SDPA's export, which turns every NaN of the output into 0). */
@@ -365,22 +365,14 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
     }                                                                            \
   }
 
-/* P·V with P as two bf16 parts, hi + lo (P to about 16 bits: bf16 alone is 8, and rounding every probability
-   to it took BERT-base's output cosine to FP32 from 0.99944 to 0.99902): the tile stored whole into c (row stride
-   ldc floats). */
-static void values_dp(const uint32_t* const* hi, const uint32_t* const* lo, int64_t mr, int64_t kp,
-                      const uint32_t* restrict b, float* c, int64_t ldc) {
+/* P·V with P rounded to bf16 (its row sums stay FP32). Until 2026-11-24 P was split into two bf16 parts, hi + lo, at 1.5x
+   the cost of this product; over 8 random inputs of BERT-base (random weights) the mean 1 - cosine to FP32 was the
+   same either way (last_hidden_state 0.00165 split, 0.00175 rounded; pooler 0.00346 and 0.00337): the model's other
+   roundings dominate. The tile is stored whole into c (row stride ldc floats). */
+static void values_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* c,
+                      int64_t ldc) {
   __m512 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < kp; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * PANEL);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * PANEL + 16);
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh h = (__m512bh)_mm512_set1_epi32((int)hi[i][p]), l = (__m512bh)_mm512_set1_epi32((int)lo[i][p]);
-      acc[i][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][0], h, b0), l, b0);
-      acc[i][1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][1], h, b1), l, b1);
-    }
-  }
+  DP_TILE(acc, a, kp, b)
   for (int64_t i = 0; i < mr; ++i) {
     _mm512_storeu_ps(c + i * ldc, acc[i][0]);
     _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
@@ -403,16 +395,10 @@ static void scores_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const ui
     }
 }
 
-/* The widened values of 16 bf16 numbers (bf16 is FP32's upper half). */
-static inline __m512 bf16_widen16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* The softmax's exp pass over a tile's base-2 scores (rows of n32, a multiple of 32), written straight as bf16
-   pairs of keys for P·V (row stride pld): P's nearest bf16 into `hi`, the remainder's into `lo`; P is never
-   stored in FP32; inv[i] = 1 / row i's FP32 sum. */
+   pairs of keys for P·V (row stride pld): P is never stored in FP32; inv[i] = 1 / row i's FP32 sum. */
 static void softmax_pairs(const float* restrict s, int64_t ld, int64_t mr, int64_t n32, const vf* vmax,
-                          uint32_t* hi, uint32_t* lo, int64_t pld, float* inv) {
+                          uint32_t* p, int64_t pld, float* inv) {
   vf sum[MR];
   float top[MR];
   row_tops(vmax, mr, top);
@@ -422,16 +408,12 @@ static void softmax_pairs(const float* restrict s, int64_t ld, int64_t mr, int64
       const vf e0 = v_exp2(*(const vf*)(s + i * ld + j) - top[i], 1);
       const vf e1 = v_exp2(*(const vf*)(s + i * ld + j + 16) - top[i], 1);
       sum[i] += e0 + e1;
-      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);
-      const __m512 r0 = _mm512_sub_ps((__m512)e0, bf16_widen16(_mm512_castsi512_si256(h)));
-      const __m512 r1 = _mm512_sub_ps((__m512)e1, bf16_widen16(_mm512_extracti64x4_epi64(h, 1)));
-      _mm512_storeu_si512(hi + i * pld + j / 2, h);
-      _mm512_storeu_si512(lo + i * pld + j / 2, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+      _mm512_storeu_si512(p + i * pld + j / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));
     }
   row_inverses(sum, mr, inv);
 }
 
-/* BF16 math on one tile: Q rounded to bf16 pairs, scores and P·V (P as hi + lo) on vdpbf16ps, softmax in FP32. */
+/* BF16 math on one tile: Q rounded to bf16 pairs, scores and P·V on vdpbf16ps, softmax in FP32. */
 static void tile_bf16(const AttnCall* c, Scratch* w, const void* q, const float* mask, void* out, int64_t r0,
                       int64_t mr) {
   const uint32_t* rows[MR];
@@ -449,12 +431,10 @@ static void tile_bf16(const AttnCall* c, Scratch* w, const void* q, const float*
     scores_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * PANEL, w->s, w->skp, nb * PANEL, c->sk,
               c->scale * LOG2E, m, c->m_q, c->m_k, vmax);
   float inv[MR];
-  uint32_t* lo = pairs + MR * pld;   /* the operand rows hold MR x skp words: P's hi and lo pairs fit */
-  softmax_pairs(w->s, w->skp, mr, w->skp, vmax, pairs, lo, pld, inv);   /* Q's pairs are spent: P's overwrite them */
-  const uint32_t* lows[MR];
-  for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * pld, lows[i] = lo + (i < mr ? i : 0) * pld;
+  softmax_pairs(w->s, w->skp, mr, w->skp, vmax, pairs, pld, inv);   /* Q's pairs are spent: P's overwrite them */
+  for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * pld;
   for (int64_t nb = 0; nb < w->dvp / PANEL; ++nb)
-    values_dp(rows, lows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * PANEL, w->o + nb * PANEL, w->dvp);
+    values_dp(rows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * PANEL, w->o + nb * PANEL, w->dvp);
   for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
 }
 
