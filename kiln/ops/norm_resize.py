@@ -32,6 +32,16 @@ def layer_norm(attrs, xs):
 _STASH_TYPES = {1: torch.float32, 10: torch.float16, 11: torch.float64}   # ONNX element type -> torch
 
 
+@register("RMSNormalization", OpKind.REDUCTION)
+def rms_norm(attrs, xs):
+    """ONNX RMSNormalization (opset 23): x / sqrt(mean(x^2 over the axes from `axis`) + epsilon) * scale."""
+    x, scale = xs[0], xs[1]
+    axis = attrs.get("axis", -1) % x.dim()
+    h = x.to(_STASH_TYPES.get(attrs.get("stash_type", 1), torch.float32))
+    inv_rms = torch.rsqrt((h * h).mean(dim=tuple(range(axis, x.dim())), keepdim=True) + attrs.get("epsilon", 1e-5))
+    return [(h * inv_rms).to(x.dtype) * scale]
+
+
 @register("InstanceNormalization", OpKind.REDUCTION)
 def instance_norm(attrs, xs):
     x, scale, bias = xs

@@ -6,7 +6,7 @@ from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_ident
 from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_gemm_activation, fuse_residual_add
 from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
-from kiln.passes.normalization import fuse_layer_norm
+from kiln.passes.normalization import fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
@@ -26,6 +26,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("ShuffleErasure", erase_noop_shuffles, "shuffle fusions"),
     # LayerNorm before pointwise fusion, which would otherwise swallow its Sub/Pow/Add/Sqrt/Div into PWN layers.
     Pass("LayerNormFusion", fuse_layer_norm),
+    Pass("RMSNormFusion", fuse_rms_norm),
     # GELU's erf form becomes one Gelu op before pointwise fusion could split it, so a MatMul can absorb it.
     Pass("GeluFusion", fuse_gelu),
     # BN folds before activations and sums so the fused conv stays one kernel with post-ops.

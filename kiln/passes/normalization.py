@@ -3,6 +3,12 @@
     m = ReduceMean(x, axes=A)  d = Sub(x, m)  v = ReduceMean(Pow(d, 2) | Mul(d, d), axes=A)
     y = Div(d, Sqrt(Add(v, eps)))  [y = Mul(y, gamma)]  [y = Add(y, beta)]
 ==> LayerNormalization(x, gamma, beta, axis=first of A, epsilon=eps), A being the trailing axes.
+
+RMSNormFusion: T5's and LLaMA's RMSNorm (no mean subtracted) becomes one RMSNormalization layer (ONNX opset 23).
+
+    v = ReduceMean(Pow(x, 2) | Mul(x, x), axes=A)  s = Sqrt(Add(v, eps))
+    y = Div(x, s) | Mul(x, Reciprocal(s)) | Mul(x, Div(1, s))  [y = Mul(y, gamma)]
+==> RMSNormalization(x, gamma, axis=first of A, epsilon=eps).
 """
 from __future__ import annotations
 
@@ -107,4 +113,69 @@ def fuse_layer_norm(g: Graph, plog: PassLog) -> None:
                              .reshape(shape))
         plog.fusing(nodes[0], last)
         replace_nodes(g, nodes, Node(name, "LayerNormalization", [x, gamma_v, beta_v], list(last.outputs),
+                                     {"axis": axes[0], "epsilon": eps}, "", origin))
+
+
+def _rms_denominator(y: Node) -> tuple[Value, Node, list[Node]] | None:
+    """(x, the Sqrt node, the nodes between it and `y`) where `y` is x / s, x * Reciprocal(s) or x * Div(1, s)."""
+    if y.op_type == "Div" and (sqrt := _producer(y.inputs[1], "Sqrt")) is not None:
+        return y.inputs[0], sqrt, []
+    if y.op_type != "Mul":
+        return None
+    for x, r in (y.inputs, reversed(y.inputs)):
+        recip = _producer(r, "Reciprocal")
+        if recip is not None and (sqrt := _producer(recip.inputs[0], "Sqrt")) is not None:
+            return x, sqrt, [recip]
+        one = _producer(r, "Div")
+        if one is not None and _scalar(one.inputs[0]) == 1.0 and (sqrt := _producer(one.inputs[1], "Sqrt")):
+            return x, sqrt, [one]
+    return None
+
+
+def _match_rms(g: Graph, y: Node) -> tuple[list[Node], Value, list[int], float] | tuple[Node, str] | None:
+    """(nodes, x, axes, eps) for an RMSNorm ending at `y`; (its first node, the reason) when it almost matched."""
+    found = _rms_denominator(y)
+    if found is None:
+        return None
+    x, sqrt, between = found
+    add_eps = _producer(sqrt.inputs[0], "Add")
+    mean = _producer(add_eps.inputs[0], "ReduceMean") if add_eps is not None else None
+    square = mean.inputs[0].producer if mean is not None else None
+    if square is None or not ((square.op_type == "Pow" and square.inputs[0] is x and _scalar(square.inputs[1]) == 2.0)
+                              or (square.op_type == "Mul" and square.inputs[0] is x and square.inputs[1] is x)):
+        return None
+    rank = len(x.shape) if x.shape is not None else 0
+    axes, eps = _reduce_axes(mean, rank) if rank else None, _scalar(add_eps.inputs[1])
+    if eps is None:
+        return square, "epsilon is not a constant scalar"
+    if axes is None or axes != list(range(rank - len(axes), rank)):
+        return square, f"the mean of squares is not over trailing axes ({axes})"
+    inner = [square, mean, add_eps, sqrt, *between]
+    if any(sole_consumer(g, n) is None for n in inner):
+        return square, "an intermediate value is also used outside the pattern"
+    return inner + [y], x, axes, eps
+
+
+def fuse_rms_norm(g: Graph, plog: PassLog) -> None:
+    for y in [n for n in g.nodes if n.op_type in ("Div", "Mul")]:
+        if y not in g.nodes:
+            continue
+        found = _match_rms(g, y)
+        if found is None:
+            continue
+        plog.running(y)
+        if len(found) == 2:
+            plog.not_fused(found[0], y, found[1])
+            continue
+        nodes, x, axes, eps = found
+        shape = tuple(x.shape[a] for a in axes)
+        last, gamma = y, None
+        if (m := _affine(g, last, "Mul", int(np.prod(shape)))) is not None:
+            last, gamma = m
+            nodes.append(last)
+        name, origin = fused_name(nodes)
+        gamma_v = g.add_const(f"{name}.scale", (gamma.const if gamma is not None else np.ones(shape))
+                              .astype(x.dtype).reshape(shape))
+        plog.fusing(nodes[0], last)
+        replace_nodes(g, nodes, Node(name, "RMSNormalization", [x, gamma_v], list(last.outputs),
                                      {"axis": axes[0], "epsilon": eps}, "", origin))

@@ -1,6 +1,7 @@
-"""LayerNormalization and kiln's SkipLayerNormalization (the residual sum fused in) over the trailing axes in C
-(kiln/native/csrc/layernorm.c): one pass per row for the sum, two vectorized reductions in double (mean, then the
-centred variance, as torch and onnxruntime compute it), one for the scaled output; OpenMP over rows.
+"""LayerNormalization, kiln's SkipLayerNormalization (the residual sum fused in) and RMSNormalization (T5's and
+LLaMA's: no mean, no bias) over the trailing axes in C (kiln/native/csrc/layernorm.c): one pass per row for the
+sum, two vectorized reductions in double (mean, then the centred variance, as torch and onnxruntime compute it;
+RMSNormalization one, the mean of squares), one for the scaled output; OpenMP over rows.
 
 torch's layer_norm behind an Add costs BERT-base about 0.13 ms per 128x768 layer on this machine (two kernels,
 an intermediate tensor, dispatch); the whole row fits in L1, so the fused loop runs at memory speed.
@@ -14,14 +15,16 @@ from kiln import hardware, native
 from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, bf16_io, storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
-LN_SKIP_BF16 = 4   # layernorm.c's `io` bit above the storage bits (kiln.tactics.base.bf16_io): the skip in bf16
+LN_SKIP_BF16 = 4   # layernorm.c's `io` bits above the storage bits (kiln.tactics.base.bf16_io): the skip in bf16,
+LN_RMS = 8         # RMSNormalization
 
 
 def _geometry(layer: LayerView) -> tuple[int, int] | None:
     """(normalized size, index of the scale input), or None when the layer is not a float32 LayerNorm over
     static trailing axes with constant per-element scale (and bias)."""
     skip = layer.op_type == "SkipLayerNormalization" and layer.domain == "kiln"
-    if not skip and (layer.op_type != "LayerNormalization" or layer.domain not in ("", "ai.onnx")):
+    onnx_op = layer.op_type in ("LayerNormalization", "RMSNormalization") and layer.domain in ("", "ai.onnx")
+    if not (skip or onnx_op):
         return None
     first = 2 if skip else 1
     x = layer.input_shapes[0]
@@ -69,6 +72,8 @@ class LayerNormTactic:
         return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
+        if layer.op_type == "RMSNormalization":
+            return LayerNormBf16Tactic.prepare(self, layer)   # its FP32 storage: the same loop, rows copied once
         lib = native.library("layernorm")
         n, first, gamma, beta, eps = _params(layer)
 
@@ -100,7 +105,8 @@ class LayerNormBf16Tactic(LayerNormTactic):
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("layernorm")
         n, first, gamma, beta, eps = _params(layer)
-        io = bf16_io(layer) | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == "bfloat16" else 0)
+        io = bf16_io(layer) | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == "bfloat16" else 0) | \
+            (LN_RMS if layer.op_type == "RMSNormalization" else 0)
         out_dtype = storage_dtype(layer.output_dtypes[0])
 
         def run(xs):

@@ -109,6 +109,18 @@ class Emitter:
         y = self.node("Mul", [self.node("Div", [centred, std]), xs[1]])
         return self.node("Add", [y, xs[2]]) if len(xs) > 2 and xs[2] else y
 
+    def rms_norm(self, xs: list[str | None], attrs: dict[str, Any], rank: int) -> str:
+        """RMSNormalization (opset 23); for an older opset, as the ReduceMean graph it came from."""
+        if self.opset >= 23:
+            return self.node("RMSNormalization", xs[:2], attrs)
+        axis = attrs.get("axis", -1)
+        axes = list(range(axis if axis < 0 else axis - rank, 0))
+        square = self.node("Mul", [xs[0], xs[0]])
+        mean = self.node("ReduceMean", [square, self.const(np.array(axes), np.int64)]) if self.opset >= 18 else \
+            self.node("ReduceMean", [square], {"axes": axes})
+        rms = self.node("Sqrt", [self.node("Add", [mean, self.const(attrs.get("epsilon", 1e-5))])])
+        return self.node("Mul", [self.node("Div", [xs[0], rms]), xs[1]])
+
     def activation(self, x: str, spec: dict | None) -> str:
         if not spec:
             return x
@@ -181,6 +193,8 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return e.layer_norm([e.node("Add", xs[:2])] + xs[2:], a, len(view.input_shapes[0]))
     if view.op_type == "LayerNormalization" and view.domain in ("", "ai.onnx") and len(view.output_dtypes) == 1:
         return e.layer_norm(xs, a, len(view.input_shapes[0]))
+    if view.op_type == "RMSNormalization" and view.domain in ("", "ai.onnx"):
+        return e.rms_norm(xs, a, len(view.input_shapes[0]))
     if view.op_type == "Swish" and view.domain in ("", "ai.onnx"):
         return e.activation(xs[0], {"op": "Swish", "attrs": a})
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):

@@ -45,7 +45,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                         for op in ("PointWise", "BatchNormalization")},
                                      **{op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
                                      "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic()],
-                                     "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
+                                     **{op: [LayerNormTactic(), LayerNormBf16Tactic()]
+                                        for op in ("LayerNormalization", "RMSNormalization")},
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic(),
                                                QConvGemmAmxTactic(), QConvDirectAmxTactic()],

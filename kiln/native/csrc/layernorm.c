@@ -1,7 +1,8 @@
 /* LayerNormalization and kiln's SkipLayerNormalization over the trailing axes (kiln.tactics.layernorm_c): one
    pass per row for the sum, two vectorized reductions in double (mean, then the centred variance, as torch and
    onnxruntime compute it), one for the scaled output; OpenMP over rows. The BF16 variant reads its input and skip
-   and writes its output in bf16 or FP32, as the plan stores them, and computes in FP32. */
+   and writes its output in bf16 or FP32, as the plan stores them, and computes in FP32; with LN_RMS it is
+   RMSNormalization (T5's, LLaMA's): no mean subtracted, 1 / sqrt(mean of squares + eps), no bias. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,8 +48,18 @@ void kiln_layernorm(const float* restrict x, const float* restrict skip, const f
   }
 }
 
-/* `io` bit above bf16.h's IO_X_BF16/IO_Y_BF16: the skip input stored in bf16. */
+/* `io` bits above bf16.h's IO_X_BF16/IO_Y_BF16: the skip input stored in bf16; RMSNormalization. */
 #define LN_SKIP_BF16 4
+#define LN_RMS 8
+
+/* (0, 1 / sqrt(mean of squares + eps)) of one row: RMSNormalization's statistics, the sum in double. */
+static inline void row_rms(const float* restrict src, int64_t n, double eps, float* mean_out, float* inv_out) {
+  double sq = 0.0;
+  #pragma omp simd reduction(+:sq)
+  for (int64_t k = 0; k < n; ++k) sq += (double)src[k] * src[k];
+  *mean_out = 0.0f;
+  *inv_out = (float)(1.0 / sqrt(sq / (double)n + eps));
+}
 
 static inline void load_row(const void* base, int64_t at, int64_t n, int bf16, float* restrict dst) {
   if (!bf16) {
@@ -75,7 +86,7 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
         for (int64_t k = 0; k < n; ++k) row[k] += other[k];
       }
       float mean, inv;
-      row_stats(row, n, eps, &mean, &inv);
+      (io & LN_RMS ? row_rms : row_stats)(row, n, eps, &mean, &inv);
       #pragma omp simd
       for (int64_t k = 0; k < n; ++k) row[k] = (row[k] - mean) * inv * gamma[k] + (beta ? beta[k] : 0.0f);
       if (io & IO_Y_BF16) {
