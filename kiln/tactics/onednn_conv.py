@@ -137,7 +137,7 @@ class OneDnnConvTactic:
                 return run(xs)
             return finish(into.binary(residual, padded(xs[0]), packed, bias, padding, strides, dilations, groups,
                                       "add", 1.0, unary, scalars, alg))
-        if has_residual and self.compute_dtype == torch.float32:   # the sum post-op writes the residual's own (FP32) buffer
+        if has_residual and self.compute_dtype == torch.float32:   # the sum post-op writes the residual's FP32 buffer
             run.into_input = (3, run_into_residual)
         return run
 

@@ -365,8 +365,8 @@ static void pack_bf16(const AttnCall* c, const void* k, const void* v, Scratch* 
     }                                                                            \
   }
 
-/* P·V with P rounded to bf16 (its row sums stay FP32). Until 2026-11-24 P was split into two bf16 parts, hi + lo, at 1.5x
-   the cost of this product; over 8 random inputs of BERT-base (random weights) the mean 1 - cosine to FP32 was the
+/* P·V with P rounded to bf16 (its row sums stay FP32). Until 2026-11-24 P was split into two bf16 parts, hi + lo,
+   at 1.5x the cost of this product; over 8 random inputs of BERT-base (random weights) the mean 1 - cosine to FP32 was the
    same either way (last_hidden_state 0.00165 split, 0.00175 rounded; pooler 0.00346 and 0.00337): the model's other
    roundings dominate. The tile is stored whole into c (row stride ldc floats). */
 static void values_dp(const uint32_t* const* a, int64_t mr, int64_t kp, const uint32_t* restrict b, float* c,
