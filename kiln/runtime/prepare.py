@@ -165,7 +165,8 @@ def in_planned_formats(kernel: Kernel, layer: Layer) -> Kernel:
     for a layout-agnostic op: torch.cat of a row-major and a channel-major input is row-major, recorded as
     channel-major. Outputs recorded channel-major are made so (no copy when they already are), so layer info
     tells the truth and consumers do not each pay a hidden conversion."""
-    if HWC not in planned_formats(layer):
+    formats = planned_formats(layer)
+    if HWC not in formats:
         return kernel
     if layer.op_type == "Concat" and layer.domain in ("", "ai.onnx"):
         axis, last = layer.attrs.get("axis", 1) % 4, torch.channels_last
@@ -184,7 +185,7 @@ def in_planned_formats(kernel: Kernel, layer: Layer) -> Kernel:
             return [torch.cat([x if x.dtype == dtype else x.to(dtype) for x in xs], axis, out=out)]
         return concat
 
-    return as_planned(kernel, planned_formats(layer))
+    return as_planned(kernel, formats)
 
 
 def planned_formats(layer: Layer) -> list[str]:

@@ -24,7 +24,7 @@ from kiln import native
 from kiln.ops import lookup
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
     batch_dynamic_only, storage_dtype
-from kiln.tactics.reference import ReferenceTactic
+from kiln.tactics.reference import MOVED_INPUTS, ReferenceTactic
 from kiln.tactics.reformat import to_format
 
 COPY_TACTIC = "kiln.copy_rows"
@@ -211,5 +211,5 @@ class CopyRowsBf16Tactic(Bf16Storage, CopyRowsTactic):
 
     name = COPY_TACTIC + "_bf16"
     stored_types = STORED_FLOATS
-    bf16_inputs = frozenset(range(64))
+    bf16_inputs = frozenset(range(MOVED_INPUTS))
     writes_every_output = True

@@ -73,7 +73,7 @@ class LayerNormTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         if layer.op_type == "RMSNormalization":
-            return LayerNormBf16Tactic.prepare(self, layer)   # its FP32 storage: the same loop, rows copied once
+            return stored_rows_kernel(layer)   # its FP32 storage: the storage-aware loop, rows copied once
         lib = native.library("layernorm")
         n, first, gamma, beta, eps = _params(layer)
 
@@ -103,19 +103,25 @@ class LayerNormBf16Tactic(LayerNormTactic):
         return super().supports(layer) and hardware.has_any(hardware.BF16_ISA)
 
     def prepare(self, layer: LayerView) -> Kernel:
-        lib = native.library("layernorm")
-        n, first, gamma, beta, eps = _params(layer)
-        io = bf16_io(layer) | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == "bfloat16" else 0) | \
-            (LN_RMS if layer.op_type == "RMSNormalization" else 0)
-        out_dtype = storage_dtype(layer.output_dtypes[0])
+        return stored_rows_kernel(layer)
 
-        def run(xs):
-            x = xs[0].contiguous()
-            skip = xs[1].contiguous() if first == 2 else None
-            y = torch.empty(x.shape, dtype=out_dtype)
-            lib.kiln_layernorm_bf16(x.data_ptr(), None if skip is None else skip.data_ptr(), gamma.data_ptr(),
-                                    None if beta is None else beta.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, io)
-            return [y]
-        run.constants = (gamma, beta)
-        return run
+
+def stored_rows_kernel(layer: LayerView) -> Kernel:
+    """`kiln_layernorm_bf16`: each of the input, the skip and the output FP32 or bf16 as the layer's dtypes say,
+    RMSNormalization's statistic where the layer is one."""
+    lib = native.library("layernorm")
+    n, first, gamma, beta, eps = _params(layer)
+    io = bf16_io(layer) | (LN_SKIP_BF16 if first == 2 and layer.input_dtypes[1] == "bfloat16" else 0) | \
+        (LN_RMS if layer.op_type == "RMSNormalization" else 0)
+    out_dtype = storage_dtype(layer.output_dtypes[0])
+
+    def run(xs):
+        x = xs[0].contiguous()
+        skip = xs[1].contiguous() if first == 2 else None
+        y = torch.empty(x.shape, dtype=out_dtype)
+        lib.kiln_layernorm_bf16(x.data_ptr(), None if skip is None else skip.data_ptr(), gamma.data_ptr(),
+                                None if beta is None else beta.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, io)
+        return [y]
+    run.constants = (gamma, beta)
+    return run
 

@@ -44,6 +44,39 @@ def global_pool(layer: LayerView) -> bool:
     return axes is not None and sorted(axes) == [2, 3]
 
 
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A 2-D window pool's geometry: channels and input size (the batch is read per call), kernel, strides,
+    dilations, pads (top, left, bottom, right) and the output size they give."""
+
+    c: int
+    h: int
+    w: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    dh: int
+    dw: int
+    pt: int
+    pl: int
+    pb: int
+    pr: int
+    oh: int
+    ow: int
+
+    @classmethod
+    def of(cls, layer: LayerView) -> "Window":
+        a = layer.attrs
+        _, c, h, w = layer.input_shapes[0]
+        kh, kw = a["kernel_shape"]
+        (sh, sw), (dh, dw) = a.get("strides") or [1, 1], a.get("dilations") or [1, 1]
+        pt, pl, pb, pr = a.get("pads") or [0, 0, 0, 0]
+        ceil = bool(a.get("ceil_mode", 0))
+        return cls(c, h, w, kh, kw, sh, sw, dh, dw, pt, pl, pb, pr, pool_output_size(h, kh, sh, dh, pt, pb, ceil),
+                   pool_output_size(w, kw, sw, dw, pl, pr, ceil))
+
+
 class NhwcPoolTactic:
     name = POOL_TACTIC
     source = "kiln"
@@ -87,15 +120,10 @@ class NhwcPoolTactic:
     @staticmethod
     def _prepare_avgpool(layer: LayerView) -> Kernel:
         lib = native.library("pool")
-        _, c, h, w = layer.input_shapes[0]   # the batch: per call
-        a = layer.attrs
-        kh, kw = a["kernel_shape"]
-        (sh, sw), (dh, dw) = a.get("strides") or [1, 1], a.get("dilations") or [1, 1]
-        pt, pl, pb, pr = a.get("pads") or [0, 0, 0, 0]
-        ceil = bool(a.get("ceil_mode", 0))
-        oh, ow = pool_output_size(h, kh, sh, dh, pt, pb, ceil), pool_output_size(w, kw, sw, dw, pl, pr, ceil)
-        geometry = torch.tensor([h, w, c, kh, kw, sh, sw, dh, dw, pt, pl, pb, pr, int(a.get("count_include_pad", 0))],
-                                dtype=torch.int64)
+        win = Window.of(layer)
+        c, oh, ow = win.c, win.oh, win.ow
+        geometry = torch.tensor([win.h, win.w, c, win.kh, win.kw, win.sh, win.sw, win.dh, win.dw, win.pt, win.pl,
+                                 win.pb, win.pr, int(layer.attrs.get("count_include_pad", 0))], dtype=torch.int64)
         io = bf16_io(layer)
         dtype = storage_dtype(layer.output_dtypes[0])
         last = torch.channels_last
@@ -132,15 +160,9 @@ class NhwcPoolTactic:
     @staticmethod
     def _prepare_maxpool(layer: LayerView) -> Kernel:
         lib = native.library("pool")
-        _, c, h, w = layer.input_shapes[0]   # the batch: per call
-        a = layer.attrs
-        kh, kw = a["kernel_shape"]
-        sh, sw = a.get("strides") or [1, 1]
-        dh, dw = a.get("dilations") or [1, 1]
-        pt, pl, pb, pr = a.get("pads") or [0, 0, 0, 0]
-        ceil = bool(a.get("ceil_mode", 0))
-        oh = pool_output_size(h, kh, sh, dh, pt, pb, ceil)
-        ow = pool_output_size(w, kw, sw, dw, pl, pr, ceil)
+        win = Window.of(layer)
+        c, h, w, oh, ow = win.c, win.h, win.w, win.oh, win.ow
+        kh, kw, sh, sw, dh, dw, pt, pl = win.kh, win.kw, win.sh, win.sw, win.dh, win.dw, win.pt, win.pl
         entry, dtype = MAXPOOL_TYPES[layer.input_dtypes[0]]
         pool = getattr(lib, entry)
         last = torch.channels_last
