@@ -73,7 +73,9 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         + [Function(f"kiln_quantize_nhwc_{t}", (POINTER, POINTER, I64, I64, I64, ctypes.c_float, I64))
            for t in ("u8", "s8")])),
     LibrarySpec("resize", "resize.c", (
-        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),)),   # ..., pixel bytes, ...
+        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),   # ..., pixel bytes, ...
+        # x, y, n, h, w, c, oh, ow, row taps, rows, row weights, col taps, cols, col weights, io
+        Function("kiln_resize_taps", (POINTER,) * 2 + (I64,) * 7 + (POINTER,) * 2 + (I64,) + (POINTER,) * 2 + (I64,)))),
     LibrarySpec("reformat", "reformat.c", (
         Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 4),   # x, y, n, c, hw, io (which sides are bf16)
         Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 4),

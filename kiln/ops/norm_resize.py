@@ -69,24 +69,31 @@ def group_norm(attrs, xs):
     return [y * scale.reshape(shape) + bias.reshape(shape)]
 
 
+def conv_transpose_geometry(attrs: dict, in_spatial: list[int], kernel_spatial: list[int]):
+    """ConvTranspose's (strides, dilations, output_padding, pads [begins..., ends...]) with auto_pad and
+    output_shape resolved into pads, as ONNX defines them."""
+    n = len(kernel_spatial)
+    strides = list(attrs.get("strides") or [1] * n)
+    dilations = list(attrs.get("dilations") or [1] * n)
+    kernel = list(attrs.get("kernel_shape") or kernel_spatial)
+    out_pad = list(attrs.get("output_padding") or [0] * n)
+    pads = list(attrs.get("pads") or [0] * (2 * n))
+    if attrs.get("output_shape") or attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER"):
+        target = list(attrs.get("output_shape") or [d * s for d, s in zip(in_spatial, strides)])[-n:]
+        for i in range(n):
+            total = strides[i] * (in_spatial[i] - 1) + out_pad[i] + ((kernel[i] - 1) * dilations[i] + 1) - target[i]
+            small, big = total // 2, total - total // 2
+            upper = attrs.get("auto_pad") == "SAME_UPPER"   # ONNX: NOTSET and SAME_LOWER put the larger half first
+            pads[i], pads[i + n] = (small, big) if upper else (big, small)
+    return strides, dilations, out_pad, pads
+
+
 @register("ConvTranspose", OpKind.COMPLEX)
 def conv_transpose(attrs, xs):
     x, w = xs[0], xs[1]
     b = xs[2] if len(xs) > 2 else None
     n = w.dim() - 2
-    strides = attrs.get("strides") or [1] * n
-    dilations = attrs.get("dilations") or [1] * n
-    kernel = attrs.get("kernel_shape") or list(w.shape[2:])
-    out_pad = list(attrs.get("output_padding") or [0] * n)
-    pads = list(attrs.get("pads") or [0] * (2 * n))
-    in_sp = list(x.shape[2:])
-    if attrs.get("output_shape") or attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER"):
-        target = list(attrs.get("output_shape") or [d * s for d, s in zip(in_sp, strides)])[-n:]
-        for i in range(n):
-            total = strides[i] * (in_sp[i] - 1) + out_pad[i] + ((kernel[i] - 1) * dilations[i] + 1) - target[i]
-            small, big = total // 2, total - total // 2
-            upper = attrs.get("auto_pad") == "SAME_UPPER"   # ONNX: NOTSET and SAME_LOWER put the larger half first
-            pads[i], pads[i + n] = (small, big) if upper else (big, small)
+    strides, dilations, out_pad, pads = conv_transpose_geometry(attrs, list(x.shape[2:]), list(w.shape[2:]))
     fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[n]
     # full transposed convolution, then crop [begin, full - end + output_padding) per axis (zero-extend if needed)
     y = fn(x, w, None, strides, [0] * n, [0] * n, attrs.get("group", 1), dilations)
@@ -268,3 +275,19 @@ def nearest_source_indices(attrs, shape: list[int], roi, scales, sizes) -> list[
                                 axis_roi)
         indices[a] = _nearest_index(coords, attrs.get("nearest_mode", "round_prefer_floor"), shape[a])[:, 0].contiguous()
     return indices
+
+
+def interpolation_taps(attrs, shape: list[int], roi, scales,
+                       sizes) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """For a linear or cubic Resize of an input of `shape`: per axis, the input indices [out, taps] each output
+    index sums and their weights [out, taps] (float64; one tap of weight 1 on an axis left alone), by the rule
+    `resize` applies; None for nearest and tf_crop_and_resize (its extrapolated pixels are no weighted sum)."""
+    if attrs.get("mode", "nearest") not in _WEIGHTS or \
+            attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        return None
+    taps = [(torch.arange(n)[:, None], torch.ones(n, 1, dtype=torch.float64)) for n in shape]
+    for a, out_size, scale, axis_roi in _resampled_axes(attrs, shape, roi, scales, sizes):
+        coords = _source_coords(out_size, shape[a], scale, attrs.get("coordinate_transformation_mode", "half_pixel"),
+                                axis_roi)
+        taps[a] = _taps(coords, shape[a], scale, attrs)
+    return taps

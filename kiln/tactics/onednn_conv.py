@@ -4,7 +4,8 @@ computes in bfloat16 (AMX or AVX512-BF16) with FP32 tensors in and out: the conv
 The FP16 variant likewise in float16 where the CPU has AVX512-FP16 (torch's oneDNN needs it for FP16 weights).
 The 1-D tactics (Whisper's and wav2vec2's Conv1d) run the same kernel on [N, C, L] tensors viewed as [N, C, 1, L]:
 row-major in and out, oneDNN reorders inside (Whisper-base's 512->512 k3 over 3000 frames, Zen 4, 2 threads:
-23.9 ms FP32 against torch's conv1d 30.1 ms; 11.9 ms in BF16)."""
+23.9 ms FP32 against torch's conv1d 30.1 ms; 11.9 ms in BF16). ConvTranspose runs on oneDNN's deconvolution the same
+ways (2-D channel-major, 1-D viewed), weights prepacked once and bias fused."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from kiln import hardware
 from kiln.ops.nn import _torch_pad, apply_activation
+from kiln.ops.norm_resize import conv_transpose_geometry
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView
 
 # kiln activation -> (oneDNN unary attr, scalars from attrs, algorithm); None: applied after the kernel.
@@ -160,6 +162,91 @@ class OneDnnConv1dTactic(OneDnnConvTactic):
         return run
 
 
+class OneDnnDeconvTactic:
+    """ConvTranspose on oneDNN's deconvolution (`torch.ops.mkldnn._convolution_transpose_pointwise`): channel-major
+    activations, weights [C, O/g, kH, kW] prepacked once, bias fused. ONNX's begin and end pads map onto oneDNN's
+    padding (the begin crop) and output padding (what the end crop gives back); a geometry where that output padding
+    would be negative or reach the stride is not taken (torch's reference runs it)."""
+
+    name = "onednn.deconv2d_nhwc_prepacked"
+    source = "torch-onednn"
+    compute_dtype = torch.float32
+
+    spatial_rank = 2
+    layout = HWC
+
+    def geometry(self, layer: LayerView):
+        """(padding, output padding, end trim, strides, dilations) for oneDNN, or None where ONNX's geometry has
+        no such form. The end trim crops what oneDNN's output padding cannot (an end pad above the begin pad)."""
+        x_shape, w_shape = layer.input_shapes[0], layer.input_shapes[1]
+        strides, dilations, out_pad, pads = conv_transpose_geometry(layer.attrs, list(x_shape[2:]), list(w_shape[2:]))
+        n = len(strides)
+        begin, end = pads[:n], pads[n:]
+        give_back = [o + b - e for o, b, e in zip(out_pad, begin, end)]
+        if any(g >= max(s, d) for g, s, d in zip(give_back, strides, dilations)):
+            return None
+        return begin, [max(g, 0) for g in give_back], [max(-g, 0) for g in give_back], strides, dilations
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type != "ConvTranspose" or layer.domain not in ("", "ai.onnx") or "activation" in layer.attrs:
+            return False
+        shapes = layer.input_shapes
+        bias_known = len(shapes) < 3 or shapes[2] is None or 2 in layer.const_inputs
+        return (len(shapes[0]) == 2 + self.spatial_rank and layer.input_dtypes[0] == "float32" and bias_known
+                and 1 in layer.const_inputs and torch.backends.mkldnn.is_available()
+                and self.geometry(layer) is not None)
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [self.layout] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return self.layout
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        to_compute, _ = casts(self.compute_dtype)
+        w = layer.const_inputs[1].contiguous().to(self.compute_dtype)
+        bias = layer.const_inputs.get(2)
+        bias = None if bias is None else bias.to(self.compute_dtype)
+        geometry = (*self.geometry(layer), layer.attrs.get("group", 1))
+        return self.kernel(layer, w, bias, geometry, list(layer.input_shapes[0]), to_compute)
+
+    def kernel(self, layer: LayerView, w, bias, geometry, in_shape, to_compute) -> Kernel:
+        """The 2-D kernel: `geometry` is (padding, output padding, end trim, strides, dilations, groups)."""
+        padding, give_back, trim, strides, dilations, groups = geometry
+        packed = torch.ops.mkldnn._reorder_convolution_transpose_weight(w, padding, give_back, strides, dilations,
+                                                                         groups, in_shape)
+        deconv, finish = torch.ops.mkldnn._convolution_transpose_pointwise, finisher(None, layer.output_dtypes[0])
+        memory = torch.channels_last if self.layout == HWC else torch.contiguous_format
+
+        def trimmed(y):
+            if not any(trim):
+                return y
+            y = y[(..., *(slice(0, size - t) for size, t in zip(y.shape[2:], trim)))]
+            return y.contiguous(memory_format=memory)
+
+        def run(xs):
+            return finish(trimmed(deconv(to_compute(xs[0]), packed, bias, padding, give_back, strides, dilations,
+                                         groups, "none", [], None)))
+        return run
+
+
+class OneDnnDeconv1dTactic(OneDnnDeconvTactic):
+    """A 1-D ConvTranspose on the 2-D kernel: [N, C, L] viewed as [N, C, 1, L], weights [C, O/g, 1, K]."""
+
+    name = "onednn.deconv1d_prepacked"
+    spatial_rank = 1
+    layout = LINEAR
+
+    def kernel(self, layer: LayerView, w, bias, geometry, in_shape, to_compute) -> Kernel:
+        padding, give_back, trim, strides, dilations, groups = geometry
+        planar = super().kernel(layer, w[:, :, None], bias, ([0, *padding], [0, *give_back], [0, *trim], [1, *strides],
+                                [1, *dilations], groups), [*in_shape[:2], 1, *in_shape[2:]], to_compute)
+
+        def run(xs):
+            return [y.squeeze(2).contiguous() for y in planar([xs[0][:, :, None]])]
+        return run
+
+
 class Bf16Variant:
     """Mixin for a oneDNN tactic: the same kernel computing in BF16, offered only where the CPU has native BF16
     arithmetic (a loaded engine's kernel needing it falls back where it is missing: `required_isa`)."""
@@ -200,3 +287,19 @@ class OneDnnBf16Conv1dTactic(Bf16Variant, OneDnnConv1dTactic):
 
 class OneDnnFp16Conv1dTactic(Fp16Variant, OneDnnConv1dTactic):
     name = "onednn.conv1d_prepacked_fp16"
+
+
+class OneDnnBf16DeconvTactic(Bf16Variant, OneDnnDeconvTactic):
+    name = "onednn.deconv2d_nhwc_prepacked_bf16"
+
+
+class OneDnnFp16DeconvTactic(Fp16Variant, OneDnnDeconvTactic):
+    name = "onednn.deconv2d_nhwc_prepacked_fp16"
+
+
+class OneDnnBf16Deconv1dTactic(Bf16Variant, OneDnnDeconv1dTactic):
+    name = "onednn.deconv1d_prepacked_bf16"
+
+
+class OneDnnFp16Deconv1dTactic(Fp16Variant, OneDnnDeconv1dTactic):
+    name = "onednn.deconv1d_prepacked_fp16"

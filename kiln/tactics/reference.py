@@ -50,18 +50,20 @@ class ReferenceTactic:
 
 
 # Layers that only move data: on bf16 tensors they compute exactly what they do on FP32 ones, moving half the bytes.
-MOVES_DATA = {"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity"}
+MOVES_DATA = {"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity",
+              "Pad", "Expand", "Tile", "DepthToSpace", "SpaceToDepth"}
 BF16_OPS = sorted(MOVES_DATA | {"Shuffle"})   # the registry's entries (Shuffle: kiln's domain)
 MOVED_INPUTS = 64   # a Concat's inputs beyond these stay FP32 (the kernel rounds them as it copies)
 
 
 class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
-    """torch's kernels for layers that only move data (Concat, Slice, Split, Reshape, Transpose, kiln's Shuffle),
-    granted BF16: they read and write tensors as the plan stores them (kiln.tactics.storage), so a Concat of BF16
-    convolutions' outputs feeding BF16 convolutions copies bf16 and neither side converts (YOLOv8n's C2f blocks:
-    ~5 % of its latency on kiln's own kernels). A Concat input stored otherwise than its output is converted first
-    (a mixed torch.cat is ~10x slower); other layers' outputs are converted to their storage, exactly. Residual Adds
-    stay FP32: a bf16 residual stream costs transformers accuracy."""
+    """torch's kernels for layers that only move data (Concat, Slice, Split, Reshape, Transpose, Pad, Expand, Tile,
+    DepthToSpace, SpaceToDepth, kiln's Shuffle), granted BF16: they read and write tensors as the plan stores them
+    (kiln.tactics.storage), so a Concat of BF16 convolutions' outputs feeding BF16 convolutions copies bf16 and
+    neither side converts (YOLOv8n's C2f blocks: ~5 % of its latency on kiln's own kernels). A Concat input stored
+    otherwise than its output is converted first (a mixed torch.cat is ~10x slower); other layers' outputs are
+    converted to their storage, exactly (a Pad's constant is rounded to bf16 as its output is). Residual Adds stay
+    FP32: a bf16 residual stream costs transformers accuracy."""
 
     name = "torch.reference_bf16"
     bf16_inputs = frozenset(range(MOVED_INPUTS))

@@ -14,8 +14,10 @@ from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, Mat
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
 from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
-from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTactic, OneDnnConv1dTactic,
-                                     OneDnnConvTactic, OneDnnFp16Conv1dTactic, OneDnnFp16ConvTactic)
+from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTactic, OneDnnBf16Deconv1dTactic,
+                                     OneDnnBf16DeconvTactic, OneDnnConv1dTactic, OneDnnConvTactic, OneDnnDeconv1dTactic,
+                                     OneDnnDeconvTactic, OneDnnFp16Conv1dTactic, OneDnnFp16ConvTactic,
+                                     OneDnnFp16Deconv1dTactic, OneDnnFp16DeconvTactic)
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
@@ -25,7 +27,8 @@ from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
-from kiln.tactics.resize_c import NhwcResizeBf16Tactic, NhwcResizeTactic
+from kiln.tactics.resize_c import (InterpolateResizeBf16Tactic, InterpolateResizeTactic, NhwcResizeBf16Tactic,
+                                   NhwcResizeTactic)
 from kiln.tactics.softmax_c import SOFTMAX_OPS, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
@@ -36,6 +39,9 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                               DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(),
                                               Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(), OneDnnConv1dTactic(),
                                               OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()],
+                                     "ConvTranspose": [OneDnnDeconvTactic(), OneDnnBf16DeconvTactic(),
+                                                       OneDnnFp16DeconvTactic(), OneDnnDeconv1dTactic(),
+                                                       OneDnnBf16Deconv1dTactic(), OneDnnFp16Deconv1dTactic()],
                                      "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                               MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()],
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
@@ -44,7 +50,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      **{op: [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()]
                                         for op in ("PointWise", "BatchNormalization")},
                                      **{op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
-                                     "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic()],
+                                     "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic(), InterpolateResizeTactic(),
+                                                InterpolateResizeBf16Tactic()],
                                      **{op: [LayerNormTactic(), LayerNormBf16Tactic()]
                                         for op in ("LayerNormalization", "RMSNormalization")},
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],

@@ -29,6 +29,7 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, atten
     "tests/tactics/test_pool_c.py::test_maxpool_equals_onnxruntime",
     "tests/tactics/test_pool_c.py::test_global_pools_equal_torch",
     "tests/tactics/test_resize_c.py::test_matches_onnxruntime_exactly",
+    "tests/tactics/test_resize_interpolate.py::test_matches_onnxruntime_in_both_layouts",
     "tests/tactics/test_reformat.py::test_both_directions_are_exact",
     "tests/tactics/test_copy_c.py::test_fp32_concat_equals_torch_cat",
     "tests/tactics/test_copy_c.py::test_concat_equals_torch_cat_in_every_storage",   # skipped without BF16

@@ -155,3 +155,27 @@ def test_an_engine_with_bf16_moves_runs_unchanged_on_a_cpu_without_bf16(block, t
     assert not [r for r in caplog.records if any(m in r.getMessage() for m in MOVES)]   # they need no ISA of their own
     x = rand((1, 16, 10, 10), seed=9)
     assert cosine(loaded.run({"x": x})["y"], run_ort(model, {"x": x})[0]) > 0.9999
+
+
+@needs_bf16
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+def test_a_pad_between_bf16_convolutions_moves_bf16(mode):
+    """A reflection-padded convolution (style transfer, super-resolution) and a Pad of a non-zero constant (a zero
+    one folds into the convolution): the Pad between two BF16 layers is granted BF16 and pads the bf16 tensor, with
+    no Reformat on either side."""
+    pad_inputs = ["a", "pads"] + (["half"] if mode == "constant" else [])
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="cv1"),
+             helper.make_node("Pad", pad_inputs, ["p"], name="pad", mode=mode),
+             helper.make_node("Conv", ["p", "w2", "b2"], ["y"], name="cv2")]
+    inits = [init("w1", rand((16, 8, 1, 1), seed=1) * 0.3), init("b1", rand((16,), seed=2) * 0.1),
+             init("w2", rand((8, 16, 3, 3), seed=3) * 0.1), init("b2", rand((8,), seed=4) * 0.1),
+             init("pads", np.array([0, 0, 1, 2, 0, 0, 1, 0], np.int64)), init("half", np.array(0.5, np.float32))]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 9, 9])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    engine = kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer", accuracy="off")
+    layers = {layer.name: layer for layer in engine.plan.layers}
+    assert layers["pad"].tactic_name in MOVES and layers["pad"].precision == "BF16"
+    assert not [name for name in layers if name.startswith("Reformatting") and "pad" in name]
+    x = rand((1, 8, 9, 9), seed=5)
+    got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
+    assert got.shape == (1, 8, 9, 9) and cosine(got, want) > 0.9999
