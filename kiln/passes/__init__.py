@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_norm, merge_matmuls
 from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
-from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_gemm_activation, fuse_residual_add
+from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
+                              fuse_residual_add)
 from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_layer_norm, fuse_rms_norm
@@ -29,6 +30,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("RMSNormFusion", fuse_rms_norm),
     # GELU's erf form becomes one Gelu op before pointwise fusion could split it, so a MatMul can absorb it.
     Pass("GeluFusion", fuse_gelu),
+    # A zero Pad before a convolution becomes the convolution's own padding (no copy of the padded map).
+    Pass("PaddingConvFusion", fold_pad_into_conv),
     # BN folds before activations and sums so the fused conv stays one kernel with post-ops.
     Pass("ConvScaleFusion", fold_batchnorm_into_conv),
     # The residual sum must be absorbed before the activation (post-op order: sum, then activation).

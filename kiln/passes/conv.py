@@ -1,15 +1,66 @@
-"""Convolution fusions: fold BatchNormalization, absorb a residual Add, absorb an activation."""
+"""Convolution fusions: fold a zero Pad and BatchNormalization, absorb a residual Add, absorb an activation."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.ir import Graph, Node
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import activation_spec, fused_name, replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.passes.patterns import (activation_spec, const_value, fused_name, replace_nodes, sole_consumer,
+                                  why_not_sole_consumer)
 
 
 def _is_conv(node: Node | None) -> bool:
     return node is not None and node.op_type == "Conv" and node.domain in ("", "ai.onnx")
+
+
+def fold_pad_into_conv(g: Graph, plog: PassLog) -> None:
+    """PaddingConvFusion:  Pad(x, zeros around H/W) -> Conv  ==>  Conv(x) with the Pad's widths added to its pads,
+    as TensorRT's ONNX parser folds it (tf2onnx and Keras exports pad explicitly: ZeroPadding2D, TF's SAME)."""
+    for conv in [n for n in g.nodes if _is_conv(n)]:
+        pad = conv.inputs[0].producer
+        if pad is None or pad.op_type != "Pad" or pad.domain not in ("", "ai.onnx"):
+            continue
+        plog.running(pad)
+        widths, reason = _zero_pad_widths(g, pad, conv)
+        if reason is not None:
+            plog.not_fused(pad, conv, reason)
+            continue
+        rank = len(widths) // 2
+        begins, ends = widths[2:rank], widths[rank + 2:]
+        old, k = list(conv.attrs["pads"]), rank - 2
+        attrs = {key: v for key, v in conv.attrs.items() if key != "padding_mode"}   # explicit pads now
+        attrs["pads"] = [a + b for a, b in zip(old[:k], begins)] + [a + b for a, b in zip(old[k:], ends)]
+        name, origin = fused_name([pad, conv])
+        plog.fusing(pad, conv)
+        replace_nodes(g, [pad, conv], Node(name, "Conv", [pad.inputs[0], *conv.inputs[1:]], list(conv.outputs), attrs,
+                                           "", origin))
+
+
+def _zero_pad_widths(g: Graph, pad: Node, conv: Node) -> tuple[list[int], str | None]:
+    """The Pad's widths per axis [begins..., ends...] where a convolution can take them as its own zero padding,
+    else the reason it cannot."""
+    if sole_consumer(g, pad) is not conv:
+        return [], why_not_sole_consumer(g, pad)
+    if pad.attrs.get("mode", "constant") != "constant":
+        return [], f"{pad.name} pads in mode '{pad.attrs['mode']}', not with a constant"
+    inputs = list(pad.inputs) + [None] * (4 - len(pad.inputs))
+    pads, value, axes = (const_value(v) for v in inputs[1:4])
+    pads = pad.attrs.get("pads") if inputs[1] is None else pads
+    value = pad.attrs.get("value", 0.0) if inputs[2] is None else value
+    if pads is None or (inputs[3] is not None and axes is None) or value is None:
+        return [], f"{pad.name}'s pads, constant or axes are computed at run time"
+    if np.any(np.asarray(value, dtype=np.float64) != 0):
+        return [], f"{pad.name} pads with {np.asarray(value).reshape(-1)[0]}, not 0"
+    rank, pads = len(pad.inputs[0].shape), [int(p) for p in np.asarray(pads).reshape(-1)]
+    axes = list(range(rank)) if axes is None else [int(a) % rank for a in np.asarray(axes).reshape(-1)]
+    widths = [0] * (2 * rank)
+    for i, a in enumerate(axes):
+        widths[a], widths[a + rank] = pads[i], pads[i + len(axes)]
+    if any(w < 0 for w in widths):
+        return [], f"{pad.name} crops (a negative pad)"
+    if any(widths[a] or widths[a + rank] for a in (0, 1)):
+        return [], f"{pad.name} pads the batch or channel axis"
+    return widths, None
 
 
 def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
