@@ -2,7 +2,8 @@
    pass per row for the sum, two vectorized reductions in double (mean, then the centred variance, as torch and
    onnxruntime compute it), one for the scaled output; OpenMP over rows. The BF16 variant reads its input and skip
    and writes its output in bf16 or FP32, as the plan stores them, and computes in FP32; with LN_RMS it is
-   RMSNormalization (T5's, LLaMA's): no mean subtracted, 1 / sqrt(mean of squares + eps), no bias. */
+   RMSNormalization (T5's, LLaMA's): no mean subtracted, 1 / sqrt(mean of squares + eps), no bias. Instance and
+   group normalization run the same statistics over each (n, group) row with one scale and bias per channel. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,6 +90,40 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
       (io & LN_RMS ? row_rms : row_stats)(row, n, eps, &mean, &inv);
       #pragma omp simd
       for (int64_t k = 0; k < n; ++k) row[k] = (row[k] - mean) * inv * gamma[k] + (beta ? beta[k] : 0.0f);
+      if (io & IO_Y_BF16) {
+        uint16_t* restrict out = (uint16_t*)y + r * n;
+        #pragma omp simd
+        for (int64_t k = 0; k < n; ++k) out[k] = bf16_narrow(row[k]);
+      } else {
+        memcpy((float*)y + r * n, row, sizeof(float) * n);
+      }
+    }
+    free(row);
+  }
+}
+
+/* InstanceNormalization and GroupNormalization on row-major [N, C, spatial...] maps: each row (one (n, group):
+   channels_per_group x hw values, contiguous) normalized by its own mean and variance (double sums, as
+   row_stats), then each channel's scale and bias (gamma/beta: `groups` x channels_per_group of them, FP32);
+   InstanceNormalization is groups = C, one channel a row. `io` holds IO_X_BF16 / IO_Y_BF16. */
+void kiln_groupnorm(const void* x, const float* restrict gamma, const float* restrict beta, void* y, int64_t rows,
+                    int64_t n, int64_t groups, int64_t hw, double eps, int64_t io) {
+  const int64_t per_group = n / hw;
+  #pragma omp parallel if (rows * n >= 65536)
+  {
+    float* row = (float*)malloc(sizeof(float) * n);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      load_row(x, r * n, n, io & IO_X_BF16, row);
+      float mean, inv;
+      row_stats(row, n, eps, &mean, &inv);
+      for (int64_t s = 0; s < per_group; ++s) {
+        const int64_t channel = (r % groups) * per_group + s;
+        const float scale = inv * gamma[channel], bias = beta[channel];
+        float* restrict seg = row + s * hw;
+        #pragma omp simd
+        for (int64_t k = 0; k < hw; ++k) seg[k] = (seg[k] - mean) * scale + bias;
+      }
       if (io & IO_Y_BF16) {
         uint16_t* restrict out = (uint16_t*)y + r * n;
         #pragma omp simd
