@@ -63,7 +63,9 @@ def build_model(name: str, workdir: Path):
 
     resnet18/resnet50: tests/models/nets.py at 1x3x224x224. bert-base: HF BertModel at BERT-base shape (12 layers,
     hidden 768, 12 heads, FFN 3072, random weights, eager attention), batch 1, seq 128, 20 padded tokens; minilm:
-    the same at MiniLM-L6's shape (6 layers, hidden 384, 12 heads, FFN 1536). yolov8n: tests/models/detectors.py (YOLOv8n widths/depths, DFL head, anchors in the graph) at 1x3x640x640."""
+    the same at MiniLM-L6's shape (6 layers, hidden 384, 12 heads, FFN 1536). yolov8n: tests/models/detectors.py
+    (YOLOv8n widths/depths, DFL head, anchors in the graph) at 1x3x640x640. unet: tests/models/segmenters.py (GroupNorm
+    + SiLU blocks, ConvTranspose up blocks, a bilinear upsample of the logits) at 1x3x256x256."""
     import torch
 
     path = workdir / f"{name}.onnx"
@@ -95,7 +97,16 @@ def build_model(name: str, workdir: Path):
             x = np.random.default_rng(0).random((1, 3, 640, 640)).astype(np.float32)
             detectors.export(model, torch.from_numpy(x), path, "legacy")
             return model, {"images": x}, path
-    raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, resnet18-int8, resnet50-int8, bert-base, minilm, yolov8n)")
+        if name == "unet":
+            from tests.models.nets import export
+            from tests.models.segmenters import make_unet
+
+            model = make_unet()
+            x = np.random.default_rng(0).standard_normal((1, 3, 256, 256)).astype(np.float32)
+            export(model, torch.from_numpy(x), path, "legacy")
+            return model, {"input": x}, path
+    raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, resnet18-int8, resnet50-int8, bert-base, minilm, "
+                     "yolov8n, unet)")
 
 
 def quantize_qdq(path: Path, x: np.ndarray) -> Path:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kiln import hardware
 from kiln.ops.nn import _torch_pad, apply_activation
 from kiln.ops.norm_resize import conv_transpose_geometry
-from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
 
 # kiln activation -> (oneDNN unary attr, scalars from attrs, algorithm); None: applied after the kernel.
 _UNARY = {
@@ -193,8 +193,8 @@ class OneDnnDeconvTactic:
         shapes = layer.input_shapes
         bias_known = len(shapes) < 3 or shapes[2] is None or 2 in layer.const_inputs
         return (len(shapes[0]) == 2 + self.spatial_rank and layer.input_dtypes[0] == "float32" and bias_known
-                and 1 in layer.const_inputs and torch.backends.mkldnn.is_available()
-                and self.geometry(layer) is not None)
+                and 1 in layer.const_inputs and torch.backends.mkldnn.is_available() and batch_dynamic_only(layer)
+                and self.geometry(layer) is not None)   # pads from auto_pad/output_shape follow the input's size
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [self.layout] * len(layer.input_shapes)

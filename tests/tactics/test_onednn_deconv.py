@@ -72,7 +72,10 @@ def test_declines_what_onednn_cannot_express():
                                 ("float32",) * 3, {2: b})
     runtime_bias = LayerView("ConvTranspose", "", {"strides": [2, 2]}, ((1, 4, 6, 6), (4, 4, 3, 3), (4,)),
                              ("float32",) * 3, {1: w})
-    for v in (past_stride, runtime_weights, runtime_bias):
+    dynamic_size = LayerView("ConvTranspose", "", {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
+                             ((1, 4, 6, 6), (4, 4, 3, 3), (4,)), ("float32",) * 3, {1: w, 2: b},
+                             input_dynamic=((0, 2, 3), (), ()))   # SAME's pads depend on the size met at run time
+    for v in (past_stride, runtime_weights, runtime_bias, dynamic_size):
         assert not OneDnnDeconvTactic().supports(v)
 
 
