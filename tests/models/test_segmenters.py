@@ -30,7 +30,7 @@ def unet(tmp_path_factory):
 
 def test_own_kernels_match_onnxruntime(unet):
     path, feeds = unet
-    engine = kiln.build(path, tactic_sources=OWN, avg_timing=1, min_timing=1)
+    engine = kiln.build(path, tactic_sources="kiln,codegen,torch-onednn", avg_timing=1, min_timing=1)
     assert_close_to_ort(engine.run(feeds)["output"], run_ort(path, feeds)[0])
     tactics = {layer.op_type: layer.tactic_name for layer in engine.plan.layers}
     assert tactics["InstanceNormalization"] == "kiln.groupnorm_rows" and tactics["Resize"] == "kiln.resize_interpolate"
@@ -39,7 +39,8 @@ def test_own_kernels_match_onnxruntime(unet):
 @pytest.mark.skipif(not bf16_available(), reason="no native BF16 (avx512_bf16/amx_bf16) with oneDNN here")
 def test_bf16_is_granted_to_group_norms_and_transposed_convolutions(unet):
     path, feeds = unet
-    engine = kiln.build(path, bf16=True, tactic_sources=OWN, avg_timing=1, min_timing=1)
+    engine = kiln.build(path, bf16=True, tactic_sources=OWN, precision_constraints="prefer", accuracy="off",
+                        avg_timing=1, min_timing=1)   # BF16 wherever a kernel exists, whatever tiny layers time
     layers = engine.plan.layers
     norms = [(l.tactic_name, l.precision) for l in layers if l.op_type == "InstanceNormalization"]
     ups = [(l.tactic_name, l.precision) for l in layers if l.op_type == "ConvTranspose"]

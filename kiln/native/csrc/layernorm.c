@@ -72,6 +72,17 @@ static inline void load_row(const void* base, int64_t at, int64_t n, int bf16, f
   for (int64_t k = 0; k < n; ++k) dst[k] = bf16_widen(src[k]);
 }
 
+/* A row of FP32 values into `base` at element `at`, rounded to bf16 where the output is stored so. */
+static inline void store_row(const float* restrict src, int64_t n, int bf16, void* base, int64_t at) {
+  if (!bf16) {
+    memcpy((float*)base + at, src, sizeof(float) * n);
+    return;
+  }
+  uint16_t* restrict dst = (uint16_t*)base + at;
+  #pragma omp simd
+  for (int64_t k = 0; k < n; ++k) dst[k] = bf16_narrow(src[k]);
+}
+
 void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict gamma, const float* restrict beta,
                          void* y, int64_t rows, int64_t n, double eps, int64_t io) {
   #pragma omp parallel
@@ -90,13 +101,7 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
       (io & LN_RMS ? row_rms : row_stats)(row, n, eps, &mean, &inv);
       #pragma omp simd
       for (int64_t k = 0; k < n; ++k) row[k] = (row[k] - mean) * inv * gamma[k] + (beta ? beta[k] : 0.0f);
-      if (io & IO_Y_BF16) {
-        uint16_t* restrict out = (uint16_t*)y + r * n;
-        #pragma omp simd
-        for (int64_t k = 0; k < n; ++k) out[k] = bf16_narrow(row[k]);
-      } else {
-        memcpy((float*)y + r * n, row, sizeof(float) * n);
-      }
+      store_row(row, n, io & IO_Y_BF16, y, r * n);
     }
     free(row);
   }
@@ -124,13 +129,7 @@ void kiln_groupnorm(const void* x, const float* restrict gamma, const float* res
         #pragma omp simd
         for (int64_t k = 0; k < hw; ++k) seg[k] = (seg[k] - mean) * scale + bias;
       }
-      if (io & IO_Y_BF16) {
-        uint16_t* restrict out = (uint16_t*)y + r * n;
-        #pragma omp simd
-        for (int64_t k = 0; k < n; ++k) out[k] = bf16_narrow(row[k]);
-      } else {
-        memcpy((float*)y + r * n, row, sizeof(float) * n);
-      }
+      store_row(row, n, io & IO_Y_BF16, y, r * n);
     }
     free(row);
   }
