@@ -63,10 +63,14 @@ def group_norm(attrs, xs):
     var = ((g - mean) ** 2).mean(dim=2, keepdim=True)
     y = ((g - mean) / torch.sqrt(var + attrs.get("epsilon", 1e-5))).reshape(x.shape)
     shape = [1, -1] + [1] * (x.dim() - 2)
-    if scale.numel() == groups and groups != c:   # opset 18 form: one scale per group
-        scale = scale.repeat_interleave(c // groups)
-        bias = bias.repeat_interleave(c // groups)
+    scale, bias = per_channel(scale, c, groups), per_channel(bias, c, groups)
     return [y * scale.reshape(shape) + bias.reshape(shape)]
+
+
+def per_channel(param: torch.Tensor, channels: int, groups: int) -> torch.Tensor:
+    """A GroupNormalization scale or bias with one value per channel: opset 18's one per group repeated."""
+    param = param.reshape(-1)
+    return param.repeat_interleave(channels // groups) if param.numel() == groups and groups != channels else param
 
 
 def conv_transpose_geometry(attrs: dict, in_spatial: list[int], kernel_spatial: list[int]):
@@ -263,29 +267,13 @@ def resize(attrs, xs):
     return [torch.round(y).clamp(info.min, info.max).to(x.dtype)]
 
 
-def nearest_source_indices(attrs, shape: list[int], roi, scales, sizes) -> list[torch.Tensor] | None:
-    """For a nearest-mode Resize of an input of `shape`: per axis, the input index each output index reads (the
-    same rule `resize` applies, so a gather with them is exact); None for other modes and tf_crop_and_resize."""
-    if attrs.get("mode", "nearest") != "nearest" or \
-            attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+def resize_taps(attrs, shape: list[int], roi, scales, sizes) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """For a Resize of an input of `shape`, by the rule `resize` applies: per axis, the input indices [out, taps]
+    each output index reads and their weights [out, taps] (float64; None for nearest and on an axis left alone: one
+    tap of weight 1); None for tf_crop_and_resize, whose extrapolated pixels read no input."""
+    if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
         return None
-    indices = [torch.arange(n) for n in shape]
-    for a, out_size, scale, axis_roi in _resampled_axes(attrs, shape, roi, scales, sizes):
-        coords = _source_coords(out_size, shape[a], scale, attrs.get("coordinate_transformation_mode", "half_pixel"),
-                                axis_roi)
-        indices[a] = _nearest_index(coords, attrs.get("nearest_mode", "round_prefer_floor"), shape[a])[:, 0].contiguous()
-    return indices
-
-
-def interpolation_taps(attrs, shape: list[int], roi, scales,
-                       sizes) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """For a linear or cubic Resize of an input of `shape`: per axis, the input indices [out, taps] each output
-    index sums and their weights [out, taps] (float64; one tap of weight 1 on an axis left alone), by the rule
-    `resize` applies; None for nearest and tf_crop_and_resize (its extrapolated pixels are no weighted sum)."""
-    if attrs.get("mode", "nearest") not in _WEIGHTS or \
-            attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
-        return None
-    taps = [(torch.arange(n)[:, None], torch.ones(n, 1, dtype=torch.float64)) for n in shape]
+    taps = [(torch.arange(n)[:, None], None) for n in shape]
     for a, out_size, scale, axis_roi in _resampled_axes(attrs, shape, roi, scales, sizes):
         coords = _source_coords(out_size, shape[a], scale, attrs.get("coordinate_transformation_mode", "half_pixel"),
                                 axis_roi)

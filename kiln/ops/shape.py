@@ -162,6 +162,16 @@ def tile(attrs, xs):
     return [xs[0].repeat(*xs[1])]
 
 
+def pad_widths(rank: int, pads, axes=None) -> list[int]:
+    """Pad's widths for every axis of a rank-`rank` input, [begins..., ends...], from its `pads` over `axes` (all
+    axes when None; negative axes count from the end)."""
+    axes = list(range(rank)) if axes is None else [int(a) % rank for a in axes]
+    full = [0] * (2 * rank)
+    for i, a in enumerate(axes):
+        full[a], full[a + rank] = int(pads[i]), int(pads[i + len(axes)])
+    return full
+
+
 @register("Pad", INJ, host_inputs=(1, 2, 3))
 def pad(attrs, xs):
     from kiln.ops.nn import _torch_pad
@@ -171,11 +181,7 @@ def pad(attrs, xs):
     value = xs[2] if len(xs) > 2 and xs[2] is not None else attrs.get("value", 0.0)
     if isinstance(value, list):
         value = value[0] if value else 0.0
-    axes = xs[3] if len(xs) > 3 and xs[3] is not None else list(range(x.dim()))
-    full = [0] * (2 * x.dim())
-    for i, a in enumerate(axes):
-        a %= x.dim()
-        full[a], full[a + x.dim()] = pads[i], pads[i + len(axes)]
+    full = pad_widths(x.dim(), pads, xs[3] if len(xs) > 3 else None)
     mode = attrs.get("mode", "constant")
     tpads = _torch_pad(full)
     if mode == "constant":

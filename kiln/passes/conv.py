@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.ir import Graph, Node
+from kiln.ops.shape import pad_widths
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import (activation_spec, const_value, fused_name, replace_nodes, sole_consumer,
                                   why_not_sole_consumer)
@@ -51,11 +52,8 @@ def _zero_pad_widths(g: Graph, pad: Node, conv: Node) -> tuple[list[int], str | 
         return [], f"{pad.name}'s pads, constant or axes are computed at run time"
     if np.any(np.asarray(value, dtype=np.float64) != 0):
         return [], f"{pad.name} pads with {np.asarray(value).reshape(-1)[0]}, not 0"
-    rank, pads = len(pad.inputs[0].shape), [int(p) for p in np.asarray(pads).reshape(-1)]
-    axes = list(range(rank)) if axes is None else [int(a) % rank for a in np.asarray(axes).reshape(-1)]
-    widths = [0] * (2 * rank)
-    for i, a in enumerate(axes):
-        widths[a], widths[a + rank] = pads[i], pads[i + len(axes)]
+    rank = len(pad.inputs[0].shape)
+    widths = pad_widths(rank, np.asarray(pads).reshape(-1), None if axes is None else np.asarray(axes).reshape(-1))
     if any(w < 0 for w in widths):
         return [], f"{pad.name} crops (a negative pad)"
     if any(widths[a] or widths[a + rank] for a in (0, 1)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kiln import hardware, native
+from kiln.ops.norm_resize import per_channel
 from kiln.tactics.base import LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, bf16_io, storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
@@ -172,10 +173,7 @@ class GroupNormTactic:
         lib = native.library("layernorm")
         n, groups, hw = _group_geometry(layer)
         channels = layer.input_shapes[0][1]
-        scale, bias = (layer.const_inputs[i].reshape(-1).float() for i in (1, 2))
-        if scale.numel() != channels:   # GroupNormalization opset 18: one scale and bias per group
-            scale, bias = (t.repeat_interleave(channels // groups) for t in (scale, bias))
-        scale, bias = scale.contiguous(), bias.contiguous()
+        scale, bias = (per_channel(layer.const_inputs[i].float(), channels, groups).contiguous() for i in (1, 2))
         eps, io = float(layer.attrs.get("epsilon", 1e-5)), bf16_io(layer)
         out_dtype = storage_dtype(layer.output_dtypes[0])
 

@@ -69,13 +69,32 @@ def bf16_available() -> bool:
         torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-class OneDnnConvTactic:
-    name = "onednn.conv2d_nhwc_prepacked"
+class OneDnnWeightedTactic:
+    """What oneDNN's convolution and deconvolution tactics share: the layout they read and write (channel-major in
+    2-D, row-major for 1-D views) and the weights and bias in the compute dtype."""
+
     source = "torch-onednn"
     compute_dtype = torch.float32
 
     spatial_rank = 2
     layout = HWC
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [self.layout] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return self.layout
+
+    def weights(self, layer: LayerView):
+        """(weights, bias or None) in the compute dtype, and the cast of an activation to it."""
+        to_compute, _ = casts(self.compute_dtype)
+        bias = layer.const_inputs.get(2)
+        return (layer.const_inputs[1].contiguous().to(self.compute_dtype),
+                None if bias is None else bias.to(self.compute_dtype), to_compute)
+
+
+class OneDnnConvTactic(OneDnnWeightedTactic):
+    name = "onednn.conv2d_nhwc_prepacked"
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx"):
@@ -84,19 +103,9 @@ class OneDnnConvTactic:
         return (len(shapes[0]) == 2 + self.spatial_rank and layer.input_dtypes[0] == "float32"
                 and 1 in layer.const_inputs and torch.backends.mkldnn.is_available())
 
-    def input_formats(self, layer: LayerView) -> list[str]:
-        return [self.layout] * len(layer.input_shapes)
-
-    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return self.layout
-
     def prepare(self, layer: LayerView) -> Kernel:
         a = layer.attrs
-        dtype = self.compute_dtype
-        to_compute, _ = casts(dtype)
-        w = layer.const_inputs[1].contiguous().to(dtype)
-        bias = layer.const_inputs.get(2)
-        bias = None if bias is None else bias.to(dtype)
+        w, bias, to_compute = self.weights(layer)
         pads, strides, dilations, groups = a["pads"], a["strides"], a["dilations"], a.get("group", 1)
         return self.kernel(layer, w, bias, pads, strides, dilations, groups, list(layer.input_shapes[0]), to_compute)
 
@@ -162,18 +171,13 @@ class OneDnnConv1dTactic(OneDnnConvTactic):
         return run
 
 
-class OneDnnDeconvTactic:
+class OneDnnDeconvTactic(OneDnnWeightedTactic):
     """ConvTranspose on oneDNN's deconvolution (`torch.ops.mkldnn._convolution_transpose_pointwise`): channel-major
     activations, weights [C, O/g, kH, kW] prepacked once, bias fused. ONNX's begin and end pads map onto oneDNN's
     padding (the begin crop) and output padding (what the end crop gives back); a geometry where that output padding
     would be negative or reach the stride is not taken (torch's reference runs it)."""
 
     name = "onednn.deconv2d_nhwc_prepacked"
-    source = "torch-onednn"
-    compute_dtype = torch.float32
-
-    spatial_rank = 2
-    layout = HWC
 
     def geometry(self, layer: LayerView):
         """(padding, output padding, end trim, strides, dilations) for oneDNN, or None where ONNX's geometry has
@@ -196,17 +200,8 @@ class OneDnnDeconvTactic:
                 and 1 in layer.const_inputs and torch.backends.mkldnn.is_available() and batch_dynamic_only(layer)
                 and self.geometry(layer) is not None)   # pads from auto_pad/output_shape follow the input's size
 
-    def input_formats(self, layer: LayerView) -> list[str]:
-        return [self.layout] * len(layer.input_shapes)
-
-    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return self.layout
-
     def prepare(self, layer: LayerView) -> Kernel:
-        to_compute, _ = casts(self.compute_dtype)
-        w = layer.const_inputs[1].contiguous().to(self.compute_dtype)
-        bias = layer.const_inputs.get(2)
-        bias = None if bias is None else bias.to(self.compute_dtype)
+        w, bias, to_compute = self.weights(layer)
         geometry = (*self.geometry(layer), layer.attrs.get("group", 1))
         return self.kernel(layer, w, bias, geometry, list(layer.input_shapes[0]), to_compute)
 

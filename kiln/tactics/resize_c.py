@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln import native
-from kiln.ops.norm_resize import interpolation_taps, nearest_source_indices, resize
+from kiln.ops.norm_resize import resize, resize_taps
 from kiln.ops.registry import host_value
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
 
@@ -21,17 +21,24 @@ RESIZE_TACTIC = "kiln.resize_nearest_nhwc"
 INTERPOLATE_TACTIC = "kiln.resize_interpolate"
 
 
-def _tables(layer: LayerView) -> list[torch.Tensor] | None:
-    """Per axis, the input index of each output index; None where this kernel does not apply."""
+def _spatial_taps(layer: LayerView):
+    """kiln.ops' Resize taps (indices, weights or None) of H and W for a 4-D layer whose roi, scales and sizes are
+    constants and whose batch and channels stay as they are; None where these kernels do not apply."""
     x = layer.input_shapes[0]
-    consts = [host_value(layer.const_inputs.get(i)) for i in (1, 2, 3)]
     given = [i for i in (1, 2, 3) if i < len(layer.input_shapes) and layer.input_shapes[i] is not None]
     if x is None or len(x) != 4 or any(i not in layer.const_inputs for i in given):
         return None
-    tables = nearest_source_indices(layer.attrs, list(x), *consts)
-    if tables is None or any(not torch.equal(t, torch.arange(x[a])) for a, t in enumerate(tables[:2])):
+    taps = resize_taps(layer.attrs, list(x), *(host_value(layer.const_inputs.get(i)) for i in (1, 2, 3)))
+    if taps is None or any(idx.shape[1] != 1 or not torch.equal(idx[:, 0], torch.arange(x[a]))
+                           for a, (idx, _) in enumerate(taps[:2])):
         return None   # batch or channels resampled too
-    return tables
+    return taps[2:]
+
+
+def _tables(layer: LayerView) -> list[torch.Tensor] | None:
+    """Nearest: per spatial axis, the input index of each output index; None where this kernel does not apply."""
+    taps = _spatial_taps(layer) if layer.attrs.get("mode", "nearest") == "nearest" else None
+    return None if taps is None else [idx[:, 0].contiguous() for idx, _ in taps]
 
 
 class NhwcResizeTactic:
@@ -61,7 +68,7 @@ class NhwcResizeTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("resize")
         n, c, h, w = layer.input_shapes[0]
-        _, _, rows, cols = _tables(layer)
+        rows, cols = _tables(layer)
         oh, ow = len(rows), len(cols)
         host = {i: host_value(layer.const_inputs.get(i)) for i in (1, 2, 3)}
         last, dtype = torch.channels_last, storage_dtype(layer.output_dtypes[0])
@@ -89,19 +96,15 @@ class NhwcResizeBf16Tactic(Bf16Storage, NhwcResizeTactic):
 
 
 def _interpolation_tables(layer: LayerView) -> tuple[torch.Tensor, ...] | None:
-    """(rows, row weights, cols, col weights): input indices [out, taps] (int64) and FP32 weights per spatial axis;
-    None where this kernel does not apply."""
-    x = layer.input_shapes[0]
-    given = [i for i in (1, 2, 3) if i < len(layer.input_shapes) and layer.input_shapes[i] is not None]
-    if x is None or len(x) != 4 or any(i not in layer.const_inputs for i in given):
+    """Linear and cubic: (rows, row weights, cols, col weights), input indices [out, taps] (int64) and FP32 weights
+    per spatial axis; None where this kernel does not apply."""
+    taps = _spatial_taps(layer) if layer.attrs.get("mode", "nearest") != "nearest" else None
+    if taps is None:
         return None
-    consts = [host_value(layer.const_inputs.get(i)) for i in (1, 2, 3)]
-    taps = interpolation_taps(layer.attrs, list(x), *consts)
-    if taps is None or any(t[0].shape[1] != 1 or not torch.equal(t[0][:, 0], torch.arange(x[a]))
-                           for a, t in enumerate(taps[:2])):
-        return None   # batch or channels resampled too
-    (rows, row_weights), (cols, col_weights) = taps[2:]
-    return (rows.contiguous(), row_weights.float().contiguous(), cols.contiguous(), col_weights.float().contiguous())
+    (rows, row_weights), (cols, col_weights) = (
+        (idx.contiguous(), torch.ones(idx.shape, dtype=torch.float32) if w is None else w.float().contiguous())
+        for idx, w in taps)
+    return rows, row_weights, cols, col_weights
 
 
 class InterpolateResizeTactic(NhwcResizeTactic):
@@ -109,9 +112,6 @@ class InterpolateResizeTactic(NhwcResizeTactic):
     one-channel maps; the output keeps the input's layout."""
 
     name = INTERPOLATE_TACTIC
-
-    def supports(self, layer: LayerView) -> bool:
-        return layer.attrs.get("mode", "nearest") != "nearest" and super().supports(layer)
 
     def tables_apply(self, layer: LayerView) -> bool:
         return _interpolation_tables(layer) is not None

@@ -1,6 +1,6 @@
 """ConvTranspose on oneDNN's deconvolution (kiln.tactics.onednn_conv.OneDnnDeconvTactic, its 1-D form and BF16
 variants): every ONNX geometry (strides, dilations, groups, output_padding, asymmetric pads, auto_pad, output_shape)
-against float64 torch through kiln's ONNX rule; what it declines; a U-Net-style up block against onnxruntime in FP32
+against onnxruntime; what it declines; a U-Net-style up block against onnxruntime in FP32
 (tactic and LayerType) and granted BF16."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from onnx import TensorProto, helper
 
 import kiln
-from kiln.ops.norm_resize import conv_transpose
 from kiln.tactics.base import LayerView
 from kiln.tactics.onednn_conv import (OneDnnBf16DeconvTactic, OneDnnDeconv1dTactic, OneDnnDeconvTactic,
                                      bf16_available)
@@ -37,7 +36,12 @@ def _view(shape, w, b, attrs, groups, dtype="float32"):
 
 
 def _expected(x, w, b, attrs, groups):
-    return conv_transpose(dict(attrs, group=groups), [x.double(), w.double(), b.double()])[0]
+    """onnxruntime's ConvTranspose of x (one node: its reading of every ONNX attribute), as a float64 tensor."""
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], group=groups, **attrs)
+    model = make_model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                       [init("w", w.numpy()), init("b", b.numpy())])
+    return torch.from_numpy(run_ort(model, {"x": x.float().numpy()})[0]).double()
 
 
 @pytest.mark.parametrize("c, o, size, k, attrs, groups", GEOMETRIES)
