@@ -53,8 +53,10 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("layernorm", "layernorm.c", (
         Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),
         Function("kiln_layernorm_bf16", (POINTER,) * 5 + (I64,) * 2 + (F64, I64)),
-        # x, gamma, beta, y, rows, n, groups, hw, eps, io
-        Function("kiln_groupnorm", (POINTER,) * 4 + (I64,) * 4 + (F64, I64)))),
+        # x, gamma, beta, y, rows, n, groups, hw, eps, act, io
+        Function("kiln_groupnorm", (POINTER,) * 4 + (I64,) * 4 + (F64, I64, I64)),
+        # x, gamma, beta, y, batch, hw, channels, groups, eps, act, io
+        Function("kiln_groupnorm_nhwc", (POINTER,) * 4 + (I64,) * 4 + (F64, I64, I64)))),
     LibrarySpec("conv_planes", "conv_planes.c", (   # the first argument: the layer's constants
         Function("kiln_conv_planes", (POINTER,) * 5 + (I64,)),)),   # ..., x, w, bias, y, batch
     LibrarySpec("softmax", "softmax.c", (

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.nn import apply_activation
 from kiln.ops.registry import OpKind, register
 
 
@@ -50,7 +51,7 @@ def instance_norm(attrs, xs):
     mean = x.mean(dim=dims, keepdim=True)
     var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)
     y = (x - mean) / torch.sqrt(var + attrs.get("epsilon", 1e-5))
-    return [y * scale.reshape(shape) + bias.reshape(shape)]
+    return [apply_activation(attrs.get("activation"), y * scale.reshape(shape) + bias.reshape(shape))]
 
 
 @register("GroupNormalization", OpKind.REDUCTION)
@@ -64,7 +65,7 @@ def group_norm(attrs, xs):
     y = ((g - mean) / torch.sqrt(var + attrs.get("epsilon", 1e-5))).reshape(x.shape)
     shape = [1, -1] + [1] * (x.dim() - 2)
     scale, bias = per_channel(scale, c, groups), per_channel(bias, c, groups)
-    return [y * scale.reshape(shape) + bias.reshape(shape)]
+    return [apply_activation(attrs.get("activation"), y * scale.reshape(shape) + bias.reshape(shape))]
 
 
 def per_channel(param: torch.Tensor, channels: int, groups: int) -> torch.Tensor:

@@ -4,10 +4,10 @@ from __future__ import annotations
 from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_norm, merge_matmuls
 from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
-                              fuse_residual_add)
+                              fuse_norm_activation, fuse_residual_add)
 from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
-from kiln.passes.normalization import fuse_layer_norm, fuse_rms_norm
+from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
@@ -28,6 +28,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     # LayerNorm before pointwise fusion, which would otherwise swallow its Sub/Pow/Add/Sqrt/Div into PWN layers.
     Pass("LayerNormFusion", fuse_layer_norm),
     Pass("RMSNormFusion", fuse_rms_norm),
+    Pass("GroupNormFusion", fuse_group_norm),
     # GELU's erf form becomes one Gelu op before pointwise fusion could split it, so a MatMul can absorb it.
     Pass("GeluFusion", fuse_gelu),
     # A zero Pad before a convolution becomes the convolution's own padding (no copy of the padded map).
@@ -39,6 +40,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     # SiLU (x * Sigmoid(x)) becomes one Swish op first, so the convolution or matrix product can absorb it.
     Pass("SwishFusion", fuse_swish),
     Pass("ConvReluFusion", fuse_activation),
+    Pass("NormActFusion", fuse_norm_activation),
     Pass("MatMulAddFusion", fuse_matmul_bias),
     # Q/K/V projections merge once their biases are inside; attention then absorbs the Split and the shuffles.
     Pass("MatMulHorizontalMerge", merge_matmuls),

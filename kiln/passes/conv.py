@@ -133,8 +133,10 @@ def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str |
     return None
 
 
-def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv",)) -> None:
-    """ConvReluFusion:  Conv(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  Conv(..., activation=...)."""
+def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv",),
+                    only: tuple[str, ...] | None = None) -> None:
+    """ConvReluFusion:  Conv(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  Conv(..., activation=...).
+    `only`: the activations the producer's kernels apply (others stay, with the reason logged)."""
     for node in [n for n in g.nodes if n.op_type in producer_ops and n.domain in ("", "ai.onnx")]:
         users = node.outputs[0].users
         if len(users) != 1:
@@ -153,10 +155,19 @@ def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("C
         if "activation" in node.attrs:
             plog.not_fused(node, act, f"{node.name} already applies {node.attrs['activation']['op']}")
             continue
+        if only is not None and (spec["op"] not in only or spec["attrs"].get("alpha", 1.0) != 1.0):
+            plog.not_fused(node, act, f"kiln's {node.op_type} kernels apply {' and '.join(only)} only")
+            continue
         name, origin = fused_name([node, act])
         attrs = dict(node.attrs, activation=spec)
         plog.fusing(node, act)
         replace_nodes(g, [node, act], Node(name, node.op_type, list(node.inputs), [act.outputs[0]], attrs, "", origin))
+
+
+def fuse_norm_activation(g: Graph, plog: PassLog) -> None:
+    """NormActFusion:  Group/InstanceNormalization -> Relu | SiLU  ==>  one normalization layer applying it, as
+    TensorRT's group-norm plugin takes SiLU: every GroupNorm of a diffusion U-Net or VAE is followed by one."""
+    fuse_activation(g, plog, producer_ops=("GroupNormalization", "InstanceNormalization"), only=("Relu", "Swish"))
 
 
 def fuse_gemm_activation(g: Graph, plog: PassLog) -> None:

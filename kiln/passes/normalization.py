@@ -9,6 +9,8 @@ RMSNormFusion: T5's and LLaMA's RMSNorm (no mean subtracted) becomes one RMSNorm
     v = ReduceMean(Pow(x, 2) | Mul(x, x), axes=A)  s = Sqrt(Add(v, eps))
     y = Div(x, s) | Mul(x, Reciprocal(s)) | Mul(x, Div(1, s))  [y = Mul(y, gamma)]
 ==> RMSNormalization(x, gamma, axis=first of A, epsilon=eps).
+
+GroupNormFusion: torch's GroupNorm export, InstanceNormalization between two Reshapes, becomes GroupNormalization.
 """
 from __future__ import annotations
 
@@ -179,3 +181,77 @@ def fuse_rms_norm(g: Graph, plog: PassLog) -> None:
         plog.fusing(nodes[0], last)
         replace_nodes(g, nodes, Node(name, "RMSNormalization", [x, gamma_v], list(last.outputs),
                                      {"axis": axes[0], "epsilon": eps}, "", origin))
+
+
+def _per_channel(v: Value | None, rank: int, channels: int) -> np.ndarray | None:
+    """A constant broadcasting over [N, C, spatial...] with one value per channel (or one for all), as [C]."""
+    if v is None or not v.is_const or v.const.ndim > rank:
+        return None
+    shape = (1,) * (rank - v.const.ndim) + v.const.shape
+    if any(d != 1 for i, d in enumerate(shape) if i != 1) or shape[1] not in (1, channels):
+        return None
+    return np.broadcast_to(v.const.reshape(-1).astype(np.float32), (channels,))
+
+
+def _is_reshape(node: Node | None) -> bool:
+    return node is not None and node.op_type == "Shuffle" and node.domain == "kiln" and \
+        len(node.attrs["steps"]) == 1 and "reshape" in node.attrs["steps"][0]
+
+
+def _match_group(g: Graph, inn: Node) -> tuple[list[Node], Value, int, np.ndarray, np.ndarray] | str | None:
+    """(nodes, x, groups, scale [C], bias [C]) where `inn` normalizes x reshaped to [N, G, -1] and the result is
+    reshaped back to x's shape; a reason string when that frame is there but the rest does not match."""
+    split, merge = inn.inputs[0].producer, sole_consumer(g, inn)
+    if not (_is_reshape(split) and _is_reshape(merge)) or len(inn.inputs) != 3:
+        return None
+    x, grouped = split.inputs[0], inn.inputs[0]
+    if x.shape is None or len(x.shape) < 3 or grouped.shape is None or len(grouped.shape) != 3:
+        return None
+    channels, groups = x.shape[1], grouped.shape[1]
+    if merge.outputs[0].shape != x.shape or grouped.shape[0] != x.shape[0] or channels % groups:
+        return None
+    if set(x.dyn_dims) - {0} or set(grouped.dyn_dims) - {0} or merge.outputs[0].dyn_dims != x.dyn_dims:
+        return "a dynamic axis other than the batch"
+    scale, bias = (v.const.reshape(-1).astype(np.float32) if v is not None and v.is_const and v.const.size == groups
+                   else None for v in inn.inputs[1:3])
+    if scale is None or bias is None:
+        return f"{inn.name}'s scale and bias are not constants with one value per group"
+    if sole_consumer(g, split) is not inn:
+        return f"{split.name}'s output is also used outside the pattern"
+    per_channel = channels // groups
+    return [split, inn, merge], x, groups, np.repeat(scale, per_channel), np.repeat(bias, per_channel)
+
+
+def fuse_group_norm(g: Graph, plog: PassLog) -> None:
+    """GroupNormFusion: torch's GroupNorm export (both exporters) becomes one GroupNormalization layer.
+
+        r = Reshape(x, [N, G, -1])  n = InstanceNormalization(r, s, b)  y = Reshape(n, shape of x)
+        [y = Mul(y, gamma)]  [y = Add(y, beta)]      (gamma, beta: one value per channel)
+    ==> GroupNormalization(x, scale, bias, num_groups=G) with opset 21's per-channel scale and bias, the
+        InstanceNormalization's per-group ones folded in."""
+    for inn in [n for n in g.nodes if n.op_type == "InstanceNormalization" and n.domain in ("", "ai.onnx")]:
+        found = _match_group(g, inn)
+        if found is None:
+            continue
+        plog.running(inn)
+        if isinstance(found, str):
+            plog.not_fused(inn.inputs[0].producer, inn, found)
+            continue
+        nodes, x, groups, scale, bias = found
+        channels, rank = x.shape[1], len(x.shape)
+        for op in ("Mul", "Add"):
+            nxt = sole_consumer(g, nodes[-1])
+            if nxt is None or nxt.op_type != op or nxt.domain not in ("", "ai.onnx") or len(nxt.inputs) != 2:
+                continue
+            other = nxt.inputs[1] if nxt.inputs[0] is nodes[-1].outputs[0] else nxt.inputs[0]
+            if (const := _per_channel(other, rank, channels)) is None:
+                continue
+            scale, bias = (scale * const, bias * const) if op == "Mul" else (scale, bias + const)
+            nodes.append(nxt)
+        name, origin = fused_name(nodes)
+        dtype = x.dtype if x.dtype is not None else np.float32
+        scale_v = g.add_const(f"{name}.scale", np.ascontiguousarray(scale, dtype=dtype))
+        bias_v = g.add_const(f"{name}.bias", np.ascontiguousarray(bias, dtype=dtype))
+        plog.fusing(nodes[0], nodes[-1])
+        replace_nodes(g, nodes, Node(name, "GroupNormalization", [x, scale_v, bias_v], list(nodes[-1].outputs),
+                                     {"num_groups": groups, "epsilon": inn.attrs.get("epsilon", 1e-5)}, "", origin))

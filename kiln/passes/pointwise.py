@@ -16,13 +16,13 @@ from kiln.passes.patterns import is_elementwise, replace_nodes, sole_consumer, w
 from kiln.trt.vocab import fused_layer_name, pointwise_layer_name
 
 
-ABSORBS_ACTIVATION = ("Conv", "Gemm", "MatMul")
+ABSORBS_ACTIVATION = ("Conv", "Gemm", "MatMul", "GroupNormalization", "InstanceNormalization")
 
 
 def fuse_swish(g: Graph, plog: PassLog) -> None:
-    """SwishFusion: Mul(x, Sigmoid(x)) (either operand order) on a convolution's or matrix product's output becomes
-    Swish(x) (ONNX opset 24, alpha 1), which ConvReluFusion / GemmActFusion then absorb: the SiLU YOLOv5/v8 and
-    EfficientNet write after every convolution. Elsewhere SiLU stays for PointWiseFusion (`PWN(Sigmoid, Mul)`)."""
+    """SwishFusion: Mul(x, Sigmoid(x)) (either operand order) on a convolution's, matrix product's or group norm's
+    output becomes Swish(x) (ONNX opset 24, alpha 1), which ConvReluFusion / GemmActFusion / NormActFusion then
+    absorb: the SiLU YOLOv5/v8 and EfficientNet write after every convolution, diffusion U-Nets after every norm. Elsewhere SiLU stays for PointWiseFusion (`PWN(Sigmoid, Mul)`)."""
     for sig in [n for n in g.nodes if n.op_type == "Sigmoid" and n.domain in ("", "ai.onnx")]:
         x, mul = sig.inputs[0], sole_consumer(g, sig)
         if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or x.producer is None:

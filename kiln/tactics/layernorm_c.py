@@ -2,8 +2,7 @@
 LLaMA's: no mean, no bias) over the trailing axes in C (kiln/native/csrc/layernorm.c): one pass per row for the
 sum, two vectorized reductions in double (mean, then the centred variance, as torch and onnxruntime compute it;
 RMSNormalization one, the mean of squares), one for the scaled output; OpenMP over rows. Instance and group
-normalization (torch's GroupNorm exports as Reshape, InstanceNormalization, Reshape, Mul, Add: wav2vec2, diffusion
-U-Nets and VAEs) on the same statistics, a row per (n, group) of a row-major map, one scale and bias per channel.
+normalization are in kiln.tactics.groupnorm_c.
 
 torch's layer_norm behind an Add costs BERT-base about 0.13 ms per 128x768 layer on this machine (two kernels,
 an intermediate tensor, dispatch); the whole row fits in L1, so the fused loop runs at memory speed.
@@ -14,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln import hardware, native
-from kiln.ops.norm_resize import per_channel
-from kiln.tactics.base import LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, bf16_io, storage_dtype
+from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, bf16_io, storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
 LN_SKIP_BF16 = 4   # layernorm.c's `io` bits above the storage bits (kiln.tactics.base.bf16_io): the skip in bf16,
@@ -127,69 +125,3 @@ def stored_rows_kernel(layer: LayerView) -> Kernel:
         return [y]
     run.constants = (gamma, beta)
     return run
-
-
-
-def _group_geometry(layer: LayerView) -> tuple[int, int, int] | None:
-    """(row size, groups, spatial size) of an InstanceNormalization or GroupNormalization over a static row-major
-    [N, C, spatial...] map with constant scale and bias, or None."""
-    if layer.op_type not in ("InstanceNormalization", "GroupNormalization") or layer.domain not in ("", "ai.onnx"):
-        return None
-    x = layer.input_shapes[0]
-    if x is None or len(x) < 3 or len(layer.output_dtypes) != 1 or layer.input_dtypes[0] not in STORED_FLOATS:
-        return None
-    if layer.attrs.get("stash_type", 1) != 1 or any(set(d) - {0} for d in layer.input_dynamic[:1]):
-        return None   # FP32 statistics, and only the batch may vary
-    if any(i not in layer.const_inputs or layer.const_inputs[i].dtype != torch.float32 for i in (1, 2)):
-        return None
-    channels, hw = x[1], 1
-    for d in x[2:]:
-        hw *= d
-    groups = layer.attrs.get("num_groups", channels) if layer.op_type == "GroupNormalization" else channels
-    if groups < 1 or channels % groups or any(layer.const_inputs[i].numel() not in (channels, groups) for i in (1, 2)):
-        return None
-    return channels // groups * hw, groups, hw
-
-
-class GroupNormTactic:
-    """InstanceNormalization and GroupNormalization in C (`kiln_groupnorm`), row-major in and out."""
-
-    name = "kiln.groupnorm_rows"
-    source = "kiln"
-    needs_c_compiler = True
-    stored_types = ("float32",)
-
-    def supports(self, layer: LayerView) -> bool:
-        return _group_geometry(layer) is not None and native.available() and \
-            layer.input_dtypes[0] in self.stored_types and layer.output_dtypes[0] in self.stored_types
-
-    def input_formats(self, layer: LayerView) -> list[str]:
-        return [LINEAR] * len(layer.input_shapes)
-
-    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return LINEAR
-
-    def prepare(self, layer: LayerView) -> Kernel:
-        lib = native.library("layernorm")
-        n, groups, hw = _group_geometry(layer)
-        channels = layer.input_shapes[0][1]
-        scale, bias = (per_channel(layer.const_inputs[i].float(), channels, groups).contiguous() for i in (1, 2))
-        eps, io = float(layer.attrs.get("epsilon", 1e-5)), bf16_io(layer)
-        out_dtype = storage_dtype(layer.output_dtypes[0])
-
-        def run(xs):
-            x = xs[0].contiguous()
-            y = torch.empty(x.shape, dtype=out_dtype)
-            lib.kiln_groupnorm(x.data_ptr(), scale.data_ptr(), bias.data_ptr(), y.data_ptr(), x.numel() // n, n,
-                               groups, hw, eps, io)
-            return [y]
-        run.constants = (scale, bias)
-        return run
-
-
-class GroupNormBf16Tactic(Bf16Storage, GroupNormTactic):
-    """Granted BF16: reads and writes bf16 where the plan stores it so, statistics and scaling in FP32."""
-
-    name = "kiln.groupnorm_rows_bf16"
-    stored_types = STORED_FLOATS
-    bf16_inputs = frozenset({0})

@@ -121,6 +121,22 @@ class Emitter:
         rms = self.node("Sqrt", [self.node("Add", [mean, self.const(attrs.get("epsilon", 1e-5))])])
         return self.node("Mul", [self.node("Div", [xs[0], rms]), xs[1]])
 
+    def group_norm(self, xs: list[str | None], attrs: dict[str, Any], shapes: list) -> str:
+        """Group/InstanceNormalization and its fused activation. kiln's GroupNormFusion gives one scale and bias per
+        channel, opset 21's form: for an older opset that is InstanceNormalization between Reshapes, then Mul, Add."""
+        groups, channels = attrs.get("num_groups"), shapes[0][1]
+        if groups is None or self.opset >= 21 or (self.opset >= 18 and int(np.prod(shapes[1])) == groups):
+            y = self.node("GroupNormalization" if groups is not None else "InstanceNormalization", xs, attrs)
+            return self.activation(y, attrs.get("activation"))
+        grouped = self.node("Reshape", [xs[0], self.const([0, groups, -1], np.int64)])
+        norm = self.node("InstanceNormalization", [grouped, self.const(np.ones(groups)), self.const(np.zeros(groups))],
+                         {"epsilon": attrs.get("epsilon", 1e-5)})
+        y = self.node("Reshape", [norm, self.node("Shape", [xs[0]])])
+        per_channel = self.const([channels] + [1] * (len(shapes[0]) - 2), np.int64)
+        y = self.node("Mul", [y, self.node("Reshape", [xs[1], per_channel])])
+        y = self.node("Add", [y, self.node("Reshape", [xs[2], per_channel])])
+        return self.activation(y, attrs.get("activation"))
+
     def activation(self, x: str, spec: dict | None) -> str:
         if not spec:
             return x
@@ -195,6 +211,8 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return e.layer_norm(xs, a, len(view.input_shapes[0]))
     if view.op_type == "RMSNormalization" and view.domain in ("", "ai.onnx"):
         return e.rms_norm(xs, a, len(view.input_shapes[0]))
+    if view.op_type in ("GroupNormalization", "InstanceNormalization") and view.domain in ("", "ai.onnx"):
+        return e.group_norm(xs, a, list(view.input_shapes))
     if view.op_type == "Swish" and view.domain in ("", "ai.onnx"):
         return e.activation(xs[0], {"op": "Swish", "attrs": a})
     if view.op_type in POOLS and all(d == 1 for d in a.get("dilations") or [1]):

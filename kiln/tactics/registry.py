@@ -12,7 +12,9 @@ from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.conv_planes import Conv1x1PlanesBf16Tactic, Conv1x1PlanesTactic
 from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
-from kiln.tactics.layernorm_c import GroupNormBf16Tactic, GroupNormTactic, LayerNormBf16Tactic, LayerNormTactic
+from kiln.tactics.groupnorm_c import (NORMS, GroupNormBf16Tactic, GroupNormNhwcBf16Tactic, GroupNormNhwcTactic,
+                                     GroupNormTactic)
+from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
 from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTactic, OneDnnBf16Deconv1dTactic,
                                      OneDnnBf16DeconvTactic, OneDnnConv1dTactic, OneDnnConvTactic, OneDnnDeconv1dTactic,
@@ -55,8 +57,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      **{op: [LayerNormTactic(), LayerNormBf16Tactic()]
                                         for op in ("LayerNormalization", "RMSNormalization")},
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
-                                     **{op: [GroupNormTactic(), GroupNormBf16Tactic()]
-                                        for op in ("InstanceNormalization", "GroupNormalization")},
+                                     **{op: [GroupNormTactic(), GroupNormBf16Tactic(), GroupNormNhwcTactic(),
+                                             GroupNormNhwcBf16Tactic()] for op in NORMS},
                                      "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic(),
                                                QConvGemmAmxTactic(), QConvDirectAmxTactic()],
                                      "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],

@@ -1,7 +1,8 @@
-"""The segmentation U-Net (tests/models/segmenters.py), exported by torch's legacy exporter: kiln's own kernels
-match onnxruntime in FP32, and under --bf16 every GroupNorm (an InstanceNormalization between Reshapes) and every
-ConvTranspose is granted BF16 on kiln's kernels, no layer stays FP32 for want of a BF16 kernel, and the bilinear
-upsample of the logits runs on kiln's interpolation kernel."""
+"""The segmentation U-Net (tests/models/segmenters.py), exported by torch's legacy exporter: every GroupNorm (an
+InstanceNormalization between Reshapes, then Mul, Add) and the SiLU after it are one GroupNormalization layer;
+kiln's own kernels match onnxruntime in FP32; under --bf16 every GroupNorm and every ConvTranspose is granted BF16
+on kiln's kernels, no layer stays FP32 for want of a BF16 kernel, and the bilinear upsample of the logits runs on
+kiln's interpolation kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,8 +33,13 @@ def test_own_kernels_match_onnxruntime(unet):
     path, feeds = unet
     engine = kiln.build(path, tactic_sources="kiln,codegen,torch-onednn", avg_timing=1, min_timing=1)
     assert_close_to_ort(engine.run(feeds)["output"], run_ort(path, feeds)[0])
-    tactics = {layer.op_type: layer.tactic_name for layer in engine.plan.layers}
-    assert tactics["InstanceNormalization"] == "kiln.groupnorm_rows" and tactics["Resize"] == "kiln.resize_interpolate"
+    layers = engine.plan.layers
+    norms = [layer for layer in layers if layer.op_type == "GroupNormalization"]
+    assert len(norms) == 14 and not [layer for layer in layers if layer.op_type in ("InstanceNormalization",
+                                                                                    "PointWise", "Swish")]
+    assert all(n.attrs["activation"]["op"] == "Swish" and n.name.endswith("Sigmoid + " + n.origin[-1]) for n in norms)
+    assert {n.tactic_name for n in norms} <= {"kiln.groupnorm_rows", "kiln.groupnorm_nhwc"}
+    assert next(layer.tactic_name for layer in layers if layer.op_type == "Resize") == "kiln.resize_interpolate"
 
 
 @pytest.mark.skipif(not bf16_available(), reason="no native BF16 (avx512_bf16/amx_bf16) with oneDNN here")
@@ -42,9 +48,11 @@ def test_bf16_is_granted_to_group_norms_and_transposed_convolutions(unet):
     engine = kiln.build(path, bf16=True, tactic_sources=OWN, precision_constraints="prefer", accuracy="off",
                         avg_timing=1, min_timing=1)   # BF16 wherever a kernel exists, whatever tiny layers time
     layers = engine.plan.layers
-    norms = [(l.tactic_name, l.precision) for l in layers if l.op_type == "InstanceNormalization"]
+    norms = [(l.tactic_name.removeprefix("kiln.groupnorm_").removesuffix("_nhwc_bf16"), l.precision)
+             for l in layers if l.op_type == "GroupNormalization"]
     ups = [(l.tactic_name, l.precision) for l in layers if l.op_type == "ConvTranspose"]
-    assert norms == [("kiln.groupnorm_rows_bf16", "BF16")] * 14   # two a block, seven blocks
+    assert len(norms) == 14 and {precision for _, precision in norms} == {"BF16"}   # two a block, seven blocks
+    assert {tactic for tactic, _ in norms} <= {"rows_bf16", "nhwc_bf16"}
     assert ups == [("onednn.deconv2d_nhwc_prepacked_bf16", "BF16")] * 3
     reasons = [l.get("PrecisionReason", "") for l in engine.layer_info()["Layers"]]
     assert not [r for r in reasons if "no BF16 kernel" in r]

@@ -3,13 +3,19 @@
    onnxruntime compute it), one for the scaled output; OpenMP over rows. The BF16 variant reads its input and skip
    and writes its output in bf16 or FP32, as the plan stores them, and computes in FP32; with LN_RMS it is
    RMSNormalization (T5's, LLaMA's): no mean subtracted, 1 / sqrt(mean of squares + eps), no bias. Instance and
-   group normalization run the same statistics over each (n, group) row with one scale and bias per channel. */
+   group normalization run the same statistics over each (n, group) row with one scale and bias per channel, or,
+   on channel-major maps, over each group's channels of every pixel; both apply a fused ReLU or SiLU. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
-#include "bf16.h"
+#include "parallel.h"
+#include "simd.h"
+
+/* Activations the normalization kernels apply as they store (kiln.tactics.gemm_c.activation_code's numbers). */
+#define ACT_RELU 1
+#define ACT_SWISH 2
 
 /* (mean, 1 / sqrt(variance + eps)) of one row. */
 static inline void row_stats(const float* restrict src, int64_t n, double eps, float* mean_out, float* inv_out) {
@@ -107,12 +113,42 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
   }
 }
 
+static inline vf activate(vf v, int64_t act) {
+  if (act == ACT_RELU) return v_max(v, (vf){0});
+  return act == ACT_SWISH ? v_silu(v) : v;
+}
+
+/* dst[k] = act((src[k] - m[k]) * a[k] + b[k]) for k < n (dst may be src); m, a and b NULL: dst[k] = act(src[k]).
+   VW at a time, the tail through zero-filled vectors. (Centring first keeps x * a and m * a, both large where the
+   mean is large against the spread, from cancelling.) */
+static inline void affine_row(const float* src, float* dst, const float* restrict m, const float* restrict a,
+                              const float* restrict b, int64_t n, int64_t act) {
+  int64_t k = 0;
+  for (; k + VW <= n; k += VW) {
+    vf v = *(const vf*)(src + k);
+    if (a) v = (v - *(const vf*)(m + k)) * *(const vf*)(a + k) + *(const vf*)(b + k);
+    *(vf*)(dst + k) = activate(v, act);
+  }
+  if (k == n) return;
+  float v[VW] = {0}, vm[VW] = {0}, va[VW] = {0}, vb[VW] = {0};
+  memcpy(v, src + k, sizeof(float) * (n - k));
+  if (a) {
+    memcpy(vm, m + k, sizeof(float) * (n - k));
+    memcpy(va, a + k, sizeof(float) * (n - k));
+    memcpy(vb, b + k, sizeof(float) * (n - k));
+  }
+  vf r = *(vf*)v;
+  if (a) r = (r - *(vf*)vm) * *(vf*)va + *(vf*)vb;
+  r = activate(r, act);
+  memcpy(dst + k, &r, sizeof(float) * (n - k));
+}
+
 /* InstanceNormalization and GroupNormalization on row-major [N, C, spatial...] maps: each row (one (n, group):
    channels_per_group x hw values, contiguous) normalized by its own mean and variance (double sums, as
    row_stats), then each channel's scale and bias (gamma/beta: `groups` x channels_per_group of them, FP32);
    InstanceNormalization is groups = C, one channel a row. `io` holds IO_X_BF16 / IO_Y_BF16. */
 void kiln_groupnorm(const void* x, const float* restrict gamma, const float* restrict beta, void* y, int64_t rows,
-                    int64_t n, int64_t groups, int64_t hw, double eps, int64_t io) {
+                    int64_t n, int64_t groups, int64_t hw, double eps, int64_t act, int64_t io) {
   const int64_t per_group = n / hw;
   #pragma omp parallel if (rows * n >= 65536)
   {
@@ -129,8 +165,119 @@ void kiln_groupnorm(const void* x, const float* restrict gamma, const float* res
         #pragma omp simd
         for (int64_t k = 0; k < hw; ++k) seg[k] = (seg[k] - mean) * scale + bias;
       }
+      if (act) affine_row(row, row, NULL, NULL, NULL, n, act);
       store_row(row, n, io & IO_Y_BF16, y, r * n);
     }
     free(row);
   }
+}
+
+/* Each group's statistics from its channels' sums (S1 = sum of x - shift, S2 = sum of (x - shift)^2 per channel,
+   per thread, in double), per channel as y = (x - m) * a + beta: m the group's mean, sum(S1 + hw shift) / count,
+   and a = gamma / sqrt(var + eps), where sum((x - m)^2) = S2 + 2 (shift - m) S1 + hw (shift - m)^2. */
+static void group_affine(const double* sums, int64_t threads, const float* shift, const float* gamma, float* m,
+                         float* a, int64_t c, int64_t groups, int64_t hw, double eps) {
+  const int64_t per_group = c / groups;
+  const double count = (double)per_group * (double)hw;
+  for (int64_t g = 0; g < groups; ++g) {
+    double s1[per_group], s2[per_group], total = 0.0, spread = 0.0;
+    for (int64_t j = 0; j < per_group; ++j) {
+      const int64_t k = g * per_group + j;
+      s1[j] = s2[j] = 0.0;
+      for (int64_t t = 0; t < threads; ++t) {
+        s1[j] += sums[2 * c * t + k];
+        s2[j] += sums[2 * c * t + c + k];
+      }
+      total += s1[j] + (double)hw * shift[k];
+    }
+    const double mean = total / count;
+    for (int64_t j = 0; j < per_group; ++j) {
+      const double off = shift[g * per_group + j] - mean;
+      spread += s2[j] + 2.0 * off * s1[j] + (double)hw * off * off;
+    }
+    const double var = spread > 0.0 ? spread / count : 0.0;
+    const float inv = (float)(1.0 / sqrt(var + eps));
+    for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
+      m[k] = (float)mean;
+      a[k] = inv * gamma[k];
+    }
+  }
+}
+
+/* FP32 sums of up to this many pixels, then added into the thread's double ones. */
+#define GN_BLOCK 128
+
+static inline void flush_sums(float* restrict s1, float* restrict s2, double* restrict mine, int64_t c) {
+  for (int64_t k = 0; k < c; ++k) {
+    mine[k] += s1[k];
+    mine[c + k] += s2[k];
+    s1[k] = s2[k] = 0.0f;
+  }
+}
+
+/* The c values at element `at` of x as FP32: in place, or widened from bf16 into buf. */
+static inline const float* pixel(const void* x, int64_t at, int64_t c, int bf16, float* buf) {
+  if (!bf16) return (const float*)x + at;
+  load_row(x, at, c, 1, buf);
+  return buf;
+}
+
+/* GroupNormalization and InstanceNormalization on channel-major (NHWC) maps, where group g of an image is channels
+   [g * C/G, (g + 1) * C/G) of every pixel. One pass sums each channel, shifted by its value at the first pixel
+   (so the sums of squares do not cancel); group_affine turns them into a per-channel mean and scale; a second pass
+   writes act((x - m) * a + beta). Threads split each image's pixels. `io` holds IO_X_BF16 / IO_Y_BF16. */
+void kiln_groupnorm_nhwc(const void* x, const float* restrict gamma, const float* restrict beta, void* y,
+                         int64_t batch, int64_t hw, int64_t c, int64_t groups, double eps, int64_t act, int64_t io) {
+  const int parallel = threads_pay(hw, hw * c);
+  const int64_t threads = parallel ? omp_get_max_threads() : 1;
+  double* sums = (double*)calloc(2 * c * threads, sizeof(double));
+  float* shift = (float*)malloc(sizeof(float) * 3 * c);
+  float* m = shift + c;
+  float* a = m + c;
+  MAYBE_PARALLEL(parallel, {
+    float* buf = (float*)malloc(sizeof(float) * 3 * c);
+    float* s1 = buf + c;
+    float* s2 = s1 + c;
+    double* mine = sums + 2 * c * omp_get_thread_num();
+    for (int64_t n = 0; n < batch; ++n) {
+      const int64_t base = n * hw * c;
+      _Pragma("omp single")
+      load_row(x, base, c, io & IO_X_BF16, shift);
+      memset(mine, 0, sizeof(double) * 2 * c);
+      memset(s1, 0, sizeof(float) * 2 * c);
+      int64_t pending = 0;
+      _Pragma("omp for schedule(static) nowait")
+      for (int64_t p = 0; p < hw; ++p) {
+        const float* restrict v = pixel(x, base + p * c, c, io & IO_X_BF16, buf);
+        _Pragma("omp simd")
+        for (int64_t k = 0; k < c; ++k) {
+          const float d = v[k] - shift[k];
+          s1[k] += d;
+          s2[k] += d * d;
+        }
+        if (++pending == GN_BLOCK) {
+          flush_sums(s1, s2, mine, c);
+          pending = 0;
+        }
+      }
+      flush_sums(s1, s2, mine, c);
+      _Pragma("omp barrier")
+      _Pragma("omp single")
+      group_affine(sums, threads, shift, gamma, m, a, c, groups, hw, eps);
+      _Pragma("omp for schedule(static)")
+      for (int64_t p = 0; p < hw; ++p) {
+        const int64_t at = base + p * c;
+        const float* v = pixel(x, at, c, io & IO_X_BF16, buf);
+        if (io & IO_Y_BF16) {
+          affine_row(v, buf, m, a, beta, c, act);
+          store_row(buf, c, 1, y, at);
+        } else {
+          affine_row(v, (float*)y + at, m, a, beta, c, act);
+        }
+      }
+    }
+    free(buf);
+  });
+  free(sums);
+  free(shift);
 }
