@@ -95,6 +95,7 @@ def conv_transpose_geometry(attrs: dict, in_spatial: list[int], kernel_spatial: 
 
 @register("ConvTranspose", OpKind.COMPLEX)
 def conv_transpose(attrs, xs):
+    """ONNX ConvTranspose; kiln's fused form adds `activation`."""
     x, w = xs[0], xs[1]
     b = xs[2] if len(xs) > 2 else None
     n = w.dim() - 2
@@ -111,7 +112,7 @@ def conv_transpose(attrs, xs):
     y = y[tuple(index)]
     if b is not None:
         y = y + b.reshape([1, -1] + [1] * n)
-    return [y]
+    return [apply_activation(attrs.get("activation"), y)]
 
 
 def _source_coords(out_size: int, in_size: int, scale: float, mode: str, roi) -> torch.Tensor:

@@ -62,10 +62,12 @@ def _zero_pad_widths(g: Graph, pad: Node, conv: Node) -> tuple[list[int], str | 
 
 
 def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
-    """ConvScaleFusion:  x -> Conv(W, b) -> BatchNormalization(s, B, mean, var)  ==>  Conv(W*k, (b-mean)*k + B)."""
+    """ConvScaleFusion:  x -> Conv(W, b) -> BatchNormalization(s, B, mean, var)  ==>  Conv(W*k, (b-mean)*k + B);
+    likewise a ConvTranspose (DCGAN's generator, decoders), whose weights are [C_in, C_out/group, k...]."""
     for bn in [n for n in g.nodes if n.op_type == "BatchNormalization"]:
         conv = bn.inputs[0].producer
-        if not _is_conv(conv):
+        if not (_is_conv(conv) or (conv is not None and conv.op_type == "ConvTranspose" and
+                                   conv.domain in ("", "ai.onnx"))):
             continue
         plog.running(conv)
         if sole_consumer(g, conv) is not bn:
@@ -81,13 +83,23 @@ def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
         scale, shift, mean, var = (p.astype(np.float64) for p in params)
         k = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
         w = conv.inputs[1].const
-        b = conv.inputs[2].const if len(conv.inputs) > 2 and conv.inputs[2] is not None else np.zeros(w.shape[0])
-        new_w = (w.astype(np.float64) * k.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
+        new_w = _scaled_output_channels(w, k, conv.op_type == "ConvTranspose", conv.attrs.get("group", 1))
+        b = conv.inputs[2].const if len(conv.inputs) > 2 and conv.inputs[2] is not None else np.zeros(len(k))
         new_b = ((b.astype(np.float64) - mean) * k + shift).astype(w.dtype)
         name, origin = fused_name([conv, bn])
         inputs = [conv.inputs[0], g.add_const(f"{name}.weight", new_w), g.add_const(f"{name}.bias", new_b)]
         plog.fusing(conv, bn)
-        replace_nodes(g, [conv, bn], Node(name, "Conv", inputs, [bn.outputs[0]], dict(conv.attrs), "", origin))
+        replace_nodes(g, [conv, bn], Node(name, conv.op_type, inputs, [bn.outputs[0]], dict(conv.attrs), "", origin))
+
+
+def _scaled_output_channels(w: np.ndarray, k: np.ndarray, transposed: bool, groups: int) -> np.ndarray:
+    """Weights with output channel o scaled by k[o]: axis 0 of a Conv's [O, I/g, ...]; for a ConvTranspose's
+    [I, O/g, ...], channel j of group gi is output gi * O/g + j."""
+    if not transposed:
+        return (w.astype(np.float64) * k.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
+    grouped = w.astype(np.float64).reshape(groups, w.shape[0] // groups, *w.shape[1:])
+    factors = k.reshape(groups, 1, w.shape[1], *(1,) * (w.ndim - 2))
+    return (grouped * factors).reshape(w.shape).astype(w.dtype)
 
 
 def fuse_residual_add(g: Graph, plog: PassLog) -> None:
@@ -133,9 +145,9 @@ def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str |
     return None
 
 
-def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv",),
+def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv", "ConvTranspose"),
                     only: tuple[str, ...] | None = None) -> None:
-    """ConvReluFusion:  Conv(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  Conv(..., activation=...).
+    """ConvReluFusion:  Conv/ConvTranspose(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  one layer with `activation`.
     `only`: the activations the producer's kernels apply (others stay, with the reason logged)."""
     for node in [n for n in g.nodes if n.op_type in producer_ops and n.domain in ("", "ai.onnx")]:
         users = node.outputs[0].users

@@ -16,7 +16,7 @@ from kiln.passes.patterns import is_elementwise, replace_nodes, sole_consumer, w
 from kiln.trt.vocab import fused_layer_name, pointwise_layer_name
 
 
-ABSORBS_ACTIVATION = ("Conv", "Gemm", "MatMul", "GroupNormalization", "InstanceNormalization")
+ABSORBS_ACTIVATION = ("Conv", "ConvTranspose", "Gemm", "MatMul", "GroupNormalization", "InstanceNormalization")
 
 
 def fuse_swish(g: Graph, plog: PassLog) -> None:

@@ -173,9 +173,10 @@ class OneDnnConv1dTactic(OneDnnConvTactic):
 
 class OneDnnDeconvTactic(OneDnnWeightedTactic):
     """ConvTranspose on oneDNN's deconvolution (`torch.ops.mkldnn._convolution_transpose_pointwise`): channel-major
-    activations, weights [C, O/g, kH, kW] prepacked once, bias fused. ONNX's begin and end pads map onto oneDNN's
-    padding (the begin crop) and output padding (what the end crop gives back); a geometry where that output padding
-    would be negative or reach the stride is not taken (torch's reference runs it)."""
+    activations, weights [C, O/g, kH, kW] prepacked once, bias and activation fused (one oneDNN lacks runs after it,
+    in FP32). ONNX's begin and end pads map onto oneDNN's padding (the begin crop) and output padding (what the end
+    crop gives back); a geometry where that output padding would be negative or reach the stride is not taken
+    (torch's reference runs it)."""
 
     name = "onednn.deconv2d_nhwc_prepacked"
 
@@ -192,7 +193,7 @@ class OneDnnDeconvTactic(OneDnnWeightedTactic):
         return begin, [max(g, 0) for g in give_back], [max(-g, 0) for g in give_back], strides, dilations
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "ConvTranspose" or layer.domain not in ("", "ai.onnx") or "activation" in layer.attrs:
+        if layer.op_type != "ConvTranspose" or layer.domain not in ("", "ai.onnx"):
             return False
         shapes = layer.input_shapes
         bias_known = len(shapes) < 3 or shapes[2] is None or 2 in layer.const_inputs
@@ -210,7 +211,10 @@ class OneDnnDeconvTactic(OneDnnWeightedTactic):
         padding, give_back, trim, strides, dilations, groups = geometry
         packed = torch.ops.mkldnn._reorder_convolution_transpose_weight(w, padding, give_back, strides, dilations,
                                                                          groups, in_shape)
-        deconv, finish = torch.ops.mkldnn._convolution_transpose_pointwise, finisher(None, layer.output_dtypes[0])
+        spec = layer.attrs.get("activation")
+        unary, scalars, alg = fused_unary(spec) or ("none", [], None)   # else applied after it, in FP32
+        post = spec if spec and unary == "none" else None
+        deconv, finish = torch.ops.mkldnn._convolution_transpose_pointwise, finisher(post, layer.output_dtypes[0])
         memory = torch.channels_last if self.layout == HWC else torch.contiguous_format
 
         def trimmed(y):
@@ -221,7 +225,7 @@ class OneDnnDeconvTactic(OneDnnWeightedTactic):
 
         def run(xs):
             return finish(trimmed(deconv(to_compute(xs[0]), packed, bias, padding, give_back, strides, dilations,
-                                         groups, "none", [], None)))
+                                         groups, unary, scalars, alg)))
         return run
 
 

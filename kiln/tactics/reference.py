@@ -49,16 +49,22 @@ class ReferenceTactic:
         return run
 
 
-# Layers that only move data: on bf16 tensors they compute exactly what they do on FP32 ones, moving half the bytes.
+# Layers that only move data or pick among values: on bf16 tensors they compute exactly what they do on FP32 ones,
+# moving half the bytes.
 MOVES_DATA = {"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity",
-              "Pad", "Expand", "Tile", "DepthToSpace", "SpaceToDepth"}
-BF16_OPS = sorted(MOVES_DATA | {"Shuffle"})   # the registry's entries (Shuffle: kiln's domain)
+              "Pad", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "Gather", "GatherElements", "GatherND",
+              "ReduceMax", "ReduceMin"}
+# Reductions that sum: granted BF16 they widen bf16 inputs to FP32, reduce in FP32 and round once as they store.
+SUMS_IN_FP32 = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceProd", "CumSum"}
+BF16_OPS = sorted(MOVES_DATA | SUMS_IN_FP32 | {"Shuffle"})   # the registry's entries (Shuffle: kiln's domain)
 MOVED_INPUTS = 64   # a Concat's inputs beyond these stay FP32 (the kernel rounds them as it copies)
 
 
 class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
     """torch's kernels for layers that only move data (Concat, Slice, Split, Reshape, Transpose, Pad, Expand, Tile,
-    DepthToSpace, SpaceToDepth, kiln's Shuffle), granted BF16: they read and write tensors as the plan stores them
+    DepthToSpace, SpaceToDepth, Gather, kiln's Shuffle) or pick among values (ReduceMax/Min), and for the summing
+    reductions (ReduceMean/Sum/SumSquare/L2/Prod, CumSum: FP32 sums of widened inputs, one rounding), granted BF16:
+    they read and write tensors as the plan stores them
     (kiln.tactics.storage), so a Concat of BF16 convolutions' outputs feeding BF16 convolutions copies bf16 and
     neither side converts (YOLOv8n's C2f blocks: ~5 % of its latency on kiln's own kernels). A Concat input stored
     otherwise than its output is converted first (a mixed torch.cat is ~10x slower); other layers' outputs are
@@ -71,7 +77,7 @@ class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
 
     def supports(self, layer: LayerView) -> bool:
         op = layer.op_type
-        onnx_op = op in MOVES_DATA and layer.domain in ("", "ai.onnx")
+        onnx_op = op in MOVES_DATA | SUMS_IN_FP32 and layer.domain in ("", "ai.onnx")
         if not (onnx_op or (op, layer.domain) == ("Shuffle", "kiln")) or not layer.output_dtypes:
             return False
         data = layer.input_dtypes if op == "Concat" else layer.input_dtypes[:1]
@@ -85,6 +91,11 @@ class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
 
             def kernel(xs):
                 return inner([x if x is None or x.dtype == out else x.to(out) for x in xs])   # None: a constant
+        elif layer.op_type in SUMS_IN_FP32:
+            inner = kernel
+
+            def kernel(xs):
+                return inner([x.float() if x is not None and x.dtype == torch.bfloat16 else x for x in xs])
 
         def run(xs):
             return [y if y.dtype == dtype else y.to(dtype) for y, dtype in zip(kernel(xs), outs)]

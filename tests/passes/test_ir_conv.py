@@ -46,6 +46,25 @@ def test_batchnorm_folds_into_the_convolution_weights_and_bias():
     assert g.nodes[0].origin == ("conv", "bn")
 
 
+def test_batchnorm_folds_into_a_grouped_transposed_convolutions_output_channels():
+    """ConvTranspose weights are [C_in, C_out/group, k...]: with 2 groups of 1 input and 1 output channel each,
+    output channel o is weights[o, 0]; no bias input gets the BatchNorm's shifted one."""
+    b = IRBuilder()
+    x = b.input("x", (1, 2, 3, 3))
+    c = b.node("ConvTranspose", [x, b.const("w", [[[[1.5]]], [[[2.0]]]])], "c", X, name="up", group=2)
+    g = b.graph(b.node("BatchNormalization", [c] + bn_params(b), "y", X, name="bn", epsilon=1.0))
+
+    run_pass(g, "ConvScaleFusion", fold_batchnorm_into_conv)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[1x2x3x3]):
+          %y: float32[1x2x3x3] = ConvTranspose(%x, const %up + bn.weight, const %up + bn.bias) group=2  # up + bn
+          return %y
+        """)
+    np.testing.assert_array_equal(g.values["up + bn.weight"].const, np.array([[[[3.0]]], [[[2.0]]]], np.float32))
+    np.testing.assert_array_equal(g.values["up + bn.bias"].const, np.array([-1.5, -3.0], np.float32))
+
+
 def test_batchnorm_does_not_fold_into_a_convolution_read_elsewhere():
     b = IRBuilder()
     x = b.input("x", X)

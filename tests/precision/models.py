@@ -9,14 +9,14 @@ from tests.conftest import init, make_model, rand
 
 
 def conv_net(relu2: bool = True, pool: str = "GlobalAveragePool") -> onnx.ModelProto:
-    """conv1+relu -> conv2(+relu) -> global pool -> flatten -> MatMul -> Gemm(transB). `pool="ReduceL2"`: the pool
-    as the L2 norm over the map (node "l2pool": no BF16 kernel)."""
+    """conv1+relu -> conv2(+relu) -> global pool -> flatten -> MatMul -> Gemm(transB). `pool="Einsum"`: the pool
+    as a sum over the map, Einsum "nchw->nc" (node "sumpool": kiln has no BF16 kernel for Einsum)."""
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
              helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
              helper.make_node("Relu" if relu2 else "Identity", ["c2"], ["r2"], name="relu2"),
              helper.make_node("GlobalAveragePool", ["r2"], ["g"], name="gap") if pool == "GlobalAveragePool" else
-             helper.make_node("ReduceL2", ["r2"], ["g"], name="l2pool", axes=[2, 3]),
+             helper.make_node("Einsum", ["r2"], ["g"], name="sumpool", equation="nchw->nc"),
              helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
              helper.make_node("MatMul", ["f", "fc_w"], ["m"], name="fc"),
              helper.make_node("Gemm", ["m", "g_w", "g_b"], ["y"], name="head", transB=1)]
@@ -29,7 +29,7 @@ def conv_net(relu2: bool = True, pool: str = "GlobalAveragePool") -> onnx.ModelP
 
 def transformer_net(seq: int = 8, dim: int = 16, pooled: bool = False) -> onnx.ModelProto:
     """One encoder block: single-head attention, residual, LayerNorm, GELU (Erf) MLP, residual; `pooled`: then a
-    mean over the sequence (ReduceMean: no BF16 kernel)."""
+    sum over the sequence (Einsum "bsd->bd": no BF16 kernel)."""
     h = helper.make_node
     nodes = [h("MatMul", ["x", "wq"], ["q"], name="q_proj"), h("MatMul", ["x", "wk"], ["k"], name="k_proj"),
              h("MatMul", ["x", "wv"], ["v"], name="v_proj"),
@@ -44,7 +44,7 @@ def transformer_net(seq: int = 8, dim: int = 16, pooled: bool = False) -> onnx.M
              h("MatMul", ["g", "w2"], ["f2"], name="ffn2"), h("Add", ["res1", "f2"], ["y"], name="residual2")]
     if pooled:
         nodes[-1].output[0] = "r2"
-        nodes.append(h("ReduceMean", ["r2"], ["y"], name="pool", axes=[1], keepdims=0))
+        nodes.append(h("Einsum", ["r2"], ["y"], name="pool", equation="bsd->bd"))
     inits = [init("wq", rand((dim, dim), 11) * 0.3), init("wk", rand((dim, dim), 12) * 0.3),
              init("wv", rand((dim, dim), 13) * 0.3), init("wo", rand((dim, dim), 14) * 0.3),
              init("scale", np.float32(dim ** -0.5)), init("ln_g", rand((dim,), 15, positive=True)),

@@ -179,3 +179,45 @@ def test_a_pad_between_bf16_convolutions_moves_bf16(mode):
     x = rand((1, 8, 9, 9), seed=5)
     got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
     assert got.shape == (1, 8, 9, 9) and cosine(got, want) > 0.9999
+
+
+@needs_bf16
+def test_picks_are_exact_and_sums_are_fp32_on_bf16_storage():
+    """Gather and ReduceMax only pick stored values: exactly the picks of the bf16 tensor. ReduceSum widens its
+    bf16 input and sums in FP32, one rounding at the end: 4096 values of 1 + 2^-7 sum to 4128 exactly, where a
+    bf16 running sum would stall at 256."""
+    tactic = Bf16ReferenceTactic()
+    x = torch.randn(2, 6, 5).bfloat16()
+    gather = tactic.prepare(_view("Gather", [(2, 6, 5), ()], ["bfloat16", "int64"], ["bfloat16"], {"axis": 1},
+                                  {1: torch.tensor(0)}))
+    picked = gather([x, None])[0]
+    assert picked.dtype == torch.bfloat16 and torch.equal(picked, x[:, 0])
+    biggest = tactic.prepare(_view("ReduceMax", [(2, 6, 5)], ["bfloat16"], ["float32"], {"axes": [1]}))([x])[0]
+    assert biggest.dtype == torch.float32 and torch.equal(biggest, x.float().amax(1, keepdim=True))
+    ones = torch.full((1, 4096), 1 + 2 ** -7).bfloat16()
+    total = tactic.prepare(_view("ReduceSum", [(1, 4096), (1,)], ["bfloat16", "int64"], ["bfloat16"], {},
+                                 {1: torch.tensor([1])}))([ones, None])[0]
+    assert total.dtype == torch.bfloat16 and total.item() == 4128.0
+
+
+@needs_bf16
+def test_a_class_token_gather_and_a_pooling_sum_between_bf16_matrix_products_are_bf16():
+    """ViT's head reads token 0 (Gather), a sentence encoder sums over tokens (ReduceSum): both are granted BF16
+    between BF16 MatMuls and keep the tensors bf16, where they stayed FP32 for want of a kernel before."""
+    h = helper.make_node
+    nodes = [h("MatMul", ["x", "w1"], ["a"], name="proj"), h("Gather", ["a", "zero"], ["cls"], name="cls", axis=1),
+             h("ReduceSum", ["a", "one"], ["pooled"], name="pool", keepdims=0),
+             h("Add", ["cls", "pooled"], ["s"], name="merge"), h("MatMul", ["s", "w2"], ["y"], name="head")]
+    inits = [init("w1", rand((32, 64), seed=1) * 0.2), init("w2", rand((64, 16), seed=2) * 0.1),
+             init("zero", np.array(0, np.int64)), init("one", np.array([1], np.int64))]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12, 32])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits, opset=13)
+    engine = kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer", accuracy="off")
+    layers = {layer.name: layer for layer in engine.plan.layers}
+    assert (layers["cls"].precision, layers["pool"].precision) == ("BF16", "BF16")
+    assert {layers["cls"].tactic_name, layers["pool"].tactic_name} == {"torch.reference_bf16"}
+    stored = {t.name: t.dtype for layer in engine.plan.layers for t in (*layer.inputs, *layer.outputs)}
+    assert (stored["a"], stored["cls"], stored["pooled"]) == ("bfloat16",) * 3
+    x = rand((2, 12, 32), seed=3)
+    got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
+    assert got.shape == (2, 16) and cosine(got, want) > 0.9999

@@ -38,7 +38,8 @@ def test_the_squeeze_and_the_scale_keep_bf16_between_bf16_convolutions(pool):
     model = squeeze_excite(pool)
     engine = channel_major_build(model)
     info = {layer["Name"]: layer for layer in engine.layer_info()["Layers"]}
-    assert info["squeeze"]["TacticName"] == "kiln.pool2d_nhwc_bf16"
+    # kiln's pool kernel, or torch's mean of the widened map: both BF16, whichever timed faster
+    assert info["squeeze"]["TacticName"] in ("kiln.pool2d_nhwc_bf16", "torch.reference_bf16")
     assert info["scale"]["TacticName"] == "codegen.pointwise_c_simd_bf16"
     for name in ("squeeze", "scale"):
         assert (info[name]["RequestedPrecision"], info[name]["GrantedPrecision"]) == ("BF16", "BF16")

@@ -126,7 +126,7 @@ def test_bf16_linear_reads_and_writes_bf16(k):
 # ---- whole plans -------------------------------------------------------------------------------------------------
 
 def conv_chain() -> bytes:
-    """x -> 1x1 -> 1x1+ReLU -> 5x5 -> 1x1 -> (+ 1x1 of the first) -> ReLU, and a ReduceL2 over H and W (no BF16
+    """x -> 1x1 -> 1x1+ReLU -> 5x5 -> 1x1 -> (+ 1x1 of the first) -> ReLU, and a sum over H and W (Einsum: no BF16
     kernel) reading the first conv's output too."""
     convs = [("c1", "x", 16, 48, 1, "a"), ("c2", "a", 48, 48, 1, "b0"), ("c3", "b", 48, 48, 5, "c"),
              ("c4", "c", 48, 32, 1, "d"), ("c5", "a", 48, 32, 1, "e")]
@@ -138,7 +138,7 @@ def conv_chain() -> bytes:
         if name == "c2":
             nodes.append(helper.make_node("Relu", ["b0"], ["b"], name="r1"))
     nodes += [helper.make_node("Add", ["d", "e"], ["f"], name="add"), helper.make_node("Relu", ["f"], ["y"], name="r2"),
-              helper.make_node("ReduceL2", ["a"], ["p"], name="pool", axes=[2, 3])]
+              helper.make_node("Einsum", ["a"], ["p"], name="pool", equation="nchw->nc")]
     return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 12, 12])],
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
                        helper.make_tensor_value_info("p", TensorProto.FLOAT, None)], inits)
@@ -159,7 +159,7 @@ def stored_dtypes(engine) -> dict[str, str]:
 def test_tensors_between_bf16_kernels_are_stored_in_bf16_and_layer_info_says_so(chain):
     model, engine = chain
     dtypes = stored_dtypes(engine)
-    # a: read by BF16 kernels and the FP32 ReduceL2 -> FP32; b (c2+r1 -> c3), c (c3 -> c4), d (c4 -> c5's residual)
+    # a: read by BF16 kernels and the FP32 Einsum -> FP32; b (c2+r1 -> c3), c (c3 -> c4), d (c4 -> c5's residual)
     assert {name for name, d in dtypes.items() if d == "bfloat16"} == {"b", "c", "d"}
     assert dtypes["x"] == dtypes["a"] == "float32" and all(t.dtype == "float32" for t in engine.plan.outputs)
     info = {layer["Name"]: layer for layer in engine.layer_info()["Layers"]}
@@ -188,7 +188,7 @@ def test_the_autotuner_is_told_which_neighbours_store_bf16(monkeypatch):
     monkeypatch.setattr(Autotuner, "_measure", lambda self, views, tactics, *args: {
         t.name: 1.0 if "BF16" in reduced_precisions(t) else 2.0 for t in tactics})
     kiln.build(conv_chain(), bf16=True, tactic_sources=KILN_ONLY, accuracy="off")
-    # c1 reads the engine input and feeds the FP32 ReduceL2, so c2 and c5 read its output in FP32 too; c2 feeds c3,
+    # c1 reads the engine input and feeds the FP32 Einsum, so c2 and c5 read its output in FP32 too; c2 feeds c3,
     # granted BF16; c3 reads c2's bf16 output (after the fused ReLU) and feeds c4; c5 ends the graph
     assert (seen["c1"].inputs, seen["c1"].output_shape) == (frozenset(), None)
     assert (seen["c2 + r1"].inputs, seen["c2 + r1"].output_shape) == (frozenset(), (1, 48, 12, 12))

@@ -19,7 +19,7 @@ class ClockThatMustNotBeRead:
         raise AssertionError("a tactic or plan was timed before the precision stage refused the build")
 
 
-@pytest.mark.parametrize("make_model", [lambda: conv_net(pool="ReduceL2"), lambda: transformer_net(pooled=True)],
+@pytest.mark.parametrize("make_model", [lambda: conv_net(pool="Einsum"), lambda: transformer_net(pooled=True)],
                          ids=["conv", "transformer"])
 def test_an_impossible_obey_request_fails_before_any_timing(make_model):
     with pytest.raises(kiln.ModelError, match=r"layer '[^']+' \(\w+\): --precision-constraints obey asks for BF16, "

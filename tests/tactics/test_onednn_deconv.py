@@ -133,3 +133,41 @@ def test_a_unet_up_block_is_granted_bf16():
     feeds = _feeds(7)
     got, want = engine.run(feeds)["y"], run_ort(model, feeds)[0]
     assert got.dtype == np.float32 and cosine(got, want) > 0.9999
+
+
+def generator_block(groups: int = 1) -> bytes:
+    """DCGAN's generator stage: ConvTranspose k4 s2 p1 (no bias), BatchNorm, ReLU; then ConvTranspose and Tanh."""
+    h = helper.make_node
+    nodes = [h("ConvTranspose", ["x", "w1"], ["u"], name="up1", strides=[2, 2], pads=[1, 1, 1, 1], group=groups),
+             h("BatchNormalization", ["u", "gamma", "beta", "mean", "var"], ["n"], name="bn"),
+             h("Relu", ["n"], ["r"], name="relu"),
+             h("ConvTranspose", ["r", "w2", "b2"], ["t"], name="up2", strides=[2, 2], pads=[1, 1, 1, 1]),
+             h("Tanh", ["t"], ["y"], name="tanh")]
+    inits = [init("w1", rand((16, 12 // groups, 4, 4), seed=1) * 0.2), init("gamma", rand((12,), 2, positive=True)),
+             init("beta", rand((12,), seed=3) * 0.1), init("mean", rand((12,), seed=4) * 0.1),
+             init("var", rand((12,), 5, positive=True)), init("w2", rand((12, 3, 4, 4), seed=6) * 0.2),
+             init("b2", rand((3,), seed=7) * 0.1)]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 6, 6])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits, opset=17)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_batchnorm_and_activations_fold_into_the_deconvolutions(groups):
+    model = generator_block(groups)
+    engine = kiln.build(model, tactic_sources={"torch-onednn"})
+    layers = [layer for layer in engine.plan.layers if layer.op_type != "Reformat"]
+    assert [(layer.name, layer.op_type, layer.attrs["activation"]["op"]) for layer in layers] == [
+        ("up1 + bn + relu", "ConvTranspose", "Relu"), ("up2 + tanh", "ConvTranspose", "Tanh")]
+    assert {layer.tactic_name for layer in layers} == {"onednn.deconv2d_nhwc_prepacked"}
+    x = rand((1, 16, 6, 6), seed=8)
+    assert_close_to_ort(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0])
+
+
+def test_an_activation_onednn_lacks_runs_after_the_deconvolution():
+    torch.manual_seed(3)
+    x, w, b = torch.randn(1, 6, 7, 7), torch.randn(6, 4, 3, 3) * 0.3, torch.randn(4)
+    attrs = {"strides": [2, 2], "pads": [1, 1, 1, 1]}
+    v = _view(x.shape, w, b, dict(attrs, activation={"op": "Softplus", "attrs": {}}), 1)
+    y = OneDnnDeconvTactic().prepare(v)([x.contiguous(memory_format=torch.channels_last), None, None])[0]
+    want = torch.nn.functional.softplus(_expected(x, w, b, attrs, 1))
+    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
