@@ -14,11 +14,35 @@ GroupNormFusion: torch's GroupNorm export, InstanceNormalization between two Res
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterator
+
 import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A pattern that almost matched: the node it starts from (the log's first name) and the unmet condition."""
+
+    first: Node
+    reason: str
+
+
+def _matches(g: Graph, plog: PassLog, ops: tuple[str, ...], match) -> Iterator[tuple[Node, tuple]]:
+    """(node, what `match` found) for each ONNX node of `ops` still in the graph that `match` accepts; near
+    misses are logged with their reason. The caller may rewrite the graph between items."""
+    for node in [n for n in g.nodes if n.op_type in ops and n.domain in ("", "ai.onnx")]:
+        if node not in g.nodes or (found := match(g, node)) is None:
+            continue
+        plog.running(node)
+        if isinstance(found, NearMiss):
+            plog.not_fused(found.first, node, found.reason)
+            continue
+        yield node, found
 
 
 def _producer(v: Value | None, op: str) -> Node | None:
@@ -40,8 +64,8 @@ def _scalar(v: Value | None) -> float | None:
     return float(v.const.reshape(-1)[0])
 
 
-def _match(g: Graph, div: Node) -> tuple[list[Node], Value, list[int], float] | str | None:
-    """(nodes, x, axes, eps) for a LayerNorm ending at `div`; a reason string when it almost matched."""
+def _match(g: Graph, div: Node) -> tuple[list[Node], Value, list[int], float] | NearMiss | None:
+    """(nodes, x, axes, eps) for a LayerNorm ending at `div`, or why it almost matched."""
     sub, sqrt = _producer(div.inputs[0], "Sub"), _producer(div.inputs[1], "Sqrt")
     if sub is None or sqrt is None:
         return None
@@ -64,14 +88,14 @@ def _match(g: Graph, div: Node) -> tuple[list[Node], Value, list[int], float] | 
     rank = len(x.shape)
     axes, axes_var = _reduce_axes(mean, rank), _reduce_axes(var, rank)
     if eps is None:
-        return "epsilon is not a constant scalar"
+        return NearMiss(sub, "epsilon is not a constant scalar")
     if axes is None or axes != axes_var or axes != list(range(rank - len(axes), rank)):
-        return f"reductions are not over the same trailing axes ({axes} vs {axes_var})"
+        return NearMiss(sub, f"reductions are not over the same trailing axes ({axes} vs {axes_var})")
     nodes = [mean, sub, square, var, add_eps, sqrt, div]
     inner = [mean, square, var, add_eps, sqrt]
     if any(sole_consumer(g, n) is None for n in inner) or {id(u) for u in d.users} != {id(square), id(div)} \
             or g.is_output(d):   # Mul(d, d) lists its node twice among d's users
-        return "an intermediate value is also used outside the pattern"
+        return NearMiss(sub, "an intermediate value is also used outside the pattern")
     return nodes, x, axes, eps
 
 
@@ -87,17 +111,7 @@ def _affine(g: Graph, node: Node, op: str, width: int) -> tuple[Node, Value] | N
 
 
 def fuse_layer_norm(g: Graph, plog: PassLog) -> None:
-    for div in [n for n in g.nodes if n.op_type == "Div"]:
-        if div not in g.nodes:
-            continue
-        found = _match(g, div)
-        if found is None:
-            continue
-        plog.running(div)
-        if isinstance(found, str):
-            plog.not_fused(div.inputs[0].producer, div, found)
-            continue
-        nodes, x, axes, eps = found
+    for div, (nodes, x, axes, eps) in _matches(g, plog, ("Div",), _match):
         width = int(np.prod([x.shape[a] for a in axes]))
         shape = tuple(x.shape[a] for a in axes)
         last, gamma, beta = div, None, None
@@ -134,8 +148,8 @@ def _rms_denominator(y: Node) -> tuple[Value, Node, list[Node]] | None:
     return None
 
 
-def _match_rms(g: Graph, y: Node) -> tuple[list[Node], Value, list[int], float] | tuple[Node, str] | None:
-    """(nodes, x, axes, eps) for an RMSNorm ending at `y`; (its first node, the reason) when it almost matched."""
+def _match_rms(g: Graph, y: Node) -> tuple[list[Node], Value, list[int], float] | NearMiss | None:
+    """(nodes, x, axes, eps) for an RMSNorm ending at `y`, or why it almost matched."""
     found = _rms_denominator(y)
     if found is None:
         return None
@@ -149,27 +163,17 @@ def _match_rms(g: Graph, y: Node) -> tuple[list[Node], Value, list[int], float] 
     rank = len(x.shape) if x.shape is not None else 0
     axes, eps = _reduce_axes(mean, rank) if rank else None, _scalar(add_eps.inputs[1])
     if eps is None:
-        return square, "epsilon is not a constant scalar"
+        return NearMiss(square, "epsilon is not a constant scalar")
     if axes is None or axes != list(range(rank - len(axes), rank)):
-        return square, f"the mean of squares is not over trailing axes ({axes})"
+        return NearMiss(square, f"the mean of squares is not over trailing axes ({axes})")
     inner = [square, mean, add_eps, sqrt, *between]
     if any(sole_consumer(g, n) is None for n in inner):
-        return square, "an intermediate value is also used outside the pattern"
+        return NearMiss(square, "an intermediate value is also used outside the pattern")
     return inner + [y], x, axes, eps
 
 
 def fuse_rms_norm(g: Graph, plog: PassLog) -> None:
-    for y in [n for n in g.nodes if n.op_type in ("Div", "Mul")]:
-        if y not in g.nodes:
-            continue
-        found = _match_rms(g, y)
-        if found is None:
-            continue
-        plog.running(y)
-        if len(found) == 2:
-            plog.not_fused(found[0], y, found[1])
-            continue
-        nodes, x, axes, eps = found
+    for y, (nodes, x, axes, eps) in _matches(g, plog, ("Div", "Mul"), _match_rms):
         shape = tuple(x.shape[a] for a in axes)
         last, gamma = y, None
         if (m := _affine(g, last, "Mul", int(np.prod(shape)))) is not None:
@@ -198,9 +202,9 @@ def _is_reshape(node: Node | None) -> bool:
         len(node.attrs["steps"]) == 1 and "reshape" in node.attrs["steps"][0]
 
 
-def _match_group(g: Graph, inn: Node) -> tuple[list[Node], Value, int, np.ndarray, np.ndarray] | str | None:
+def _match_group(g: Graph, inn: Node) -> tuple[list[Node], Value, int, np.ndarray, np.ndarray] | NearMiss | None:
     """(nodes, x, groups, scale [C], bias [C]) where `inn` normalizes x reshaped to [N, G, -1] and the result is
-    reshaped back to x's shape; a reason string when that frame is there but the rest does not match."""
+    reshaped back to x's shape, or why the rest does not match where that frame is there."""
     split, merge = inn.inputs[0].producer, sole_consumer(g, inn)
     if not (_is_reshape(split) and _is_reshape(merge)) or len(inn.inputs) != 3:
         return None
@@ -211,13 +215,13 @@ def _match_group(g: Graph, inn: Node) -> tuple[list[Node], Value, int, np.ndarra
     if merge.outputs[0].shape != x.shape or grouped.shape[0] != x.shape[0] or channels % groups:
         return None
     if set(x.dyn_dims) - {0} or set(grouped.dyn_dims) - {0} or merge.outputs[0].dyn_dims != x.dyn_dims:
-        return "a dynamic axis other than the batch"
+        return NearMiss(split, "a dynamic axis other than the batch")
     scale, bias = (v.const.reshape(-1).astype(np.float32) if v is not None and v.is_const and v.const.size == groups
                    else None for v in inn.inputs[1:3])
     if scale is None or bias is None:
-        return f"{inn.name}'s scale and bias are not constants with one value per group"
+        return NearMiss(split, f"{inn.name}'s scale and bias are not constants with one value per group")
     if sole_consumer(g, split) is not inn:
-        return f"{split.name}'s output is also used outside the pattern"
+        return NearMiss(split, f"{split.name}'s output is also used outside the pattern")
     per_channel = channels // groups
     return [split, inn, merge], x, groups, np.repeat(scale, per_channel), np.repeat(bias, per_channel)
 
@@ -229,15 +233,7 @@ def fuse_group_norm(g: Graph, plog: PassLog) -> None:
         [y = Mul(y, gamma)]  [y = Add(y, beta)]      (gamma, beta: one value per channel)
     ==> GroupNormalization(x, scale, bias, num_groups=G) with opset 21's per-channel scale and bias, the
         InstanceNormalization's per-group ones folded in."""
-    for inn in [n for n in g.nodes if n.op_type == "InstanceNormalization" and n.domain in ("", "ai.onnx")]:
-        found = _match_group(g, inn)
-        if found is None:
-            continue
-        plog.running(inn)
-        if isinstance(found, str):
-            plog.not_fused(inn.inputs[0].producer, inn, found)
-            continue
-        nodes, x, groups, scale, bias = found
+    for inn, (nodes, x, groups, scale, bias) in _matches(g, plog, ("InstanceNormalization",), _match_group):
         channels, rank = x.shape[1], len(x.shape)
         for op in ("Mul", "Add"):
             nxt = sole_consumer(g, nodes[-1])
