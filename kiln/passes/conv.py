@@ -148,7 +148,7 @@ def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str |
 def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv", "ConvTranspose"),
                     only: tuple[str, ...] | None = None) -> None:
     """ConvReluFusion:  Conv/ConvTranspose(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  one layer with `activation`.
-    `only`: the activations the producer's kernels apply (others stay, with the reason logged)."""
+    `only`: the activations the producer's kernels apply, Swish with alpha 1 (others stay, the reason logged)."""
     for node in [n for n in g.nodes if n.op_type in producer_ops and n.domain in ("", "ai.onnx")]:
         users = node.outputs[0].users
         if len(users) != 1:
@@ -167,7 +167,8 @@ def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("C
         if "activation" in node.attrs:
             plog.not_fused(node, act, f"{node.name} already applies {node.attrs['activation']['op']}")
             continue
-        if only is not None and (spec["op"] not in only or spec["attrs"].get("alpha", 1.0) != 1.0):
+        swish_scaled = spec["op"] == "Swish" and spec["attrs"].get("alpha", 1.0) != 1.0   # x * sigmoid(a x)
+        if only is not None and (spec["op"] not in only or swish_scaled):
             plog.not_fused(node, act, f"kiln's {node.op_type} kernels apply {' and '.join(only)} only")
             continue
         name, origin = fused_name([node, act])

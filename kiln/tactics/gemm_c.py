@@ -26,6 +26,7 @@ from kiln.ops.nn import apply_activation
 # The micro-kernel's register tile, defined once in kiln/native/csrc/gemm.h: weights are packed to match it.
 PANEL = native.header_constant("gemm.h", "NR")      # columns per packed weight panel: two 16-float vectors
 ROW_TILE = native.header_constant("gemm.h", "MR")   # rows per register tile
+ACT_RELU, ACT_SWISH = (native.header_constant("activation.h", name) for name in ("ACT_RELU", "ACT_SWISH"))
 
 
 def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
@@ -102,12 +103,13 @@ def tensor_address(t: torch.Tensor | None) -> int | None:
 
 
 def activation_code(spec: dict | None) -> int:
-    """The C kernels' fused activation: 1 ReLU, 2 Swish (alpha 1); 0 for none or one applied after the kernel."""
+    """The C kernels' fused activation (activation.h): ReLU, Swish (alpha 1); 0 for none or one applied after the
+    kernel."""
     if not spec:
         return 0
     if spec["op"] == "Relu":
-        return 1
-    return 2 if spec["op"] == "Swish" and spec.get("attrs", {}).get("alpha", 1.0) == 1.0 else 0
+        return ACT_RELU
+    return ACT_SWISH if spec["op"] == "Swish" and spec.get("attrs", {}).get("alpha", 1.0) == 1.0 else 0
 
 
 def pack_weights(b: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,7 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 #define IO_C_BF16 2
 #define IO_RES_BF16 4
 
-/* Activations applied as tiles are stored: 1 ReLU, 2 Swish (x * sigmoid(x), SiLU). */
-#define ACT_RELU 1
-#define ACT_SWISH 2
+#include "activation.h"   /* ACT_RELU, ACT_SWISH: applied as tiles are stored */
 
 /* x * sigmoid(x) through Cephes' expf (range reduction by ln 2, a degree-5 polynomial; a few ulp): k_swish one
    float, v_swish 16 at a time in vector registers (the loops the scalar form sits in do not vectorize). */

@@ -10,12 +10,9 @@
 #include <string.h>
 #include <math.h>
 
+#include "activation.h"
 #include "parallel.h"
 #include "simd.h"
-
-/* Activations the normalization kernels apply as they store (kiln.tactics.gemm_c.activation_code's numbers). */
-#define ACT_RELU 1
-#define ACT_SWISH 2
 
 /* (mean, 1 / sqrt(variance + eps)) of one row. */
 static inline void row_stats(const float* restrict src, int64_t n, double eps, float* mean_out, float* inv_out) {
