@@ -5,6 +5,7 @@ from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_nor
 from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
                               fuse_norm_activation, fuse_residual_add)
+from kiln.passes.einsum import lower_einsum
 from kiln.passes.gemm import fuse_matmul_bias
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
@@ -20,6 +21,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("IdentityRemoval", remove_identities, "identity removal"),
     # QOperator INT8 (QLinearConv ...) becomes Q/DQ before folding, which leaves DQ(INT8 weights) for the Q/DQ fusions.
     Pass("QOperatorUnfolding", unfold_qoperators, "QOperator unfolding"),
+    # Einsum products become MatMuls before folding, which then transposes constant weights once.
+    Pass("EinsumToMatMul", lower_einsum),
     # Folding turns shape arithmetic (Shape->Gather->Concat->Reshape) into constant reshape targets.
     Pass("ConstantFolding", fold_constants, "constant folding"),
     Pass("DeadLayerRemoval", remove_dead_layers),

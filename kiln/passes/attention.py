@@ -233,12 +233,25 @@ def _nan_guard(g: Graph, sm: Node) -> list[Node]:
 
 
 def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[Value, float]:
-    p = v.producer
+    """A scalar Mul/Div on Q or Kᵀ joins the scale; also one behind the head shuffles (a scalar commutes with data
+    movement: Keras/tf2onnx scale the query before its transpose), which then read the Mul's input."""
+    p, shuffles = v.producer, []
+    while _is_shuffle(p) and sole_consumer(g, p) is not None:
+        shuffles.append(p)
+        p = p.inputs[0].producer
     if (_is(p, "Mul") or _is(p, "Div")) and sole_consumer(g, p) is not None and _scalar(p.inputs[1]) is not None:
         c = _scalar(p.inputs[1])
         nodes.append(p)
+        if shuffles:
+            g.set_input(shuffles[-1], 0, p.inputs[0])
+            g.set_input(p, 0, None)   # the Mul goes with the attention layer; its input has the shuffle alone
+            return v, scale * (c if p.op_type == "Mul" else 1 / c)
         return p.inputs[0], scale * (c if p.op_type == "Mul" else 1 / c)
     return v, scale
+
+
+def _is_shuffle(node: Node | None) -> bool:
+    return node is not None and node.op_type == "Shuffle" and node.domain == "kiln"
 
 
 def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dict) -> Value:
@@ -247,10 +260,10 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
     for i, key in enumerate(("q_steps", "k_steps", "v_steps")):
         v, steps = inputs[i], []
         p = v.producer
-        if p is not None and p.op_type == "Shuffle" and p.domain == "kiln" and len(v.users) == 1 \
-                and not g.is_output(v):
-            steps, v = list(p.attrs["steps"]), p.inputs[0]
+        while _is_shuffle(p) and len(v.users) == 1 and not g.is_output(v):   # a chain: reshape, scale moved, transpose
+            steps, v = list(p.attrs["steps"]) + steps, p.inputs[0]
             nodes.append(p)
+            p = v.producer
         inputs[i], attrs[key] = v, steps
     split = inputs[0].producer
     if _is(split, "Split") and all(inputs[i].producer is split for i in range(3)) and \

@@ -31,6 +31,11 @@ class PassLog:
         self.matches += 1
         log.debug(log_lines.removing(_name(node)))
 
+    def lowering(self, node: Node, into: str) -> None:
+        """A node rewritten as other ops (a match, as a fusion is)."""
+        self.matches += 1
+        log.debug(log_lines.pass_note(self.pass_name, f"Lowering {node.name} to {into}"))
+
     def note(self, message: str) -> None:
         log.debug(log_lines.pass_note(self.pass_name, message))
 

@@ -54,15 +54,18 @@ class ReferenceTactic:
 MOVES_DATA = {"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity",
               "Pad", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "Gather", "GatherElements", "GatherND",
               "ReduceMax", "ReduceMin"}
+# Layers that pick values and say where: the picked values as the plan stores them, the indices int64.
+PICKS_WITH_INDICES = {"TopK", "ArgMax", "ArgMin"}
 # Reductions that sum: granted BF16 they widen bf16 inputs to FP32, reduce in FP32 and round once as they store.
 SUMS_IN_FP32 = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceProd", "CumSum"}
-BF16_OPS = sorted(MOVES_DATA | SUMS_IN_FP32 | {"Shuffle"})   # the registry's entries (Shuffle: kiln's domain)
+BF16_OPS = sorted(MOVES_DATA | PICKS_WITH_INDICES | SUMS_IN_FP32 | {"Shuffle"})   # registry entries (Shuffle: kiln's)
 MOVED_INPUTS = 64   # a Concat's inputs beyond these stay FP32 (the kernel rounds them as it copies)
 
 
 class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
     """torch's kernels for layers that only move data (Concat, Slice, Split, Reshape, Transpose, Pad, Expand, Tile,
-    DepthToSpace, SpaceToDepth, Gather, kiln's Shuffle) or pick among values (ReduceMax/Min), and for the summing
+    DepthToSpace, SpaceToDepth, Gather, kiln's Shuffle) or pick among values (ReduceMax/Min; TopK, ArgMax/ArgMin
+    with int64 indices: ties among values equal once rounded to bf16 go to the lowest index), and for the summing
     reductions (ReduceMean/Sum/SumSquare/L2/Prod, CumSum: FP32 sums of widened inputs, one rounding), granted BF16:
     they read and write tensors as the plan stores them
     (kiln.tactics.storage), so a Concat of BF16 convolutions' outputs feeding BF16 convolutions copies bf16 and
@@ -77,15 +80,16 @@ class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
 
     def supports(self, layer: LayerView) -> bool:
         op = layer.op_type
-        onnx_op = op in MOVES_DATA | SUMS_IN_FP32 and layer.domain in ("", "ai.onnx")
+        onnx_op = op in MOVES_DATA | PICKS_WITH_INDICES | SUMS_IN_FP32 and layer.domain in ("", "ai.onnx")
         if not (onnx_op or (op, layer.domain) == ("Shuffle", "kiln")) or not layer.output_dtypes:
             return False
         data = layer.input_dtypes if op == "Concat" else layer.input_dtypes[:1]
-        return all(d in STORED_FLOATS for d in (*data, *layer.output_dtypes)) and super().supports(layer)
+        values = [d for d in layer.output_dtypes if d != "int64"] if op in PICKS_WITH_INDICES else layer.output_dtypes
+        return all(d in STORED_FLOATS for d in (*data, *values)) and super().supports(layer)
 
     def prepare(self, layer: LayerView) -> Kernel:
         kernel = super().prepare(layer)
-        outs = [storage_dtype(d) for d in layer.output_dtypes]
+        outs = [storage_dtype(d) if d in STORED_FLOATS else None for d in layer.output_dtypes]   # None: indices
         if layer.op_type == "Concat" and any(storage_dtype(d) != outs[0] for d in layer.input_dtypes):
             inner, out = kernel, outs[0]
 
@@ -98,7 +102,7 @@ class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
                 return inner([x.float() if x is not None and x.dtype == torch.bfloat16 else x for x in xs])
 
         def run(xs):
-            return [y if y.dtype == dtype else y.to(dtype) for y, dtype in zip(kernel(xs), outs)]
+            return [y if dtype is None or y.dtype == dtype else y.to(dtype) for y, dtype in zip(kernel(xs), outs)]
         return run
 
 

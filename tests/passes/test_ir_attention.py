@@ -124,6 +124,27 @@ def test_attention_absorbs_head_shuffles_and_a_scaled_query():
     assert run.stat.matches == 1
 
 
+def test_a_query_scaled_before_its_head_shuffles_joins_the_scale_and_the_shuffles_merge_into_the_steps():
+    # Keras/tf2onnx: reshape to heads, scale, transpose (the scalar commutes with the data movement)
+    b = IRBuilder()
+    split_heads, heads = {"reshape": [1, 4, 2, 8]}, {"transpose": [0, 2, 1, 3]}
+    q_in, kt, v = b.input("q_in", (1, 4, 16)), b.input("kt", KT), b.input("v", Q)
+    q = b.node("Shuffle", [q_in], "q_heads", (1, 4, 2, 8), domain="kiln", steps=[split_heads])
+    q = b.node("Mul", [q, b.const("eighth", 0.125)], "q_scaled", (1, 4, 2, 8))
+    q = b.node("Shuffle", [q], "q", Q, domain="kiln", steps=[heads])
+    p = b.node("Softmax", [b.node("MatMul", [q, kt], "qk", SCORES)], "probs", SCORES, axis=-1)
+    g = b.graph(b.node("MatMul", [p, v], "pv", Q))
+
+    run = run_pass(g, "AttentionFusion", fuse_attention)
+
+    assert str(g) == expected("""
+        graph g(%q_in: float32[1x4x16], %kt: float32[1x2x8x4], %v: float32[1x2x4x8]):
+          %pv: float32[1x2x4x8] = kiln.Attention(%q_in, %kt, %v) k_steps=[] nan_to_zero=False out_steps=[] q_steps=[{'reshape': [1, 4, 2, 8]}, {'transpose': [0, 2, 1, 3]}] scale=0.125 v_steps=[]  # q_heads + q_scaled + q + qk + probs + pv
+          return %pv
+        """)
+    assert run.stat.matches == 1
+
+
 def test_softmax_over_another_axis_or_not_multiplied_by_v_is_not_attention():
     b = IRBuilder()
     q, kt, v = b.input("q", Q), b.input("kt", KT), b.input("v", Q)

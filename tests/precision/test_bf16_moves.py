@@ -221,3 +221,32 @@ def test_a_class_token_gather_and_a_pooling_sum_between_bf16_matrix_products_are
     x = rand((2, 12, 32), seed=3)
     got, want = engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]
     assert got.shape == (2, 16) and cosine(got, want) > 0.9999
+
+
+@needs_bf16
+def test_topk_and_argmax_pick_bf16_values_and_return_int64_indices():
+    """TopK and ArgMax between BF16 layers read the bf16 tensor as stored (no Reformat): TopK's values stay bf16
+    for the next MatMul, its indices and ArgMax's are int64; ties among values equal once rounded go to the lowest
+    index, as ONNX asks. Every picked index holds one of the k largest FP32 values to within bf16 rounding."""
+    h = helper.make_node
+    nodes = [h("MatMul", ["x", "w1"], ["a"], name="proj"), h("TopK", ["a", "k"], ["top", "idx"], name="topk"),
+             h("MatMul", ["top", "w2"], ["y"], name="head"), h("ArgMax", ["a"], ["best"], name="argmax", axis=-1)]
+    inits = [init("w1", rand((32, 64), seed=1) * 0.2), init("w2", rand((8, 16), seed=2) * 0.1),
+             init("k", np.array([8], np.int64))]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+               helper.make_tensor_value_info("idx", TensorProto.INT64, None),
+               helper.make_tensor_value_info("best", TensorProto.INT64, None)]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])], outputs, inits)
+    engine = kiln.build(model, bf16=True, tactic_sources=KILN_ONLY, precision_constraints="prefer", accuracy="off")
+    layers = {layer.name: layer for layer in engine.plan.layers}
+    for name in ("topk", "argmax"):
+        assert (layers[name].precision, layers[name].tactic_name) == ("BF16", "torch.reference_bf16")
+    stored = {t.name: t.dtype for layer in engine.plan.layers for t in (*layer.inputs, *layer.outputs)}
+    assert (stored["a"], stored["top"], stored["idx"], stored["best"]) == ("bfloat16", "bfloat16", "int64", "int64")
+    x = rand((4, 32), seed=3)
+    got = engine.run({"x": x})
+    a = x @ rand((32, 64), seed=1) * 0.2
+    kth = np.sort(a, axis=-1)[:, -8:-7]
+    assert got["idx"].dtype == np.int64 and (np.take_along_axis(a, got["idx"], -1) >= kth - np.abs(kth) / 64).all()
+    assert np.allclose(np.take_along_axis(a, got["best"], -1)[:, 0], a.max(-1), rtol=1 / 64)   # keepdims: [4, 1]
+    assert cosine(got["y"], run_ort(model, {"x": x})[0]) > 0.999
