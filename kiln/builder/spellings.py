@@ -13,7 +13,8 @@ from kiln.precision.policy import TYPE_NAMES, PrecisionOptions, parse_layer_prec
 PRECISION_FLAGS = ("fp16", "bf16", "int8", "best")
 CLI_ALIASES = {"calib": "calibration", "calib_method": "calibration_method", "calib_cache": "calibration_cache",
                "shapes": "input_shapes", "disable_pass": "disabled_passes"}
-EXTRA = ("layer_precisions", "layer_output_types", "precision_constraints", "builder_optimization_level", "threads")
+EXTRA = ("layer_precisions", "layer_output_types", "precision_constraints", "builder_optimization_level", "threads",
+         "min_shapes", "opt_shapes", "max_shapes")
 
 
 def known_options() -> list[str]:
@@ -38,6 +39,7 @@ def build_options(options: dict) -> tuple[BuildOptions, int | None]:
     threads = options.pop("threads", None)
     if "builder_optimization_level" in options:
         options["autotune"] = int(options.pop("builder_optimization_level")) > 0
+    _profile_spellings(options)
     if isinstance(options.get("input_shapes"), str):
         from kiln.frontend.profiles import parse_shape_list
 
@@ -53,6 +55,21 @@ def build_options(options: dict) -> tuple[BuildOptions, int | None]:
     if precision is not None:
         options["precision"] = precision
     return BuildOptions(**options), threads
+
+
+def _profile_spellings(options: dict) -> None:
+    """min_shapes/opt_shapes/max_shapes as the CLI's --min/--opt/--max-shapes take them ("x:1x3x224x224,..."; a
+    list of such strings makes one profile per entry) become `profiles`, in place."""
+    specs = {bound: options.pop(f"{bound}_shapes", None) for bound in ("min", "opt", "max")}
+    if all(v is None for v in specs.values()):
+        return
+    if options.get("profiles"):
+        raise ModelError("give optimization profiles either as profiles=[...] or as min_shapes/opt_shapes/max_shapes,"
+                         " not both")
+    from kiln.frontend.profiles import profiles_from_specs
+
+    lists = {bound: [v] if isinstance(v, str) else list(v or []) for bound, v in specs.items()}
+    options["profiles"] = tuple(profiles_from_specs(lists["min"], lists["opt"], lists["max"]))
 
 
 def precision_options(options: dict) -> PrecisionOptions | None:

@@ -111,6 +111,23 @@ def test_two_profiles_each_cover_their_range(encoder_onnx):
         engine.create_execution_context(profile=2)
 
 
+def test_the_python_api_takes_the_clis_min_opt_max_shapes(encoder_onnx):
+    """kiln.build(min_shapes=..., opt_shapes=..., max_shapes=...) as `kiln build --min-shapes ...` takes them; a list
+    of specs makes one profile per entry; with profiles= as well it is refused."""
+    engine = kiln.build(encoder_onnx, autotune=False, min_shapes=["ids:1x1,mask:1x1", "ids:2x32,mask:2x32"],
+                        opt_shapes=["ids:1x8,mask:1x8", "ids:4x64,mask:4x64"],
+                        max_shapes=["ids:1x16,mask:1x16", "ids:8x128,mask:8x128"])
+    ids = [(r.min, r.opt, r.max) for r in (p["ids"] for p in engine.plan.profiles)]
+    assert ids == [((1, 1), (1, 8), (1, 16)), ((2, 32), (4, 64), (8, 128))]
+    f = feeds(8, 100)
+    assert_close_to_ort(engine.run(f)["y"], run_ort(encoder_onnx, f)[0])
+    single = kiln.build(encoder_onnx, autotune=False, min_shapes="ids:1x1,mask:1x1", max_shapes="ids:2x16,mask:2x16")
+    (profile,) = single.plan.profiles
+    assert (profile["ids"].min, profile["ids"].opt, profile["ids"].max) == ((1, 1), (2, 16), (2, 16))   # opt: max
+    with pytest.raises(ModelError, match="either as profiles=.* or as min_shapes/opt_shapes/max_shapes"):
+        kiln.build(encoder_onnx, profiles=[{"ids": ((1, 1), (1, 8), (1, 16))}], max_shapes="ids:1x16")
+
+
 @pytest.mark.parametrize("profile, message", [
     ({"ids": ((1, 16), (1, 8), (1, 32))}, "need min <= opt <= max"),
     ({"idz": ((1, 4), (1, 8), (1, 16))}, r"unknown input\(s\) \['idz'\]"),
