@@ -175,10 +175,10 @@ def _match_core(g: Graph, sm: Node):
     probs, guard = sm.outputs[0], _nan_guard(g, sm)
     if guard:
         probs = guard[-1].outputs[0]
-    pv = probs.users[0] if len(probs.users) == 1 and not g.is_output(probs) else None
-    if not _is(pv, "MatMul") or pv.inputs[0] is not probs or len(pv.inputs) > 2:
+    pv, transposed = _times_v(g, probs)
+    if pv is None:
         return "its output is not multiplied by V"
-    nodes, masks, scale, cur = [sm, pv] + guard, [], 1.0, s.producer
+    nodes, masks, scale, cur = [sm, pv] + guard + transposed, [], 1.0, s.producer
     while _is(cur, "Add") and sole_consumer(g, cur) is not None and len(masks) < 3:   # mask, position bias, ...
         chain_in = next((v for v in cur.inputs if v.producer is not None and
                          v.producer.op_type in ("MatMul", "Mul", "Div", "Add")), None)
@@ -200,8 +200,22 @@ def _match_core(g: Graph, sm: Node):
     nodes.append(cur)
     q, scale = _absorb_scale(g, q, scale, nodes)
     kt, scale = _absorb_scale(g, kt, scale, nodes)
-    inputs = [q, kt, pv.inputs[1]] + masks
-    return nodes, inputs, {"scale": float(scale), "nan_to_zero": bool(guard)}
+    inputs = [q, kt, pv.inputs[0] if transposed else pv.inputs[1]] + masks
+    return nodes, inputs, {"scale": float(scale), "nan_to_zero": bool(guard), "v_transposed": bool(transposed)}
+
+
+def _times_v(g: Graph, probs: Value) -> tuple[Node | None, list[Node]]:
+    """The MatMul multiplying the probabilities by V: P·V, or V'·Pᵀ with V' = Vᵀ (the attention block of
+    latent-diffusion VAEs: bmm(v, w.permute(0, 2, 1)) on [B, C, HW] maps), with the transposing Shuffle."""
+    reader = probs.users[0] if len(probs.users) == 1 and not g.is_output(probs) else None
+    if _is(reader, "MatMul") and reader.inputs[0] is probs and len(reader.inputs) == 2:
+        return reader, []
+    rank = len(probs.shape)
+    swap = [{"transpose": list(range(rank - 2)) + [rank - 1, rank - 2]}]
+    pv = sole_consumer(g, reader) if _is_shuffle(reader) and reader.attrs["steps"] == swap else None
+    if _is(pv, "MatMul") and pv.inputs[1] is reader.outputs[0] and len(pv.inputs) == 2:
+        return pv, [reader]
+    return None, []
 
 
 def _sum_masks(g: Graph, masks: list[Value], index: int) -> Value:
@@ -279,10 +293,15 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
             inputs[i] = split.inputs[0]
         nodes.append(split)
     pv = nodes[1]
+    swap = []
+    if attrs.pop("v_transposed"):   # V'·Pᵀ = (P·V'ᵀ)ᵀ: V' transposed in, the output transposed out
+        rank = len(pv.outputs[0].shape)
+        swap = [{"transpose": list(range(rank - 2)) + [rank - 1, rank - 2]}]
+        attrs["v_steps"] = attrs["v_steps"] + swap
     reader = sole_consumer(g, pv)
-    attrs["out_steps"] = []
+    attrs["out_steps"] = swap
     if reader is not None and reader.op_type == "Shuffle" and reader.domain == "kiln":
-        attrs["out_steps"] = list(reader.attrs["steps"])
+        attrs["out_steps"] = swap + list(reader.attrs["steps"])
         nodes.append(reader)
         return reader.outputs[0]
     return pv.outputs[0]

@@ -13,17 +13,17 @@ kiln.attention_c 0.31 ms, kiln.attention_c_bf16 0.20 ms (docs/tactics.md). A cal
 """
 from __future__ import annotations
 
-import functools
-
 import ctypes
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kiln import hardware, native
 from kiln.ops import lookup
 from kiln.ops.fused import apply_steps
-from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, storage_dtype
+from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Kernel, LayerView, storage_dtype
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
 
 ATTENTION_TACTIC = "kiln.attention_c"
@@ -127,7 +127,7 @@ class CallGeometry:
     call: AttnCall | None             # None: the reference kernel runs this geometry
     call_ref: object                  # ctypes.byref(call), made once
     in_place: bool
-    y_template: torch.Tensor | None   # y's shape and dtype over one element: torch.empty_like(it) allocates y
+    new_output: Callable[[], torch.Tensor] | None   # allocates y (channel-major where the inputs are)
     direct: bool                      # y is the layer's output (else out_steps are applied to it)
 
 
@@ -142,7 +142,9 @@ def call_geometry(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> 
         return CallGeometry(None, None, False, None, False)
     steps = attrs.get("out_steps", [])
     final = tuple(apply_steps(torch.empty(ops.out_shape, device="meta"), steps).shape)
-    out4 = output_view(torch.empty(final, dtype=out_dtype), steps, ops.out_shape)
+    layout = torch.channels_last if len(final) == 4 and any(_channel_major(x) for x in xs[:3]) else \
+        torch.contiguous_format
+    out4 = output_view(torch.empty(final, dtype=out_dtype, memory_format=layout), steps, ops.out_shape)
     direct = out4 is not None and out4.storage_offset() == 0
     if not direct:
         out4 = torch.empty(ops.out_shape, dtype=out_dtype)
@@ -154,8 +156,15 @@ def call_geometry(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> 
     in_place = all(o is not None for o, p in zip(offsets, pointers) if p)
     at = tuple(o or 0 for o in offsets) + (0,) * (4 - len(offsets)) if in_place else (0, 0, 0, 0)
     call = _attn_call(ops, _four_dims(out4), at, float(attrs["scale"]), flags)
-    template = torch.empty((), dtype=out_dtype).expand(final if direct else ops.out_shape)
-    return CallGeometry(call, ctypes.byref(call), in_place, template, direct)
+    new_output = functools.partial(torch.empty, final, dtype=out_dtype, memory_format=layout) if direct else \
+        functools.partial(torch.empty, ops.out_shape, dtype=out_dtype)
+    return CallGeometry(call, ctypes.byref(call), in_place, new_output, direct)
+
+
+def _channel_major(x: torch.Tensor | None) -> bool:
+    """A 4-D input the plan stores channel-major (NHWC): the layer then writes a 4-D output so too (latent-diffusion
+    VAE attention between 1x1 convolutions reads and writes their layout, with no Reformat)."""
+    return x is not None and x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def input_addresses(xs: list) -> list[int]:
@@ -176,6 +185,7 @@ class AttentionTactic:
     name = ATTENTION_TACTIC
     source = "kiln"
     needs_c_compiler = True
+    outputs_as_planned = True   # channel-major where a 4-D input is (output_format); the runtime holds it to that
     entry_point = "kiln_attention"
     bf16_inputs = frozenset({0, 1, 2})   # Q, K, V as the plan stores them; the mask stays FP32
     writes_bf16 = True
@@ -198,10 +208,14 @@ class AttentionTactic:
         return ops is not None and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
-        return [LINEAR] * len(layer.input_shapes)
+        return [ANY] * len(layer.input_shapes)   # read in place through their strides, in either layout
 
     def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return LINEAR
+        if HWC not in input_formats[:3]:
+            return LINEAR
+        ops = operands(layer.attrs, [torch.empty(s, device="meta") for s in layer.input_shapes[:3]])
+        final = apply_steps(torch.empty(ops.out_shape, device="meta"), layer.attrs.get("out_steps", []))
+        return HWC if final.dim() == 4 else LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
         entry = getattr(native.library("attention"), self.entry_point)
@@ -221,7 +235,7 @@ class AttentionTactic:
             if geo.call is None:   # a geometry the kernel does not take: torch's kernel, in FP32
                 wide = [x.float() if x is not None and x.is_floating_point() else x for x in xs]
                 return [y.to(out_dtype) for y in reference(attrs, wide)]
-            y = torch.empty_like(geo.y_template)
+            y = geo.new_output()
             if geo.in_place:
                 entry(geo.call_ref, *addresses(xs), y.data_ptr())
             else:

@@ -142,3 +142,40 @@ def test_attention_does_not_fuse_when_probabilities_are_an_output(caplog):
     f = {n: rng.standard_normal(shape).astype(np.float32) for n in ("q", "kt", "v")}
     for got, want in zip([engine.run(f)[n] for n in ("o", "p")], run_ort(model, f)):
         assert_close_to_ort(got, want)
+
+
+class VaeAttentionBlock(torch.nn.Module):
+    """The attention block of latent-diffusion VAEs (LDM's AttnBlock): GroupNorm, 1x1 convolutions to Q, K, V on the
+    [B, C, H, W] map, bmm(q [B, HW, C], k [B, C, HW]) scaled, softmax, bmm(v, probabilitiesᵀ), 1x1 projection,
+    residual."""
+
+    def __init__(self, channels: int = 32):
+        super().__init__()
+        torch.manual_seed(1)
+        self.norm = torch.nn.GroupNorm(8, channels, eps=1e-6)
+        self.q, self.k, self.v, self.proj = (torch.nn.Conv2d(channels, channels, 1) for _ in range(4))
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, c, hh, ww = q.shape
+        w = torch.bmm(q.reshape(b, c, hh * ww).permute(0, 2, 1), k.reshape(b, c, hh * ww)) * (int(c) ** -0.5)
+        w = torch.softmax(w, dim=2)
+        h = torch.bmm(v.reshape(b, c, hh * ww), w.permute(0, 2, 1)).reshape(b, c, hh, ww)
+        return x + self.proj(h)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_a_vae_attention_block_is_one_attention_layer_and_matches_onnxruntime(tmp_path, exporter):
+    from tests.models.nets import export as export_net
+
+    path = tmp_path / f"vae_attention_{exporter}.onnx"
+    x = torch.randn(1, 32, 6, 10)
+    export_net(VaeAttentionBlock().eval(), x, path, exporter)
+    engine = kiln.build(str(path), tactic_sources="-openvino,-onnxruntime", avg_timing=1, min_timing=1)
+    assert [l.op_type for l in engine.plan.layers if l.op_type != "Reformat"] == \
+        ["GroupNormalization", "Conv", "Conv", "Conv", "Attention", "Conv"]
+    (attention,) = [l for l in engine.plan.layers if l.op_type == "Attention"]
+    assert attention.attrs["scale"] == pytest.approx(32 ** -0.5)
+    f = {"input": x.numpy()}
+    assert_close_to_ort(engine.run(f)["output"], run_ort(str(path), f)[0])

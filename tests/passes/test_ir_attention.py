@@ -145,6 +145,26 @@ def test_a_query_scaled_before_its_head_shuffles_joins_the_scale_and_the_shuffle
     assert run.stat.matches == 1
 
 
+def test_values_times_transposed_probabilities_is_attention_with_v_and_the_output_transposed():
+    # latent-diffusion VAE: bmm(v, softmax(q·k·s).permute(0, 2, 1)) on [B, C, HW] maps
+    b = IRBuilder()
+    swap = {"transpose": [0, 2, 1]}
+    q, k, v = b.input("q", (1, 6, 4)), b.input("k", (1, 4, 6)), b.input("v", (1, 4, 6))
+    w = b.node("Mul", [b.node("MatMul", [q, k], "qk", (1, 6, 6)), b.const("s", 0.5)], "scaled", (1, 6, 6))
+    p = b.node("Softmax", [w], "probs", (1, 6, 6), axis=2)
+    pt = b.node("Shuffle", [p], "probs_t", (1, 6, 6), domain="kiln", steps=[swap])
+    g = b.graph(b.node("MatMul", [v, pt], "out", (1, 4, 6)))
+
+    run = run_pass(g, "AttentionFusion", fuse_attention)
+
+    assert str(g) == expected("""
+        graph g(%q: float32[1x6x4], %k: float32[1x4x6], %v: float32[1x4x6]):
+          %out: float32[1x4x6] = kiln.Attention(%q, %k, %v) k_steps=[] nan_to_zero=False out_steps=[{'transpose': [0, 2, 1]}] q_steps=[] scale=0.5 v_steps=[{'transpose': [0, 2, 1]}]  # qk + scaled + probs + probs_t + out
+          return %out
+        """)
+    assert run.stat.matches == 1
+
+
 def test_softmax_over_another_axis_or_not_multiplied_by_v_is_not_attention():
     b = IRBuilder()
     q, kt, v = b.input("q", Q), b.input("kt", KT), b.input("v", Q)

@@ -215,9 +215,35 @@ def test_the_avx2_build_matches_the_formula(tmp_path):
     xs = inputs(layer, seed=12, masked=[(0, 0, 3)])
     geo = call_geometry(layer.attrs, xs, torch.bfloat16, 0)
     assert geo.in_place and geo.direct
-    y = torch.empty_like(geo.y_template)
+    y = geo.new_output()
     lib.kiln_attention(geo.call_ref, *input_addresses(xs), y.data_ptr())
     assert_matches(y, expected(layer, xs), 2 ** -8)
+
+
+def test_channel_major_maps_are_read_in_place_and_the_output_written_channel_major():
+    """A latent-diffusion VAE attention block between 1x1 convolutions: Q, K, V are [B, C, H, W] maps stored
+    channel-major (NHWC), the steps flatten them to [B, C, HW] and transpose (V'·Pᵀ, so V and the output carry a
+    swap); the kernel reads the maps in place and writes the output channel-major, as `output_format` promises."""
+    b, c, h, w = 1, 24, 5, 7
+    flat, swap = {"reshape": [b, c, h * w]}, {"transpose": [0, 2, 1]}
+    attrs = {"scale": c ** -0.5, "q_steps": [flat, swap], "k_steps": [flat], "v_steps": [flat, swap],
+             "out_steps": [swap, {"reshape": [b, c, h, w]}]}
+    layer = LayerView("Attention", "kiln", attrs, ((b, c, h, w),) * 3, ("float32",) * 3, {}, ("float32",), 17,
+                      ((),) * 3)
+    g = torch.Generator().manual_seed(3)
+    maps = [torch.randn(b, c, h, w, generator=g) for _ in range(3)]
+    nhwc = [x.contiguous(memory_format=torch.channels_last) for x in maps]
+    tactic = AttentionTactic()
+    assert tactic.output_format(layer, ["hwc", "hwc", "hwc"]) == "hwc"
+    assert tactic.output_format(layer, ["linear"] * 3) == "linear"
+    geo = call_geometry(attrs, nhwc, torch.float32, 0)
+    assert geo.in_place and geo.direct
+    y = tactic.prepare(layer)(nhwc)[0]
+    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    q, k, v = (x.reshape(b, c, h * w) for x in maps)
+    want = formula(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, c ** -0.5).transpose(1, 2)
+    assert_matches(y, want.reshape(b, c, h, w), FP32_REL)
+    assert_matches(tactic.prepare(layer)(maps)[0], want.reshape(b, c, h, w), FP32_REL)   # row-major maps too
 
 
 def test_three_dimensional_heads_and_a_constant_mask():
