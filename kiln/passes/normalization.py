@@ -3,6 +3,8 @@
     m = ReduceMean(x, axes=A)  d = Sub(x, m)  v = ReduceMean(Pow(d, 2) | Mul(d, d), axes=A)
     y = Div(d, Sqrt(Add(v, eps)))  [y = Mul(y, gamma)]  [y = Add(y, beta)]
 ==> LayerNormalization(x, gamma, beta, axis=first of A, epsilon=eps), A being the trailing axes.
+TensorFlow's form (tf.nn.batch_normalization, as tf2onnx exports Keras LayerNormalization) too:
+    a = [gamma *] 1 / Sqrt(Add(v, eps))   y = Add(Mul(x, a), Sub(beta, Mul(m, a)))
 
 RMSNormFusion: T5's and LLaMA's RMSNorm (no mean subtracted) becomes one RMSNormalization layer (ONNX opset 23).
 
@@ -110,7 +112,72 @@ def _affine(g: Graph, node: Node, op: str, width: int) -> tuple[Node, Value] | N
     return nxt, other
 
 
+def _reciprocal_sqrt(v: Value) -> tuple[list[Node], Node] | None:
+    """([Sqrt, Reciprocal or Div(1, ·)], the Sqrt) where `v` is 1 / √s."""
+    recip = v.producer
+    if recip is None or not (recip.op_type == "Reciprocal" or (recip.op_type == "Div" and
+                                                               _scalar(recip.inputs[0]) == 1.0)):
+        return None
+    sqrt = _producer(recip.inputs[-1], "Sqrt")
+    return ([sqrt, recip], sqrt) if sqrt is not None else None
+
+
+def _match_tf(g: Graph, add: Node):
+    """(nodes, x, axes, eps, gamma, beta) for TensorFlow's batch_normalization form of a LayerNorm (tf2onnx's
+    export of Keras LayerNormalization) ending at `add`: a = γ / √(var + ε), y = x·a + (β − mean·a)."""
+    found = [(xa, shift) for xa, shift in ((_producer(add.inputs[0], "Mul"), _producer(add.inputs[1], "Sub")),
+                                          (_producer(add.inputs[1], "Mul"), _producer(add.inputs[0], "Sub")))
+             if xa is not None and shift is not None]
+    if not found:
+        return None
+    xa, shift = found[0]
+    ma, beta = _producer(shift.inputs[1], "Mul"), shift.inputs[0]
+    if ma is None or not beta.is_const:
+        return None
+    pairs = [(x, a) for x, a in (xa.inputs, xa.inputs[::-1]) if a in ma.inputs and x is not a]
+    if not pairs:
+        return None
+    x, a = pairs[0]
+    mean = _producer(ma.inputs[1] if ma.inputs[0] is a else ma.inputs[0], "ReduceMean")
+    scale = _producer(a, "Mul")
+    gamma = next((v for v in scale.inputs if v.is_const), None) if scale is not None else None
+    inv = _other_input(scale, gamma) if gamma is not None else a
+    rs = _reciprocal_sqrt(inv) if inv is not None else None
+    if mean is None or mean.inputs[0] is not x or rs is None:
+        return None
+    add_eps = _producer(rs[1].inputs[0], "Add")
+    var = _producer(add_eps.inputs[0], "ReduceMean") if add_eps is not None else None
+    square = var.inputs[0].producer if var is not None else None
+    d = _producer(square.inputs[0], "Sub") if square is not None else None
+    if d is None or d.inputs != [x, mean.outputs[0]] or not (
+            (square.op_type == "Mul" and square.inputs[1] is square.inputs[0]) or
+            (square.op_type == "Pow" and _scalar(square.inputs[1]) == 2.0)):
+        return None
+    rank, eps = len(x.shape), _scalar(add_eps.inputs[1])
+    axes = _reduce_axes(mean, rank)
+    if eps is None or axes is None or axes != _reduce_axes(var, rank) or axes != list(range(rank - len(axes), rank)):
+        return NearMiss(mean, "epsilon is not a constant scalar or the reductions are not over the same trailing axes")
+    width = int(np.prod([x.shape[i] for i in axes]))
+    if any(v is not None and v.const.size not in (1, width) for v in (gamma, beta)):
+        return NearMiss(mean, "the scale or shift is not one value per normalized element")
+    sqrt, recip = rs[0]
+    single = [square, var, add_eps, sqrt, xa, ma, shift] + ([recip] if gamma is not None else [])
+    shared = [mean.outputs[0], a, d.outputs[0]]
+    if any(sole_consumer(g, n) is None for n in single) or {id(u) for u in d.outputs[0].users} != {id(square)} or \
+            len(mean.outputs[0].users) != 2 or len(a.users) != 2 or any(g.is_output(v) for v in shared):
+        return NearMiss(mean, "an intermediate value is also used outside the pattern")
+    nodes = [mean, d, square, var, add_eps, sqrt, recip, *([scale] if gamma is not None else []), xa, ma, shift, add]
+    return nodes, x, axes, eps, gamma, beta
+
+
+def _other_input(node: Node, v: Value) -> Value | None:
+    return node.inputs[1] if node.inputs[0] is v else node.inputs[0] if node.inputs[1] is v else None
+
+
 def fuse_layer_norm(g: Graph, plog: PassLog) -> None:
+    """LayerNormFusion: the torch/ONNX decomposition (module docstring) and TensorFlow's batch_normalization form."""
+    for add, (nodes, x, axes, eps, gamma, beta) in _matches(g, plog, ("Add",), _match_tf):
+        _replace_layer_norm(g, plog, nodes, x, axes, eps, gamma, beta, add)
     for div, (nodes, x, axes, eps) in _matches(g, plog, ("Div",), _match):
         width = int(np.prod([x.shape[a] for a in axes]))
         shape = tuple(x.shape[a] for a in axes)
@@ -121,15 +188,26 @@ def fuse_layer_norm(g: Graph, plog: PassLog) -> None:
         if (a := _affine(g, last, "Add", width)) is not None:
             last, beta = a
             nodes.append(last)
-        name, origin = fused_name(nodes)
-        dtype = x.dtype
-        gamma_v = g.add_const(f"{name}.scale", (gamma.const if gamma is not None else np.ones(shape)).astype(dtype)
-                              .reshape(shape))
-        beta_v = g.add_const(f"{name}.bias", (beta.const if beta is not None else np.zeros(shape)).astype(dtype)
-                             .reshape(shape))
-        plog.fusing(nodes[0], last)
-        replace_nodes(g, nodes, Node(name, "LayerNormalization", [x, gamma_v, beta_v], list(last.outputs),
-                                     {"axis": axes[0], "epsilon": eps}, "", origin))
+        _replace_layer_norm(g, plog, nodes, x, axes, eps, gamma, beta, last)
+
+
+def _per_element(v: Value | None, shape: tuple[int, ...], default: float) -> np.ndarray:
+    """A scale or shift (absent, a scalar or one value per element) as an array of the normalized `shape`."""
+    if v is None:
+        return np.full(shape, default)
+    return v.const.reshape(shape) if v.const.size == int(np.prod(shape)) else np.broadcast_to(v.const.reshape(()), shape)
+
+
+def _replace_layer_norm(g: Graph, plog: PassLog, nodes: list[Node], x: Value, axes: list[int], eps: float,
+                        gamma: Value | None, beta: Value | None, last: Node) -> None:
+    shape = tuple(x.shape[a] for a in axes)
+    name, origin = fused_name(nodes)
+    dtype = x.dtype
+    gamma_v = g.add_const(f"{name}.scale", _per_element(gamma, shape, 1.0).astype(dtype))
+    beta_v = g.add_const(f"{name}.bias", _per_element(beta, shape, 0.0).astype(dtype))
+    plog.fusing(nodes[0], last)
+    replace_nodes(g, nodes, Node(name, "LayerNormalization", [x, gamma_v, beta_v], list(last.outputs),
+                                 {"axis": axes[0], "epsilon": eps}, "", origin))
 
 
 def _rms_denominator(y: Node) -> tuple[Value, Node, list[Node]] | None:

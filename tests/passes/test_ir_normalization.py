@@ -103,3 +103,30 @@ def test_computed_epsilon_does_not_fuse():
 
     assert len(g.nodes) == 7
     assert run.not_fusing == ["LayerNormFusion: Not fusing d with n: epsilon is not a constant scalar"]
+
+
+def test_tensorflows_batch_normalization_form_is_one_layer():
+    # a = gamma / sqrt(var + eps); y = x * a + (beta - mean * a)   (tf.nn.batch_normalization, tf2onnx)
+    b = IRBuilder()
+    x = b.input("x", (2, 4))
+    reduced = (2, 1)
+    m = b.node("ReduceMean", [x], "m", reduced, axes=[-1])
+    d = b.node("Sub", [x, m], "d", (2, 4))
+    v = b.node("ReduceMean", [b.node("Mul", [d, d], "p", (2, 4))], "v", reduced, axes=[-1])
+    s = b.node("Sqrt", [b.node("Add", [v, b.const("eps", EPS)], "e", reduced)], "s", reduced)
+    a = b.node("Mul", [b.node("Reciprocal", [s], "r", reduced), b.const("gamma", [1.0, 2.0, 3.0, 4.0])], "a", (2, 4))
+    xa, ma = b.node("Mul", [x, a], "xa", (2, 4)), b.node("Mul", [m, a], "ma", (2, 4))
+    shift = b.node("Sub", [b.const("beta", [0.5, 0.0, 0.0, -0.5]), ma], "shift", (2, 4))
+    g = b.graph(b.node("Add", [xa, shift], "y", (2, 4)))
+
+    run = run_pass(g, "LayerNormFusion", fuse_layer_norm)
+
+    name = "m + d + p + v + e + s + r + a + xa + ma + shift + y"
+    assert str(g) == expected(f"""
+        graph g(%x: float32[2x4]):
+          %y: float32[2x4] = LayerNormalization(%x, const %{name}.scale, const %{name}.bias) axis=1 epsilon=1.52587890625e-05  # {name}
+          return %y
+        """)
+    assert "LayerNormFusion: Fusing m with y" in run.lines
+    np.testing.assert_array_equal(g.values[f"{name}.scale"].const, np.array([1, 2, 3, 4], np.float32))
+    np.testing.assert_array_equal(g.values[f"{name}.bias"].const, np.array([0.5, 0, 0, -0.5], np.float32))

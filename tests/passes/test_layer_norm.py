@@ -113,3 +113,55 @@ def test_the_mul_form_of_the_variance_fuses_and_matches_onnxruntime():
     assert [l.op_type for l in engine.plan.layers] == ["LayerNormalization"]
     x = rng.standard_normal((3, 16)).astype(np.float32) * 3
     assert_close_to_ort(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0])
+
+
+def tf_layer_norm(opset: int = 13, rsqrt: str = "Reciprocal", scaled: bool = True, extra_reader: bool = False):
+    """Keras LayerNormalization as tf2onnx exports it (tf.nn.moments + tf.nn.batch_normalization):
+    a = γ / √(var + ε), y = x·a + (β − mean·a); the mean is read by the centring Sub and by mean·a."""
+    from onnx import TensorProto, helper
+
+    from tests.conftest import init, make_model
+
+    h = helper.make_node
+    axes = {"axes": [-1]} if opset < 18 else {}
+    reduce_inputs = [] if opset < 18 else ["axes"]
+    inv = (h("Reciprocal", ["sd"], ["inv"], name="bn/Rsqrt") if rsqrt == "Reciprocal" else
+           h("Div", ["one", "sd"], ["inv"], name="bn/Rsqrt"))
+    nodes = [h("ReduceMean", ["x", *reduce_inputs], ["mean"], name="moments/mean", **axes),
+             h("Sub", ["x", "mean"], ["d"], name="moments/sub"), h("Mul", ["d", "d"], ["sq"], name="moments/square"),
+             h("ReduceMean", ["sq", *reduce_inputs], ["var"], name="moments/variance", **axes),
+             h("Add", ["var", "eps"], ["ve"], name="bn/add"), h("Sqrt", ["ve"], ["sd"], name="bn/sqrt"), inv]
+    nodes += [h("Mul", ["inv", "gamma"], ["a"], name="bn/mul")] if scaled else [h("Identity", ["inv"], ["a"])]
+    nodes += [h("Mul", ["x", "a"], ["xa"], name="bn/mul_1"), h("Mul", ["mean", "a"], ["ma"], name="bn/mul_2"),
+              h("Sub", ["beta", "ma"], ["b2"], name="bn/sub"), h("Add", ["xa", "b2"], ["y"], name="bn/add_1")]
+    rng = np.random.default_rng(1)
+    inits = [init("eps", np.float32(1e-3)), init("one", np.float32(1.0)), init("axes", np.array([-1], np.int64)),
+             init("gamma", rng.uniform(0.5, 1.5, 16).astype(np.float32)),
+             init("beta", rng.uniform(-0.5, 0.5, 16).astype(np.float32))]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 16])]
+    if extra_reader:
+        outputs.append(helper.make_tensor_value_info("var", TensorProto.FLOAT, None))
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 16])], outputs, inits,
+                      opset=opset)
+
+
+@pytest.mark.parametrize("opset, rsqrt, scaled", [(13, "Reciprocal", True), (18, "Div", True),
+                                                  (13, "Reciprocal", False)])
+def test_tensorflows_batch_normalization_form_is_one_layer(opset, rsqrt, scaled):
+    model = tf_layer_norm(opset, rsqrt, scaled)
+    engine = kiln.build(model, autotune=False)
+    (layer,) = engine.plan.layers
+    assert layer.op_type == "LayerNormalization" and layer.attrs["epsilon"] == pytest.approx(1e-3)
+    assert layer.name.startswith("moments/mean + moments/sub") and layer.name.endswith("bn/sub + bn/add_1")
+    x = np.random.default_rng(2).standard_normal((2, 5, 16)).astype(np.float32) * 3 + 5
+    assert_close_to_ort(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0])
+
+
+def test_tensorflows_form_with_the_variance_read_elsewhere_stays_and_says_why(caplog):
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    model = tf_layer_norm(extra_reader=True)
+    engine = kiln.build(model, autotune=False)
+    assert "LayerNormalization" not in [l.op_type for l in engine.plan.layers]
+    assert "Not fusing moments/mean with bn/add_1: an intermediate value is also used outside the pattern" in caplog.text
+    x = np.random.default_rng(3).standard_normal((2, 5, 16)).astype(np.float32)
+    assert_close_to_ort(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0])
