@@ -175,7 +175,7 @@ def _match_core(g: Graph, sm: Node):
     probs, guard = sm.outputs[0], _nan_guard(g, sm)
     if guard:
         probs = guard[-1].outputs[0]
-    pv, transposed = _times_v(g, probs)
+    pv, transposed, swap = _times_v(g, probs)
     if pv is None:
         return "its output is not multiplied by V"
     nodes, masks, scale, cur = [sm, pv] + guard + transposed, [], 1.0, s.producer
@@ -201,21 +201,21 @@ def _match_core(g: Graph, sm: Node):
     q, scale = _absorb_scale(g, q, scale, nodes)
     kt, scale = _absorb_scale(g, kt, scale, nodes)
     inputs = [q, kt, pv.inputs[0] if transposed else pv.inputs[1]] + masks
-    return nodes, inputs, {"scale": float(scale), "nan_to_zero": bool(guard), "v_transposed": bool(transposed)}
+    return nodes, inputs, {"scale": float(scale), "nan_to_zero": bool(guard), "v_swap": swap}
 
 
-def _times_v(g: Graph, probs: Value) -> tuple[Node | None, list[Node]]:
-    """The MatMul multiplying the probabilities by V: P·V, or V'·Pᵀ with V' = Vᵀ (the attention block of
-    latent-diffusion VAEs: bmm(v, w.permute(0, 2, 1)) on [B, C, HW] maps), with the transposing Shuffle."""
+def _times_v(g: Graph, probs: Value) -> tuple[Node | None, list[Node], list[dict]]:
+    """(the MatMul multiplying the probabilities by V, the transposing Shuffle if any, its steps): P·V, or V'·Pᵀ
+    with V' = Vᵀ (the attention block of latent-diffusion VAEs: bmm(v, w.permute(0, 2, 1)) on [B, C, HW] maps)."""
     reader = probs.users[0] if len(probs.users) == 1 and not g.is_output(probs) else None
     if _is(reader, "MatMul") and reader.inputs[0] is probs and len(reader.inputs) == 2:
-        return reader, []
+        return reader, [], []
     rank = len(probs.shape)
     swap = [{"transpose": list(range(rank - 2)) + [rank - 1, rank - 2]}]
     pv = sole_consumer(g, reader) if _is_shuffle(reader) and reader.attrs["steps"] == swap else None
     if _is(pv, "MatMul") and pv.inputs[1] is reader.outputs[0] and len(pv.inputs) == 2:
-        return pv, [reader]
-    return None, []
+        return pv, [reader], swap
+    return None, [], []
 
 
 def _sum_masks(g: Graph, masks: list[Value], index: int) -> Value:
@@ -293,11 +293,8 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
             inputs[i] = split.inputs[0]
         nodes.append(split)
     pv = nodes[1]
-    swap = []
-    if attrs.pop("v_transposed"):   # V'·Pᵀ = (P·V'ᵀ)ᵀ: V' transposed in, the output transposed out
-        rank = len(pv.outputs[0].shape)
-        swap = [{"transpose": list(range(rank - 2)) + [rank - 1, rank - 2]}]
-        attrs["v_steps"] = attrs["v_steps"] + swap
+    swap = attrs.pop("v_swap")   # V'·Pᵀ = (P·V'ᵀ)ᵀ: V' transposed in, the output transposed out
+    attrs["v_steps"] = attrs["v_steps"] + swap
     reader = sole_consumer(g, pv)
     attrs["out_steps"] = swap
     if reader is not None and reader.op_type == "Shuffle" and reader.domain == "kiln":

@@ -38,7 +38,7 @@ def lower_einsum(g: Graph, plog: PassLog) -> None:
         index = g.nodes.index(node)
         g.remove_node(node)
         if bias_add is not None:
-            lowered = _bias_before_split(g, bias_add, lowered)
+            lowered = _bias_before_split(g, *bias_add, lowered)
         for offset, new in enumerate(lowered):
             g.add_node(new, index + offset)
         plog.lowering(node, " -> ".join(n.op_type for n in lowered))
@@ -138,8 +138,8 @@ def _lowering(g: Graph, node: Node, a: Value, b: Value, ta: str, tb: str, out: s
     return steps
 
 
-def _bias_add(g: Graph, node: Node, lowered: list[Node]) -> Node | None:
-    """The constant bias Add after a product whose columns are split into several axes (a Keras dense layer,
+def _bias_add(g: Graph, node: Node, lowered: list[Node]) -> tuple[Node, Value] | None:
+    """(the Add, its bias) for a constant bias Add after a product whose columns are split into several axes (a Keras dense layer,
     "abc,cde->abde" + b[d, e]); moved before the split, MatMulAddFusion takes it."""
     split = lowered[-1]
     add = sole_consumer(g, node)
@@ -153,14 +153,13 @@ def _bias_add(g: Graph, node: Node, lowered: list[Node]) -> Node | None:
     if bias is None or not bias.is_const or len(bias.shape) > len(out.shape) or \
             tuple(bias.shape[len(bias.shape) - n_axes:]) != trailing or any(d != 1 for d in bias.shape[:-n_axes]):
         return None
-    return add
+    return add, bias
 
 
-def _bias_before_split(g: Graph, add: Node, lowered: list[Node]) -> list[Node]:
+def _bias_before_split(g: Graph, add: Node, bias: Value, lowered: list[Node]) -> list[Node]:
     """`lowered` with the bias added to the product, flat, before the split; the split writes the Add's output."""
     split = lowered[-1]
     product = split.inputs[0]
-    bias = next(v for v in add.inputs if v.producer is None and v.is_const)
     flat = g.add_const(g.fresh_name(f"{bias.name}_flat"), bias.const.reshape(-1))
     summed = _value(g, f"{product.name}_biased", [(s, i in product.dyn_dims) for i, s in enumerate(product.shape)],
                     product.dtype)
