@@ -71,11 +71,11 @@ def _table(report) -> None:
     from rich.text import Text
 
     table = Table(title=Text(f"layers that ran in a reduced precision, most sensitive first ({report.budget})"))
-    for col in ("Layer", "ONNX nodes", "Score alone in FP32", "Keep FP32", "Granted"):
+    for col in ("Layer", "ONNX nodes", "Score, only it reduced", "Score, only it FP32", "Keep FP32", "Granted"):
         table.add_column(col, overflow="fold")
     for v in report.verdicts:
-        score = "" if v.score_alone_fp32 is None else f"{v.score_alone_fp32:.8g}"
-        table.add_row(*(Text(c) for c in (v.layer, ", ".join(v.onnx_nodes), score, "yes" if v.keep_fp32 else "",
+        scores = ["" if s is None else f"{s:.8g}" for s in (v.score_alone_reduced, v.score_alone_fp32)]
+        table.add_row(*(Text(c) for c in (v.layer, ", ".join(v.onnx_nodes), *scores, "yes" if v.keep_fp32 else "",
                                           v.granted)))
     Console(width=200).print(table)
 

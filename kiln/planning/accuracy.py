@@ -1,9 +1,9 @@
 """The accuracy budget (`--accuracy cos:0.999`): the plan lowered with reduced precisions is checked against the
 FP32 reference (onnxruntime on the original model) on representative inputs; when it misses the budget, the
-fewest layers are kept in FP32 to meet it. Layers are ranked by sensitivity (the plan's score with that one
-layer's kernel replaced by torch's FP32 reference kernel), then the number kept is searched (doubling, then
-bisecting: `fewest_that_pass`); each kept layer is
-granted FP32 with the reason "accuracy budget" and the log says which, and by how much. No anchor (TensorRT,
+fewest layers are kept in FP32 to meet it. Layers are ranked by the harm each does alone (the FP32 plan's score
+with only that layer's tensors rounded to its reduced type), then the number kept is searched (doubling, then
+bisecting: `fewest_that_pass`); where that needs many, each layer is re-lowered alone in FP32 and ranked by what
+that buys. Each kept layer is granted FP32 with the reason "accuracy budget" and the log says which, and by how much. No anchor (TensorRT,
 onnxruntime, OpenVINO) does this automatically; Polygraphy's `debug precision` does it by hand."""
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from kiln.ops.dtypes import to_torch_dtype
 from kiln.tactics.autotune import example_input
 from kiln.tactics.base import LINEAR
 from kiln.tactics.lower import Lowering
-from kiln.tactics.reference import ReferenceTactic
 
 log = logging.getLogger("kiln.build")
 T = TypeVar("T")
@@ -35,6 +34,8 @@ KEPT_FP32_REASON = "accuracy budget: kept in FP32 so the plan meets it"
 EXACT_RANKING_S = 90   # re-lowering each layer alone: BERT-base's 85 took 32 s (Zen 4, 2 threads)
 
 METRICS = ("cos", "l0", "l1", "l2", "linf")
+PRODUCTS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention")   # their arithmetic runs in the reduced type
+REDUCED_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -84,22 +85,25 @@ class AccuracyBudget:
 
 @dataclass(frozen=True)
 class BudgetReport:
-    """What the budget did: scores before and after, the layers kept in FP32 (most sensitive first) and each
-    reduced layer's score with it alone in FP32 (its sensitivity), for build info and `kiln debug precision`."""
+    """What the budget did: scores before and after, the layers kept in FP32 (most sensitive first) and per reduced
+    layer the score with only it reduced (the rest FP32) and, where measured, with only it in FP32 (the rest
+    reduced), for build info and `kiln debug precision`."""
 
     budget: str
     score_before: float
     score_after: float
     reduced_layers: tuple[str, ...]
     kept_fp32: tuple[str, ...]
-    sensitivity: dict[str, float]
+    score_alone_reduced: dict[str, float]
+    score_alone_fp32: dict[str, float]
     origins: dict[str, tuple[str, ...]] = field(default_factory=dict)   # reduced layer -> its ONNX nodes
     granted: dict[str, str] = field(default_factory=dict)   # reduced layer -> its precision in kiln's plan
 
     def to_dict(self) -> dict:
         return {"budget": self.budget, "score_before": self.score_before, "score_after": self.score_after,
                 "reduced_layers": list(self.reduced_layers), "kept_fp32": list(self.kept_fp32),
-                "sensitivity": dict(self.sensitivity), "origins": {k: list(v) for k, v in self.origins.items()},
+                "score_alone_reduced": dict(self.score_alone_reduced),
+                "score_alone_fp32": dict(self.score_alone_fp32), "origins": {k: list(v) for k, v in self.origins.items()},
                 "granted": dict(self.granted)}
 
 
@@ -115,38 +119,36 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
     if not reduced or budget.met(score):
         log.info("Accuracy budget %s met: %s %.8g with %d reduced-precision layers", budget.text(), budget.metric,
                  score, len(reduced))
-        return lowered, BudgetReport(budget.text(), score, score, tuple(reduced), (), {}, *_described(lowered, reduced))
+        return lowered, BudgetReport(budget.text(), score, score, tuple(reduced), (), {}, {},
+                                     *_described(lowered, reduced))
     if obey:
         raise ModelError(f"the plan misses the accuracy budget {budget.text()} ({budget.metric} {score:.6g}) and "
                          "--precision-constraints obey forbids keeping layers in FP32; relax the budget or the "
                          "constraints")
-    reverted = sensitivity(g, lowered, inputs, budget, reference)   # most sensitive first: best score reverted
-    found = fewest_kept(g, lowered, relower, budget, inputs, reference, reduced, reverted)
-    if found is not None and found[0] > max(2, len(reduced) // 8):
-        # Swapping one kernel keeps the bf16 tensors around it, so a layer whose cost is the rounding of the tensor
-        # it writes (BERT's first Q/K/V projection) looks harmless and the search keeps most layers instead.
-        # Re-lowering with each layer alone in FP32 measures that too, at a re-lowering per layer.
-        log.info("Accuracy budget %s: %d of %d layers needed by single-kernel sensitivity; measuring each layer "
-                 "re-lowered alone in FP32", budget.text(), found[0], len(reduced))
-        exact = dict(reverted)
-        deadline = time.monotonic() + EXACT_RANKING_S
-        for done, name in enumerate(reduced):   # plan order; past the deadline the rest keep their single-kernel score
-            if time.monotonic() > deadline:
-                log.info("Accuracy budget: %d of %d layers measured re-lowered within %d s", done, len(reduced),
-                         EXACT_RANKING_S)
-                break
-            exact[name] = evaluate(g, relower(keep_fp32(lowered.precisions, [name])), budget, inputs, reference)
-        again = fewest_kept(g, lowered, relower, budget, inputs, reference, reduced, exact)
-        if again is not None and again[0] < found[0]:
-            found, reverted = again, exact
+    alone = reduced_alone(g, lowered, relower, inputs, budget, reference)
+    ranked = sorted(alone, key=alone.get, reverse=budget.metric != "cos")   # most harmful first: worst score
+    ranked += [n for n in reduced if n not in alone]
+    found, fp32_alone = fewest_kept(g, lowered, relower, budget, inputs, reference, ranked), {}
     if found is None:
         every_score = evaluate(g, relower(keep_fp32(lowered.precisions, reduced)), budget, inputs, reference)
         raise ModelError(f"the accuracy budget {budget.text()} cannot be met even with every layer in FP32 "
                          f"({budget.metric} {every_score:.6g} against the FP32 reference): relax it")
+    if found[0] > max(2, len(reduced) // 8):
+        # Reduced precision's harm is not additive (errors cancel or compound downstream), so the layers that hurt
+        # most alone may not be the ones whose return to FP32 helps most. Re-lowering with each layer alone in FP32
+        # measures that, at a re-lowering per layer.
+        log.info("Accuracy budget %s: %s of %d layers needed when ranked by harm alone; measuring each layer "
+                 "re-lowered alone in FP32", budget.text(), found[0], len(reduced))
+        fp32_alone = fp32_alone_scores(g, lowered, relower, budget, inputs, reference, ranked)
+        by_gain = sorted(fp32_alone, key=fp32_alone.get, reverse=budget.metric == "cos")   # best score first
+        again = fewest_kept(g, lowered, relower, budget, inputs, reference,
+                            by_gain + [n for n in ranked if n not in fp32_alone])
+        if again is not None and again[0] < found[0]:
+            found = again
     _, best, kept = found
     log.info("Accuracy budget %s: %d of %d reduced-precision layers kept in FP32 (%s %.8g -> %.8g): %s",
              budget.text(), len(kept), len(reduced), budget.metric, score, best[1], ", ".join(kept))
-    return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), reverted,
+    return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), alone, fp32_alone,
                                  *_described(best[0], reduced))
 
 
@@ -159,17 +161,30 @@ def _described(lowered: Lowering, names: list[str]) -> tuple[dict, dict]:
 
 
 def fewest_kept(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyBudget, inputs: dict,
-                reference: list[torch.Tensor], reduced: list[str], reverted: dict[str, float]):
-    """(k, (plan, score), the k layers) for the fewest of `reduced`, most sensitive first by `reverted` (each
-    layer's score with it reverted to FP32), kept in FP32 to meet `budget`; None when not even all of them do."""
-    ranked = sorted(reduced, key=reverted.get, reverse=budget.metric == "cos")
-
+                reference: list[torch.Tensor], ranked: list[str]):
+    """(k, (plan, score), the k layers) for the fewest of `ranked` (most sensitive first) kept in FP32 to meet
+    `budget`; None when not even all of them do."""
     def attempt(k: int):
         trial = relower(keep_fp32(lowered.precisions, ranked[:k]))
         trial_score = evaluate(g, trial, budget, inputs, reference)
         return budget.met(trial_score), (trial, trial_score)
     found = fewest_that_pass(len(ranked), attempt)
     return None if found is None else (found[0], found[1], ranked[:found[0]])
+
+
+def fp32_alone_scores(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyBudget, inputs: dict,
+                      reference: list[torch.Tensor], ranked: list[str]) -> dict[str, float]:
+    """Per layer, most harmful first, the plan's score re-lowered with that layer alone in FP32, until
+    EXACT_RANKING_S have passed (the rest are left out: a large model could take minutes)."""
+    scores: dict[str, float] = {}
+    deadline = time.monotonic() + EXACT_RANKING_S
+    for name in ranked:
+        if time.monotonic() > deadline:
+            log.info("Accuracy budget: %d of %d layers measured re-lowered within %d s", len(scores), len(ranked),
+                     EXACT_RANKING_S)
+            break
+        scores[name] = evaluate(g, relower(keep_fp32(lowered.precisions, [name])), budget, inputs, reference)
+    return scores
 
 
 def fewest_that_pass(count: int, attempt: Callable[[int], tuple[bool, T]]) -> tuple[int, T] | None:
@@ -214,29 +229,56 @@ def evaluate(g: Graph, lowered: Lowering, budget: AccuracyBudget, inputs: dict,
     return budget.worst([budget.score(env[v.name], want) for v, want in zip(g.outputs, reference)])
 
 
-def sensitivity(g: Graph, lowered: Lowering, inputs: dict, budget: AccuracyBudget,
-                reference: list[torch.Tensor]) -> dict[str, float]:
-    """Per reduced layer, the plan's score with that one layer run by torch's FP32 reference kernel instead (every
-    other kernel as planned): what keeping it in FP32 alone would buy. Kernels are prepared once; one run each."""
-    weights, opset = TorchWeights(lowered.weights), g.opset
-    kernels = [prepare_kernel(l, weights, lowered.weights, opset) for l in lowered.layers]
+def reduced_alone(g: Graph, lowered: Lowering, relower: Relower, inputs: dict, budget: AccuracyBudget,
+                  reference: list[torch.Tensor]) -> dict[str, float]:
+    """Per reduced layer, the score of the all-FP32 plan with only that layer in its reduced precision, emulated:
+    its float inputs and weights rounded to bf16 (or fp16) around its FP32 kernel, and the outputs the reduced
+    plan stores in that type. This is the harm the layer does alone, the rounding of the tensor it writes included
+    (BERT's first Q/K/V projection, whose bf16 output sharpens the first attention's error, is by far the worst).
+    One FP32 lowering, then one run per layer."""
+    reduced = {l.name: l for l in lowered.layers if l.precision in REDUCED_FLOATS}
+    every = relower(keep_fp32(lowered.precisions, list(reduced)))
+    weights, opset = TorchWeights(every.weights), g.opset
+    kernels = [prepare_kernel(l, weights, every.weights, opset) for l in every.layers]
     keep = set(inputs) | {v.name for v in g.outputs}
     scores = {}
-    for i, layer in enumerate(lowered.layers):
-        if layer.precision not in REDUCED_FLOATS:
+    for i, layer in enumerate(every.layers):
+        if layer.name not in reduced:
             continue
-        fp32 = prepare_kernel(_as_reference(layer), weights, lowered.weights, opset)
-        swapped = kernels[:i] + [fp32] + kernels[i + 1:]
+        emulated = _rounded_around(layer, reduced[layer.name], weights, every.weights, opset)
         with torch.inference_mode():
-            env = Interpreter(lowered.layers, swapped, keep).run(dict(inputs))
+            env = Interpreter(every.layers, kernels[:i] + [emulated] + kernels[i + 1:], keep).run(dict(inputs))
         scores[layer.name] = budget.worst([budget.score(env[v.name], want) for v, want in zip(g.outputs, reference)])
     return scores
 
 
-def _as_reference(layer):
-    import dataclasses
+def _rounded_around(layer, as_reduced, weights: TorchWeights, np_weights: dict, opset: int):
+    """`layer`'s FP32 kernel with values rounded as `as_reduced` (the same layer in the reduced plan) rounds them:
+    its weights, the outputs it stores in a reduced type, and a product's float inputs (its arithmetic is in that
+    type; other kernels compute in FP32, and the rounding of what they read is its writer's harm)."""
+    dtype = torch.bfloat16 if as_reduced.precision == "BF16" else torch.float16
 
-    return dataclasses.replace(layer, tactic_name=ReferenceTactic.name, source=ReferenceTactic.source)
+    def rounded(t):
+        return t.to(dtype).float() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+    product = layer.op_type in PRODUCTS
+    writes = [t.dtype in REDUCED_DTYPES for t in as_reduced.outputs]
+    own = {a.name: rounded(weights[a.name]) for a in layer.args if a.kind == "weight"}
+    kernel = prepare_kernel(layer, _Overlay(weights, own), np_weights, opset)
+
+    def emulated(xs):
+        return [rounded(y) if low else y for y, low in zip(kernel([rounded(x) for x in xs] if product else xs), writes)]
+    return emulated
+
+
+class _Overlay(dict):
+    """`base` with some weights replaced."""
+
+    def __init__(self, base: dict, replaced: dict):
+        super().__init__(replaced)
+        self.base = base
+
+    def __missing__(self, name: str):
+        return self.base[name]
 
 
 def random_input(v) -> torch.Tensor:

@@ -13,12 +13,14 @@ from kiln.errors import ModelError
 
 @dataclass(frozen=True)
 class NodeVerdict:
-    """One layer the search looked at: its ONNX nodes, whether it must stay FP32, the plan's score with only it in
-    FP32 (its sensitivity), and the precision it was granted."""
+    """One layer the search looked at: its ONNX nodes, whether it must stay FP32, the model's score with only it
+    reduced (the rest FP32: the harm it does alone) and with only it in FP32 (the rest reduced: what keeping it
+    buys), each None where the search did not measure it, and the precision it was granted."""
 
     layer: str
     onnx_nodes: tuple[str, ...]
     keep_fp32: bool
+    score_alone_reduced: float | None
     score_alone_fp32: float | None
     granted: str
 
@@ -39,7 +41,7 @@ class PrecisionReport:
                 "score_all_reduced": self.score_all_reduced, "score_final": self.score_final,
                 "keep_fp32_onnx_nodes": list(self.keep_fp32_nodes),
                 "layers": [{"layer": v.layer, "onnx_nodes": list(v.onnx_nodes), "keep_fp32": v.keep_fp32,
-                            "score_alone_fp32": v.score_alone_fp32, "granted": v.granted} for v in self.verdicts]}
+                            "score_alone_reduced": v.score_alone_reduced, "score_alone_fp32": v.score_alone_fp32, "granted": v.granted} for v in self.verdicts]}
 
 
 DEFAULT_INT8_BUDGET = "cos:0.999"   # a build applies none to INT8 unless asked; the search needs one
@@ -75,7 +77,8 @@ def debug_precision(model: str | os.PathLike | onnx.ModelProto, **build_options)
     ranked = report["kept_fp32"] + sorted(set(report["reduced_layers"]) - kept,
                                           key=lambda n: report["reduced_layers"].index(n))
     verdicts = tuple(NodeVerdict(name, tuple(report["origins"].get(name, ())), name in kept,
-                                 report["sensitivity"].get(name), report["granted"].get(name, ""))
+                                 report["score_alone_reduced"].get(name), report["score_alone_fp32"].get(name),
+                                 report["granted"].get(name, ""))
                      for name in ranked)
     return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts)
 
@@ -90,7 +93,7 @@ def _int8_report(layers, report: dict) -> PrecisionReport:
                 holder.setdefault(name, inner)
     kept = report["kept_fp32_nodes"]
     ranked = kept + [n for n in report["quantized_nodes"] if n not in kept]
-    verdicts = tuple(NodeVerdict(holder[n].name if n in holder else "", (n,), n in kept,
+    verdicts = tuple(NodeVerdict(holder[n].name if n in holder else "", (n,), n in kept, None,
                                  report["sensitivity"].get(n), holder[n].precision if n in holder else "")
                      for n in ranked)
     return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts)
