@@ -11,6 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from kiln.errors import ModelError, UnsupportedOpError
+from kiln.frontend.contrib import UNFOLDED_KEY, unfold_contrib_ops
 from kiln.frontend.profiles import Profile, opt_and_probe_shapes, resolve_profiles
 from kiln.frontend.shape_inference import infer_shapes
 from kiln.ir import Graph, Node
@@ -132,6 +133,7 @@ def import_onnx(model: str | os.PathLike | onnx.ModelProto,
     proto = _normalize_opset(load_model(model))
     opset = model_opset(proto)
     check_names(proto)
+    proto = unfold_contrib_ops(proto)
     check_supported(proto, opset)
     resolved = resolve_profiles(proto, input_shapes, profiles)
     opt, probe = opt_and_probe_shapes(resolved)
@@ -242,8 +244,9 @@ def _import_nodes(g: Graph, proto: onnx.ModelProto) -> None:
         outputs = [g.value(x) for x in pnode.output if x]
         if pnode.op_type == "Split" and len(inputs) < 2 and "split" not in attrs:
             attrs.setdefault("num_outputs", len(outputs))   # before opset 18: as many equal parts as outputs
-        origin = (name, *(p.value for p in pnode.metadata_props if p.key == FOLDED_KEY))
-        g.add_node(Node(" + ".join(origin), pnode.op_type, inputs, outputs, attrs, pnode.domain, origin))
+        unfolded_from = [p.value for p in pnode.metadata_props if p.key == UNFOLDED_KEY]
+        origin = tuple(unfolded_from) or (name, *(p.value for p in pnode.metadata_props if p.key == FOLDED_KEY))
+        g.add_node(Node(name if unfolded_from else " + ".join(origin), pnode.op_type, inputs, outputs, attrs, pnode.domain, origin))
 
 
 def _check_arity(pnode: onnx.NodeProto, name: str, opset: int) -> None:

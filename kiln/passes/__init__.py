@@ -6,7 +6,7 @@ from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_ident
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
                               fuse_norm_activation, fuse_residual_add)
 from kiln.passes.einsum import lower_einsum
-from kiln.passes.gemm import fuse_matmul_bias
+from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
@@ -26,6 +26,9 @@ DEFAULT_PIPELINE: list[Pass] = [
     # Folding turns shape arithmetic (Shape->Gather->Concat->Reshape) into constant reshape targets.
     Pass("ConstantFolding", fold_constants, "constant folding"),
     Pass("DeadLayerRemoval", remove_dead_layers),
+    # onnxruntime-optimized models: Reshape -> Gemm -> Reshape back to a MatMul, while the Reshapes (their targets
+    # folded to constants) are not yet Shuffles, and before the fusions that extend the product.
+    Pass("GemmToMatMul", gemm_between_reshapes),
     Pass("ShuffleShuffleFusion", fuse_shuffles),
     Pass("ShuffleErasure", erase_noop_shuffles, "shuffle fusions"),
     # LayerNorm before pointwise fusion, which would otherwise swallow its Sub/Pow/Add/Sqrt/Div into PWN layers.

@@ -1,5 +1,8 @@
-"""Matrix-multiply fusions: a constant bias Add folds into the MatMul/Gemm before it."""
+"""Matrix-multiply fusions: a constant bias Add folds into the MatMul/Gemm before it; a Gemm between the Reshapes
+that flatten and restore an activation's leading axes becomes a MatMul on the activation."""
 from __future__ import annotations
+
+import numpy as np
 
 from kiln.ir import Graph, Node
 from kiln.passes.manager import PassLog
@@ -39,4 +42,47 @@ def _bias_blocker(g: Graph, mm: Node, add: Node, mm_out, bias) -> str | None:
         return f"bias shape {list(bias.shape)} does not broadcast along the last axis only"
     if len(bias.shape) > len(mm_out.shape):
         return "bias has more dimensions than the product"
+    return None
+
+
+def gemm_between_reshapes(g: Graph, plog: PassLog) -> None:
+    """GemmToMatMul:  Reshape(x [..., K] -> [M, K]) -> Gemm(W, C) -> Reshape([M, N] -> [..., N])  ==>  MatMul(x, W,
+    bias=C). onnxruntime's MatMulAddFusion writes this into the models it saves (Optimum O1+, the transformers
+    optimizer); as a MatMul on the 3-D activation the product takes its activation and residual epilogues again
+    and the two copies go."""
+    for gemm in [n for n in g.nodes if n.op_type == "Gemm" and n.domain in ("", "ai.onnx")]:
+        before, after = gemm.inputs[0].producer, sole_consumer(g, gemm)
+        if before is None or before.op_type != "Reshape" or after is None or after.op_type != "Reshape":
+            continue
+        plog.running(gemm)
+        reason = _flattening_blocker(g, before, gemm, after)
+        if reason:
+            plog.not_fused(before, gemm, reason)
+            continue
+        weight = gemm.inputs[1]
+        if gemm.attrs.get("transB", 0):
+            weight = g.add_const(g.fresh_name(f"{weight.name}_transposed"), weight.const.T.copy())
+        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+        name, origin = fused_name([before, gemm, after])
+        plog.fusing(before, gemm)
+        plog.fusing(gemm, after)
+        replace_nodes(g, [before, gemm, after], Node(name, "MatMul", [before.inputs[0], weight] + ([bias] if bias
+                                                                                                     else []),
+                                                      [after.outputs[0]], {}, "", origin))
+
+
+def _flattening_blocker(g: Graph, before: Node, gemm: Node, after: Node) -> str | None:
+    x, flat, out = before.inputs[0], before.outputs[0], after.outputs[0]
+    if sole_consumer(g, before) is not gemm:
+        return why_not_sole_consumer(g, before)
+    if x.shape is None or len(x.shape) < 3 or flat.shape != (int(np.prod(x.shape[:-1])), x.shape[-1]):
+        return "the first Reshape does not flatten the leading axes of a 3-D or larger tensor"
+    if gemm.attrs.get("transA", 0) or gemm.attrs.get("alpha", 1.0) != 1.0 or gemm.attrs.get("beta", 1.0) != 1.0:
+        return "the Gemm has transA, alpha or beta"
+    bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+    n = gemm.outputs[0].shape[-1]
+    if not gemm.inputs[1].is_const or (bias is not None and not (bias.is_const and bias.shape in ((n,), (1, n)))):
+        return "its weights or bias are not constants of the product's width"
+    if out.shape != tuple(x.shape[:-1]) + (n,) or tuple(out.dyn_dims) != tuple(x.dyn_dims):
+        return "the second Reshape does not restore the leading axes"
     return None

@@ -88,5 +88,25 @@ def run_passes(g: Graph, passes: list[Pass], disabled: frozenset[str] = frozense
                               (time.perf_counter() - t0) * 1e3))
         if p.milestone:
             log.debug(log_lines.after_layers(p.milestone, len(g.nodes)))
+    distinct_layer_names(g)
     log.debug(log_lines.optimization_completed(time.perf_counter() - start))
     return stats
+
+
+def distinct_layer_names(g: Graph) -> None:
+    """Layers named alike (parts of one unfolded contrib node fused into different layers, both named after it)
+    get their op type appended, then a count where that still repeats; each origin is listed once."""
+    by_name: dict[str, list] = {}
+    for node in g.nodes:
+        node.origin = tuple(dict.fromkeys(node.origin))
+        by_name.setdefault(node.name, []).append(node)
+    taken = set(by_name)
+    for name, nodes in by_name.items():
+        if len(nodes) < 2:
+            continue
+        for node in nodes:
+            candidate, count = f"{name} [{node.op_type}]", 2
+            while candidate in taken:
+                candidate, count = f"{name} [{node.op_type} {count}]", count + 1
+            node.name = candidate
+            taken.add(candidate)

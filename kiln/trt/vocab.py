@@ -175,18 +175,18 @@ def origins_from_metadata(metadata: str | None) -> tuple[str, ...]:
 
 # ---- layer names: kiln names its layers as TensorRT does, so users' scripts and habits carry over ----------------
 def fused_layer_name(parts: Iterable[str]) -> str:
-    """A vertical fusion: "conv + bn + relu"."""
-    return " + ".join(parts)
+    """A vertical fusion: "conv + bn + relu" (a node unfolded into several parts is named once)."""
+    return " + ".join(dict.fromkeys(parts))
 
 
 def merged_layer_name(parts: Iterable[str]) -> str:
     """A horizontal merge of layers sharing an input: "q || k || v"."""
-    return " || ".join(parts)
+    return " || ".join(dict.fromkeys(parts))
 
 
 def pointwise_layer_name(parts: Iterable[str]) -> str:
     """A fused pointwise program: "PWN(Sigmoid, Mul)"."""
-    return f"PWN({', '.join(parts)})"
+    return f"PWN({', '.join(dict.fromkeys(parts))})"
 
 
 def region_layer_name(first: str, last: str) -> str:

@@ -1,11 +1,12 @@
 """Matrix-product fusions on IR graphs: a constant bias Add becomes the MatMul/Gemm third input
-(MatMulAddFusion), an activation after it becomes its `activation` attribute (GemmActFusion)."""
+(MatMulAddFusion), an activation after it becomes its `activation` attribute (GemmActFusion), a Gemm between
+Reshapes that flatten and restore the leading axes becomes a MatMul (GemmToMatMul)."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.passes.conv import fuse_gemm_activation
-from kiln.passes.gemm import fuse_matmul_bias
+from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
 from tests.passes.ir_builder import IRBuilder, expected, run_pass
 
 
@@ -92,3 +93,32 @@ def test_activation_does_not_fuse_into_a_product_read_twice():
 
     assert str(g) == before
     assert run.not_fusing == ["GemmActFusion: Not fusing mm with relu: mm's output 'm' has 2 consumers"]
+
+
+# ---------------------------------------------------------------- GemmToMatMul
+def flattened_gemm(b: IRBuilder, x, tag: str, restore=(2, 5, 4), **gemm_attrs):
+    flat = b.node("Reshape", [x, b.const(f"{tag}_flat", [10, 3], np.int64)], f"{tag}_flat_out", (10, 3),
+                  name=f"{tag}_in")
+    w = b.const(f"{tag}_w", np.ones((4, 3) if gemm_attrs.get("transB") else (3, 4)))
+    y = b.node("Gemm", [flat, w, b.const(f"{tag}_c", np.zeros(4))], f"{tag}_y", (10, 4), name=f"{tag}_gemm",
+               **gemm_attrs)
+    return b.node("Reshape", [y, b.const(f"{tag}_back", list(restore), np.int64)], f"{tag}_out", restore,
+                  name=f"{tag}_out_reshape")
+
+
+def test_a_gemm_between_flattening_reshapes_becomes_a_matmul():
+    """onnxruntime's MatMulAddFusion writes Reshape -> Gemm -> Reshape into the models it saves."""
+    b = IRBuilder()
+    x = b.input("x", (2, 5, 3))
+    g = b.graph(flattened_gemm(b, x, "a", transB=1), flattened_gemm(b, x, "b", restore=(5, 2, 4)),
+                flattened_gemm(b, x, "c", alpha=0.5))
+
+    run = run_pass(g, "GemmToMatMul", gemm_between_reshapes)
+
+    assert str(g).splitlines()[1] == "  %a_out: float32[2x5x4] = MatMul(%x, const %a_w_transposed, const %a_c)  " \
+        "# a_in + a_gemm + a_out_reshape"
+    assert g.values["a_w_transposed"].const.shape == (3, 4)
+    assert run.not_fusing == [
+        "GemmToMatMul: Not fusing b_in with b_gemm: the second Reshape does not restore the leading axes",
+        "GemmToMatMul: Not fusing c_in with c_gemm: the Gemm has transA, alpha or beta"]
+    assert (run.stat.matches, run.stat.rejections) == (2, 2)   # one fusion line per Reshape taken in

@@ -1,0 +1,307 @@
+"""onnxruntime's transformer contrib ops (com.microsoft Attention, EmbedLayerNormalization, SkipLayerNormalization,
+SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu, BiasAdd, FusedMatMul, and ai.onnx-domain
+SimplifiedLayerNormalization), as onnxruntime's transformers optimizer and Optimum's O1-O3 write them, unfolded at
+import into the standard ops they stand for, as local functions are inlined. kiln's passes then fuse them again
+(attention, skip-layer-norm, GELU epilogues) onto its own kernels in every precision; TensorRT's parser refuses
+these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer info and
+`kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings, packed
+mask formats) is refused with the reason."""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.errors import UnsupportedOpError
+
+log = logging.getLogger("kiln")
+MS = "com.microsoft"
+UNFOLDED_KEY = "kiln.unfolded_from"   # an unfolded node's metadata: the contrib node it came from
+DEFAULT_EPSILON = {"SkipLayerNormalization": 1e-12, "SkipSimplifiedLayerNormalization": 1e-12,
+                   "EmbedLayerNormalization": 1e-12, "SimplifiedLayerNormalization": 1e-5}
+
+
+class _Unfolder:
+    """Writes the nodes and constants standing for one contrib node."""
+
+    def __init__(self, node: onnx.NodeProto, ranks: dict, shared: dict | None = None):
+        self.src, self.ranks = node, ranks
+        self.shared = {} if shared is None else shared   # values later nodes may reuse (a raw mask's bias)
+        self.name = node.name or f"{node.op_type}_{node.output[0]}"
+        self.nodes: list[onnx.NodeProto] = []
+        self.consts: list[onnx.TensorProto] = []
+        self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    def input(self, i: int) -> str | None:
+        return self.src.input[i] if i < len(self.src.input) and self.src.input[i] else None
+
+    def output(self, i: int) -> str | None:
+        return self.src.output[i] if i < len(self.src.output) and self.src.output[i] else None
+
+    def refuse(self, detail: str):
+        raise UnsupportedOpError(self.name, self.src.op_type, self.src.domain, 1, detail)
+
+    def const(self, tag: str, value, dtype=np.float32) -> str:
+        name = f"{self.name}/{tag}"
+        self.consts.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], tag: str, out: str | None = None, **attrs) -> str:
+        out = out or f"{self.name}/{tag}:0"
+        node = helper.make_node(op_type, inputs, [out], name=f"{self.name}/{tag}", **attrs)
+        node.metadata_props.add(key=UNFOLDED_KEY, value=self.name)
+        self.nodes.append(node)
+        return out
+
+    def rank(self, name: str, what: str) -> int:
+        if name not in self.ranks:
+            self.refuse(f"the rank of its {what} '{name}' is not declared in the model; add it to value_info")
+        return self.ranks[name]
+
+    def unsqueeze(self, x: str, axes: list[int], tag: str) -> str:
+        return self.op("Unsqueeze", [x, self.const(f"{tag}_axes", axes, np.int64)], tag)
+
+    def seq_range(self, x: str, axis: int, tag: str) -> str:
+        """0 .. x.shape[axis] - 1 as int64."""
+        shape = self.op("Shape", [x], f"{tag}_shape")
+        length = self.op("Gather", [shape, self.const(f"{tag}_axis", axis, np.int64)], f"{tag}_length", axis=0)
+        return self.op("Range", [self.const(f"{tag}_start", 0, np.int64), length,
+                                 self.const(f"{tag}_step", 1, np.int64)], tag)
+
+
+# ---- activations ------------------------------------------------------------------------------------------------
+def _gelu(u: _Unfolder) -> None:
+    x = u.input(0)
+    if u.src.op_type in ("BiasGelu", "FastGelu") and u.input(1):
+        x = u.op("Add", [x, u.input(1)], "bias")
+    approximate = "tanh" if u.src.op_type == "FastGelu" else "none"
+    u.op("Gelu", [x], "gelu", u.output(0), approximate=approximate)
+
+
+def _quick_gelu(u: _Unfolder) -> None:
+    x = u.input(0)
+    scaled = u.op("Mul", [x, u.const("alpha", float(u.attrs.get("alpha", 1.702)))], "scale")
+    u.op("Mul", [x, u.op("Sigmoid", [scaled], "sigmoid")], "gate", u.output(0))
+
+
+def _bias_add(u: _Unfolder) -> None:
+    u.op("Add", [u.op("Add", [u.input(0), u.input(1)], "bias"), u.input(2)], "skip", u.output(0))
+
+
+def _fused_matmul(u: _Unfolder) -> None:
+    """FusedMatMul: alpha * op(A) @ op(B), op a transpose of the last two axes where transA/transB say."""
+    if u.attrs.get("transBatchA", 0) or u.attrs.get("transBatchB", 0):
+        u.refuse("transBatchA/transBatchB (a batch axis moved into the product) is not unfolded")
+    operands = []
+    for i, flag in ((0, "transA"), (1, "transB")):
+        x = u.input(i)
+        if u.attrs.get(flag, 0):
+            rank = u.rank(x, f"input {i}")
+            x = u.op("Transpose", [x], f"transpose{i}", perm=[*range(rank - 2), rank - 1, rank - 2])
+        operands.append(x)
+    alpha = float(u.attrs.get("alpha", 1.0))
+    product = u.op("MatMul", operands, "matmul", None if alpha != 1.0 else u.output(0))
+    if alpha != 1.0:
+        u.op("Mul", [product, u.const("alpha", alpha)], "alpha", u.output(0))
+
+
+# ---- normalizations ---------------------------------------------------------------------------------------------
+def _epsilon(u: _Unfolder) -> float:
+    return float(u.attrs.get("epsilon", DEFAULT_EPSILON[u.src.op_type]))
+
+
+def _skip_layer_norm(u: _Unfolder) -> None:
+    """(input + bias) + skip, then LayerNormalization (or RMSNormalization for the simplified form) over the last
+    axis; output 3 is the sum. The bias is added first: it is the preceding dense layer's, which MatMulAddFusion
+    then takes back (onnxruntime's optimizer moved it here), leaving Add + LayerNorm for SkipLayerNormFusion."""
+    rms = u.src.op_type == "SkipSimplifiedLayerNormalization"
+    bias = u.input(3 if rms else 4)
+    x = u.op("Add", [u.input(0), bias], "bias") if bias else u.input(0)
+    total = u.op("Add", [x, u.input(1)], "skip", u.output(3))
+    if rms:
+        if u.output(1) or u.output(2):
+            u.refuse("its mean and inv_std_var outputs (training outputs) are not unfolded")
+        u.op("RMSNormalization", [total, u.input(2)], "norm", u.output(0), axis=-1, epsilon=_epsilon(u))
+        return
+    outs = [u.output(0) or f"{u.name}/norm:0", u.output(1) or "", u.output(2) or ""]
+    while outs and not outs[-1]:
+        outs.pop()
+    node = helper.make_node("LayerNormalization", [total, u.input(2)] + ([u.input(3)] if u.input(3) else []), outs,
+                            name=f"{u.name}/norm", axis=-1, epsilon=_epsilon(u))
+    node.metadata_props.add(key=UNFOLDED_KEY, value=u.name)
+    u.nodes.append(node)
+
+
+def _simplified_layer_norm(u: _Unfolder) -> None:
+    if u.output(1):
+        u.refuse("its inv_std_var output (a training output) is not unfolded")
+    u.op("RMSNormalization", [u.input(0), u.input(1)], "norm", u.output(0), axis=int(u.attrs.get("axis", -1)),
+         epsilon=_epsilon(u))
+
+
+def _embed_layer_norm(u: _Unfolder) -> None:
+    """Gather the word, position and segment embeddings, add, LayerNormalization; the mask index is the count of
+    set mask elements per row (zeros without a mask)."""
+    ids, segments, words, positions, segment_table = (u.input(i) for i in range(5))
+    total = u.op("Gather", [words, ids], "word", axis=0)
+    position_ids = u.input(8) or u.seq_range(ids, 1, "position_ids")
+    total = u.op("Add", [total, u.op("Gather", [positions, position_ids], "position", axis=0)], "add_position",
+                 None if segments and segment_table else u.output(2))
+    if segments and segment_table:
+        total = u.op("Add", [total, u.op("Gather", [segment_table, segments], "segment", axis=0)], "add_segment",
+                     u.output(2))
+    u.op("LayerNormalization", [total, u.input(5), u.input(6)], "norm", u.output(0), axis=-1, epsilon=_epsilon(u))
+    if u.output(1):
+        if u.input(7):
+            counted = u.op("Cast", [u.input(7)], "mask_int", to=TensorProto.INT32)
+            u.op("ReduceSum", [counted, u.const("mask_axes", [1], np.int64)], "mask_index", u.output(1), keepdims=0)
+        else:
+            shape = u.op("Shape", [ids], "ids_shape")
+            batch = u.op("Slice", [shape, u.const("b0", [0], np.int64), u.const("b1", [1], np.int64)], "batch")
+            u.op("ConstantOfShape", [batch], "mask_index", u.output(1),
+                 value=numpy_helper.from_array(np.zeros(1, np.int32)))
+
+
+# ---- attention --------------------------------------------------------------------------------------------------
+def _attention(u: _Unfolder) -> None:
+    """Merged Q/K/V projection, Split, heads, softmax(scale * Q Kᵀ + mask bias + attention_bias) V, heads merged:
+    the form a BERT export has after kiln merges its projections, so AttentionFusion takes it whole."""
+    for i, what in ((4, "past state"), (6, "past_sequence_length")):
+        if u.input(i):
+            u.refuse(f"its {what} input (an incremental decoder's KV cache) is not unfolded")
+    if u.output(1):
+        u.refuse("its present output (an incremental decoder's KV cache) is not unfolded")
+    if u.attrs.get("do_rotary", 0) or u.attrs.get("past_present_share_buffer", 0):
+        u.refuse("do_rotary / past_present_share_buffer are not unfolded")
+    heads = int(u.attrs["num_heads"])
+    sizes = [int(s) for s in u.attrs.get("qkv_hidden_sizes", [])]
+    if not sizes:
+        width = _weight_width(u)
+        sizes = [width // 3] * 3
+    if sizes[0] != sizes[1] or any(s % heads for s in sizes):
+        u.refuse(f"qkv_hidden_sizes {sizes}: Q and K widths must match and each be a multiple of num_heads {heads}")
+    qkv = u.op("MatMul", [u.input(0), u.input(1)], "qkv")
+    if u.input(2):
+        qkv = u.op("Add", [qkv, u.input(2)], "qkv_bias")
+    split = helper.make_node("Split", [qkv, u.const("split", sizes, np.int64)], [f"{u.name}/{p}:0" for p in "qkv"],
+                             name=f"{u.name}/split", axis=-1)
+    split.metadata_props.add(key=UNFOLDED_KEY, value=u.name)
+    u.nodes.append(split)
+    q, k, v = (u.op("Reshape", [f"{u.name}/{p}:0", u.const(f"{p}_heads", [0, 0, heads, s // heads], np.int64)],
+                    f"{p}_heads") for p, s in zip("qkv", sizes))
+    q = u.op("Transpose", [q], "q_bnsh", perm=[0, 2, 1, 3])
+    k = u.op("Transpose", [k], "k_bnhs", perm=[0, 2, 3, 1])
+    v = u.op("Transpose", [v], "v_bnsh", perm=[0, 2, 1, 3])
+    scale = float(u.attrs.get("scale", 1.0 / math.sqrt(sizes[0] // heads)))
+    scores = u.op("Mul", [u.op("MatMul", [q, k], "scores"), u.const("scale", scale)], "scaled")
+    for bias, tag in ((_mask_bias(u), "mask_add"), (u.input(5), "attention_bias_add")):
+        if bias:
+            scores = u.op("Add", [scores, bias], tag)
+    probs = u.op("Softmax", [scores], "softmax", axis=-1)
+    context = u.op("Transpose", [u.op("MatMul", [probs, v], "context")], "context_bsnh", perm=[0, 2, 1, 3])
+    u.op("Reshape", [context, u.const("merge", [0, 0, sizes[2]], np.int64)], "merge", u.output(0))
+
+
+def _weight_width(u: _Unfolder) -> int:
+    width = u.ranks.get(("width", u.input(1)))
+    if width is None or width % 3:
+        u.refuse("without qkv_hidden_sizes its weights must be a constant whose width divides by three")
+    return width
+
+
+def _mask_bias(u: _Unfolder) -> str | None:
+    """The additive bias onnxruntime derives from mask_index (0 where attended, mask_filter_value where not) and
+    from unidirectional, shaped to broadcast over [batch, heads, sequence, total]."""
+    filler = u.const("filter", float(u.attrs.get("mask_filter_value", -10000.0)))
+    zero = u.const("zero", 0.0)
+    bias = _padding_bias(u, u.input(3), filler, zero) if u.input(3) else None
+    if u.attrs.get("unidirectional", 0):
+        positions = u.seq_range(u.input(0), 1, "causal_positions")
+        later = u.op("Greater", [u.unsqueeze(positions, [0], "causal_row"),
+                                 u.unsqueeze(positions, [1], "causal_column")], "later")
+        causal = u.op("Where", [later, filler, zero], "causal")
+        bias = causal if bias is None else u.op("Add", [bias, causal], "mask_causal")
+    return bias
+
+
+def _padding_bias(u: _Unfolder, mask: str, filler: str, zero: str) -> str:
+    rank = u.rank(mask, "mask_index")
+    key = ("mask bias", mask, float(u.attrs.get("mask_filter_value", -10000.0)))
+    if rank in (2, 3) and key in u.shared:   # every layer of a BERT reads the same raw mask: one bias for all
+        return u.shared[key]
+    if rank == 1:   # right padding: each row's key length
+        positions = u.unsqueeze(u.seq_range(u.input(0), 1, "key_positions"), [0], "key_row")
+        lengths = u.unsqueeze(u.op("Cast", [mask], "lengths", to=TensorProto.INT64), [1], "length_column")
+        attended = u.op("Less", [positions, lengths], "attended")
+    elif rank in (2, 3):   # raw mask: [batch, total] or [batch, sequence, total]
+        attended = u.op("Greater", [u.op("Cast", [mask], "mask_float", to=TensorProto.FLOAT), zero], "attended")
+    else:
+        u.refuse("a 4-D (Megatron) mask_index is not unfolded")
+    bias = u.unsqueeze(u.op("Where", [attended, zero, filler], "mask_bias"), [1, 2] if rank in (1, 2) else [1],
+                       "mask")
+    if rank in (2, 3):
+        u.shared[key] = bias
+    return bias
+
+
+UNFOLDINGS = {
+    (MS, "Gelu"): _gelu, (MS, "BiasGelu"): _gelu, (MS, "FastGelu"): _gelu, (MS, "QuickGelu"): _quick_gelu,
+    (MS, "BiasAdd"): _bias_add, (MS, "FusedMatMul"): _fused_matmul,
+    (MS, "SkipLayerNormalization"): _skip_layer_norm, (MS, "SkipSimplifiedLayerNormalization"): _skip_layer_norm,
+    ("", "SimplifiedLayerNormalization"): _simplified_layer_norm, (MS, "SimplifiedLayerNormalization"):
+        _simplified_layer_norm,
+    (MS, "EmbedLayerNormalization"): _embed_layer_norm, (MS, "Attention"): _attention,
+}
+
+
+def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` with every contrib node of UNFOLDINGS replaced by standard nodes (a copy; `proto` is kept)."""
+    graph = proto.graph
+    if not any((n.domain if n.domain != "ai.onnx" else "", n.op_type) in UNFOLDINGS for n in graph.node):
+        return proto
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    if not any(imp.domain == MS for imp in out.opset_import):   # the optimizer's in-memory model lacks it
+        out.opset_import.append(helper.make_opsetid(MS, 1))
+    ranks = _known_ranks(out)
+    nodes, counts, shared = [], {}, {}
+    for node in out.graph.node:
+        unfold = UNFOLDINGS.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        if unfold is None:
+            nodes.append(node)
+            continue
+        u = _Unfolder(node, ranks, shared)
+        unfold(u)
+        nodes += u.nodes
+        out.graph.initializer.extend(u.consts)
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    for op_type, count in sorted(counts.items()):
+        log.info("ContribUnfolding: %d onnxruntime %s node(s) unfolded into standard ops", count, op_type)
+    return out
+
+
+def _known_ranks(proto: onnx.ModelProto) -> dict:
+    """Ranks of the values whose type the model declares (inputs, outputs, value_info, initializers, and what ONNX
+    shape inference finds up to the first contrib op), EmbedLayerNormalization's 1-D mask index, and each
+    initializer's last dimension under ("width", name)."""
+    ranks: dict = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False)
+    except Exception:   # a malformed model fails later, with kiln's own message
+        inferred = proto
+    for info in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
+        if info.type.tensor_type.HasField("shape"):
+            ranks[info.name] = len(info.type.tensor_type.shape.dim)
+    for init in proto.graph.initializer:
+        ranks[init.name] = len(init.dims)
+        if init.dims:
+            ranks[("width", init.name)] = int(init.dims[-1])
+    for node in proto.graph.node:
+        if node.op_type == "EmbedLayerNormalization" and len(node.output) > 1 and node.output[1]:
+            ranks[node.output[1]] = 1
+    return ranks
