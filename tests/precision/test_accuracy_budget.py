@@ -219,33 +219,32 @@ def test_the_search_finds_the_fewest_kept_layers_from_below(passing, want):
     assert len(tried) == len(set(tried))
 
 
-def many_branches(n: int = 16) -> onnx.ModelProto:
-    """y = x @ Wbig + sum of `n` small branches x_i @ W_i (inputs of their own, so they do not merge): only the big
-    branch's BF16 error matters."""
+def plus_small_branches(nodes: list, head: str, inits: list, n: int, scale: float) -> onnx.ModelProto:
+    """y = `head` (what `nodes` compute from input x) + sum of `n` small branches x_i @ W_i (inputs of their own, so
+    they do not merge)."""
     h, vi = helper.make_node, helper.make_tensor_value_info
-    nodes = [h("MatMul", ["x", "wbig"], ["big_out"], name="big")]
-    inits = [init("wbig", rand((64, 64), 1) * 100)]
     for i in range(n):
         nodes.append(h("MatMul", [f"x{i}", f"w{i}"], [f"s{i}"], name=f"small{i}"))
-        inits.append(init(f"w{i}", rand((64, 64), 10 + i) * 0.01))
-    nodes.append(h("Sum", ["big_out"] + [f"s{i}" for i in range(n)], ["y"], name="sum"))
+        inits.append(init(f"w{i}", rand((64, 64), 10 + i) * scale))
+    nodes.append(h("Sum", [head] + [f"s{i}" for i in range(n)], ["y"], name="sum"))
     inputs = [vi(name, TensorProto.FLOAT, [8, 64]) for name in ["x"] + [f"x{i}" for i in range(n)]]
     return make_model(nodes, inputs, [vi("y", TensorProto.FLOAT, [8, 64])], inits)
+
+
+def many_branches(n: int = 16) -> onnx.ModelProto:
+    """y = x @ Wbig + n small branches: only the big branch's BF16 error matters."""
+    nodes = [helper.make_node("MatMul", ["x", "wbig"], ["big_out"], name="big")]
+    return plus_small_branches(nodes, "big_out", [init("wbig", rand((64, 64), 1) * 100)], n, 0.01)
 
 
 def offset_branch(n: int = 8) -> onnx.ModelProto:
-    """y = (relu(x @ W + 300) - 300) + sum of n small products: the first product's fused output sits near 300,
-    where bf16 keeps about one unit, so its harm is the rounding of the tensor it writes, not its arithmetic."""
-    h, vi = helper.make_node, helper.make_tensor_value_info
+    """y = (relu(x @ W + 300) - 300) + n small products: the first product's fused output sits near 300, where
+    bf16 keeps about one unit, so its harm is the rounding of the tensor it writes, not its arithmetic."""
+    h = helper.make_node
     nodes = [h("MatMul", ["x", "w"], ["a"], name="proj"), h("Add", ["a", "offset"], ["b"], name="shift"),
              h("Relu", ["b"], ["c"], name="act"), h("Sub", ["c", "offset"], ["d"], name="back")]
     inits = [init("w", rand((64, 64), 1) * 0.1), init("offset", np.full((64,), 300.0, np.float32))]
-    for i in range(n):
-        nodes.append(h("MatMul", [f"x{i}", f"w{i}"], [f"s{i}"], name=f"small{i}"))
-        inits.append(init(f"w{i}", rand((64, 64), 10 + i) * 0.1))
-    nodes.append(h("Sum", ["d"] + [f"s{i}" for i in range(n)], ["y"], name="sum"))
-    inputs = [vi(name, TensorProto.FLOAT, [8, 64]) for name in ["x"] + [f"x{i}" for i in range(n)]]
-    return make_model(nodes, inputs, [vi("y", TensorProto.FLOAT, [8, 64])], inits)
+    return plus_small_branches(nodes, "d", inits, n, 0.1)
 
 
 def test_a_layer_whose_harm_is_the_tensor_it_writes_is_ranked_first(caplog, bf16_kernels):
