@@ -73,13 +73,15 @@ def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, 
     inputs = budget_batches(g, options, 1)[0]
     check = onnxruntime_reference(proto)
     reference = check(inputs) if check is not None else None
+    every = None
     if reference is None:   # no onnxruntime: the same plan with every layer in FP32 is the reference
-        reduced = [l.name for l in lowered.layers if l.precision in REDUCED_FLOATS]
-        every = relower(keep_fp32(lowered.precisions, reduced))
+        every = relower(keep_fp32(lowered.precisions, [l.name for l in lowered.layers
+                                                       if l.precision in REDUCED_FLOATS]))
         with torch.inference_mode():
             env = plan_runner(every.layers, {}, every.weights, g.opset, inputs, keep={v.name for v in g.outputs})()
         reference = [env[v.name] for v in g.outputs]
-    return meet_budget(g, lowered, relower, budget, inputs, reference, options.precision.constraints == "obey")
+    return meet_budget(g, lowered, relower, budget, inputs, reference, options.precision.constraints == "obey",
+                       every)
 
 
 def within_int8_budget(float_proto: onnx.ModelProto, scales: dict[str, float], first: Lowered,

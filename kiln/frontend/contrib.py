@@ -27,8 +27,9 @@ DEFAULT_EPSILON = {"SkipLayerNormalization": 1e-12, "SkipSimplifiedLayerNormaliz
 class _Unfolder:
     """Writes the nodes and constants standing for one contrib node."""
 
-    def __init__(self, node: onnx.NodeProto, ranks: dict, shared: dict | None = None):
-        self.src, self.ranks = node, ranks
+    def __init__(self, node: onnx.NodeProto, ranks: dict[str, int], widths: dict[str, int],
+                 shared: dict | None = None):
+        self.src, self.ranks, self.widths = node, ranks, widths
         self.shared = {} if shared is None else shared   # values later nodes may reuse (a raw mask's bias)
         self.name = node.name or f"{node.op_type}_{node.output[0]}"
         self.nodes: list[onnx.NodeProto] = []
@@ -49,12 +50,14 @@ class _Unfolder:
         self.consts.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
         return name
 
-    def op(self, op_type: str, inputs: list[str], tag: str, out: str | None = None, **attrs) -> str:
-        out = out or f"{self.name}/{tag}:0"
-        node = helper.make_node(op_type, inputs, [out], name=f"{self.name}/{tag}", **attrs)
+    def op(self, op_type: str, inputs: list[str], tag: str, out: str | list[str] | None = None, **attrs) -> str:
+        """One node (several outputs where `out` is a list; the first is returned), marked as unfolded from the
+        contrib node."""
+        outs = out if isinstance(out, list) else [out or f"{self.name}/{tag}:0"]
+        node = helper.make_node(op_type, inputs, outs, name=f"{self.name}/{tag}", **attrs)
         node.metadata_props.add(key=UNFOLDED_KEY, value=self.name)
         self.nodes.append(node)
-        return out
+        return outs[0]
 
     def rank(self, name: str, what: str) -> int:
         if name not in self.ranks:
@@ -127,12 +130,10 @@ def _skip_layer_norm(u: _Unfolder) -> None:
         u.op("RMSNormalization", [total, u.input(2)], "norm", u.output(0), axis=-1, epsilon=_epsilon(u))
         return
     outs = [u.output(0) or f"{u.name}/norm:0", u.output(1) or "", u.output(2) or ""]
-    while outs and not outs[-1]:
+    while not outs[-1]:
         outs.pop()
-    node = helper.make_node("LayerNormalization", [total, u.input(2)] + ([u.input(3)] if u.input(3) else []), outs,
-                            name=f"{u.name}/norm", axis=-1, epsilon=_epsilon(u))
-    node.metadata_props.add(key=UNFOLDED_KEY, value=u.name)
-    u.nodes.append(node)
+    u.op("LayerNormalization", [total, u.input(2)] + ([u.input(3)] if u.input(3) else []), "norm", outs, axis=-1,
+         epsilon=_epsilon(u))
 
 
 def _simplified_layer_norm(u: _Unfolder) -> None:
@@ -186,10 +187,7 @@ def _attention(u: _Unfolder) -> None:
     qkv = u.op("MatMul", [u.input(0), u.input(1)], "qkv")
     if u.input(2):
         qkv = u.op("Add", [qkv, u.input(2)], "qkv_bias")
-    split = helper.make_node("Split", [qkv, u.const("split", sizes, np.int64)], [f"{u.name}/{p}:0" for p in "qkv"],
-                             name=f"{u.name}/split", axis=-1)
-    split.metadata_props.add(key=UNFOLDED_KEY, value=u.name)
-    u.nodes.append(split)
+    u.op("Split", [qkv, u.const("split", sizes, np.int64)], "split", [f"{u.name}/{p}:0" for p in "qkv"], axis=-1)
     q, k, v = (u.op("Reshape", [f"{u.name}/{p}:0", u.const(f"{p}_heads", [0, 0, heads, s // heads], np.int64)],
                     f"{p}_heads") for p, s in zip("qkv", sizes))
     q = u.op("Transpose", [q], "q_bnsh", perm=[0, 2, 1, 3])
@@ -206,7 +204,7 @@ def _attention(u: _Unfolder) -> None:
 
 
 def _weight_width(u: _Unfolder) -> int:
-    width = u.ranks.get(("width", u.input(1)))
+    width = u.widths.get(u.input(1))
     if width is None or width % 3:
         u.refuse("without qkv_hidden_sizes its weights must be a constant whose width divides by three")
     return width
@@ -257,23 +255,27 @@ UNFOLDINGS = {
 }
 
 
+def _unfolding(node: onnx.NodeProto):
+    return UNFOLDINGS.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+
+
 def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     """`proto` with every contrib node of UNFOLDINGS replaced by standard nodes (a copy; `proto` is kept)."""
     graph = proto.graph
-    if not any((n.domain if n.domain != "ai.onnx" else "", n.op_type) in UNFOLDINGS for n in graph.node):
+    if not any(_unfolding(n) for n in graph.node):
         return proto
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     if not any(imp.domain == MS for imp in out.opset_import):   # the optimizer's in-memory model lacks it
         out.opset_import.append(helper.make_opsetid(MS, 1))
-    ranks = _known_ranks(out)
+    ranks, widths = _known_ranks(out)
     nodes, counts, shared = [], {}, {}
     for node in out.graph.node:
-        unfold = UNFOLDINGS.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        unfold = _unfolding(node)
         if unfold is None:
             nodes.append(node)
             continue
-        u = _Unfolder(node, ranks, shared)
+        u = _Unfolder(node, ranks, widths, shared)
         unfold(u)
         nodes += u.nodes
         out.graph.initializer.extend(u.consts)
@@ -285,11 +287,12 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _known_ranks(proto: onnx.ModelProto) -> dict:
+def _known_ranks(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
     """Ranks of the values whose type the model declares (inputs, outputs, value_info, initializers, and what ONNX
-    shape inference finds up to the first contrib op), EmbedLayerNormalization's 1-D mask index, and each
-    initializer's last dimension under ("width", name)."""
-    ranks: dict = {}
+    shape inference finds up to the first contrib op) and EmbedLayerNormalization's 1-D mask index; and each
+    initializer's last dimension (its width)."""
+    ranks: dict[str, int] = {}
+    widths: dict[str, int] = {}
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False)
     except Exception:   # a malformed model fails later, with kiln's own message
@@ -300,8 +303,8 @@ def _known_ranks(proto: onnx.ModelProto) -> dict:
     for init in proto.graph.initializer:
         ranks[init.name] = len(init.dims)
         if init.dims:
-            ranks[("width", init.name)] = int(init.dims[-1])
+            widths[init.name] = int(init.dims[-1])
     for node in proto.graph.node:
         if node.op_type == "EmbedLayerNormalization" and len(node.output) > 1 and node.output[1]:
             ranks[node.output[1]] = 1
-    return ranks
+    return ranks, widths

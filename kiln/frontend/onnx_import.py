@@ -246,7 +246,8 @@ def _import_nodes(g: Graph, proto: onnx.ModelProto) -> None:
             attrs.setdefault("num_outputs", len(outputs))   # before opset 18: as many equal parts as outputs
         unfolded_from = [p.value for p in pnode.metadata_props if p.key == UNFOLDED_KEY]
         origin = tuple(unfolded_from) or (name, *(p.value for p in pnode.metadata_props if p.key == FOLDED_KEY))
-        g.add_node(Node(name if unfolded_from else " + ".join(origin), pnode.op_type, inputs, outputs, attrs, pnode.domain, origin))
+        node_name = name if unfolded_from else " + ".join(origin)
+        g.add_node(Node(node_name, pnode.op_type, inputs, outputs, attrs, pnode.domain, origin))
 
 
 def _check_arity(pnode: onnx.NodeProto, name: str, opset: int) -> None:

@@ -3,8 +3,9 @@ FP32 reference (onnxruntime on the original model) on representative inputs; whe
 fewest layers are kept in FP32 to meet it. Layers are ranked by the harm each does alone (the FP32 plan's score
 with only that layer's tensors rounded to its reduced type), then the number kept is searched (doubling, then
 bisecting: `fewest_that_pass`); where that needs many, each layer is re-lowered alone in FP32 and ranked by what
-that buys. Each kept layer is granted FP32 with the reason "accuracy budget" and the log says which, and by how much. No anchor (TensorRT,
-onnxruntime, OpenVINO) does this automatically; Polygraphy's `debug precision` does it by hand."""
+that buys. Each kept layer is granted FP32 with the reason "accuracy budget" and the log says which, and by how
+much. No anchor (TensorRT, onnxruntime, OpenVINO) does this automatically; Polygraphy's `debug precision` does it
+by hand."""
 from __future__ import annotations
 
 import logging
@@ -103,17 +104,19 @@ class BudgetReport:
         return {"budget": self.budget, "score_before": self.score_before, "score_after": self.score_after,
                 "reduced_layers": list(self.reduced_layers), "kept_fp32": list(self.kept_fp32),
                 "score_alone_reduced": dict(self.score_alone_reduced),
-                "score_alone_fp32": dict(self.score_alone_fp32), "origins": {k: list(v) for k, v in self.origins.items()},
-                "granted": dict(self.granted)}
+                "score_alone_fp32": dict(self.score_alone_fp32),
+                "origins": {k: list(v) for k, v in self.origins.items()}, "granted": dict(self.granted)}
 
 
 Relower = Callable[[dict[str, PrecisionDecision]], Lowering]
 
 
 def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyBudget, inputs: dict,
-                reference: list[torch.Tensor], obey: bool) -> tuple[Lowering, BudgetReport]:
+                reference: list[torch.Tensor], obey: bool,
+                every: Lowering | None = None) -> tuple[Lowering, BudgetReport]:
     """`lowered`, or the same graph re-lowered with the fewest reduced-precision layers kept in FP32 so that
-    `budget` holds on `inputs` against the FP32 `reference` outputs; and what was done."""
+    `budget` holds on `inputs` against the FP32 `reference` outputs; and what was done. `every`: the graph
+    re-lowered with every reduced layer in FP32, where the caller has it (lowered here when needed)."""
     reduced = [l.name for l in lowered.layers if l.precision in REDUCED_FLOATS]
     score = evaluate(g, lowered, budget, inputs, reference)
     if not reduced or budget.met(score):
@@ -125,12 +128,13 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
         raise ModelError(f"the plan misses the accuracy budget {budget.text()} ({budget.metric} {score:.6g}) and "
                          "--precision-constraints obey forbids keeping layers in FP32; relax the budget or the "
                          "constraints")
-    alone = reduced_alone(g, lowered, relower, inputs, budget, reference)
+    every = every or relower(keep_fp32(lowered.precisions, reduced))
+    alone = reduced_alone(g, lowered, every, inputs, budget, reference)
     ranked = sorted(alone, key=alone.get, reverse=budget.metric != "cos")   # most harmful first: worst score
     ranked += [n for n in reduced if n not in alone]
     found, fp32_alone = fewest_kept(g, lowered, relower, budget, inputs, reference, ranked), {}
     if found is None:
-        every_score = evaluate(g, relower(keep_fp32(lowered.precisions, reduced)), budget, inputs, reference)
+        every_score = evaluate(g, every, budget, inputs, reference)
         raise ModelError(f"the accuracy budget {budget.text()} cannot be met even with every layer in FP32 "
                          f"({budget.metric} {every_score:.6g} against the FP32 reference): relax it")
     if found[0] > max(2, len(reduced) // 8):
@@ -229,15 +233,14 @@ def evaluate(g: Graph, lowered: Lowering, budget: AccuracyBudget, inputs: dict,
     return budget.worst([budget.score(env[v.name], want) for v, want in zip(g.outputs, reference)])
 
 
-def reduced_alone(g: Graph, lowered: Lowering, relower: Relower, inputs: dict, budget: AccuracyBudget,
+def reduced_alone(g: Graph, lowered: Lowering, every: Lowering, inputs: dict, budget: AccuracyBudget,
                   reference: list[torch.Tensor]) -> dict[str, float]:
     """Per reduced layer, the score of the all-FP32 plan with only that layer in its reduced precision, emulated:
     its float inputs and weights rounded to bf16 (or fp16) around its FP32 kernel, and the outputs the reduced
     plan stores in that type. This is the harm the layer does alone, the rounding of the tensor it writes included
     (BERT's first Q/K/V projection, whose bf16 output sharpens the first attention's error, is by far the worst).
-    One FP32 lowering, then one run per layer."""
+    `every` is the same graph lowered with those layers in FP32; one run per layer."""
     reduced = {l.name: l for l in lowered.layers if l.precision in REDUCED_FLOATS}
-    every = relower(keep_fp32(lowered.precisions, list(reduced)))
     weights, opset = TorchWeights(every.weights), g.opset
     kernels = [prepare_kernel(l, weights, every.weights, opset) for l in every.layers]
     keep = set(inputs) | {v.name for v in g.outputs}

@@ -41,7 +41,8 @@ class PrecisionReport:
                 "score_all_reduced": self.score_all_reduced, "score_final": self.score_final,
                 "keep_fp32_onnx_nodes": list(self.keep_fp32_nodes),
                 "layers": [{"layer": v.layer, "onnx_nodes": list(v.onnx_nodes), "keep_fp32": v.keep_fp32,
-                            "score_alone_reduced": v.score_alone_reduced, "score_alone_fp32": v.score_alone_fp32, "granted": v.granted} for v in self.verdicts]}
+                            "score_alone_reduced": v.score_alone_reduced, "score_alone_fp32": v.score_alone_fp32,
+                            "granted": v.granted} for v in self.verdicts]}
 
 
 DEFAULT_INT8_BUDGET = "cos:0.999"   # a build applies none to INT8 unless asked; the search needs one

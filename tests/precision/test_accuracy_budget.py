@@ -56,6 +56,19 @@ def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog, bf16_kern
     assert info["big"]["GrantedPrecision"] == "FP32" and "accuracy budget" in info["big"]["PrecisionReason"]
 
 
+def test_without_onnxruntime_the_all_fp32_plan_is_the_reference(bf16_kernels, monkeypatch):
+    """Where onnxruntime is missing the budget scores against kiln's plan with every layer in FP32 (that one
+    lowering also serves the ranking): the same layer is kept, and the result still matches onnxruntime."""
+    import kiln.builder.budget as budget
+
+    monkeypatch.setattr(budget, "onnxruntime_reference", lambda proto: None)
+    model = two_branch()
+    engine = kiln.build(model, bf16=True, precision_constraints="prefer", accuracy="l2:0.0005", autotune=False)
+    assert {l.name: l.precision for l in engine.plan.layers if l.op_type == "MatMul"} == {"big": "FP32",
+                                                                                          "small": "BF16"}
+    assert relative_l2(engine, model) < 5e-4
+
+
 def test_the_budget_is_judged_on_calib_data_when_given(caplog, bf16_kernels, tmp_path):
     """On data where the big branch's input is zero, only the small branch's BF16 error counts: the budget keeps
     `small` in FP32 instead of `big` (as random inputs would), and no random-input warning is logged."""
