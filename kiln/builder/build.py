@@ -124,6 +124,8 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
     from kiln.errors import ModelError
 
     proto = load_model(model)
+    if not options.precision.strongly_typed:
+        proto = _weakly_typed(proto)
     if not options.calibration:
         return proto, None
     from kiln.preprocess.calibration import calibrate
@@ -144,6 +146,18 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
     log.info("INT8 calibration (%s): %d activation scales from %s", options.calibration_method, len(scales),
              options.calibration)
     return proto, scales
+
+
+def _weakly_typed(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its float16/bfloat16 storage widened to float32 (kiln.preprocess.widen), logged once."""
+    from kiln.preprocess.widen import widen_reduced_floats
+
+    proto, widening = widen_reduced_floats(proto)
+    if widening.changed:
+        log.info("The model stores %s: built weakly typed, as TensorRT does (%s); --fp16/--bf16 allow reduced "
+                 "precision per layer, --strongly-typed computes in the model's types", "/".join(widening.types),
+                 widening.summary())
+    return proto
 
 
 def lower_model(proto: onnx.ModelProto, options: BuildOptions, sources: frozenset[str], tuner: Autotuner | None,

@@ -10,7 +10,7 @@ from kiln.builder.options import BuildOptions
 from kiln.errors import ModelError
 from kiln.precision.policy import TYPE_NAMES, PrecisionOptions, parse_layer_precisions
 
-PRECISION_FLAGS = ("fp16", "bf16", "int8", "best")
+PRECISION_FLAGS = ("fp16", "bf16", "int8", "best", "strongly_typed")
 CLI_ALIASES = {"calib": "calibration", "calib_method": "calibration_method", "calib_cache": "calibration_cache",
                "shapes": "input_shapes", "disable_pass": "disabled_passes"}
 EXTRA = ("layer_precisions", "layer_output_types", "precision_constraints", "builder_optimization_level", "threads",

@@ -49,6 +49,9 @@ def add_precision_arguments(p: argparse.ArgumentParser, spelling: str = "kebab")
                                                        "INT8 where the model's Q/DQ gives scales, BF16 elsewhere")
     p.add_argument("--int8", action="store_true", help="INT8 for conv/matmul layers: from the model's Q/DQ, or "
                                                        "calibrated with --calib")
+    p.add_argument("--strongly-typed" if kebab else "--stronglyTyped", dest="strongly_typed", action="store_true",
+                   help="compute in the model's own float16/bfloat16 types (default: weakly typed, as TensorRT: "
+                        "such models build in FP32 unless --fp16/--bf16 allow less)")
     p.add_argument("--calib", metavar="DATA", help="calibration data (.npz or a folder of .npz; needs onnxruntime: "
                                                    "pip install 'kiln[onnxruntime]') or a calibration cache (.json) "
                                                    "for --int8")
@@ -77,7 +80,7 @@ def precision_options(args) -> dict:
     layers = {**parse_layer_precisions(getattr(args, "layer_output_types", None)),
               **parse_layer_precisions(getattr(args, "layer_precisions", None))}
     options = {"precision": PrecisionOptions(args.fp16, args.bf16, args.int8, layers, args.precision_constraints,
-                                             getattr(args, "best", False))}
+                                             getattr(args, "best", False), getattr(args, "strongly_typed", False))}
     if getattr(args, "accuracy", None):   # checked with the other options, before the model is read
         options.update(accuracy=args.accuracy, atol=args.atol, rtol=args.rtol)
     if getattr(args, "calib", None):

@@ -42,6 +42,8 @@ class PrecisionOptions:
     layer_precisions: dict[str, str] = field(default_factory=dict)   # layer name (glob) -> FP32|FP16|BF16|INT8
     constraints: str = "none"                                         # none | prefer | obey
     best: bool = False   # trtexec --best: every precision kiln has kernels for (Q/DQ layers INT8, the rest BF16)
+    strongly_typed: bool = False   # trtexec --stronglyTyped: compute in the model's own float types, allow no other
+
 
     def __post_init__(self):
         if self.constraints not in CONSTRAINTS:
@@ -49,6 +51,11 @@ class PrecisionOptions:
         bad = {k: v for k, v in self.layer_precisions.items() if v not in PRECISIONS}
         if bad:
             raise ModelError(f"unknown layer precision(s) {bad}; use one of {', '.join(PRECISIONS)}")
+        allowed = [flag for flag in ("fp16", "bf16", "int8", "best") if getattr(self, flag)]
+        if self.strongly_typed and (allowed or self.layer_precisions):
+            given = [f"--{flag}" for flag in allowed] + (["--layer-precisions"] if self.layer_precisions else [])
+            raise ModelError(f"a strongly typed build takes every precision from the model's types; drop "
+                             f"{', '.join(given)} or --strongly-typed")
 
 
 def parse_layer_precisions(spec: str | None) -> dict[str, str]:
@@ -76,15 +83,19 @@ class PrecisionDecision:
     reason: str = ""
 
 
-def native_precision(op_type: str, output_dtypes: Iterable) -> str:
-    """The precision a layer's own types fix: INT8 for quantized ops and int8 outputs, FP16 for float16 outputs,
-    else FP32 (what every kernel computes a float32 layer in)."""
+def native_precision(op_type: str, output_dtypes: Iterable, input_dtypes: Iterable = ()) -> str:
+    """The precision a layer's own types fix: INT8 for quantized ops and int8 outputs; FP16 where it reads float16
+    (or, reading no float, writes it): a layer's arithmetic takes its inputs' type, so one reading float32 and
+    writing float16 (a fused output Cast) computes in FP32; a Cast only converts (FP32); else FP32."""
     if op_type in INT8_LAYERS or op_type in QDQ_OPS:
         return "INT8"
     dtypes = [np.dtype(d) for d in output_dtypes]
     if any(d in (np.dtype(np.int8), np.dtype(np.uint8)) for d in dtypes):
         return "INT8"
-    if any(d == np.float16 for d in dtypes):
+    if op_type == "Cast":
+        return "FP32"
+    floats_in = [np.dtype(d) for d in input_dtypes if d is not None and np.dtype(d).kind == "f"]
+    if any(d == np.float16 for d in floats_in or dtypes):
         return "FP16"
     return "FP32"
 
@@ -171,7 +182,8 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
     decisions = {}
     for node in nodes:
         dtypes = [v.dtype for v in node.outputs if v is not None and v.dtype is not None]
-        want, native = requested(node.name, node.op_type, dtypes, options), native_precision(node.op_type, dtypes)
+        reads = [v.dtype for v in node.inputs if v is not None and v.dtype is not None]
+        want, native = requested(node.name, node.op_type, dtypes, options), native_precision(node.op_type, dtypes, reads)
         if want in REDUCED_FLOATS and node.name in tail and native == "FP32" and options.constraints == "none" \
                 and named_precision(node.name, options) is None:
             decisions[node.name] = PrecisionDecision(want, native, OUTPUT_TAIL)

@@ -131,7 +131,7 @@ class Lowering:
         return self.precisions.get(node.name, NO_DECISION)
 
     def pick(self, node: Node, view: LayerView) -> Tactic:
-        decision, native = self.decision(node), native_precision(node.op_type, view.output_dtypes)
+        decision, native = self.decision(node), native_precision(node.op_type, view.output_dtypes, view.input_dtypes)
         reduced = None if decision.granted == native else decision.granted
         found = candidates(view, self.sources, reduced)
         if reduced and not self.strict_precision:   # allowed, not required: the native kernels race too
