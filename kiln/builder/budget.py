@@ -17,15 +17,15 @@ import torch
 from kiln.builder.options import BuildOptions
 from kiln.ir import Graph
 from kiln.planning.accuracy import KEPT_FP32_REASON, AccuracyBudget, BudgetReport, keep_fp32, meet_budget, \
-    random_input
-from kiln.planning.int8_budget import Int8BudgetReport, Scored, fewest_kept_fp32, plan_outputs, score_over_batches
+    plan_outputs, random_input
+from kiln.planning.int8_budget import Int8BudgetReport, Scored, fewest_kept_fp32, score_over_batches
 from kiln.planning.race import onnxruntime_reference
-from kiln.planning.regions import plan_runner
 from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision
 from kiln.tactics.lower import Lowering
 
 log = logging.getLogger("kiln.build")
 INT8_BUDGET_BATCHES = 4   # calibration batches the INT8 budget is scored on
+FLOAT_BUDGET_BATCHES = 2  # batches a BF16/FP16 plan must each meet the budget on (random ones differ by seed)
 
 
 @dataclass(frozen=True)
@@ -70,17 +70,15 @@ def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, 
         again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision, lowered.picked)
         again.run()
         return again
-    inputs = budget_batches(g, options, 1)[0]
+    batches = budget_batches(g, options, FLOAT_BUDGET_BATCHES)
     check = onnxruntime_reference(proto)
-    reference = check(inputs) if check is not None else None
+    references = [check(b) for b in batches] if check is not None else None
     every = None
-    if reference is None:   # no onnxruntime: the same plan with every layer in FP32 is the reference
+    if references is None:   # no onnxruntime: the same plan with every layer in FP32 is the reference
         every = relower(keep_fp32(lowered.precisions, [l.name for l in lowered.layers
                                                        if l.precision in REDUCED_FLOATS]))
-        with torch.inference_mode():
-            env = plan_runner(every.layers, {}, every.weights, g.opset, inputs, keep={v.name for v in g.outputs})()
-        reference = [env[v.name] for v in g.outputs]
-    return meet_budget(g, lowered, relower, budget, inputs, reference, options.precision.constraints == "obey",
+        references = plan_outputs(g, every, batches)
+    return meet_budget(g, lowered, relower, budget, batches, references, options.precision.constraints == "obey",
                        every)
 
 
@@ -143,7 +141,8 @@ def kept_in_fp32(decisions: dict[str, PrecisionDecision], g: Graph,
 
 def budget_batches(g: Graph, options: BuildOptions, count: int) -> list[dict[str, torch.Tensor]]:
     """Representative inputs for the accuracy budget: the first `count` batches of --calib data (.npz or a folder),
-    else one batch of random values (with a warning: real data judges accuracy better)."""
+    else `count` batches of random values, each from its own seed (with a warning: real data judges accuracy
+    better)."""
     data = str(options.calibration or "")
     if data.endswith(".npz") or (data and os.path.isdir(data)):
         from kiln.preprocess.calibration import load_calibration_data
@@ -154,4 +153,4 @@ def budget_batches(g: Graph, options: BuildOptions, count: int) -> list[dict[str
         return [{name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
                 for batch in batches]
     log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
-    return [{v.name: random_input(v) for v in g.inputs}]
+    return [{v.name: random_input(v, seed) for v in g.inputs} for seed in range(count)]

@@ -14,15 +14,10 @@ from typing import Generic, TypeVar
 import torch
 
 from kiln.errors import ModelError
-from kiln.ir import Graph
 from kiln.planning.accuracy import AccuracyBudget, fewest_that_pass
-from kiln.runtime.interpreter import Interpreter
-from kiln.runtime.prepare import TorchWeights, prepare_kernel
-from kiln.tactics.lower import Lowering
 
 log = logging.getLogger("kiln.build")
 Outcome = TypeVar("Outcome")
-Batch = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -83,19 +78,6 @@ def fewest_kept_fp32(quantized: list[str], trial: Trial, budget: AccuracyBudget,
     log.info("Accuracy budget %s: %d of %d INT8-calibrated nodes kept in FP32 (%s %.8g -> %.8g): %s",
              budget.text(), len(kept), len(quantized), budget.metric, first.score, best.score, ", ".join(kept))
     return best, kept, sensitivity
-
-
-def plan_outputs(g: Graph, lowered: Lowering, batches: list[Batch]) -> list[list[torch.Tensor]]:
-    """The plan's outputs on each batch; kernels are prepared once."""
-    weights = TorchWeights(lowered.weights)
-    kernels = [prepare_kernel(l, weights, lowered.weights, g.opset) for l in lowered.layers]
-    names = [v.name for v in g.outputs]
-    outputs = []
-    for inputs in batches:
-        with torch.inference_mode():
-            env = Interpreter(lowered.layers, kernels, set(inputs) | set(names)).run(dict(inputs))
-        outputs.append([env[n] for n in names])
-    return outputs
 
 
 def score_over_batches(budget: AccuracyBudget, got: list[list[torch.Tensor]],

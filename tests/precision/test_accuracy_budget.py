@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 import kiln
@@ -83,6 +84,24 @@ def test_the_budget_is_judged_on_calib_data_when_given(caplog, bf16_kernels, tmp
     assert "inputs the accuracy budget is checked on" in caplog.text and "random inputs" not in caplog.text
     with pytest.raises(kiln.ModelError, match=r"without --int8 \(or --bf16/--fp16/--best"):
         kiln.build(two_branch(), autotune=False, calibration=str(data))
+
+
+def test_every_budget_batch_must_meet_the_budget(bf16_kernels, tmp_path):
+    """Two calibration batches, one where only the small branch's error counts and one where the big branch's
+    does: each must meet the budget, so both products are kept in FP32 (the first batch alone keeps `small` only,
+    as the test above shows)."""
+    rng = np.random.default_rng(3)
+    x1 = np.concatenate([np.zeros((8, 64)), rng.standard_normal((8, 64))]).astype(np.float32)
+    data = tmp_path / "data.npz"
+    np.savez(data, x1=x1, x2=rng.standard_normal((16, 64)).astype(np.float32))
+    engine = kiln.build(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
+                        autotune=False, calibration=str(data))
+    assert {l.name: l.precision for l in engine.plan.layers if l.op_type == "MatMul"} == {"big": "FP32",
+                                                                                          "small": "FP32"}
+    for batch in (slice(0, 8), slice(8, 16)):
+        feeds = {"x1": x1[batch], "x2": np.load(data)["x2"][batch]}
+        got, want = engine.run(feeds)["y"].astype(np.float64), run_ort(two_branch(), feeds)[0].astype(np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-4
 
 
 def test_the_default_budget_with_bf16_is_cosine_0_999(caplog, bf16_kernels):
@@ -209,6 +228,11 @@ def test_budget_inputs_draw_token_ids_within_the_embedding_and_masks_as_ones():
     assert drawn.dtype.is_floating_point is False and int(drawn.min()) >= 0 and int(drawn.max()) < 30
     assert len(set(drawn.flatten().tolist())) > 5                    # not a constant
     assert random_input(g.values["mask"]).eq(1).all()
+    # the budget's batches differ by seed, each reproducible
+    assert torch.equal(random_input(g.values["ids"], 1), random_input(g.values["ids"], 1))
+    assert not torch.equal(random_input(g.values["ids"], 1), drawn)
+    x = b.input("x", (4, 8), np.float32)
+    assert torch.equal(random_input(x, 2), random_input(x, 2)) and not torch.equal(random_input(x, 2), random_input(x))
 
 
 @pytest.mark.parametrize("passing, want", [
