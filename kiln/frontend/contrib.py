@@ -1,6 +1,6 @@
-"""onnxruntime's transformer contrib ops (com.microsoft Attention, EmbedLayerNormalization, SkipLayerNormalization,
-SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu, BiasAdd, FusedMatMul, and ai.onnx-domain
-SimplifiedLayerNormalization), as onnxruntime's transformers optimizer and Optimum's O1-O3 write them, unfolded at
+"""onnxruntime's transformer contrib ops (com.microsoft Attention, MultiHeadAttention, EmbedLayerNormalization,
+SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu, BiasAdd,
+FusedMatMul, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer and Optimum's O1-O3 write them, unfolded at
 import into the standard ops they stand for, as local functions are inlined. kiln's passes then fuse them again
 (attention, skip-layer-norm, GELU epilogues) onto its own kernels in every precision; TensorRT's parser refuses
 these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer info and
@@ -28,8 +28,9 @@ class _Unfolder:
     """Writes the nodes and constants standing for one contrib node."""
 
     def __init__(self, node: onnx.NodeProto, ranks: dict[str, int], widths: dict[str, int],
-                 shared: dict | None = None):
+                 shared: dict | None = None, infer=None):
         self.src, self.ranks, self.widths = node, ranks, widths
+        self.infer = infer   # more ranks: shape inference through the contrib nodes unfolded so far
         self.shared = {} if shared is None else shared   # values later nodes may reuse (a raw mask's bias)
         self.name = node.name or f"{node.op_type}_{node.output[0]}"
         self.nodes: list[onnx.NodeProto] = []
@@ -60,6 +61,8 @@ class _Unfolder:
         return outs[0]
 
     def rank(self, name: str, what: str) -> int:
+        if name not in self.ranks and self.infer is not None:
+            self.ranks.update(self.infer())
         if name not in self.ranks:
             self.refuse(f"the rank of its {what} '{name}' is not declared in the model; add it to value_info")
         return self.ranks[name]
@@ -194,13 +197,21 @@ def _attention(u: _Unfolder) -> None:
     k = u.op("Transpose", [k], "k_bnhs", perm=[0, 2, 3, 1])
     v = u.op("Transpose", [v], "v_bnsh", perm=[0, 2, 1, 3])
     scale = float(u.attrs.get("scale", 1.0 / math.sqrt(sizes[0] // heads)))
-    scores = u.op("Mul", [u.op("MatMul", [q, k], "scores"), u.const("scale", scale)], "scaled")
-    for bias, tag in ((_mask_bias(u), "mask_add"), (u.input(5), "attention_bias_add")):
+    _attend(u, q, k, v, scale, _mask_bias(u, u.input(3), u.input(0)), u.input(5))
+
+
+def _attend(u: _Unfolder, q: str, k: str, v: str, scale: float | str, mask_bias: str | None,
+            attention_bias: str | None) -> None:
+    """softmax(scale * Q Kᵀ + mask bias + attention_bias) V from heads Q [B,N,S,h], Kᵀ [B,N,h,L], V [B,N,L,hv],
+    heads merged into output 0 [B,S,N*hv]."""
+    scale = u.const("scale", scale) if isinstance(scale, float) else scale
+    scores = u.op("Mul", [u.op("MatMul", [q, k], "scores"), scale], "scaled")
+    for bias, tag in ((mask_bias, "mask_add"), (attention_bias, "attention_bias_add")):
         if bias:
             scores = u.op("Add", [scores, bias], tag)
     probs = u.op("Softmax", [scores], "softmax", axis=-1)
     context = u.op("Transpose", [u.op("MatMul", [probs, v], "context")], "context_bsnh", perm=[0, 2, 1, 3])
-    u.op("Reshape", [context, u.const("merge", [0, 0, sizes[2]], np.int64)], "merge", u.output(0))
+    u.op("Reshape", [context, u.const("merge", [0, 0, -1], np.int64)], "merge", u.output(0))
 
 
 def _weight_width(u: _Unfolder) -> int:
@@ -210,14 +221,15 @@ def _weight_width(u: _Unfolder) -> int:
     return width
 
 
-def _mask_bias(u: _Unfolder) -> str | None:
-    """The additive bias onnxruntime derives from mask_index (0 where attended, mask_filter_value where not) and
-    from unidirectional, shaped to broadcast over [batch, heads, sequence, total]."""
+def _mask_bias(u: _Unfolder, mask: str | None, keys: str) -> str | None:
+    """The additive bias onnxruntime derives from a mask index (0 where attended, mask_filter_value where not) and
+    from unidirectional, shaped to broadcast over [batch, heads, sequence, total]; `keys` is a [B, L, ...] tensor
+    of the attended sequence."""
     filler = u.const("filter", float(u.attrs.get("mask_filter_value", -10000.0)))
     zero = u.const("zero", 0.0)
-    bias = _padding_bias(u, u.input(3), filler, zero) if u.input(3) else None
+    bias = _padding_bias(u, mask, keys, filler, zero) if mask else None
     if u.attrs.get("unidirectional", 0):
-        positions = u.seq_range(u.input(0), 1, "causal_positions")
+        positions = u.seq_range(keys, 1, "causal_positions")
         later = u.op("Greater", [u.unsqueeze(positions, [0], "causal_row"),
                                  u.unsqueeze(positions, [1], "causal_column")], "later")
         causal = u.op("Where", [later, filler, zero], "causal")
@@ -225,13 +237,13 @@ def _mask_bias(u: _Unfolder) -> str | None:
     return bias
 
 
-def _padding_bias(u: _Unfolder, mask: str, filler: str, zero: str) -> str:
+def _padding_bias(u: _Unfolder, mask: str, keys: str, filler: str, zero: str) -> str:
     rank = u.rank(mask, "mask_index")
     key = ("mask bias", mask, float(u.attrs.get("mask_filter_value", -10000.0)))
     if rank in (2, 3) and key in u.shared:   # every layer of a BERT reads the same raw mask: one bias for all
         return u.shared[key]
     if rank == 1:   # right padding: each row's key length
-        positions = u.unsqueeze(u.seq_range(u.input(0), 1, "key_positions"), [0], "key_row")
+        positions = u.unsqueeze(u.seq_range(keys, 1, "key_positions"), [0], "key_row")
         lengths = u.unsqueeze(u.op("Cast", [mask], "lengths", to=TensorProto.INT64), [1], "length_column")
         attended = u.op("Less", [positions, lengths], "attended")
     elif rank in (2, 3):   # raw mask: [batch, total] or [batch, sequence, total]
@@ -245,6 +257,40 @@ def _padding_bias(u: _Unfolder, mask: str, filler: str, zero: str) -> str:
     return bias
 
 
+def _multi_head_attention(u: _Unfolder) -> None:
+    """MultiHeadAttention on projected Q [B,S,D], K [B,L,D], V [B,L,Dv] (self- or cross-attention), their
+    optional bias [D+D+Dv] added first, then as Attention does; sizes are read from the shapes (folded at build)."""
+    for i, what in ((6, "past_key"), (7, "past_value"), (8, "past_sequence_length"), (9, "cache_indirection")):
+        if u.input(i):
+            u.refuse(f"its {what} input (an incremental decoder's KV cache) is not unfolded")
+    if u.output(1) or u.output(2) or u.output(3):
+        u.refuse("its present_key/present_value/qk outputs are not unfolded")
+    query, key, value = u.input(0), u.input(1), u.input(2)
+    if not (key and value) or any(u.rank(x, what) != 3 for x, what in ((query, "query"), (key, "key"),
+                                                                      (value, "value"))):
+        u.refuse("only 3-D query, key and value are unfolded (not packed QKV/KV or 4-D BNSH key/value)")
+    heads = int(u.attrs["num_heads"])
+    widths = [u.op("Slice", [u.op("Shape", [x], f"{p}_shape"), u.const(f"{p}_w0", [2], np.int64),
+                             u.const(f"{p}_w1", [3], np.int64)], f"{p}_width") for p, x in zip("qv", (query, value))]
+    if u.input(3):
+        sizes = u.op("Concat", [widths[0], widths[0], widths[1]], "bias_sizes", axis=0)
+        u.op("Split", [u.input(3), sizes], "bias_split", [f"{u.name}/{p}_bias:0" for p in "qkv"], axis=0)
+        query, key, value = (u.op("Add", [x, f"{u.name}/{p}_bias:0"], f"{p}_add_bias")
+                             for p, x in zip("qkv", (query, key, value)))
+    q, k, v = (u.op("Reshape", [x, u.const(f"{p}_heads", [0, 0, heads, -1], np.int64)], f"{p}_heads")
+               for p, x in zip("qkv", (query, key, value)))
+    q = u.op("Transpose", [q], "q_bnsh", perm=[0, 2, 1, 3])
+    k = u.op("Transpose", [k], "k_bnhs", perm=[0, 2, 3, 1])
+    v = u.op("Transpose", [v], "v_bnsh", perm=[0, 2, 1, 3])
+    if "scale" in u.attrs:
+        scale = float(u.attrs["scale"])
+    else:   # 1 / sqrt(D / num_heads)
+        head = u.op("Div", [u.op("Cast", [widths[0]], "width_float", to=TensorProto.FLOAT),
+                            u.const("num_heads", [float(heads)])], "head_size")
+        scale = u.op("Reciprocal", [u.op("Sqrt", [head], "head_sqrt")], "scale_value")
+    _attend(u, q, k, v, scale, _mask_bias(u, u.input(4), key), u.input(5))
+
+
 UNFOLDINGS = {
     (MS, "Gelu"): _gelu, (MS, "BiasGelu"): _gelu, (MS, "FastGelu"): _gelu, (MS, "QuickGelu"): _quick_gelu,
     (MS, "BiasAdd"): _bias_add, (MS, "FusedMatMul"): _fused_matmul,
@@ -252,6 +298,7 @@ UNFOLDINGS = {
     ("", "SimplifiedLayerNormalization"): _simplified_layer_norm, (MS, "SimplifiedLayerNormalization"):
         _simplified_layer_norm,
     (MS, "EmbedLayerNormalization"): _embed_layer_norm, (MS, "Attention"): _attention,
+    (MS, "MultiHeadAttention"): _multi_head_attention,
 }
 
 
@@ -268,15 +315,22 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     out.CopyFrom(proto)
     if not any(imp.domain == MS for imp in out.opset_import):   # the optimizer's in-memory model lacks it
         out.opset_import.append(helper.make_opsetid(MS, 1))
-    ranks, widths = _known_ranks(out)
+    declared: dict[str, int] = {}   # the ranks of the contrib nodes' outputs, for inference past them
+    ranks, widths = _known_ranks(out, out.graph.node, declared)
     nodes, counts, shared = [], {}, {}
-    for node in out.graph.node:
+    for i, node in enumerate(out.graph.node):
         unfold = _unfolding(node)
         if unfold is None:
             nodes.append(node)
             continue
-        u = _Unfolder(node, ranks, widths, shared)
+        # a value after an earlier contrib node has no inferred rank until that node is unfolded
+        u = _Unfolder(node, ranks, widths, shared,
+                      lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared)[0])
         unfold(u)
+        if any(x not in ranks for x in node.input[:2] if x):
+            ranks.update(u.infer())
+        declared.update(_output_ranks(node, ranks))
+        ranks.update(declared)
         nodes += u.nodes
         out.graph.initializer.extend(u.consts)
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
@@ -287,14 +341,15 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _known_ranks(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
-    """Ranks of the values whose type the model declares (inputs, outputs, value_info, initializers, and what ONNX
-    shape inference finds up to the first contrib op) and EmbedLayerNormalization's 1-D mask index; and each
-    initializer's last dimension (its width)."""
+def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Ranks of the values whose type the model with `nodes` declares (inputs, outputs, value_info, initializers,
+    the `declared` outputs of contrib nodes already unfolded, and what ONNX shape inference finds from them) and
+    EmbedLayerNormalization's 1-D mask index; and each initializer's last dimension (its width). Inference reads
+    a skeleton of the model: large weights as typed inputs."""
     ranks: dict[str, int] = {}
     widths: dict[str, int] = {}
     try:
-        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(_skeleton(proto, nodes, declared), strict_mode=False)
     except Exception:   # a malformed model fails later, with kiln's own message
         inferred = proto
     for info in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
@@ -304,7 +359,38 @@ def _known_ranks(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]
         ranks[init.name] = len(init.dims)
         if init.dims:
             widths[init.name] = int(init.dims[-1])
-    for node in proto.graph.node:
+    for node in nodes:
         if node.op_type == "EmbedLayerNormalization" and len(node.output) > 1 and node.output[1]:
             ranks[node.output[1]] = 1
     return ranks, widths
+
+
+def _output_ranks(node: onnx.NodeProto, ranks: dict[str, int]) -> dict[str, int]:
+    """The ranks of a contrib node's outputs: [B,S,D] for attention and embeddings, the first input's otherwise."""
+    if node.op_type in ("Attention", "MultiHeadAttention"):
+        return {node.output[0]: 3}
+    if node.op_type == "EmbedLayerNormalization":
+        return {name: 1 if i == 1 else 3 for i, name in enumerate(node.output) if name}
+    if node.op_type == "FusedMatMul":
+        known = [ranks[x] for x in node.input[:2] if x in ranks]
+        return {node.output[0]: max(known)} if len(known) == 2 else {}
+    rank = ranks.get(node.input[0])
+    return {} if rank is None else {name: rank for name in node.output if name}
+
+
+SKELETON_BYTES = 1024   # initializers up to this size keep their values (shape constants); larger ones become inputs
+
+
+def _skeleton(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> onnx.ModelProto:
+    g = proto.graph
+    small = [t for t in g.initializer if np.prod(t.dims, dtype=np.int64) * 8 <= SKELETON_BYTES]
+    inputs = {v.name for v in g.input}
+    weights = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer
+               if t.name not in inputs and np.prod(t.dims, dtype=np.int64) * 8 > SKELETON_BYTES]
+    known = {v.name for v in g.value_info}
+    typed = [*g.value_info, *(helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * rank)
+                              for name, rank in declared.items() if name not in known)]
+    graph = helper.make_graph(list(nodes), g.name, [*g.input, *weights], list(g.output), small, value_info=typed)
+    model = helper.make_model(graph, opset_imports=proto.opset_import)
+    model.ir_version = proto.ir_version
+    return model

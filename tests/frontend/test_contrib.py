@@ -191,6 +191,50 @@ def test_attention_with_a_kv_cache_is_refused_with_the_reason(change, message):
         kiln.build(model, autotune=False)
 
 
+def mha_model(bias=True, mask_rank=None, attention_bias=False, keys=S + 3, unidirectional=0, scale=None, v_width=H):
+    """MultiHeadAttention on projected q [B,S,H], k [B,keys,H], v [B,keys,v_width] (cross-attention where keys != S)."""
+    inputs = ["q", "k", "v", "bias" if bias else "", "mask" if mask_rank else "", "ab" if attention_bias else ""]
+    while not inputs[-1]:
+        inputs.pop()
+    attrs = {"num_heads": HEADS, "unidirectional": unidirectional, **({"scale": scale} if scale else {})}
+    mask_shape = {1: [B], 2: [B, keys], 3: [B, S, keys]}.get(mask_rank)
+    graph_inputs = [vi("q", TensorProto.FLOAT, [B, S, H]), vi("k", TensorProto.FLOAT, [B, keys, H]),
+                    vi("v", TensorProto.FLOAT, [B, keys, v_width])] + \
+        ([vi("mask", TensorProto.INT32, mask_shape)] if mask_rank else []) + \
+        ([vi("ab", TensorProto.FLOAT, [1, HEADS, S, keys])] if attention_bias else [])
+    model = ms_model([ms("MultiHeadAttention", inputs, ["y"], "mha", **attrs)], graph_inputs,
+                     [vi("y", TensorProto.FLOAT, [B, S, v_width])], [init("bias", rand((2 * H + v_width,), 2) * 0.1)])
+    masks = {1: np.array([keys, 5], np.int32), 2: np.array([[1] * keys, [1] * 5 + [0] * (keys - 5)], np.int32),
+             3: (np.random.default_rng(4).random((B, S, keys)) > 0.3).astype(np.int32)}
+    feeds = {"q": rand((B, S, H), 3), "k": rand((B, keys, H), 4), "v": rand((B, keys, v_width), 5),
+             "mask": masks.get(mask_rank), "ab": rand((1, HEADS, S, keys), 6)}
+    return model, {k: v for k, v in feeds.items() if k in {i.name for i in graph_inputs}}
+
+
+@pytest.mark.parametrize("case", [{}, {"mask_rank": 1}, {"mask_rank": 2}, {"mask_rank": 3}, {"attention_bias": True},
+                                  {"keys": S, "unidirectional": 1}, {"bias": False, "scale": 0.3},
+                                  {"v_width": 2 * H}])
+def test_multi_head_attention_becomes_kilns_attention(case):
+    """Self- and cross-attention, every mask form, attention_bias, causal, an explicit scale and a wider V; the
+    scale and the bias split are read from the shapes and folded at build."""
+    model, feeds = mha_model(**case)
+    engine = check(model, feeds, tactic_sources="-openvino,-onnxruntime")
+    kinds = [l.op_type for l in engine.plan.layers]
+    assert kinds.count("Attention") == 1 and "MatMul" not in kinds and "Softmax" not in kinds
+    assert all(l.origin == ("mha",) for l in engine.plan.layers)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda n: n.input.extend(["", "", "", "past_k"]), "past_key input"),
+    (lambda n: n.output.extend(["present_k"]), "present_key/present_value/qk outputs"),
+    (lambda n: n.input.__delitem__(slice(1, None)), "only 3-D query, key and value")])
+def test_multi_head_attention_with_a_kv_cache_or_packed_inputs_is_refused(change, message):
+    model, _ = mha_model(bias=False)
+    change(model.graph.node[0])
+    with pytest.raises(kiln.UnsupportedOpError, match=f"op type 'MultiHeadAttention' .*{message}"):
+        kiln.build(model, autotune=False)
+
+
 def test_an_undeclared_mask_rank_is_refused_with_the_reason():
     model = attention_model(2)
     del model.graph.input[1].type.tensor_type.shape.dim[:]
@@ -207,11 +251,12 @@ def test_a_model_without_contrib_ops_is_not_copied():
     assert unfold_contrib_ops(model) is model
 
 
-@pytest.mark.parametrize("opt_level", [0, 1])
-def test_an_onnxruntime_optimized_bert_builds_as_the_plain_export_does(tmp_path, opt_level):
+@pytest.mark.parametrize("opt_level, multi_head", [(0, False), (1, False), (0, True)])
+def test_an_onnxruntime_optimized_bert_builds_as_the_plain_export_does(tmp_path, opt_level, multi_head):
     """A small HF BERT, exported, then put through onnxruntime's transformers optimizer (Attention, SkipLayerNorm,
-    BiasGelu at opt_level 0; SkipLayerNorm, Gelu and Reshape -> Gemm -> Reshape at 1): the same outputs as
-    onnxruntime's runs of the optimized model, and the same heavy layers as the plain export."""
+    BiasGelu at opt_level 0; SkipLayerNorm, Gelu and Reshape -> Gemm -> Reshape at 1; MultiHeadAttention in place
+    of Attention with --use_multi_head_attention): the same outputs as onnxruntime's runs of the optimized model,
+    and the same heavy layers as the plain export."""
     from onnxruntime.transformers import optimizer
     from onnxruntime.transformers.fusion_options import FusionOptions
 
@@ -224,11 +269,12 @@ def test_an_onnxruntime_optimized_bert_builds_as_the_plain_export_does(tmp_path,
     encoders.export(model, feeds, plain, "legacy")
     options = FusionOptions("bert")
     options.use_raw_attention_mask(True)
+    options.use_multi_head_attention = multi_head
     optimized = optimizer.optimize_model(str(plain), model_type="bert", num_heads=4, hidden_size=64,
                                          optimization_options=options, opt_level=opt_level).model
     ops = {n.op_type for n in optimized.graph.node if n.domain == "com.microsoft"}
     if opt_level == 0:
-        assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= ops
+        assert {"MultiHeadAttention" if multi_head else "Attention", "SkipLayerNormalization", "BiasGelu"} <= ops
     else:   # onnxruntime's own fusions run first and leave its Python fusions less to match
         assert "SkipLayerNormalization" in ops
         assert any(n.op_type == "Gemm" and "MatMulAddFusion" in n.name for n in optimized.graph.node)
