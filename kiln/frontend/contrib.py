@@ -1,10 +1,10 @@
 """onnxruntime's transformer contrib ops (com.microsoft Attention, MultiHeadAttention, EmbedLayerNormalization,
-SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu, BiasAdd,
-FusedMatMul, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer and Optimum's O1-O3 write them, unfolded at
-import into the standard ops they stand for, as local functions are inlined. kiln's passes then fuse them again
-(attention, skip-layer-norm, GELU epilogues) onto its own kernels in every precision; TensorRT's parser refuses
-these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer info and
-`kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings, packed
+SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu, BiasAdd, FusedMatMul,
+and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer and Optimum's O1-O3 write
+them, unfolded at import into the standard ops they stand for, as local functions are inlined. kiln's passes then
+fuse them again (attention, skip-layer-norm, GELU epilogues) onto its own kernels in every precision; TensorRT's
+parser refuses these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer
+info and `kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings, packed
 mask formats) is refused with the reason."""
 from __future__ import annotations
 

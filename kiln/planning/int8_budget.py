@@ -1,9 +1,9 @@
-"""The accuracy budget for implicit INT8 (`--int8 --calib DATA --accuracy cos:0.999`): keeping an ONNX node in
-FP32 means calibrating without quantizing it (no Q/DQ on its inputs, float weights). The scales are computed
-once; each trial re-inserts Q/DQ for every quantizable node except an exclusion set and lowers the result (the
-builder supplies that as `Trial`). A node's sensitivity is the score with only it excluded; nodes are ranked by
-it and the number excluded is searched (doubling, then bisecting), as the BF16 search in kiln.planning.accuracy does for layers. Scores are
-taken over the first calibration batches against the FP32 model's outputs on them."""
+"""The accuracy budget for implicit INT8 (`--int8 --calib DATA --accuracy cos:0.999`): keeping an ONNX node in FP32
+means calibrating without quantizing it (no Q/DQ on its inputs, float weights). The scales are computed once; each
+trial re-inserts Q/DQ for every quantizable node except an exclusion set and lowers the result (the builder supplies
+that as `Trial`). A node's sensitivity is the score with only it excluded; nodes are ranked by it and the number
+excluded is searched (doubling, then bisecting), as the BF16 search in kiln.planning.accuracy does for layers.
+Scores are taken over the first calibration batches against the FP32 model's outputs on them."""
 from __future__ import annotations
 
 import logging

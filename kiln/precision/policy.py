@@ -44,7 +44,6 @@ class PrecisionOptions:
     best: bool = False   # trtexec --best: every precision kiln has kernels for (Q/DQ layers INT8, the rest BF16)
     strongly_typed: bool = False   # trtexec --stronglyTyped: compute in the model's own float types, allow no other
 
-
     def __post_init__(self):
         if self.constraints not in CONSTRAINTS:
             raise ModelError(f"unknown precision constraints '{self.constraints}'; use one of {', '.join(CONSTRAINTS)}")
@@ -183,7 +182,8 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
     for node in nodes:
         dtypes = [v.dtype for v in node.outputs if v is not None and v.dtype is not None]
         reads = [v.dtype for v in node.inputs if v is not None and v.dtype is not None]
-        want, native = requested(node.name, node.op_type, dtypes, options), native_precision(node.op_type, dtypes, reads)
+        want = requested(node.name, node.op_type, dtypes, options)
+        native = native_precision(node.op_type, dtypes, reads)
         if want in REDUCED_FLOATS and node.name in tail and native == "FP32" and options.constraints == "none" \
                 and named_precision(node.name, options) is None:
             decisions[node.name] = PrecisionDecision(want, native, OUTPUT_TAIL)

@@ -161,7 +161,7 @@ def _cast_reduced_outputs(g: onnx.GraphProto, counts: _Counts) -> int:
     for out in g.output:
         elem, node = out.type.tensor_type.elem_type, producers.get(out.name)
         if elem not in REDUCED or node is None or out.name in inputs or \
-                (node.op_type == "Cast" and helper.get_attribute_value(node.attribute[0]) == elem):
+                (node.op_type == "Cast" and any(a.name == "to" and a.i == elem for a in node.attribute)):
             continue
         counts.types.add(REDUCED[elem])
         wide = _fresh(g, f"{out.name}_fp32")
