@@ -316,7 +316,8 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not any(imp.domain == MS for imp in out.opset_import):   # the optimizer's in-memory model lacks it
         out.opset_import.append(helper.make_opsetid(MS, 1))
     declared: dict[str, int] = {}   # the ranks of the contrib nodes' outputs, for inference past them
-    ranks, widths = _known_ranks(out, out.graph.node, declared)
+    ranks = _known_ranks(out, out.graph.node, declared)
+    widths = {t.name: int(t.dims[-1]) for t in out.graph.initializer if t.dims}   # each initializer's last dim
     nodes, counts, shared = [], {}, {}
     for i, node in enumerate(out.graph.node):
         unfold = _unfolding(node)
@@ -325,7 +326,7 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
             continue
         # a value after an earlier contrib node has no inferred rank until that node is unfolded
         u = _Unfolder(node, ranks, widths, shared,
-                      lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared)[0])
+                      lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared))
         unfold(u)
         if any(x not in ranks for x in node.input[:2] if x):
             ranks.update(u.infer())
@@ -341,13 +342,12 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> dict[str, int]:
     """Ranks of the values whose type the model with `nodes` declares (inputs, outputs, value_info, initializers,
     the `declared` outputs of contrib nodes already unfolded, and what ONNX shape inference finds from them) and
-    EmbedLayerNormalization's 1-D mask index; and each initializer's last dimension (its width). Inference reads
-    a skeleton of the model: large weights as typed inputs."""
+    EmbedLayerNormalization's 1-D mask index. Inference reads a skeleton of the model: large weights as typed
+    inputs."""
     ranks: dict[str, int] = {}
-    widths: dict[str, int] = {}
     try:
         inferred = onnx.shape_inference.infer_shapes(_skeleton(proto, nodes, declared), strict_mode=False)
     except Exception:   # a malformed model fails later, with kiln's own message
@@ -357,12 +357,10 @@ def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> tup
             ranks[info.name] = len(info.type.tensor_type.shape.dim)
     for init in proto.graph.initializer:
         ranks[init.name] = len(init.dims)
-        if init.dims:
-            widths[init.name] = int(init.dims[-1])
     for node in nodes:
         if node.op_type == "EmbedLayerNormalization" and len(node.output) > 1 and node.output[1]:
             ranks[node.output[1]] = 1
-    return ranks, widths
+    return ranks
 
 
 def _output_ranks(node: onnx.NodeProto, ranks: dict[str, int]) -> dict[str, int]:

@@ -84,10 +84,14 @@ def _node_reduced(node: onnx.NodeProto) -> bool:
     return False
 
 
+def _attribute_graphs(a: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    return [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+
+
 def _subgraphs(g: onnx.GraphProto):
     for node in g.node:
         for a in node.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for sub in _attribute_graphs(a):
                 yield sub
                 yield from _subgraphs(sub)
 
@@ -113,10 +117,8 @@ def _widen_body(g: onnx.GraphProto, counts: _Counts, keep: frozenset[str] | set[
                 a.i = TensorProto.FLOAT
             elif a.name == TENSOR_ATTRS.get(node.op_type) and a.t.data_type in REDUCED:
                 a.t.CopyFrom(_widened(a.t, counts))
-            elif a.type == onnx.AttributeProto.GRAPH:
-                _widen_sub(a.g, counts)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sub in a.graphs:
+            else:
+                for sub in _attribute_graphs(a):
                     _widen_sub(sub, counts)
     for v in g.value_info:
         _widen_type(v, counts)
@@ -193,7 +195,7 @@ def _rename_uses(g: onnx.GraphProto, old: str, new: str, outputs_too: bool = Fal
                 if name == old:
                     node.output[i] = new
         for a in node.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for sub in _attribute_graphs(a):
                 _rename_uses(sub, old, new)
     for v in g.value_info:
         if v.name == old:
