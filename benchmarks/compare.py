@@ -14,7 +14,8 @@ Reported: median ms per engine, kiln's ratio to onnxruntime and to the best peer
 measured at start-up on this machine with the same threads: a 1024^3 matrix product or a 3x3 oneDNN convolution).
 
 OpenVINO is pinned to FP32 arithmetic (INFERENCE_PRECISION_HINT=f32): on CPUs with AVX512-BF16 or AMX its default
-is bf16, about 2x faster and not an FP32 peer. torch eager runs the FP32 network, so it is no peer on Q/DQ models.
+is bf16, about 2x faster and not an FP32 peer. torch eager runs the FP32 network, so it is no peer on INT8 models.
+--precision int8 quantizes the ResNets with quantize_static (Q/DQ) and the encoders with quantize_dynamic.
 
 The first line printed names the CPU and its ISA extensions (cpu_info.py). At the end the run's rows are appended to
 benchmarks/results/runs.csv (record.py; --no-record skips it, --results-csv writes elsewhere).
@@ -40,6 +41,7 @@ from cpu_info import cpu_line, lscpu_text, parse_cpu, present_isa  # noqa: E402 
 from record import RUNS_CSV, RunRow, append_rows, git_commit  # noqa: E402
 
 WARMUP = 5
+QUANTIZED = ("_qdq", "_qdyn")   # file-name endings of the INT8 exports (quantize_static Q/DQ, quantize_dynamic)
 
 
 def flops(plan) -> float:
@@ -80,15 +82,17 @@ def build_model(name: str, workdir: Path):
             if name.endswith("-int8"):
                 return model, {"input": x}, quantize_qdq(path, x)
             return model, {"input": x}, path
-        if name in ("bert-base", "minilm"):
+        if name in ("bert-base", "minilm", "bert-base-int8", "minilm-int8"):
             from tests.models import encoders
 
-            shape = dict(layers=12, hidden=768, heads=12, intermediate=3072) if name == "bert-base" else \
+            shape = dict(layers=12, hidden=768, heads=12, intermediate=3072) if name.startswith("bert-base") else \
                 dict(layers=6, hidden=384, heads=12, intermediate=1536)
             model = encoders.make_bert(**shape, vocab=30522, max_positions=512)
             feeds = encoders.inputs(model, batch=1, seq=128)
             feeds["attention_mask"][0, 108:] = 0
-            encoders.export(model, feeds, path, "legacy")
+            exported = encoders.export(model, feeds, path, "legacy")
+            if name.endswith("-int8"):
+                return model, feeds, quantize_dynamic_linear(exported, path)
             return model, feeds, path
         if name == "yolov8n":
             from tests.models import detectors
@@ -105,8 +109,22 @@ def build_model(name: str, workdir: Path):
             x = np.random.default_rng(0).standard_normal((1, 3, 256, 256)).astype(np.float32)
             export(model, torch.from_numpy(x), path, "legacy")
             return model, {"input": x}, path
-    raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, resnet18-int8, resnet50-int8, bert-base, minilm, "
-                     "yolov8n, unet)")
+    raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, bert-base, minilm, yolov8n, unet; -int8 after "
+                     "resnet18, resnet50, bert-base or minilm)")
+
+
+def quantize_dynamic_linear(model, path: Path) -> Path:
+    """onnxruntime's quantize_dynamic, its INT8 recipe for transformers: s8 weights per tensor, each MatMul's input
+    quantized to u8 from its own range on every call. The FP32 model stays at `path`."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from tests.models import encoders
+
+    folded, quantized = path.with_name(path.stem + "_folded.onnx"), path.with_name(path.stem + "_qdyn.onnx")
+    onnx.save(encoders.fold_weight_transposes(model), folded)
+    quantize_dynamic(str(folded), str(quantized), weight_type=QuantType.QInt8)
+    return quantized
 
 
 def quantize_qdq(path: Path, x: np.ndarray) -> Path:
@@ -156,7 +174,7 @@ def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, wit
     except ImportError:
         pass
     args = [torch.from_numpy(feeds[i.name]) for i in sess.get_inputs()]
-    if "_qdq" in Path(onnx_path).name:
+    if Path(onnx_path).stem.endswith(QUANTIZED):
         return out   # torch runs the FP32 network: not a peer on the quantized model
     out["torch eager"] = lambda: model(*args)
     if with_compile:
@@ -235,14 +253,14 @@ def bench(name: str, workdir: Path, args) -> dict:
     ctx = engine.create_execution_context()
     runners = {"kiln": lambda: ctx.execute(feeds),
                **peers(str(path), model, feeds, args.threads, args.compile, args.precision)}
-    fp32_path = path.with_name(path.name.replace("_qdq", ""))
+    fp32_path = path.with_name(path.name.replace("_qdq", "").replace("_qdyn", ""))
     if args.precision != "fp32":   # kiln's own kernels only: no OpenVINO or onnxruntime region
         own = kiln.build(str(path), bf16=args.precision == "bf16",
                          tactic_sources="-openvino,-onnxruntime").create_execution_context()
         runners["kiln own"] = lambda: own.execute(feeds)
     cosines = cosines_to_fp32(runners, fp32_reference(fp32_path, feeds, args.threads)) \
         if args.precision != "fp32" else {}
-    if path.name.endswith("_qdq.onnx"):   # INT8 vs kiln's own FP32 engine of the same network
+    if path.stem.endswith(QUANTIZED):   # INT8 vs kiln's own FP32 engine of the same network
         fp32 = kiln.build(str(fp32_path)).create_execution_context()
         runners["kiln fp32"] = lambda: fp32.execute(feeds)
     samples = time_blocks(runners, args.rounds, args.runs)
@@ -344,7 +362,7 @@ def main(argv=None) -> int:
           f"measured fp32 peak {args.peak_gflops:.1f} GFLOP/s")
     with tempfile.TemporaryDirectory() as tmp:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
-        if args.precision == "int8":   # Q/DQ exports of the named networks
+        if args.precision == "int8":   # quantized exports of the named networks (Q/DQ; dynamic for encoders)
             models = [m if m.endswith("-int8") else f"{m}-int8" for m in models]
         results = [bench(m, Path(tmp), args) for m in models]
     names = sorted({k for r in results for k in r["medians"]}, key=lambda k: (k != "kiln", k))

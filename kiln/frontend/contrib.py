@@ -1,11 +1,11 @@
-"""onnxruntime's transformer contrib ops (com.microsoft Attention, MultiHeadAttention, EmbedLayerNormalization,
-SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu, BiasAdd, FusedMatMul,
-and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer and Optimum's O1-O3 write
-them, unfolded at import into the standard ops they stand for, as local functions are inlined. kiln's passes then
-fuse them again (attention, skip-layer-norm, GELU epilogues) onto its own kernels in every precision; TensorRT's
-parser refuses these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer
-info and `kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings, packed
-mask formats) is refused with the reason."""
+"""onnxruntime's transformer contrib ops (com.microsoft Attention, QAttention, MultiHeadAttention,
+EmbedLayerNormalization, SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu,
+BiasAdd, FusedMatMul, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer,
+its quantize_dynamic and Optimum's O1-O3 write them, unfolded at import into the standard ops they stand for, as
+local functions are inlined. kiln's passes then fuse them again (attention, skip-layer-norm, GELU epilogues, dynamic
+INT8 products) onto its own kernels in every precision; TensorRT's parser refuses these models. Each node made keeps
+the contrib node as its origin (metadata UNFOLDED_KEY), so layer info and `kiln inspect --by-onnx` still name it.
+What is not unfolded (past/present state, rotary embeddings, packed mask formats) is refused with the reason."""
 from __future__ import annotations
 
 import logging
@@ -173,13 +173,36 @@ def _embed_layer_norm(u: _Unfolder) -> None:
 def _attention(u: _Unfolder) -> None:
     """Merged Q/K/V projection, Split, heads, softmax(scale * Q Kᵀ + mask bias + attention_bias) V, heads merged:
     the form a BERT export has after kiln merges its projections, so AttentionFusion takes it whole."""
-    for i, what in ((4, "past state"), (6, "past_sequence_length")):
+    _refuse_cache(u, ((4, "past state"), (6, "past_sequence_length")))
+    sizes = _qkv_sizes(u)
+    _attend_qkv(u, u.op("MatMul", [u.input(0), u.input(1)], "qkv"), sizes, u.input(3), u.input(5))
+
+
+def _quantized_attention(u: _Unfolder) -> None:
+    """QAttention (quantize_dynamic's Attention; its input quantized by a DynamicQuantizeLinear): the projection as
+    quantize_dynamic writes a MatMul, MatMulInteger -> Cast -> Mul(input_scale * weight_scale), which
+    DynamicQuantizeMatMulFusion makes one INT8 layer; then as Attention."""
+    _refuse_cache(u, ((8, "past state"),))
+    sizes = _qkv_sizes(u)
+    operands = [u.input(0), u.input(1), u.input(6) or "", u.input(7) or ""]
+    while not operands[-1]:
+        operands.pop()
+    sums = u.op("Cast", [u.op("MatMulInteger", operands, "qkv_int32")], "qkv_float", to=TensorProto.FLOAT)
+    qkv = u.op("Mul", [sums, u.op("Mul", [u.input(3), u.input(4)], "qkv_scales")], "qkv")
+    _attend_qkv(u, qkv, sizes, u.input(5), None)
+
+
+def _refuse_cache(u: _Unfolder, past_inputs: tuple[tuple[int, str], ...]) -> None:
+    for i, what in past_inputs:
         if u.input(i):
             u.refuse(f"its {what} input (an incremental decoder's KV cache) is not unfolded")
     if u.output(1):
         u.refuse("its present output (an incremental decoder's KV cache) is not unfolded")
     if u.attrs.get("do_rotary", 0) or u.attrs.get("past_present_share_buffer", 0):
         u.refuse("do_rotary / past_present_share_buffer are not unfolded")
+
+
+def _qkv_sizes(u: _Unfolder) -> list[int]:
     heads = int(u.attrs["num_heads"])
     sizes = [int(s) for s in u.attrs.get("qkv_hidden_sizes", [])]
     if not sizes:
@@ -187,7 +210,12 @@ def _attention(u: _Unfolder) -> None:
         sizes = [width // 3] * 3
     if sizes[0] != sizes[1] or any(s % heads for s in sizes):
         u.refuse(f"qkv_hidden_sizes {sizes}: Q and K widths must match and each be a multiple of num_heads {heads}")
-    qkv = u.op("MatMul", [u.input(0), u.input(1)], "qkv")
+    return sizes
+
+
+def _attend_qkv(u: _Unfolder, qkv: str, sizes: list[int], mask: str | None, attention_bias: str | None) -> None:
+    """Attention from the merged projection `qkv` [B,S,Dq+Dk+Dv] (its bias, input 2, added here)."""
+    heads = int(u.attrs["num_heads"])
     if u.input(2):
         qkv = u.op("Add", [qkv, u.input(2)], "qkv_bias")
     u.op("Split", [qkv, u.const("split", sizes, np.int64)], "split", [f"{u.name}/{p}:0" for p in "qkv"], axis=-1)
@@ -197,7 +225,7 @@ def _attention(u: _Unfolder) -> None:
     k = u.op("Transpose", [k], "k_bnhs", perm=[0, 2, 3, 1])
     v = u.op("Transpose", [v], "v_bnsh", perm=[0, 2, 1, 3])
     scale = float(u.attrs.get("scale", 1.0 / math.sqrt(sizes[0] // heads)))
-    _attend(u, q, k, v, scale, _mask_bias(u, u.input(3), u.input(0)), u.input(5))
+    _attend(u, q, k, v, scale, _mask_bias(u, mask, u.input(0)), attention_bias)
 
 
 def _attend(u: _Unfolder, q: str, k: str, v: str, scale: float | str, mask_bias: str | None,
@@ -298,7 +326,7 @@ UNFOLDINGS = {
     ("", "SimplifiedLayerNormalization"): _simplified_layer_norm, (MS, "SimplifiedLayerNormalization"):
         _simplified_layer_norm,
     (MS, "EmbedLayerNormalization"): _embed_layer_norm, (MS, "Attention"): _attention,
-    (MS, "MultiHeadAttention"): _multi_head_attention,
+    (MS, "QAttention"): _quantized_attention, (MS, "MultiHeadAttention"): _multi_head_attention,
 }
 
 
@@ -365,7 +393,7 @@ def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> dic
 
 def _output_ranks(node: onnx.NodeProto, ranks: dict[str, int]) -> dict[str, int]:
     """The ranks of a contrib node's outputs: [B,S,D] for attention and embeddings, the first input's otherwise."""
-    if node.op_type in ("Attention", "MultiHeadAttention"):
+    if node.op_type in ("Attention", "QAttention", "MultiHeadAttention"):
         return {node.output[0]: 3}
     if node.op_type == "EmbedLayerNormalization":
         return {name: 1 if i == 1 else 3 for i, name in enumerate(node.output) if name}

@@ -1,5 +1,6 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
-Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it) and SkipLayerNormalization."""
+Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization, and the INT8
+layers (QConv, QMatMul, QGemm, QAdd from Q/DQ; DynamicQMatMul from dynamic quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -109,6 +110,22 @@ QUANTIZED_BASE = {"QConv": "Conv", "QMatMul": "MatMul", "QGemm": "Gemm"}
 for _name, _base in QUANTIZED_BASE.items():
     KILN_OPS[_name] = OpDef(_name, OpKind.COMPLEX, _quantized(_base), (), _dequantize_weight_once)
 
+def dynamic_quantized_matmul(attrs, xs):
+    """DynamicQuantizeLinear(x) -> MatMulInteger(x_u8, W) -> FP32 * (x_scale * w_scale) [+ bias] (the ops
+    kiln.passes.dynamic_quant fuses; onnxruntime's DynamicQuantizeMatMul): exact integer sums, FP32 scales."""
+    from kiln.ops.quantize import dynamic_qparams, quantize
+
+    x, w, q = xs[0], xs[1], attrs["quant"]
+    if x.device.type == "meta":
+        return [torch.empty((*x.shape[:-1], w.shape[-1]), dtype=torch.float32, device="meta")]
+    scale, zero = dynamic_qparams(x)
+    x_u8 = quantize(x, scale, zero, torch.uint8)
+    w_zp = torch.tensor(q["w_zero_point"], dtype=torch.float64)
+    sums = torch.matmul(x_u8.double() - zero, w.double() - w_zp)   # exact: MatMulInteger's int32
+    y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32))
+    return [y + xs[2] if len(xs) > 2 and xs[2] is not None else y]
+
+
 def quantized_add(attrs, xs):
     """INT8 residual add: dequantize both inputs, add, activation, quantize with the output scale."""
     from kiln.ops.dtypes import to_torch_dtype
@@ -122,5 +139,6 @@ def quantized_add(attrs, xs):
 
 
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
+KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul)
 KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention)
 KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm)

@@ -2,6 +2,7 @@
 quantize/dequantize helpers kiln's INT8 layers share with them."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kiln.ops.registry import OpKind, register, register_ms
@@ -133,11 +134,20 @@ def dynamic_quantize_linear(attrs, xs):
     x = xs[0]
     if x.device.type == "meta":
         return _meta(x.shape, torch.uint8) + _meta((), torch.float32) + _meta((), torch.uint8)
-    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    scale = (hi - lo) / 255.0 if hi > lo else 1.0
-    zero = int(min(max(round(-lo / scale), 0), 255))   # round half to even, as the spec's rint
+    scale, zero = dynamic_qparams(x)
     y = quantize(x, scale, zero, torch.uint8)
     return [y, torch.tensor(scale, dtype=torch.float32), torch.tensor(zero, dtype=torch.uint8)]
+
+
+def dynamic_qparams(x: torch.Tensor) -> tuple[np.float32, int]:
+    """DynamicQuantizeLinear's u8 scale and zero point for `x`'s range widened to hold 0, in FP32 arithmetic as
+    onnxruntime computes them (kiln_dqgemm's too); NaN and inf (a timing run's random data) are left out."""
+    finite = x[torch.isfinite(x)] if x.dtype.is_floating_point else x
+    lo = np.float32(min(float(finite.min()), 0.0)) if finite.numel() else np.float32(0)
+    hi = np.float32(max(float(finite.max()), 0.0)) if finite.numel() else np.float32(0)
+    scale = np.float32(1) if hi == lo else (hi - lo) / np.float32(255)
+    zero = int(np.clip(np.rint(-lo / scale), 0, 255))   # round half to even, as the spec's rint
+    return scale, zero
 
 
 # ---- com.microsoft QOperator ops (onnxruntime's quantize_static, QOperator format) ----

@@ -5,6 +5,7 @@ from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_nor
 from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
                               fuse_norm_activation, fuse_residual_add)
+from kiln.passes.dynamic_quant import fuse_dynamic_quantized_matmul
 from kiln.passes.einsum import lower_einsum
 from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
@@ -47,6 +48,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("SwishFusion", fuse_swish),
     Pass("ConvReluFusion", fuse_activation),
     Pass("NormActFusion", fuse_norm_activation),
+    # Dynamic quantization's chain becomes one INT8 product first, which then takes its bias and merges as MatMuls do.
+    Pass("DynamicQuantizeMatMulFusion", fuse_dynamic_quantized_matmul),
     Pass("MatMulAddFusion", fuse_matmul_bias),
     # Q/K/V projections merge once their biases are inside; attention then absorbs the Split and the shuffles.
     Pass("MatMulHorizontalMerge", merge_matmuls),

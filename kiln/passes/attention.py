@@ -96,10 +96,12 @@ def _match_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
 
 # ---- horizontal MatMul merge ---------------------------------------------------------------------------
 def merge_matmuls(g: Graph, plog: PassLog) -> None:
-    """MatMulHorizontalMerge: matrix products of one activation with constant weights (Q, K, V projections)
-    become one wider product and a Split, named `a || b || c` as TensorRT names horizontal merges."""
+    """MatMulHorizontalMerge: matrix products of one activation with constant weights (Q, K, V projections; FP32
+    or dynamically quantized) become one wider product and a Split, named `a || b || c` as TensorRT names
+    horizontal merges."""
     for x in [v for v in list(g.values.values()) if len(v.users) > 1 and not v.is_const]:
         group = [n for n in x.users if _mergeable(n, x)]
+        group = [n for n in group if (n.op_type, n.inputs[1].dtype) == (group[0].op_type, group[0].inputs[1].dtype)]
         if len(group) < 2:
             continue
         k = group[0].inputs[1].shape[0]
@@ -121,7 +123,8 @@ def _bias(n: Node) -> Value | None:
 def _mergeable(n: Node, x: Value) -> bool:
     w = n.inputs[1] if len(n.inputs) > 1 else None
     bias = _bias(n)
-    return (_is(n, "MatMul") and n.inputs[0] is x and w is not None and w.is_const and w.const.ndim == 2
+    product = _is(n, "MatMul") or (n.op_type == "DynamicQMatMul" and n.domain == "kiln")
+    return (product and n.inputs[0] is x and w is not None and w.is_const and w.const.ndim == 2
             and "activation" not in n.attrs and (bias is None or (bias.is_const and bias.const.size == w.shape[1])))
 
 
@@ -143,7 +146,15 @@ def _merge(g: Graph, group: list[Node], x: Value) -> None:
     for n in group:
         g.remove_node(n)
     g.add_node(Node(f"{name} [Split]", "Split", [out, sizes], outputs, {"axis": -1}, "", ()), index)
-    g.add_node(Node(name, "MatMul", inputs, [out], {}, "", origin), index)
+    g.add_node(Node(name, group[0].op_type, inputs, [out], _merged_attrs(group), group[0].domain, origin), index)
+
+
+def _merged_attrs(group: list[Node]) -> dict:
+    """A DynamicQMatMul's per-column weight scales and zero points, concatenated as the weights are."""
+    if "quant" not in group[0].attrs:
+        return {}
+    quants = [n.attrs["quant"] for n in group]
+    return {"quant": {**quants[0], **{key: [v for q in quants for v in q[key]] for key in ("w_scale", "w_zero_point")}}}
 
 
 # ---- attention -----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ def fuse_matmul_bias(g: Graph, plog: PassLog) -> None:
     for add in [n for n in g.nodes if n.op_type == "Add"]:
         for mm_out, bias in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
             mm = mm_out.producer
-            if mm is None or mm.op_type not in ("MatMul", "Gemm") or mm.domain not in ("", "ai.onnx"):
+            if mm is None or not _takes_bias(mm):
                 continue
             plog.running(mm)
             reason = _bias_blocker(g, mm, add, mm_out, bias)
@@ -24,8 +24,14 @@ def fuse_matmul_bias(g: Graph, plog: PassLog) -> None:
             name, origin = fused_name([mm, add])
             inputs = list(mm.inputs[:2]) + [bias]
             plog.fusing(mm, add)
-            replace_nodes(g, [mm, add], Node(name, mm.op_type, inputs, [add.outputs[0]], dict(mm.attrs), "", origin))
+            replace_nodes(g, [mm, add], Node(name, mm.op_type, inputs, [add.outputs[0]], dict(mm.attrs), mm.domain,
+                                             origin))
             break
+
+
+def _takes_bias(mm: Node) -> bool:
+    return (mm.op_type in ("MatMul", "Gemm") and mm.domain in ("", "ai.onnx")) or \
+        (mm.op_type == "DynamicQMatMul" and mm.domain == "kiln")
 
 
 def _bias_blocker(g: Graph, mm: Node, add: Node, mm_out, bias) -> str | None:

@@ -30,6 +30,7 @@ log = logging.getLogger("kiln.build")
 
 OWN_PLANS = ("kiln", "kiln-direct")   # plans of kiln's own kernels (with and without Winograd)
 INT8_OPS = frozenset(INT8_LAYERS + QDQ_OPS)
+DYNAMIC_QUANT_OPS = ("DynamicQuantizeLinear", "DynamicQMatMul")
 BLOCK_MS = 600.0     # a block of timed runs lasts about this long for slow models
 PLAN_ROUNDS = 4      # rounds of one block per plan
 PRUNE_AFTER_ROUNDS = 2   # a plan far behind is dropped only after this many rounds: one burst must not drop it
@@ -176,7 +177,7 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
     plan times go straight into `times`."""
     inputs = {v.name: random_input(v) for v in g.inputs}   # token ids within their embedding, masks as ones
     reference = _reference_outputs(reference_fn, inputs)
-    quantized = any(n.op_type in INT8_OPS for n in g.nodes)
+    min_cosine = quantized_agreement(g)
     runners = {}
     for name, (layers, weights) in candidates.items():
         key = plan_signature(layers)
@@ -194,7 +195,7 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
         if reference is None:
             reference = outputs   # no onnxruntime reference: the first candidate (kiln's own kernels) is the judge
         elif not (budget.met(budget.worst([budget.score(a, b) for a, b in zip(outputs, reference)])) if budget
-                  else _agree(outputs, reference, quantized=quantized)):
+                  else _agree(outputs, reference, min_cosine=min_cosine)):
             log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
                         "the original model in onnxruntime" if reference_fn else "kiln's kernels")
             continue
@@ -284,16 +285,26 @@ def _reference_outputs(reference_fn, inputs: dict) -> list | None:
         return None
 
 
-def _agree(got: list, want: list, rel: float = 1e-3, quantized: bool = False) -> bool:
-    """FP32 plans: max error within `rel` of the largest value. Quantized models: INT8 kernels round
-    differently (one step moves a value by a whole scale), so float outputs need cosine >= 0.999 instead."""
+def quantized_agreement(g: Graph) -> float | None:
+    """The cosine a plan of a quantized model must reach against the reference; None for FP32 models. Dynamic
+    quantization rounds each product's input afresh from its range, so an FP32 ulp upstream moves u8 steps in
+    every later layer: onnxruntime agrees with itself, with and without its graph optimizations, to cosine 0.9989
+    on a quantize_dynamic BERT-base, and kiln's plan to 0.9988."""
+    if any(n.op_type in DYNAMIC_QUANT_OPS for n in g.nodes):
+        return 0.99
+    return 0.999 if any(n.op_type in INT8_OPS for n in g.nodes) else None
+
+
+def _agree(got: list, want: list, rel: float = 1e-3, min_cosine: float | None = None) -> bool:
+    """FP32 plans: max error within `rel` of the largest value. Quantized models (`min_cosine` given): INT8 kernels
+    round differently (one step moves a value by a whole scale), so float outputs need that cosine instead."""
     for a, b in zip(got, want):
         a, b = a.double() if a.is_floating_point() else a, b.double() if b.is_floating_point() else b
         if a.shape != b.shape:
             return False
-        if a.is_floating_point() and quantized:
+        if a.is_floating_point() and min_cosine is not None:
             norm = float(a.norm() * b.norm())
-            if norm > 0 and float((a * b).sum()) / norm < 0.999:
+            if norm > 0 and float((a * b).sum()) / norm < min_cosine:
                 return False
         elif a.is_floating_point():
             scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-6)

@@ -26,8 +26,8 @@ log = logging.getLogger("kiln.build")
 
 PRECISIONS = ("FP32", "FP16", "BF16", "INT8")
 CONSTRAINTS = ("none", "prefer", "obey")
-INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger",
-               "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearConcat", "QLinearSigmoid",
+INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "DynamicQMatMul", "QLinearConv", "QLinearMatMul", "MatMulInteger",
+               "ConvInteger", "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearConcat", "QLinearSigmoid",
                "QLinearLeakyRelu")
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")
 INT8_CAPABLE = ("Conv", "MatMul", "Gemm")

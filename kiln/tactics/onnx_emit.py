@@ -205,6 +205,8 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
                  for x, k in zip(xs, "ab")]
         y = e.activation(e.node("Add", parts), a.get("activation"))
         return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
+    if view.domain == "kiln" and view.op_type == "DynamicQMatMul":
+        return _emit_dynamic_quantized(e, view, xs)
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
         return e.layer_norm([e.node("Add", xs[:2])] + xs[2:], a, len(view.input_shapes[0]))
     if view.op_type == "LayerNormalization" and view.domain in ("", "ai.onnx") and len(view.output_dtypes) == 1:
@@ -260,6 +262,18 @@ def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     return y
 
 
+def _emit_dynamic_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
+    """A DynamicQMatMul as quantize_dynamic wrote it (onnxruntime fuses it again into DynamicQuantizeMatMul)."""
+    q = view.attrs["quant"]
+    x_u8, x_scale, x_zp = e.node("DynamicQuantizeLinear", [xs[0]], n_outputs=3)
+    w_type = np.dtype(view.input_dtypes[1]) if view.input_dtypes[1] else np.dtype(np.int8)
+    w_zp = np.array(q["w_zero_point"])
+    w_zp = e.const(w_zp if np.any(w_zp != w_zp[0]) else w_zp[0], w_type)
+    y = e.node("Cast", [e.node("MatMulInteger", [x_u8, xs[1], x_zp, w_zp])], {"to": onnx.TensorProto.FLOAT})
+    y = e.node("Mul", [y, e.node("Mul", [x_scale, e.const(np.array(q["w_scale"], np.float32))])])
+    return e.node("Add", [y, xs[2]]) if len(xs) > 2 and xs[2] else y
+
+
 def _emit_quantized_sum(e: Emitter, base: LayerView, xs: list[str | None], q: dict) -> str:
     """A convolution with a fused INT8 residual as quantize_static wrote it: Conv -> Q -> DQ, + DQ(residual),
     activation, Q. onnxruntime fuses that into QLinearConv and QLinearAdd; summed in FP32 instead, it ran the
@@ -310,7 +324,8 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     return _emit_steps(e, out, a.get("out_steps", []))
 
 
-KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", *QUANTIZED_BASE)
+KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "DynamicQMatMul",
+                  *QUANTIZED_BASE)
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

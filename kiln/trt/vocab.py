@@ -68,7 +68,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "ForeignNode": ("Region",),
     "Gather": ("Gather", "GatherElements", "GatherND"),
     "Identity": ("Dropout", "Identity"),
-    "MatrixMultiply": ("Gemm", "MatMul", "MatMulInteger", "QLinearMatMul", "QGemm", "QMatMul"),
+    "MatrixMultiply": ("Gemm", "MatMul", "MatMulInteger", "QLinearMatMul", "QGemm", "QMatMul", "DynamicQMatMul"),
     "Normalization": ("GroupNormalization", "InstanceNormalization", "LayerNormalization", "RMSNormalization",
                       "SkipLayerNormalization"),
     "OneHot": ("OneHot",),

@@ -257,3 +257,23 @@ def export(model: nn.Module, example_inputs, path, exporter: str = "legacy", dyn
         else:
             raise ValueError(f"unknown exporter {exporter!r}")
     return load_for_ort(path)
+
+
+def fold_weight_transposes(model):
+    """`model` (a ModelProto, edited in place) with each Transpose of an initializer folded into a new initializer:
+    the legacy export without constant folding keeps nn.Linear's weights behind one, and onnxruntime's
+    quantize_dynamic quantizes only initializer weights."""
+    from onnx import numpy_helper
+
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    keep = []
+    for node in model.graph.node:
+        if node.op_type == "Transpose" and node.input[0] in weights:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            folded = weights[node.input[0]].transpose(perm).copy()
+            model.graph.initializer.append(numpy_helper.from_array(folded, node.output[0]))
+        else:
+            keep.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    return model

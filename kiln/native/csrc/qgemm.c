@@ -3,13 +3,14 @@
    saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
    + bias[n], + the dequantized INT8 residual, clamp (ReLU, Clip) or Swish, and FP32 out or requantized to u8/s8
    (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
-   the caller's comp).
+   the caller's comp). kiln_dqgemm quantizes FP32 rows first (dynamic quantization) and makes the epilogue per call.
 
    Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a
    convolution pads each kernel row's segment of kw * c bytes); activations are read in place and a row's tail
    quad is built from its remaining bytes, never past its end. The register tile is gemm.h's: 6 rows x 32
    columns, 12 zmm accumulators; the work split (batch, panel, row chunk) over OpenMP is work_split.h's, as
    gemm.c's. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -248,6 +249,64 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
   });
 }
 #include "qgemm_amx.h"
+
+typedef void (*QGemmFn)(const QGemmCall*, const uint8_t*, void*, const void*, int64_t);
+
+/* Dynamic quantization (kiln.tactics.dqgemm_c): DynamicQuantizeLinear of the FP32 rows x [m x k] (their range
+   widened to hold 0, NaN left out; scale and zero point in FP32 as onnxruntime computes them, rint(x / scale) + zp
+   saturated to u8), then `gemm` with the epilogue made for them: comp = x_zp * colsum, scale = x_scale * w_scale
+   (the product the model's Mul takes), FP32 out. */
+static void dqgemm(QGemmFn gemm, const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
+                   const float* w_scale) {
+  const int64_t total = m * g->k, padded = (g->n + NR - 1) / NR * NR, tail = total % 16;
+  const __mmask16 rest = (__mmask16)((1u << tail) - 1);
+  __m512 lo = _mm512_setzero_ps(), hi = lo;
+  for (int64_t i = 0; i < total - tail; i += 16) {   /* min/max(v, acc) keep acc where v is NaN */
+    const __m512 v = _mm512_loadu_ps(x + i);
+    lo = _mm512_min_ps(v, lo);
+    hi = _mm512_max_ps(v, hi);
+  }
+  if (tail) {
+    const __m512 v = _mm512_maskz_loadu_ps(rest, x + total - tail);
+    lo = _mm512_min_ps(v, lo);
+    hi = _mm512_max_ps(v, hi);
+  }
+  const float x_lo = _mm512_reduce_min_ps(lo), x_hi = _mm512_reduce_max_ps(hi);
+  const float scale = x_hi == x_lo ? 1.0f : (x_hi - x_lo) / 255.0f, z = -x_lo / scale;
+  const int32_t zp = (int32_t)nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
+  uint8_t* q = (uint8_t*)malloc((size_t)total);
+  int32_t* comp = (int32_t*)malloc(sizeof(int32_t) * (size_t)padded);
+  float* scales = (float*)malloc(sizeof(float) * (size_t)padded);
+  if (!q || !comp || !scales) abort();
+  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512i vz = _mm512_set1_epi32(zp), zero = _mm512_setzero_si512();
+  for (int64_t i = 0; i < total; i += 16) {   /* default MXCSR rounding: half to even */
+    const __mmask16 mask = i + 16 <= total ? (__mmask16)0xFFFF : rest;
+    const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_maskz_loadu_ps(mask, x + i), vs)), vz);
+    _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtusepi32_epi8(_mm512_max_epi32(v, zero)));
+  }
+  for (int64_t j = 0; j < padded; ++j) {
+    comp[j] = zp * colsum[j];
+    scales[j] = scale * w_scale[j];
+  }
+  QGemmCall call = *g;
+  call.e.comp = comp;
+  call.e.scale = scales;
+  gemm(&call, q, y, 0, m);
+  free(scales);
+  free(comp);
+  free(q);
+}
+
+void kiln_dqgemm(const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
+                 const float* w_scale) {
+  dqgemm(kiln_qgemm, g, x, y, m, colsum, w_scale);
+}
+
+void kiln_dqgemm_amx(const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
+                     const float* w_scale) {
+  dqgemm(kiln_qgemm_amx, g, x, y, m, colsum, w_scale);
+}
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers these tactics only where AVX512-VNNI is. */
 void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
@@ -266,6 +325,17 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
 
 void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* res) {
   kiln_qconv(g, x, y, res);   /* aborts, as above */
+}
+
+void kiln_dqgemm(const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
+                 const float* w_scale) {
+  (void)g; (void)x; (void)y; (void)m; (void)colsum; (void)w_scale;
+  abort();   /* unreachable, as above */
+}
+
+void kiln_dqgemm_amx(const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
+                     const float* w_scale) {
+  kiln_dqgemm(g, x, y, m, colsum, w_scale);   /* aborts, as above */
 }
 
 int64_t kiln_amx_int8_ready(void) { return 0; }

@@ -1,0 +1,195 @@
+"""Dynamically quantized models (onnxruntime's quantize_dynamic: DynamicQuantizeLinear -> MatMulInteger -> Cast ->
+Mul, the usual INT8 recipe for transformers) run each product as one INT8 layer on kiln's own kernel, bit for bit
+as onnxruntime runs them; before, the five ops ran one by one, the product on the reference kernel."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.tactics.qgemm_c import vnni_available
+from tests.conftest import cosine, init, make_model, rand, run_ort
+from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
+
+KILN_ONLY = "-openvino,-onnxruntime"
+KERNEL = "kiln.dynamic_qmatmul_gemm_int8"
+needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no AVX512-VNNI here: DynamicQMatMul runs on the "
+                                "reference kernel")
+
+
+def quantize_dynamic(model: onnx.ModelProto | str, path, **options) -> str:
+    from onnxruntime.quantization import QuantType, quantize_dynamic as ort_quantize
+
+    source = model if isinstance(model, str) else str(path) + ".fp32.onnx"
+    if not isinstance(model, str):
+        onnx.save(model, source)
+    ort_quantize(source, str(path), weight_type=options.pop("weight_type", QuantType.QInt8), **options)
+    return str(path)
+
+
+def two_linears(k: int = 75, hidden: int = 50, n: int = 37) -> onnx.ModelProto:
+    """x [2, 7, k] -> MatMul + bias -> Relu -> MatMul + bias: sizes off every kernel's blocking."""
+    h = helper.make_node
+    nodes = [h("MatMul", ["x", "w1"], ["m1"], name="fc1"), h("Add", ["m1", "b1"], ["a1"], name="fc1_bias"),
+             h("Relu", ["a1"], ["r"], name="relu"), h("MatMul", ["r", "w2"], ["m2"], name="fc2"),
+             h("Add", ["m2", "b2"], ["y"], name="fc2_bias")]
+    inits = [init("w1", rand((k, hidden), 1) * 0.2), init("b1", rand((hidden,), 2)),
+             init("w2", rand((hidden, n), 3) * 0.2), init("b2", rand((n,), 4))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 7, k])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 7, n])], inits)
+
+
+@pytest.mark.parametrize("sources", [pytest.param("kiln", marks=needs_vnni), "torch", "onnxruntime"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_each_product_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp_path, sources, per_channel):
+    path = quantize_dynamic(two_linears(), tmp_path / "q.onnx", per_channel=per_channel)
+    assert Counter(n.op_type for n in onnx.load(path).graph.node)["MatMulInteger"] == 2
+    engine = kiln.build(path, tactic_sources=sources)
+    x = {"x": (rand((2, 7, 75), 5) * 3 + 0.7).astype(np.float32)}
+    np.testing.assert_array_equal(engine.run(x)["y"], run_ort(path, x)[0])
+    if sources == "onnxruntime":   # the region gets quantize_dynamic's ops back, which onnxruntime fuses again
+        assert [l.op_type for l in engine.plan.layers] == ["Region"]
+        return
+    products = [l for l in engine.plan.layers if l.op_type == "DynamicQMatMul"]
+    # named after every ONNX node it computes, quantize_dynamic's and the model's
+    assert [l.name for l in products] == [
+        "fc1_quant + m1_output_quantized_cast + fc1_quant_output_scale_mul + fc1_quant_scales_mul + x_QuantizeLinear"
+        " + fc1_bias",
+        "fc2_quant + m2_output_quantized_cast + fc2_quant_output_scale_mul + fc2_quant_scales_mul + r_QuantizeLinear"
+        " + fc2_bias"]
+    assert all(l.precision == "INT8" and l.tactic_name == (KERNEL if sources == "kiln" else "torch.reference")
+               for l in products)
+    assert len(engine.plan.layers) == 3   # and the Relu between them
+
+
+def test_unsigned_weights_fuse_and_run_on_the_reference_kernel_exactly(tmp_path):
+    from onnxruntime.quantization import QuantType
+
+    path = quantize_dynamic(two_linears(), tmp_path / "q.onnx", weight_type=QuantType.QUInt8)
+    engine = kiln.build(path, tactic_sources=KILN_ONLY)
+    products = [l for l in engine.plan.layers if l.op_type == "DynamicQMatMul"]
+    assert len(products) == 2 and {l.tactic_name for l in products} == {"torch.reference"}   # s8 weights only
+    x = {"x": rand((2, 7, 75), 6)}
+    np.testing.assert_array_equal(engine.run(x)["y"], run_ort(path, x)[0])
+
+
+def layer(rows: int, k: int = 70, n: int = 45, seed: int = 8):
+    """A DynamicQMatMul's LayerView and its operands [x, W, bias]: s8 weights, per-column scales, a bias."""
+    import torch
+
+    from kiln.tactics.base import LayerView
+
+    rng = np.random.default_rng(seed)
+    w = torch.from_numpy(rng.integers(-127, 128, (k, n)).astype(np.int8))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    quant = {"x_dtype": "uint8", "w_axis": 1, "w_scale": (rng.random(n) * 0.01 + 1e-3).tolist(),
+             "w_zero_point": [0] * n}
+    view = LayerView("DynamicQMatMul", "kiln", {"quant": quant}, ((rows, k), (k, n), (n,)),
+                     ("float32", "int8", "float32"), {1: w, 2: bias})
+    return view, [x, w, bias]
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", ["zeros", "negative", "one_row", "nan"])
+def test_the_kernel_equals_the_reference_at_the_edges_of_the_range(case):
+    """An all-zero input (scale 1), an all-negative one (zero point 255), a single row, and a NaN, which neither
+    breaks the scale nor touches other rows."""
+    from kiln.ops import lookup
+    from kiln.tactics.dqgemm_c import DynamicQLinearGemmTactic
+
+    view, (x, w, bias) = layer(1 if case == "one_row" else 5)
+    x = {"zeros": x * 0, "negative": -x.abs() - 0.1}.get(case, x)
+    if case == "nan":
+        x[2, 3] = float("nan")
+    got = DynamicQLinearGemmTactic().prepare(view)([x, w, bias])[0]
+    want = lookup("DynamicQMatMul", "kiln").impl(view.attrs, [x, w, bias])[0]
+    rows = [0, 1, 3, 4] if case == "nan" else slice(None)   # the NaN's row: its sum is undefined in both
+    np.testing.assert_array_equal(got.numpy()[rows], want.numpy()[rows])
+
+
+@needs_vnni
+def test_the_amx_variant_gives_the_vnni_kernels_floats(amx_int8_kernels):
+    """On AMX-INT8 tiles (emulated in C where this CPU has none): the same sums, so the same floats."""
+    from kiln.tactics.dqgemm_c import DynamicQLinearGemmAmxTactic, DynamicQLinearGemmTactic
+
+    view, xs = layer(45, k=150, n=70)
+    amx = DynamicQLinearGemmAmxTactic()
+    assert amx.supports(view)
+    np.testing.assert_array_equal(amx.prepare(view)(xs)[0].numpy(),
+                                  DynamicQLinearGemmTactic().prepare(view)(xs)[0].numpy())
+
+
+def test_the_quantization_parameters_are_onnxruntimes_and_leave_nan_out():
+    import torch
+
+    from kiln.ops.quantize import dynamic_qparams
+
+    x = rand((4, 33), 9) * 2.5
+    feeds = {"x": x}
+    model = make_model([helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"])],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 33])],
+                       [helper.make_tensor_value_info(n, t, None) for n, t in
+                        (("q", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8))])
+    _, scale, zero = run_ort(model, feeds)
+    assert dynamic_qparams(torch.from_numpy(x)) == (scale, zero)
+    with_nan = torch.from_numpy(x).clone()
+    with_nan[1, 2] = float("nan")
+    assert dynamic_qparams(with_nan) == dynamic_qparams(torch.from_numpy(np.delete(x.reshape(-1), 35)))
+    assert dynamic_qparams(torch.zeros(3)) == (np.float32(1), 0)
+
+
+def test_a_dynamically_quantized_bert_runs_its_products_in_int8_on_kilns_kernels(tmp_path):
+    from tests.models import encoders
+
+    model = encoders.make_bert(layers=2, hidden=64, heads=4, intermediate=128)
+    feeds = encoders.inputs(model, batch=2, seq=16)
+    fp32 = encoders.fold_weight_transposes(encoders.export(model, feeds, tmp_path / "bert.onnx", "legacy"))
+    path = quantize_dynamic(fp32, tmp_path / "bert_int8.onnx")
+    engine = kiln.build(path, tactic_sources=KILN_ONLY)
+    ops = Counter(l.op_type for l in engine.plan.layers)
+    # per layer: Q || K || V merged, the output projection, the two FFN products; and the pooler
+    assert (ops["DynamicQMatMul"], ops["Attention"]) == (2 * 4 + 1, 2)
+    assert not {"MatMulInteger", "DynamicQuantizeLinear", "MatMul"} & set(ops)
+    merged = [l for l in engine.plan.layers if " || " in l.name]
+    assert len(merged) == 2 and all(l.op_type == "DynamicQMatMul" and l.precision == "INT8" for l in merged)
+    if vnni_available():
+        assert {l.tactic_name for l in engine.plan.layers if l.op_type == "DynamicQMatMul"} == {KERNEL}
+    got = engine.run(feeds)
+    want = run_ort(path, feeds)
+    for name, expected in zip(engine.output_names, want):
+        assert cosine(got[name], expected) > 0.9995, name   # float rounding may move a u8 step here and there
+    assert cosine(got["last_hidden_state"], run_ort(fp32, feeds)[0]) > 0.99   # and the FP32 model's
+
+
+def test_onnxruntimes_bert_recipe_optimize_then_quantize_runs_qattention_in_int8(tmp_path):
+    """onnxruntime's BERT INT8 recipe: the transformers optimizer (Attention, SkipLayerNormalization, BiasGelu),
+    then quantize_dynamic, which writes QAttention. Its projection unfolds into the dynamic-quantization chain,
+    so it too is one INT8 product, and the attention one Attention layer."""
+    from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    from tests.models import encoders
+
+    model = encoders.make_bert(layers=2, hidden=64, heads=4, intermediate=128)
+    feeds = encoders.inputs(model, batch=2, seq=16)
+    encoders.export(model, feeds, tmp_path / "bert.onnx", "legacy")
+    options = FusionOptions("bert")
+    options.use_raw_attention_mask(True)
+    optimizer.optimize_model(str(tmp_path / "bert.onnx"), model_type="bert", num_heads=4, hidden_size=64,
+                             optimization_options=options, opt_level=0).save_model_to_file(str(tmp_path / "opt.onnx"))
+    path = quantize_dynamic(str(tmp_path / "opt.onnx"), tmp_path / "bert_int8.onnx",
+                            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    assert Counter(n.op_type for n in onnx.load(path).graph.node)["QAttention"] == 2
+    engine = kiln.build(path, tactic_sources=KILN_ONLY)
+    ops = Counter(l.op_type for l in engine.plan.layers)
+    assert (ops["DynamicQMatMul"], ops["Attention"]) == (2 * 4 + 1, 2)
+    qkv = [l for l in engine.plan.layers if l.op_type == "DynamicQMatMul" and "Attention_0_quant" in l.name]
+    assert len(qkv) == 1 and qkv[0].precision == "INT8"
+    got = engine.run(feeds)
+    for name, expected in zip(engine.output_names, run_ort(path, feeds)):
+        assert cosine(got[name], expected) > 0.9995, name
