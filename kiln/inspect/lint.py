@@ -105,8 +105,8 @@ def rule_int8_float_output(engine: EngineInfo, profile: Profile | None) -> Itera
         if not (is_conv(layer) or is_gemm(layer)) or not layer.outputs:
             continue
         evidence, out = _int8_evidence(layer), out_precision(layer)
-        if not evidence or out not in ("FP32", "FP16"):
-            continue
+        if not evidence or out not in ("FP32", "FP16") or in_precision(layer) in ("FP32", "FP16", "BF16"):
+            continue   # float in and out around INT8 weights: dynamic (or weight-only) quantization, by design
         tensor = layer.outputs[0].name
         how = "its output format" if layer.outputs[0].precision else f"its tactic's type group ({layer.tactic_name})"
         note = f"{tensor} is an engine output (directly or through a reshape), so a float output may be intended" \

@@ -193,3 +193,18 @@ def test_onnxruntimes_bert_recipe_optimize_then_quantize_runs_qattention_in_int8
     got = engine.run(feeds)
     for name, expected in zip(engine.output_names, run_ort(path, feeds)):
         assert cosine(got[name], expected) > 0.9995, name
+
+
+def test_lint_does_not_call_dynamic_quantization_the_int8_float_output_trap(tmp_path):
+    """A dynamically quantized product reads and writes FP32 by design (the next one quantizes afresh): not the
+    classic INT8 layer that lost its output scale, which kiln lint still reports (tests/precision/test_qdq.py)."""
+    import json
+    import subprocess
+    import sys
+
+    engine = kiln.build(quantize_dynamic(two_linears(), tmp_path / "q.onnx"), autotune=False)
+    assert [l.precision for l in engine.plan.layers if l.op_type == "DynamicQMatMul"] == ["INT8", "INT8"]
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps(engine.layer_info()))
+    lint = subprocess.run([sys.executable, "-m", "kiln.cli.main", "lint", str(path)], capture_output=True, text=True)
+    assert lint.returncode == 0 and "INT8_FLOAT_OUTPUT" not in lint.stdout + lint.stderr
