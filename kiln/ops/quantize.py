@@ -141,10 +141,10 @@ def dynamic_quantize_linear(attrs, xs):
 
 def dynamic_qparams(x: torch.Tensor) -> tuple[np.float32, int]:
     """DynamicQuantizeLinear's u8 scale and zero point for `x`'s range widened to hold 0, in FP32 arithmetic as
-    onnxruntime computes them (kiln_dqgemm's too); NaN and inf (a timing run's random data) are left out."""
-    finite = x[torch.isfinite(x)] if x.dtype.is_floating_point else x
-    lo = np.float32(min(float(finite.min()), 0.0)) if finite.numel() else np.float32(0)
-    hi = np.float32(max(float(finite.max()), 0.0)) if finite.numel() else np.float32(0)
+    onnxruntime computes them (kiln_dqgemm's too); NaN (a timing run's random data can make one) is left out."""
+    known = x[~torch.isnan(x)] if x.dtype.is_floating_point else x
+    lo = np.float32(min(float(known.min()), 0.0)) if known.numel() else np.float32(0)
+    hi = np.float32(max(float(known.max()), 0.0)) if known.numel() else np.float32(0)
     scale = np.float32(1) if hi == lo else (hi - lo) / np.float32(255)
     zero = int(np.clip(np.rint(-lo / scale), 0, 255))   # round half to even, as the spec's rint
     return scale, zero

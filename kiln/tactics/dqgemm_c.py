@@ -11,10 +11,11 @@ import math
 import torch
 
 from kiln import native
-from kiln.tactics.base import LINEAR, Kernel, LayerView
+from kiln.tactics.base import Kernel, LayerView
 from kiln.tactics.gemm_c import ONE_LINE
 from kiln.tactics.qgemm_amx import AmxInt8, pack_amx_quads
-from kiln.tactics.qgemm_c import MAX_K, OUT_KINDS, VNNI_ISA, Epilogue, GemmCall, _padded, pack_quads, vnni_available
+from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, Epilogue, GemmCall, QLinearGemmTactic, _padded, pack_quads,
+                                  vnni_available)
 
 
 def dynamic_supported(layer: LayerView) -> bool:
@@ -34,24 +35,16 @@ def dynamic_supported(layer: LayerView) -> bool:
     return len(layer.input_shapes[0]) - 1 not in dynamic
 
 
-class DynamicQLinearGemmTactic:
-    """DynamicQMatMul on AVX512-VNNI: the activation's rows are the GEMM's, counted per call."""
+class DynamicQLinearGemmTactic(QLinearGemmTactic):
+    """DynamicQMatMul on AVX512-VNNI: the activation's rows are the GEMM's, counted per call (the static INT8
+    product's formats and constants, its own entry point)."""
 
     name = "kiln.dynamic_qmatmul_gemm_int8"
-    source = "kiln"
-    needs_c_compiler = True
-    required_isa = VNNI_ISA
     entry_point = "kiln_dqgemm"          # the AMX variant swaps these two
     pack = staticmethod(pack_quads)
 
     def supports(self, layer: LayerView) -> bool:
         return dynamic_supported(layer) and vnni_available()
-
-    def input_formats(self, layer: LayerView) -> list[str]:
-        return [LINEAR] * len(layer.input_shapes)
-
-    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
         gemm = getattr(native.library("qgemm"), self.entry_point)
