@@ -120,10 +120,19 @@ def dynamic_quantized_matmul(attrs, xs):
         return [torch.empty((*x.shape[:-1], w.shape[-1]), dtype=torch.float32, device="meta")]
     scale, zero = dynamic_qparams(x)
     x_u8 = quantize(x, scale, zero, torch.uint8)
-    w_zp = torch.tensor(q["w_zero_point"], dtype=torch.float64)
-    sums = torch.matmul(x_u8.double() - zero, w.double() - w_zp)   # exact: MatMulInteger's int32
+    w = w if w.dtype == torch.float64 else _centred_weights(attrs, w)   # float64: prepared once at load
+    sums = torch.matmul(x_u8.double() - zero, w)   # exact: MatMulInteger's int32
     y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32))
     return [y + xs[2] if len(xs) > 2 and xs[2] is not None else y]
+
+
+def _centred_weights(attrs, w: torch.Tensor) -> torch.Tensor:
+    """W - W_zp in float64 (exact for INT8), what the product multiplies."""
+    return w.double() - torch.tensor(attrs["quant"]["w_zero_point"], dtype=torch.float64)
+
+
+def _centre_weights_once(attrs, consts: dict) -> dict:
+    return {**consts, 1: _centred_weights(attrs, consts[1])} if 1 in consts else consts
 
 
 def quantized_add(attrs, xs):
@@ -139,6 +148,7 @@ def quantized_add(attrs, xs):
 
 
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
-KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul)
+KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul, (),
+                                   _centre_weights_once)
 KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention)
 KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm)

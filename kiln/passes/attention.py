@@ -12,7 +12,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import replace_nodes, sole_consumer
+from kiln.passes.patterns import is_shuffle, other_input, replace_nodes, sole_consumer
 from kiln.trt.vocab import fused_layer_name, merged_layer_name
 
 ONNX = ("", "ai.onnx")
@@ -26,11 +26,6 @@ def _scalar(v: Value | None) -> float | None:
     if v is None or not v.is_const or v.const.size != 1 or v.const.dtype.kind != "f":
         return None
     return float(v.const.reshape(-1)[0])
-
-
-def _other(node: Node, v: Value) -> Value | None:
-    a, b = node.inputs[0], node.inputs[1]
-    return b if a is v else a if b is v else None
 
 
 def _graph_order(g: Graph, nodes: list[Node]) -> list[Node]:
@@ -68,22 +63,22 @@ def _match_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
     if factor is None or not np.isclose(factor if scale.op_type == "Mul" else 1 / factor, 2 ** -0.5, rtol=1e-3):
         return "its input is not x/√2"
     add = sole_consumer(g, erf)
-    if not _is(add, "Add") or _scalar(_other(add, erf.outputs[0])) != 1.0:
+    if not _is(add, "Add") or _scalar(other_input(add, erf.outputs[0])) != 1.0:
         return "it is not followed by +1"
     nodes, consts, xs, cur = [scale, erf, add], [], 0, add
     for _ in range(2):
         mul = sole_consumer(g, cur)
         if not _is(mul, "Mul"):
             break
-        other = _other(mul, cur.outputs[0])
+        other = other_input(mul, cur.outputs[0])
         half = other.producer if other is not None else None
         if other is x:
             xs += 1
         elif _scalar(other) is not None:
             consts.append(_scalar(other))
-        elif _is(half, "Mul") and x in half.inputs and _scalar(_other(half, x)) is not None and \
+        elif _is(half, "Mul") and x in half.inputs and _scalar(other_input(half, x)) is not None and \
                 len(half.outputs[0].users) == 1 and not g.is_output(half.outputs[0]):
-            xs, consts = xs + 1, consts + [_scalar(_other(half, x))]
+            xs, consts = xs + 1, consts + [_scalar(other_input(half, x))]
             nodes.append(half)
         else:
             break
@@ -195,7 +190,7 @@ def _match_core(g: Graph, sm: Node):
                          v.producer.op_type in ("MatMul", "Mul", "Div", "Add")), None)
         if chain_in is None:
             return "the mask add does not follow Q·Kᵀ"
-        masks.append(_other(cur, chain_in))
+        masks.append(other_input(cur, chain_in))
         nodes, cur = nodes + [cur], chain_in.producer
     while (_is(cur, "Mul") or _is(cur, "Div")) and sole_consumer(g, cur) is not None:
         c = _scalar(cur.inputs[1])
@@ -223,7 +218,7 @@ def _times_v(g: Graph, probs: Value) -> tuple[Node | None, list[Node], list[dict
         return reader, [], []
     rank = len(probs.shape)
     swap = [{"transpose": list(range(rank - 2)) + [rank - 1, rank - 2]}]
-    pv = sole_consumer(g, reader) if _is_shuffle(reader) and reader.attrs["steps"] == swap else None
+    pv = sole_consumer(g, reader) if is_shuffle(reader) and reader.attrs["steps"] == swap else None
     if _is(pv, "MatMul") and pv.inputs[1] is reader.outputs[0] and len(pv.inputs) == 2:
         return pv, [reader], swap
     return None, [], []
@@ -261,7 +256,7 @@ def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[
     """A scalar Mul/Div on Q or Kᵀ joins the scale; also one behind the head shuffles (a scalar commutes with data
     movement: Keras/tf2onnx scale the query before its transpose), which then read the Mul's input."""
     p, shuffles = v.producer, []
-    while _is_shuffle(p) and sole_consumer(g, p) is not None:
+    while is_shuffle(p) and sole_consumer(g, p) is not None:
         shuffles.append(p)
         p = p.inputs[0].producer
     if (_is(p, "Mul") or _is(p, "Div")) and sole_consumer(g, p) is not None and _scalar(p.inputs[1]) is not None:
@@ -275,17 +270,13 @@ def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[
     return v, scale
 
 
-def _is_shuffle(node: Node | None) -> bool:
-    return node is not None and node.op_type == "Shuffle" and node.domain == "kiln"
-
-
 def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dict) -> Value:
     """Shuffles feeding Q/Kᵀ/V (and one reading the output) join the layer as steps; so does a Split whose
     every output feeds this attention (a merged QKV projection). Returns the layer's output value."""
     for i, key in enumerate(("q_steps", "k_steps", "v_steps")):
         v, steps = inputs[i], []
         p = v.producer
-        while _is_shuffle(p) and len(v.users) == 1 and not g.is_output(v):   # a chain: reshape, scale moved, transpose
+        while is_shuffle(p) and len(v.users) == 1 and not g.is_output(v):   # a chain: reshape, scale moved, transpose
             steps, v = list(p.attrs["steps"]) + steps, p.inputs[0]
             nodes.append(p)
             p = v.producer
@@ -308,7 +299,7 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
     attrs["v_steps"] = attrs["v_steps"] + swap
     reader = sole_consumer(g, pv)
     attrs["out_steps"] = swap
-    if reader is not None and reader.op_type == "Shuffle" and reader.domain == "kiln":
+    if is_shuffle(reader):
         attrs["out_steps"] = swap + list(reader.attrs["steps"])
         nodes.append(reader)
         return reader.outputs[0]

@@ -23,7 +23,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer
+from kiln.passes.patterns import fused_name, is_shuffle, other_input, replace_nodes, sole_consumer
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,14 @@ def _affine(g: Graph, node: Node, op: str, width: int) -> tuple[Node, Value] | N
     return nxt, other
 
 
-def _reciprocal_sqrt(v: Value) -> tuple[list[Node], Node] | None:
-    """([Sqrt, Reciprocal or Div(1, ·)], the Sqrt) where `v` is 1 / √s."""
+def _reciprocal_sqrt(v: Value) -> tuple[Node, Node] | None:
+    """(the Sqrt, the Reciprocal or Div(1, ·)) where `v` is 1 / √s."""
     recip = v.producer
     if recip is None or not (recip.op_type == "Reciprocal" or (recip.op_type == "Div" and
                                                                _scalar(recip.inputs[0]) == 1.0)):
         return None
     sqrt = _producer(recip.inputs[-1], "Sqrt")
-    return ([sqrt, recip], sqrt) if sqrt is not None else None
+    return (sqrt, recip) if sqrt is not None else None
 
 
 def _match_tf(g: Graph, add: Node):
@@ -141,11 +141,11 @@ def _match_tf(g: Graph, add: Node):
     mean = _producer(ma.inputs[1] if ma.inputs[0] is a else ma.inputs[0], "ReduceMean")
     scale = _producer(a, "Mul")
     gamma = next((v for v in scale.inputs if v.is_const), None) if scale is not None else None
-    inv = _other_input(scale, gamma) if gamma is not None else a
+    inv = other_input(scale, gamma) if gamma is not None else a
     rs = _reciprocal_sqrt(inv) if inv is not None else None
     if mean is None or mean.inputs[0] is not x or rs is None:
         return None
-    add_eps = _producer(rs[1].inputs[0], "Add")
+    add_eps = _producer(rs[0].inputs[0], "Add")
     var = _producer(add_eps.inputs[0], "ReduceMean") if add_eps is not None else None
     square = var.inputs[0].producer if var is not None else None
     d = _producer(square.inputs[0], "Sub") if square is not None else None
@@ -160,7 +160,7 @@ def _match_tf(g: Graph, add: Node):
     width = int(np.prod([x.shape[i] for i in axes]))
     if any(v is not None and v.const.size not in (1, width) for v in (gamma, beta)):
         return NearMiss(mean, "the scale or shift is not one value per normalized element")
-    sqrt, recip = rs[0]
+    sqrt, recip = rs
     single = [square, var, add_eps, sqrt, xa, ma, shift] + ([recip] if gamma is not None else [])
     shared = [mean.outputs[0], a, d.outputs[0]]
     if any(sole_consumer(g, n) is None for n in single) or {id(u) for u in d.outputs[0].users} != {id(square)} or \
@@ -168,10 +168,6 @@ def _match_tf(g: Graph, add: Node):
         return NearMiss(mean, "an intermediate value is also used outside the pattern")
     nodes = [mean, d, square, var, add_eps, sqrt, recip, *([scale] if gamma is not None else []), xa, ma, shift, add]
     return nodes, x, axes, eps, gamma, beta
-
-
-def _other_input(node: Node, v: Value) -> Value | None:
-    return node.inputs[1] if node.inputs[0] is v else node.inputs[0] if node.inputs[1] is v else None
 
 
 def fuse_layer_norm(g: Graph, plog: PassLog) -> None:
@@ -217,12 +213,8 @@ def _rms_denominator(y: Node) -> tuple[Value, Node, list[Node]] | None:
     if y.op_type != "Mul":
         return None
     for x, r in (y.inputs, reversed(y.inputs)):
-        recip = _producer(r, "Reciprocal")
-        if recip is not None and (sqrt := _producer(recip.inputs[0], "Sqrt")) is not None:
-            return x, sqrt, [recip]
-        one = _producer(r, "Div")
-        if one is not None and _scalar(one.inputs[0]) == 1.0 and (sqrt := _producer(one.inputs[1], "Sqrt")):
-            return x, sqrt, [one]
+        if (rs := _reciprocal_sqrt(r)) is not None:
+            return x, rs[0], [rs[1]]
     return None
 
 
@@ -258,8 +250,7 @@ def fuse_rms_norm(g: Graph, plog: PassLog) -> None:
             last, gamma = m
             nodes.append(last)
         name, origin = fused_name(nodes)
-        gamma_v = g.add_const(f"{name}.scale", (gamma.const if gamma is not None else np.ones(shape))
-                              .astype(x.dtype).reshape(shape))
+        gamma_v = g.add_const(f"{name}.scale", _per_element(gamma, shape, 1.0).astype(x.dtype))
         plog.fusing(nodes[0], last)
         replace_nodes(g, nodes, Node(name, "RMSNormalization", [x, gamma_v], list(last.outputs),
                                      {"axis": axes[0], "epsilon": eps}, "", origin))
@@ -276,8 +267,7 @@ def _per_channel(v: Value | None, rank: int, channels: int) -> np.ndarray | None
 
 
 def _is_reshape(node: Node | None) -> bool:
-    return node is not None and node.op_type == "Shuffle" and node.domain == "kiln" and \
-        len(node.attrs["steps"]) == 1 and "reshape" in node.attrs["steps"][0]
+    return is_shuffle(node) and len(node.attrs["steps"]) == 1 and "reshape" in node.attrs["steps"][0]
 
 
 def _match_group(g: Graph, inn: Node) -> tuple[list[Node], Value, int, np.ndarray, np.ndarray] | NearMiss | None:

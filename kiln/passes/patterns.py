@@ -37,6 +37,17 @@ def replace_nodes(g: Graph, old: list[Node], new: Node) -> Node:
     return g.add_node(new, index - before)
 
 
+def other_input(node: Node, v: Value) -> Value | None:
+    """The operand of a two-input `node` that is not `v` (None if `v` is neither)."""
+    a, b = node.inputs[0], node.inputs[1]
+    return b if a is v else a if b is v else None
+
+
+def is_shuffle(node: Node | None) -> bool:
+    """kiln's own data-movement layer (reshape/transpose/slice steps)."""
+    return node is not None and node.op_type == "Shuffle" and node.domain == "kiln"
+
+
 def fused_name(nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
     origin = tuple(o for n in nodes for o in n.origin)
     return fused_layer_name(origin), origin

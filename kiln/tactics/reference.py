@@ -58,7 +58,8 @@ MOVES_DATA = {"Concat", "Slice", "Split", "Reshape", "Flatten", "Squeeze", "Unsq
 PICKS_WITH_INDICES = {"TopK", "ArgMax", "ArgMin"}
 # Reductions that sum: granted BF16 they widen bf16 inputs to FP32, reduce in FP32 and round once as they store.
 SUMS_IN_FP32 = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceProd", "CumSum"}
-BF16_OPS = sorted(MOVES_DATA | PICKS_WITH_INDICES | SUMS_IN_FP32 | {"Shuffle"})   # registry entries (Shuffle: kiln's)
+ONNX_BF16_OPS = frozenset(MOVES_DATA | PICKS_WITH_INDICES | SUMS_IN_FP32)
+BF16_OPS = sorted(ONNX_BF16_OPS | {"Shuffle"})   # registry entries (Shuffle: kiln's)
 MOVED_INPUTS = 64   # a Concat's inputs beyond these stay FP32 (the kernel rounds them as it copies)
 
 
@@ -80,7 +81,7 @@ class Bf16ReferenceTactic(Bf16Storage, ReferenceTactic):
 
     def supports(self, layer: LayerView) -> bool:
         op = layer.op_type
-        onnx_op = op in MOVES_DATA | PICKS_WITH_INDICES | SUMS_IN_FP32 and layer.domain in ("", "ai.onnx")
+        onnx_op = op in ONNX_BF16_OPS and layer.domain in ("", "ai.onnx")
         if not (onnx_op or (op, layer.domain) == ("Shuffle", "kiln")) or not layer.output_dtypes:
             return False
         data = layer.input_dtypes if op == "Concat" else layer.input_dtypes[:1]

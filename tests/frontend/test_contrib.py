@@ -3,6 +3,8 @@ import: each against onnxruntime running the contrib op itself (rel 1e-4 unless 
 fuse them back into, the origins layer info keeps, and clear refusals for what is not unfolded."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 import pytest
@@ -51,8 +53,8 @@ def test_gelus_become_the_dense_layers_epilogue(op, attrs, with_bias):
     inputs = ["a", "b"] if with_bias else ["a"]
     model = dense_then([ms(op, inputs, ["y"], "act", **attrs)], [init("b", rand((H,), 2))])
     engine = check(model, {"x": rand((B, S, H), 3)}, tactic_sources="-openvino,-onnxruntime")
-    if op != "QuickGelu":   # x * sigmoid(1.5 x) is a pointwise program of its own
-        assert [l.name for l in engine.plan.layers] == ["dense + act"]
+    # x * sigmoid(1.5 x) is a pointwise program of its own
+    assert [l.name for l in engine.plan.layers] == (["dense", "PWN(act)"] if op == "QuickGelu" else ["dense + act"])
     assert all("act" in l.origin for l in engine.plan.layers if "act" in l.name)
 
 
@@ -287,4 +289,6 @@ def test_an_onnxruntime_optimized_bert_builds_as_the_plain_export_does(tmp_path,
         return [l.op_type for l in e.plan.layers if l.op_type in ("MatMul", "Gemm", "Attention", "LayerNormalization",
                                                                   "SkipLayerNormalization")]
     assert heavy(engine) == heavy(baseline)
+    assert Counter(heavy(engine)) == {"MatMul": 8, "Attention": 2, "SkipLayerNormalization": 4,
+                                      "LayerNormalization": 1, "Gemm": 1}   # 2 layers of Q||K||V, O, FFN1, FFN2
     assert len(engine.plan.layers) <= len(baseline.plan.layers) + 4   # + each Attention's own mask (2 tiny layers)

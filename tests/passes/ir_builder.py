@@ -125,6 +125,14 @@ def run_pass(g: Graph, name: str, rewrite: Callable[[Graph, PassLog], None], fol
     return PassRun(stat, tuple(handler.messages))
 
 
+def run_pass_unchanged(g: Graph, name: str, rewrite: Callable[[Graph, PassLog], None]) -> PassRun:
+    """`run_pass` on a graph the pass must leave as it was (every candidate declined, each with its reason)."""
+    before = str(g)
+    run = run_pass(g, name, rewrite)
+    assert str(g) == before, f"{name} changed a graph it should have left alone"
+    return run
+
+
 def expected(text: str) -> str:
     """An expected graph written as an indented triple-quoted block, as `str(graph)` prints it."""
     return textwrap.dedent(text).strip("\n")

@@ -8,7 +8,7 @@ import numpy as np
 from kiln.passes.attention import merge_matmuls
 from kiln.passes.dynamic_quant import fuse_dynamic_quantized_matmul
 from kiln.passes.gemm import fuse_matmul_bias
-from tests.passes.ir_builder import IRBuilder, expected, run_pass
+from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 
 W = np.arange(12).reshape(4, 3) - 6
 
@@ -64,11 +64,7 @@ def test_chains_that_differ_stay_with_the_reason():
                  dtype=np.int32, name="mmi3")                                   # static u8 input, no quantizer
     sums, read_twice = product(b, q, s, z, "4")                               # its int32 sums are an output too
     g = b.graph(to_int, computed_zp, raw, read_twice, sums)
-    before = str(g)
-
-    run = run_pass(g, "DynamicQuantizeMatMulFusion", fuse_dynamic_quantized_matmul)
-
-    assert str(g) == before
+    run = run_pass_unchanged(g, "DynamicQuantizeMatMulFusion", fuse_dynamic_quantized_matmul)
     assert run.not_fusing == [
         "DynamicQuantizeMatMulFusion: Not fusing dql with mmi1: cast1 is not a Cast to FLOAT",
         "DynamicQuantizeMatMulFusion: Not fusing dql with mmi2: its weight zero point is not a constant per tensor "

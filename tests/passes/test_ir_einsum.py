@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kiln.passes.einsum import lower_einsum, parse_equation
-from tests.passes.ir_builder import IRBuilder, expected, run_pass
+from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 
 
 def test_attention_scores_become_a_transposed_key_and_a_matmul():
@@ -98,11 +98,7 @@ def test_equations_that_are_not_one_matrix_product_say_why():
                    equation="ij,jkl->ikl"),
             b.node("Einsum", [x, dyn], "mixed", (2, 4, 5), dyn_dims=(2,), equation="ij,jkl->ikl")]
     g = b.graph(*outs)
-    before = str(g)
-
-    run = run_pass(g, "EinsumToMatMul", lower_einsum)
-
-    assert str(g) == before
+    run = run_pass_unchanged(g, "EinsumToMatMul", lower_einsum)
     assert run.not_fusing == [
         "EinsumToMatMul: Not fusing diag with MatMul: it has 1 operand; only a product of two is a MatMul",
         "EinsumToMatMul: Not fusing chain with MatMul: it has 3 operands; only a product of two is a MatMul",

@@ -16,7 +16,7 @@ from tests.conftest import cosine, init, make_model, rand, run_ort
 from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
 
 KILN_ONLY = "-openvino,-onnxruntime"
-KERNEL = "kiln.dynamic_qmatmul_gemm_int8"
+KERNELS = {"kiln.dynamic_qmatmul_gemm_int8", "kiln.dynamic_qmatmul_gemm_amx_int8"}   # on AMX-INT8 CPUs the two race
 needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no AVX512-VNNI here: DynamicQMatMul runs on the "
                                 "reference kernel")
 
@@ -61,7 +61,7 @@ def test_each_product_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp_pat
         " + fc1_bias",
         "fc2_quant + m2_output_quantized_cast + fc2_quant_output_scale_mul + fc2_quant_scales_mul + r_QuantizeLinear"
         " + fc2_bias"]
-    assert all(l.precision == "INT8" and l.tactic_name == (KERNEL if sources == "kiln" else "torch.reference")
+    assert all(l.precision == "INT8" and l.tactic_name in (KERNELS if sources == "kiln" else {"torch.reference"})
                for l in products)
     assert len(engine.plan.layers) == 3   # and the Relu between them
 
@@ -94,34 +94,47 @@ def layer(rows: int, k: int = 70, n: int = 45, seed: int = 8):
     return view, [x, w, bias]
 
 
+def onnxruntime_chain(view, x) -> np.ndarray:
+    """onnxruntime running the layer as quantize_dynamic writes it: DynamicQuantizeLinear -> MatMulInteger -> Cast ->
+    Mul(x_scale * W_scale) -> Add(bias)."""
+    h = helper.make_node
+    w, bias = view.const_inputs[1].numpy(), view.const_inputs[2].numpy()
+    nodes = [h("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]), h("MatMulInteger", ["xq", "w", "xz"], ["i"]),
+             h("Cast", ["i"], ["f"], to=TensorProto.FLOAT), h("Mul", ["xs", "ws"], ["s"]),
+             h("Mul", ["f", "s"], ["m"]), h("Add", ["m", "b"], ["y"])]
+    inits = [init("w", w), init("ws", np.asarray(view.attrs["quant"]["w_scale"], np.float32)), init("b", bias)]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [x.shape[0], w.shape[1]])], inits)
+    return run_ort(model, {"x": np.asarray(x)})[0]
+
+
 @needs_vnni
 @pytest.mark.parametrize("case", ["zeros", "negative", "one_row", "nan"])
-def test_the_kernel_equals_the_reference_at_the_edges_of_the_range(case):
+def test_the_kernel_equals_onnxruntime_at_the_edges_of_the_range(case):
     """An all-zero input (scale 1), an all-negative one (zero point 255), a single row, and a NaN, which neither
-    breaks the scale nor touches other rows."""
-    from kiln.ops import lookup
+    breaks the scale nor touches other rows: onnxruntime, given 0 in its place, gives the other rows exactly
+    (the range always holds 0)."""
     from kiln.tactics.dqgemm_c import DynamicQLinearGemmTactic
 
     view, (x, w, bias) = layer(1 if case == "one_row" else 5)
     x = {"zeros": x * 0, "negative": -x.abs() - 0.1}.get(case, x)
+    want = onnxruntime_chain(view, x)
     if case == "nan":
         x[2, 3] = float("nan")
-    got = DynamicQLinearGemmTactic().prepare(view)([x, w, bias])[0]
-    want = lookup("DynamicQMatMul", "kiln").impl(view.attrs, [x, w, bias])[0]
-    rows = [0, 1, 3, 4] if case == "nan" else slice(None)   # the NaN's row: its sum is undefined in both
-    np.testing.assert_array_equal(got.numpy()[rows], want.numpy()[rows])
+    got = DynamicQLinearGemmTactic().prepare(view)([x, w, bias])[0].numpy()
+    rows = [0, 1, 3, 4] if case == "nan" else slice(None)   # the NaN's row: its sum is undefined
+    np.testing.assert_array_equal(got[rows], want[rows])
 
 
 @needs_vnni
-def test_the_amx_variant_gives_the_vnni_kernels_floats(amx_int8_kernels):
-    """On AMX-INT8 tiles (emulated in C where this CPU has none): the same sums, so the same floats."""
-    from kiln.tactics.dqgemm_c import DynamicQLinearGemmAmxTactic, DynamicQLinearGemmTactic
+def test_the_amx_variant_equals_onnxruntime(amx_int8_kernels):
+    """On AMX-INT8 tiles (emulated in C where this CPU has none): the same sums, so onnxruntime's floats."""
+    from kiln.tactics.dqgemm_c import DynamicQLinearGemmAmxTactic
 
     view, xs = layer(45, k=150, n=70)
     amx = DynamicQLinearGemmAmxTactic()
     assert amx.supports(view)
-    np.testing.assert_array_equal(amx.prepare(view)(xs)[0].numpy(),
-                                  DynamicQLinearGemmTactic().prepare(view)(xs)[0].numpy())
+    np.testing.assert_array_equal(amx.prepare(view)(xs)[0].numpy(), onnxruntime_chain(view, xs[0]))
 
 
 def test_the_quantization_parameters_are_onnxruntimes_and_leave_nan_out():
@@ -158,7 +171,7 @@ def test_a_dynamically_quantized_bert_runs_its_products_in_int8_on_kilns_kernels
     merged = [l for l in engine.plan.layers if " || " in l.name]
     assert len(merged) == 2 and all(l.op_type == "DynamicQMatMul" and l.precision == "INT8" for l in merged)
     if vnni_available():
-        assert {l.tactic_name for l in engine.plan.layers if l.op_type == "DynamicQMatMul"} == {KERNEL}
+        assert {l.tactic_name for l in engine.plan.layers if l.op_type == "DynamicQMatMul"} <= KERNELS
     got = engine.run(feeds)
     want = run_ort(path, feeds)
     for name, expected in zip(engine.output_names, want):
