@@ -15,7 +15,8 @@ measured at start-up on this machine with the same threads: a 1024^3 matrix prod
 
 OpenVINO is pinned to FP32 arithmetic (INFERENCE_PRECISION_HINT=f32): on CPUs with AVX512-BF16 or AMX its default
 is bf16, about 2x faster and not an FP32 peer. torch eager runs the FP32 network, so it is no peer on INT8 models.
---precision int8 quantizes the ResNets with quantize_static (Q/DQ) and the encoders with quantize_dynamic.
+--precision int8 quantizes the ResNets with quantize_static (Q/DQ) and the encoders with quantize_dynamic; name a
+ResNet `resnet50-int8dyn` for quantize_dynamic (s8 weights, ConvInteger) instead.
 
 The first line printed names the CPU and its ISA extensions (cpu_info.py). At the end the run's rows are appended to
 benchmarks/results/runs.csv (record.py; --no-record skips it, --results-csv writes elsewhere).
@@ -49,10 +50,11 @@ def flops(plan) -> float:
     total = 0.0
     for layer in [i for l in plan.layers for i in (l.inner or (l,))]:
         out = layer.outputs[0].dims if layer.outputs else ()
-        if layer.op_type in ("Conv", "QConv"):
+        if layer.op_type in ("Conv", "QConv", "DynamicQConv"):
             w = plan.weights[layer.args[1].name].shape
             total += 2 * np.prod(out) * np.prod(w[1:])
-        elif layer.op_type in ("Gemm", "MatMul", "QGemm", "QMatMul") and layer.args[1].kind == "weight":
+        elif layer.op_type in ("Gemm", "MatMul", "QGemm", "QMatMul", "DynamicQMatMul") and \
+                layer.args[1].kind == "weight":
             k = plan.weights[layer.args[1].name].shape
             total += 2 * np.prod(out) * (k[1] if layer.attrs.get("transB") else k[0])
         elif layer.op_type == "Attention" and len(out) == 3:   # Q·Kᵀ and P·V over [batch, seq, hidden]
@@ -73,14 +75,18 @@ def build_model(name: str, workdir: Path):
     path = workdir / f"{name}.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if name in ("resnet18", "resnet50", "resnet18-int8", "resnet50-int8"):
+        if name.split("-")[0] in ("resnet18", "resnet50") and name.partition("-")[2] in ("", "int8", "int8dyn"):
+            import onnx
+
             from tests.models.nets import export, make
 
-            model = make(name.removesuffix("-int8"), seed=0)
+            model = make(name.split("-")[0], seed=0)
             x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
             export(model, torch.from_numpy(x), path, "legacy")
             if name.endswith("-int8"):
                 return model, {"input": x}, quantize_qdq(path, x)
+            if name.endswith("-int8dyn"):
+                return model, {"input": x}, quantize_dynamically(onnx.load(path), path)
             return model, {"input": x}, path
         if name in ("bert-base", "minilm", "bert-base-int8", "minilm-int8"):
             from tests.models import encoders
@@ -92,7 +98,7 @@ def build_model(name: str, workdir: Path):
             feeds["attention_mask"][0, 108:] = 0
             exported = encoders.export(model, feeds, path, "legacy")
             if name.endswith("-int8"):
-                return model, feeds, quantize_dynamic_linear(exported, path)
+                return model, feeds, quantize_dynamically(exported, path)
             return model, feeds, path
         if name == "yolov8n":
             from tests.models import detectors
@@ -110,12 +116,12 @@ def build_model(name: str, workdir: Path):
             export(model, torch.from_numpy(x), path, "legacy")
             return model, {"input": x}, path
     raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, bert-base, minilm, yolov8n, unet; -int8 after "
-                     "resnet18, resnet50, bert-base or minilm)")
+                     "resnet18, resnet50, bert-base or minilm; -int8dyn after resnet18 or resnet50)")
 
 
-def quantize_dynamic_linear(model, path: Path) -> Path:
-    """onnxruntime's quantize_dynamic, its INT8 recipe for transformers: s8 weights per tensor, each MatMul's input
-    quantized to u8 from its own range on every call. The FP32 model stays at `path`."""
+def quantize_dynamically(model, path: Path) -> Path:
+    """onnxruntime's quantize_dynamic, its INT8 recipe for transformers: s8 weights per tensor, each MatMul's (and
+    Conv's) input quantized to u8 from its own range on every call. The FP32 model stays at `path`."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -363,7 +369,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         if args.precision == "int8":   # quantized exports of the named networks (Q/DQ; dynamic for encoders)
-            models = [m if m.endswith("-int8") else f"{m}-int8" for m in models]
+            models = [m if m.endswith(("-int8", "-int8dyn")) else f"{m}-int8" for m in models]
         results = [bench(m, Path(tmp), args) for m in models]
     names = sorted({k for r in results for k in r["medians"]}, key=lambda k: (k != "kiln", k))
     print(f"\n{'model':10}" + "".join(f"{n:>18}" for n in names) + f"{'kiln/ort':>10}{'kiln/best':>11}"

@@ -20,10 +20,10 @@ SHAPE_OPS = ("Shape", "Size")
 
 def normalize_attrs(node: Node) -> None:
     """Make implicit attributes explicit: kernel_shape, strides, dilations, and pads from auto_pad."""
-    if node.op_type not in ("Conv", "MaxPool", "AveragePool"):
+    if node.op_type not in ("Conv", "ConvInteger", "MaxPool", "AveragePool"):
         return
     x = node.inputs[0]
-    if node.op_type == "Conv":
+    if node.op_type in ("Conv", "ConvInteger"):
         kernel = list(node.attrs.get("kernel_shape") or node.inputs[1].shape[2:])
     else:
         kernel = list(node.attrs["kernel_shape"])

@@ -1,6 +1,6 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
 Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization, and the INT8
-layers (QConv, QMatMul, QGemm, QAdd from Q/DQ; DynamicQMatMul from dynamic quantization)."""
+layers (QConv, QMatMul, QGemm, QAdd from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -126,9 +126,32 @@ def dynamic_quantized_matmul(attrs, xs):
     return [y + xs[2] if len(xs) > 2 and xs[2] is not None else y]
 
 
+def dynamic_quantized_conv(attrs, xs):
+    """DynamicQuantizeLinear(x) -> ConvInteger(x_u8, W) -> FP32 * (x_scale * w_scale) [+ bias] [-> activation]
+    (kiln.passes.dynamic_quant's DynamicQConv): exact integer sums, FP32 scales per output channel."""
+    from kiln.ops.nn import apply_activation
+    from kiln.ops.quantize import dynamic_qparams, quantize
+
+    x, w, q = xs[0], xs[1], attrs["quant"]
+    conv = {k: v for k, v in attrs.items() if k not in ("quant", "activation")}
+    if x.device.type == "meta":
+        return OPS["Conv"].impl(conv, [x, w.to("meta", torch.float32)])
+    scale, zero = dynamic_qparams(x)
+    x_u8 = quantize(x, scale, zero, torch.uint8)
+    w = w if w.dtype == torch.float64 else _centred_weights(attrs, w)   # float64: prepared once at load
+    sums = OPS["Conv"].impl(conv, [x_u8.double() - zero, w])[0]     # exact: ConvInteger's int32
+    channel = (-1,) + (1,) * (sums.dim() - 2)
+    y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32)).reshape(channel)
+    if len(xs) > 2 and xs[2] is not None:
+        y = y + xs[2].reshape(channel)
+    return [apply_activation(attrs.get("activation"), y)]
+
+
 def _centred_weights(attrs, w: torch.Tensor) -> torch.Tensor:
-    """W - W_zp in float64 (exact for INT8), what the product multiplies."""
-    return w.double() - torch.tensor(attrs["quant"]["w_zero_point"], dtype=torch.float64)
+    """W - W_zp in float64 (exact for INT8), what the product multiplies; the zero points run along `w_axis`."""
+    q = attrs["quant"]
+    zp = torch.tensor(q["w_zero_point"], dtype=torch.float64)
+    return w.double() - zp.reshape((-1,) + (1,) * (w.dim() - 1 - q["w_axis"]))
 
 
 def _centre_weights_once(attrs, consts: dict) -> dict:
@@ -150,5 +173,6 @@ def quantized_add(attrs, xs):
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
 KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul, (),
                                    _centre_weights_once)
+KILN_OPS["DynamicQConv"] = OpDef("DynamicQConv", OpKind.COMPLEX, dynamic_quantized_conv, (), _centre_weights_once)
 KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention)
 KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm)

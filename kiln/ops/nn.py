@@ -266,7 +266,7 @@ register("ArgMax", OpKind.REDUCTION)(_arg_reduce(True))
 register("ArgMin", OpKind.REDUCTION)(_arg_reduce(False))
 
 
-WINDOW_OPS = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "QConv", "LpPool")
+WINDOW_OPS = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "QConv", "DynamicQConv", "LpPool")
 
 
 def check_window_attrs(op_type: str, attrs: dict) -> str | None:

@@ -5,7 +5,7 @@ from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_nor
 from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
                               fuse_norm_activation, fuse_residual_add)
-from kiln.passes.dynamic_quant import fuse_dynamic_quantized_matmul
+from kiln.passes.dynamic_quant import fuse_dynamic_quantized_conv, fuse_dynamic_quantized_matmul
 from kiln.passes.einsum import lower_einsum
 from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
@@ -40,6 +40,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("GeluFusion", fuse_gelu),
     # A zero Pad before a convolution becomes the convolution's own padding (no copy of the padded map).
     Pass("PaddingConvFusion", fold_pad_into_conv),
+    # quantize_dynamic's ConvInteger chain becomes one INT8 convolution, which BN and the activation then fold into.
+    Pass("DynamicQuantizeConvFusion", fuse_dynamic_quantized_conv),
     # BN folds before activations and sums so the fused conv stays one kernel with post-ops.
     Pass("ConvScaleFusion", fold_batchnorm_into_conv),
     # The residual sum must be absorbed before the activation (post-op order: sum, then activation).

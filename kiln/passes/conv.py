@@ -10,8 +10,17 @@ from kiln.passes.patterns import (activation_spec, const_value, fused_name, repl
                                   why_not_sole_consumer)
 
 
+KILN_CONVS = ("DynamicQConv",)   # kiln's own convolution layers (domain "kiln") that fold BN and activations in
+
+
 def _is_conv(node: Node | None) -> bool:
     return node is not None and node.op_type == "Conv" and node.domain in ("", "ai.onnx")
+
+
+def _produces(node: Node | None, ops: tuple[str, ...]) -> bool:
+    """`node` is one of `ops`: an ONNX op, or one of kiln's own convolutions."""
+    return node is not None and node.op_type in ops and \
+        node.domain in (("kiln",) if node.op_type in KILN_CONVS else ("", "ai.onnx"))
 
 
 def fold_pad_into_conv(g: Graph, plog: PassLog) -> None:
@@ -63,11 +72,11 @@ def _zero_pad_widths(g: Graph, pad: Node, conv: Node) -> tuple[list[int], str | 
 
 def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
     """ConvScaleFusion:  x -> Conv(W, b) -> BatchNormalization(s, B, mean, var)  ==>  Conv(W*k, (b-mean)*k + B);
-    likewise a ConvTranspose (DCGAN's generator, decoders), whose weights are [C_in, C_out/group, k...]."""
+    likewise a ConvTranspose (DCGAN's generator, decoders), whose weights are [C_in, C_out/group, k...], and an INT8
+    DynamicQConv, whose weight scales take k instead of its weights."""
     for bn in [n for n in g.nodes if n.op_type == "BatchNormalization"]:
         conv = bn.inputs[0].producer
-        if not (_is_conv(conv) or (conv is not None and conv.op_type == "ConvTranspose" and
-                                   conv.domain in ("", "ai.onnx"))):
+        if not _produces(conv, ("Conv", "ConvTranspose", *KILN_CONVS)):
             continue
         plog.running(conv)
         if sole_consumer(g, conv) is not bn:
@@ -83,13 +92,20 @@ def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
         scale, shift, mean, var = (p.astype(np.float64) for p in params)
         k = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
         w = conv.inputs[1].const
-        new_w = _scaled_output_channels(w, k, conv.op_type == "ConvTranspose", conv.attrs.get("group", 1))
         b = conv.inputs[2].const if len(conv.inputs) > 2 and conv.inputs[2] is not None else np.zeros(len(k))
-        new_b = ((b.astype(np.float64) - mean) * k + shift).astype(w.dtype)
         name, origin = fused_name([conv, bn])
-        inputs = [conv.inputs[0], g.add_const(f"{name}.weight", new_w), g.add_const(f"{name}.bias", new_b)]
+        attrs, quantized = dict(conv.attrs), "quant" in conv.attrs
+        if quantized:   # an INT8 convolution: k scales its per-channel dequantization, the weights stay
+            attrs["quant"] = {**attrs["quant"], "w_scale": (np.asarray(attrs["quant"]["w_scale"]) * k).tolist()}
+            new_w = conv.inputs[1]
+        else:
+            scaled = _scaled_output_channels(w, k, conv.op_type == "ConvTranspose", conv.attrs.get("group", 1))
+            new_w = g.add_const(f"{name}.weight", scaled)
+        bias = ((b.astype(np.float64) - mean) * k + shift).astype(np.float32 if quantized else w.dtype)
+        new_b = g.add_const(f"{name}.bias", bias)
         plog.fusing(conv, bn)
-        replace_nodes(g, [conv, bn], Node(name, conv.op_type, inputs, [bn.outputs[0]], dict(conv.attrs), "", origin))
+        replace_nodes(g, [conv, bn], Node(name, conv.op_type, [conv.inputs[0], new_w, new_b], [bn.outputs[0]], attrs,
+                                          conv.domain, origin))
 
 
 def _scaled_output_channels(w: np.ndarray, k: np.ndarray, transposed: bool, groups: int) -> np.ndarray:
@@ -145,11 +161,11 @@ def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str |
     return None
 
 
-def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv", "ConvTranspose"),
+def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv", "ConvTranspose", *KILN_CONVS),
                     only: tuple[str, ...] | None = None) -> None:
     """ConvReluFusion:  Conv/ConvTranspose(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  one layer with `activation`.
     `only`: the activations the producer's kernels apply, Swish with alpha 1 (others stay, the reason logged)."""
-    for node in [n for n in g.nodes if n.op_type in producer_ops and n.domain in ("", "ai.onnx")]:
+    for node in [n for n in g.nodes if _produces(n, producer_ops)]:
         users = node.outputs[0].users
         if len(users) != 1:
             if any(activation_spec(g, u) for u in users):
@@ -174,7 +190,8 @@ def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("C
         name, origin = fused_name([node, act])
         attrs = dict(node.attrs, activation=spec)
         plog.fusing(node, act)
-        replace_nodes(g, [node, act], Node(name, node.op_type, list(node.inputs), [act.outputs[0]], attrs, "", origin))
+        replace_nodes(g, [node, act], Node(name, node.op_type, list(node.inputs), [act.outputs[0]], attrs, node.domain,
+                                           origin))
 
 
 def fuse_norm_activation(g: Graph, plog: PassLog) -> None:

@@ -30,7 +30,7 @@ log = logging.getLogger("kiln.build")
 
 OWN_PLANS = ("kiln", "kiln-direct")   # plans of kiln's own kernels (with and without Winograd)
 INT8_OPS = frozenset(INT8_LAYERS + QDQ_OPS)
-DYNAMIC_QUANT_OPS = ("DynamicQuantizeLinear", "DynamicQMatMul")
+DYNAMIC_QUANT_OPS = ("DynamicQuantizeLinear", "DynamicQMatMul", "DynamicQConv")
 BLOCK_MS = 600.0     # a block of timed runs lasts about this long for slow models
 PLAN_ROUNDS = 4      # rounds of one block per plan
 PRUNE_AFTER_ROUNDS = 2   # a plan far behind is dropped only after this many rounds: one burst must not drop it

@@ -205,7 +205,7 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
                  for x, k in zip(xs, "ab")]
         y = e.activation(e.node("Add", parts), a.get("activation"))
         return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
-    if view.domain == "kiln" and view.op_type == "DynamicQMatMul":
+    if view.domain == "kiln" and view.op_type in ("DynamicQMatMul", "DynamicQConv"):
         return _emit_dynamic_quantized(e, view, xs)
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
         return e.layer_norm([e.node("Add", xs[:2])] + xs[2:], a, len(view.input_shapes[0]))
@@ -263,15 +263,25 @@ def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
 
 
 def _emit_dynamic_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
-    """A DynamicQMatMul as quantize_dynamic wrote it (onnxruntime fuses it again into DynamicQuantizeMatMul)."""
-    q = view.attrs["quant"]
+    """A DynamicQMatMul or DynamicQConv as quantize_dynamic wrote it (onnxruntime fuses the product's again into
+    DynamicQuantizeMatMul): DynamicQuantizeLinear -> MatMulInteger or ConvInteger -> Cast -> Mul(x_scale * W_scale)
+    [-> Add(bias)] [-> activation]."""
+    q, conv = view.attrs["quant"], view.op_type == "DynamicQConv"
     x_u8, x_scale, x_zp = e.node("DynamicQuantizeLinear", [xs[0]], n_outputs=3)
     w_type = np.dtype(view.input_dtypes[1]) if view.input_dtypes[1] else np.dtype(np.int8)
     w_zp = np.array(q["w_zero_point"])
     w_zp = e.const(w_zp if np.any(w_zp != w_zp[0]) else w_zp[0], w_type)
-    y = e.node("Cast", [e.node("MatMulInteger", [x_u8, xs[1], x_zp, w_zp])], {"to": onnx.TensorProto.FLOAT})
-    y = e.node("Mul", [y, e.node("Mul", [x_scale, e.const(np.array(q["w_scale"], np.float32))])])
-    return e.node("Add", [y, xs[2]]) if len(xs) > 2 and xs[2] else y
+    channel = (-1,) + (1,) * (len(view.input_shapes[0]) - 2) if conv else (-1,)   # the output's channel axis
+    if conv:
+        attrs = {k: v for k, v in view.attrs.items() if k != "quant"}
+        y = e.node("ConvInteger", [x_u8, xs[1], x_zp, w_zp], attrs)
+    else:
+        y = e.node("MatMulInteger", [x_u8, xs[1], x_zp, w_zp])
+    w_scale = e.const(np.array(q["w_scale"], np.float32).reshape(channel))
+    y = e.node("Mul", [e.node("Cast", [y], {"to": onnx.TensorProto.FLOAT}), e.node("Mul", [x_scale, w_scale])])
+    if len(xs) > 2 and xs[2]:
+        y = e.node("Add", [y, e.node("Reshape", [xs[2], e.const(list(channel), np.int64)]) if conv else xs[2]])
+    return e.activation(y, view.attrs.get("activation"))
 
 
 def _emit_quantized_sum(e: Emitter, base: LayerView, xs: list[str | None], q: dict) -> str:
@@ -325,7 +335,7 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
 
 
 KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "DynamicQMatMul",
-                  *QUANTIZED_BASE)
+                  "DynamicQConv", *QUANTIZED_BASE)
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

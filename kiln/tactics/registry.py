@@ -10,7 +10,8 @@ from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
 from kiln.tactics.conv_direct import DirectConvTactic
 from kiln.tactics.conv_planes import Conv1x1PlanesBf16Tactic, Conv1x1PlanesTactic
-from kiln.tactics.dqgemm_c import DynamicQLinearGemmAmxTactic, DynamicQLinearGemmTactic
+from kiln.tactics.dqgemm_c import (DynamicQConvAmxTactic, DynamicQConvTactic, DynamicQLinearGemmAmxTactic,
+                                    DynamicQLinearGemmTactic)
 from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
 from kiln.tactics.groupnorm_c import (NORMS, GroupNormBf16Tactic, GroupNormNhwcBf16Tactic, GroupNormNhwcTactic,
@@ -65,6 +66,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
                                      "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
                                      "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],
+                                     "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
                                      "QuantizeLinear": [QuantizeLinearTactic()],
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),

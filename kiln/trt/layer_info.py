@@ -125,7 +125,7 @@ CONV_OPERANDS = {"QLinearConv": (3, 8), "ConvInteger": (1, None)}
 
 def _conv_geometry(plan: Plan, layer: Layer, weights: int) -> tuple[list[int], list[int], list[int], list[int]]:
     """(kernel, pads, strides, dilations), ONNX's defaults filled in where the model left them out (kiln's import
-    fills them for Conv; QLinearConv and ConvInteger keep the model's attributes)."""
+    fills them for Conv and ConvInteger; QLinearConv keeps the model's attributes)."""
     a, w = layer.attrs, layer.args[weights]
     if a.get("kernel_shape"):
         kernel = list(a["kernel_shape"])

@@ -60,7 +60,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "Attention": ("Attention",),
     "Concatenation": ("Concat", "QLinearConcat"),
     "Constant": ("Constant",),
-    "Convolution": ("Conv", "ConvInteger", "QLinearConv", "QConv"),
+    "Convolution": ("Conv", "ConvInteger", "QLinearConv", "QConv", "DynamicQConv"),
     "CumulativeSum": ("CumSum",),
     "Deconvolution": ("ConvTranspose",),
     "Einsum": ("Einsum",),

@@ -1,0 +1,170 @@
+"""Dynamically quantized CNNs (onnxruntime's quantize_dynamic on convolutions: DynamicQuantizeLinear -> ConvInteger
+-> Cast -> Mul -> Add(bias)) run each convolution as one INT8 DynamicQConv layer, with BatchNormalization and the
+activation folded in, bit for bit as onnxruntime runs them where nothing is folded; before, the chain ran op by op,
+the convolution on the reference kernel (in float64)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.tactics.qgemm_c import vnni_available
+from tests.conftest import cosine, init, make_model, rand, run_ort
+from tests.precision.test_dynamic_quant import KILN_ONLY, needs_vnni, quantize_dynamic
+from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
+
+KERNELS = {"kiln.dynamic_qconv2d_direct_nhwc_int8", "kiln.dynamic_qconv2d_direct_nhwc_amx_int8"}   # AMX-INT8: both race
+
+
+def three_convs(batch: int = 2) -> onnx.ModelProto:
+    """x [batch, 5, 13, 11] -> 3x3 conv (pads 1) + ReLU -> 3x3 stride-2 conv (SAME_UPPER) + LeakyRelu -> 1x1 conv,
+    summed with its input, ReLU: channel counts off every blocking, odd sizes, padding and a residual."""
+    h = helper.make_node
+    nodes = [h("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             h("Relu", ["c1"], ["r1"], name="relu1"),
+             h("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", strides=[2, 2], auto_pad="SAME_UPPER"),
+             h("LeakyRelu", ["c2"], ["r2"], name="leaky", alpha=0.1),
+             h("Conv", ["r2", "w3", "b3"], ["c3"], name="conv3"), h("Add", ["c3", "r2"], ["s"], name="sum"),
+             h("Relu", ["s"], ["y"], name="relu3")]
+    inits = [init("w1", rand((19, 5, 3, 3), 1) * 0.3), init("b1", rand((19,), 2)),
+             init("w2", rand((37, 19, 3, 3), 3) * 0.2), init("b2", rand((37,), 4)),
+             init("w3", rand((37, 37, 1, 1), 5) * 0.2), init("b3", rand((37,), 6))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 5, 13, 11])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 37, 7, 6])], inits)
+
+
+def chain_name(conv: str, output: str, tail: str) -> str:
+    """A DynamicQConv's layer name: quantize_dynamic's nodes around `conv`, then the model's nodes it absorbed."""
+    return (f"{conv}_quant + {output}_output_quantized_cast + {conv}_quant_output_scale_mul + {output}_bias_add + "
+            f"{conv}_quant_scales_mul + {tail}")
+
+
+@pytest.mark.parametrize("sources", [pytest.param("kiln", marks=needs_vnni), "torch", "onnxruntime"])
+def test_each_convolution_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp_path, sources):
+    path = quantize_dynamic(three_convs(), tmp_path / "q.onnx")
+    assert Counter(n.op_type for n in onnx.load(path).graph.node)["ConvInteger"] == 3
+    engine = kiln.build(path, tactic_sources=sources)
+    x = {"x": rand((2, 5, 13, 11), 7) * 2 + 0.3}
+    np.testing.assert_array_equal(engine.run(x)["y"], run_ort(path, x)[0])
+    if sources == "onnxruntime":   # the region gets quantize_dynamic's ops back
+        assert [l.op_type for l in engine.plan.layers] == ["Region"]
+        return
+    convs = [l for l in engine.plan.layers if l.op_type == "DynamicQConv"]
+    assert [l.name for l in convs] == [chain_name("conv1", "c1", "x_QuantizeLinear + relu1"),
+                                       chain_name("conv2", "c2", "r1_QuantizeLinear + leaky"),
+                                       chain_name("conv3", "c3", "r2_QuantizeLinear")]
+    assert all(l.precision == "INT8" and l.tactic_name in (KERNELS if sources == "kiln" else {"torch.reference"})
+               for l in convs)
+    assert [l.op_type for l in engine.plan.layers if l.op_type != "Reformat"] == ["DynamicQConv"] * 3 + ["PointWise"]
+
+
+def test_batchnorm_folds_into_the_int8_convolutions_scales(tmp_path):
+    """A ResNet-18 exported with every BatchNormalization kept: each folds into its DynamicQConv's per-channel
+    scales and bias (the integer weights stay), ReLU into its epilogue; 20 INT8 convolutions and the INT8
+    classifier. Folding rounds differently from onnxruntime's separate ops, so outputs agree to a cosine."""
+    import torch
+
+    from tests.models import nets
+
+    fp32 = tmp_path / "r18.onnx"
+    nets.export(nets.make("resnet18"), torch.randn(1, 3, 32, 32), fp32, "legacy")
+    path = quantize_dynamic(str(fp32), tmp_path / "r18_int8.onnx")
+    engine = kiln.build(path, tactic_sources=KILN_ONLY)
+    ops = Counter(l.op_type for l in engine.plan.layers)
+    assert (ops["DynamicQConv"], ops["DynamicQMatMul"], ops["PointWise"]) == (20, 1, 8)   # PointWise: Add + ReLU
+    assert not {"BatchNormalization", "ConvInteger", "DynamicQuantizeLinear", "Relu", "Conv"} & set(ops)
+    stem = next(l for l in engine.plan.layers if l.op_type == "DynamicQConv")
+    assert "BatchNormalization" in stem.name and stem.name.endswith("relu/Relu") and stem.precision == "INT8"
+    x = {"input": rand((1, 3, 32, 32), 8)}
+    got = engine.run(x)["output"]
+    assert cosine(got, run_ort(path, x)[0]) > 0.9999
+    assert cosine(got, run_ort(str(fp32), x)[0]) > 0.99
+
+
+def conv_layer(padding: int = 1, cin: int = 21, cout: int = 45, seed: int = 9):
+    """A 3x3 DynamicQConv's LayerView and operands [x (NHWC-strided), W, bias]: s8 weights, per-channel scales."""
+    import torch
+
+    from kiln.tactics.base import LayerView
+
+    rng = np.random.default_rng(seed)
+    w = torch.from_numpy(rng.integers(-127, 128, (cout, cin, 3, 3)).astype(np.int8))
+    bias = torch.from_numpy(rng.standard_normal(cout).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((2, cin, 9, 10)).astype(np.float32))
+    quant = {"x_dtype": "uint8", "w_axis": 0, "w_scale": (rng.random(cout) * 0.01 + 1e-3).tolist(),
+             "w_zero_point": [0] * cout}
+    attrs = {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [padding] * 4, "dilations": [1, 1], "group": 1,
+             "quant": quant}
+    view = LayerView("DynamicQConv", "kiln", attrs, (tuple(x.shape), tuple(w.shape), (cout,)),
+                     ("float32", "int8", "float32"), {1: w, 2: bias})
+    return view, [x, w, bias]
+
+
+def onnxruntime_conv_chain(view, x) -> np.ndarray:
+    """onnxruntime running the layer as quantize_dynamic writes it (per-channel scales as a [C, 1, 1] constant)."""
+    h = helper.make_node
+    w, bias = view.const_inputs[1].numpy(), view.const_inputs[2].numpy()
+    pads = view.attrs["pads"]
+    nodes = [h("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             h("ConvInteger", ["xq", "w", "xz"], ["i"], pads=pads), h("Cast", ["i"], ["f"], to=TensorProto.FLOAT),
+             h("Mul", ["xs", "ws"], ["s"]), h("Mul", ["f", "s"], ["m"]), h("Add", ["m", "b"], ["y"])]
+    inits = [init("w", w), init("ws", np.asarray(view.attrs["quant"]["w_scale"], np.float32).reshape(-1, 1, 1)),
+             init("b", bias.reshape(-1, 1, 1))]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits, opset=17)
+    return run_ort(model, {"x": np.asarray(x)})[0]
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", ["mixed", "zeros", "negative", "positive"])
+def test_the_kernel_pads_with_the_calls_zero_point_as_onnxruntime(case):
+    """Padded pixels must read as the quantized zero, which moves with every input: mid-range for mixed signs,
+    255 for an all-negative input, 0 for an all-positive one (and scale 1 for all zeros)."""
+    import torch
+
+    from kiln.tactics.dqgemm_c import DynamicQConvTactic
+
+    view, (x, w, bias) = conv_layer()
+    x = {"zeros": x * 0, "negative": -x.abs() - 0.1, "positive": x.abs() + 0.1}.get(case, x)
+    got = DynamicQConvTactic().prepare(view)([x.contiguous(memory_format=torch.channels_last), w, bias])[0]
+    np.testing.assert_array_equal(got.numpy(), onnxruntime_conv_chain(view, x))
+
+
+@needs_vnni
+def test_the_amx_variant_equals_onnxruntime(amx_int8_kernels):
+    """On AMX-INT8 tiles (emulated in C where this CPU has none): the same sums, so onnxruntime's floats."""
+    import torch
+
+    from kiln.tactics.dqgemm_c import DynamicQConvAmxTactic
+
+    view, (x, w, bias) = conv_layer(cin=70)
+    amx = DynamicQConvAmxTactic()
+    assert amx.supports(view)
+    got = amx.prepare(view)([x.contiguous(memory_format=torch.channels_last), w, bias])[0]
+    np.testing.assert_array_equal(got.numpy(), onnxruntime_conv_chain(view, x))
+
+
+def test_grouped_convolutions_and_unsigned_weights_fuse_and_run_on_the_reference_kernel_exactly(tmp_path):
+    """kiln's INT8 convolution takes one group and s8 weights: a depthwise convolution, and quantize_dynamic's
+    QUInt8 weights (with their zero point), fuse all the same and run on the reference op, still exact."""
+    from onnxruntime.quantization import QuantType
+
+    h = helper.make_node
+    nodes = [h("Conv", ["x", "w1", "b1"], ["c1"], name="depthwise", group=8, pads=[1, 1, 1, 1]),
+             h("Conv", ["c1", "w2"], ["y"], name="pointwise")]
+    inits = [init("w1", rand((8, 1, 3, 3), 1)), init("b1", rand((8,), 2)), init("w2", rand((16, 8, 1, 1), 3))]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 6])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 6, 6])], inits)
+    x = {"x": rand((1, 8, 6, 6), 4)}
+    for weight_type, reference in ((QuantType.QInt8, {"depthwise"}), (QuantType.QUInt8, {"depthwise", "pointwise"})):
+        path = quantize_dynamic(model, tmp_path / f"q_{weight_type.name}.onnx", weight_type=weight_type)
+        engine = kiln.build(path, tactic_sources=KILN_ONLY)
+        convs = {l.name.split("_quant")[0]: l for l in engine.plan.layers if l.op_type == "DynamicQConv"}
+        assert set(convs) == {"depthwise", "pointwise"} and all(l.precision == "INT8" for l in convs.values())
+        on_reference = {name for name, l in convs.items() if l.tactic_name == "torch.reference"}
+        assert on_reference == (reference if vnni_available() else {"depthwise", "pointwise"})
+        np.testing.assert_array_equal(engine.run(x)["y"], run_ort(path, x)[0])
