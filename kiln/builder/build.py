@@ -32,7 +32,7 @@ from kiln.planning.memory import plan_memory
 from kiln.planning.accuracy import AccuracyBudget, BudgetReport
 from kiln.planning.int8_budget import Int8BudgetReport
 from kiln.planning.race import choose_plan, onnxruntime_reference
-from kiln.precision.policy import PrecisionDecision, decide, output_tail
+from kiln.precision.policy import QDQ_OPS, PrecisionDecision, decide, output_tail
 from kiln.preprocess.calibration import quantize_with_qdq, sum_ranks
 from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
 from kiln.tactics.lower import Lowering, desc_of, node_view
@@ -202,8 +202,8 @@ def autotuner(g: Graph, cache: TimingCache, options: BuildOptions) -> Autotuner 
 def finish_openvino_regions(layers: list[Layer], weights: dict[str, np.ndarray], opset: int) -> list[Layer]:
     """Compile the chosen plan's OpenVINO regions once through OpenVINO's model cache, so the engine's first load
     imports the compiled blob instead of compiling (about 0.2 s instead of 0.9 s for ResNet-50; the candidates timed
-    during the build never touch the cache); a region compiled at bf16 records what each inner layer ran in, from
-    OpenVINO's execution graph, as its granted precision."""
+    during the build never touch the cache); a region compiled at bf16, or holding INT8 layers, records what each
+    inner layer ran in, from OpenVINO's execution graph, as its granted precision."""
     from kiln.runtime.prepare import prepare_region
 
     finished = []
@@ -211,7 +211,7 @@ def finish_openvino_regions(layers: list[Layer], weights: dict[str, np.ndarray],
         if layer.tactic_name == OPENVINO_REGION_TACTIC:
             try:
                 kernel = prepare_region(layer, weights, opset, cached=True, library="openvino")
-                if layer.attrs.get("precision") == "bf16":
+                if layer.attrs.get("precision") == "bf16" or any(i.requested_precision == "INT8" for i in layer.inner):
                     layer = with_runtime_precisions(layer, kernel.runtime_precisions())
             except Exception as exc:   # the build already ran this region; a cache it cannot write is not an error
                 log.debug("OpenVINO model cache not warmed for %s: %s", layer.name, exc)
@@ -220,11 +220,14 @@ def finish_openvino_regions(layers: list[Layer], weights: dict[str, np.ndarray],
 
 
 def with_runtime_precisions(region: Layer, ran: dict[str, str]) -> Layer:
-    """The region with each inner layer granted the precision OpenVINO ran it in (FP32 where unknown)."""
+    """The region with each inner layer granted the precision OpenVINO ran it in (FP32 where unknown). Quantize and
+    dequantize layers keep theirs: OpenVINO's FakeQuantize reports its FP32 input, not the INT8 it writes."""
 
     def one(inner: Layer) -> Layer:
+        if inner.op_type in QDQ_OPS:
+            return inner
         got = ran.get(inner.name, "FP32")
-        why = "" if got == inner.requested_precision else f"OpenVINO's bf16 region ran it in {got}"
+        why = "" if got == inner.requested_precision else f"the OpenVINO region ran it in {got}"
         return dataclasses.replace(inner, precision=got, precision_reason=why)
     return dataclasses.replace(region, inner=tuple(one(i) for i in region.inner))
 

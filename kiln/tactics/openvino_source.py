@@ -1,6 +1,7 @@
 """OpenVINO as an optional external library: a region (ONNX sub-model) compiled for the CPU plugin."""
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -111,9 +112,14 @@ def runtime_precisions(compiled) -> dict[str, str]:
         if info["layerType"].astype(str) in ("Input", "Output", "Const", "Reorder"):
             continue
         precision = _RUNTIME_PRECISION.get(info["runtimePrecision"].astype(str))
-        for original in filter(None, info["originalLayersNames"].astype(str).split(",")):
-            layer, sep, _ = original.rpartition("|")
-            if sep and precision:
+        for layer in _emitted_layers(info["originalLayersNames"].astype(str)):
+            if precision:
                 found.setdefault(layer, set()).add(precision)
     order = ("INT8", "FP16", "BF16", "FP32")
     return {layer: min(kinds, key=order.index) for layer, kinds in found.items()}
+
+
+def _emitted_layers(original_names: str) -> list[str]:
+    """The kiln layers in OpenVINO's comma-joined `originalLayersNames`: each emitted node is "<layer>|<k>", and a
+    layer's own name may hold commas (`PWN(a, b)`)."""
+    return re.findall(r"(.+?)\|\d+(?:,|$)", original_names)

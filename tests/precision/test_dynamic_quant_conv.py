@@ -168,3 +168,39 @@ def test_grouped_convolutions_and_unsigned_weights_fuse_and_run_on_the_reference
         on_reference = {name for name, l in convs.items() if l.tactic_name == "torch.reference"}
         assert on_reference == (reference if vnni_available() else {"depthwise", "pointwise"})
         np.testing.assert_array_equal(engine.run(x)["y"], run_ort(path, x)[0])
+
+
+def test_an_openvino_region_reports_the_fp32_it_ran_the_dynamic_convolutions_in(monkeypatch, tmp_path):
+    """OpenVINO runs quantize_dynamic's ConvInteger chain in FP32 (its execution graph says so), where it runs a
+    quantize_static convolution in INT8: an OpenVINO region's inner layers are granted what it ran, with the reason,
+    not the INT8 they asked for."""
+    pytest.importorskip("openvino")
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    from tests.conftest import force_plan
+
+    force_plan(monkeypatch, "openvino")
+    fp32 = tmp_path / "m.onnx"
+    onnx.save(three_convs(batch=1), fp32)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([{"x": rand((1, 5, 13, 11), seed)} for seed in range(3)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+    static = tmp_path / "static.onnx"
+    quantize_static(str(fp32), str(static), Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    for path, want in ((quantize_dynamic(str(fp32), tmp_path / "dynamic.onnx"), "FP32"), (str(static), "INT8")):
+        engine = kiln.build(path, tactic_sources="-onnxruntime")
+        info = [l for l in engine.layer_info()["Layers"] if l["LayerType"] == "OpenVINOConvolution"]
+        assert len(info) == 3 and {l["RequestedPrecision"] for l in info} == {"INT8"}, path
+        assert {(l["GrantedPrecision"], l.get("PrecisionReason", "")) for l in info} == \
+            {(want, "" if want == "INT8" else "the OpenVINO region ran it in FP32")}, path
+
+
+def test_openvino_layer_names_with_commas_map_back_to_their_layers():
+    from kiln.tactics.openvino_source import _emitted_layers
+
+    assert _emitted_layers("PWN(/Add, /Relu_1)|0,PWN(/Add, /Relu_1)|1,conv + bn|12") == [
+        "PWN(/Add, /Relu_1)", "PWN(/Add, /Relu_1)", "conv + bn"]
