@@ -111,8 +111,9 @@ for _name, _base in QUANTIZED_BASE.items():
     KILN_OPS[_name] = OpDef(_name, OpKind.COMPLEX, _quantized(_base), (), _dequantize_weight_once)
 
 def dynamic_quantized_matmul(attrs, xs):
-    """DynamicQuantizeLinear(x) -> MatMulInteger(x_u8, W) -> FP32 * (x_scale * w_scale) [+ bias] (the ops
-    kiln.passes.dynamic_quant fuses; onnxruntime's DynamicQuantizeMatMul): exact integer sums, FP32 scales."""
+    """DynamicQuantizeLinear(x) -> MatMulInteger(x_u8, W) -> FP32 * (x_scale * w_scale) [+ bias] [-> activation]
+    (the ops kiln.passes.dynamic_quant fuses; onnxruntime's DynamicQuantizeMatMul): exact integer sums, FP32 scales."""
+    from kiln.ops.nn import apply_activation
     from kiln.ops.quantize import dynamic_qparams, quantize
 
     x, w, q = xs[0], xs[1], attrs["quant"]
@@ -123,7 +124,7 @@ def dynamic_quantized_matmul(attrs, xs):
     w = w if w.dtype == torch.float64 else _centred_weights(attrs, w)   # float64: prepared once at load
     sums = torch.matmul(x_u8.double() - zero, w)   # exact: MatMulInteger's int32
     y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32))
-    return [y + xs[2] if len(xs) > 2 and xs[2] is not None else y]
+    return [apply_activation(attrs.get("activation"), y + xs[2] if len(xs) > 2 and xs[2] is not None else y)]
 
 
 def dynamic_quantized_conv(attrs, xs):

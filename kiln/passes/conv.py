@@ -10,7 +10,7 @@ from kiln.passes.patterns import (activation_spec, const_value, fused_name, repl
                                   why_not_sole_consumer)
 
 
-KILN_CONVS = ("DynamicQConv",)   # kiln's own convolution layers (domain "kiln") that fold BN and activations in
+KILN_LAYERS = ("DynamicQConv", "DynamicQMatMul")   # kiln's own layers (domain "kiln") taking BN or activations
 
 
 def _is_conv(node: Node | None) -> bool:
@@ -18,9 +18,9 @@ def _is_conv(node: Node | None) -> bool:
 
 
 def _produces(node: Node | None, ops: tuple[str, ...]) -> bool:
-    """`node` is one of `ops`: an ONNX op, or one of kiln's own convolutions."""
+    """`node` is one of `ops`: an ONNX op, or one of kiln's own layers."""
     return node is not None and node.op_type in ops and \
-        node.domain in (("kiln",) if node.op_type in KILN_CONVS else ("", "ai.onnx"))
+        node.domain in (("kiln",) if node.op_type in KILN_LAYERS else ("", "ai.onnx"))
 
 
 def fold_pad_into_conv(g: Graph, plog: PassLog) -> None:
@@ -76,7 +76,7 @@ def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
     DynamicQConv, whose weight scales take k instead of its weights."""
     for bn in [n for n in g.nodes if n.op_type == "BatchNormalization"]:
         conv = bn.inputs[0].producer
-        if not _produces(conv, ("Conv", "ConvTranspose", *KILN_CONVS)):
+        if not _produces(conv, ("Conv", "ConvTranspose", "DynamicQConv")):
             continue
         plog.running(conv)
         if sole_consumer(g, conv) is not bn:
@@ -161,7 +161,7 @@ def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str |
     return None
 
 
-def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv", "ConvTranspose", *KILN_CONVS),
+def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv", "ConvTranspose", "DynamicQConv"),
                     only: tuple[str, ...] | None = None) -> None:
     """ConvReluFusion:  Conv/ConvTranspose(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  one layer with `activation`.
     `only`: the activations the producer's kernels apply, Swish with alpha 1 (others stay, the reason logged)."""
@@ -202,4 +202,4 @@ def fuse_norm_activation(g: Graph, plog: PassLog) -> None:
 
 def fuse_gemm_activation(g: Graph, plog: PassLog) -> None:
     """GemmActFusion:  Gemm/MatMul(...) -> activation  ==>  one MatrixMultiply layer with the activation."""
-    fuse_activation(g, plog, producer_ops=("Gemm", "MatMul"))
+    fuse_activation(g, plog, producer_ops=("Gemm", "MatMul", "DynamicQMatMul"))

@@ -25,6 +25,33 @@ from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, ConvCall, Epilogue, GemmCall
                                   vnni_available)
 
 
+def dynamic_constants(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torch.Tensor, ...]]:
+    """The epilogue's load-time part for weights `w_kn` ([k, n] s8) and the tensors the call reads through raw
+    pointers (column sums, weight scales, bias): comp, scale and the padding byte are made per call for the
+    activation's own range. The activation goes in where the kernel has it (`with_activation` applies the rest)."""
+    n = w_kn.shape[1]
+    colsum = _padded(w_kn.to(torch.int32).sum(0), n, torch.int32)
+    w_scale = _padded(torch.tensor(layer.attrs["quant"]["w_scale"], dtype=torch.float32), n, torch.float32)
+    bias = layer.const_inputs.get(2)
+    bias = None if bias is None else _padded(bias.float(), n, torch.float32)
+    lo, hi, act = fused_activation(layer.attrs.get("activation")) or (-math.inf, math.inf, 0)
+    e = Epilogue(None, None, None if bias is None else bias.data_ptr(), lo, hi, 1.0, 1.0, 0, 0, act,
+                 OUT_KINDS[None], 0, 0)
+    return e, (colsum, w_scale) + (() if bias is None else (bias,))
+
+
+def with_activation(layer: LayerView, run: Kernel) -> Kernel:
+    """`run`, then the layer's activation where the kernel's epilogue has it not (LeakyRelu, Sigmoid, ...)."""
+    spec = layer.attrs.get("activation")
+    if fused_activation(spec) is not None:
+        return run
+
+    def activated(xs):
+        return [apply_activation(spec, run(xs)[0])]
+    activated.constants = run.constants
+    return activated
+
+
 def dynamic_supported(layer: LayerView) -> bool:
     """A DynamicQMatMul by a constant 2-D s8 matrix with zero weight zero points, K fixed, and a bias (if any) of N
     FP32 values."""
@@ -58,14 +85,9 @@ class DynamicQLinearGemmTactic(QLinearGemmTactic):
         w = layer.const_inputs[1]
         k, n = w.shape
         packed = self.pack(w)
-        colsum = _padded(w.to(torch.int32).sum(0), n, torch.int32)
-        w_scale = _padded(torch.tensor(layer.attrs["quant"]["w_scale"], dtype=torch.float32), n, torch.float32)
-        bias = layer.const_inputs.get(2)
-        bias = None if bias is None else _padded(bias.float(), n, torch.float32)
-        e = Epilogue(None, None, None if bias is None else bias.data_ptr(), -math.inf, math.inf, 1.0, 1.0, 0, 0, 0,
-                     OUT_KINDS[None], 0, 0)   # comp and scale: made per call for the activation's own range
+        e, kept = dynamic_constants(layer, w)
         call = GemmCall(packed.data_ptr(), 0, ONE_LINE, k, 0, 0, 1, k, n, e)
-        call_ptr, colsum_ptr, scale_ptr = ctypes.addressof(call), colsum.data_ptr(), w_scale.data_ptr()
+        call_ptr, colsum_ptr, scale_ptr = ctypes.addressof(call), kept[0].data_ptr(), kept[1].data_ptr()
 
         def run(xs):
             x = xs[0] if xs[0].is_contiguous() else xs[0].contiguous()
@@ -74,8 +96,8 @@ class DynamicQLinearGemmTactic(QLinearGemmTactic):
             if rows:
                 gemm(call_ptr, x.data_ptr(), y.data_ptr(), rows, colsum_ptr, scale_ptr)
             return [y]
-        run.constants = (packed, call, colsum, w_scale, bias)   # read through raw pointers
-        return run
+        run.constants = (packed, call, kept)   # read through raw pointers
+        return with_activation(layer, run)
 
 
 class DynamicQLinearGemmAmxTactic(AmxInt8, DynamicQLinearGemmTactic):
@@ -106,7 +128,7 @@ def dynamic_conv_supported(layer: LayerView) -> bool:
 class DynamicQConvTactic(QConvDirectTactic):
     """DynamicQConv on AVX512-VNNI, NHWC: the static INT8 direct convolution's packing and windows (any kernel,
     stride and padding; padded pixels hold the call's zero point), its own entry point. Activations the epilogue
-    lacks (clamp and Swish it has) run after it."""
+    lacks (it has clamps, Swish and GELU) run after it."""
 
     name = "kiln.dynamic_qconv2d_direct_nhwc_int8"
     entry_point = "kiln_dqconv"          # the AMX variant swaps these two
@@ -123,29 +145,16 @@ class DynamicQConvTactic(QConvDirectTactic):
         kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
         w_rows = weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout)   # [kh][kw * c][cout]
         packed = self.pack(w_rows)
-        colsum = _padded(w_rows.reshape(-1, cout).to(torch.int32).sum(0), cout, torch.int32)
-        w_scale = _padded(torch.tensor(layer.attrs["quant"]["w_scale"], dtype=torch.float32), cout, torch.float32)
-        bias = layer.const_inputs.get(2)
-        bias = None if bias is None else _padded(bias.float(), cout, torch.float32)
-        spec = layer.attrs.get("activation")
-        native_act = fused_activation(spec)
-        lo, hi, swish = native_act or (-math.inf, math.inf, 0)
-        e = Epilogue(None, None, None if bias is None else bias.data_ptr(), lo, hi, 1.0, 1.0, 0, 0, swish,
-                     OUT_KINDS[None], 0, 0)   # comp, scale and the padding byte: made per call
+        e, kept = dynamic_constants(layer, w_rows.reshape(-1, cout))
         calls = per_batch(lambda batch: ConvCall(packed.data_ptr(), batch, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow,
                                                  cout, e))
-        colsum_ptr, scale_ptr = colsum.data_ptr(), w_scale.data_ptr()
+        colsum_ptr, scale_ptr = kept[0].data_ptr(), kept[1].data_ptr()
 
         def launch(x, out, res):
             conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), colsum_ptr, scale_ptr)
         run = nhwc_kernel(launch, (n, cout, oh, ow), None, False)
-        if native_act is None:   # e.g. LeakyRelu, Sigmoid: after the kernel, on its output
-            inner = run
-
-            def run(xs):
-                return [apply_activation(spec, inner(xs)[0])]
-        run.constants = (packed, calls, colsum, w_scale, bias)   # read through raw pointers
-        return run
+        run.constants = (packed, calls, kept)   # read through raw pointers
+        return with_activation(layer, run)
 
 
 class DynamicQConvAmxTactic(AmxInt8, DynamicQConvTactic):

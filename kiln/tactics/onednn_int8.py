@@ -20,6 +20,9 @@ from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView
 from kiln.tactics.onednn_conv import _BINARY_UNARY, fused_unary
 
 INT8_DOT_ISA = ("avx512_vnni", "avx_vnni", "amx_int8")
+# The activations torch's oneDNN INT8 ops take as post-ops (probed: others raise "unsupported post op" at run time)
+QCONV_UNARY = ("Relu", "Clip", "HardSwish", "Swish")
+QLINEAR_UNARY = ("Relu", "Clip", "HardSwish", "Swish", "Tanh", "LeakyRelu", "Gelu")
 OUTPUT_DTYPES = {"uint8": None, "int8": torch.int8}   # None: oneDNN's default, the input's u8
 
 
@@ -89,7 +92,8 @@ class OneDnnInt8ConvTactic:
         if layer.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer):
             return False
         spec, residual = layer.attrs.get("activation"), _has_residual(layer)
-        if spec and (fused_unary(spec) is None or residual and spec["op"] not in _BINARY_UNARY):
+        if spec and (spec["op"] not in QCONV_UNARY or fused_unary(spec) is None or
+                     residual and spec["op"] not in _BINARY_UNARY):
             return False
         if residual and ("y_scale" not in layer.attrs["quant"] or layer.input_dtypes[3] != layer.attrs["quant"]["y_dtype"]):
             return False
@@ -168,7 +172,8 @@ class OneDnnInt8LinearTactic:
 
     def supports(self, layer: LayerView) -> bool:
         spec = layer.attrs.get("activation")
-        return linear_supported(layer) and (not spec or fused_unary(spec) is not None) and int8_available()
+        return linear_supported(layer) and (not spec or spec["op"] in QLINEAR_UNARY and fused_unary(spec) is not None) \
+            and int8_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [LINEAR] * len(layer.input_shapes)

@@ -2,8 +2,8 @@
 strides read in place) or a direct convolution (any kernel, stride and padding; windows read in place), QGemm and
 QMatMul by a constant matrix. The semantics are the oneDNN INT8 tactics' (kiln.tactics.onednn_int8): u8 or s8
 activations (s8 read as u8 with the top bit flipped, zero point + 128), symmetric s8 weights per tensor or per
-output channel, a constant FP32 bias, the INT8 residual summed before the activation, and FP32 out or
-requantized to u8/s8 (round half to even, saturated).
+output channel, a constant FP32 bias, the INT8 residual summed before the activation (ReLU, Clip, Swish, GELU),
+and FP32 out or requantized to u8/s8 (round half to even, saturated).
 
 The weights are packed once at load into 32-column panels of 4-byte quads, [n/32][k/4][32][4], with the column
 sums that undo the activation zero point (padded pixels hold the zero point, so the same sum holds at borders).
@@ -38,7 +38,7 @@ class Epilogue(ctypes.Structure):
     _fields_ = [("comp", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("clamp_lo", ctypes.c_float), ("clamp_hi", ctypes.c_float), ("r_scale", ctypes.c_float),
                 ("y_inv_scale", ctypes.c_float), ("r_zp", ctypes.c_int32), ("y_zp", ctypes.c_int32),
-                ("swish", ctypes.c_int32), ("out_kind", ctypes.c_int32), ("signed_input", ctypes.c_int32),
+                ("act", ctypes.c_int32), ("out_kind", ctypes.c_int32), ("signed_input", ctypes.c_int32),
                 ("pad_byte", ctypes.c_int32)]
 
 
@@ -75,8 +75,12 @@ def per_batch(make):
     return calls
 
 
+ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH = 1, 2, 3   # qgemm.c's ACT_* codes
+
+
 def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
-    """(clamp low, clamp high, swish) the kernel applies after the sum; None for an activation it has not."""
+    """(clamp low, clamp high, qgemm.c's ACT_* code) the kernel applies after the sum; None for an activation it
+    has not."""
     if not spec:
         return -math.inf, math.inf, 0
     attrs = spec.get("attrs", {})
@@ -85,7 +89,10 @@ def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
     if spec["op"] == "Clip":
         return float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf)), 0
     if spec["op"] == "Swish" and attrs.get("alpha", 1.0) == 1.0:
-        return -math.inf, math.inf, 1
+        return -math.inf, math.inf, ACT_SWISH
+    if spec["op"] == "Gelu":
+        tanh = attrs.get("approximate", "none") in ("tanh", b"tanh")
+        return -math.inf, math.inf, ACT_GELU_TANH if tanh else ACT_GELU_ERF
     return None
 
 
@@ -122,10 +129,10 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
     scale = _padded(_scales(layer)[0].double() * float(q["x_scale"]), n, torch.float32)
     bias = layer.const_inputs.get(2)
     bias = None if bias is None else _padded(bias.float(), n, torch.float32)
-    lo, hi, swish = fused_activation(layer.attrs.get("activation"))
+    lo, hi, act = fused_activation(layer.attrs.get("activation"))
     y_scale, y_zp, _ = _output(layer)
     e = Epilogue(comp.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), lo, hi,
-                 float(q.get("r_scale", 1.0)), 1.0 / y_scale, int(q.get("r_zero_point", 0)), y_zp, swish,
+                 float(q.get("r_scale", 1.0)), 1.0 / y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
                  OUT_KINDS[q.get("y_dtype") if "y_scale" in q else None], int(q["x_dtype"] == "int8"),
                  int(q["x_zero_point"]) & 0xFF)
     return e, tuple(t for t in (comp, scale, bias) if t is not None)

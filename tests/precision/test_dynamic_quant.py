@@ -58,12 +58,12 @@ def test_each_product_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp_pat
     # named after every ONNX node it computes, quantize_dynamic's and the model's
     assert [l.name for l in products] == [
         "fc1_quant + m1_output_quantized_cast + fc1_quant_output_scale_mul + fc1_quant_scales_mul + x_QuantizeLinear"
-        " + fc1_bias",
+        " + fc1_bias + relu",
         "fc2_quant + m2_output_quantized_cast + fc2_quant_output_scale_mul + fc2_quant_scales_mul + r_QuantizeLinear"
         " + fc2_bias"]
     assert all(l.precision == "INT8" and l.tactic_name in (KERNELS if sources == "kiln" else {"torch.reference"})
                for l in products)
-    assert len(engine.plan.layers) == 3   # and the Relu between them
+    assert len(engine.plan.layers) == 2   # the ReLU between them in the first one's epilogue
 
 
 def test_unsigned_weights_fuse_and_run_on_the_reference_kernel_exactly(tmp_path):
@@ -124,6 +124,33 @@ def test_the_kernel_equals_onnxruntime_at_the_edges_of_the_range(case):
     got = DynamicQLinearGemmTactic().prepare(view)([x, w, bias])[0].numpy()
     rows = [0, 1, 3, 4] if case == "nan" else slice(None)   # the NaN's row: its sum is undefined
     np.testing.assert_array_equal(got[rows], want[rows])
+
+
+@needs_vnni
+@pytest.mark.parametrize("act", [{"op": "Gelu", "attrs": {}}, {"op": "Gelu", "attrs": {"approximate": "tanh"}},
+                                 {"op": "LeakyRelu", "attrs": {"alpha": 0.1}}])
+def test_the_kernel_applies_the_fused_activation(act):
+    """GELU (both forms) in the INT8 epilogue, to a float ulp or so of the exact function (a rational
+    approximation of erf and tanh, as MLAS uses); an activation the epilogue lacks runs after the kernel, exactly."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    from kiln.tactics.dqgemm_c import DynamicQLinearGemmTactic
+
+    view, (x, w, bias) = layer(13, k=150, n=70)
+    view = dataclasses.replace(view, attrs={**view.attrs, "activation": act})
+    got = DynamicQLinearGemmTactic().prepare(view)([x, w, bias])[0]
+    sums = torch.from_numpy(onnxruntime_chain(view, x)).double()
+    if act["op"] == "LeakyRelu":
+        np.testing.assert_array_equal(got.numpy(), F.leaky_relu(sums.float(), 0.1).numpy())
+    else:
+        want = F.gelu(sums, approximate=act["attrs"].get("approximate", "none"))
+        # 0.5 x (1 + tanh(...)) cancels where tanh is near -1: its error there grows with |x|
+        error, bound = (got.double() - want).abs(), 2e-6 * want.abs() + 2e-6 + 2e-7 * sums.abs()
+        assert (error <= bound).all(), float((error - bound).max())
+        assert (got < 0).any() and (got > 1).any()   # both sides of the curve were exercised
 
 
 @needs_vnni

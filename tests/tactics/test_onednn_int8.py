@@ -188,3 +188,7 @@ def test_int8_kernels_decline_what_onednn_cannot_run():
     tactic = OneDnnInt8ConvTactic()
     for view in (mislabelled, asymmetric_w, unfusable_act):
         assert not tactic.supports(view)
+    # oneDNN has GELU and Sigmoid post-ops, but torch's INT8 convolution raises "unsupported post op" for them
+    for act in ("Gelu", "Sigmoid", "Tanh", "LeakyRelu"):
+        assert not tactic.supports(conv_view((1, 8, 6, 6), w, act=act)), act
+    assert tactic.supports(conv_view((1, 8, 6, 6), w, act="Swish")) == int8_available()

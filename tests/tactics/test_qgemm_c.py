@@ -87,6 +87,8 @@ def conv_formula(view, x, residual=None):
         y = torch.relu(y)
     elif spec and spec["op"] == "Clip":
         y = torch.clamp(y, spec["attrs"]["min"], spec["attrs"]["max"])
+    elif spec and spec["op"] == "Gelu":
+        y = F.gelu(y.double(), approximate=spec["attrs"].get("approximate", "none")).float()
     elif spec:
         y = F.silu(y)
     return requantize(y, q)
@@ -124,6 +126,10 @@ CONV_CASES = {
                  {"op": "Clip", "attrs": {"min": 0.0, "max": 4.0}}),
     "3x3_swish": ((1, 8, 6, 6), (16, 3), (1, 1, 1, 1), (1, 1), ("uint8", 50, 0.02), ("int8", -20, 0.03), True,
                   {"op": "Swish", "attrs": {}}),
+    "3x3_gelu": ((1, 8, 6, 6), (16, 3), (1, 1, 1, 1), (1, 1), ("uint8", 50, 0.02), ("int8", -20, 0.03), True,
+                 {"op": "Gelu", "attrs": {}}),
+    "1x1_gelu_tanh": ((1, 16, 5, 7), (24, 1), (0, 0, 0, 0), (1, 1), ("uint8", 90, 0.03), ("int8", -40, 0.02), True,
+                      {"op": "Gelu", "attrs": {"approximate": "tanh"}}),
 }
 
 

@@ -1,7 +1,7 @@
 /* kiln's INT8 GEMM and direct convolution on AVX512-VNNI (kiln.tactics.qgemm_c; on AMX tiles: qgemm_amx.h):
    u8 activations times s8 weights with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit
    saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
-   + bias[n], + the dequantized INT8 residual, clamp (ReLU, Clip) or Swish, and FP32 out or requantized to u8/s8
+   + bias[n], + the dequantized INT8 residual, clamp (ReLU, Clip), Swish or GELU, and FP32 out or requantized to u8/s8
    (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
    the caller's comp). kiln_dqgemm and kiln_dqconv quantize their FP32 input first (dynamic quantization) and make
    the epilogue per call.
@@ -31,13 +31,14 @@ typedef struct {
   float r_scale;            /* the residual's scale (its type is the output's) */
   float y_inv_scale;        /* 1 / y_scale */
   int32_t r_zp, y_zp;
-  int32_t swish;            /* 1: x * sigmoid(x) after the clamp */
+  int32_t act;              /* after the clamp: ACT_SWISH x * sigmoid(x), ACT_GELU_ERF, ACT_GELU_TANH; 0 none */
   int32_t out_kind;         /* OUT_F32, OUT_U8, OUT_S8 */
   int32_t signed_input;     /* 1: s8 activations (top bit flipped as read) */
   int32_t pad_byte;         /* the raw input byte of a quantized zero (x_zp), written where a window is padded */
 } QEpilogue;
 
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
+enum { ACT_NONE = 0, ACT_SWISH = 1, ACT_GELU_ERF = 2, ACT_GELU_TANH = 3 };
 
 /* A GEMM layer's constant arguments (kiln.tactics.qgemm_c.GemmCall): a call passes only its tensors, so the
    per-call cost is not spent converting a dozen integers. Row r of image p starts at a + p * a_batch +
@@ -81,6 +82,40 @@ static inline __m512 v_swish(__m512 x) {   /* x * sigmoid(x), gemm.h's Cephes ex
   return _mm512_div_ps(x, _mm512_fmadd_ps(e, scale, _mm512_set1_ps(1.0f)));
 }
 
+/* Odd rational polynomials in x*x (pointwise.h's k_erf and k_tanh, the approximations Eigen and MLAS use), a few
+   float ulps from the exact value; the argument clamped where the result is +-1 in float. */
+static inline __m512 v_rational(__m512 x, float bound, const float* p, int np, const float* q, int nq) {
+  const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-bound)), _mm512_set1_ps(bound));
+  const __m512 x2 = _mm512_mul_ps(c, c);
+  __m512 num = _mm512_set1_ps(p[0]), den = _mm512_set1_ps(q[0]);
+  for (int i = 1; i < np; ++i) num = _mm512_fmadd_ps(num, x2, _mm512_set1_ps(p[i]));
+  for (int i = 1; i < nq; ++i) den = _mm512_fmadd_ps(den, x2, _mm512_set1_ps(q[i]));
+  return _mm512_div_ps(_mm512_mul_ps(c, num), den);
+}
+
+static inline __m512 v_gelu(__m512 x, int tanh_form) {   /* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form */
+  static const float erf_p[] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,
+                                -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,
+                                -1.60960333262415e-02f};
+  static const float erf_q[] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f,
+                                -7.37332916720468e-03f, -1.42647390514189e-02f};
+  static const float tanh_p[] = {-2.76076847742355e-16f, 2.00018790482477e-13f, -8.60467152213735e-11f,
+                                 5.12229709037114e-08f, 1.48572235717979e-05f, 6.37261928875436e-04f,
+                                 4.89352455891786e-03f};
+  static const float tanh_q[] = {1.19825839466702e-06f, 1.18534705686654e-04f, 2.26843463243900e-03f,
+                                 4.89352518554385e-03f};
+  __m512 g;
+  if (tanh_form) {   /* tanh(sqrt(2 / pi) (x + 0.044715 x^3)) */
+    const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                       _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(x, x), x),
+                                                       _mm512_set1_ps(0.044715f), x));
+    g = v_rational(inner, 7.90531110763549805f, tanh_p, 7, tanh_q, 4);
+  } else {
+    g = v_rational(_mm512_mul_ps(x, _mm512_set1_ps(0.7071067811865476f)), 4.0f, erf_p, 7, erf_q, 5);
+  }
+  return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), _mm512_add_ps(g, _mm512_set1_ps(1.0f)));
+}
+
 /* 16 output columns from their int32 sums: compensation, scales, bias, residual, activation, then stored as
    FP32 or requantized u8/s8 (`mask`: the real columns of a partial panel; other lanes are never stored). */
 static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out,
@@ -95,7 +130,8 @@ static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const v
                         _mm512_set1_ps(e->r_scale), y);
   }
   y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(e->clamp_lo)), _mm512_set1_ps(e->clamp_hi));
-  if (e->swish) y = v_swish(y);
+  if (e->act == ACT_SWISH) y = v_swish(y);
+  else if (e->act != ACT_NONE) y = v_gelu(y, e->act == ACT_GELU_TANH);
   if (e->out_kind == OUT_F32) {
     _mm512_mask_storeu_ps(out, mask, y);
     return;
