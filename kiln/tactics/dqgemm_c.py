@@ -2,8 +2,9 @@
 onnxruntime's DynamicQuantizeMatMul) in C, one call a layer: kiln_dqgemm and kiln_dqconv (kiln/native/csrc/qgemm.c)
 find the FP32 activation's range, quantize it to u8 as DynamicQuantizeLinear does, and run kiln's INT8 GEMM or
 direct convolution (`vpdpbusd`, or AMX-INT8 tiles in the AMX variants) with the epilogue made for that scale and
-zero point: FP32 out, the bias added, the activation applied. Symmetric s8 weights (quantize_dynamic's QInt8
-default) per tensor or per output channel; others run on the reference kernel.
+zero point: FP32 out, the bias added, the activation applied. s8 weights with zero points 0 (quantize_dynamic's
+QInt8 default) per tensor or per output channel, and u8 ones whose W - W_zp fits in s8 (symmetric); others run on
+the reference kernel.
 
 quantize_dynamic on ResNet-50 (s8 weights, per tensor) runs 144 ms in onnxruntime, whose ConvInteger takes u8
 weights fast and s8 ones on a slow path."""
@@ -23,6 +24,38 @@ from kiln.tactics.qgemm_amx import AmxInt8, pack_amx_quads, pack_amx_segments
 from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, ConvCall, Epilogue, GemmCall, QConvDirectTactic,
                                   QLinearGemmTactic, _padded, fused_activation, pack_quads, pack_segments, per_batch,
                                   vnni_available)
+
+
+def _centred(layer: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights as int32 and their zero points shaped to broadcast along `w_axis`."""
+    w, q = layer.const_inputs[1], layer.attrs["quant"]
+    zp = torch.tensor(q["w_zero_point"], dtype=torch.int32)
+    return w.to(torch.int32), zp.reshape((-1,) + (1,) * (w.dim() - 1 - q["w_axis"]))
+
+
+def signed_weights_fit(layer: LayerView) -> bool:
+    """Whether W - W_zp fits in s8, so the kernel (s8 weights, zero point 0) computes the layer exactly: s8 weights
+    with zero points 0, and symmetric u8 ones (zero point 128: optimum's AVX2 recipe); not quantize_dynamic's
+    asymmetric u8, whose W - W_zp spans 255 steps around a zero point that moves."""
+    w = layer.const_inputs.get(1)
+    if w is None or w.dtype not in (torch.int8, torch.uint8):
+        return False
+    if w.dtype == torch.int8 and not any(layer.attrs["quant"]["w_zero_point"]):
+        return True
+    w32, zp = _centred(layer)
+    axis = layer.attrs["quant"]["w_axis"]
+    others = [d for d in range(w.dim()) if d != axis]
+    lo, hi = w32.amin(dim=others, keepdim=True) - zp, w32.amax(dim=others, keepdim=True) - zp
+    return bool(lo.min() >= -128 and hi.max() <= 127)
+
+
+def signed_weights(layer: LayerView) -> torch.Tensor:
+    """W - W_zp as s8 (where `signed_weights_fit`), what the kernel multiplies."""
+    w = layer.const_inputs[1]
+    if w.dtype == torch.int8 and not any(layer.attrs["quant"]["w_zero_point"]):
+        return w
+    w32, zp = _centred(layer)
+    return (w32 - zp).to(torch.int8)
 
 
 def dynamic_constants(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torch.Tensor, ...]]:
@@ -53,14 +86,13 @@ def with_activation(layer: LayerView, run: Kernel) -> Kernel:
 
 
 def dynamic_supported(layer: LayerView) -> bool:
-    """A DynamicQMatMul by a constant 2-D s8 matrix with zero weight zero points, K fixed, and a bias (if any) of N
+    """A DynamicQMatMul by a constant 2-D INT8 matrix whose W - W_zp fits in s8, K fixed, and a bias (if any) of N
     FP32 values."""
     if layer.op_type != "DynamicQMatMul" or layer.domain != "kiln" or not layer.input_shapes[0]:
         return False
     w, bias = layer.const_inputs.get(1), layer.const_inputs.get(2)
-    if w is None or w.dim() != 2 or w.dtype != torch.int8 or w.shape[0] > MAX_K:
-        return False
-    if any(layer.attrs["quant"]["w_zero_point"]) or layer.input_dtypes[0] != "float32":
+    if w is None or w.dim() != 2 or w.shape[0] > MAX_K or layer.input_dtypes[0] != "float32" or \
+            not signed_weights_fit(layer):
         return False
     if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and \
             (bias is None or bias.numel() != w.shape[1] or bias.dtype != torch.float32):
@@ -82,7 +114,7 @@ class DynamicQLinearGemmTactic(QLinearGemmTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         gemm = getattr(native.library("qgemm"), self.entry_point)
-        w = layer.const_inputs[1]
+        w = signed_weights(layer)
         k, n = w.shape
         packed = self.pack(w)
         e, kept = dynamic_constants(layer, w)
@@ -108,15 +140,15 @@ class DynamicQLinearGemmAmxTactic(AmxInt8, DynamicQLinearGemmTactic):
 
 
 def dynamic_conv_supported(layer: LayerView) -> bool:
-    """A 2-D DynamicQConv with constant s8 weights and zero weight zero points, one group, dilation 1, explicit
+    """A 2-D DynamicQConv with constant INT8 weights whose W - W_zp fits in s8, one group, dilation 1, explicit
     pads, the batch its only dynamic axis, and a bias (if any) of Cout FP32 values."""
     if layer.op_type != "DynamicQConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
         return False
     a, w, bias = layer.attrs, layer.const_inputs.get(1), layer.const_inputs.get(2)
-    if w is None or w.dim() != 4 or w.dtype != torch.int8 or a.get("group", 1) != 1 or \
+    if w is None or w.dim() != 4 or not signed_weights_fit(layer) or a.get("group", 1) != 1 or \
             any(d != 1 for d in a.get("dilations") or [1, 1]) or a.get("auto_pad", "NOTSET") not in ("NOTSET", ""):
         return False
-    if any(a["quant"]["w_zero_point"]) or layer.input_dtypes[0] != "float32" or not batch_dynamic_only(layer):
+    if layer.input_dtypes[0] != "float32" or not batch_dynamic_only(layer):
         return False
     if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and \
             (bias is None or bias.numel() != w.shape[0] or bias.dtype != torch.float32):
@@ -140,7 +172,7 @@ class DynamicQConvTactic(QConvDirectTactic):
     def prepare(self, layer: LayerView) -> Kernel:
         conv = getattr(native.library("qgemm"), self.entry_point)
         n, c, h, w = layer.input_shapes[0]
-        weight = layer.const_inputs[1]
+        weight = signed_weights(layer)
         cout = weight.shape[0]
         kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
         w_rows = weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout)   # [kh][kw * c][cout]

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.tactics.qgemm_c import vnni_available
@@ -66,13 +66,25 @@ def test_each_product_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp_pat
     assert len(engine.plan.layers) == 2   # the ReLU between them in the first one's epilogue
 
 
-def test_unsigned_weights_fuse_and_run_on_the_reference_kernel_exactly(tmp_path):
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_unsigned_weights_run_exactly_on_kilns_kernel_where_they_fit_in_s8(tmp_path, symmetric):
+    """u8 weights: where W - W_zp fits in s8 (symmetric ones, zero point 128: optimum's AVX2 recipe) kiln's kernel
+    runs them shifted; quantize_dynamic's asymmetric ones mostly span 255 steps around another zero point, and run
+    on the reference op. Both exact."""
     from onnxruntime.quantization import QuantType
 
-    path = quantize_dynamic(two_linears(), tmp_path / "q.onnx", weight_type=QuantType.QUInt8)
-    engine = kiln.build(path, tactic_sources=KILN_ONLY)
+    path = quantize_dynamic(two_linears(), tmp_path / "q.onnx", weight_type=QuantType.QUInt8,
+                            extra_options={"WeightSymmetric": symmetric})
+    zero_points = {t.name: numpy_helper.to_array(t).item() for t in onnx.load(path).graph.initializer
+                   if t.name.endswith("zero_point")}
+    # the asymmetric zero points: 128 for fc2 (its W - 128 fits in s8 after all), 124 for fc1 (W - 124 reaches 131)
+    assert zero_points == ({"w1_zero_point": 128, "w2_zero_point": 128} if symmetric else
+                           {"w1_zero_point": 124, "w2_zero_point": 128})
+    engine = kiln.build(path, tactic_sources="kiln", autotune=False)   # the first tactic that takes it
     products = [l for l in engine.plan.layers if l.op_type == "DynamicQMatMul"]
-    assert len(products) == 2 and {l.tactic_name for l in products} == {"torch.reference"}   # s8 weights only
+    on_kernel = [vnni_available() and zero_points[f"w{i}_zero_point"] == 128 for i in (1, 2)]
+    assert [l.tactic_name in KERNELS for l in products] == on_kernel
+    assert [l.tactic_name == "torch.reference" for l in products] == [not k for k in on_kernel]
     x = {"x": rand((2, 7, 75), 6)}
     np.testing.assert_array_equal(engine.run(x)["y"], run_ort(path, x)[0])
 

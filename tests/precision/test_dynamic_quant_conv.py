@@ -149,8 +149,8 @@ def test_the_amx_variant_equals_onnxruntime(amx_int8_kernels):
 
 
 def test_grouped_convolutions_and_unsigned_weights_fuse_and_run_on_the_reference_kernel_exactly(tmp_path):
-    """kiln's INT8 convolution takes one group and s8 weights: a depthwise convolution, and quantize_dynamic's
-    QUInt8 weights (with their zero point), fuse all the same and run on the reference op, still exact."""
+    """kiln's INT8 convolution takes one group and weights whose W - W_zp fits in s8: a depthwise convolution, and
+    quantize_dynamic's asymmetric QUInt8 weights, fuse all the same and run on the reference op, still exact."""
     from onnxruntime.quantization import QuantType
 
     h = helper.make_node
@@ -160,9 +160,11 @@ def test_grouped_convolutions_and_unsigned_weights_fuse_and_run_on_the_reference
     model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 6])],
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 6, 6])], inits)
     x = {"x": rand((1, 8, 6, 6), 4)}
-    for weight_type, reference in ((QuantType.QInt8, {"depthwise"}), (QuantType.QUInt8, {"depthwise", "pointwise"})):
-        path = quantize_dynamic(model, tmp_path / f"q_{weight_type.name}.onnx", weight_type=weight_type)
-        engine = kiln.build(path, tactic_sources=KILN_ONLY)
+    cases = ((QuantType.QInt8, {}, {"depthwise"}), (QuantType.QUInt8, {}, {"depthwise", "pointwise"}),
+             (QuantType.QUInt8, {"WeightSymmetric": True}, {"depthwise"}))   # W - 128 fits in s8: kiln's kernel
+    for case, (weight_type, extra, reference) in enumerate(cases):
+        path = quantize_dynamic(model, tmp_path / f"q{case}.onnx", weight_type=weight_type, extra_options=extra)
+        engine = kiln.build(path, tactic_sources="kiln", autotune=False)   # the first tactic that takes it
         convs = {l.name.split("_quant")[0]: l for l in engine.plan.layers if l.op_type == "DynamicQConv"}
         assert set(convs) == {"depthwise", "pointwise"} and all(l.precision == "INT8" for l in convs.values())
         on_reference = {name for name, l in convs.items() if l.tactic_name == "torch.reference"}
