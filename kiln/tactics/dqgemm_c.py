@@ -21,9 +21,8 @@ from kiln.tactics.base import Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
 from kiln.tactics.gemm_c import ONE_LINE, nhwc_kernel
 from kiln.tactics.qgemm_amx import AmxInt8, pack_amx_quads, pack_amx_segments
-from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, ConvCall, Epilogue, GemmCall, QConvDirectTactic,
-                                  QLinearGemmTactic, _padded, fused_activation, pack_quads, pack_segments, per_batch,
-                                  vnni_available)
+from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, Epilogue, GemmCall, QConvDirectTactic, QLinearGemmTactic,
+                                  _padded, fused_activation, pack_quads, pack_segments, vnni_available)
 
 
 def _centred(layer: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,17 +84,21 @@ def with_activation(layer: LayerView, run: Kernel) -> Kernel:
     return activated
 
 
+def _bias_fits(layer: LayerView, channels: int) -> bool:
+    """No bias, or a constant one of `channels` FP32 values."""
+    bias = layer.const_inputs.get(2)
+    return len(layer.input_shapes) < 3 or layer.input_shapes[2] is None or \
+        (bias is not None and bias.numel() == channels and bias.dtype == torch.float32)
+
+
 def dynamic_supported(layer: LayerView) -> bool:
     """A DynamicQMatMul by a constant 2-D INT8 matrix whose W - W_zp fits in s8, K fixed, and a bias (if any) of N
     FP32 values."""
     if layer.op_type != "DynamicQMatMul" or layer.domain != "kiln" or not layer.input_shapes[0]:
         return False
-    w, bias = layer.const_inputs.get(1), layer.const_inputs.get(2)
+    w = layer.const_inputs.get(1)
     if w is None or w.dim() != 2 or w.shape[0] > MAX_K or layer.input_dtypes[0] != "float32" or \
-            not signed_weights_fit(layer):
-        return False
-    if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and \
-            (bias is None or bias.numel() != w.shape[1] or bias.dtype != torch.float32):
+            not signed_weights_fit(layer) or not _bias_fits(layer, w.shape[1]):
         return False
     dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
     return len(layer.input_shapes[0]) - 1 not in dynamic
@@ -144,14 +147,11 @@ def dynamic_conv_supported(layer: LayerView) -> bool:
     pads, the batch its only dynamic axis, and a bias (if any) of Cout FP32 values."""
     if layer.op_type != "DynamicQConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
         return False
-    a, w, bias = layer.attrs, layer.const_inputs.get(1), layer.const_inputs.get(2)
+    a, w = layer.attrs, layer.const_inputs.get(1)
     if w is None or w.dim() != 4 or not signed_weights_fit(layer) or a.get("group", 1) != 1 or \
             any(d != 1 for d in a.get("dilations") or [1, 1]) or a.get("auto_pad", "NOTSET") not in ("NOTSET", ""):
         return False
-    if layer.input_dtypes[0] != "float32" or not batch_dynamic_only(layer):
-        return False
-    if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and \
-            (bias is None or bias.numel() != w.shape[0] or bias.dtype != torch.float32):
+    if layer.input_dtypes[0] != "float32" or not batch_dynamic_only(layer) or not _bias_fits(layer, w.shape[0]):
         return False
     kh, kw, _, _, pt, pl, oh, ow = conv_geometry(layer)
     return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and kh * kw * layer.input_shapes[0][1] <= MAX_K
@@ -171,20 +171,12 @@ class DynamicQConvTactic(QConvDirectTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         conv = getattr(native.library("qgemm"), self.entry_point)
-        n, c, h, w = layer.input_shapes[0]
-        weight = signed_weights(layer)
-        cout = weight.shape[0]
-        kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
-        w_rows = weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout)   # [kh][kw * c][cout]
-        packed = self.pack(w_rows)
-        e, kept = dynamic_constants(layer, w_rows.reshape(-1, cout))
-        calls = per_batch(lambda batch: ConvCall(packed.data_ptr(), batch, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow,
-                                                 cout, e))
+        packed, calls, kept, out_shape = self.packed_calls(layer, signed_weights(layer), dynamic_constants)
         colsum_ptr, scale_ptr = kept[0].data_ptr(), kept[1].data_ptr()
 
         def launch(x, out, res):
             conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), colsum_ptr, scale_ptr)
-        run = nhwc_kernel(launch, (n, cout, oh, ow), None, False)
+        run = nhwc_kernel(launch, out_shape, None, False)
         run.constants = (packed, calls, kept)   # read through raw pointers
         return with_activation(layer, run)
 

@@ -227,21 +227,26 @@ class QConvDirectTactic(QConvGemmTactic):
             return False
         return tuple(layer.const_inputs[1].shape[2:]) != (1, 1) or any(layer.attrs.get("pads") or [0])
 
-    def prepare(self, layer: LayerView) -> Kernel:
-        conv = getattr(native.library("qgemm"), self.entry_point)
+    def packed_calls(self, layer: LayerView, weight: torch.Tensor, make_epilogue) -> tuple:
+        """(packed weights, calls(batch), the tensors the epilogue points into, output shape): the load-time part
+        for s8 `weight` [cout, c, kh, kw], the epilogue from `make_epilogue(layer, weights as [k, n])`."""
         n, c, h, w = layer.input_shapes[0]
-        weight = layer.const_inputs[1]
         cout = weight.shape[0]
         kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
         w_rows = weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout)   # [kh][kw * c][cout]
         packed = self.pack(w_rows)
-        e, kept = epilogue(layer, w_rows.reshape(-1, cout))
+        e, kept = make_epilogue(layer, w_rows.reshape(-1, cout))
         calls = per_batch(lambda batch: ConvCall(packed.data_ptr(), batch, h, w, c, kh, kw, sh, sw, pt, pl, oh, ow,
                                                  cout, e))
+        return packed, calls, kept, (n, cout, oh, ow)
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        conv = getattr(native.library("qgemm"), self.entry_point)
+        packed, calls, kept, out_shape = self.packed_calls(layer, layer.const_inputs[1], epilogue)
 
         def launch(x, out, res):
             conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
-        run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), _output_dtype(layer))
+        run = nhwc_kernel(launch, out_shape, None, _has_residual(layer), _output_dtype(layer))
         run.constants = (packed, calls, kept)
         return run
 
