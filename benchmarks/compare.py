@@ -259,7 +259,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     ctx = engine.create_execution_context()
     runners = {"kiln": lambda: ctx.execute(feeds),
                **peers(str(path), model, feeds, args.threads, args.compile, args.precision)}
-    fp32_path = path.with_name(path.name.replace("_qdq", "").replace("_qdyn", ""))
+    fp32_path = path.with_stem(next((path.stem.removesuffix(q) for q in QUANTIZED if path.stem.endswith(q)), path.stem))
     if args.precision != "fp32":   # kiln's own kernels only: no OpenVINO or onnxruntime region
         own = kiln.build(str(path), bf16=args.precision == "bf16",
                          tactic_sources="-openvino,-onnxruntime").create_execution_context()

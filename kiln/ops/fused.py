@@ -121,7 +121,7 @@ def dynamic_quantized_matmul(attrs, xs):
         return [torch.empty((*x.shape[:-1], w.shape[-1]), dtype=torch.float32, device="meta")]
     scale, zero = dynamic_qparams(x)
     x_u8 = quantize(x, scale, zero, torch.uint8)
-    w = w if w.dtype == torch.float64 else _centred_weights(attrs, w)   # float64: prepared once at load
+    w = w if w.dtype == torch.float64 else centred_weights(attrs, w)   # float64: prepared once at load
     sums = torch.matmul(x_u8.double() - zero, w)   # exact: MatMulInteger's int32
     y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32))
     return [apply_activation(attrs.get("activation"), y + xs[2] if len(xs) > 2 and xs[2] is not None else y)]
@@ -139,7 +139,7 @@ def dynamic_quantized_conv(attrs, xs):
         return OPS["Conv"].impl(conv, [x, w.to("meta", torch.float32)])
     scale, zero = dynamic_qparams(x)
     x_u8 = quantize(x, scale, zero, torch.uint8)
-    w = w if w.dtype == torch.float64 else _centred_weights(attrs, w)   # float64: prepared once at load
+    w = w if w.dtype == torch.float64 else centred_weights(attrs, w)   # float64: prepared once at load
     sums = OPS["Conv"].impl(conv, [x_u8.double() - zero, w])[0]     # exact: ConvInteger's int32
     channel = (-1,) + (1,) * (sums.dim() - 2)
     y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32)).reshape(channel)
@@ -148,7 +148,7 @@ def dynamic_quantized_conv(attrs, xs):
     return [apply_activation(attrs.get("activation"), y)]
 
 
-def _centred_weights(attrs, w: torch.Tensor) -> torch.Tensor:
+def centred_weights(attrs, w: torch.Tensor) -> torch.Tensor:
     """W - W_zp in float64 (exact for INT8), what the product multiplies; the zero points run along `w_axis`."""
     q = attrs["quant"]
     zp = torch.tensor(q["w_zero_point"], dtype=torch.float64)
@@ -156,7 +156,7 @@ def _centred_weights(attrs, w: torch.Tensor) -> torch.Tensor:
 
 
 def _centre_weights_once(attrs, consts: dict) -> dict:
-    return {**consts, 1: _centred_weights(attrs, consts[1])} if 1 in consts else consts
+    return {**consts, 1: centred_weights(attrs, consts[1])} if 1 in consts else consts
 
 
 def quantized_add(attrs, xs):

@@ -11,7 +11,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.passes.patterns import const_value, replace_nodes, sole_consumer, why_not_sole_consumer
 from kiln.trt.vocab import fused_layer_name
 
 ONNX = ("", "ai.onnx")
@@ -41,14 +41,11 @@ def _fuse_chains(g: Graph, plog: PassLog, op: str) -> None:
         if isinstance(found, str):
             plog.not_fused(product.inputs[0].producer or product.inputs[0].name, product, found)
             continue
-        dql, nodes, scales, w_scale = found
+        dql, nodes, scales, w_scale, w_zp = found
         w, conv = product.inputs[1], op == "ConvInteger"
-        channels = w.shape[0] if conv else w.shape[-1]
-        w_zp = _const(product.inputs[3] if len(product.inputs) > 3 else None)
-        quant = {"x_dtype": "uint8", "w_axis": 0 if conv else 1,
-                 "w_scale": np.broadcast_to(w_scale.reshape(-1), (channels,)).astype(float).tolist(),
-                 "w_zero_point": np.broadcast_to((w_zp if w_zp is not None else np.zeros(1)).reshape(-1),
-                                                 (channels,)).astype(int).tolist()}
+        channels = len(w_scale)
+        quant = {"x_dtype": "uint8", "w_axis": 0 if conv else 1, "w_scale": w_scale.astype(float).tolist(),
+                 "w_zero_point": w_zp.astype(int).tolist()}
         inputs, attrs = [dql.inputs[0], w], {"quant": quant}
         if conv:
             attrs = {**product.attrs, "quant": quant}
@@ -70,9 +67,9 @@ def _fuse_chains(g: Graph, plog: PassLog, op: str) -> None:
         layer.name = fused_layer_name(layer.origin)
 
 
-def _match(g: Graph, product: Node) -> tuple[Node, list[Node], Node, np.ndarray] | str:
-    """(the DynamicQuantizeLinear, [MatMulInteger or ConvInteger, Cast, Mul], the Mul(x_scale, W_scale),
-    W_scale), or why the chain is not one."""
+def _match(g: Graph, product: Node) -> tuple[Node, list[Node], Node, np.ndarray, np.ndarray] | str:
+    """(the DynamicQuantizeLinear, [MatMulInteger or ConvInteger, Cast, Mul], the Mul(x_scale, W_scale), W_scale
+    and W_zp one per output channel), or why the chain is not one."""
     dql, conv = product.inputs[0].producer, product.op_type == "ConvInteger"
     if not _is(dql, "DynamicQuantizeLinear") or dql.outputs[0] is not product.inputs[0]:
         return "its input is not quantized by a DynamicQuantizeLinear"
@@ -83,8 +80,9 @@ def _match(g: Graph, product: Node) -> tuple[Node, list[Node], Node, np.ndarray]
             np.dtype(w.dtype) not in (np.dtype(np.int8), np.dtype(np.uint8)):
         return f"its second input is not a constant INT8 {'filter' if conv else '2-D matrix'}"
     channels, rank = (w.shape[0], w.const.ndim) if conv else (w.shape[1], 1)
-    w_zp = _const(product.inputs[3] if len(product.inputs) > 3 else None)
-    if len(product.inputs) > 3 and product.inputs[3] is not None and (w_zp is None or w_zp.size not in (1, channels)):
+    zp_input = product.inputs[3] if len(product.inputs) > 3 else None
+    w_zp = np.zeros(1, np.int64) if zp_input is None else const_value(zp_input)
+    if w_zp is None or np.size(w_zp) not in (1, channels):
         return f"its weight zero point is not a constant per tensor or per {'output channel' if conv else 'column'}"
     cast = sole_consumer(g, product)
     if cast is None:
@@ -96,9 +94,10 @@ def _match(g: Graph, product: Node) -> tuple[Node, list[Node], Node, np.ndarray]
         return why_not_sole_consumer(g, cast)
     scales = None if not _is(mul, "Mul") else next((v for v in mul.inputs if v is not cast.outputs[0]), None)
     w_scale = _weight_scale(scales, dql)
-    if w_scale is None or _per_channel(w_scale, channels, rank) is None:
+    per_channel = None if w_scale is None else _per_channel(w_scale, channels, rank)
+    if per_channel is None:
         return f"{cast.name} is not scaled by Mul(x_scale, constant weight scale) alone"
-    return dql, [product, cast, mul], scales.producer, w_scale
+    return dql, [product, cast, mul], scales.producer, per_channel, np.broadcast_to(np.reshape(w_zp, -1), (channels,))
 
 
 def _per_channel(values: np.ndarray, channels: int, rank: int) -> np.ndarray | None:
@@ -118,7 +117,7 @@ def _conv_bias(g: Graph, mul: Node, channels: int, rank: int) -> tuple[Node | No
     add = sole_consumer(g, mul)
     if not _is(add, "Add") or sum(v is mul.outputs[0] for v in add.inputs) != 1:
         return None, None
-    other = _const(next(v for v in add.inputs if v is not mul.outputs[0]))
+    other = const_value(next(v for v in add.inputs if v is not mul.outputs[0]))
     if other is None:
         return None, None
     bias = None if other.dtype != np.float32 or other.ndim > rank else _per_channel(other, channels, rank)
@@ -133,12 +132,8 @@ def _weight_scale(scales: Value | None, dql: Node) -> np.ndarray | None:
     if not _is(product, "Mul") or dql.outputs[1] not in product.inputs:
         return None
     other = product.inputs[1] if product.inputs[0] is dql.outputs[1] else product.inputs[0]
-    w_scale = _const(other)
+    w_scale = const_value(other)
     return w_scale if w_scale is not None and w_scale.dtype == np.float32 else None
-
-
-def _const(v: Value | None) -> np.ndarray | None:
-    return None if v is None or not v.is_const else np.asarray(v.const)
 
 
 def _remove_if_unread(g: Graph, node: Node | None) -> bool:

@@ -144,7 +144,7 @@ def _cast_reduced_inputs(g: onnx.GraphProto, counts: _Counts) -> int:
     reduced = [v for v in g.input if v.type.tensor_type.elem_type in REDUCED and v.name not in names]
     count = 0
     for v in reduced:
-        if all(n.op_type == "Cast" for n in g.node if v.name in n.input):
+        if all(n.op_type == "Cast" for n in g.node if v.name in n.input) and not _read_in_subgraph(g, v.name):
             continue
         counts.types.add(REDUCED[v.type.tensor_type.elem_type])
         wide = _fresh(g, f"{v.name}_fp32")
@@ -181,6 +181,17 @@ def _fresh(g: onnx.GraphProto, base: str) -> str:
         k += 1
         name = f"{base}_{k}"
     return name
+
+
+def _read_in_subgraph(g: onnx.GraphProto, name: str) -> bool:
+    """Whether a node inside one of `g`'s subgraphs (If/Loop/Scan bodies, which read outer values by name) reads
+    `name`."""
+    for node in g.node:
+        for a in node.attribute:
+            for sub in _attribute_graphs(a):
+                if any(name in n.input for n in sub.node) or _read_in_subgraph(sub, name):
+                    return True
+    return False
 
 
 def _rename_uses(g: onnx.GraphProto, old: str, new: str, outputs_too: bool = False) -> None:

@@ -16,6 +16,7 @@ import math
 import torch
 
 from kiln import native
+from kiln.ops.fused import centred_weights
 from kiln.ops.nn import apply_activation
 from kiln.tactics.base import Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
@@ -25,11 +26,8 @@ from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, Epilogue, GemmCall, QConvDir
                                   _padded, fused_activation, pack_quads, pack_segments, vnni_available)
 
 
-def _centred(layer: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights as int32 and their zero points shaped to broadcast along `w_axis`."""
-    w, q = layer.const_inputs[1], layer.attrs["quant"]
-    zp = torch.tensor(q["w_zero_point"], dtype=torch.int32)
-    return w.to(torch.int32), zp.reshape((-1,) + (1,) * (w.dim() - 1 - q["w_axis"]))
+def _plain_s8(layer: LayerView) -> bool:
+    return layer.const_inputs[1].dtype == torch.int8 and not any(layer.attrs["quant"]["w_zero_point"])
 
 
 def signed_weights_fit(layer: LayerView) -> bool:
@@ -39,22 +37,16 @@ def signed_weights_fit(layer: LayerView) -> bool:
     w = layer.const_inputs.get(1)
     if w is None or w.dtype not in (torch.int8, torch.uint8):
         return False
-    if w.dtype == torch.int8 and not any(layer.attrs["quant"]["w_zero_point"]):
+    if _plain_s8(layer):
         return True
-    w32, zp = _centred(layer)
-    axis = layer.attrs["quant"]["w_axis"]
-    others = [d for d in range(w.dim()) if d != axis]
-    lo, hi = w32.amin(dim=others, keepdim=True) - zp, w32.amax(dim=others, keepdim=True) - zp
-    return bool(lo.min() >= -128 and hi.max() <= 127)
+    centred = centred_weights(layer.attrs, w)
+    return bool(centred.min() >= -128 and centred.max() <= 127)
 
 
 def signed_weights(layer: LayerView) -> torch.Tensor:
     """W - W_zp as s8 (where `signed_weights_fit`), what the kernel multiplies."""
     w = layer.const_inputs[1]
-    if w.dtype == torch.int8 and not any(layer.attrs["quant"]["w_zero_point"]):
-        return w
-    w32, zp = _centred(layer)
-    return (w32 - zp).to(torch.int8)
+    return w if _plain_s8(layer) else centred_weights(layer.attrs, w).to(torch.int8)
 
 
 def dynamic_constants(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torch.Tensor, ...]]:

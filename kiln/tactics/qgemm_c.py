@@ -75,12 +75,13 @@ def per_batch(make):
     return calls
 
 
-ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH = 1, 2, 3   # qgemm.c's ACT_* codes
+ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH = (native.header_constant("activation.h", name)
+                                         for name in ("ACT_SWISH", "ACT_GELU_ERF", "ACT_GELU_TANH"))
 
 
 def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
-    """(clamp low, clamp high, qgemm.c's ACT_* code) the kernel applies after the sum; None for an activation it
-    has not."""
+    """(clamp low, clamp high, activation.h's ACT_* code) the kernel applies after the sum; None for an activation
+    it has not."""
     if not spec:
         return -math.inf, math.inf, 0
     attrs = spec.get("attrs", {})

@@ -3,7 +3,6 @@ import: each against onnxruntime running the contrib op itself (rel 1e-4 unless 
 fuse them back into, the origins layer info keeps, and clear refusals for what is not unfolded."""
 from __future__ import annotations
 
-from collections import Counter
 
 import numpy as np
 import onnx
@@ -12,7 +11,7 @@ from onnx import TensorProto, helper
 
 import kiln
 from kiln.tactics.onednn_conv import bf16_available
-from tests.conftest import assert_close_to_ort, init, rand, run_ort
+from tests.conftest import assert_close_to_ort, cosine, init, rand, run_ort
 
 H, HEADS, B, S = 32, 4, 2, 8
 vi = helper.make_tensor_value_info
@@ -178,8 +177,7 @@ def test_attention_with_bf16_is_granted_on_kilns_kernels():
                         autotune=False)
     layer = next(l for l in engine.plan.layers if l.op_type == "Attention")
     assert layer.precision == "BF16" and layer.tactic_name.startswith("kiln.attention")
-    got, want = engine.run(feeds)["y"].ravel().astype(np.float64), run_ort(model, feeds)[0].ravel()
-    assert got @ want / np.linalg.norm(got) / np.linalg.norm(want) > 0.999
+    assert cosine(engine.run(feeds)["y"], run_ort(model, feeds)[0]) > 0.999
 
 
 @pytest.mark.parametrize("change, message", [
@@ -288,7 +286,7 @@ def test_an_onnxruntime_optimized_bert_builds_as_the_plain_export_does(tmp_path,
     def heavy(e):   # the layers doing the work: products, attention, normalizations
         return [l.op_type for l in e.plan.layers if l.op_type in ("MatMul", "Gemm", "Attention", "LayerNormalization",
                                                                   "SkipLayerNormalization")]
-    assert heavy(engine) == heavy(baseline)
-    assert Counter(heavy(engine)) == {"MatMul": 8, "Attention": 2, "SkipLayerNormalization": 4,
-                                      "LayerNormalization": 1, "Gemm": 1}   # 2 layers of Q||K||V, O, FFN1, FFN2
+    encoder_layer = ["MatMul", "Attention", "MatMul", "SkipLayerNormalization", "MatMul", "MatMul",
+                     "SkipLayerNormalization"]   # Q||K||V, attention, O, + residual and LN, FFN1, FFN2, + residual and LN
+    assert heavy(engine) == heavy(baseline) == ["LayerNormalization", *encoder_layer, *encoder_layer, "Gemm"]
     assert len(engine.plan.layers) <= len(baseline.plan.layers) + 4   # + each Attention's own mask (2 tiny layers)

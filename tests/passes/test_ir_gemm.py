@@ -91,7 +91,7 @@ def test_activation_does_not_fuse_into_a_product_read_twice():
 def flattened_gemm(b: IRBuilder, x, tag: str, restore=(2, 5, 4), **gemm_attrs):
     flat = b.node("Reshape", [x, b.const(f"{tag}_flat", [10, 3], np.int64)], f"{tag}_flat_out", (10, 3),
                   name=f"{tag}_in")
-    w = b.const(f"{tag}_w", np.ones((4, 3) if gemm_attrs.get("transB") else (3, 4)))
+    w = b.const(f"{tag}_w", np.arange(12.0).reshape((4, 3) if gemm_attrs.get("transB") else (3, 4)))
     y = b.node("Gemm", [flat, w, b.const(f"{tag}_c", np.zeros(4))], f"{tag}_y", (10, 4), name=f"{tag}_gemm",
                **gemm_attrs)
     return b.node("Reshape", [y, b.const(f"{tag}_back", list(restore), np.int64)], f"{tag}_out", restore,
@@ -109,7 +109,7 @@ def test_a_gemm_between_flattening_reshapes_becomes_a_matmul():
 
     assert str(g).splitlines()[1] == "  %a_out: float32[2x5x4] = MatMul(%x, const %a_w_transposed, const %a_c)  " \
         "# a_in + a_gemm + a_out_reshape"
-    assert g.values["a_w_transposed"].const.shape == (3, 4)
+    np.testing.assert_array_equal(g.values["a_w_transposed"].const, np.arange(12.0).reshape(4, 3).T)
     assert run.not_fusing == [
         "GemmToMatMul: Not fusing b_in with b_gemm: the second Reshape does not restore the leading axes",
         "GemmToMatMul: Not fusing c_in with c_gemm: the Gemm has transA, alpha or beta"]

@@ -162,11 +162,10 @@ def test_pooling_between_different_scales_is_not_swapped():
     xq = b.input("xq", (1, 2, 4, 4), np.int8)
     p = b.node("MaxPool", [dq(b, xq, "x", 0.5)], "p", (1, 2, 2, 2), name="pool", kernel_shape=[2, 2])
     g = b.graph(q(b, p, "y", 0.25))
-    before = str(g)
 
-    run = run_pass(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
+    run = run_pass_unchanged(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
 
-    assert str(g) == before and run.stat.matches == 0
+    assert run.stat.matches == 0
 
 
 def test_q_after_concat_moves_onto_its_inputs_and_cancels_an_equal_dq():

@@ -44,7 +44,11 @@ def chain_name(conv: str, output: str, tail: str) -> str:
 
 
 @pytest.mark.parametrize("sources", [pytest.param("kiln", marks=needs_vnni), "torch", "onnxruntime"])
-def test_each_convolution_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp_path, sources):
+def test_each_convolution_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp_path, monkeypatch, sources):
+    from tests.conftest import force_plan
+
+    if sources == "onnxruntime":   # the whole-graph region, not its layers one by one, whichever times faster here
+        force_plan(monkeypatch, "onnxruntime")
     path = quantize_dynamic(three_convs(), tmp_path / "q.onnx")
     assert Counter(n.op_type for n in onnx.load(path).graph.node)["ConvInteger"] == 3
     engine = kiln.build(path, tactic_sources=sources)
@@ -177,22 +181,17 @@ def test_an_openvino_region_reports_the_fp32_it_ran_the_dynamic_convolutions_in(
     quantize_static convolution in INT8: an OpenVINO region's inner layers are granted what it ran, with the reason,
     not the INT8 they asked for."""
     pytest.importorskip("openvino")
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+    from onnxruntime.quantization import QuantFormat, quantize_static
 
     from tests.conftest import force_plan
+    from tests.precision.test_qdq import calibration_reader
 
     force_plan(monkeypatch, "openvino")
     fp32 = tmp_path / "m.onnx"
     onnx.save(three_convs(batch=1), fp32)
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.feeds = iter([{"x": rand((1, 5, 13, 11), seed)} for seed in range(3)])
-
-        def get_next(self):
-            return next(self.feeds, None)
     static = tmp_path / "static.onnx"
-    quantize_static(str(fp32), str(static), Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    quantize_static(str(fp32), str(static), calibration_reader("x", (1, 5, 13, 11), 3), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
     for path, want in ((quantize_dynamic(str(fp32), tmp_path / "dynamic.onnx"), "FP32"), (str(static), "INT8")):
         engine = kiln.build(path, tactic_sources="-onnxruntime")
         info = [l for l in engine.layer_info()["Layers"] if l["LayerType"] == "OpenVINOConvolution"]

@@ -160,3 +160,21 @@ def test_widening_leaves_no_reduced_float_type_but_the_models_output():
     fp32_only = conv_net()
     same, nothing = widen_reduced_floats(fp32_only)
     assert same is fp32_only and nothing == Widening()
+
+
+def test_a_float16_input_read_only_inside_a_branch_is_cast_too():
+    """The branch's float16 constant is widened, so the input it adds to must be read through a Cast as well, though
+    no top-level node reads it."""
+    h = helper.make_node
+    branch = helper.make_graph([h("Add", ["x", "c"], ["b"], name="add")], "then", [],
+                               [helper.make_tensor_value_info("b", TensorProto.FLOAT16, [3])],
+                               [numpy_helper.from_array(np.array([1.0, 2.0, 3.0], np.float16), "c")])
+    model = make_model([h("If", ["cond"], ["y"], name="if", then_branch=branch, else_branch=branch)],
+                       [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                        helper.make_tensor_value_info("x", TensorProto.FLOAT16, [3])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [3])])
+    wide, widening = widen_reduced_floats(model)
+    assert widening.inputs == 1
+    onnx.checker.check_model(wide, full_check=True)
+    x = np.array([0.5, -1.0, 2.0], np.float16)
+    np.testing.assert_array_equal(run_ort(wide, {"cond": np.array(True), "x": x})[0], x + np.array([1, 2, 3], np.float16))

@@ -1,9 +1,11 @@
-/* The activations kiln's C kernels apply as they store a result (GEMMs, Winograd, group normalization), numbered as
-   kiln.tactics.gemm_c.activation_code reads them from here. */
+/* The activations kiln's C kernels apply as they store a result (GEMMs, Winograd, group normalization, INT8), numbered
+   as kiln.tactics.gemm_c and qgemm_c read them from here. */
 #ifndef KILN_ACTIVATION_H
 #define KILN_ACTIVATION_H
 
 #define ACT_RELU 1
 #define ACT_SWISH 2   /* x * sigmoid(x): SiLU, ONNX's Swish with alpha 1 */
+#define ACT_GELU_ERF 3    /* 0.5 x (1 + erf(x / sqrt 2)): the INT8 kernels (qgemm.c) */
+#define ACT_GELU_TANH 4   /* GELU's tanh form */
 
 #endif /* KILN_ACTIVATION_H */

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "activation.h"
 #include "window.h"
 #include "work_split.h"
 
@@ -31,14 +32,13 @@ typedef struct {
   float r_scale;            /* the residual's scale (its type is the output's) */
   float y_inv_scale;        /* 1 / y_scale */
   int32_t r_zp, y_zp;
-  int32_t act;              /* after the clamp: ACT_SWISH x * sigmoid(x), ACT_GELU_ERF, ACT_GELU_TANH; 0 none */
+  int32_t act;              /* after the clamp (activation.h): ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH; 0 none */
   int32_t out_kind;         /* OUT_F32, OUT_U8, OUT_S8 */
   int32_t signed_input;     /* 1: s8 activations (top bit flipped as read) */
   int32_t pad_byte;         /* the raw input byte of a quantized zero (x_zp), written where a window is padded */
 } QEpilogue;
 
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
-enum { ACT_NONE = 0, ACT_SWISH = 1, ACT_GELU_ERF = 2, ACT_GELU_TANH = 3 };
 
 /* A GEMM layer's constant arguments (kiln.tactics.qgemm_c.GemmCall): a call passes only its tensors, so the
    per-call cost is not spent converting a dozen integers. Row r of image p starts at a + p * a_batch +
@@ -131,7 +131,7 @@ static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const v
   }
   y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(e->clamp_lo)), _mm512_set1_ps(e->clamp_hi));
   if (e->act == ACT_SWISH) y = v_swish(y);
-  else if (e->act != ACT_NONE) y = v_gelu(y, e->act == ACT_GELU_TANH);
+  else if (e->act == ACT_GELU_ERF || e->act == ACT_GELU_TANH) y = v_gelu(y, e->act == ACT_GELU_TANH);
   if (e->out_kind == OUT_F32) {
     _mm512_mask_storeu_ps(out, mask, y);
     return;
