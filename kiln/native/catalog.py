@@ -47,7 +47,7 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_qconv_amx", (POINTER,) * 4),
         *(Function(name, (POINTER,) * 3 + (I64, POINTER, POINTER))   # call, x, y, rows, colsum, w_scale
           for name in ("kiln_dqgemm", "kiln_dqgemm_amx")),
-        *(Function(name, (POINTER,) * 5)   # call, x, y, colsum, w_scale
+        *(Function(name, (POINTER,) * 6)   # call, x, y, residual (or NULL), colsum, w_scale
           for name in ("kiln_dqconv", "kiln_dqconv_amx")),
         Function("kiln_amx_int8_ready", (), I64))),
     LibrarySpec("winograd", "winograd.c", (

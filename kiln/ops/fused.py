@@ -128,8 +128,8 @@ def dynamic_quantized_matmul(attrs, xs):
 
 
 def dynamic_quantized_conv(attrs, xs):
-    """DynamicQuantizeLinear(x) -> ConvInteger(x_u8, W) -> FP32 * (x_scale * w_scale) [+ bias] [-> activation]
-    (kiln.passes.dynamic_quant's DynamicQConv): exact integer sums, FP32 scales per output channel."""
+    """DynamicQuantizeLinear(x) -> ConvInteger(x_u8, W) -> FP32 * (x_scale * w_scale) [+ bias] [+ residual]
+    [-> activation] (kiln.passes.dynamic_quant's DynamicQConv): exact integer sums, FP32 scales per output channel."""
     from kiln.ops.nn import apply_activation
     from kiln.ops.quantize import dynamic_qparams, quantize
 
@@ -145,6 +145,8 @@ def dynamic_quantized_conv(attrs, xs):
     y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32)).reshape(channel)
     if len(xs) > 2 and xs[2] is not None:
         y = y + xs[2].reshape(channel)
+    if len(xs) > 3 and xs[3] is not None:
+        y = y + xs[3]
     return [apply_activation(attrs.get("activation"), y)]
 
 

@@ -119,10 +119,11 @@ def _scaled_output_channels(w: np.ndarray, k: np.ndarray, transposed: bool, grou
 
 
 def fuse_residual_add(g: Graph, plog: PassLog) -> None:
-    """ConvEltwiseSumFusion:  Conv(x) + r  ==>  Conv(x, residual=r)  (same shapes, conv read only by the Add)."""
-    for add in [n for n in g.nodes if n.op_type == "Add"]:
+    """ConvEltwiseSumFusion:  Conv(x) + r  ==>  Conv(x, residual=r)  (same shapes, conv read only by the Add); a
+    DynamicQConv takes its FP32 residual the same way (its kernel adds it before the activation)."""
+    for add in [n for n in g.nodes if n.op_type == "Add" and n.domain in ("", "ai.onnx")]:
         a, b = add.inputs
-        candidates = [(v, other) for v, other in ((a, b), (b, a)) if _is_conv(v.producer)]
+        candidates = [(v, other) for v, other in ((a, b), (b, a)) if _produces(v.producer, ("Conv", "DynamicQConv"))]
         if not candidates:
             continue
         # prefer the later convolution: the other operand is then computed already
@@ -137,7 +138,8 @@ def fuse_residual_add(g: Graph, plog: PassLog) -> None:
                 bias = conv.inputs[2] if len(conv.inputs) > 2 else None
                 inputs = [conv.inputs[0], conv.inputs[1], bias, other]
                 plog.fusing(conv, add)
-                replace_nodes(g, [conv, add], Node(name, "Conv", inputs, [add.outputs[0]], dict(conv.attrs), "", origin))
+                replace_nodes(g, [conv, add], Node(name, conv.op_type, inputs, [add.outputs[0]], dict(conv.attrs),
+                                                   conv.domain, origin))
                 break
             reasons.append((conv, reason))
         else:

@@ -23,7 +23,7 @@ from kiln.tactics.conv_direct import conv_geometry
 from kiln.tactics.gemm_c import ONE_LINE, nhwc_kernel
 from kiln.tactics.qgemm_amx import AmxInt8, pack_amx_quads, pack_amx_segments
 from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, Epilogue, GemmCall, QConvDirectTactic, QLinearGemmTactic,
-                                  _padded, fused_activation, pack_quads, pack_segments, vnni_available)
+                                  _has_residual, _padded, fused_activation, pack_quads, pack_segments, vnni_available)
 
 
 def _plain_s8(layer: LayerView) -> bool:
@@ -136,7 +136,8 @@ class DynamicQLinearGemmAmxTactic(AmxInt8, DynamicQLinearGemmTactic):
 
 def dynamic_conv_supported(layer: LayerView) -> bool:
     """A 2-D DynamicQConv with constant INT8 weights whose W - W_zp fits in s8, one group, dilation 1, explicit
-    pads, the batch its only dynamic axis, and a bias (if any) of Cout FP32 values."""
+    pads, the batch its only dynamic axis, a bias (if any) of Cout FP32 values and a residual (if any) FP32 of the
+    output's shape."""
     if layer.op_type != "DynamicQConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
         return False
     a, w = layer.attrs, layer.const_inputs.get(1)
@@ -146,13 +147,16 @@ def dynamic_conv_supported(layer: LayerView) -> bool:
     if layer.input_dtypes[0] != "float32" or not batch_dynamic_only(layer) or not _bias_fits(layer, w.shape[0]):
         return False
     kh, kw, _, _, pt, pl, oh, ow = conv_geometry(layer)
+    if _has_residual(layer) and (layer.input_dtypes[3] != "float32" or
+                                 tuple(layer.input_shapes[3][1:]) != (w.shape[0], oh, ow)):
+        return False
     return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and kh * kw * layer.input_shapes[0][1] <= MAX_K
 
 
 class DynamicQConvTactic(QConvDirectTactic):
     """DynamicQConv on AVX512-VNNI, NHWC: the static INT8 direct convolution's packing and windows (any kernel,
-    stride and padding; padded pixels hold the call's zero point), its own entry point. Activations the epilogue
-    lacks (it has clamps, Swish and GELU) run after it."""
+    stride and padding; padded pixels hold the call's zero point), its own entry point; the FP32 residual is added
+    as each output is stored. Activations the epilogue lacks (it has clamps, Swish and GELU) run after it."""
 
     name = "kiln.dynamic_qconv2d_direct_nhwc_int8"
     entry_point = "kiln_dqconv"          # the AMX variant swaps these two
@@ -167,8 +171,9 @@ class DynamicQConvTactic(QConvDirectTactic):
         colsum_ptr, scale_ptr = kept[0].data_ptr(), kept[1].data_ptr()
 
         def launch(x, out, res):
-            conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), colsum_ptr, scale_ptr)
-        run = nhwc_kernel(launch, out_shape, None, False)
+            conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), colsum_ptr,
+                 scale_ptr)
+        run = nhwc_kernel(launch, out_shape, None, _has_residual(layer))
         run.constants = (packed, calls, kept)   # read through raw pointers
         return with_activation(layer, run)
 

@@ -265,7 +265,7 @@ def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
 def _emit_dynamic_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     """A DynamicQMatMul or DynamicQConv as quantize_dynamic wrote it (onnxruntime fuses the product's again into
     DynamicQuantizeMatMul): DynamicQuantizeLinear -> MatMulInteger or ConvInteger -> Cast -> Mul(x_scale * W_scale)
-    [-> Add(bias)] [-> activation]."""
+    [-> Add(bias)] [-> Add(residual)] [-> activation]."""
     q, conv = view.attrs["quant"], view.op_type == "DynamicQConv"
     x_u8, x_scale, x_zp = e.node("DynamicQuantizeLinear", [xs[0]], n_outputs=3)
     w_type = np.dtype(view.input_dtypes[1]) if view.input_dtypes[1] else np.dtype(np.int8)
@@ -281,6 +281,8 @@ def _emit_dynamic_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -
     y = e.node("Mul", [e.node("Cast", [y], {"to": onnx.TensorProto.FLOAT}), e.node("Mul", [x_scale, w_scale])])
     if len(xs) > 2 and xs[2]:
         y = e.node("Add", [y, e.node("Reshape", [xs[2], e.const(list(channel), np.int64)]) if conv else xs[2]])
+    if len(xs) > 3 and xs[3]:
+        y = e.node("Add", [y, xs[3]])
     return e.activation(y, view.attrs.get("activation"))
 
 

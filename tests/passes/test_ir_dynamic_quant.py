@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kiln.passes.attention import merge_matmuls
-from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation
+from kiln.passes.conv import fold_batchnorm_into_conv, fuse_activation, fuse_residual_add
 from kiln.passes.dynamic_quant import fuse_dynamic_quantized_conv, fuse_dynamic_quantized_matmul
 from kiln.passes.gemm import fuse_matmul_bias
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
@@ -112,7 +112,7 @@ def conv_chain(b: IRBuilder, x, tag: str, bias=None, scale_shape=(3, 1, 1)):
     s.dtype = np.dtype(np.float32)
     conv = b.node("ConvInteger", [q, b.const(f"w{tag}", FILTER, np.int8), z], f"i{tag}", (1, 3, 4, 4), dtype=np.int32,
                   name=f"convi{tag}", pads=[1, 1, 1, 1], kernel_shape=[3, 3], strides=[1, 1], dilations=[1, 1], group=1)
-    cast = b.node("Cast", [conv], f"f{tag}", (1, 3, 4, 4), name=f"cast{tag}", to=1)
+    cast = b.node("Cast", [conv], f"f{tag}", (1, 3, 4, 4), dtype=np.float32, name=f"cast{tag}", to=1)
     w_scale = b.const(f"ws{tag}", np.array([0.5, 0.25, 0.125]).reshape(scale_shape))
     scale = b.node("Mul", [s, w_scale], f"s{tag}", scale_shape, name=f"scale{tag}")
     y = b.node("Mul", [cast, scale], f"y{tag}", (1, 3, 4, 4), name=f"mul{tag}")
@@ -179,3 +179,28 @@ def test_convolution_chains_that_differ_stay_or_leave_their_bias_with_the_reason
         "output channel",
         "DynamicQuantizeConvFusion: Not fusing dql2 with convi2: cast2 is not scaled by Mul(x_scale, constant weight "
         "scale) alone"]
+
+
+def test_the_int8_convolution_takes_an_fp32_residual_sum_before_its_relu():
+    """ConvEltwiseSumFusion gives a DynamicQConv the sum's other operand as its residual input (after the bias, as a
+    Conv's), ReLU then joins; a sum that broadcasts stays an Add, with the reason."""
+    b = IRBuilder()
+    x, skip, row = b.input("x", (1, 2, 4, 4)), b.input("skip", (1, 3, 4, 4)), b.input("row", (1, 3, 1, 4))
+    summed = b.node("Add", [skip, conv_chain(b, x, "1", bias=b.const("b1", np.ones((3, 1, 1))))], "s", (1, 3, 4, 4),
+                    name="sum")
+    broadcast = b.node("Add", [conv_chain(b, x, "2"), row], "t", (1, 3, 4, 4), name="broadcast")
+    g = b.graph(b.node("Relu", [summed], "out", (1, 3, 4, 4), name="relu"), broadcast)
+
+    run_pass(g, "DynamicQuantizeConvFusion", fuse_dynamic_quantized_conv)
+    run = run_pass(g, "ConvEltwiseSumFusion", fuse_residual_add)
+    act = run_pass(g, "ConvReluFusion", fuse_activation)
+
+    layer = next(n for n in g.nodes if "sum" in n.origin)
+    assert (layer.op_type, layer.domain) == ("DynamicQConv", "kiln")
+    assert layer.origin == ("convi1", "cast1", "mul1", "bias1", "scale1", "dql1", "sum", "relu")
+    assert [v.name for v in layer.inputs[::3]] == ["x", "skip"] and layer.inputs[2].const.tolist() == [1.0] * 3
+    assert layer.outputs[0].name == "out" and layer.attrs["activation"] == {"op": "Relu", "attrs": {}}
+    assert sorted(n.op_type for n in g.nodes) == ["Add", "DynamicQConv", "DynamicQConv"]
+    assert (run.stat.matches, act.stat.matches) == (1, 1)
+    assert run.not_fusing == ["ConvEltwiseSumFusion: Not fusing convi2 + cast2 + mul2 + scale2 + dql2 with broadcast: "
+                              "shapes differ ([1, 3, 1, 4] vs [1, 3, 4, 4]): broadcasting sum is not fusable"]

@@ -1,6 +1,6 @@
 """Dynamically quantized CNNs (onnxruntime's quantize_dynamic on convolutions: DynamicQuantizeLinear -> ConvInteger
--> Cast -> Mul -> Add(bias)) run each convolution as one INT8 DynamicQConv layer, with BatchNormalization and the
-activation folded in, bit for bit as onnxruntime runs them where nothing is folded; before, the chain ran op by op,
+-> Cast -> Mul -> Add(bias)) run each convolution as one INT8 DynamicQConv layer, with BatchNormalization, the FP32
+residual sum and the activation folded in, bit for bit as onnxruntime runs them where nothing is folded; before, the chain ran op by op,
 the convolution on the reference kernel (in float64)."""
 from __future__ import annotations
 
@@ -60,16 +60,17 @@ def test_each_convolution_is_one_int8_layer_equal_to_onnxruntime_bit_for_bit(tmp
     convs = [l for l in engine.plan.layers if l.op_type == "DynamicQConv"]
     assert [l.name for l in convs] == [chain_name("conv1", "c1", "x_QuantizeLinear + relu1"),
                                        chain_name("conv2", "c2", "r1_QuantizeLinear + leaky"),
-                                       chain_name("conv3", "c3", "r2_QuantizeLinear")]
+                                       chain_name("conv3", "c3", "r2_QuantizeLinear + sum + relu3")]
     assert all(l.precision == "INT8" and l.tactic_name in (KERNELS if sources == "kiln" else {"torch.reference"})
                for l in convs)
-    assert [l.op_type for l in engine.plan.layers if l.op_type != "Reformat"] == ["DynamicQConv"] * 3 + ["PointWise"]
+    assert [l.op_type for l in engine.plan.layers if l.op_type != "Reformat"] == ["DynamicQConv"] * 3
+    assert [v.name for v in convs[2].inputs] == ["r2", "r2"]   # x, and the same tensor as the FP32 residual
 
 
 def test_batchnorm_folds_into_the_int8_convolutions_scales(tmp_path):
     """A ResNet-18 exported with every BatchNormalization kept: each folds into its DynamicQConv's per-channel
-    scales and bias (the integer weights stay), ReLU into its epilogue; 20 INT8 convolutions and the INT8
-    classifier. Folding rounds differently from onnxruntime's separate ops, so outputs agree to a cosine."""
+    scales and bias (the integer weights stay), each block's residual sum and ReLU into its epilogue; 20 INT8
+    convolutions and the INT8 classifier, nothing between them. Folding rounds differently from onnxruntime's separate ops, so outputs agree to a cosine."""
     import torch
 
     from tests.models import nets
@@ -79,8 +80,15 @@ def test_batchnorm_folds_into_the_int8_convolutions_scales(tmp_path):
     path = quantize_dynamic(str(fp32), tmp_path / "r18_int8.onnx")
     engine = kiln.build(path, tactic_sources=KILN_ONLY)
     ops = Counter(l.op_type for l in engine.plan.layers)
-    assert (ops["DynamicQConv"], ops["DynamicQMatMul"], ops["PointWise"]) == (20, 1, 8)   # PointWise: Add + ReLU
-    assert not {"BatchNormalization", "ConvInteger", "DynamicQuantizeLinear", "Relu", "Conv"} & set(ops)
+    assert (ops["DynamicQConv"], ops["DynamicQMatMul"]) == (20, 1)
+    assert not {"BatchNormalization", "ConvInteger", "DynamicQuantizeLinear", "Relu", "Conv", "PointWise"} & set(ops)
+    blocks = [f"/layer{stage}/layer{stage}.{i}" for stage in range(1, 5) for i in range(2)]
+    summed = [l for l in engine.plan.layers if l.op_type == "DynamicQConv" and len(l.inputs) == 2]   # x, residual
+    assert [l.name.split(" + ")[-3:] for l in summed] == \
+        [[f"{b}/bn2/BatchNormalization", f"{b}/Add", f"{b}/relu_1/Relu"] for b in blocks]
+    shortcuts = [l.inputs[1].name for l in summed]
+    assert shortcuts[:2] == ["/maxpool/MaxPool_output_0", "/layer1/layer1.0/relu_1/Relu_output_0"]
+    assert shortcuts[2] == "/layer2/layer2.0/downsample/downsample.1/BatchNormalization_output_0"
     stem = next(l for l in engine.plan.layers if l.op_type == "DynamicQConv")
     assert "BatchNormalization" in stem.name and stem.name.endswith("relu/Relu") and stem.precision == "INT8"
     x = {"input": rand((1, 3, 32, 32), 8)}
@@ -89,8 +97,9 @@ def test_batchnorm_folds_into_the_int8_convolutions_scales(tmp_path):
     assert cosine(got, run_ort(str(fp32), x)[0]) > 0.99
 
 
-def conv_layer(padding: int = 1, cin: int = 21, cout: int = 45, seed: int = 9):
-    """A 3x3 DynamicQConv's LayerView and operands [x (NHWC-strided), W, bias]: s8 weights, per-channel scales."""
+def conv_layer(padding: int = 1, cin: int = 21, cout: int = 45, seed: int = 9, residual: bool = False):
+    """A 3x3 DynamicQConv's LayerView and operands [x, W, bias] (+ an FP32 residual of the output's shape, then
+    ReLU): s8 weights, per-channel scales."""
     import torch
 
     from kiln.tactics.base import LayerView
@@ -103,24 +112,33 @@ def conv_layer(padding: int = 1, cin: int = 21, cout: int = 45, seed: int = 9):
              "w_zero_point": [0] * cout}
     attrs = {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [padding] * 4, "dilations": [1, 1], "group": 1,
              "quant": quant}
-    view = LayerView("DynamicQConv", "kiln", attrs, (tuple(x.shape), tuple(w.shape), (cout,)),
-                     ("float32", "int8", "float32"), {1: w, 2: bias})
-    return view, [x, w, bias]
+    shapes, dtypes, xs = (tuple(x.shape), tuple(w.shape), (cout,)), ("float32", "int8", "float32"), [x, w, bias]
+    if residual:
+        r = torch.from_numpy(rng.standard_normal((2, cout, 9 + 2 * padding - 2, 10 + 2 * padding - 2)).astype(np.float32))
+        shapes, dtypes, xs = shapes + (tuple(r.shape),), dtypes + ("float32",), xs + [r]
+        attrs["activation"] = {"op": "Relu", "attrs": {}}
+    return LayerView("DynamicQConv", "kiln", attrs, shapes, dtypes, {1: w, 2: bias}), xs
 
 
-def onnxruntime_conv_chain(view, x) -> np.ndarray:
-    """onnxruntime running the layer as quantize_dynamic writes it (per-channel scales as a [C, 1, 1] constant)."""
+def onnxruntime_conv_chain(view, x, residual=None) -> np.ndarray:
+    """onnxruntime running the layer as quantize_dynamic writes it (per-channel scales as a [C, 1, 1] constant),
+    with the residual's Add and ReLU after it where given."""
     h = helper.make_node
     w, bias = view.const_inputs[1].numpy(), view.const_inputs[2].numpy()
     pads = view.attrs["pads"]
     nodes = [h("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
              h("ConvInteger", ["xq", "w", "xz"], ["i"], pads=pads), h("Cast", ["i"], ["f"], to=TensorProto.FLOAT),
              h("Mul", ["xs", "ws"], ["s"]), h("Mul", ["f", "s"], ["m"]), h("Add", ["m", "b"], ["y"])]
+    feeds = {"x": np.asarray(x)}
+    if residual is not None:
+        nodes[-1].output[0] = "biased"
+        nodes += [h("Add", ["biased", "r"], ["summed"]), h("Relu", ["summed"], ["y"])]
+        feeds["r"] = np.asarray(residual)
     inits = [init("w", w), init("ws", np.asarray(view.attrs["quant"]["w_scale"], np.float32).reshape(-1, 1, 1)),
              init("b", bias.reshape(-1, 1, 1))]
-    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits, opset=17)
-    return run_ort(model, {"x": np.asarray(x)})[0]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(v.shape)) for name, v in feeds.items()]
+    model = make_model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits, opset=17)
+    return run_ort(model, feeds)[0]
 
 
 @needs_vnni
@@ -139,6 +157,30 @@ def test_the_kernel_pads_with_the_calls_zero_point_as_onnxruntime(case):
 
 
 @needs_vnni
+@pytest.mark.parametrize("padding", [0, 1])
+def test_the_kernel_adds_an_fp32_residual_before_relu_as_onnxruntime(padding):
+    """The residual sum in the epilogue, read from the residual's buffer or written over it (the runtime's variant
+    for a residual that dies here): onnxruntime's Add then Relu, bit for bit."""
+    import torch
+
+    from kiln.tactics.dqgemm_c import DynamicQConvTactic
+
+    view, (x, w, bias, r) = conv_layer(padding=padding, residual=True)
+    want = onnxruntime_conv_chain(view, x, r)
+    last = torch.channels_last
+    run = DynamicQConvTactic().prepare(view)
+    x, r = x.contiguous(memory_format=last), r.contiguous(memory_format=last)
+    np.testing.assert_array_equal(run([x, w, bias, r])[0].numpy(), want)
+    assert np.any(want == 0) and np.any(r.numpy() != 0)   # ReLU clipped some sums; the residual counted
+    index, into_residual = run.into_input
+    assert index == 3
+    buffer = r.clone(memory_format=last)
+    got = into_residual([x, w, bias, buffer])[0]
+    assert got.data_ptr() == buffer.data_ptr()
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@needs_vnni
 def test_the_amx_variant_equals_onnxruntime(amx_int8_kernels):
     """On AMX-INT8 tiles (emulated in C where this CPU has none): the same sums, so onnxruntime's floats."""
     import torch
@@ -150,6 +192,10 @@ def test_the_amx_variant_equals_onnxruntime(amx_int8_kernels):
     assert amx.supports(view)
     got = amx.prepare(view)([x.contiguous(memory_format=torch.channels_last), w, bias])[0]
     np.testing.assert_array_equal(got.numpy(), onnxruntime_conv_chain(view, x))
+    view, (x, w, bias, r) = conv_layer(cin=70, residual=True)   # and with the FP32 residual (elements, not bytes)
+    last = torch.channels_last
+    got = amx.prepare(view)([x.contiguous(memory_format=last), w, bias, r.contiguous(memory_format=last)])[0]
+    np.testing.assert_array_equal(got.numpy(), onnxruntime_conv_chain(view, x, r))
 
 
 def test_grouped_convolutions_and_unsigned_weights_fuse_and_run_on_the_reference_kernel_exactly(tmp_path):

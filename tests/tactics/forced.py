@@ -10,16 +10,17 @@ from tests.conftest import assert_close_to_ort, run_ort
 from tests.models.nets import export
 
 
-def build_forced_onto(model: nn.Module, x: torch.Tensor, folder, sources=frozenset({"kiln"})):
-    """Export `model` (every BatchNorm's statistics randomized first), build it with only `sources`, check its
-    output against onnxruntime and that a saved engine loads to the same output; return the engine."""
+def build_forced_onto(model: nn.Module, x: torch.Tensor, folder, sources=frozenset({"kiln"}), autotune: bool = True):
+    """Export `model` (every BatchNorm's statistics randomized first), build it with only `sources` (autotune off:
+    each layer on the first registered tactic that takes it, whatever times faster here), check its output against
+    onnxruntime and that a saved engine loads to the same output; return the engine."""
     with torch.no_grad():
         for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
             bn.running_mean.uniform_(-0.5, 0.5)
             bn.running_var.uniform_(0.5, 2.0)
     path = folder / "model.onnx"
     export(model, x, path)
-    engine = kiln.build(str(path), tactic_sources=frozenset(sources), avg_timing=1, min_timing=1)
+    engine = kiln.build(str(path), tactic_sources=frozenset(sources), avg_timing=1, min_timing=1, autotune=autotune)
     feeds = {engine.input_names[0]: x.numpy()}
     got = engine.run(feeds)[engine.output_names[0]]
     assert_close_to_ort(got, run_ort(str(path), feeds)[0])

@@ -1,8 +1,8 @@
 /* kiln's INT8 GEMM and direct convolution on AVX512-VNNI (kiln.tactics.qgemm_c; on AMX tiles: qgemm_amx.h):
    u8 activations times s8 weights with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit
    saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
-   + bias[n], + the dequantized INT8 residual, clamp (ReLU, Clip), Swish or GELU, and FP32 out or requantized to u8/s8
-   (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
+   + bias[n], + the residual (INT8 dequantized, or FP32 with FP32 out), clamp (ReLU, Clip), Swish or GELU, and FP32 out
+   or requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
    the caller's comp). kiln_dqgemm and kiln_dqconv quantize their FP32 input first (dynamic quantization) and make
    the epilogue per call.
 
@@ -29,7 +29,7 @@ typedef struct {
   const float* scale;       /* x_scale * w_scale[n], padded */
   const float* bias;        /* FP32 bias, padded; NULL: none */
   float clamp_lo, clamp_hi; /* ReLU (0, inf), Clip (min, max); (-inf, inf) otherwise */
-  float r_scale;            /* the residual's scale (its type is the output's) */
+  float r_scale;            /* an INT8 residual's scale (its type is the output's: FP32 ones are added as read) */
   float y_inv_scale;        /* 1 / y_scale */
   int32_t r_zp, y_zp;
   int32_t act;              /* after the clamp (activation.h): ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH; 0 none */
@@ -123,7 +123,9 @@ static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const v
   __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(e->comp + col)));
   y = _mm512_mul_ps(y, _mm512_loadu_ps(e->scale + col));
   if (e->bias) y = _mm512_add_ps(y, _mm512_loadu_ps(e->bias + col));
-  if (res) {
+  if (res && e->out_kind == OUT_F32) {   /* an FP32 residual: a dynamically quantized layer's sum */
+    y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, res));
+  } else if (res) {
     const __m128i bytes = _mm_maskz_loadu_epi8(mask, res);
     const __m512i r = e->out_kind == OUT_S8 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
     y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(r, _mm512_set1_epi32(e->r_zp))),
@@ -160,7 +162,7 @@ static inline uint32_t tail_quad(const uint8_t* p, int64_t bytes) {
    last rows) computes only its rows and the u8 path broadcasts straight from memory. */
 static inline __attribute__((always_inline)) void
 qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b, uint8_t* c, int64_t ldc_bytes,
-      int64_t esize, int64_t cols, int64_t col0, const uint8_t* res, int64_t ldr, const QEpilogue* e,
+      int64_t esize, int64_t cols, int64_t col0, const uint8_t* res, int64_t ldr_bytes, const QEpilogue* e,
       const int rows, const uint32_t flip) {
   const int64_t full = k / 4, tail = k % 4, quads = full + (tail != 0);
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
@@ -195,18 +197,19 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b
   const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
   for (int i = 0; i < rows; ++i) {
     uint8_t* row = c + i * ldc_bytes;
-    const uint8_t* r = res ? res + i * ldr : 0;
+    const uint8_t* r = res ? res + i * ldr_bytes : 0;
     store16(acc[i][0], col0, e, r, row, lo);
-    if (hi) store16(acc[i][1], col0 + 16, e, r ? r + 16 : 0, row + 16 * esize, hi);
+    if (hi) store16(acc[i][1], col0 + 16, e, r ? r + 16 * esize : 0, row + 16 * esize, hi);
   }
 }
 
 /* qtile for `mr` rows and the input's signedness, each combination compiled on its own. */
 static void tile_rows(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t k, const int8_t* restrict b,
                       uint8_t* c, int64_t ldc_bytes, int64_t esize, int64_t cols, int64_t col0, const uint8_t* res,
-                      int64_t ldr, const QEpilogue* e) {
-#define QTILE(R) (e->signed_input ? qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr, e, R, 0x80808080u) \
-                                  : qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr, e, R, 0))
+                      int64_t ldr_bytes, const QEpilogue* e) {
+#define QTILE(R) (e->signed_input ? qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr_bytes, e, R, \
+                                          0x80808080u)                                                          \
+                                  : qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr_bytes, e, R, 0))
   switch (mr) {
     case 1: QTILE(1); break;
     case 2: QTILE(2); break;
@@ -241,8 +244,8 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
           rows[i] = a + qrow_at(g, unit.p, r0 + (i < mr ? i : 0));
         const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
         uint8_t* out = (uint8_t*)c + at * esize;
-        const uint8_t* r = res ? (const uint8_t*)res + at : 0;
-        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n, e);
+        const uint8_t* r = res ? (const uint8_t*)res + at * esize : 0;
+        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n * esize, e);
       }
     }
   });
@@ -277,8 +280,8 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
         }
         const int64_t at = (unit.p * m + r0) * cout + unit.nb * NR;
         uint8_t* out = (uint8_t*)y + at * esize;
-        const uint8_t* r = res ? (const uint8_t*)res + at : 0;
-        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout, e);
+        const uint8_t* r = res ? (const uint8_t*)res + at * esize : 0;
+        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout * esize, e);
       }
     }
     free(rows);
@@ -369,9 +372,10 @@ static void dqgemm(QGemmFn gemm, const QGemmCall* g, const float* x, float* y, i
   free(q);
 }
 
-/* DynamicQConv: the FP32 NHWC input quantized as one tensor (DynamicQuantizeLinear's one scale), then `conv`. */
-static void dqconv(QConvFn conv, const QConvCall* g, const float* x, float* y, const int32_t* colsum,
-                   const float* w_scale) {
+/* DynamicQConv: the FP32 NHWC input quantized as one tensor (DynamicQuantizeLinear's one scale), then `conv`, which
+   adds the FP32 residual `res` (NULL: none; it may be y itself) before the activation. */
+static void dqconv(QConvFn conv, const QConvCall* g, const float* x, float* y, const float* res,
+                   const int32_t* colsum, const float* w_scale) {
   const int64_t total = g->n * g->h * g->w * g->c;
   void* epilogue_buffer;
   uint8_t* q = dynamic_buffers(total, g->cout, &epilogue_buffer);
@@ -379,7 +383,7 @@ static void dqconv(QConvFn conv, const QConvCall* g, const float* x, float* y, c
   const float scale = dynamic_quantize(x, total, q, &zp);
   QConvCall call = *g;
   dynamic_epilogue(&call.e, g->cout, scale, zp, colsum, w_scale, epilogue_buffer);
-  conv(&call, q, y, 0);
+  conv(&call, q, y, res);
   free(q);
 }
 
@@ -393,12 +397,14 @@ void kiln_dqgemm_amx(const QGemmCall* g, const float* x, float* y, int64_t m, co
   dqgemm(kiln_qgemm_amx, g, x, y, m, colsum, w_scale);
 }
 
-void kiln_dqconv(const QConvCall* g, const float* x, float* y, const int32_t* colsum, const float* w_scale) {
-  dqconv(kiln_qconv, g, x, y, colsum, w_scale);
+void kiln_dqconv(const QConvCall* g, const float* x, float* y, const float* res, const int32_t* colsum,
+                 const float* w_scale) {
+  dqconv(kiln_qconv, g, x, y, res, colsum, w_scale);
 }
 
-void kiln_dqconv_amx(const QConvCall* g, const float* x, float* y, const int32_t* colsum, const float* w_scale) {
-  dqconv(kiln_qconv_amx, g, x, y, colsum, w_scale);
+void kiln_dqconv_amx(const QConvCall* g, const float* x, float* y, const float* res, const int32_t* colsum,
+                     const float* w_scale) {
+  dqconv(kiln_qconv_amx, g, x, y, res, colsum, w_scale);
 }
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers these tactics only where AVX512-VNNI is. */
@@ -431,13 +437,15 @@ void kiln_dqgemm_amx(const QGemmCall* g, const float* x, float* y, int64_t m, co
   kiln_dqgemm(g, x, y, m, colsum, w_scale);   /* aborts, as above */
 }
 
-void kiln_dqconv(const QConvCall* g, const float* x, float* y, const int32_t* colsum, const float* w_scale) {
-  (void)g; (void)x; (void)y; (void)colsum; (void)w_scale;
+void kiln_dqconv(const QConvCall* g, const float* x, float* y, const float* res, const int32_t* colsum,
+                 const float* w_scale) {
+  (void)g; (void)x; (void)y; (void)res; (void)colsum; (void)w_scale;
   abort();   /* unreachable, as above */
 }
 
-void kiln_dqconv_amx(const QConvCall* g, const float* x, float* y, const int32_t* colsum, const float* w_scale) {
-  kiln_dqconv(g, x, y, colsum, w_scale);   /* aborts, as above */
+void kiln_dqconv_amx(const QConvCall* g, const float* x, float* y, const float* res, const int32_t* colsum,
+                     const float* w_scale) {
+  kiln_dqconv(g, x, y, res, colsum, w_scale);   /* aborts, as above */
 }
 
 int64_t kiln_amx_int8_ready(void) { return 0; }
