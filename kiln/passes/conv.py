@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir import Graph, Node
+from kiln.ir import Graph, Node, Value
 from kiln.ops.shape import pad_widths
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import (activation_spec, const_value, fused_name, replace_nodes, sole_consumer,
@@ -72,8 +72,9 @@ def _zero_pad_widths(g: Graph, pad: Node, conv: Node) -> tuple[list[int], str | 
 
 def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
     """ConvScaleFusion:  x -> Conv(W, b) -> BatchNormalization(s, B, mean, var)  ==>  Conv(W*k, (b-mean)*k + B);
-    likewise a ConvTranspose (DCGAN's generator, decoders), whose weights are [C_in, C_out/group, k...], and an INT8
-    DynamicQConv, whose weight scales take k instead of its weights."""
+    likewise a ConvTranspose (DCGAN's generator, decoders), whose weights are [C_in, C_out/group, k...], an INT8
+    DynamicQConv, whose weight scales take k instead of its weights, and a Conv of DequantizeLinear(INT8 W) (a
+    TensorRT-style QAT export keeps its BatchNorms), whose DequantizeLinear's scales take k."""
     for bn in [n for n in g.nodes if n.op_type == "BatchNormalization"]:
         conv = bn.inputs[0].producer
         if not _produces(conv, ("Conv", "ConvTranspose", "DynamicQConv")):
@@ -86,26 +87,71 @@ def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
             plog.not_fused(conv, bn, f"{conv.name} already has a fused activation or residual")
             continue
         params = [v.const if v is not None and v.is_const else None for v in bn.inputs[1:5]]
-        if any(p is None for p in params) or not conv.inputs[1].is_const:
-            plog.not_fused(conv, bn, "BatchNormalization parameters or convolution weights are not constant")
+        bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+        if any(p is None for p in params) or (bias is not None and not bias.is_const):
+            plog.not_fused(conv, bn, "BatchNormalization parameters or the convolution's bias are not constant")
             continue
         scale, shift, mean, var = (p.astype(np.float64) for p in params)
         k = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
-        w = conv.inputs[1].const
-        b = conv.inputs[2].const if len(conv.inputs) > 2 and conv.inputs[2] is not None else np.zeros(len(k))
         name, origin = fused_name([conv, bn])
-        attrs, quantized = dict(conv.attrs), "quant" in conv.attrs
-        if quantized:   # an INT8 convolution: k scales its per-channel dequantization, the weights stay
-            attrs["quant"] = {**attrs["quant"], "w_scale": (np.asarray(attrs["quant"]["w_scale"]) * k).tolist()}
-            new_w = conv.inputs[1]
-        else:
-            scaled = _scaled_output_channels(w, k, conv.op_type == "ConvTranspose", conv.attrs.get("group", 1))
-            new_w = g.add_const(f"{name}.weight", scaled)
-        bias = ((b.astype(np.float64) - mean) * k + shift).astype(np.float32 if quantized else w.dtype)
-        new_b = g.add_const(f"{name}.bias", bias)
+        attrs = dict(conv.attrs)
+        folded = _folded_weights(g, conv, k, name, attrs)
+        if isinstance(folded, str):
+            plog.not_fused(conv, bn, folded)
+            continue
+        new_w, bias_dtype = folded
+        b = bias.const if bias is not None else np.zeros(len(k))
+        new_b = g.add_const(f"{name}.bias", ((b.astype(np.float64) - mean) * k + shift).astype(bias_dtype))
         plog.fusing(conv, bn)
         replace_nodes(g, [conv, bn], Node(name, conv.op_type, [conv.inputs[0], new_w, new_b], [bn.outputs[0]], attrs,
                                           conv.domain, origin))
+
+
+def _folded_weights(g: Graph, conv: Node, k: np.ndarray, name: str, attrs: dict) -> tuple[Value, np.dtype] | str:
+    """The weights scaled by k per output channel and the folded bias's dtype, or why they cannot be: constant
+    weights are scaled; a DynamicQConv's scales (in `attrs`, updated) or a DequantizeLinear's take k instead."""
+    w = conv.inputs[1]
+    if "quant" in attrs:   # an INT8 DynamicQConv: k scales its per-channel dequantization, the weights stay
+        attrs["quant"] = {**attrs["quant"], "w_scale": (np.asarray(attrs["quant"]["w_scale"]) * k).tolist()}
+        return w, np.dtype(np.float32)
+    if w.is_const:
+        scaled = _scaled_output_channels(w.const, k, conv.op_type == "ConvTranspose", conv.attrs.get("group", 1))
+        return g.add_const(f"{name}.weight", scaled), w.dtype
+    dq = w.producer
+    if conv.op_type != "Conv" or dq is None or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx"):
+        return "the convolution's weights are not constant"
+    folded = _scaled_filter_quantization(dq, k)
+    if isinstance(folded, str):
+        return folded
+    if len(w.users) != 1:
+        return f"{dq.name}'s output '{w.name}' has {len(w.users)} consumers"
+    q_w, q_scale, q_zp = folded
+    inputs = [g.add_const(f"{name}.{part}", v) for part, v in (("weight", q_w), ("weight_scale", q_scale),
+                                                                ("weight_zero_point", q_zp))]
+    replace_nodes(g, [dq], Node(dq.name, "DequantizeLinear", inputs, [w], {"axis": 0}, dq.domain, dq.origin))
+    return w, np.dtype(np.float32)
+
+
+def _scaled_filter_quantization(dq: Node, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | str:
+    """(W, scale, zero point) of DequantizeLinear(W) * k per output channel, or why not: the scales take |k|; a
+    channel whose k is negative takes -W and -zero point, so every scale stays positive (as INT8 kernels and
+    onnxruntime's QLinearConv want). W must be a constant INT8 filter, its scales per tensor or per channel."""
+    w, scale = const_value(dq.inputs[0]), const_value(dq.inputs[1])
+    zp = const_value(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else np.zeros(1, np.int8)
+    if w is None or w.dtype not in (np.int8, np.uint8) or w.ndim < 3 or scale is None or zp is None or \
+            dq.attrs.get("block_size"):
+        return f"{dq.name} does not dequantize a constant INT8 filter with constant scales"
+    channels = w.shape[0]
+    if scale.size != 1 and (scale.size != channels or dq.attrs.get("axis", 1) not in (0, -w.ndim)):
+        return f"{dq.name}'s scales are neither per tensor nor per output channel"
+    signs = np.where(k < 0, -1, 1)
+    flipped = w.astype(np.int64) * signs.reshape((-1,) + (1,) * (w.ndim - 1))
+    new_zp = np.broadcast_to(zp.reshape(-1), (channels,)).astype(np.int64) * signs
+    info = np.iinfo(w.dtype)
+    if min(flipped.min(), new_zp.min()) < info.min or max(flipped.max(), new_zp.max()) > info.max:
+        return f"BatchNormalization negates channels whose {w.dtype} weights or zero points cannot be negated"
+    new_scale = np.broadcast_to(scale.reshape(-1).astype(np.float64), (channels,)) * np.abs(k)
+    return flipped.astype(w.dtype), new_scale.astype(np.float32), new_zp.astype(w.dtype)
 
 
 def _scaled_output_channels(w: np.ndarray, k: np.ndarray, transposed: bool, groups: int) -> np.ndarray:

@@ -60,7 +60,7 @@ def dynamic_constants(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, t
     bias = None if bias is None else _padded(bias.float(), n, torch.float32)
     lo, hi, act = fused_activation(layer.attrs.get("activation")) or (-math.inf, math.inf, 0)
     e = Epilogue(None, None, None if bias is None else bias.data_ptr(), lo, hi, 1.0, 1.0, 0, 0, act,
-                 OUT_KINDS[None], 0, 0)
+                 OUT_KINDS[None], 0, 0, OUT_KINDS[None])   # FP32 out; a residual is FP32
     return e, (colsum, w_scale) + (() if bias is None else (bias,))
 
 

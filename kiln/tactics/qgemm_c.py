@@ -39,7 +39,7 @@ class Epilogue(ctypes.Structure):
                 ("clamp_lo", ctypes.c_float), ("clamp_hi", ctypes.c_float), ("r_scale", ctypes.c_float),
                 ("y_inv_scale", ctypes.c_float), ("r_zp", ctypes.c_int32), ("y_zp", ctypes.c_int32),
                 ("act", ctypes.c_int32), ("out_kind", ctypes.c_int32), ("signed_input", ctypes.c_int32),
-                ("pad_byte", ctypes.c_int32)]
+                ("pad_byte", ctypes.c_int32), ("r_kind", ctypes.c_int32)]
 
 
 I64 = ctypes.c_int64
@@ -135,8 +135,13 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
     e = Epilogue(comp.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), lo, hi,
                  float(q.get("r_scale", 1.0)), 1.0 / y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
                  OUT_KINDS[q.get("y_dtype") if "y_scale" in q else None], int(q["x_dtype"] == "int8"),
-                 int(q["x_zero_point"]) & 0xFF)
+                 int(q["x_zero_point"]) & 0xFF, _residual_kind(layer))
     return e, tuple(t for t in (comp, scale, bias) if t is not None)
+
+
+def _residual_kind(layer: LayerView) -> int:
+    """The residual's type as qgemm.c's r_kind: an INT8 one's, else FP32 (also where there is none)."""
+    return OUT_KINDS.get(layer.input_dtypes[3], OUT_KINDS[None]) if _has_residual(layer) else OUT_KINDS[None]
 
 
 def vnni_available() -> bool:
@@ -154,7 +159,8 @@ def _output_dtype(layer: LayerView) -> torch.dtype:
 
 def _conv_supported(layer: LayerView) -> bool:
     """A 2-D QConv with constant s8 weights, one group, dilation 1, explicit pads, an activation the kernel has,
-    and a residual (if fused) of the output's shape and type."""
+    and a residual (if fused) of the output's shape: of its INT8 type, or FP32 (a TensorRT-style QAT export's
+    unquantized residual sum)."""
     if layer.op_type != "QConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
         return False
     a, w = layer.attrs, layer.const_inputs.get(1)
@@ -170,7 +176,7 @@ def _conv_supported(layer: LayerView) -> bool:
     if _has_residual(layer):
         q = layer.attrs["quant"]
         out = (layer.input_shapes[0][0], w.shape[0], oh, ow)
-        if "y_scale" not in q or layer.input_dtypes[3] != q["y_dtype"] or tuple(layer.input_shapes[3]) != out:
+        if layer.input_dtypes[3] not in (q.get("y_dtype"), "float32") or tuple(layer.input_shapes[3]) != out:
             return False
     return vnni_available()
 

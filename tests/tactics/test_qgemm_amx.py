@@ -55,23 +55,26 @@ def test_quantized_conv_equals_the_vnni_kernel(case, amx_int8_kernels):
 
 
 @needs_vnni
-@pytest.mark.parametrize("kh,out", [(3, "uint8"), (1, "int8"), (3, None)])
-def test_residual_relu_and_fp32_out_equal_the_vnni_kernel(kh, out, amx_int8_kernels):
+@pytest.mark.parametrize("kh,out,residual", [(3, "uint8", "uint8"), (1, "int8", "int8"), (3, None, None),
+                                             (1, None, "float32"), (3, "uint8", "float32")])
+def test_residual_relu_and_fp32_out_equal_the_vnni_kernel(kh, out, residual, amx_int8_kernels):
     g = torch.Generator().manual_seed(2)
     w = torch.randint(-127, 128, (40, 16, kh, kh), generator=g, dtype=torch.int8)
     x = rand_q((1, 16, 10, 10), "uint8", g)
     pads = (1,) * 4 if kh == 3 else (0,) * 4
-    if out is None:
+    if residual is None:
         view, xs = qconv_view(tuple(x.shape), w, quant(40, y=None), pads), [x, None, None]
     else:
-        r = rand_q((1, 40, 10, 10), out, g).contiguous(memory_format=torch.channels_last)
-        q = quant(40, y=(out, 5 if out == "uint8" else -4, 0.05), r=(7 if out == "uint8" else 3, 0.03))
-        view = qconv_view(tuple(x.shape), w, q, pads, act={"op": "Relu", "attrs": {}}, residual=True)
-        xs = [x, None, None, r]
+        r = torch.randn((1, 40, 10, 10), generator=g) if residual == "float32" else rand_q((1, 40, 10, 10), out, g)
+        y = None if out is None else (out, 5 if out == "uint8" else -4, 0.05)
+        q = quant(40, y=y, r=None if residual == "float32" else (7 if out == "uint8" else 3, 0.03))
+        view = qconv_view(tuple(x.shape), w, q, pads, act={"op": "Relu", "attrs": {}}, residual=True,
+                          residual_dtype=residual)
+        xs = [x, None, None, r.contiguous(memory_format=torch.channels_last)]
     amx, vnni = (QConvDirectAmxTactic(), QConvDirectTactic()) if kh == 3 else (QConvGemmAmxTactic(), QConvGemmTactic())
     got = run(amx, view, xs)
     assert torch.equal(got, run(vnni, view, xs))
-    want = conv_formula(view, x, xs[3] if out else None)   # and the formula: dequantized sum + residual, requantized
+    want = conv_formula(view, x, xs[3] if residual else None)   # and the formula: the sum + residual, requantized
     if out is None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     else:

@@ -45,7 +45,9 @@ def rand_q(shape, dtype, g):
     return torch.randint(lo, hi + 1, shape, generator=g, dtype=TORCH[dtype])
 
 
-def qconv_view(x_shape, w, q, pads=(0, 0, 0, 0), stride=(1, 1), act=None, residual=False, group=1, dilation=1):
+def qconv_view(x_shape, w, q, pads=(0, 0, 0, 0), stride=(1, 1), act=None, residual=False, group=1, dilation=1,
+               residual_dtype=None):
+    """A QConv's LayerView; a residual is of the output's type unless `residual_dtype` says otherwise."""
     k = w.shape[0]
     consts = {1: w, 2: torch.linspace(-2, 2, k)}
     attrs = {"pads": list(pads), "strides": list(stride), "dilations": [dilation] * 2, "group": group,
@@ -56,7 +58,7 @@ def qconv_view(x_shape, w, q, pads=(0, 0, 0, 0), stride=(1, 1), act=None, residu
         view = qconv_view(x_shape, w, q, pads, stride)
         oh, ow = conv_out_hw(view)
         shapes.append((x_shape[0], k, oh, ow))
-        dtypes.append(out_dtype)
+        dtypes.append(residual_dtype or out_dtype)
     return LayerView("QConv", "kiln", attrs, tuple(shapes), tuple(dtypes), consts, (out_dtype,))
 
 
@@ -80,7 +82,9 @@ def conv_formula(view, x, residual=None):
     w = view.const_inputs[1].float() * torch.tensor(q["w_scale"]).view(-1, 1, 1, 1)
     xf = F.pad((x.float() - q["x_zero_point"]) * q["x_scale"], [a["pads"][1], a["pads"][3], a["pads"][0], a["pads"][2]])
     y = F.conv2d(xf.double(), w.double(), view.const_inputs[2].double(), a["strides"]).float()
-    if residual is not None:
+    if residual is not None and residual.is_floating_point():   # an unquantized (FP32) sum
+        y = y + residual
+    elif residual is not None:
         y = y + (residual.float() - q["r_zero_point"]) * q["r_scale"]
     spec = a.get("activation")
     if spec and spec["op"] == "Relu":
@@ -201,6 +205,38 @@ def test_residual_sum_and_relu_fuse_and_may_write_over_the_dead_residual(kh, out
     dead = r.clone()
     assert index == 3 and into([x, None, None, dead])[0].data_ptr() == dead.data_ptr()
     assert torch.equal(dead, got)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kh,out", [(3, None), (1, None), (3, "uint8"), (1, "int8")])
+def test_an_fp32_residual_sums_before_relu_whatever_the_output_type(kh, out):
+    """A TensorRT-style QAT export leaves the residual sum unquantized: the convolution adds an FP32 residual to its
+    dequantized sum, then ReLU, and writes FP32 (over the residual's dead buffer, if the runtime offers it) or
+    requantizes."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-127, 128, (40, 16, kh, kh), generator=g, dtype=torch.int8)
+    x = rand_q((1, 16, 10, 10), "uint8", g)
+    r = torch.randn((1, 40, 10, 10), generator=g).contiguous(memory_format=torch.channels_last)
+    q = quant(40, y=None if out is None else (out, 5 if out == "uint8" else -4, 0.05))
+    view = qconv_view(tuple(x.shape), w, q, (1,) * 4 if kh == 3 else (0,) * 4, act={"op": "Relu", "attrs": {}},
+                      residual=True, residual_dtype="float32")
+    tactic = QConvDirectTactic() if kh == 3 else QConvGemmTactic()
+    assert tactic.supports(view)
+    if int8_available():
+        assert not OneDnnInt8ConvTactic().supports(view)   # its sum post-op takes the output's type only
+    kernel = tactic.prepare(view)
+    want, kept = conv_formula(view, x, r), r.clone()
+    got = kernel([x, None, None, r])[0]
+    zero = 0 if out is None else q["y_zero_point"]   # ReLU's floor, as stored
+    assert torch.equal(r, kept) and (got == zero).any() and (got != zero).any()
+    if out is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert_requantized_equal(got, want)
+    dead = r.clone()
+    written = kernel.into_input[1]([x, None, None, dead])[0]
+    assert torch.equal(written, got)
+    assert (written.data_ptr() == dead.data_ptr()) == (out is None)   # over the residual only where types match
 
 
 def linear_view(op, x_shape, w, q, trans_b=0):

@@ -1,8 +1,8 @@
 /* kiln's INT8 GEMM and direct convolution on AVX512-VNNI (kiln.tactics.qgemm_c; on AMX tiles: qgemm_amx.h):
    u8 activations times s8 weights with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit
    saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
-   + bias[n], + the residual (INT8 dequantized, or FP32 with FP32 out), clamp (ReLU, Clip), Swish or GELU, and FP32 out
-   or requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
+   + bias[n], + the residual (INT8 dequantized, or FP32), clamp (ReLU, Clip), Swish or GELU, and FP32 out or
+   requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
    the caller's comp). kiln_dqgemm and kiln_dqconv quantize their FP32 input first (dynamic quantization) and make
    the epilogue per call.
 
@@ -29,16 +29,20 @@ typedef struct {
   const float* scale;       /* x_scale * w_scale[n], padded */
   const float* bias;        /* FP32 bias, padded; NULL: none */
   float clamp_lo, clamp_hi; /* ReLU (0, inf), Clip (min, max); (-inf, inf) otherwise */
-  float r_scale;            /* an INT8 residual's scale (its type is the output's: FP32 ones are added as read) */
+  float r_scale;            /* an INT8 residual's scale (FP32 ones are added as read) */
   float y_inv_scale;        /* 1 / y_scale */
   int32_t r_zp, y_zp;
   int32_t act;              /* after the clamp (activation.h): ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH; 0 none */
   int32_t out_kind;         /* OUT_F32, OUT_U8, OUT_S8 */
   int32_t signed_input;     /* 1: s8 activations (top bit flipped as read) */
   int32_t pad_byte;         /* the raw input byte of a quantized zero (x_zp), written where a window is padded */
+  int32_t r_kind;           /* the residual's type: OUT_F32, OUT_U8, OUT_S8 */
 } QEpilogue;
 
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
+
+static inline int64_t out_size(const QEpilogue* e) { return e->out_kind == OUT_F32 ? 4 : 1; }
+static inline int64_t res_size(const QEpilogue* e) { return e->r_kind == OUT_F32 ? 4 : 1; }
 
 /* A GEMM layer's constant arguments (kiln.tactics.qgemm_c.GemmCall): a call passes only its tensors, so the
    per-call cost is not spent converting a dozen integers. Row r of image p starts at a + p * a_batch +
@@ -123,11 +127,11 @@ static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const v
   __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(e->comp + col)));
   y = _mm512_mul_ps(y, _mm512_loadu_ps(e->scale + col));
   if (e->bias) y = _mm512_add_ps(y, _mm512_loadu_ps(e->bias + col));
-  if (res && e->out_kind == OUT_F32) {   /* an FP32 residual: a dynamically quantized layer's sum */
+  if (res && e->r_kind == OUT_F32) {   /* an FP32 residual (a sum left unquantized) */
     y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, res));
   } else if (res) {
     const __m128i bytes = _mm_maskz_loadu_epi8(mask, res);
-    const __m512i r = e->out_kind == OUT_S8 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    const __m512i r = e->r_kind == OUT_S8 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
     y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(r, _mm512_set1_epi32(e->r_zp))),
                         _mm512_set1_ps(e->r_scale), y);
   }
@@ -199,7 +203,7 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b
     uint8_t* row = c + i * ldc_bytes;
     const uint8_t* r = res ? res + i * ldr_bytes : 0;
     store16(acc[i][0], col0, e, r, row, lo);
-    if (hi) store16(acc[i][1], col0 + 16, e, r ? r + 16 * esize : 0, row + 16 * esize, hi);
+    if (hi) store16(acc[i][1], col0 + 16, e, r ? r + 16 * res_size(e) : 0, row + 16 * esize, hi);
   }
 }
 
@@ -221,10 +225,8 @@ static void tile_rows(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t
 #undef QTILE
 }
 
-static inline int64_t out_size(const QEpilogue* e) { return e->out_kind == OUT_F32 ? 4 : 1; }
-
-/* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual,
-   output-typed) laid out as C, and may be C itself. */
+/* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual, of
+   e.r_kind) laid out as C, and may be C itself where they have one type. */
 void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
   const int64_t c_batch = g->c_batch, batch = g->batch, k = g->k, n = g->n;
   const int8_t* b = g->b;
@@ -244,8 +246,8 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
           rows[i] = a + qrow_at(g, unit.p, r0 + (i < mr ? i : 0));
         const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
         uint8_t* out = (uint8_t*)c + at * esize;
-        const uint8_t* r = res ? (const uint8_t*)res + at * esize : 0;
-        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n * esize, e);
+        const uint8_t* r = res ? (const uint8_t*)res + at * res_size(e) : 0;
+        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n * res_size(e), e);
       }
     }
   });
@@ -280,8 +282,8 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
         }
         const int64_t at = (unit.p * m + r0) * cout + unit.nb * NR;
         uint8_t* out = (uint8_t*)y + at * esize;
-        const uint8_t* r = res ? (const uint8_t*)res + at * esize : 0;
-        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout * esize, e);
+        const uint8_t* r = res ? (const uint8_t*)res + at * res_size(e) : 0;
+        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout * res_size(e), e);
       }
     }
     free(rows);

@@ -30,10 +30,10 @@ static void qamx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const int8_t
     const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
     for (int64_t i = 0; i < mr; ++i) {
       uint8_t* row = c + (i * ldc + nb * NR) * esize;
-      const uint8_t* r = res ? res + (i * ldc + nb * NR) * esize : 0;
+      const uint8_t* r = res ? res + (i * ldc + nb * NR) * res_size(e) : 0;
       store16(_mm512_loadu_si512(out + i * NR), nb * NR, e, r, row, lo);
-      if (hi) store16(_mm512_loadu_si512(out + i * NR + 16), nb * NR + 16, e, r ? r + 16 * esize : 0, row + 16 * esize,
-                      hi);
+      if (hi) store16(_mm512_loadu_si512(out + i * NR + 16), nb * NR + 16, e, r ? r + 16 * res_size(e) : 0,
+                      row + 16 * esize, hi);
     }
   }
 }
@@ -54,7 +54,7 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
       for (int64_t i = 0; i < t.mr; ++i) pack_qrow(pa + i * lda, a + qrow_at(g, t.p, t.r0 + i), k, flip, kq);
       const int64_t at = t.p * g->c_batch + t.r0 * n;
       qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, n, out, (uint8_t*)c + at * esize,
-                  res ? (const uint8_t*)res + at * esize : 0, n, &g->e);
+                  res ? (const uint8_t*)res + at * res_size(&g->e) : 0, n, &g->e);
     }
     amx_worker_end(&worker);
   });
@@ -85,7 +85,7 @@ void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* r
       }
       const int64_t at = (t.p * m + t.r0) * cout;
       qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, cout, out, (uint8_t*)y + at * esize,
-                  res ? (const uint8_t*)res + at * esize : 0, cout, &g->e);
+                  res ? (const uint8_t*)res + at * res_size(&g->e) : 0, cout, &g->e);
     }
     amx_worker_end(&worker);
   });
