@@ -241,18 +241,19 @@ def test_yolov8_on_kilns_kernels_copies_every_split_and_concat_in_c(yolo_onnx, t
 
 @bf16_cpu
 def test_yolov8_bf16_plan_copies_bf16_between_bf16_convolutions(yolo_onnx):
-    """`--bf16` on kiln's kernels: the C2f blocks' splits and concats are granted BF16 on kiln's copy (the
-    detect head's outputs stay FP32, so a few copies there stay FP32), output within cosine 0.999."""
+    """`--bf16` on kiln's kernels: the C2f blocks' splits and concats are granted BF16 on kiln's copy, output within
+    cosine 0.999. Autotune off, so each takes the first tactic offering BF16; with it, the autotuner keeps a few
+    near the detect head's FP32 outputs in FP32 where that times faster here (29-35 of 38 BF16 across runs)."""
     import numpy as np
 
     import kiln
     from tests.conftest import run_ort
 
-    engine = kiln.build(yolo_onnx, bf16=True, tactic_sources="kiln", avg_timing=1, min_timing=1)
+    engine = kiln.build(yolo_onnx, bf16=True, tactic_sources="kiln", autotune=False)
     layers = copy_layers(engine)
-    assert len(layers) == 38 and {l["TacticName"] for l in layers} <= {"kiln.copy_rows", "kiln.copy_rows_bf16"}
-    bf16 = [l for l in layers if l["TacticName"] == "kiln.copy_rows_bf16"]
-    assert len(bf16) >= 30 and all(l["GrantedPrecision"] == "BF16" for l in bf16)
+    assert len(layers) == 38 and {l["TacticName"] for l in layers} == {"kiln.copy_rows_bf16"}
+    bf16 = layers
+    assert all(l["GrantedPrecision"] == "BF16" for l in bf16)
     assert any("BF16" in t["Format/Datatype"] for l in bf16 for t in l["Inputs"])
     x = np.random.default_rng(3).standard_normal((1, 3, 64, 64)).astype(np.float32)
     name = engine.input_names[0]
