@@ -116,20 +116,23 @@ def _folded_weights(g: Graph, conv: Node, k: np.ndarray, name: str, attrs: dict)
         return w, np.dtype(np.float32)
     if w.is_const:
         scaled = _scaled_output_channels(w.const, k, conv.op_type == "ConvTranspose", conv.attrs.get("group", 1))
-        return g.add_const(f"{name}.weight", scaled), w.dtype
+        return g.add_const(f"{name}.weight", scaled), w.const.dtype
     dq = w.producer
-    if conv.op_type != "Conv" or dq is None or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx"):
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx"):
         return "the convolution's weights are not constant"
+    if conv.op_type != "Conv":
+        return f"only a Conv's DequantizeLinear filter takes the BatchNorm, not a {conv.op_type}'s"
     folded = _scaled_filter_quantization(dq, k)
     if isinstance(folded, str):
         return folded
-    if len(w.users) != 1:
-        return f"{dq.name}'s output '{w.name}' has {len(w.users)} consumers"
+    if sole_consumer(g, dq) is not conv:
+        return why_not_sole_consumer(g, dq)
     q_w, q_scale, q_zp = folded
     inputs = [g.add_const(f"{name}.{part}", v) for part, v in (("weight", q_w), ("weight_scale", q_scale),
                                                                 ("weight_zero_point", q_zp))]
-    replace_nodes(g, [dq], Node(dq.name, "DequantizeLinear", inputs, [w], {"axis": 0}, dq.domain, dq.origin))
-    return w, np.dtype(np.float32)
+    replace_nodes(g, [dq], Node(dq.name, "DequantizeLinear", inputs, [w], {**dq.attrs, "axis": 0}, dq.domain,
+                                dq.origin))
+    return w, q_scale.dtype   # the dequantized filter's type (FP32, or FP16 scales in an FP16 model)
 
 
 def _scaled_filter_quantization(dq: Node, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | str:
@@ -151,7 +154,7 @@ def _scaled_filter_quantization(dq: Node, k: np.ndarray) -> tuple[np.ndarray, np
     if min(flipped.min(), new_zp.min()) < info.min or max(flipped.max(), new_zp.max()) > info.max:
         return f"BatchNormalization negates channels whose {w.dtype} weights or zero points cannot be negated"
     new_scale = np.broadcast_to(scale.reshape(-1).astype(np.float64), (channels,)) * np.abs(k)
-    return flipped.astype(w.dtype), new_scale.astype(np.float32), new_zp.astype(w.dtype)
+    return flipped.astype(w.dtype), new_scale.astype(scale.dtype), new_zp.astype(w.dtype)
 
 
 def _scaled_output_channels(w: np.ndarray, k: np.ndarray, transposed: bool, groups: int) -> np.ndarray:

@@ -4,6 +4,7 @@ and timed end to end through the plan interpreter; the fastest wins, within the 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Callable
 
@@ -312,18 +313,22 @@ def _rounding_floor(reference_fn, inputs: dict, reference: list, min_cosine: flo
     its fusions round INT8 differently (a quantize_static BERT-base calibrated on 4 inputs: 0.993), and a plan may
     round as either does. The bar is then twice their distance from 1, never below MIN_QUANTIZED_COSINE."""
     literal = getattr(reference_fn, "literal", None)
+    if literal is None:
+        return min_cosine
     try:
-        unfused = literal(inputs) if literal is not None else None
+        cosines = [_cosine(a, b) for a, b in zip(literal(inputs), reference)
+                   if a.is_floating_point() and a.shape == b.shape and float(a.norm() * b.norm()) > 0]
     except Exception as exc:
         log.debug("onnxruntime without optimizations failed (%s); the cosine bar stays %s", exc, min_cosine)
-        unfused = None
-    if unfused is None:
         return min_cosine
-    worst = min((_cosine(a, b) for a, b in zip(unfused, reference) if a.is_floating_point()), default=1.0)
+    worst = min(cosines, default=1.0)
+    if not math.isfinite(worst):
+        return min_cosine
     floor = max(MIN_QUANTIZED_COSINE, 1.0 - 2.0 * (1.0 - worst))
     if floor < min_cosine:
-        log.info("onnxruntime with and without its graph optimizations agree to cosine %.5f on this quantized model: "
-                 "plans must reach %.5f against it (not %s)", worst, floor, min_cosine)
+        (log.warning if floor < 0.99 else log.info)(
+            "onnxruntime with and without its graph optimizations agree to cosine %.5f on this quantized model: "
+            "plans must reach %.5f against it (not %s)", worst, floor, min_cosine)
     return min(min_cosine, floor)
 
 

@@ -73,6 +73,9 @@ def with_activation(layer: LayerView, run: Kernel) -> Kernel:
     def activated(xs):
         return [apply_activation(spec, run(xs)[0])]
     activated.constants = run.constants
+    if hasattr(run, "into_input"):   # the variant writing over a dead residual, then the activation
+        index, into = run.into_input
+        activated.into_input = (index, lambda xs: [apply_activation(spec, into(xs)[0])])
     return activated
 
 

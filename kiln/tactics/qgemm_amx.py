@@ -1,7 +1,7 @@
 """kiln's INT8 GEMM and direct convolution on AMX tiles (kiln/native/csrc/qgemm_amx.h, `tdpbusd`: 16 x 16 int32
 accumulators over 16 x 64 u8 and 16 x 16 x 4 s8 operand tiles): the same layers, semantics and epilogue as
-kiln.tactics.qgemm_c's VNNI kernels (zero-point compensation, per-channel scales, bias, INT8 residual,
-activation, FP32 or requantized u8/s8 out). A block of 32 rows is packed once and multiplied by every weight
+kiln.tactics.qgemm_c's VNNI kernels (zero-point compensation, per-channel scales, bias, INT8 or FP32
+residual, activation, FP32 or requantized u8/s8 out). A block of 32 rows is packed once and multiplied by every weight
 panel; the weights are packed at load with each k range padded to whole 64-byte tile steps.
 
 Offered where the CPU reports AMX-INT8, Linux grants the process AMX state, and a self-check gives exactly the

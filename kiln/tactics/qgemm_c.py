@@ -2,8 +2,8 @@
 strides read in place) or a direct convolution (any kernel, stride and padding; windows read in place), QGemm and
 QMatMul by a constant matrix. The semantics are the oneDNN INT8 tactics' (kiln.tactics.onednn_int8): u8 or s8
 activations (s8 read as u8 with the top bit flipped, zero point + 128), symmetric s8 weights per tensor or per
-output channel, a constant FP32 bias, the INT8 residual summed before the activation (ReLU, Clip, Swish, GELU),
-and FP32 out or requantized to u8/s8 (round half to even, saturated).
+output channel, a constant FP32 bias, the residual (INT8, or FP32) summed before the activation (ReLU, Clip,
+Swish, GELU), and FP32 out or requantized to u8/s8 (round half to even, saturated).
 
 The weights are packed once at load into 32-column panels of 4-byte quads, [n/32][k/4][32][4], with the column
 sums that undo the activation zero point (padded pixels hold the zero point, so the same sum holds at borders).

@@ -144,7 +144,7 @@ def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:
     kernel, pads, strides, dilations = _conv_geometry(plan, layer, weights)
     n = len(kernel)
     has_bias = bias is not None and len(layer.args) > bias and layer.args[bias].kind == "weight"
-    has_res = layer.op_type in ("Conv", "QConv") and len(layer.args) > 3 and layer.args[3].kind == "tensor"
+    has_res = layer.op_type in ("Conv", "QConv", "DynamicQConv") and len(layer.args) > 3 and layer.args[3].kind == "tensor"
     act = _activation(a)
     return {"Kernel": kernel, "PaddingMode": _padding_mode(a), "PrePadding": pads[:n], "PostPadding": pads[n:],
             "Stride": strides, "Dilation": dilations,

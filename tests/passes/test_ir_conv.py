@@ -90,7 +90,7 @@ def test_batchnorm_with_a_computed_mean_does_not_fold():
                               "convolution's bias are not constant"]
 
 
-def qat_conv(b: IRBuilder, filt: np.ndarray, name: str = "conv", w_scale=(0.5,), dq=None):
+def qat_conv(b: IRBuilder, filt: np.ndarray, name: str = "conv", w_scale=(0.5,), dq=None, w_zp=(0,)):
     """A TensorRT-style QAT convolution: Conv(DequantizeLinear(x_s8), DequantizeLinear(W_s8)) with an FP32 bias."""
     xq = b.input(f"{name}.xq", (1, filt.shape[1], 3, 3), np.int8)
     x_dq = b.node("DequantizeLinear", [xq, b.const(f"{name}.xs", 0.1), b.const(f"{name}.xz", 0, np.int8)],
@@ -98,17 +98,17 @@ def qat_conv(b: IRBuilder, filt: np.ndarray, name: str = "conv", w_scale=(0.5,),
     if dq is None:
         scale = np.asarray(w_scale, np.float32)
         dq = b.node("DequantizeLinear", [b.const(f"{name}.wq", filt, np.int8), b.const(f"{name}.ws", scale),
-                                         b.const(f"{name}.wz", np.zeros(scale.shape), np.int8)],
+                                         b.const(f"{name}.wz", np.asarray(w_zp).reshape(scale.shape), np.int8)],
                     f"{name}.w", filt.shape, dtype=np.float32, name=f"{name}.dqw", **({"axis": 0} if scale.size > 1 else {}))
     return b.node("Conv", [x_dq, dq, b.const(f"{name}.b", [0.5, -0.5])], f"{name}.c", X, name=name)
 
 
 def test_batchnorm_folds_into_a_dequantized_filters_scales_and_a_negative_one_flips_its_channel():
-    """k = [2, -1] (gamma [4, -3]): the per-tensor scale 0.5 becomes per channel [1.0, 0.5], channel 1's INT8
+    """k = [2, -1] (gamma [4, -3]): the per-channel scales [0.5, 0.25] become [1.0, 0.25], channel 1's INT8
     weights and zero point change sign (scales stay positive), and the FP32 bias takes the fold."""
     b = IRBuilder()
     filt = np.array([[[[3]], [[-7]]], [[[127]], [[-5]]]])
-    c = qat_conv(b, filt)
+    c = qat_conv(b, filt, w_scale=(0.5, 0.25), w_zp=(2, 3))
     params = [b.const("scale", [4.0, -3.0]), b.const("shift", [0.5, -1.0]), b.const("mean", [1.0, 2.0]),
               b.const("var", [3.0, 8.0])]
     g = b.graph(b.node("BatchNormalization", [c] + params, "y", X, name="bn", epsilon=1.0))
@@ -120,7 +120,7 @@ def test_batchnorm_folds_into_a_dequantized_filters_scales_and_a_negative_one_fl
     assert (dq.name, dq.attrs, conv.name, conv.origin) == ("conv.dqw", {"axis": 0}, "conv + bn", ("conv", "bn"))
     w, scale, zp = (v.const for v in dq.inputs)
     assert w.dtype == np.int8 and w.reshape(2, 2).tolist() == [[3, -7], [-127, 5]]
-    assert scale.dtype == np.float32 and scale.tolist() == [1.0, 0.5] and zp.tolist() == [0, 0]
+    assert scale.dtype == np.float32 and scale.tolist() == [1.0, 0.25] and zp.tolist() == [2, -3]
     np.testing.assert_array_equal(conv.inputs[2].const, np.array([(0.5 - 1) * 2 + 0.5, (-0.5 - 2) * -1 - 1.0],
                                                                  np.float32))
     assert conv.inputs[1] is dq.outputs[0] and run.stat.matches == 1

@@ -86,10 +86,13 @@ def test_batchnorm_folds_into_the_int8_convolutions_scales(tmp_path):
     summed = [l for l in engine.plan.layers if l.op_type == "DynamicQConv" and len(l.inputs) == 2]   # x, residual
     assert [l.name.split(" + ")[-3:] for l in summed] == \
         [[f"{b}/bn2/BatchNormalization", f"{b}/Add", f"{b}/relu_1/Relu"] for b in blocks]
+    info = {l["Name"]: l for l in engine.layer_info()["Layers"]}
+    assert [info[l.name]["HasResidual"] for l in summed] == [1] * 8
     shortcuts = [l.inputs[1].name for l in summed]
     assert shortcuts[:2] == ["/maxpool/MaxPool_output_0", "/layer1/layer1.0/relu_1/Relu_output_0"]
     assert shortcuts[2] == "/layer2/layer2.0/downsample/downsample.1/BatchNormalization_output_0"
     stem = next(l for l in engine.plan.layers if l.op_type == "DynamicQConv")
+    assert info[stem.name]["HasResidual"] == 0
     assert "BatchNormalization" in stem.name and stem.name.endswith("relu/Relu") and stem.precision == "INT8"
     x = {"input": rand((1, 3, 32, 32), 8)}
     got = engine.run(x)["output"]
@@ -170,8 +173,11 @@ def test_the_kernel_adds_an_fp32_residual_before_relu_as_onnxruntime(padding):
     last = torch.channels_last
     run = DynamicQConvTactic().prepare(view)
     x, r = x.contiguous(memory_format=last), r.contiguous(memory_format=last)
+    kept = r.clone()
     np.testing.assert_array_equal(run([x, w, bias, r])[0].numpy(), want)
-    assert np.any(want == 0) and np.any(r.numpy() != 0)   # ReLU clipped some sums; the residual counted
+    assert torch.equal(r, kept)   # a live residual is only read
+    assert np.any(want == 0) and np.any(want > 0)   # ReLU clipped some sums, not all
+    assert not np.array_equal(want, onnxruntime_conv_chain(view, x, r * 0))   # the residual counts
     index, into_residual = run.into_input
     assert index == 3
     buffer = r.clone(memory_format=last)

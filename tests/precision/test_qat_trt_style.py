@@ -9,12 +9,13 @@ import warnings
 from collections import Counter
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
 import kiln
 from kiln.tactics.qgemm_c import vnni_available
-from tests.conftest import cosine, run_ort
+from tests.conftest import assert_close_to_ort, cosine, run_ort
 from tests.models import nets
 
 KILN_INT8 = {"kiln.qconv2d_1x1_gemm_nhwc_int8", "kiln.qconv2d_direct_nhwc_int8", "kiln.qconv2d_1x1_gemm_nhwc_amx_int8",
@@ -63,7 +64,7 @@ def qat_resnet18(tmp_path_factory) -> str:
     with torch.no_grad():
         for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
             bn.weight[::5] *= -1
-    model = fake_quantize(model, torch.rand(2, 3, 32, 32))
+    model = fake_quantize(model, torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
     path = tmp_path_factory.mktemp("qat") / "r18_qat.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -73,9 +74,11 @@ def qat_resnet18(tmp_path_factory) -> str:
 
 
 def test_each_convolution_is_one_int8_layer_with_its_batchnorm_sum_and_relu(qat_resnet18):
-    ops = Counter(n.op_type for n in __import__("onnx").load(qat_resnet18).graph.node)
+    """Exact layers on kiln's kernels (autotune off: each on the first tactic that takes it), and onnxruntime's
+    output to 1e-4 of its largest value: the INT8 sums are exact and no requantization lands on a tie here."""
+    ops = Counter(n.op_type for n in onnx.load(qat_resnet18).graph.node)   # the recipe: 21 layers x 2 DQs
     assert (ops["Conv"], ops["BatchNormalization"], ops["Add"], ops["DequantizeLinear"]) == (20, 20, 8, 42)
-    engine = kiln.build(qat_resnet18, tactic_sources="-openvino,-onnxruntime")
+    engine = kiln.build(qat_resnet18, tactic_sources="-openvino,-onnxruntime", autotune=False)
     layers = engine.plan.layers
     kinds = Counter(l.op_type for l in layers)
     assert kinds["QConv"] == 20 and kinds["QGemm"] == 1
@@ -90,12 +93,14 @@ def test_each_convolution_is_one_int8_layer_with_its_batchnorm_sum_and_relu(qat_
         assert {l.tactic_name for l in summed} <= KILN_INT8 - {"onednn.qconv2d_nhwc_prepacked"}
         assert all(l.tactic_name in KILN_INT8 for l in convs)
     x = {"input": np.random.default_rng(0).random((1, 3, 32, 32), np.float32)}
-    assert cosine(engine.run(x)["output"], run_ort(qat_resnet18, x)[0]) > 0.9999
+    assert_close_to_ort(engine.run(x)["output"], run_ort(qat_resnet18, x)[0])
 
 
 def test_an_onnxruntime_region_gets_the_folded_convolutions_back_as_qdq(qat_resnet18, monkeypatch):
     """The fused layers emitted for onnxruntime (DQ -> Conv with the folded, sign-flipped filter -> + residual ->
-    ReLU) compute what the model computes."""
+    ReLU [-> Q]) compute what the model computes. A convolution writing INT8 goes to onnxruntime as DQ -> Conv -> Q,
+    which it runs as QLinearConv (the model's Conv -> BatchNorm -> ReLU -> Q it runs in FP32): its requantization
+    rounds some values a step apart from the model's, hence a cosine, not 1e-4."""
     from tests.conftest import force_plan
 
     force_plan(monkeypatch, "onnxruntime")

@@ -11,9 +11,9 @@ from tests.models.nets import export
 
 
 def build_forced_onto(model: nn.Module, x: torch.Tensor, folder, sources=frozenset({"kiln"}), autotune: bool = True):
-    """Export `model` (every BatchNorm's statistics randomized first), build it with only `sources` (autotune off:
-    each layer on the first registered tactic that takes it, whatever times faster here), check its output against
-    onnxruntime and that a saved engine loads to the same output; return the engine."""
+    """Export `model` (every BatchNorm's statistics randomized first), build it with only `sources` (with
+    `autotune=False` each layer takes the first registered tactic that supports it, whatever times faster here),
+    check its output against onnxruntime and that a saved engine loads to the same output; return the engine."""
     with torch.no_grad():
         for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
             bn.running_mean.uniform_(-0.5, 0.5)

@@ -252,9 +252,8 @@ def test_yolov8_bf16_plan_copies_bf16_between_bf16_convolutions(yolo_onnx):
     engine = kiln.build(yolo_onnx, bf16=True, tactic_sources="kiln", autotune=False)
     layers = copy_layers(engine)
     assert len(layers) == 38 and {l["TacticName"] for l in layers} == {"kiln.copy_rows_bf16"}
-    bf16 = layers
-    assert all(l["GrantedPrecision"] == "BF16" for l in bf16)
-    assert any("BF16" in t["Format/Datatype"] for l in bf16 for t in l["Inputs"])
+    assert all(l["GrantedPrecision"] == "BF16" for l in layers)
+    assert any("BF16" in t["Format/Datatype"] for l in layers for t in l["Inputs"])
     x = np.random.default_rng(3).standard_normal((1, 3, 64, 64)).astype(np.float32)
     name = engine.input_names[0]
     got, want = engine.run({name: x})[engine.output_names[0]], run_ort(yolo_onnx, {name: x})[0]

@@ -2,8 +2,8 @@
    u8 activations times s8 weights with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit
    saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
    + bias[n], + the residual (INT8 dequantized, or FP32), clamp (ReLU, Clip), Swish or GELU, and FP32 out or
-   requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit flipped (x_zp + 128:
-   the caller's comp). kiln_dqgemm and kiln_dqconv quantize their FP32 input first (dynamic quantization) and make
+   requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit
+   flipped (x_zp + 128: the caller's comp). kiln_dqgemm and kiln_dqconv quantize their FP32 input first (dynamic quantization) and make
    the epilogue per call.
 
    Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a

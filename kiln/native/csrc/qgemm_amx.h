@@ -1,5 +1,5 @@
 /* kiln_qgemm and kiln_qconv on AMX-INT8 tiles (amx.h's blocking, `tdpbusd`), part of qgemm.c's VNNI section (it
-   uses that file's QGemmCall, QConvCall, store16 and out_size; kiln.tactics.qgemm_amx is the Python side).
+   uses that file's QGemmCall, QConvCall, store16, out_size and res_size; kiln.tactics.qgemm_amx is the Python side).
 
    A block of 32 rows is packed once as u8 quads, [32][kq] with kq a whole number of 16-quad tile steps (zero
    bytes past k; for a convolution each kernel row's window segment padded so, side by side; s8 input with each
