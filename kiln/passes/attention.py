@@ -12,15 +12,8 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import is_shuffle, other_input, replace_nodes, sole_consumer
+from kiln.passes.patterns import is_op, is_shuffle, other_input, replace_nodes, sole_consumer
 from kiln.trt.vocab import fused_layer_name, merged_layer_name
-
-ONNX = ("", "ai.onnx")
-
-
-def _is(node: Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain in ONNX
-
 
 def _scalar(v: Value | None) -> float | None:
     if v is None or not v.is_const or v.const.size != 1 or v.const.dtype.kind != "f":
@@ -41,7 +34,7 @@ def _fused(g: Graph, nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
 # ---- GELU ---------------------------------------------------------------------------------------------
 def fuse_gelu(g: Graph, plog: PassLog) -> None:
     """GeluFusion: the erf form exporters write for nn.GELU becomes one Gelu op (which a MatMul can absorb)."""
-    for erf in [n for n in g.nodes if _is(n, "Erf")]:
+    for erf in [n for n in g.nodes if is_op(n, "Erf")]:
         plog.running(erf)
         found = _match_gelu(g, erf)
         if isinstance(found, str):
@@ -56,19 +49,19 @@ def fuse_gelu(g: Graph, plog: PassLog) -> None:
 
 def _match_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
     scale = erf.inputs[0].producer
-    if not (_is(scale, "Div") or _is(scale, "Mul")) or sole_consumer(g, scale) is not erf:
+    if not (is_op(scale, "Div") or is_op(scale, "Mul")) or sole_consumer(g, scale) is not erf:
         return "its input is not x/√2 computed for it alone"
     x, c = scale.inputs
     factor = _scalar(c)
     if factor is None or not np.isclose(factor if scale.op_type == "Mul" else 1 / factor, 2 ** -0.5, rtol=1e-3):
         return "its input is not x/√2"
     add = sole_consumer(g, erf)
-    if not _is(add, "Add") or _scalar(other_input(add, erf.outputs[0])) != 1.0:
+    if not is_op(add, "Add") or _scalar(other_input(add, erf.outputs[0])) != 1.0:
         return "it is not followed by +1"
     nodes, consts, xs, cur = [scale, erf, add], [], 0, add
     for _ in range(2):
         mul = sole_consumer(g, cur)
-        if not _is(mul, "Mul"):
+        if not is_op(mul, "Mul"):
             break
         other = other_input(mul, cur.outputs[0])
         half = other.producer if other is not None else None
@@ -76,7 +69,7 @@ def _match_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
             xs += 1
         elif _scalar(other) is not None:
             consts.append(_scalar(other))
-        elif _is(half, "Mul") and x in half.inputs and _scalar(other_input(half, x)) is not None and \
+        elif is_op(half, "Mul") and x in half.inputs and _scalar(other_input(half, x)) is not None and \
                 len(half.outputs[0].users) == 1 and not g.is_output(half.outputs[0]):
             xs, consts = xs + 1, consts + [_scalar(other_input(half, x))]
             nodes.append(half)
@@ -118,7 +111,7 @@ def _bias(n: Node) -> Value | None:
 def _mergeable(n: Node, x: Value) -> bool:
     w = n.inputs[1] if len(n.inputs) > 1 else None
     bias = _bias(n)
-    product = _is(n, "MatMul") or (n.op_type == "DynamicQMatMul" and n.domain == "kiln")
+    product = is_op(n, ("MatMul", "DynamicQMatMul"))
     return (product and n.inputs[0] is x and w is not None and w.is_const and w.const.ndim == 2
             and "activation" not in n.attrs and (bias is None or (bias.is_const and bias.const.size == w.shape[1])))
 
@@ -155,7 +148,7 @@ def _merged_attrs(group: list[Node]) -> dict:
 # ---- attention -----------------------------------------------------------------------------------------
 def fuse_attention(g: Graph, plog: PassLog) -> None:
     """AttentionFusion: one Attention layer per softmax(Q·Kᵀ·s + mask)·V, with the head split/merge shuffles."""
-    for sm in [n for n in g.nodes if _is(n, "Softmax")]:
+    for sm in [n for n in g.nodes if is_op(n, "Softmax")]:
         plog.running(sm)
         found = _match_core(g, sm)
         if isinstance(found, str):
@@ -185,20 +178,20 @@ def _match_core(g: Graph, sm: Node):
     if pv is None:
         return "its output is not multiplied by V"
     nodes, masks, scale, cur = [sm, pv] + guard + transposed, [], 1.0, s.producer
-    while _is(cur, "Add") and sole_consumer(g, cur) is not None and len(masks) < 3:   # mask, position bias, ...
+    while is_op(cur, "Add") and sole_consumer(g, cur) is not None and len(masks) < 3:   # mask, position bias, ...
         chain_in = next((v for v in cur.inputs if v.producer is not None and
                          v.producer.op_type in ("MatMul", "Mul", "Div", "Add")), None)
         if chain_in is None:
             return "the mask add does not follow Q·Kᵀ"
         masks.append(other_input(cur, chain_in))
         nodes, cur = nodes + [cur], chain_in.producer
-    while (_is(cur, "Mul") or _is(cur, "Div")) and sole_consumer(g, cur) is not None:
+    while (is_op(cur, "Mul") or is_op(cur, "Div")) and sole_consumer(g, cur) is not None:
         c = _scalar(cur.inputs[1])
         if c is None:
             break
         scale *= c if cur.op_type == "Mul" else 1 / c
         nodes, cur = nodes + [cur], cur.inputs[0].producer
-    if not _is(cur, "MatMul") or len(cur.inputs) > 2 or sole_consumer(g, cur) is None:
+    if not is_op(cur, "MatMul") or len(cur.inputs) > 2 or sole_consumer(g, cur) is None:
         return "the scores are not Q·Kᵀ (a MatMul read only by the scaling, mask and softmax)"
     if any(m.dtype is None or np.dtype(m.dtype).kind != "f" for m in masks):
         return "the mask is not additive floating point"
@@ -214,12 +207,12 @@ def _times_v(g: Graph, probs: Value) -> tuple[Node | None, list[Node], list[dict
     """(the MatMul multiplying the probabilities by V, the transposing Shuffle if any, its steps): P·V, or V'·Pᵀ
     with V' = Vᵀ (the attention block of latent-diffusion VAEs: bmm(v, w.permute(0, 2, 1)) on [B, C, HW] maps)."""
     reader = probs.users[0] if len(probs.users) == 1 and not g.is_output(probs) else None
-    if _is(reader, "MatMul") and reader.inputs[0] is probs and len(reader.inputs) == 2:
+    if is_op(reader, "MatMul") and reader.inputs[0] is probs and len(reader.inputs) == 2:
         return reader, [], []
     rank = len(probs.shape)
     swap = [{"transpose": list(range(rank - 2)) + [rank - 1, rank - 2]}]
     pv = sole_consumer(g, reader) if is_shuffle(reader) and reader.attrs["steps"] == swap else None
-    if _is(pv, "MatMul") and pv.inputs[1] is reader.outputs[0] and len(pv.inputs) == 2:
+    if is_op(pv, "MatMul") and pv.inputs[1] is reader.outputs[0] and len(pv.inputs) == 2:
         return pv, [reader], swap
     return None, [], []
 
@@ -242,8 +235,8 @@ def _nan_guard(g: Graph, sm: Node) -> list[Node]:
     p = sm.outputs[0]
     if len(p.users) != 2 or g.is_output(p):
         return []
-    isnan = next((u for u in p.users if _is(u, "IsNaN")), None)
-    where = next((u for u in p.users if _is(u, "Where")), None)
+    isnan = next((u for u in p.users if is_op(u, "IsNaN")), None)
+    where = next((u for u in p.users if is_op(u, "Where")), None)
     if isnan is None or where is None or sole_consumer(g, isnan) is not where:
         return []
     cond, zero, kept = where.inputs
@@ -259,7 +252,7 @@ def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[
     while is_shuffle(p) and sole_consumer(g, p) is not None:
         shuffles.append(p)
         p = p.inputs[0].producer
-    if (_is(p, "Mul") or _is(p, "Div")) and sole_consumer(g, p) is not None and _scalar(p.inputs[1]) is not None:
+    if (is_op(p, "Mul") or is_op(p, "Div")) and sole_consumer(g, p) is not None and _scalar(p.inputs[1]) is not None:
         c = _scalar(p.inputs[1])
         nodes.append(p)
         if shuffles:
@@ -282,7 +275,7 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
             p = v.producer
         inputs[i], attrs[key] = v, steps
     split = inputs[0].producer
-    if _is(split, "Split") and all(inputs[i].producer is split for i in range(3)) and \
+    if is_op(split, "Split") and all(inputs[i].producer is split for i in range(3)) and \
             len({id(inputs[i]) for i in range(3)}) == 3 and all(len(o.users) == 1 for o in split.outputs) \
             and len(split.outputs) == 3 and \
             all((split.attrs.get("axis", 0) % len(o.shape)) not in o.dyn_dims for o in split.outputs):
@@ -309,9 +302,9 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
 # ---- residual add + LayerNorm --------------------------------------------------------------------------
 def fuse_skip_layer_norm(g: Graph, plog: PassLog) -> None:
     """SkipLayerNormFusion: LayerNormalization(a + b) of two same-shape activations (the residual sum)."""
-    for ln in [n for n in g.nodes if _is(n, "LayerNormalization")]:
+    for ln in [n for n in g.nodes if is_op(n, "LayerNormalization")]:
         add = ln.inputs[0].producer
-        if not _is(add, "Add"):
+        if not is_op(add, "Add"):
             continue
         plog.running(add)
         a, b = add.inputs

@@ -6,27 +6,14 @@ import numpy as np
 from kiln.ir import Graph, Node, Value
 from kiln.ops.shape import pad_widths
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import (activation_spec, const_value, fused_name, replace_nodes, sole_consumer,
+from kiln.passes.patterns import (activation_spec, const_value, fused_name, is_op, replace_nodes, sole_consumer,
                                   why_not_sole_consumer)
-
-
-KILN_LAYERS = ("DynamicQConv", "DynamicQMatMul")   # kiln's own layers (domain "kiln") taking BN or activations
-
-
-def _is_conv(node: Node | None) -> bool:
-    return node is not None and node.op_type == "Conv" and node.domain in ("", "ai.onnx")
-
-
-def _produces(node: Node | None, ops: tuple[str, ...]) -> bool:
-    """`node` is one of `ops`: an ONNX op, or one of kiln's own layers."""
-    return node is not None and node.op_type in ops and \
-        node.domain in (("kiln",) if node.op_type in KILN_LAYERS else ("", "ai.onnx"))
 
 
 def fold_pad_into_conv(g: Graph, plog: PassLog) -> None:
     """PaddingConvFusion:  Pad(x, zeros around H/W) -> Conv  ==>  Conv(x) with the Pad's widths added to its pads,
     as TensorRT's ONNX parser folds it (tf2onnx and Keras exports pad explicitly: ZeroPadding2D, TF's SAME)."""
-    for conv in [n for n in g.nodes if _is_conv(n)]:
+    for conv in [n for n in g.nodes if is_op(n, "Conv")]:
         pad = conv.inputs[0].producer
         if pad is None or pad.op_type != "Pad" or pad.domain not in ("", "ai.onnx"):
             continue
@@ -77,7 +64,7 @@ def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
     TensorRT-style QAT export keeps its BatchNorms), whose DequantizeLinear's scales take k."""
     for bn in [n for n in g.nodes if n.op_type == "BatchNormalization"]:
         conv = bn.inputs[0].producer
-        if not _produces(conv, ("Conv", "ConvTranspose", "DynamicQConv")):
+        if not is_op(conv, ("Conv", "ConvTranspose", "DynamicQConv")):
             continue
         plog.running(conv)
         if sole_consumer(g, conv) is not bn:
@@ -118,7 +105,7 @@ def _folded_weights(g: Graph, conv: Node, k: np.ndarray, name: str, attrs: dict)
         scaled = _scaled_output_channels(w.const, k, conv.op_type == "ConvTranspose", conv.attrs.get("group", 1))
         return g.add_const(f"{name}.weight", scaled), w.const.dtype
     dq = w.producer
-    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx"):
+    if not is_op(dq, "DequantizeLinear"):
         return "the convolution's weights are not constant"
     if conv.op_type != "Conv":
         return f"only a Conv's DequantizeLinear filter takes the BatchNorm, not a {conv.op_type}'s"
@@ -170,9 +157,9 @@ def _scaled_output_channels(w: np.ndarray, k: np.ndarray, transposed: bool, grou
 def fuse_residual_add(g: Graph, plog: PassLog) -> None:
     """ConvEltwiseSumFusion:  Conv(x) + r  ==>  Conv(x, residual=r)  (same shapes, conv read only by the Add); a
     DynamicQConv takes its FP32 residual the same way (its kernel adds it before the activation)."""
-    for add in [n for n in g.nodes if n.op_type == "Add" and n.domain in ("", "ai.onnx")]:
+    for add in [n for n in g.nodes if is_op(n, "Add")]:
         a, b = add.inputs
-        candidates = [(v, other) for v, other in ((a, b), (b, a)) if _produces(v.producer, ("Conv", "DynamicQConv"))]
+        candidates = [(v, other) for v, other in ((a, b), (b, a)) if is_op(v.producer, ("Conv", "DynamicQConv"))]
         if not candidates:
             continue
         # prefer the later convolution: the other operand is then computed already
@@ -216,7 +203,7 @@ def fuse_activation(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("C
                     only: tuple[str, ...] | None = None) -> None:
     """ConvReluFusion:  Conv/ConvTranspose(...) -> Relu/Clip/LeakyRelu/Sigmoid/...  ==>  one layer with `activation`.
     `only`: the activations the producer's kernels apply, Swish with alpha 1 (others stay, the reason logged)."""
-    for node in [n for n in g.nodes if _produces(n, producer_ops)]:
+    for node in [n for n in g.nodes if is_op(n, producer_ops)]:
         users = node.outputs[0].users
         if len(users) != 1:
             if any(activation_spec(g, u) for u in users):

@@ -11,16 +11,11 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import const_value, replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.passes.patterns import const_value, is_op, remove_dead, replace_nodes, sole_consumer, why_not_sole_consumer
 from kiln.trt.vocab import fused_layer_name
 
-ONNX = ("", "ai.onnx")
 FLOAT = 1   # TensorProto.FLOAT, Cast's "to"
 PRODUCTS = {"MatMulInteger": "DynamicQMatMul", "ConvInteger": "DynamicQConv"}
-
-
-def _is(node: Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain in ONNX
 
 
 def fuse_dynamic_quantized_matmul(g: Graph, plog: PassLog) -> None:
@@ -35,7 +30,7 @@ def fuse_dynamic_quantized_conv(g: Graph, plog: PassLog) -> None:
 
 
 def _fuse_chains(g: Graph, plog: PassLog, op: str) -> None:
-    for product in [n for n in g.nodes if _is(n, op)]:
+    for product in [n for n in g.nodes if is_op(n, op)]:
         plog.running(product)
         found = _match(g, product)
         if isinstance(found, str):
@@ -61,9 +56,8 @@ def _fuse_chains(g: Graph, plog: PassLog, op: str) -> None:
         origin = tuple(o for node in nodes for o in node.origin)
         layer = replace_nodes(g, nodes, Node(fused_layer_name(origin), PRODUCTS[op], inputs,
                                              [nodes[-1].outputs[0]], attrs, "kiln", origin))
-        for absorbed in (scales, dql):   # the last product reading them stands for them
-            if _remove_if_unread(g, absorbed):
-                layer.origin += tuple(o for o in absorbed.origin if o not in layer.origin)
+        for absorbed in remove_dead(g, [scales, dql]):   # the last product reading them stands for them
+            layer.origin += tuple(o for o in absorbed.origin if o not in layer.origin)
         layer.name = fused_layer_name(layer.origin)
 
 
@@ -71,7 +65,7 @@ def _match(g: Graph, product: Node) -> tuple[Node, list[Node], Node, np.ndarray,
     """(the DynamicQuantizeLinear, [MatMulInteger or ConvInteger, Cast, Mul], the Mul(x_scale, W_scale), W_scale
     and W_zp one per output channel), or why the chain is not one."""
     dql, conv = product.inputs[0].producer, product.op_type == "ConvInteger"
-    if not _is(dql, "DynamicQuantizeLinear") or dql.outputs[0] is not product.inputs[0]:
+    if not is_op(dql, "DynamicQuantizeLinear") or dql.outputs[0] is not product.inputs[0]:
         return "its input is not quantized by a DynamicQuantizeLinear"
     if len(product.inputs) < 3 or product.inputs[2] is not dql.outputs[2]:
         return "its input zero point is not the DynamicQuantizeLinear's"
@@ -87,12 +81,12 @@ def _match(g: Graph, product: Node) -> tuple[Node, list[Node], Node, np.ndarray,
     cast = sole_consumer(g, product)
     if cast is None:
         return why_not_sole_consumer(g, product)
-    if not _is(cast, "Cast") or cast.attrs.get("to") != FLOAT:
+    if not is_op(cast, "Cast") or cast.attrs.get("to") != FLOAT:
         return f"{cast.name} is not a Cast to FLOAT"
     mul = sole_consumer(g, cast)
     if mul is None:
         return why_not_sole_consumer(g, cast)
-    scales = None if not _is(mul, "Mul") else next((v for v in mul.inputs if v is not cast.outputs[0]), None)
+    scales = None if not is_op(mul, "Mul") else next((v for v in mul.inputs if v is not cast.outputs[0]), None)
     w_scale = _weight_scale(scales, dql)
     per_channel = None if w_scale is None else _per_channel(w_scale, channels, rank)
     if per_channel is None:
@@ -115,7 +109,7 @@ def _conv_bias(g: Graph, mul: Node, channels: int, rank: int) -> tuple[Node | No
     """(the Add, its bias) where quantize_dynamic's Add of a constant per-channel FP32 bias follows a ConvInteger's
     scaling; (the Add, why not) for another constant Add; (None, None) without one."""
     add = sole_consumer(g, mul)
-    if not _is(add, "Add") or sum(v is mul.outputs[0] for v in add.inputs) != 1:
+    if not is_op(add, "Add") or sum(v is mul.outputs[0] for v in add.inputs) != 1:
         return None, None
     other = const_value(next(v for v in add.inputs if v is not mul.outputs[0]))
     if other is None:
@@ -129,15 +123,9 @@ def _conv_bias(g: Graph, mul: Node, channels: int, rank: int) -> tuple[Node | No
 def _weight_scale(scales: Value | None, dql: Node) -> np.ndarray | None:
     """W_scale when `scales` is Mul(x_scale, W_scale) with the DynamicQuantizeLinear's x_scale."""
     product = scales.producer if scales is not None else None
-    if not _is(product, "Mul") or dql.outputs[1] not in product.inputs:
+    if not is_op(product, "Mul") or dql.outputs[1] not in product.inputs:
         return None
     other = product.inputs[1] if product.inputs[0] is dql.outputs[1] else product.inputs[0]
     w_scale = const_value(other)
     return w_scale if w_scale is not None and w_scale.dtype == np.float32 else None
 
-
-def _remove_if_unread(g: Graph, node: Node | None) -> bool:
-    if node is None or node not in g.nodes or any(o.users or g.is_output(o) for o in node.outputs):
-        return False
-    g.remove_node(node)
-    return True

@@ -6,7 +6,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.passes.patterns import fused_name, is_op, replace_nodes, sole_consumer, why_not_sole_consumer
 
 
 def fuse_matmul_bias(g: Graph, plog: PassLog) -> None:
@@ -14,7 +14,7 @@ def fuse_matmul_bias(g: Graph, plog: PassLog) -> None:
     for add in [n for n in g.nodes if n.op_type == "Add"]:
         for mm_out, bias in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
             mm = mm_out.producer
-            if mm is None or not _takes_bias(mm):
+            if not is_op(mm, ("MatMul", "Gemm", "DynamicQMatMul")):
                 continue
             plog.running(mm)
             reason = _bias_blocker(g, mm, add, mm_out, bias)
@@ -27,11 +27,6 @@ def fuse_matmul_bias(g: Graph, plog: PassLog) -> None:
             replace_nodes(g, [mm, add], Node(name, mm.op_type, inputs, [add.outputs[0]], dict(mm.attrs), mm.domain,
                                              origin))
             break
-
-
-def _takes_bias(mm: Node) -> bool:
-    return (mm.op_type in ("MatMul", "Gemm") and mm.domain in ("", "ai.onnx")) or \
-        (mm.op_type == "DynamicQMatMul" and mm.domain == "kiln")
 
 
 def _bias_blocker(g: Graph, mm: Node, add: Node, mm_out, bias) -> str | None:

@@ -9,6 +9,9 @@ from kiln.ir import Graph, Node, Value
 from kiln.ops import OPS, OpKind
 from kiln.trt.vocab import fused_layer_name
 
+ONNX_DOMAINS = ("", "ai.onnx")
+KILN_LAYERS = ("DynamicQConv", "DynamicQMatMul")   # kiln's own layers (domain "kiln") that ONNX ops' fusions extend
+
 # ONNX activations a convolution or matrix product can absorb (as an epilogue)
 ACTIVATION_OPS = frozenset({"Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "Elu", "Selu", "Softplus",
                             "Softsign", "ThresholdedRelu", "HardSwish", "Mish", "Gelu", "Swish"})
@@ -41,6 +44,24 @@ def other_input(node: Node, v: Value) -> Value | None:
     """The operand of a two-input `node` that is not `v` (None if `v` is neither)."""
     a, b = node.inputs[0], node.inputs[1]
     return b if a is v else a if b is v else None
+
+
+def is_op(node: Node | None, ops: str | tuple[str, ...]) -> bool:
+    """`node` is one of `ops`: an ONNX op, or one of kiln's own KILN_LAYERS (domain "kiln")."""
+    ops = (ops,) if isinstance(ops, str) else ops
+    return node is not None and node.op_type in ops and \
+        node.domain in (("kiln",) if node.op_type in KILN_LAYERS else ONNX_DOMAINS)
+
+
+def remove_dead(g: Graph, nodes: list[Node | None]) -> list[Node]:
+    """Removes, in order, those of `nodes` still in the graph whose outputs nothing reads or returns (so a node
+    read only by an earlier one goes too); returns them."""
+    dead = []
+    for node in dict.fromkeys(nodes):
+        if node is not None and node in g.nodes and not any(v.users or g.is_output(v) for v in node.outputs):
+            g.remove_node(node)
+            dead.append(node)
+    return dead
 
 
 def is_shuffle(node: Node | None) -> bool:

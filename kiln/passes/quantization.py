@@ -12,7 +12,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.passes.patterns import remove_dead, replace_nodes, sole_consumer, why_not_sole_consumer
 from kiln.trt.vocab import fused_layer_name
 
 log = logging.getLogger("kiln.build")
@@ -187,7 +187,7 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         attrs = {"quant": quant, **({"activation": act} if act else {})}
         replace_nodes(g, nodes, Node(_layer_name(nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
                                      [nxt.outputs[0]], attrs, "kiln", origin))
-        _drop_dead(g, dqs)   # the sum reads the INT8 tensors: the producers' sole consumer is the sum again
+        remove_dead(g, dqs)   # the sum reads the INT8 tensors: the producers' sole consumer is the sum again
 
 
 def split_q_across_concat(g: Graph, plog: PassLog) -> None:
@@ -216,12 +216,6 @@ def split_q_across_concat(g: Graph, plog: PassLog) -> None:
         g.remove_node(q)
         cat.outputs[0].dtype = result.dtype
         g.replace_all_uses(result, cat.outputs[0])
-
-
-def _drop_dead(g: Graph, nodes: list[Node]) -> None:
-    for node in dict.fromkeys(nodes):
-        if node in g.nodes and not any(v.users or g.is_output(v) for v in node.outputs):
-            g.remove_node(node)
 
 
 def fuse_quantized_residual(g: Graph, plog: PassLog) -> None:

@@ -39,6 +39,13 @@ PRODUCTS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention")   # their ar
 REDUCED_DTYPES = ("bfloat16", "float16")
 
 
+def cosine(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The cosine of two tensors' values (1 where either is all zeros)."""
+    a, b = got.double().reshape(-1), want.double().reshape(-1)
+    norm = float(a.norm() * b.norm())
+    return 1.0 if norm == 0 else float(a @ b) / norm
+
+
 @dataclass(frozen=True)
 class AccuracyBudget:
     """`metric:threshold`: cos (cosine >= t), l2 (||a-b|| / ||b|| <= t), l1 (mean|a-b| / mean|b| <= t),
@@ -65,10 +72,9 @@ class AccuracyBudget:
         return f"{self.metric}:{self.threshold:.10g}"
 
     def score(self, got: torch.Tensor, want: torch.Tensor) -> float:
-        a, b = got.double().reshape(-1), want.double().reshape(-1)
         if self.metric == "cos":
-            norm = float(a.norm() * b.norm())
-            return 1.0 if norm == 0 else float(a @ b) / norm
+            return cosine(got, want)
+        a, b = got.double().reshape(-1), want.double().reshape(-1)
         if self.metric == "l2":
             return float((a - b).norm() / max(float(b.norm()), 1e-30))
         if self.metric == "l1":

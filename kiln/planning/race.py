@@ -15,7 +15,7 @@ import torch
 from kiln.errors import Error
 from kiln.ir import Graph
 from kiln.plan.model import Layer
-from kiln.planning.accuracy import AccuracyBudget, random_input
+from kiln.planning.accuracy import AccuracyBudget, cosine, random_input
 from kiln.planning.regions import plan_runner, apply_regions, choose_regions, unapply_regions
 from kiln.precision.policy import INT8_LAYERS, QDQ_OPS, REDUCED_FLOATS
 from kiln.tactics.autotune import Autotuner, robust_ms
@@ -144,22 +144,21 @@ def onnxruntime_reference(proto: onnx.ModelProto):
 
     try:
         ort = require("onnxruntime", "checking plans against the ONNX model")
-        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        serialized = proto.SerializeToString()
+        sess = ort.InferenceSession(serialized, providers=["CPUExecutionProvider"])
     except Exception as exc:   # not installed, too large to serialize, or a model it rejects: no reference
         log.debug("No onnxruntime reference for plan checks: %s", str(exc).splitlines()[0] if str(exc) else exc)
         return None
 
-    def run(inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def run(inputs: dict[str, torch.Tensor], session=sess) -> list[torch.Tensor]:
         feeds = {name: t.contiguous().numpy() for name, t in inputs.items()}
-        return [torch.from_numpy(np.asarray(y)) for y in sess.run(None, feeds)]
+        return [torch.from_numpy(np.asarray(y)) for y in session.run(None, feeds)]
 
     def literal(inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The model with onnxruntime's graph optimizations off: Q/DQ nodes run as written, nothing fused."""
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        unfused = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        feeds = {name: t.contiguous().numpy() for name, t in inputs.items()}
-        return [torch.from_numpy(np.asarray(y)) for y in unfused.run(None, feeds)]
+        return run(inputs, ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"]))
     run.literal = literal
     return run
 
@@ -188,9 +187,7 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
     plan times go straight into `times`."""
     inputs = {v.name: random_input(v) for v in g.inputs}   # token ids within their embedding, masks as ones
     reference = _reference_outputs(reference_fn, inputs)
-    min_cosine = quantized_agreement(g)
-    if min_cosine is not None and reference is not None:
-        min_cosine = _rounding_floor(reference_fn, inputs, reference, min_cosine)
+    cosine_bar = _cosine_bar(g, reference_fn, inputs, reference)
     runners = {}
     for name, (layers, weights) in candidates.items():
         key = plan_signature(layers)
@@ -208,7 +205,7 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
         if reference is None:
             reference = outputs   # no onnxruntime reference: the first candidate (kiln's own kernels) is the judge
         elif not (budget.met(budget.worst([budget.score(a, b) for a, b in zip(outputs, reference)])) if budget
-                  else _agree(outputs, reference, min_cosine=min_cosine)):
+                  else _agree(outputs, reference, min_cosine=cosine_bar())):
             log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
                         "the original model in onnxruntime" if reference_fn else "kiln's kernels")
             continue
@@ -308,6 +305,22 @@ def quantized_agreement(g: Graph) -> float | None:
     return 0.999 if any(n.op_type in INT8_OPS for n in g.nodes) else None
 
 
+def _cosine_bar(g: Graph, reference_fn, inputs: dict, reference: list | None):
+    """The cosine bar plans of `g` must reach against `reference` (None for FP32 models), as a function computing it
+    on its first call: lowering it runs the model unfused in onnxruntime, which no cached or budget-checked plan
+    needs."""
+    found = []
+
+    def bar() -> float | None:
+        if not found:
+            min_cosine = quantized_agreement(g)
+            if min_cosine is not None and reference is not None:
+                min_cosine = _rounding_floor(reference_fn, inputs, reference, min_cosine)
+            found.append(min_cosine)
+        return found[0]
+    return bar
+
+
 def _rounding_floor(reference_fn, inputs: dict, reference: list, min_cosine: float) -> float:
     """A quantized model's cosine bar, lowered to what two correct runs of it reach: onnxruntime with and without
     its fusions round INT8 differently (a quantize_static BERT-base calibrated on 4 inputs: 0.993), and a plan may
@@ -316,7 +329,7 @@ def _rounding_floor(reference_fn, inputs: dict, reference: list, min_cosine: flo
     if literal is None:
         return min_cosine
     try:
-        cosines = [_cosine(a, b) for a, b in zip(literal(inputs), reference)
+        cosines = [cosine(a, b) for a, b in zip(literal(inputs), reference)
                    if a.is_floating_point() and a.shape == b.shape and float(a.norm() * b.norm()) > 0]
     except Exception as exc:
         log.debug("onnxruntime without optimizations failed (%s); the cosine bar stays %s", exc, min_cosine)
@@ -332,12 +345,6 @@ def _rounding_floor(reference_fn, inputs: dict, reference: list, min_cosine: flo
     return min(min_cosine, floor)
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().reshape(-1), b.double().reshape(-1)
-    norm = float(a.norm() * b.norm())
-    return float((a * b).sum()) / norm if norm > 0 else float(torch.equal(a, b))
-
-
 def _agree(got: list, want: list, rel: float = 1e-3, min_cosine: float | None = None) -> bool:
     """FP32 plans: max error within `rel` of the largest value. Quantized models (`min_cosine` given): INT8 kernels
     round differently (one step moves a value by a whole scale), so float outputs need that cosine instead."""
@@ -346,7 +353,7 @@ def _agree(got: list, want: list, rel: float = 1e-3, min_cosine: float | None = 
         if a.shape != b.shape:
             return False
         if a.is_floating_point() and min_cosine is not None:
-            if float(a.norm() * b.norm()) > 0 and _cosine(a, b) < min_cosine:
+            if float(a.norm() * b.norm()) > 0 and cosine(a, b) < min_cosine:
                 return False
         elif a.is_floating_point():
             scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-6)

@@ -20,10 +20,11 @@ from kiln.ops.fused import centred_weights
 from kiln.ops.nn import apply_activation
 from kiln.tactics.base import Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
-from kiln.tactics.gemm_c import ONE_LINE, nhwc_kernel
+from kiln.tactics.gemm_c import nhwc_kernel
 from kiln.tactics.qgemm_amx import AmxInt8, pack_amx_quads, pack_amx_segments
-from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, Epilogue, GemmCall, QConvDirectTactic, QLinearGemmTactic,
-                                  _has_residual, _padded, fused_activation, pack_quads, pack_segments, vnni_available)
+from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, Epilogue, QConvDirectTactic, QLinearGemmTactic,
+                                  _has_residual, _padded, fused_activation, pack_quads, pack_segments, rows_kernel,
+                                  vnni_available)
 
 
 def _plain_s8(layer: LayerView) -> bool:
@@ -39,8 +40,11 @@ def signed_weights_fit(layer: LayerView) -> bool:
         return False
     if _plain_s8(layer):
         return True
-    centred = centred_weights(layer.attrs, w)
-    return bool(centred.min() >= -128 and centred.max() <= 127)
+    q = layer.attrs["quant"]
+    others = tuple(d for d in range(w.dim()) if d != q["w_axis"])   # per channel: its min and max against its zp
+    zp = torch.tensor(q["w_zero_point"], dtype=torch.int32)
+    lo, hi = w.amin(dim=others).to(torch.int32) - zp, w.amax(dim=others).to(torch.int32) - zp
+    return bool(lo.min() >= -128 and hi.max() <= 127)
 
 
 def signed_weights(layer: LayerView) -> torch.Tensor:
@@ -112,20 +116,10 @@ class DynamicQLinearGemmTactic(QLinearGemmTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         gemm = getattr(native.library("qgemm"), self.entry_point)
-        w = signed_weights(layer)
-        k, n = w.shape
-        packed = self.pack(w)
-        e, kept = dynamic_constants(layer, w)
-        call = GemmCall(packed.data_ptr(), 0, ONE_LINE, k, 0, 0, 1, k, n, e)
+        packed, call, kept = self.packed_call(layer, signed_weights(layer), dynamic_constants)
         call_ptr, colsum_ptr, scale_ptr = ctypes.addressof(call), kept[0].data_ptr(), kept[1].data_ptr()
-
-        def run(xs):
-            x = xs[0] if xs[0].is_contiguous() else xs[0].contiguous()
-            rows = x.numel() // k
-            y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-            if rows:
-                gemm(call_ptr, x.data_ptr(), y.data_ptr(), rows, colsum_ptr, scale_ptr)
-            return [y]
+        run = rows_kernel(call.k, call.n, torch.float32,
+                          lambda x, y, rows: gemm(call_ptr, x, y, rows, colsum_ptr, scale_ptr))
         run.constants = (packed, call, kept)   # read through raw pointers
         return with_activation(layer, run)
 

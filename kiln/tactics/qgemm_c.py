@@ -281,22 +281,31 @@ class QLinearGemmTactic:
     def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
         return LINEAR
 
+    def packed_call(self, layer: LayerView, w_kn: torch.Tensor, make_epilogue) -> tuple:
+        """(packed weights, GemmCall, the tensors the epilogue points into): the load-time part for s8 `w_kn`
+        [k, n], the epilogue from `make_epilogue(layer, w_kn)`."""
+        k, n = w_kn.shape
+        packed = self.pack(w_kn)
+        e, kept = make_epilogue(layer, w_kn)
+        return packed, GemmCall(packed.data_ptr(), 0, ONE_LINE, k, 0, 0, 1, k, n, e), kept
+
     def prepare(self, layer: LayerView) -> Kernel:
         gemm = getattr(native.library("qgemm"), self.entry_point)
         w = layer.const_inputs[1]
-        w_kn = w.t() if _channel_axis(layer) == 0 else w
-        k, n = w_kn.shape
-        packed = self.pack(w_kn)
-        e, kept = epilogue(layer, w_kn)
-        call = GemmCall(packed.data_ptr(), 0, ONE_LINE, k, 0, 0, 1, k, n, e)
-        call_ptr, dtype = ctypes.addressof(call), _output_dtype(layer)
-
-        def run(xs):
-            x = xs[0] if xs[0].is_contiguous() else xs[0].contiguous()
-            rows = x.numel() // k
-            y = torch.empty((*x.shape[:-1], n), dtype=dtype)
-            if rows:
-                gemm(call_ptr, x.data_ptr(), y.data_ptr(), None, rows)
-            return [y]
+        packed, call, kept = self.packed_call(layer, w.t() if _channel_axis(layer) == 0 else w, epilogue)
+        call_ptr = ctypes.addressof(call)
+        run = rows_kernel(call.k, call.n, _output_dtype(layer), lambda x, y, rows: gemm(call_ptr, x, y, None, rows))
         run.constants = (packed, call, kept)
         return run
+
+
+def rows_kernel(k: int, n: int, dtype: torch.dtype, launch) -> Kernel:
+    """A kernel over its input's rows of k values writing [..., n] of `dtype` by `launch(x_ptr, y_ptr, rows)`."""
+    def run(xs):
+        x = xs[0] if xs[0].is_contiguous() else xs[0].contiguous()
+        rows = x.numel() // k
+        y = torch.empty((*x.shape[:-1], n), dtype=dtype)
+        if rows:
+            launch(x.data_ptr(), y.data_ptr(), rows)
+        return [y]
+    return run

@@ -182,7 +182,7 @@ def test_the_amx_variant_equals_onnxruntime(amx_int8_kernels):
     np.testing.assert_array_equal(amx.prepare(view)(xs)[0].numpy(), onnxruntime_chain(view, xs[0]))
 
 
-def test_the_quantization_parameters_are_onnxruntimes_and_leave_nan_out():
+def test_the_quantization_parameters_are_onnxruntimes_leave_nan_out_and_keep_inf():
     import torch
 
     from kiln.ops.quantize import dynamic_qparams
@@ -198,6 +198,9 @@ def test_the_quantization_parameters_are_onnxruntimes_and_leave_nan_out():
     with_nan, with_zero = torch.from_numpy(x).clone(), x.copy()
     with_nan[1, 2], with_zero[1, 2] = float("nan"), 0.0   # left out = 0 in its place: the range always holds 0
     assert dynamic_qparams(with_nan) == tuple(run_ort(model, {"x": with_zero})[1:])
+    with_inf = x.copy()
+    with_inf[1, 2] = float("inf")   # an infinite range, as onnxruntime computes it
+    assert dynamic_qparams(torch.from_numpy(with_inf)) == tuple(run_ort(model, {"x": with_inf})[1:])
     assert dynamic_qparams(torch.zeros(3)) == (np.float32(1), 0)
 
 
