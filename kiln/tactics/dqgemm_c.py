@@ -2,9 +2,8 @@
 onnxruntime's DynamicQuantizeMatMul) in C, one call a layer: kiln_dqgemm and kiln_dqconv (kiln/native/csrc/qgemm.c)
 find the FP32 activation's range, quantize it to u8 as DynamicQuantizeLinear does, and run kiln's INT8 GEMM or
 direct convolution (`vpdpbusd`, or AMX-INT8 tiles in the AMX variants) with the epilogue made for that scale and
-zero point: FP32 out, the bias added, the activation applied. s8 weights with zero points 0 (quantize_dynamic's
-QInt8 default) per tensor or per output channel, and u8 ones whose W - W_zp fits in s8 (symmetric); others run on
-the reference kernel.
+zero point: FP32 out, the bias added, the activation applied. s8 weights (quantize_dynamic's QInt8 default) and u8
+ones (QUInt8, read as s8 shifted by 128), per tensor or per output channel, with zero points or without.
 
 quantize_dynamic on ResNet-50 (s8 weights, per tensor) runs 144 ms in onnxruntime, whose ConvInteger takes u8
 weights fast and s8 ones on a slow path."""
@@ -16,56 +15,35 @@ import math
 import torch
 
 from kiln import native
-from kiln.ops.fused import centred_weights
 from kiln.ops.nn import apply_activation
 from kiln.tactics.base import Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
 from kiln.tactics.gemm_c import nhwc_kernel
 from kiln.tactics.qgemm_amx import AmxInt8, pack_amx_quads, pack_amx_segments
-from kiln.tactics.qgemm_c import (MAX_K, OUT_KINDS, Epilogue, QConvDirectTactic, QLinearGemmTactic,
-                                  _has_residual, _padded, fused_activation, pack_quads, pack_segments, rows_kernel,
-                                  vnni_available)
-
-
-def _plain_s8(layer: LayerView) -> bool:
-    return layer.const_inputs[1].dtype == torch.int8 and not any(layer.attrs["quant"]["w_zero_point"])
-
-
-def signed_weights_fit(layer: LayerView) -> bool:
-    """Whether W - W_zp fits in s8, so the kernel (s8 weights, zero point 0) computes the layer exactly: s8 weights
-    with zero points 0, and symmetric u8 ones (zero point 128: optimum's AVX2 recipe); not quantize_dynamic's
-    asymmetric u8, whose W - W_zp spans 255 steps around a zero point that moves."""
-    w = layer.const_inputs.get(1)
-    if w is None or w.dtype not in (torch.int8, torch.uint8):
-        return False
-    if _plain_s8(layer):
-        return True
-    q = layer.attrs["quant"]
-    others = tuple(d for d in range(w.dim()) if d != q["w_axis"])   # per channel: its min and max against its zp
-    zp = torch.tensor(q["w_zero_point"], dtype=torch.int32)
-    lo, hi = w.amin(dim=others).to(torch.int32) - zp, w.amax(dim=others).to(torch.int32) - zp
-    return bool(lo.min() >= -128 and hi.max() <= 127)
-
-
-def signed_weights(layer: LayerView) -> torch.Tensor:
-    """W - W_zp as s8 (where `signed_weights_fit`), what the kernel multiplies."""
-    w = layer.const_inputs[1]
-    return w if _plain_s8(layer) else centred_weights(layer.attrs, w).to(torch.int8)
+from kiln.tactics.qgemm_c import (OUT_KINDS, Epilogue, QConvDirectTactic, QLinearGemmTactic, _has_residual,
+                                  _padded, column_sums, fused_activation, k_fits, pack_quads, pack_segments,
+                                  rows_kernel, s8_weights, vnni_available)
 
 
 def dynamic_constants(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torch.Tensor, ...]]:
-    """The epilogue's load-time part for weights `w_kn` ([k, n] s8) and the tensors the call reads through raw
-    pointers (column sums, weight scales, bias): comp, scale and the padding byte are made per call for the
-    activation's own range. The activation goes in where the kernel has it (`with_activation` applies the rest)."""
+    """The epilogue's load-time part for weights `w_kn` ([k, n] `s8_weights`) and the tensors the call reads
+    through raw pointers (column sums, weight scales, bias, weight zero points): comp, scale and the padding byte are
+    made per call for the activation's own range. The activation goes in where the kernel has it (`with_activation`
+    applies the rest)."""
     n = w_kn.shape[1]
-    colsum = _padded(w_kn.to(torch.int32).sum(0), n, torch.int32)
+    colsum, w_zp = column_sums(layer, w_kn)
     w_scale = _padded(torch.tensor(layer.attrs["quant"]["w_scale"], dtype=torch.float32), n, torch.float32)
     bias = layer.const_inputs.get(2)
     bias = None if bias is None else _padded(bias.float(), n, torch.float32)
     lo, hi, act = fused_activation(layer.attrs.get("activation")) or (-math.inf, math.inf, 0)
     e = Epilogue(None, None, None if bias is None else bias.data_ptr(), lo, hi, 1.0, 1.0, 0, 0, act,
-                 OUT_KINDS[None], 0, 0, OUT_KINDS[None])   # FP32 out; a residual is FP32
-    return e, (colsum, w_scale) + (() if bias is None else (bias,))
+                 OUT_KINDS[None], 0, 0, OUT_KINDS[None], None if w_zp is None else w_zp.data_ptr())   # FP32 out
+    return e, (colsum, w_scale) + tuple(t for t in (bias, w_zp) if t is not None)
+
+
+def _int8_weights(layer: LayerView) -> bool:
+    w = layer.const_inputs.get(1)
+    return w is not None and w.dtype in (torch.int8, torch.uint8)
 
 
 def with_activation(layer: LayerView, run: Kernel) -> Kernel:
@@ -91,13 +69,12 @@ def _bias_fits(layer: LayerView, channels: int) -> bool:
 
 
 def dynamic_supported(layer: LayerView) -> bool:
-    """A DynamicQMatMul by a constant 2-D INT8 matrix whose W - W_zp fits in s8, K fixed, and a bias (if any) of N
-    FP32 values."""
+    """A DynamicQMatMul by a constant 2-D INT8 matrix, K fixed, and a bias (if any) of N FP32 values."""
     if layer.op_type != "DynamicQMatMul" or layer.domain != "kiln" or not layer.input_shapes[0]:
         return False
     w = layer.const_inputs.get(1)
-    if w is None or w.dim() != 2 or w.shape[0] > MAX_K or layer.input_dtypes[0] != "float32" or \
-            not signed_weights_fit(layer) or not _bias_fits(layer, w.shape[1]):
+    if not _int8_weights(layer) or w.dim() != 2 or not k_fits(layer, w.shape[0]) or \
+            layer.input_dtypes[0] != "float32" or not _bias_fits(layer, w.shape[1]):
         return False
     dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
     return len(layer.input_shapes[0]) - 1 not in dynamic
@@ -116,7 +93,7 @@ class DynamicQLinearGemmTactic(QLinearGemmTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         gemm = getattr(native.library("qgemm"), self.entry_point)
-        packed, call, kept = self.packed_call(layer, signed_weights(layer), dynamic_constants)
+        packed, call, kept = self.packed_call(layer, s8_weights(layer), dynamic_constants)
         call_ptr, colsum_ptr, scale_ptr = ctypes.addressof(call), kept[0].data_ptr(), kept[1].data_ptr()
         run = rows_kernel(call.k, call.n, torch.float32,
                           lambda x, y, rows: gemm(call_ptr, x, y, rows, colsum_ptr, scale_ptr))
@@ -132,13 +109,13 @@ class DynamicQLinearGemmAmxTactic(AmxInt8, DynamicQLinearGemmTactic):
 
 
 def dynamic_conv_supported(layer: LayerView) -> bool:
-    """A 2-D DynamicQConv with constant INT8 weights whose W - W_zp fits in s8, one group, dilation 1, explicit
+    """A 2-D DynamicQConv with constant INT8 weights, one group, dilation 1, explicit
     pads, the batch its only dynamic axis, a bias (if any) of Cout FP32 values and a residual (if any) FP32 of the
     output's shape."""
     if layer.op_type != "DynamicQConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
         return False
     a, w = layer.attrs, layer.const_inputs.get(1)
-    if w is None or w.dim() != 4 or not signed_weights_fit(layer) or a.get("group", 1) != 1 or \
+    if not _int8_weights(layer) or w.dim() != 4 or a.get("group", 1) != 1 or \
             any(d != 1 for d in a.get("dilations") or [1, 1]) or a.get("auto_pad", "NOTSET") not in ("NOTSET", ""):
         return False
     if layer.input_dtypes[0] != "float32" or not batch_dynamic_only(layer) or not _bias_fits(layer, w.shape[0]):
@@ -147,7 +124,7 @@ def dynamic_conv_supported(layer: LayerView) -> bool:
     if _has_residual(layer) and (layer.input_dtypes[3] != "float32" or
                                  tuple(layer.input_shapes[3][1:]) != (w.shape[0], oh, ow)):
         return False
-    return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and kh * kw * layer.input_shapes[0][1] <= MAX_K
+    return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and k_fits(layer, kh * kw * layer.input_shapes[0][1])
 
 
 class DynamicQConvTactic(QConvDirectTactic):
@@ -164,7 +141,7 @@ class DynamicQConvTactic(QConvDirectTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         conv = getattr(native.library("qgemm"), self.entry_point)
-        packed, calls, kept, out_shape = self.packed_calls(layer, signed_weights(layer), dynamic_constants)
+        packed, calls, kept, out_shape = self.packed_calls(layer, s8_weights(layer), dynamic_constants)
         colsum_ptr, scale_ptr = kept[0].data_ptr(), kept[1].data_ptr()
 
         def launch(x, out, res):

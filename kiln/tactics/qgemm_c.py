@@ -1,12 +1,15 @@
 """kiln's own INT8 kernels in C (kiln/native/csrc/qgemm.c) on AVX512-VNNI's `vpdpbusd`: QConv as a GEMM (1x1,
 strides read in place) or a direct convolution (any kernel, stride and padding; windows read in place), QGemm and
 QMatMul by a constant matrix. The semantics are the oneDNN INT8 tactics' (kiln.tactics.onednn_int8): u8 or s8
-activations (s8 read as u8 with the top bit flipped, zero point + 128), symmetric s8 weights per tensor or per
-output channel, a constant FP32 bias, the residual (INT8, or FP32) summed before the activation (ReLU, Clip,
-Swish, GELU), and FP32 out or requantized to u8/s8 (round half to even, saturated).
+activations (s8 read as u8 with the top bit flipped, zero point + 128), s8 weights per tensor or per output
+channel, a constant FP32 bias, the residual (INT8, or FP32) summed before the activation (ReLU, Clip, Swish,
+GELU), and FP32 out or requantized to u8/s8 (round half to even, saturated). Unlike oneDNN's, they also take
+weights with zero points (asymmetric s8, and u8 read as s8): onnxruntime's quantize_static gives those to a
+MatMul whose weights the graph computes (a Transpose of an initializer).
 
 The weights are packed once at load into 32-column panels of 4-byte quads, [n/32][k/4][32][4], with the column
-sums that undo the activation zero point (padded pixels hold the zero point, so the same sum holds at borders).
+sums that undo the activation zero point (padded pixels hold the zero point, so the same sum holds at borders);
+weight zero points take each row's byte sum times the zero point off as well.
 Why kiln has its own beside oneDNN's: a oneDNN INT8 call through torch spends 20-30 µs on descriptors, kiln's
 3-4.5 µs (benchmarks/overhead.py), which decides small layers. On ResNet-50's layers (one Zen 4 thread) kiln's
 kernels take 0.88-1.13x oneDNN's time, the classifier 0.5x, the 3-channel stem 1.35x. Listed after oneDNN: the
@@ -30,6 +33,7 @@ PANEL = native.header_constant("qgemm.c", "NR")   # columns per packed weight pa
 QUAD = 4                                          # k bytes per int32 lane: what one vpdpbusd sums
 OUT_KINDS = {None: 0, "uint8": 1, "int8": 2}   # qgemm.c's OUT_F32, OUT_U8, OUT_S8 (None: no y_scale, FP32 out)
 MAX_K = (2**31 - 1) // (255 * 128)   # products summed per output (65,793) before an int32 sum could overflow
+MAX_K_ZERO_POINTS = (2**31 - 1) // (255 * 255)   # (x - x_zp)(w - w_zp) products (33,025): weights with zero points
 
 
 class Epilogue(ctypes.Structure):
@@ -39,7 +43,7 @@ class Epilogue(ctypes.Structure):
                 ("clamp_lo", ctypes.c_float), ("clamp_hi", ctypes.c_float), ("r_scale", ctypes.c_float),
                 ("y_inv_scale", ctypes.c_float), ("r_zp", ctypes.c_int32), ("y_zp", ctypes.c_int32),
                 ("act", ctypes.c_int32), ("out_kind", ctypes.c_int32), ("signed_input", ctypes.c_int32),
-                ("pad_byte", ctypes.c_int32), ("r_kind", ctypes.c_int32)]
+                ("pad_byte", ctypes.c_int32), ("r_kind", ctypes.c_int32), ("w_zp", ctypes.c_void_p)]
 
 
 I64 = ctypes.c_int64
@@ -122,11 +126,45 @@ def _padded(values: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def s8_weights(layer: LayerView) -> torch.Tensor:
+    """The layer's constant INT8 weights as the kernels multiply them: s8, u8 ones shifted by -128 (exact; their
+    zero points shift with them: `weight_zero_points`)."""
+    w = layer.const_inputs[1]
+    return w if w.dtype == torch.int8 else (w.to(torch.int16) - 128).to(torch.int8)
+
+
+def weight_zero_points(layer: LayerView) -> torch.Tensor | None:
+    """The zero points of `s8_weights` as int32, one or one per output channel; None where all are 0."""
+    q = layer.attrs["quant"]
+    zp = torch.tensor(q["w_zero_point"], dtype=torch.int32).reshape(-1)
+    if layer.const_inputs[1].dtype == torch.uint8:
+        zp = zp - 128
+    return zp if bool(zp.any()) else None
+
+
+def k_fits(layer: LayerView, k: int) -> bool:
+    """Whether `k` products per output stay within the int32 sums for this layer's weights."""
+    return k <= (MAX_K if weight_zero_points(layer) is None else MAX_K_ZERO_POINTS)
+
+
+def column_sums(layer: LayerView, w_kn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(what the activation's zero point multiplies per column: sum_k W - k * W_zp, the weights' zero points
+    padded per column or None) for `s8_weights` as [k, n], each padded to whole panels."""
+    k, n = w_kn.shape
+    sums, zp = w_kn.to(torch.int32).sum(0), weight_zero_points(layer)
+    if zp is None:
+        return _padded(sums, n, torch.int32), None
+    zp = zp.expand(n)
+    return _padded(sums - k * zp, n, torch.int32), _padded(zp, n, torch.int32)
+
+
 def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torch.Tensor, ...]]:
-    """The layer's QEpilogue for weights `w_kn` ([k, n] s8) and the tensors it points into (keep them alive)."""
+    """The layer's QEpilogue for weights `w_kn` ([k, n] `s8_weights`) and the tensors it points into (keep them
+    alive)."""
     q, n = layer.attrs["quant"], w_kn.shape[1]
     x_zp = unsigned_input(q)[0]
-    comp = _padded(w_kn.to(torch.int32).sum(0) * x_zp, n, torch.int32)
+    colsum, w_zp = column_sums(layer, w_kn)
+    comp = colsum * x_zp
     scale = _padded(_scales(layer)[0].double() * float(q["x_scale"]), n, torch.float32)
     bias = layer.const_inputs.get(2)
     bias = None if bias is None else _padded(bias.float(), n, torch.float32)
@@ -135,8 +173,8 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
     e = Epilogue(comp.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), lo, hi,
                  float(q.get("r_scale", 1.0)), 1.0 / y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
                  OUT_KINDS[q.get("y_dtype") if "y_scale" in q else None], int(q["x_dtype"] == "int8"),
-                 int(q["x_zero_point"]) & 0xFF, _residual_kind(layer))
-    return e, tuple(t for t in (comp, scale, bias) if t is not None)
+                 int(q["x_zero_point"]) & 0xFF, _residual_kind(layer), None if w_zp is None else w_zp.data_ptr())
+    return e, tuple(t for t in (comp, scale, bias, w_zp) if t is not None)
 
 
 def _residual_kind(layer: LayerView) -> int:
@@ -166,12 +204,12 @@ def _conv_supported(layer: LayerView) -> bool:
     a, w = layer.attrs, layer.const_inputs.get(1)
     if w is None or w.dim() != 4 or a.get("group", 1) != 1 or any(d != 1 for d in a.get("dilations") or [1, 1]):
         return False
-    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer):
+    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer, zero_points=True):
         return False
     if fused_activation(a.get("activation")) is None or not batch_dynamic_only(layer):
         return False
     kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
-    if oh < 1 or ow < 1 or min(pt, pl) < 0 or kh * kw * layer.input_shapes[0][1] > MAX_K:
+    if oh < 1 or ow < 1 or min(pt, pl) < 0 or not k_fits(layer, kh * kw * layer.input_shapes[0][1]):
         return False
     if _has_residual(layer):
         q = layer.attrs["quant"]
@@ -205,7 +243,7 @@ class QConvGemmTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         gemm = getattr(native.library("qgemm"), self.entry_point)
         n, c, h, w = layer.input_shapes[0]
-        weight = layer.const_inputs[1]
+        weight = s8_weights(layer)
         cout = weight.shape[0]
         _, _, sh, sw, _, _, oh, ow = conv_geometry(layer)
         w_kn = weight.reshape(cout, c).t()
@@ -249,7 +287,7 @@ class QConvDirectTactic(QConvGemmTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         conv = getattr(native.library("qgemm"), self.entry_point)
-        packed, calls, kept, out_shape = self.packed_calls(layer, layer.const_inputs[1], epilogue)
+        packed, calls, kept, out_shape = self.packed_calls(layer, s8_weights(layer), epilogue)
 
         def launch(x, out, res):
             conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
@@ -269,7 +307,7 @@ class QLinearGemmTactic:
     pack = staticmethod(pack_quads)
 
     def supports(self, layer: LayerView) -> bool:
-        if not linear_supported(layer) or layer.input_shapes[0][-1] > MAX_K:
+        if not linear_supported(layer, zero_points=True) or not k_fits(layer, layer.input_shapes[0][-1]):
             return False
         dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
         return fused_activation(layer.attrs.get("activation")) is not None and \
@@ -291,7 +329,7 @@ class QLinearGemmTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         gemm = getattr(native.library("qgemm"), self.entry_point)
-        w = layer.const_inputs[1]
+        w = s8_weights(layer)
         packed, call, kept = self.packed_call(layer, w.t() if _channel_axis(layer) == 0 else w, epilogue)
         call_ptr = ctypes.addressof(call)
         run = rows_kernel(call.k, call.n, _output_dtype(layer), lambda x, y, rows: gemm(call_ptr, x, y, None, rows))

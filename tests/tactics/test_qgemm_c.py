@@ -53,7 +53,7 @@ def qconv_view(x_shape, w, q, pads=(0, 0, 0, 0), stride=(1, 1), act=None, residu
     attrs = {"pads": list(pads), "strides": list(stride), "dilations": [dilation] * 2, "group": group,
              "kernel_shape": list(w.shape[2:]), "quant": q, **({"activation": act} if act else {})}
     out_dtype = q.get("y_dtype", "float32") if "y_scale" in q else "float32"
-    shapes, dtypes = [x_shape, tuple(w.shape), (k,)], [q["x_dtype"], "int8", "float32"]
+    shapes, dtypes = [x_shape, tuple(w.shape), (k,)], [q["x_dtype"], str(w.dtype)[6:], "float32"]
     if residual:
         view = qconv_view(x_shape, w, q, pads, stride)
         oh, ow = conv_out_hw(view)
@@ -79,7 +79,7 @@ def requantize(y, q):
 def conv_formula(view, x, residual=None):
     """Dequantize, pad with zeros (a quantized zero point), FP32 convolution, + residual, activation, requantize."""
     q, a = view.attrs["quant"], view.attrs
-    w = view.const_inputs[1].float() * torch.tensor(q["w_scale"]).view(-1, 1, 1, 1)
+    w = centred(view).float() * torch.tensor(q["w_scale"]).view(-1, 1, 1, 1)
     xf = F.pad((x.float() - q["x_zero_point"]) * q["x_scale"], [a["pads"][1], a["pads"][3], a["pads"][0], a["pads"][2]])
     y = F.conv2d(xf.double(), w.double(), view.const_inputs[2].double(), a["strides"]).float()
     if residual is not None and residual.is_floating_point():   # an unquantized (FP32) sum
@@ -96,6 +96,13 @@ def conv_formula(view, x, residual=None):
     elif spec:
         y = F.silu(y)
     return requantize(y, q)
+
+
+def centred(view):
+    """W - W_zp in float64, the zero points along the weights' `w_axis`."""
+    q, w = view.attrs["quant"], view.const_inputs[1]
+    zp = torch.tensor(q["w_zero_point"], dtype=torch.float64)
+    return w.double() - zp.reshape((-1,) + (1,) * (w.dim() - 1 - q["w_axis"]))
 
 
 def run(tactic, view, xs):
@@ -243,13 +250,13 @@ def linear_view(op, x_shape, w, q, trans_b=0):
     n = w.shape[0] if trans_b else w.shape[1]
     attrs = {"quant": q, **({"transB": trans_b} if op == "QGemm" else {})}
     out = q["y_dtype"] if "y_scale" in q else "float32"
-    return LayerView(op, "kiln", attrs, (x_shape, tuple(w.shape), (n,)), (q["x_dtype"], "int8", "float32"),
+    return LayerView(op, "kiln", attrs, (x_shape, tuple(w.shape), (n,)), (q["x_dtype"], str(w.dtype)[6:], "float32"),
                      {1: w, 2: torch.linspace(-1, 1, n)}, (out,))
 
 
 def linear_formula(view, x):
     q = view.attrs["quant"]
-    w = view.const_inputs[1].double()
+    w = centred(view)
     w = w.t() if view.attrs.get("transB", 0) else w
     y = ((x.double() - q["x_zero_point"]) * q["x_scale"]) @ (w * torch.tensor(q["w_scale"]).double())
     return requantize((y + view.const_inputs[2]).float(), q)
@@ -285,6 +292,61 @@ def test_quantized_linear_matches_its_formula_and_onednn(op, x_shape, trans_b, x
             assert_requantized_equal(got, want)
 
 
+def with_weight_zero_points(view, w, zero_points):
+    """`view` with weights `w` (s8 or u8) and their zero points (one, or one per output channel)."""
+    q = {**view.attrs["quant"], "w_zero_point": list(zero_points)}
+    dtypes = (view.input_dtypes[0], str(w.dtype)[6:], *view.input_dtypes[2:])
+    return LayerView(**{**view.__dict__, "attrs": {**view.attrs, "quant": q}, "input_dtypes": dtypes,
+                        "const_inputs": {**view.const_inputs, 1: w}})
+
+
+ZERO_POINT_CASES = {
+    # name: (op, weight dtype, zero points: "tensor" (one) or "channel", x (dtype, zp, scale), y)
+    "matmul_s8_one_zp_s8_in": ("QMatMul", "int8", "tensor", ("int8", -13, 0.05), ("int8", -1, 0.4)),
+    "gemm_u8_per_channel": ("QGemm", "uint8", "channel", ("uint8", 7, 0.02), ("uint8", 128, 0.4)),
+    "matmul_u8_fp32_out": ("QMatMul", "uint8", "tensor", ("uint8", 200, 0.02), None),
+    "conv3x3_s8_per_channel": ("QConv", "int8", "channel", ("uint8", 9, 0.02), ("uint8", 128, 0.4)),
+    "conv1x1_u8_s8_in": ("QConv", "uint8", "tensor", ("int8", 4, 0.03), ("int8", -2, 0.4)),
+}
+
+
+def zero_point_case(case):
+    """(view, quantized input, VNNI tactic) of ZERO_POINT_CASES[case]."""
+    op, w_dtype, zps, xq, yq = ZERO_POINT_CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    if op == "QConv":
+        kh = 3 if "3x3" in case else 1
+        x_shape, cout = (2, 13, 7, 6), 40
+        view = qconv_view(x_shape, torch.zeros((cout, 13, kh, kh), dtype=torch.int8), quant(cout, xq, yq),
+                          (1, 1, 1, 1) if kh == 3 else (0, 0, 0, 0))
+        tactic = QConvDirectTactic() if kh == 3 else QConvGemmTactic()
+    else:
+        x_shape, cout = (3, 11, 75) if op == "QMatMul" else (11, 75), 70   # k: no multiple of 4 (nor of 64)
+        view = linear_case(op, x_shape, int(op == "QGemm"), xq, yq, cout)[0]
+        tactic = QLinearGemmTactic()
+    w = rand_q(tuple(view.const_inputs[1].shape), w_dtype, g)
+    lo, hi = RANGES[w_dtype]
+    zero_points = torch.randint(lo + 20, hi - 19, (cout if zps == "channel" else 1,), generator=g).tolist()
+    return with_weight_zero_points(view, w, zero_points), rand_q(x_shape, xq[0], g), tactic
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", list(ZERO_POINT_CASES))
+def test_weights_with_zero_points_match_the_formula_where_onednn_declines(case):
+    """Asymmetric s8 and u8 weights (onnxruntime's quantize_static gives them to a MatMul whose weights the graph
+    computes): the kernels take w_zp * (the row's byte sum) off; oneDNN takes none."""
+    view, x, tactic = zero_point_case(case)
+    assert tactic.supports(view)
+    assert not (OneDnnInt8ConvTactic() if view.op_type == "QConv" else OneDnnInt8LinearTactic()).supports(view)
+    got = run(tactic, view, [x, None, None])
+    want = conv_formula(view, x) if view.op_type == "QConv" else linear_formula(view, x)
+    if ZERO_POINT_CASES[case][-1] is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert_spread(got)
+        assert_requantized_equal(got, want)
+
+
 def test_weights_pack_as_quads_in_32_column_panels():
     k, n = 6, 40                                            # a partial quad and a partial second panel
     w = (torch.arange(k * n) % 251 - 125).to(torch.int8).reshape(k, n)
@@ -305,7 +367,6 @@ def test_int8_kernels_decline_what_they_cannot_run():
     cases = {"grouped": qconv_view((1, 8, 6, 6), w[:, :4], q, group=2),
              "dilated": qconv_view((1, 8, 6, 6), w, q, dilation=2),
              "erf": qconv_view((1, 8, 6, 6), w, q, act={"op": "Erf", "attrs": {}}),
-             "asymmetric weights": qconv_view((1, 8, 6, 6), w, {**q, "w_zero_point": [1] * 8}),
              "residual of another type": LayerView(**{**qconv_view((1, 8, 6, 6), w, q, residual=True).__dict__,
                                                       "input_dtypes": ("uint8", "int8", "float32", "int8")})}
     for name, view in cases.items():
@@ -316,6 +377,10 @@ def test_int8_kernels_decline_what_they_cannot_run():
     assert not QLinearGemmTactic().supports(linear_view("QMatMul", (1, long_k), w, quant(4, axis=1)))
     assert QLinearGemmTactic().supports(linear_view("QMatMul", (1, 4096), w[:4096], quant(4, axis=1))) or \
         not (hardware.has_any(VNNI_ISA) and native.available())
+    k_zp = 33_100                                            # 255 * 255 * k: weights with zero points
+    view = linear_view("QMatMul", (1, k_zp), w[:k_zp], {**quant(4, axis=1), "w_zero_point": [1, 0, 0, 0]})
+    assert not QLinearGemmTactic().supports(view)
+    assert not QLinearGemmTactic().supports(linear_view("QMatMul", (1, 8), w[:8], {**quant(4, axis=0)}))
 
 
 def resnet_like() -> nn.Module:

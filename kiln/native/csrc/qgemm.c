@@ -3,8 +3,10 @@
    saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
    + bias[n], + the residual (INT8 dequantized, or FP32), clamp (ReLU, Clip), Swish or GELU, and FP32 out or
    requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit
-   flipped (x_zp + 128: the caller's comp). kiln_dqgemm and kiln_dqconv quantize their FP32 input first (dynamic quantization) and make
-   the epilogue per call.
+   flipped (x_zp + 128: the caller's comp). Weights with zero points (asymmetric, or u8 read as s8) also take
+   w_zp[n] * (the row's byte sum) off: sum (x - x_zp)(w - w_zp) = acc - x_zp (colsum[n] - k w_zp[n]) - w_zp[n] sum x,
+   the caller folding the middle term into comp. kiln_dqgemm and kiln_dqconv quantize their FP32 input first
+   (dynamic quantization) and make the epilogue per call.
 
    Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a
    convolution pads each kernel row's segment of kw * c bytes); activations are read in place and a row's tail
@@ -37,6 +39,7 @@ typedef struct {
   int32_t signed_input;     /* 1: s8 activations (top bit flipped as read) */
   int32_t pad_byte;         /* the raw input byte of a quantized zero (x_zp), written where a window is padded */
   int32_t r_kind;           /* the residual's type: OUT_F32, OUT_U8, OUT_S8 */
+  const int32_t* w_zp;      /* the weights' zero points per column, padded; NULL: all 0 (see above) */
 } QEpilogue;
 
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
@@ -160,6 +163,32 @@ static inline uint32_t tail_quad(const uint8_t* p, int64_t bytes) {
   return (uint32_t)_mm_cvtsi128_si32(_mm_maskz_loadu_epi8((__mmask16)((1u << bytes) - 1), p));
 }
 
+/* The sum of `bytes` bytes at p, each with its top bit flipped where `flip` (0x80808080: s8 read as u8). */
+static inline int32_t byte_sum(const uint8_t* p, int64_t bytes, uint32_t flip) {
+  const __m512i f = _mm512_set1_epi32((int)flip), zero = _mm512_setzero_si512();
+  __m512i acc = zero;
+  int64_t i = 0;
+  for (; i + 64 <= bytes; i += 64)
+    acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(p + i), f), zero));
+  if (i < bytes) {
+    const __mmask64 mask = ((__mmask64)1 << (bytes - i)) - 1;   /* bytes - i < 64 */
+    const __m512i v = _mm512_maskz_mov_epi8(mask, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, p + i), f));
+    acc = _mm512_add_epi64(acc, _mm512_sad_epu8(v, zero));
+  }
+  return (int32_t)_mm512_reduce_add_epi64(acc);
+}
+
+/* Takes w_zp[col0 + j] * sums[i] off column j of row i's 32 int32 sums (the weights' zero points, padded to whole
+   panels), for `rows` rows. */
+static inline void weight_zero_points(__m512i (*acc)[2], const int32_t* sums, int rows, const int32_t* w_zp) {
+  const __m512i z0 = _mm512_loadu_si512(w_zp), z1 = _mm512_loadu_si512(w_zp + 16);
+  for (int i = 0; i < rows; ++i) {
+    const __m512i s = _mm512_set1_epi32(sums[i]);
+    acc[i][0] = _mm512_sub_epi32(acc[i][0], _mm512_mullo_epi32(s, z0));
+    acc[i][1] = _mm512_sub_epi32(acc[i][1], _mm512_mullo_epi32(s, z1));
+  }
+}
+
 /* Sums `segs` segments of `k` bytes into `rows` (1-6) rows of a 32-column tile (segment s: rows a[s * MR + i],
    weights b + s * quads * NR * 4), then stores them through the epilogue. `rows` and `flip` (0, or 0x80808080 for
    s8 input) are compile-time constants at each call site (tile_rows), so a short tile (a batch-1 linear layer, the
@@ -196,7 +225,13 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b
 #undef TAIL
 #undef QSTEP
 #undef QROW
-  const __m512i acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  __m512i acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  if (e->w_zp) {   /* each row's byte sum over its segments */
+    int32_t sums[MR] = {0};
+    for (int i = 0; i < rows; ++i)
+      for (int64_t s = 0; s < segs; ++s) sums[i] += byte_sum(a[s * MR + i], k, flip);
+    weight_zero_points(acc, sums, rows, e->w_zp + col0);
+  }
   const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
   const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
   for (int i = 0; i < rows; ++i) {

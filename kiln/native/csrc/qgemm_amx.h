@@ -19,12 +19,31 @@ static void pack_qrow(uint32_t* dst, const uint8_t* src, int64_t k, uint32_t fli
     for (int64_t q = 0; q < (k + 3) / 4; ++q) dst[q] ^= flip;   /* the pad bytes' products meet zero weights */
 }
 
-/* The packed block times the panels [nb0, nb1) of `b`, each 32 x 32 block of sums stored through the epilogue. */
+/* Each packed row's byte sum over `segs` segments of `seg` bytes, `segq` quads apart (read as packed: flipped),
+   into sums: what weights with zero points take off (qgemm.c's weight_zero_points). */
+static void packed_row_sums(const uint32_t* pa, int64_t lda, int64_t mr, int64_t segs, int64_t seg, int64_t segq,
+                            int32_t* sums) {
+  for (int64_t i = 0; i < mr; ++i) {
+    sums[i] = 0;
+    for (int64_t s = 0; s < segs; ++s) sums[i] += byte_sum((const uint8_t*)(pa + i * lda + s * segq), seg, 0);
+  }
+}
+
+/* The packed block times the panels [nb0, nb1) of `b`, each 32 x 32 block of sums stored through the epilogue
+   (`sums`: the rows' byte sums where the weights have zero points, else NULL). */
 static void qamx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const int8_t* b, int64_t nb0, int64_t nb1,
-                        int64_t n, int32_t* out, uint8_t* c, const uint8_t* res, int64_t ldc, const QEpilogue* e) {
+                        int64_t n, int32_t* out, uint8_t* c, const uint8_t* res, int64_t ldc, const QEpilogue* e,
+                        const int32_t* sums) {
   const int64_t esize = out_size(e);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     amx_block(pa, kq, mr > AMX_TILE_ROWS, b + nb * kq * NR * 4, out, 1);
+    if (sums)
+      for (int64_t i = 0; i < mr; ++i) {
+        __m512i row[1][2] = {{_mm512_loadu_si512(out + i * NR), _mm512_loadu_si512(out + i * NR + 16)}};
+        weight_zero_points(row, sums + i, 1, e->w_zp + nb * NR);
+        _mm512_storeu_si512(out + i * NR, row[0][0]);
+        _mm512_storeu_si512(out + i * NR + 16, row[0][1]);
+      }
     const int64_t cols = n - nb * NR < NR ? n - nb * NR : NR;
     const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
@@ -52,9 +71,11 @@ void kiln_qgemm_amx(const QGemmCall* g, const uint8_t* a, void* c, const void* r
       const AmxUnit t = amx_unit(&split, u);
       if (t.nb0 >= t.nb1) continue;
       for (int64_t i = 0; i < t.mr; ++i) pack_qrow(pa + i * lda, a + qrow_at(g, t.p, t.r0 + i), k, flip, kq);
+      int32_t sums[AMX_BLOCK_ROWS];
+      if (g->e.w_zp) packed_row_sums(pa, lda, t.mr, 1, k, kq, sums);
       const int64_t at = t.p * g->c_batch + t.r0 * n;
       qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, n, out, (uint8_t*)c + at * esize,
-                  res ? (const uint8_t*)res + at * res_size(&g->e) : 0, n, &g->e);
+                  res ? (const uint8_t*)res + at * res_size(&g->e) : 0, n, &g->e, g->e.w_zp ? sums : 0);
     }
     amx_worker_end(&worker);
   });
@@ -83,9 +104,11 @@ void kiln_qconv_amx(const QConvCall* g, const uint8_t* x, void* y, const void* r
                     window_segment(image, h, w, c, kw, oy * g->sh - g->pt + s, x0, pad, 1, g->e.pad_byte), seg, flip,
                     segq);
       }
+      int32_t sums[AMX_BLOCK_ROWS];
+      if (g->e.w_zp) packed_row_sums(pa, lda, t.mr, kh, seg, segq, sums);
       const int64_t at = (t.p * m + t.r0) * cout;
       qamx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, cout, out, (uint8_t*)y + at * esize,
-                  res ? (const uint8_t*)res + at * res_size(&g->e) : 0, cout, &g->e);
+                  res ? (const uint8_t*)res + at * res_size(&g->e) : 0, cout, &g->e, g->e.w_zp ? sums : 0);
     }
     amx_worker_end(&worker);
   });

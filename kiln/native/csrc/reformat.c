@@ -132,26 +132,28 @@ static inline void copy_bytes(char* restrict d, const char* restrict s, int64_t 
   if (i + 2 <= n) memcpy(d + i, s + i, 2);
 }
 
+/* The vector part ends at a multiple of VW computed up front: with `i + VW <= n` GCC (12, AVX2 targets) warned of
+   undefined behaviour in the tail loop of a constant-count row, an iteration that never runs. */
 static inline void narrow_row(uint16_t* restrict d, const float* restrict s, int64_t n) {
-  int64_t i = 0;
-  for (; i + VW <= n; i += VW) {
+  const int64_t whole = n - n % VW;
+  for (int64_t i = 0; i < whole; i += VW) {
     vf x;
     memcpy(&x, s + i, sizeof x);
     const vh h = v_bf16(x);
     memcpy(d + i, &h, sizeof h);
   }
-  for (; i < n; ++i) d[i] = bf16_narrow(s[i]);
+  for (int64_t i = whole; i < n; ++i) d[i] = bf16_narrow(s[i]);
 }
 
 static inline void widen_row(float* restrict d, const uint16_t* restrict s, int64_t n) {
-  int64_t i = 0;
-  for (; i + VW <= n; i += VW) {
+  const int64_t whole = n - n % VW;
+  for (int64_t i = 0; i < whole; i += VW) {
     vh h;
     memcpy(&h, s + i, sizeof h);
     const vu u = __builtin_convertvector(h, vu) << 16;
     memcpy(d + i, &u, sizeof u);
   }
-  for (; i < n; ++i) d[i] = bf16_widen(s[i]);
+  for (int64_t i = whole; i < n; ++i) d[i] = bf16_widen(s[i]);
 }
 
 /* Rows of a fixed size: the compiler unrolls the copy or conversion into vector moves (a channel chunk of NHWC
