@@ -11,6 +11,7 @@ from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
+from kiln.passes.qdq_constants import fold_constant_dequantize, swap_gather_dequantize
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
                                      merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
@@ -65,6 +66,9 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
     Pass("QuantizedAddFusion", fuse_quantized_add),
     Pass("QConvEltwiseSumFusion", fuse_quantized_residual, "vertical fusions"),
+    # DequantizeLinear of constants no INT8 layer took: an embedding table gathered as INT8, the rest FP32 constants.
+    Pass("GatherDequantizeSwap", swap_gather_dequantize),
+    Pass("ConstantDequantizeFolding", fold_constant_dequantize),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
     Pass("DeadLayerRemoval", remove_dead_layers, "final dead-layer removal"),

@@ -16,7 +16,7 @@ from kiln import native
 from kiln.errors import EngineFormatError
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
     storage_dtype
-from kiln.tactics.pointwise_c import BINARY, UNARY, VARIADIC, expressible, generate, loop_nest
+from kiln.tactics.pointwise_c import BINARY, INT8_C_TYPES, UNARY, VARIADIC, expressible, generate, loop_nest
 
 available = native.available   # "codegen" is an available tactic source where kiln.native has a C compiler
 CODEGEN_TACTIC = "codegen.pointwise_c_simd"
@@ -31,6 +31,8 @@ def one_op_program(layer: LayerView) -> LayerView | None:
     (kiln.passes.pointwise.as_program); else None."""
     if layer.op_type == "PointWise" and layer.domain == "kiln":
         return layer
+    if layer.op_type == "QAdd" and layer.domain == "kiln":
+        return quantized_add_program(layer)
     if layer.domain not in ("", "ai.onnx") or layer.op_type not in (*SINGLE_OPS, "BatchNormalization") or \
             None in layer.input_shapes:
         return None
@@ -39,11 +41,88 @@ def one_op_program(layer: LayerView) -> LayerView | None:
     return dataclasses.replace(layer, op_type="PointWise", domain="kiln", attrs={"program": [step]})
 
 
+def quantized_add_program(layer: LayerView) -> LayerView:
+    """kiln's INT8 sum (QAdd) as the program it is: both inputs dequantized, added, the activation, quantized."""
+    q, spec = layer.attrs["quant"], layer.attrs.get("activation")
+    lo, hi = QUANTIZED_RANGES[INT8_TORCH[q["y_dtype"]]] if q.get("y_dtype") in INT8_TORCH else (None, None)
+    steps = [{"op": "Dequantize", "attrs": {}, "args": [f"x{i}", {"const": q[f"{side}_scale"]},
+                                                         {"const": q[f"{side}_zero_point"]}]}
+             for i, side in enumerate("ab")]
+    steps.append({"op": "Add", "attrs": {}, "args": ["t0", "t1"]})
+    if spec:
+        steps.append({"op": spec["op"], "attrs": dict(spec.get("attrs", {})), "args": ["t2"]})
+    steps.append({"op": "Quantize", "attrs": {"lo": lo, "hi": hi},
+                  "args": [f"t{len(steps) - 1}", {"const": q["y_scale"]}, {"const": q["y_zero_point"]}]})
+    return dataclasses.replace(layer, op_type="PointWise", attrs={"program": steps})
+
+
 def program_view(layer: LayerView) -> LayerView | None:
     """The layer as the generator compiles it: a PointWise program (`one_op_program`) with each BatchNormalization
-    step folded into a per-channel scale and shift (`fold_batchnorm`); None where it has no such form."""
+    step folded into a per-channel scale and shift (`fold_batchnorm`) and each Q/DQ step of one scale made kiln's
+    Quantize/Dequantize (`quantize_steps`); None where it has no such form."""
     program = one_op_program(layer)
-    return None if program is None else fold_batchnorm(program)
+    program = None if program is None else fold_batchnorm(program)
+    return None if program is None else quantize_steps(program)
+
+
+QUANTIZED_RANGES = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+INT8_TORCH = {"uint8": torch.uint8, "int8": torch.int8}
+Q_DQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+def quantize_steps(layer: LayerView) -> LayerView | None:
+    """Each QuantizeLinear / DequantizeLinear step with one FP32 scale and INT8 zero point (constants) as kiln's
+    Quantize (saturating to the zero point's type) / Dequantize step; None where a step has other parameters."""
+    steps = layer.attrs.get("program", [])
+    if not any(step.get("op") in Q_DQ for step in steps):
+        return layer
+    program = []
+    for step in steps:
+        if step.get("op") not in Q_DQ:
+            program.append(step)
+            continue
+        args, attrs = step.get("args", []), step.get("attrs", {})
+        scale, zp = (_constant(layer, a) for a in (args + [None, None])[1:3])
+        if len(args) not in (2, 3) or scale is None or scale.numel() != 1 or scale.dtype != torch.float32 or \
+                (len(args) == 3 and (zp is None or zp.numel() != 1)) or attrs.get("block_size") or \
+                attrs.get("output_dtype"):
+            return None
+        zp_dtype = torch.uint8 if zp is None else zp.dtype
+        if zp_dtype not in QUANTIZED_RANGES:
+            return None
+        lo, hi = QUANTIZED_RANGES[zp_dtype]
+        op = "Quantize" if step["op"] == "QuantizeLinear" else "Dequantize"
+        program.append({"op": op, "attrs": {"lo": lo, "hi": hi}, "args": [args[0], args[1], args[2] if len(args) == 3
+                                                                           else {"const": 0.0}]})
+    return dataclasses.replace(layer, attrs={"program": program})
+
+
+def _constant(layer: LayerView, arg) -> torch.Tensor | None:
+    """The constant input a program argument ("x3") names, else None."""
+    if not (isinstance(arg, str) and arg[:1] == "x" and arg[1:].isdigit()):
+        return None
+    return layer.const_inputs.get(int(arg[1:]))
+
+
+def int8_types(layer: LayerView) -> tuple[dict[int, str], str | None] | None:
+    """(runtime inputs stored as INT8 -> their type, the output's INT8 type or None) of a program view: an INT8
+    input only as Dequantize steps read it, an INT8 output only from a last Quantize step of its range; None where
+    the program reads or writes INT8 otherwise."""
+    steps = layer.attrs.get("program", [])
+    inputs = {i: d for i, d in enumerate(layer.input_dtypes) if d in INT8_C_TYPES and i not in layer.const_inputs}
+    names = {f"x{i}" for i in inputs}
+    for step in steps:
+        first = 1 if step["op"] == "Dequantize" else 0
+        if any(isinstance(a, str) and a in names for a in step.get("args", [])[first:]):
+            return None
+    out = layer.output_dtypes[0]
+    if out not in INT8_C_TYPES:
+        return inputs, None
+    last = steps[-1] if steps else {}
+    want = QUANTIZED_RANGES[torch.int8 if out == "int8" else torch.uint8]
+    if last.get("op") != "Quantize" or (last["attrs"]["lo"], last["attrs"]["hi"]) != want:
+        return None
+    return inputs, out
 
 
 def fold_batchnorm(layer: LayerView) -> LayerView | None:
@@ -144,7 +223,10 @@ class CodegenPointWiseTactic:
             return False
         if any(layer.input_dynamic) or len(layer.output_dtypes) != 1:
             return False
-        if any(d not in self.stored_types for d in (*layer.input_dtypes, *layer.output_dtypes)):
+        int8 = int8_types(layer)
+        if int8 is None or any(d not in self.stored_types for i, d in enumerate(layer.input_dtypes)
+                               if i not in int8[0] and i not in layer.const_inputs) or \
+                (int8[1] is None and layer.output_dtypes[0] not in self.stored_types):
             return False
         try:
             np.broadcast_shapes(*layer.input_shapes)
@@ -178,7 +260,7 @@ class CodegenPointWiseTactic:
         read = [i for i in range(len(layer.input_shapes)) if i not in scalars and i not in consts]
         ref = _reference_input(layer)
         check_layout = ref is not None and _layout_free(layer) and len(out_shape) == 4
-        out_dtype = storage_dtype(layer.output_dtypes[0])
+        out_dtype = INT8_TORCH.get(layer.output_dtypes[0]) or storage_dtype(layer.output_dtypes[0])
         pointer_array = ctypes.c_void_p * len(layer.input_shapes)
         last = torch.channels_last
 
@@ -219,8 +301,9 @@ def _compiled(layer: LayerView, shapes: list[tuple[int, ...]], scalars: dict[int
     consts_at = set(layer.const_inputs)   # constants are held in FP32
     try:
         bf16 = frozenset(i for i, d in enumerate(layer.input_dtypes) if d == "bfloat16" and i not in consts_at)
+        int8_inputs, int8_output = int8_types(layer)
         source = generate(layer.attrs["program"], len(shapes), nest, scalars, bf16,
-                          layer.output_dtypes[0] == "bfloat16")
+                          layer.output_dtypes[0] == "bfloat16", int8_inputs, int8_output)
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise EngineFormatError(f"a PointWise program cannot be compiled ({exc}); the engine is damaged, "
                                 "rebuild it") from None

@@ -127,6 +127,10 @@ def step_expression(step: dict, args: list[str], consts: list[float | None]) -> 
         return "((" + " + ".join(args) + f") / {_f(len(args))})"
     if op == "ScaleShift" and len(args) == 3:   # kiln's folded BatchNormalization (kiln.tactics.codegen)
         return f"({args[0]} * {args[1]} + {args[2]})"
+    if op == "Quantize" and len(args) == 3:   # kiln's QuantizeLinear of one scale (kiln.tactics.codegen)
+        return f"k_quantize({args[0]}, {args[1]}, {args[2]}, {_f(attrs['lo'])}, {_f(attrs['hi'])})"
+    if op == "Dequantize" and len(args) == 3:
+        return f"(({args[0]} - {args[2]}) * {args[1]})"
     raise ValueError(f"op {op} has no C expression")
 
 
@@ -136,7 +140,8 @@ def supported_step(step: dict) -> bool:
         return attrs.get("to") == FLOAT
     if op == "Gelu":
         return attrs.get("approximate", "none") in ("none", "tanh")
-    return op in UNARY or op in BINARY or op in VARIADIC or op in ("Clip", "Pow", "Mean", "ScaleShift")
+    return op in UNARY or op in BINARY or op in VARIADIC or \
+        op in ("Clip", "Pow", "Mean", "ScaleShift", "Quantize", "Dequantize")
 
 
 @dataclass(frozen=True)
@@ -182,16 +187,22 @@ def loop_nest(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]) -> L
     return LoopNest(tuple(dims), tuple(tuple(m) for m in merged))
 
 
+INT8_C_TYPES = {"int8": "int8_t", "uint8": "uint8_t"}
+
+
 def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None,
-             bf16_inputs: frozenset[int] = frozenset(), bf16_output: bool = False) -> str:
+             bf16_inputs: frozenset[int] = frozenset(), bf16_output: bool = False,
+             int8_inputs: dict[int, str] | None = None, int8_output: str | None = None) -> str:
     """The C translation unit: `void kiln_pointwise(const void* const* in, void* out)`. Inputs in `scalars`
     (one-element constants) become literals and are not read, nor are inputs no step uses. The work is split in
     blocks of at most BLOCK_ELEMENTS of one row, shared out among the OpenMP threads; each block is one
     vectorized loop. Inputs in `bf16_inputs` are read as bf16 and widened, and a `bf16_output` is rounded to
-    nearest even as it is stored: the arithmetic is FP32 either way."""
-    scalars = scalars or {}
-    in_type = {i: "uint16_t" if i in bf16_inputs else "float" for i in range(n_inputs)}
-    out_type = "uint16_t" if bf16_output else "float"
+    nearest even as it is stored: the arithmetic is FP32 either way. `int8_inputs` (index -> "int8"/"uint8") are
+    read as those integers, and an `int8_output` stored so (the caller's last step writes an integer in range)."""
+    scalars, int8_inputs = scalars or {}, int8_inputs or {}
+    in_type = {i: INT8_C_TYPES[int8_inputs[i]] if i in int8_inputs else "uint16_t" if i in bf16_inputs else "float"
+               for i in range(n_inputs)}
+    out_type = INT8_C_TYPES[int8_output] if int8_output else "uint16_t" if bf16_output else "float"
     expressions = _expressions(steps, n_inputs, scalars)
     used = [i for i in range(n_inputs) if any(re.search(rf"\bv{i}\b", e) for e in expressions)]
     rows, inner = math.prod(nest.dims[:-1]), nest.dims[-1]
@@ -219,7 +230,8 @@ def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int
         lines.append(f"    const float v{i} = {_f(scalars[i])};" if i in scalars else f"    const float v{i} = {load};")
     lines += [f"    const float t{k} = {expr};" for k, expr in enumerate(expressions)]
     result = f"t{len(steps) - 1}"
-    lines += [f"    out[j] = {f'bf16_narrow({result})' if bf16_output else result};", "  }", "}", "",
+    stored = f"({out_type}){result}" if int8_output else f"bf16_narrow({result})" if bf16_output else result
+    lines += [f"    out[j] = {stored};", "  }", "}", "",
               "void kiln_pointwise(const void* const* in, void* out) {",
               f"  #pragma omp parallel for schedule(static) if({int(nest.elements >= PARALLEL_MIN_ELEMENTS)})",
               f"  for (int64_t b = 0; b < {rows * per_row}; ++b) {{",

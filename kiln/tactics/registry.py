@@ -67,6 +67,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
                                      "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],
                                      "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
+                                     "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
                                      "QuantizeLinear": [QuantizeLinearTactic()],
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),

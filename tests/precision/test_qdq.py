@@ -15,6 +15,8 @@ import torch
 from onnx import TensorProto, helper
 
 import kiln
+from kiln import native
+from kiln.tactics.qgemm_c import vnni_available
 from tests.conftest import cosine, init, make_model, run_ort
 from kiln.trt.vocab import parameter_type
 
@@ -358,5 +360,18 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
     feeds = encoders.inputs(model, 1, 32, seed=5)
     got, want = engine.run(feeds)["last_hidden_state"], run_ort(str(tmp_path / "bq.onnx"), feeds)[0]
     assert cosine(got, want) >= 0.995   # onnxruntime agrees with itself, fused against unfused, to 0.9991 here
-    assert "Region" not in {l.op_type for l in engine.plan.layers}
-    assert sum(l.op_type == "QMatMul" and l.precision == "INT8" for l in engine.plan.layers) == 12
+    layers = engine.plan.layers
+    assert "Region" not in {l.op_type for l in layers}
+    assert sum(l.op_type == "QMatMul" and l.precision == "INT8" for l in layers) == 12
+    # the products' weights are a Transpose of an initializer, which quantize_static quantizes as an activation
+    # (with zero points): kiln's INT8 kernels take them, oneDNN's need none
+    if vnni_available():
+        assert all(l.tactic_name != "torch.reference" for l in layers if l.op_type == "QMatMul")
+    assert not any(l.op_type == "DequantizeLinear" and all(a.kind == "weight" for a in l.args) for l in layers)
+    tables = [l for l in layers if l.op_type == "Gather" and l.args[0].kind == "weight" and
+              engine.plan.weights[l.args[0].name].ndim == 2]   # the embeddings, gathered as INT8
+    assert tables and all(engine.plan.weights[l.args[0].name].dtype == np.int8 for l in tables)
+    if native.available():   # the Q/DQ between them runs in generated kernels (but the mask's Where), and the sums
+        pointwise = [l for l in layers if l.op_type == "QAdd" or l.op_type == "PointWise" and
+                     "Where" not in {step["op"] for step in l.attrs["program"]}]
+        assert len(pointwise) > 30 and {l.tactic_name for l in pointwise} == {"codegen.pointwise_c_simd"}

@@ -1,0 +1,104 @@
+"""GatherDequantizeSwap and ConstantDequantizeFolding on IR graphs: an INT8 embedding table is gathered as INT8 and
+only the gathered rows are dequantized; the DequantizeLinear of other constants (a bias, a LayerNorm's scale)
+becomes an FP32 constant of the same values. Then a whole quantize_static embedding runs against onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.passes.qdq_constants import fold_constant_dequantize, swap_gather_dequantize
+from tests.conftest import make_model, run_ort
+from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
+
+TABLE = (np.arange(24).reshape(6, 4) * 11 % 255 - 127).astype(np.int8)
+
+
+def dequantized_table(b: IRBuilder, scale=0.5, name="table"):
+    return b.node("DequantizeLinear", [b.const(name, TABLE, np.int8), b.const(f"{name}_s", scale),
+                                       b.const(f"{name}_z", 3, np.int8)], f"{name}_f", (6, 4), dtype=np.float32,
+                  name=f"dq_{name}")
+
+
+def test_a_gathered_table_is_gathered_as_int8_and_only_its_rows_dequantized():
+    b = IRBuilder()
+    ids = b.input("ids", (2, 3), np.int64)
+    table = dequantized_table(b)
+    rows = b.node("Gather", [table, ids], "rows", (2, 3, 4), name="gather")
+    head = b.node("MatMul", [b.input("h", (2, 4)), b.node("Transpose", [table], "tt", (4, 6), perm=[1, 0])],
+                  "logits", (2, 6), name="head")   # tied weights: the table is read by a product too
+    g = b.graph(rows, head)
+
+    run = run_pass(g, "GatherDequantizeSwap", swap_gather_dequantize)
+
+    assert str(g) == expected("""
+        graph g(%ids: int64[2x3], %h: float32[2x4]):
+          %table_f: float32[6x4] = DequantizeLinear(const %table, const %table_s, const %table_z)  # dq_table
+          %rows_quantized: int8[2x3x4] = Gather(const %table, %ids)  # gather
+          %rows: float32[2x3x4] = DequantizeLinear(%rows_quantized, const %table_s, const %table_z)  # dq_table [gather]
+          %tt: float32[4x6] = Transpose(%table_f) perm=[1, 0]  # tt
+          %logits: float32[2x6] = MatMul(%h, %tt)  # head
+          return %rows, %logits
+        """)
+    assert [n.origin for n in g.nodes][1:3] == [("gather",), ("dq_table",)]
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+
+
+def test_per_axis_tables_stay_with_the_reason():
+    b = IRBuilder()
+    table = dequantized_table(b, scale=[0.5, 0.25, 0.5, 0.25])
+    g = b.graph(b.node("Gather", [table, b.input("ids", (3,), np.int64)], "rows", (3, 4), name="gather"))
+    run = run_pass_unchanged(g, "GatherDequantizeSwap", swap_gather_dequantize)
+    assert run.not_fusing == ["GatherDequantizeSwap: Not fusing dq_table with gather: per-axis scales: the gathered "
+                              "rows would need their own"]
+
+
+def test_the_dequantized_constants_left_become_fp32_constants():
+    b = IRBuilder()
+    x = b.input("x", (2, 4))
+    bias = b.node("DequantizeLinear", [b.const("b_q", [100, -7, 0, 2**20], np.int32), b.const("b_s", 0.001)], "bias",
+                  (4,), dtype=np.float32, name="dq_bias")
+    q = b.node("QuantizeLinear", [x, b.const("xs", 0.1), b.const("xz", 0, np.int8)], "xq", (2, 4), dtype=np.int8,
+               name="q_x")
+    dq = b.node("DequantizeLinear", [q, b.const("xs2", 0.1), b.const("xz2", 0, np.int8)], "xf", (2, 4),
+                dtype=np.float32, name="dq_x")   # of a tensor: stays
+    g = b.graph(b.node("Add", [dq, bias], "y", (2, 4), name="add"), dequantized_table(b))   # an output: stays
+
+    run = run_pass(g, "ConstantDequantizeFolding", fold_constant_dequantize, folds_constants=True)
+
+    assert [n.name for n in g.nodes] == ["q_x", "dq_x", "add", "dq_table"]
+    np.testing.assert_array_equal(g.values["bias"].const, np.float32([0.1, -0.007, 0.0, 2**20 * 0.001]))
+    assert g.values["bias"].const.dtype == np.float32
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+
+
+def test_a_quantized_embedding_runs_on_int8_rows_and_matches_onnxruntime(tmp_path):
+    """Word + position embeddings as onnxruntime's quantize_static leaves them (DequantizeLinear of each INT8 table,
+    Gather, Add) and a LayerNorm with a dequantized scale: no DequantizeLinear of a constant is left to run."""
+    h = helper.make_node
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(a, n) for n, a in (
+        ("words_q", rng.integers(-128, 128, (50, 8)).astype(np.int8)), ("words_s", np.float32(0.02)),
+        ("words_z", np.int8(-3)), ("pos_q", rng.integers(-128, 128, (16, 8)).astype(np.int8)),
+        ("pos_s", np.float32(0.01)), ("pos_z", np.int8(0)), ("pos_ids", np.arange(16, dtype=np.int64)[None]),
+        ("gamma_q", rng.integers(0, 256, (8,)).astype(np.uint8)), ("gamma_s", np.float32(0.01)),
+        ("gamma_z", np.uint8(0)), ("beta", rng.standard_normal(8).astype(np.float32)))]
+    nodes = [h("DequantizeLinear", ["words_q", "words_s", "words_z"], ["words"], name="dq_words"),
+             h("DequantizeLinear", ["pos_q", "pos_s", "pos_z"], ["pos"], name="dq_pos"),
+             h("DequantizeLinear", ["gamma_q", "gamma_s", "gamma_z"], ["gamma"], name="dq_gamma"),
+             h("Gather", ["words", "ids"], ["w"], name="gather_words"),
+             h("Gather", ["pos", "pos_ids"], ["p"], name="gather_pos"),
+             h("Add", ["w", "p"], ["e"], name="sum"),
+             h("LayerNormalization", ["e", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5)]
+    model = make_model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 16])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])], inits)
+    path = tmp_path / "emb.onnx"
+    onnx.save(model, path)
+    engine = kiln.build(str(path), tactic_sources="-openvino,-onnxruntime", autotune=False)
+    gathers = [l for l in engine.plan.layers if l.op_type == "Gather" and l.args[0].kind == "weight"]
+    assert len(gathers) == 2 and all(engine.plan.weights[l.args[0].name].dtype == np.int8 for l in gathers)
+    assert not any(l.op_type == "DequantizeLinear" and all(a.kind == "weight" for a in l.args)
+                   for l in engine.plan.layers)
+    ids = {"ids": rng.integers(0, 50, (1, 16)).astype(np.int64)}
+    np.testing.assert_allclose(engine.run(ids)["y"], run_ort(str(path), ids)[0], rtol=1e-5, atol=1e-5)
