@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kiln.tactics import registry
+from kiln.tactics.base import storage_dtype
 from kiln.tactics.onednn_conv import bf16_available
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTactic
 
@@ -19,13 +20,21 @@ def to_bf16(t):
 
 
 class EmulatedBf16Linear(OneDnnLinearTactic):
+    """Stores its output as the real kernel does (bf16 where the plan keeps the tensor bf16), so the accuracy
+    budget's ranking, which rounds the tensors a layer writes, sees the same harm on either CPU."""
+
     name = OneDnnBf16LinearTactic.name + ".emulated"
     reduced_precisions = frozenset({"BF16"})
+    bf16_inputs = OneDnnBf16LinearTactic.bf16_inputs
+    writes_bf16 = True
 
     def prepare(self, layer):
-        fp32 = super().prepare(dataclasses.replace(layer, const_inputs={i: to_bf16(t) for i, t in
-                                                                        layer.const_inputs.items()}))
-        return lambda xs: [to_bf16(y) for y in fp32([to_bf16(x) for x in xs])]
+        floats = tuple("float32" if d == "bfloat16" else d for d in layer.input_dtypes)
+        fp32 = super().prepare(dataclasses.replace(layer, input_dtypes=floats, output_dtypes=("float32",),
+                                                   const_inputs={i: to_bf16(t) for i, t in
+                                                                 layer.const_inputs.items()}))
+        store = storage_dtype(layer.output_dtypes[0])
+        return lambda xs: [to_bf16(y).to(store) for y in fp32([to_bf16(x) for x in xs])]
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kiln
+from kiln import hardware
 from kiln.precision.policy import OUTPUT_TAIL, PrecisionDecision, PrecisionOptions, decide, output_tail
 from kiln.tactics import registry
 from kiln.tactics.autotune import layer_signature
@@ -130,6 +131,8 @@ def test_the_output_tail_is_the_arithmetic_after_the_last_matrix_layers():
     assert output_tail(g) == {"scores", "scale", "side"}
 
 
+@pytest.mark.skipif(not hardware.has_any(hardware.BF16_ISA),
+                    reason="BF16 is granted only where the CPU computes it natively (an AVX2 CPU denies --bf16)")
 def test_the_output_tail_keeps_fp32_unless_the_user_asks():
     """Without constraints the encoder block's last residual Add (after ffn2, writing the output) stays FP32 with
     the reason; a layer precision naming it, or `prefer`, grants BF16."""
