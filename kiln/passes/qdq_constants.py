@@ -33,7 +33,7 @@ def swap_gather_dequantize(g: Graph, plog: PassLog) -> None:
         plog.running(dq)
         if dq.inputs[1].const.size != 1:
             for gather in gathers:
-                plog.not_fused(dq, gather, "per-axis scales: the gathered rows would need their own")
+                plog.not_fused(dq, gather, "per-axis scales: only a per-tensor table is gathered as INT8")
             continue
         for gather in gathers:
             _gather_quantized(g, dq, gather)

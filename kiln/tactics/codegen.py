@@ -26,9 +26,9 @@ SINGLE_OPS = tuple(sorted(set(UNARY) | set(BINARY) | set(VARIADIC)))   # element
 
 
 def one_op_program(layer: LayerView) -> LayerView | None:
-    """A PointWise layer as is; a single elementwise layer (Add, Sigmoid, ...: an op the generator writes, or an
-    inference BatchNormalization) as the one-step PointWise program PointWiseFusion would give it
-    (kiln.passes.pointwise.as_program); else None."""
+    """A PointWise layer as is; a QAdd as its program (`quantized_add_program`); a single elementwise layer (Add,
+    Sigmoid, ...: an op the generator writes, or an inference BatchNormalization) as the one-step PointWise program
+    PointWiseFusion would give it (kiln.passes.pointwise.as_program); else None."""
     if layer.op_type == "PointWise" and layer.domain == "kiln":
         return layer
     if layer.op_type == "QAdd" and layer.domain == "kiln":

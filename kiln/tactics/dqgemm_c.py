@@ -109,9 +109,8 @@ class DynamicQLinearGemmAmxTactic(AmxInt8, DynamicQLinearGemmTactic):
 
 
 def dynamic_conv_supported(layer: LayerView) -> bool:
-    """A 2-D DynamicQConv with constant INT8 weights, one group, dilation 1, explicit
-    pads, the batch its only dynamic axis, a bias (if any) of Cout FP32 values and a residual (if any) FP32 of the
-    output's shape."""
+    """A 2-D DynamicQConv with constant INT8 weights, one group, dilation 1, explicit pads, the batch its only
+    dynamic axis, a bias (if any) of Cout FP32 values and a residual (if any) FP32 of the output's shape."""
     if layer.op_type != "DynamicQConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
         return False
     a, w = layer.attrs, layer.const_inputs.get(1)

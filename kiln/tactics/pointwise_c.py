@@ -188,6 +188,9 @@ def loop_nest(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]) -> L
 
 
 INT8_C_TYPES = {"int8": "int8_t", "uint8": "uint8_t"}
+# A program with Q/DQ steps rounds each operation as onnxruntime's separate ops do: GCC would otherwise contract a
+# dequantize's multiply and the add after it into one FMA, and a value at a rounding tie would quantize a step away.
+EXACT_ROUNDING = ("#if defined(__GNUC__) && !defined(__clang__)", '#pragma GCC optimize("fp-contract=off")', "#endif")
 
 
 def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None,
@@ -210,7 +213,8 @@ def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int
     per_row = -(-inner // chunk) if inner else 1
     read = [i for i in used if i not in scalars]
     params = "".join(f"const {in_type[i]}* restrict x{i}, " for i in read)
-    lines = [f'#include "{HEADER_FILE}"', "",
+    lines = [*(EXACT_ROUNDING if any(step["op"] in ("Quantize", "Dequantize") for step in steps) else ()),
+             f'#include "{HEADER_FILE}"', "",
              f"static void k_block({params}{out_type}* restrict out, const int64_t r, const int64_t j0, "
              "const int64_t j1) {"]
     for i in read:

@@ -29,11 +29,12 @@ pack_amx_segments = functools.partial(pack_segments, k_multiple=TILE_BYTES)
 
 
 def self_check_view() -> tuple[LayerView, torch.Tensor]:
-    """A 45-row u8 x s8 [70 x 75] QMatMul with per-channel scales, bias and ReLU, u8 out; and its input."""
+    """A 45-row u8 x s8 [70 x 75] QMatMul with per-channel scales and zero points, bias and ReLU, u8 out; and its
+    input."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (70, 75), generator=gen, dtype=torch.int8)
     quant = {"x_scale": 0.02, "x_zero_point": 3, "x_dtype": "uint8", "w_scale": [0.003 + 1e-5 * i for i in range(75)],
-             "w_zero_point": [0] * 75, "w_axis": 1, "y_scale": 0.05, "y_zero_point": 5, "y_dtype": "uint8"}
+             "w_zero_point": [i % 7 - 3 for i in range(75)], "w_axis": 1, "y_scale": 0.05, "y_zero_point": 5, "y_dtype": "uint8"}
     view = LayerView("QMatMul", "kiln", {"quant": quant, "activation": {"op": "Relu", "attrs": {}}},
                      ((45, 70), (70, 75)), ("uint8", "int8"), {1: w}, ("uint8",), 17, ((), ()))
     return view, torch.randint(0, 256, (45, 70), generator=gen, dtype=torch.uint8)

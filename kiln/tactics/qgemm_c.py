@@ -196,9 +196,9 @@ def _output_dtype(layer: LayerView) -> torch.dtype:
 
 
 def _conv_supported(layer: LayerView) -> bool:
-    """A 2-D QConv with constant s8 weights, one group, dilation 1, explicit pads, an activation the kernel has,
-    and a residual (if fused) of the output's shape: of its INT8 type, or FP32 (a TensorRT-style QAT export's
-    unquantized residual sum)."""
+    """A 2-D QConv with constant INT8 weights (s8 or u8, with zero points or without), one group, dilation 1,
+    explicit pads, an activation the kernel has, and a residual (if fused) of the output's shape: of its INT8
+    type, or FP32 (a TensorRT-style QAT export's unquantized residual sum)."""
     if layer.op_type != "QConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
         return False
     a, w = layer.attrs, layer.const_inputs.get(1)
@@ -297,7 +297,7 @@ class QConvDirectTactic(QConvGemmTactic):
 
 
 class QLinearGemmTactic:
-    """QGemm and QMatMul by a constant s8 matrix: the activation's rows are the GEMM's, counted per call."""
+    """QGemm and QMatMul by a constant INT8 matrix: the activation's rows are the GEMM's, counted per call."""
 
     name = "kiln.qmatmul_gemm_int8"
     source = "kiln"

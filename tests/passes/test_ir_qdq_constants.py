@@ -15,10 +15,11 @@ from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unch
 TABLE = (np.arange(24).reshape(6, 4) * 11 % 255 - 127).astype(np.int8)
 
 
-def dequantized_table(b: IRBuilder, scale=0.5, name="table"):
+def dequantized_table(b: IRBuilder, scale=0.5, name="table", **attrs):
+    zp = np.full(np.shape(scale), 3)
     return b.node("DequantizeLinear", [b.const(name, TABLE, np.int8), b.const(f"{name}_s", scale),
-                                       b.const(f"{name}_z", 3, np.int8)], f"{name}_f", (6, 4), dtype=np.float32,
-                  name=f"dq_{name}")
+                                       b.const(f"{name}_z", zp, np.int8)], f"{name}_f", (6, 4), dtype=np.float32,
+                  name=f"dq_{name}", **attrs)
 
 
 def test_a_gathered_table_is_gathered_as_int8_and_only_its_rows_dequantized():
@@ -47,11 +48,11 @@ def test_a_gathered_table_is_gathered_as_int8_and_only_its_rows_dequantized():
 
 def test_per_axis_tables_stay_with_the_reason():
     b = IRBuilder()
-    table = dequantized_table(b, scale=[0.5, 0.25, 0.5, 0.25])
+    table = dequantized_table(b, scale=[0.5, 0.25, 0.5, 0.25, 0.5, 0.25], axis=0)   # one scale per row
     g = b.graph(b.node("Gather", [table, b.input("ids", (3,), np.int64)], "rows", (3, 4), name="gather"))
     run = run_pass_unchanged(g, "GatherDequantizeSwap", swap_gather_dequantize)
-    assert run.not_fusing == ["GatherDequantizeSwap: Not fusing dq_table with gather: per-axis scales: the gathered "
-                              "rows would need their own"]
+    assert run.not_fusing == ["GatherDequantizeSwap: Not fusing dq_table with gather: per-axis scales: only a "
+                              "per-tensor table is gathered as INT8"]
 
 
 def test_the_dequantized_constants_left_become_fp32_constants():
@@ -68,7 +69,8 @@ def test_the_dequantized_constants_left_become_fp32_constants():
     run = run_pass(g, "ConstantDequantizeFolding", fold_constant_dequantize, folds_constants=True)
 
     assert [n.name for n in g.nodes] == ["q_x", "dq_x", "add", "dq_table"]
-    np.testing.assert_array_equal(g.values["bias"].const, np.float32([0.1, -0.007, 0.0, 2**20 * 0.001]))
+    want = np.int32([100, -7, 0, 2**20]).astype(np.float32) * np.float32(0.001)   # DequantizeLinear, in float32
+    np.testing.assert_array_equal(g.values["bias"].const, want)
     assert g.values["bias"].const.dtype == np.float32
     assert (run.stat.matches, run.stat.rejections) == (1, 0)
 

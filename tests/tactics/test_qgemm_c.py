@@ -377,10 +377,14 @@ def test_int8_kernels_decline_what_they_cannot_run():
     assert not QLinearGemmTactic().supports(linear_view("QMatMul", (1, long_k), w, quant(4, axis=1)))
     assert QLinearGemmTactic().supports(linear_view("QMatMul", (1, 4096), w[:4096], quant(4, axis=1))) or \
         not (hardware.has_any(VNNI_ISA) and native.available())
-    k_zp = 33_100                                            # 255 * 255 * k: weights with zero points
-    view = linear_view("QMatMul", (1, k_zp), w[:k_zp], {**quant(4, axis=1), "w_zero_point": [1, 0, 0, 0]})
-    assert not QLinearGemmTactic().supports(view)
-    assert not QLinearGemmTactic().supports(linear_view("QMatMul", (1, 8), w[:8], {**quant(4, axis=0)}))
+    def with_zero_points(k, zero_points):   # 255 * 255 * k must fit in int32 for weights with zero points
+        return linear_view("QMatMul", (1, k), w[:k], {**quant(4, axis=1), "w_zero_point": zero_points})
+    assert not QLinearGemmTactic().supports(with_zero_points(33_100, [1, 0, 0, 0]))
+    vnni = hardware.has_any(VNNI_ISA) and native.available()
+    assert QLinearGemmTactic().supports(with_zero_points(33_025, [1, 0, 0, 0])) or not vnni
+    assert QLinearGemmTactic().supports(with_zero_points(33_100, [0, 0, 0, 0])) or not vnni
+    rows = linear_view("QMatMul", (1, 8), w[:8], {**quant(1, axis=0), "w_zero_point": [1] * 8})
+    assert not QLinearGemmTactic().supports(rows)   # zero points per row of the weights: not per output channel
 
 
 def resnet_like() -> nn.Module:

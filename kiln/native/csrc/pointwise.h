@@ -27,9 +27,11 @@ static inline float k_min(float a, float b) { return (a != a || a < b) ? a : b; 
 static inline float k_clip(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 static inline float k_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 /* ONNX QuantizeLinear as a float: x / scale rounded half to even (the default rounding mode), plus the zero point,
-   saturated to [lo, hi] (clamped before rounding: the same integer, as lo and hi are integers) */
+   saturated to [lo, hi] (clamped before rounding: the same integer, as lo and hi are integers). NaN saturates to lo,
+   so the INT8 store after it always converts a number in range. */
 static inline float k_quantize(float x, float scale, float zp, float lo, float hi) {
-  return nearbyintf(k_clip(x / scale, lo - zp, hi - zp)) + zp;
+  const float v = x / scale;
+  return nearbyintf(v > lo - zp ? (v < hi - zp ? v : hi - zp) : lo - zp) + zp;
 }
 /* tanh and erf as rational polynomials in x*x (the approximations Eigen and MLAS use): branch-free, so the
    loop vectorizes without library calls; a few float ulps from the exact value */
