@@ -79,12 +79,17 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
         if any(g.is_output(v) for v in node.outputs):
             continue
         plog.running(node)
-        known = {id(v): torch.from_numpy(np.array(v.const)) for v in node.inputs if v is not None and v.is_const}
-        outs = evaluate_node(node, known)
-        g.remove_node(node)
-        for v, t in zip(node.outputs, outs):
-            v.const = np.ascontiguousarray(t.numpy()).reshape(tuple(t.shape))   # ascontiguousarray makes 0-d 1-d
+        fold_node(g, node)
         plog.removing(node)
+
+
+def fold_node(g: Graph, node) -> None:
+    """Evaluate `node` on its constant inputs and replace it by the constants it computes."""
+    known = {id(v): torch.from_numpy(np.array(v.const)) for v in node.inputs if v is not None and v.is_const}
+    outs = evaluate_node(node, known)
+    g.remove_node(node)
+    for v, t in zip(node.outputs, outs):
+        v.const = np.ascontiguousarray(t.numpy()).reshape(tuple(t.shape))   # ascontiguousarray makes 0-d 1-d
 
 
 def _reads_dynamic_axes(node) -> bool:

@@ -9,12 +9,8 @@
 """
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from kiln.frontend.shape_inference import evaluate_node
 from kiln.ir import Graph, Node
-from kiln.passes.cleanup import FOLD_MAX_ELEMENTS
+from kiln.passes.cleanup import FOLD_MAX_ELEMENTS, fold_node
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import is_op, remove_dead
 
@@ -63,8 +59,5 @@ def fold_constant_dequantize(g: Graph, plog: PassLog) -> None:
         if dq.inputs[0].const.size > FOLD_MAX_ELEMENTS:
             plog.note(f"not folding {dq.name}: {dq.inputs[0].const.size} values, more than constant folding makes")
             continue
-        known = {id(v): torch.from_numpy(np.array(v.const)) for v in dq.inputs if v is not None}
-        (value,) = evaluate_node(dq, known)
-        g.remove_node(dq)
-        dq.outputs[0].const = np.ascontiguousarray(value.numpy()).reshape(tuple(value.shape))
+        fold_node(g, dq)
         plog.removing(dq)

@@ -44,7 +44,7 @@ def one_op_program(layer: LayerView) -> LayerView | None:
 def quantized_add_program(layer: LayerView) -> LayerView:
     """kiln's INT8 sum (QAdd) as the program it is: both inputs dequantized, added, the activation, quantized."""
     q, spec = layer.attrs["quant"], layer.attrs.get("activation")
-    lo, hi = QUANTIZED_RANGES[INT8_TORCH[q["y_dtype"]]] if q.get("y_dtype") in INT8_TORCH else (None, None)
+    lo, hi = saturation(q.get("y_dtype")) or (None, None)   # no INT8 output: not expressible, declined
     steps = [{"op": "Dequantize", "attrs": {}, "args": [f"x{i}", {"const": q[f"{side}_scale"]},
                                                          {"const": q[f"{side}_zero_point"]}]}
              for i, side in enumerate("ab")]
@@ -65,9 +65,12 @@ def program_view(layer: LayerView) -> LayerView | None:
     return None if program is None else quantize_steps(program)
 
 
-QUANTIZED_RANGES = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
-INT8_TORCH = {"uint8": torch.uint8, "int8": torch.int8}
 Q_DQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+def saturation(dtype: str | None) -> tuple[int, int] | None:
+    """The range QuantizeLinear saturates to for an INT8 type ("int8", "uint8"); None for any other."""
+    return (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) if dtype in INT8_C_TYPES else None
 
 
 def quantize_steps(layer: LayerView) -> LayerView | None:
@@ -82,26 +85,23 @@ def quantize_steps(layer: LayerView) -> LayerView | None:
             program.append(step)
             continue
         args, attrs = step.get("args", []), step.get("attrs", {})
-        scale, zp = (_constant(layer, a) for a in (args + [None, None])[1:3])
+        scale, zp = (layer.const_inputs.get(_input_index(a)) for a in (args + [None, None])[1:3])
         if len(args) not in (2, 3) or scale is None or scale.numel() != 1 or scale.dtype != torch.float32 or \
                 (len(args) == 3 and (zp is None or zp.numel() != 1)) or attrs.get("block_size") or \
                 attrs.get("output_dtype"):
             return None
-        zp_dtype = torch.uint8 if zp is None else zp.dtype
-        if zp_dtype not in QUANTIZED_RANGES:
+        bounds = saturation("uint8" if zp is None else str(zp.dtype).removeprefix("torch."))
+        if bounds is None:
             return None
-        lo, hi = QUANTIZED_RANGES[zp_dtype]
-        op = "Quantize" if step["op"] == "QuantizeLinear" else "Dequantize"
-        program.append({"op": op, "attrs": {"lo": lo, "hi": hi}, "args": [args[0], args[1], args[2] if len(args) == 3
-                                                                           else {"const": 0.0}]})
+        params = [args[0], args[1], args[2] if len(args) == 3 else {"const": 0.0}]
+        program.append({"op": "Quantize", "attrs": {"lo": bounds[0], "hi": bounds[1]}, "args": params}
+                       if step["op"] == "QuantizeLinear" else {"op": "Dequantize", "attrs": {}, "args": params})
     return dataclasses.replace(layer, attrs={"program": program})
 
 
-def _constant(layer: LayerView, arg) -> torch.Tensor | None:
-    """The constant input a program argument ("x3") names, else None."""
-    if not (isinstance(arg, str) and arg[:1] == "x" and arg[1:].isdigit()):
-        return None
-    return layer.const_inputs.get(int(arg[1:]))
+def _input_index(arg) -> int:
+    """The layer input a program argument names ("x3": 3); -1 for a step's result, a host constant or none."""
+    return int(arg[1:]) if isinstance(arg, str) and arg[:1] == "x" and arg[1:].isdigit() else -1
 
 
 def int8_types(layer: LayerView) -> tuple[dict[int, str], str | None] | None:
@@ -119,8 +119,7 @@ def int8_types(layer: LayerView) -> tuple[dict[int, str], str | None] | None:
     if out not in INT8_C_TYPES:
         return inputs, None
     last = steps[-1] if steps else {}
-    want = QUANTIZED_RANGES[torch.int8 if out == "int8" else torch.uint8]
-    if last.get("op") != "Quantize" or (last["attrs"]["lo"], last["attrs"]["hi"]) != want:
+    if last.get("op") != "Quantize" or (last["attrs"]["lo"], last["attrs"]["hi"]) != saturation(out):
         return None
     return inputs, out
 
@@ -140,7 +139,7 @@ def fold_batchnorm(layer: LayerView) -> LayerView | None:
         if step.get("op") != "BatchNormalization":
             continue
         args = step.get("args", [])
-        at = [int(a[1:]) if isinstance(a, str) and a[:1] == "x" and a[1:].isdigit() else -1 for a in args[1:]]
+        at = [_input_index(a) for a in args[1:]]
         if len(args) != 5 or step.get("attrs", {}).get("training_mode", 0) or len(set(at)) != 4 or \
                 any(i not in layer.const_inputs or layer.const_inputs[i].dim() != 1 or uses[f"x{i}"] != 1
                     for i in at):
@@ -260,7 +259,8 @@ class CodegenPointWiseTactic:
         read = [i for i in range(len(layer.input_shapes)) if i not in scalars and i not in consts]
         ref = _reference_input(layer)
         check_layout = ref is not None and _layout_free(layer) and len(out_shape) == 4
-        out_dtype = INT8_TORCH.get(layer.output_dtypes[0]) or storage_dtype(layer.output_dtypes[0])
+        out = layer.output_dtypes[0]
+        out_dtype = getattr(torch, out) if out in INT8_C_TYPES else storage_dtype(out)
         pointer_array = ctypes.c_void_p * len(layer.input_shapes)
         last = torch.channels_last
 

@@ -1,9 +1,10 @@
 """kiln's dynamically quantized INT8 layers (DynamicQMatMul and DynamicQConv, from kiln.passes.dynamic_quant;
-onnxruntime's DynamicQuantizeMatMul) in C, one call a layer: kiln_dqgemm and kiln_dqconv (kiln/native/csrc/qgemm.c)
-find the FP32 activation's range, quantize it to u8 as DynamicQuantizeLinear does, and run kiln's INT8 GEMM or
-direct convolution (`vpdpbusd`, or AMX-INT8 tiles in the AMX variants) with the epilogue made for that scale and
-zero point: FP32 out, the bias added, the activation applied. s8 weights (quantize_dynamic's QInt8 default) and u8
-ones (QUInt8, read as s8 shifted by 128), per tensor or per output channel, with zero points or without.
+onnxruntime's DynamicQuantizeMatMul) in C, one call a layer: kiln_dqgemm and kiln_dqconv
+(kiln/native/csrc/qgemm_dynamic.h) find the FP32 activation's range, quantize it to u8 as DynamicQuantizeLinear
+does, and run kiln's INT8 GEMM or direct convolution (`vpdpbusd`, or AMX-INT8 tiles in the AMX variants) with the
+epilogue made for that scale and zero point: FP32 out, the bias added, the activation applied. s8 weights
+(quantize_dynamic's QInt8 default) and u8 ones (QUInt8, read as s8 shifted by 128), per tensor or per output
+channel, with zero points or without.
 
 quantize_dynamic on ResNet-50 (s8 weights, per tensor) runs 144 ms in onnxruntime, whose ConvInteger takes u8
 weights fast and s8 ones on a slow path."""

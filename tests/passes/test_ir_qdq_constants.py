@@ -11,6 +11,7 @@ import kiln
 from kiln.passes.qdq_constants import fold_constant_dequantize, swap_gather_dequantize
 from tests.conftest import make_model, run_ort
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
+from tests.passes.test_ir_quantization import dq, q
 
 TABLE = (np.arange(24).reshape(6, 4) * 11 % 255 - 127).astype(np.int8)
 
@@ -60,15 +61,12 @@ def test_the_dequantized_constants_left_become_fp32_constants():
     x = b.input("x", (2, 4))
     bias = b.node("DequantizeLinear", [b.const("b_q", [100, -7, 0, 2**20], np.int32), b.const("b_s", 0.001)], "bias",
                   (4,), dtype=np.float32, name="dq_bias")
-    q = b.node("QuantizeLinear", [x, b.const("xs", 0.1), b.const("xz", 0, np.int8)], "xq", (2, 4), dtype=np.int8,
-               name="q_x")
-    dq = b.node("DequantizeLinear", [q, b.const("xs2", 0.1), b.const("xz2", 0, np.int8)], "xf", (2, 4),
-                dtype=np.float32, name="dq_x")   # of a tensor: stays
-    g = b.graph(b.node("Add", [dq, bias], "y", (2, 4), name="add"), dequantized_table(b))   # an output: stays
+    of_tensor = dq(b, q(b, x, "xq", 0.125), "xf", 0.125)   # stays
+    g = b.graph(b.node("Add", [of_tensor, bias], "y", (2, 4), name="add"), dequantized_table(b))   # an output: stays
 
     run = run_pass(g, "ConstantDequantizeFolding", fold_constant_dequantize, folds_constants=True)
 
-    assert [n.name for n in g.nodes] == ["q_x", "dq_x", "add", "dq_table"]
+    assert [n.name for n in g.nodes] == ["xq", "xf", "add", "dq_table"]
     want = np.int32([100, -7, 0, 2**20]).astype(np.float32) * np.float32(0.001)   # DequantizeLinear, in float32
     np.testing.assert_array_equal(g.values["bias"].const, want)
     assert g.values["bias"].const.dtype == np.float32

@@ -5,8 +5,8 @@
    requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit
    flipped (x_zp + 128: the caller's comp). Weights with zero points (asymmetric, or u8 read as s8) also take
    w_zp[n] * (the row's byte sum) off: sum (x - x_zp)(w - w_zp) = acc - x_zp (colsum[n] - k w_zp[n]) - w_zp[n] sum x,
-   the caller folding the middle term into comp. kiln_dqgemm and kiln_dqconv quantize their FP32 input first
-   (dynamic quantization) and make the epilogue per call.
+   the caller folding the middle term into comp. kiln_dqgemm and kiln_dqconv (qgemm_dynamic.h) quantize their FP32
+   input first (dynamic quantization) and make the epilogue per call.
 
    Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a
    convolution pads each kernel row's segment of kw * c bytes); activations are read in place and a row's tail
@@ -192,11 +192,12 @@ static inline void weight_zero_points(__m512i (*acc)[2], const int32_t* sums, in
 /* Sums `segs` segments of `k` bytes into `rows` (1-6) rows of a 32-column tile (segment s: rows a[s * MR + i],
    weights b + s * quads * NR * 4), then stores them through the epilogue. `rows` and `flip` (0, or 0x80808080 for
    s8 input) are compile-time constants at each call site (tile_rows), so a short tile (a batch-1 linear layer, the
-   last rows) computes only its rows and the u8 path broadcasts straight from memory. */
+   last rows) computes only its rows and the u8 path broadcasts straight from memory. Weights with zero points
+   read the rows' byte sums from `sums` (a GEMM's, summed once per call) or sum the segments here (NULL). */
 static inline __attribute__((always_inline)) void
 qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b, uint8_t* c, int64_t ldc_bytes,
       int64_t esize, int64_t cols, int64_t col0, const uint8_t* res, int64_t ldr_bytes, const QEpilogue* e,
-      const int rows, const uint32_t flip) {
+      const int32_t* sums, const int rows, const uint32_t flip) {
   const int64_t full = k / 4, tail = k % 4, quads = full + (tail != 0);
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m512i c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -226,10 +227,13 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b
 #undef QSTEP
 #undef QROW
   __m512i acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  if (e->w_zp) {   /* each row's byte sum over its segments */
-    int32_t sums[MR] = {0};
-    for (int i = 0; i < rows; ++i)
-      for (int64_t s = 0; s < segs; ++s) sums[i] += byte_sum(a[s * MR + i], k, flip);
+  if (e->w_zp) {
+    int32_t own[MR] = {0};
+    if (!sums) {   /* each row's byte sum over its segments */
+      for (int i = 0; i < rows; ++i)
+        for (int64_t s = 0; s < segs; ++s) own[i] += byte_sum(a[s * MR + i], k, flip);
+      sums = own;
+    }
     weight_zero_points(acc, sums, rows, e->w_zp + col0);
   }
   const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
@@ -245,10 +249,10 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b
 /* qtile for `mr` rows and the input's signedness, each combination compiled on its own. */
 static void tile_rows(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t k, const int8_t* restrict b,
                       uint8_t* c, int64_t ldc_bytes, int64_t esize, int64_t cols, int64_t col0, const uint8_t* res,
-                      int64_t ldr_bytes, const QEpilogue* e) {
-#define QTILE(R) (e->signed_input ? qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr_bytes, e, R, \
-                                          0x80808080u)                                                          \
-                                  : qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr_bytes, e, R, 0))
+                      int64_t ldr_bytes, const QEpilogue* e, const int32_t* sums) {
+#define QTILE(R)                                                                                                   \
+  (e->signed_input ? qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr_bytes, e, sums, R, 0x80808080u) \
+                   : qtile(a, segs, k, b, c, ldc_bytes, esize, cols, col0, res, ldr_bytes, e, sums, R, 0))
   switch (mr) {
     case 1: QTILE(1); break;
     case 2: QTILE(2); break;
@@ -260,6 +264,20 @@ static void tile_rows(const uint8_t* const* a, int64_t segs, int64_t mr, int64_t
 #undef QTILE
 }
 
+/* Each row's byte sum, image after image (read as the kernel reads them, s8 flipped): what weights with zero points
+   take off every panel's sums, summed once rather than per panel. The caller frees it. */
+static int32_t* row_sums(const QGemmCall* g, const uint8_t* a, int64_t m) {
+  const int64_t rows = g->batch * m;
+  const uint32_t flip = g->e.signed_input ? 0x80808080u : 0;
+  int32_t* sums = (int32_t*)malloc(sizeof(int32_t) * (size_t)(rows > 0 ? rows : 1));
+  if (!sums) abort();
+  MAYBE_PARALLEL(threads_pay(rows, rows * g->k), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t r = 0; r < rows; ++r) sums[r] = byte_sum(a + qrow_at(g, r / m, r % m), g->k, flip);
+  });
+  return sums;
+}
+
 /* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual, of
    e.r_kind) laid out as C, and may be C itself where they have one type. */
 void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
@@ -269,6 +287,7 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
   const int64_t quads = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks, esize = out_size(e);
   const int64_t rows_outer = quads * 4 * n <= ROWS_OUTER_BYTES;
+  int32_t* sums = e->w_zp ? row_sums(g, a, m) : 0;
   MAYBE_PARALLEL(threads_pay(batch * units, batch * m * k * n), {
     _Pragma("omp for schedule(static)")
     for (int64_t q = 0; q < batch * units; ++q) {
@@ -282,10 +301,12 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
         const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
         uint8_t* out = (uint8_t*)c + at * esize;
         const uint8_t* r = res ? (const uint8_t*)res + at * res_size(e) : 0;
-        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n * res_size(e), e);
+        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n * res_size(e), e,
+                  sums ? sums + unit.p * m + r0 : 0);
       }
     }
   });
+  free(sums);
 }
 
 /* Direct convolution on NHWC x[n][h][w][c] (dilation 1, one group): output pixel r is a GEMM row, kernel row s of
@@ -318,7 +339,8 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
         const int64_t at = (unit.p * m + r0) * cout + unit.nb * NR;
         uint8_t* out = (uint8_t*)y + at * esize;
         const uint8_t* r = res ? (const uint8_t*)res + at * res_size(e) : 0;
-        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout * res_size(e), e);
+        tile_rows(rows, kh, mr, seg, bp, out, cout * esize, esize, unit.cols, unit.nb * NR, r, cout * res_size(e), e,
+                  0);   /* windows: their byte sums are summed per tile */
       }
     }
     free(rows);
@@ -326,123 +348,7 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
   });
 }
 #include "qgemm_amx.h"
-
-typedef void (*QGemmFn)(const QGemmCall*, const uint8_t*, void*, const void*, int64_t);
-typedef void (*QConvFn)(const QConvCall*, const uint8_t*, void*, const void*);
-
-/* Dynamic quantization (kiln.tactics.dqgemm_c): DynamicQuantizeLinear of `total` FP32 values into q (their range
-   widened to hold 0, NaN left out; scale and zero point in FP32 as onnxruntime computes them, rint(x / scale) + zp
-   saturated to u8), shared among the threads where the tensor is large. Returns the scale; *zp_out the zero point. */
-static float dynamic_quantize(const float* x, int64_t total, uint8_t* q, int32_t* zp_out) {
-  const int64_t blocks = (total + 15) / 16;
-  const int parallel = threads_pay(blocks, total);
-  float x_lo = 0.0f, x_hi = 0.0f;
-  MAYBE_PARALLEL(parallel, {
-    __m512 lo = _mm512_setzero_ps(), hi = lo;   /* masked-off lanes read 0, which the range holds anyway */
-    _Pragma("omp for schedule(static)")
-    for (int64_t b = 0; b < blocks; ++b) {   /* min/max(v, acc) keep acc where v is NaN */
-      const int64_t i = b * 16;
-      const __m512 v = _mm512_maskz_loadu_ps(i + 16 <= total ? (__mmask16)0xFFFF : (__mmask16)((1u << (total - i)) - 1),
-                                            x + i);
-      lo = _mm512_min_ps(v, lo);
-      hi = _mm512_max_ps(v, hi);
-    }
-    const float l = _mm512_reduce_min_ps(lo), h = _mm512_reduce_max_ps(hi);
-    _Pragma("omp critical") {
-      x_lo = l < x_lo ? l : x_lo;
-      x_hi = h > x_hi ? h : x_hi;
-    }
-  });
-  const float scale = x_hi == x_lo ? 1.0f : (x_hi - x_lo) / 255.0f, z = -x_lo / scale;
-  const int32_t zp = (int32_t)nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
-  const __m512 vs = _mm512_set1_ps(scale);
-  const __m512i vz = _mm512_set1_epi32(zp), zero = _mm512_setzero_si512();
-  MAYBE_PARALLEL(parallel, {
-    _Pragma("omp for schedule(static)")
-    for (int64_t b = 0; b < blocks; ++b) {   /* default MXCSR rounding: half to even */
-      const int64_t i = b * 16;
-      const __mmask16 mask = i + 16 <= total ? (__mmask16)0xFFFF : (__mmask16)((1u << (total - i)) - 1);
-      const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, x + i), vs);
-      const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), vz);
-      _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtusepi32_epi8(_mm512_max_epi32(u, zero)));
-    }
-  });
-  *zp_out = zp;
-  return scale;
-}
-
-/* The per-call epilogue for activations quantized at (scale, zp): comp = zp * colsum and x_scale * w_scale (the
-   product the model's Mul takes) for `n` columns padded to whole panels, in `buffer`; FP32 out. */
-static void dynamic_epilogue(QEpilogue* e, int64_t n, float scale, int32_t zp, const int32_t* colsum,
-                             const float* w_scale, void* buffer) {
-  const int64_t padded = (n + NR - 1) / NR * NR;
-  int32_t* comp = (int32_t*)buffer;
-  float* scales = (float*)(comp + padded);
-  for (int64_t j = 0; j < padded; ++j) {
-    comp[j] = zp * colsum[j];
-    scales[j] = scale * w_scale[j];
-  }
-  e->comp = comp;
-  e->scale = scales;
-  e->pad_byte = zp;   /* a padded pixel holds the quantized zero */
-}
-
-/* One allocation: `bytes` for the quantized input, then comp and scales for n columns. */
-static uint8_t* dynamic_buffers(int64_t bytes, int64_t n, void** epilogue_buffer) {
-  const int64_t head = (bytes + 63) / 64 * 64, padded = (n + NR - 1) / NR * NR;
-  uint8_t* q = (uint8_t*)malloc((size_t)(head + padded * 8));
-  if (!q) abort();
-  *epilogue_buffer = q + head;
-  return q;
-}
-
-/* DynamicQMatMul: the FP32 rows x [m x k] quantized, then `gemm` with their epilogue. */
-static void dqgemm(QGemmFn gemm, const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
-                   const float* w_scale) {
-  void* epilogue_buffer;
-  uint8_t* q = dynamic_buffers(m * g->k, g->n, &epilogue_buffer);
-  int32_t zp;
-  const float scale = dynamic_quantize(x, m * g->k, q, &zp);
-  QGemmCall call = *g;
-  dynamic_epilogue(&call.e, g->n, scale, zp, colsum, w_scale, epilogue_buffer);
-  gemm(&call, q, y, 0, m);
-  free(q);
-}
-
-/* DynamicQConv: the FP32 NHWC input quantized as one tensor (DynamicQuantizeLinear's one scale), then `conv`, which
-   adds the FP32 residual `res` (NULL: none; it may be y itself) before the activation. */
-static void dqconv(QConvFn conv, const QConvCall* g, const float* x, float* y, const float* res,
-                   const int32_t* colsum, const float* w_scale) {
-  const int64_t total = g->n * g->h * g->w * g->c;
-  void* epilogue_buffer;
-  uint8_t* q = dynamic_buffers(total, g->cout, &epilogue_buffer);
-  int32_t zp;
-  const float scale = dynamic_quantize(x, total, q, &zp);
-  QConvCall call = *g;
-  dynamic_epilogue(&call.e, g->cout, scale, zp, colsum, w_scale, epilogue_buffer);
-  conv(&call, q, y, res);
-  free(q);
-}
-
-void kiln_dqgemm(const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
-                 const float* w_scale) {
-  dqgemm(kiln_qgemm, g, x, y, m, colsum, w_scale);
-}
-
-void kiln_dqgemm_amx(const QGemmCall* g, const float* x, float* y, int64_t m, const int32_t* colsum,
-                     const float* w_scale) {
-  dqgemm(kiln_qgemm_amx, g, x, y, m, colsum, w_scale);
-}
-
-void kiln_dqconv(const QConvCall* g, const float* x, float* y, const float* res, const int32_t* colsum,
-                 const float* w_scale) {
-  dqconv(kiln_qconv, g, x, y, res, colsum, w_scale);
-}
-
-void kiln_dqconv_amx(const QConvCall* g, const float* x, float* y, const float* res, const int32_t* colsum,
-                     const float* w_scale) {
-  dqconv(kiln_qconv_amx, g, x, y, res, colsum, w_scale);
-}
+#include "qgemm_dynamic.h"
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers these tactics only where AVX512-VNNI is. */
 void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
