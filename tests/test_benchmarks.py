@@ -213,3 +213,29 @@ def test_serve_load_smoke(tmp_path, capsys):
         assert r.requests > 0 and r.qps > 0 and 0 < r.p50_ms <= r.p99_ms
         assert (r.errors, r.mismatches) == (0, 0)
         assert r.rss_start_mib > 50 and r.rss_end_mib > 50   # a Python server with torch loaded: tens of MiB at least
+
+
+def test_the_qat_model_has_qdq_only_before_products_and_its_fp32_network_beside_it(tmp_path):
+    """`resnet18-qat`: TensorRT-style QAT (symmetric INT8, a Q/DQ pair on each convolution's and the classifier's
+    input and weights), the FP32 export beside it under the name compare.py
+    derives; an unknown suffix names what exists."""
+    from collections import Counter
+
+    import onnx
+
+    import bench_models
+
+    _, feeds, path = bench_models.build_model("resnet18-qat", tmp_path)
+    assert path.name == "resnet18-qat_qat.onnx" and (tmp_path / "resnet18-qat.onnx").exists()
+    graph = onnx.load(path).graph
+    ops = Counter(n.op_type for n in graph.node)
+    # each input and each weight (FP32, as pytorch-quantization exports it) through its own Q/DQ pair
+    assert (ops["Conv"], ops["Gemm"], ops["QuantizeLinear"], ops["DequantizeLinear"]) == (20, 1, 42, 42)
+    assert feeds["input"].shape == (1, 3, 224, 224)
+    producers = {o: n for n in graph.node for o in n.output}
+    for node in (n for n in graph.node if n.op_type in ("Conv", "Gemm")):
+        assert producers[node.input[0]].op_type == "DequantizeLinear"
+        zero_points = [i for i in graph.initializer if i.name == producers[node.input[0]].input[2]]
+        assert [z.data_type for z in zero_points] in ([], [onnx.TensorProto.INT8])   # symmetric, signed
+    with pytest.raises(SystemExit, match="-qdq after bert-base or minilm"):
+        bench_models.build_model("resnet18-qdq", tmp_path)

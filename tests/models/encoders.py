@@ -260,15 +260,16 @@ def export(model: nn.Module, example_inputs, path, exporter: str = "legacy", dyn
 
 
 def fold_weight_transposes(model):
-    """`model` (a ModelProto, edited in place) with each Transpose of an initializer folded into a new initializer:
-    the legacy export without constant folding keeps nn.Linear's weights behind one, and onnxruntime's
-    quantize_dynamic quantizes only initializer weights."""
+    """`model` (a ModelProto, edited in place) with each Transpose of an initializer folded into a new initializer
+    (the original dropped when nothing else reads it): the legacy export without constant folding keeps nn.Linear's
+    weights behind one, and onnxruntime's quantize_dynamic quantizes only initializer weights."""
     from onnx import numpy_helper
 
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    keep = []
+    keep, transposed = [], set()
     for node in model.graph.node:
         if node.op_type == "Transpose" and node.input[0] in weights:
+            transposed.add(node.input[0])
             perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
             folded = weights[node.input[0]].transpose(perm).copy()
             model.graph.initializer.append(numpy_helper.from_array(folded, node.output[0]))
@@ -276,4 +277,7 @@ def fold_weight_transposes(model):
             keep.append(node)
     del model.graph.node[:]
     model.graph.node.extend(keep)
+    read = {i for n in keep for i in n.input} | {o.name for o in model.graph.output}
+    for t in [t for t in model.graph.initializer if t.name in transposed - read]:
+        model.graph.initializer.remove(t)
     return model

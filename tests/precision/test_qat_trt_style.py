@@ -17,44 +17,10 @@ import kiln
 from kiln.tactics.qgemm_c import vnni_available
 from tests.conftest import assert_close_to_ort, cosine, run_ort
 from tests.models import nets
+from tests.models.qat import fake_quantize
 
 KILN_INT8 = {"kiln.qconv2d_1x1_gemm_nhwc_int8", "kiln.qconv2d_direct_nhwc_int8", "kiln.qconv2d_1x1_gemm_nhwc_amx_int8",
              "kiln.qconv2d_direct_nhwc_amx_int8", "onednn.qconv2d_nhwc_prepacked"}
-
-
-class FakeQuantized(torch.nn.Module):
-    """`layer` (a Conv2d or Linear) reading its input and weights through fake quantization, as QAT tools export
-    it: s8 per tensor for the input (a calibrated, constant scale), s8 per output channel for the weights."""
-
-    def __init__(self, layer: torch.nn.Module, input_amax: float):
-        super().__init__()
-        self.layer, self.x_scale = layer, max(input_amax, 1e-6) / 127
-        w = layer.weight.detach()
-        self.register_buffer("w_scale", w.abs().amax(dim=tuple(range(1, w.dim()))).clamp(min=1e-8) / 127)
-
-    def forward(self, x):
-        x = torch.fake_quantize_per_tensor_affine(x, self.x_scale, 0, -128, 127)
-        zero = torch.zeros_like(self.w_scale, dtype=torch.int32)
-        w = torch.fake_quantize_per_channel_affine(self.layer.weight, self.w_scale, zero, 0, -128, 127)
-        if isinstance(self.layer, torch.nn.Conv2d):
-            return self.layer._conv_forward(x, w, self.layer.bias)
-        return torch.nn.functional.linear(x, w, self.layer.bias)
-
-
-def fake_quantize(model: torch.nn.Module, sample: torch.Tensor) -> torch.nn.Module:
-    """Every Conv2d and Linear of `model` fake-quantized, input scales calibrated on `sample`."""
-    layers = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
-              if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
-    amax = {}
-    hooks = [m.register_forward_pre_hook(lambda m, xs: amax.__setitem__(m, xs[0].abs().max().item()))
-             for _, _, m in layers]
-    with torch.no_grad():
-        model(sample)
-    for h in hooks:
-        h.remove()
-    for parent, name, m in layers:
-        setattr(parent, name, FakeQuantized(m, amax[m]))
-    return model
 
 
 @pytest.fixture(scope="module")
