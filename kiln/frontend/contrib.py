@@ -1,6 +1,6 @@
 """onnxruntime's transformer contrib ops (com.microsoft Attention, QAttention, MultiHeadAttention,
 EmbedLayerNormalization, SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu,
-BiasAdd, FusedMatMul, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer,
+BiasAdd, FusedMatMul, MatMulNBits, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer,
 its quantize_dynamic and Optimum's O1-O3 write them, unfolded at import into the standard ops they stand for, as
 local functions are inlined. kiln's passes then fuse them again (attention, skip-layer-norm, GELU epilogues, dynamic
 INT8 products) onto its own kernels in every precision; TensorRT's parser refuses these models. Each node made keeps
@@ -16,6 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.errors import UnsupportedOpError
+from kiln.frontend.weight_only import dequantize_nbits
 
 log = logging.getLogger("kiln")
 MS = "com.microsoft"
@@ -28,8 +29,8 @@ class _Unfolder:
     """Writes the nodes and constants standing for one contrib node."""
 
     def __init__(self, node: onnx.NodeProto, ranks: dict[str, int], widths: dict[str, int],
-                 shared: dict | None = None, infer=None):
-        self.src, self.ranks, self.widths = node, ranks, widths
+                 shared: dict | None = None, infer=None, weights: dict[str, onnx.TensorProto] | None = None):
+        self.src, self.ranks, self.widths, self.weights = node, ranks, widths, weights or {}
         self.infer = infer   # more ranks: shape inference through the contrib nodes unfolded so far
         self.shared = {} if shared is None else shared   # values later nodes may reuse (a raw mask's bias)
         self.name = node.name or f"{node.op_type}_{node.output[0]}"
@@ -42,6 +43,13 @@ class _Unfolder:
 
     def output(self, i: int) -> str | None:
         return self.src.output[i] if i < len(self.src.output) and self.src.output[i] else None
+
+    def constant(self, i: int, what: str) -> np.ndarray:
+        """Input `i`'s value, which must be an initializer."""
+        name = self.input(i)
+        if name not in self.weights:
+            self.refuse(f"its {what} '{name}' is not an initializer")
+        return numpy_helper.to_array(self.weights[name])
 
     def refuse(self, detail: str):
         raise UnsupportedOpError(self.name, self.src.op_type, self.src.domain, 1, detail)
@@ -112,6 +120,22 @@ def _fused_matmul(u: _Unfolder) -> None:
     product = u.op("MatMul", operands, "matmul", None if alpha != 1.0 else u.output(0))
     if alpha != 1.0:
         u.op("Mul", [product, u.const("alpha", alpha)], "alpha", u.output(0))
+
+
+def _matmul_nbits(u: _Unfolder) -> None:
+    """MatMulNBits (weight-only quantized A @ Bᵀ, B packed [N, blocks, bytes]): the weights dequantized once, at
+    import, to FP32 [K, N], a MatMul, then the bias."""
+    k, n, bits, block = (int(u.attrs[a]) for a in ("K", "N", "bits", "block_size"))
+    if bits not in (2, 4, 8):
+        u.refuse(f"bits={bits}: only 2, 4 and 8 bits are unpacked")
+    if u.input(4):
+        u.refuse("g_idx (act-order block indices) is not unfolded")
+    zero_points = u.constant(3, "zero points") if u.input(3) else None
+    w = dequantize_nbits(u.constant(1, "packed weights"), u.constant(2, "scales"), zero_points, k, n, bits, block)
+    product = u.op("MatMul", [u.input(0), u.const("weight", w.T, w.dtype)], "matmul",
+                   None if u.input(5) else u.output(0))
+    if u.input(5):
+        u.op("Add", [product, u.input(5)], "bias", u.output(0))
 
 
 # ---- normalizations ---------------------------------------------------------------------------------------------
@@ -321,7 +345,7 @@ def _multi_head_attention(u: _Unfolder) -> None:
 
 UNFOLDINGS = {
     (MS, "Gelu"): _gelu, (MS, "BiasGelu"): _gelu, (MS, "FastGelu"): _gelu, (MS, "QuickGelu"): _quick_gelu,
-    (MS, "BiasAdd"): _bias_add, (MS, "FusedMatMul"): _fused_matmul,
+    (MS, "BiasAdd"): _bias_add, (MS, "FusedMatMul"): _fused_matmul, (MS, "MatMulNBits"): _matmul_nbits,
     (MS, "SkipLayerNormalization"): _skip_layer_norm, (MS, "SkipSimplifiedLayerNormalization"): _skip_layer_norm,
     ("", "SimplifiedLayerNormalization"): _simplified_layer_norm, (MS, "SimplifiedLayerNormalization"):
         _simplified_layer_norm,
@@ -346,6 +370,7 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     declared: dict[str, int] = {}   # the ranks of the contrib nodes' outputs, for inference past them
     ranks = _known_ranks(out, out.graph.node, declared)
     widths = {t.name: int(t.dims[-1]) for t in out.graph.initializer if t.dims}   # each initializer's last dim
+    weights = {t.name: t for t in out.graph.initializer}
     nodes, counts, shared = [], {}, {}
     for i, node in enumerate(out.graph.node):
         unfold = _unfolding(node)
@@ -354,7 +379,7 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
             continue
         # a value after an earlier contrib node has no inferred rank until that node is unfolded
         u = _Unfolder(node, ranks, widths, shared,
-                      lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared))
+                      lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared), weights)
         unfold(u)
         if any(x not in ranks for x in node.input[:2] if x):
             ranks.update(u.infer())

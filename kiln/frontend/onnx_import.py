@@ -16,7 +16,7 @@ from kiln.frontend.profiles import Profile, opt_and_probe_shapes, resolve_profil
 from kiln.frontend.shape_inference import infer_shapes
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
-from kiln.ops.dtypes import onnx_to_numpy
+from kiln.ops.dtypes import FOUR_BIT_TO_NUMPY, onnx_to_numpy
 from kiln.preprocess.fold import FOLDED_KEY
 
 log = logging.getLogger("kiln")
@@ -135,6 +135,7 @@ def import_onnx(model: str | os.PathLike | onnx.ModelProto,
     check_names(proto)
     proto = unfold_contrib_ops(proto)
     check_supported(proto, opset)
+    check_four_bit(proto)
     resolved = resolve_profiles(proto, input_shapes, profiles)
     opt, probe = opt_and_probe_shapes(resolved)
     g = Graph(proto.graph.name or "model", opset)
@@ -207,8 +208,25 @@ def _import_initializers(g: Graph, proto: onnx.ModelProto) -> None:
             arr = numpy_helper.to_array(init)
         except Exception as exc:
             raise ModelError(f"initializer '{init.name}' cannot be read: {exc}") from None
-        onnx_to_numpy(init.data_type, f"initializer '{init.name}'")
+        if init.data_type in FOUR_BIT_TO_NUMPY:
+            arr = arr.astype(FOUR_BIT_TO_NUMPY[init.data_type])
+        else:
+            onnx_to_numpy(init.data_type, f"initializer '{init.name}'")
         g.add_const(init.name, arr)
+
+
+def check_four_bit(proto: onnx.ModelProto) -> None:
+    """INT4/UINT4 initializers are read widened to int8/uint8, which is exact only where DequantizeLinear reads
+    them (its data and zero point): a QuantizeLinear to 4 bits would saturate at the 8-bit range."""
+    four_bit = {t.name: t.data_type for t in proto.graph.initializer if t.data_type in FOUR_BIT_TO_NUMPY}
+    for i, node in enumerate(proto.graph.node if four_bit else ()):
+        for j, x in enumerate(node.input):
+            if x in four_bit and not (node.op_type == "DequantizeLinear" and j in (0, 2)):
+                kind = onnx.TensorProto.DataType.Name(four_bit[x])
+                raise ModelError(f"initializer '{x}' is {kind}, read as input {j} of node "
+                                 f"'{node.name or f'(Unnamed Layer* {i}) [{node.op_type}]'}' ({node.op_type}): kiln "
+                                 "reads 4-bit values only as DequantizeLinear's data or zero point (weight-only "
+                                 "quantization)")
 
 
 def _import_inputs(g: Graph, proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -18,6 +18,9 @@ ONNX_TO_NUMPY: dict[int, np.dtype] = {
     TensorProto.BOOL: np.dtype("bool"),
 }
 
+# 4-bit weights (weight-only quantization, opset 21) are read widened; the frontend lets only DequantizeLinear read them
+FOUR_BIT_TO_NUMPY: dict[int, np.dtype] = {TensorProto.INT4: np.dtype("int8"), TensorProto.UINT4: np.dtype("uint8")}
+
 NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype("float32"): torch.float32,
     np.dtype("float64"): torch.float64,

@@ -1,4 +1,5 @@
-"""QuantizeLinear / DequantizeLinear (opset 13+: per-tensor and per-axis, int8/uint8/int32) in torch, and the
+"""QuantizeLinear / DequantizeLinear (opset 13+: per-tensor and per-axis, int8/uint8/int32; blocked
+DequantizeLinear of opset 21, whose INT4 inputs the frontend reads as int8/uint8) in torch, and the
 quantize/dequantize helpers kiln's INT8 layers share with them."""
 from __future__ import annotations
 
@@ -56,6 +57,31 @@ def _q_args(attrs, xs):
     return xs[0], xs[1], xs[2] if len(xs) > 2 else None
 
 
+def unblocked(t: torch.Tensor | None, length: int, axis: int, block_size: int) -> torch.Tensor | None:
+    """A blocked scale or zero point (opset 21: one per `block_size` elements along `axis`) repeated to one per
+    element, `length` along that axis: what per-element dequantization reads."""
+    if t is None:
+        return None
+    return torch.repeat_interleave(t, block_size, dim=axis).narrow(axis, 0, length)
+
+
+def _dequantize_blocked(attrs, xs) -> torch.Tensor:
+    q, scale = xs[0], xs[1]
+    zp = xs[2] if len(xs) > 2 else None
+    axis, block = attrs.get("axis", 1) % q.dim(), int(attrs["block_size"])
+    expected = [*q.shape[:axis], -(-q.shape[axis] // block), *q.shape[axis + 1:]]
+    if list(scale.shape) != expected:
+        raise ValueError(f"blocked DequantizeLinear: scale shape {list(scale.shape)} must be {expected} "
+                         f"(input {list(q.shape)}, axis {axis}, block_size {block})")
+    dtype = scale.dtype if scale.is_floating_point() else torch.float32
+    if q.device.type == "meta" or scale.device.type == "meta":
+        return torch.empty(q.shape, dtype=dtype, device="meta")
+    scale = unblocked(scale.to(torch.float32), q.shape[axis], axis, block)
+    zp = unblocked(zp, q.shape[axis], axis, block)
+    shifted = q.to(torch.float32) - (zp.to(torch.float32) if zp is not None else 0.0)
+    return (shifted * scale).to(dtype)
+
+
 @register("QuantizeLinear", OpKind.ELEMENTWISE)
 def quantize_linear(attrs, xs):
     x, scale, zp = _q_args(attrs, xs)
@@ -69,6 +95,8 @@ def quantize_linear(attrs, xs):
 
 @register("DequantizeLinear", OpKind.ELEMENTWISE)
 def dequantize_linear(attrs, xs):
+    if attrs.get("block_size"):   # weight-only quantization (INT4 / INT8 blocks): evaluated as a constant
+        return [_dequantize_blocked(attrs, xs)]
     q, scale, zp = _q_args(attrs, xs)
     if q.device.type == "meta" or scale.device.type == "meta":
         dtype = scale.dtype if scale.is_floating_point() else torch.float32

@@ -11,7 +11,7 @@ from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
-from kiln.passes.qdq_constants import fold_constant_dequantize, swap_gather_dequantize
+from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
                                      merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
@@ -25,6 +25,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("QOperatorUnfolding", unfold_qoperators, "QOperator unfolding"),
     # Einsum products become MatMuls before folding, which then transposes constant weights once.
     Pass("EinsumToMatMul", lower_einsum),
+    # Weight-only quantized products run in FP32: their weights become constants that folding and fusions see.
+    Pass("WeightOnlyDequantizeFolding", fold_weight_only_dequantize),
     # Folding turns shape arithmetic (Shape->Gather->Concat->Reshape) into constant reshape targets.
     Pass("ConstantFolding", fold_constants, "constant folding"),
     Pass("DeadLayerRemoval", remove_dead_layers),

@@ -1,10 +1,14 @@
-"""The DequantizeLinear nodes of constants that no INT8 layer took (they run after the Q/DQ fusions):
+"""The DequantizeLinear nodes of constants that no INT8 layer takes or took:
 
+    WeightOnlyDequantizeFolding (first, before constant folding):  DQ(W_int8) [─► Transpose ...] ─► MatMul(x, ·)
+        where x is no DequantizeLinear's output: a weight-only quantized product runs in FP32 on its dequantized
+        weights, as onnxruntime runs it; folded this early, the weights are plain constants for every FP32 fusion
+        (transposes folded, biases, Q/K/V merges, attention) and are packed once;
     GatherDequantizeSwap:  DQ(table_int8) ─► Gather(ids)  ==>  Gather(table_int8, ids) ─► DQ
         an embedding table is gathered as INT8 and only the rows read are dequantized (BERT's 30522 x 768 word
         embeddings: 65 ms a run dequantized whole, as onnxruntime's quantize_static leaves it);
     ConstantDequantizeFolding:  DQ(bias_int32), DQ(gamma_int8) ...  ==>  FP32 constants
-        what a LayerNorm, a bias Add or a weight-only quantized product reads is dequantized once, at build time
+        what a LayerNorm or a bias Add reads is dequantized once, at build time
         (the same values: DequantizeLinear is exact in FP32 for INT8 and for int32 biases' scale products).
 """
 from __future__ import annotations
@@ -17,6 +21,52 @@ from kiln.passes.patterns import is_op, remove_dead
 
 def _constant_dequantize(node: Node) -> bool:
     return is_op(node, "DequantizeLinear") and all(v is None or v.is_const for v in node.inputs)
+
+
+PRODUCTS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+MOVEMENT = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+
+
+def fold_weight_only_dequantize(g: Graph, plog: PassLog) -> None:
+    """WeightOnlyDequantizeFolding: a DequantizeLinear of a constant whose every use, through movement ops, is
+    the weight of a product whose data input is not dequantized becomes an FP32 constant."""
+    for dq in [n for n in g.nodes if _constant_dequantize(n)]:
+        products = _weight_uses(dq)
+        if not products or g.is_output(dq.outputs[0]):
+            continue
+        if any(_through_movement(p.inputs[0]) is not None for p in products):
+            continue   # an INT8 product: QuantizeDoubleInputNodes takes it
+        plog.running(dq)
+        if dq.inputs[0].const.size > FOLD_MAX_ELEMENTS:
+            plog.note(f"not folding {dq.name}: {dq.inputs[0].const.size} values, more than constant folding makes")
+            continue
+        fold_node(g, dq)
+        plog.removing(dq)
+
+
+def _weight_uses(dq: Node) -> list[Node]:
+    """The products reading `dq`'s output as their weight (input 1), through single-input movement ops; empty
+    when any use is something else."""
+    products, frontier = [], [dq.outputs[0]]
+    while frontier:
+        v = frontier.pop()
+        for user in v.users:
+            if is_op(user, PRODUCTS) and user.inputs.index(v) == 1 and user.inputs[0] is not v:
+                products.append(user)
+            elif is_op(user, MOVEMENT) and user.inputs[0] is v and all(i is v or i.is_const for i in user.inputs
+                                                                       if i is not None):
+                frontier.append(user.outputs[0])
+            else:
+                return []
+    return products
+
+
+def _through_movement(v) -> Node | None:
+    """The DequantizeLinear producing `v`, directly or through movement ops; None when there is none."""
+    node = v.producer
+    while is_op(node, MOVEMENT):
+        node = node.inputs[0].producer
+    return node if is_op(node, "DequantizeLinear") else None
 
 
 def swap_gather_dequantize(g: Graph, plog: PassLog) -> None:

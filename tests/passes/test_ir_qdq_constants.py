@@ -1,6 +1,8 @@
-"""GatherDequantizeSwap and ConstantDequantizeFolding on IR graphs: an INT8 embedding table is gathered as INT8 and
-only the gathered rows are dequantized; the DequantizeLinear of other constants (a bias, a LayerNorm's scale)
-becomes an FP32 constant of the same values. Then a whole quantize_static embedding runs against onnxruntime."""
+"""WeightOnlyDequantizeFolding, GatherDequantizeSwap and ConstantDequantizeFolding on IR graphs: a weight-only
+quantized product's weights become FP32 constants before the fusions (an INT8 product's stay); an INT8 embedding
+table is gathered as INT8 and only the gathered rows are dequantized; the DequantizeLinear of other constants (a
+bias, a LayerNorm's scale) becomes an FP32 constant of the same values. Then a whole quantize_static embedding and
+a weight-only quantized block run against onnxruntime."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +10,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.passes.qdq_constants import fold_constant_dequantize, swap_gather_dequantize
+from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
 from tests.conftest import make_model, run_ort
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 from tests.passes.test_ir_quantization import dq, q
@@ -102,3 +104,65 @@ def test_a_quantized_embedding_runs_on_int8_rows_and_matches_onnxruntime(tmp_pat
                    for l in engine.plan.layers)
     ids = {"ids": rng.integers(0, 50, (1, 16)).astype(np.int64)}
     np.testing.assert_allclose(engine.run(ids)["y"], run_ort(str(path), ids)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_only_quantized_product_gets_fp32_weights_and_an_int8_product_keeps_its_dequantize():
+    b = IRBuilder()
+    x = b.input("x", (2, 4))
+    transposed = b.node("Transpose", [dequantized_table(b)], "w_t", (4, 6), perm=[1, 0], name="transpose")
+    weight_only = b.node("MatMul", [x, transposed], "y", (2, 6), name="weight_only")
+    w8 = dequantized_table(b, name="w8")
+    of_int8 = b.node("MatMul", [dq(b, q(b, x, "xq", 0.125), "xf", 0.125),
+                                b.node("Transpose", [w8], "w8_t", (4, 6), perm=[1, 0], name="transpose8")],
+                     "z", (2, 6), name="int8")
+    g = b.graph(weight_only, of_int8)
+
+    run = run_pass(g, "WeightOnlyDequantizeFolding", fold_weight_only_dequantize, folds_constants=True)
+
+    assert [n.name for n in g.nodes] == ["transpose", "weight_only", "dq_w8", "xq", "xf", "transpose8", "int8"]
+    want = (TABLE.astype(np.float32) - np.float32(3)) * np.float32(0.5)
+    np.testing.assert_array_equal(g.nodes[0].inputs[0].const, want)
+    assert g.nodes[0].inputs[0].const.dtype == np.float32
+    assert (run.stat.matches, run.stat.rejections) == (1, 0)
+
+
+def test_a_dequantized_constant_read_other_than_as_a_weight_stays():
+    """Gathered (the embedding swap's case), a product's data input, or an output: left for the later passes."""
+    b = IRBuilder()
+    gathered = b.node("Gather", [dequantized_table(b), b.input("ids", (3,), np.int64)], "rows", (3, 4), name="g")
+    as_data = b.node("MatMul", [dequantized_table(b, name="lhs"), b.input("w", (4, 2))], "p", (6, 2), name="mm")
+    g = b.graph(gathered, as_data, dequantized_table(b, name="out"))
+    run_pass_unchanged(g, "WeightOnlyDequantizeFolding", fold_weight_only_dequantize)
+
+
+def test_a_weight_only_quantized_block_runs_packed_and_matches_onnxruntime(tmp_path):
+    """DQ(per-channel INT8 weights stored [N, K]) -> Transpose -> MatMul -> bias Add -> Relu, and a weight-only
+    convolution: each one layer on a prepacked FP32 tactic (no runtime Transpose), equal to onnxruntime's output."""
+    h = helper.make_node
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(a, n) for n, a in (
+        ("w_q", rng.integers(-127, 128, (16, 8)).astype(np.int8)), ("w_s", (rng.random(16) * 0.01 + 1e-3).astype(
+            np.float32)), ("b", rng.standard_normal(16).astype(np.float32)),
+        ("k_q", rng.integers(-127, 128, (4, 3, 3, 3)).astype(np.int8)), ("k_s", np.float32(0.02)))]
+    nodes = [h("DequantizeLinear", ["w_q", "w_s"], ["w"], name="dq_w", axis=0),
+             h("Transpose", ["w"], ["w_t"], name="transpose", perm=[1, 0]),
+             h("MatMul", ["x", "w_t"], ["mm"], name="matmul"), h("Add", ["mm", "b"], ["biased"], name="bias"),
+             h("Relu", ["biased"], ["y"], name="relu"),
+             h("DequantizeLinear", ["k_q", "k_s"], ["k"], name="dq_k"),
+             h("Conv", ["image", "k"], ["c"], name="conv", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8]),
+                               helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 8, 8])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16]),
+                        helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 4, 8, 8])], inits)
+    path = tmp_path / "weight_only.onnx"
+    onnx.save(model, path)
+    engine = kiln.build(str(path), tactic_sources="-openvino,-onnxruntime", autotune=False)
+    layers = {l.op_type: l for l in engine.plan.layers if l.op_type != "Reformat"}   # Reformat: NCHW <-> NHWC
+    assert sorted(layers) == ["Conv", "MatMul"]
+    assert layers["MatMul"].name.count(" + ") == 2 and all(a.kind == "weight" for a in layers["MatMul"].args[1:])
+    assert layers["Conv"].args[1].kind == "weight"
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32),
+             "image": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    got, want = engine.run(feeds), run_ort(str(path), feeds)
+    np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["c"], want[1], rtol=1e-5, atol=1e-5)
