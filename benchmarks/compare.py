@@ -89,8 +89,10 @@ def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, wit
     except ImportError:
         pass
     except RuntimeError as e:   # OpenVINO 2026.4 fails on quantize_static BERT's Q/DQ attention scale, for one
-        last = [line for line in str(e).splitlines() if line.strip()][-1]
-        print(f"{Path(onnx_path).name}: OpenVINO cannot compile it, no OpenVINO row: ...{last[-160:]}", flush=True)
+        last = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
+        empty = "openvino default" if "openvino" in out else "openvino"
+        print(f"{Path(onnx_path).name}: OpenVINO cannot compile it ('{empty}' left empty): ...{last[-160:]}",
+              flush=True)
     args = [torch.from_numpy(feeds[i.name]) for i in sess.get_inputs()]
     if Path(onnx_path).stem.endswith(QUANTIZED):
         return out   # torch runs the FP32 network: not a peer on the quantized model

@@ -1,7 +1,7 @@
 """onnxruntime's transformer contrib ops (com.microsoft Attention, QAttention, MultiHeadAttention,
 EmbedLayerNormalization, SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu,
-BiasAdd, FusedMatMul, MatMulNBits, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers optimizer,
-its quantize_dynamic and Optimum's O1-O3 write them, unfolded at import into the standard ops they stand for, as
+BiasAdd, FusedMatMul, MatMulNBits, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers
+optimizer, its quantize_dynamic and Optimum's O1-O3 write them, unfolded at import into the standard ops they stand for, as
 local functions are inlined. kiln's passes then fuse them again (attention, skip-layer-norm, GELU epilogues, dynamic
 INT8 products) onto its own kernels in every precision; TensorRT's parser refuses these models. Each node made keeps
 the contrib node as its origin (metadata UNFOLDED_KEY), so layer info and `kiln inspect --by-onnx` still name it.
@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.errors import UnsupportedOpError
-from kiln.frontend.weight_only import dequantize_nbits
+from kiln.frontend.weight_only import dequantize_nbits, nbits_shape_error
 
 log = logging.getLogger("kiln")
 MS = "com.microsoft"
@@ -125,13 +125,18 @@ def _fused_matmul(u: _Unfolder) -> None:
 def _matmul_nbits(u: _Unfolder) -> None:
     """MatMulNBits (weight-only quantized A @ Bᵀ, B packed [N, blocks, bytes]): the weights dequantized once, at
     import, to FP32 [K, N], a MatMul, then the bias."""
-    k, n, bits, block = (int(u.attrs[a]) for a in ("K", "N", "bits", "block_size"))
+    k, n, block = (int(u.attrs[a]) for a in ("K", "N", "block_size"))
+    bits = int(u.attrs.get("bits", 4))
     if bits not in (2, 4, 8):
         u.refuse(f"bits={bits}: only 2, 4 and 8 bits are unpacked")
     if u.input(4):
         u.refuse("g_idx (act-order block indices) is not unfolded")
+    packed, scales = u.constant(1, "packed weights"), u.constant(2, "scales")
     zero_points = u.constant(3, "zero points") if u.input(3) else None
-    w = dequantize_nbits(u.constant(1, "packed weights"), u.constant(2, "scales"), zero_points, k, n, bits, block)
+    mismatch = nbits_shape_error(packed, scales, zero_points, k, n, bits, block)
+    if mismatch:
+        u.refuse(mismatch)
+    w = dequantize_nbits(packed, scales, zero_points, k, n, bits, block)
     product = u.op("MatMul", [u.input(0), u.const("weight", w.T, w.dtype)], "matmul",
                    None if u.input(5) else u.output(0))
     if u.input(5):

@@ -216,14 +216,17 @@ def _import_initializers(g: Graph, proto: onnx.ModelProto) -> None:
 
 
 def check_four_bit(proto: onnx.ModelProto) -> None:
-    """INT4/UINT4 initializers are read widened to int8/uint8, which is exact only where DequantizeLinear reads
-    them (its data and zero point): a QuantizeLinear to 4 bits would saturate at the 8-bit range."""
-    four_bit = {t.name: t.data_type for t in proto.graph.initializer if t.data_type in FOUR_BIT_TO_NUMPY}
+    """INT4/UINT4 initializers and Constant nodes are read widened to int8/uint8, which is exact only where
+    DequantizeLinear reads them (its data and zero point): a QuantizeLinear to 4 bits would saturate at 8 bits."""
+    four_bit = {t.name: ("initializer", t.data_type) for t in proto.graph.initializer
+                if t.data_type in FOUR_BIT_TO_NUMPY}
+    four_bit.update({n.output[0]: ("constant", a.t.data_type) for n in proto.graph.node if n.op_type == "Constant"
+                     for a in n.attribute if a.name == "value" and a.t.data_type in FOUR_BIT_TO_NUMPY})
     for i, node in enumerate(proto.graph.node if four_bit else ()):
         for j, x in enumerate(node.input):
             if x in four_bit and not (node.op_type == "DequantizeLinear" and j in (0, 2)):
-                kind = onnx.TensorProto.DataType.Name(four_bit[x])
-                raise ModelError(f"initializer '{x}' is {kind}, read as input {j} of node "
+                what, kind = four_bit[x][0], onnx.TensorProto.DataType.Name(four_bit[x][1])
+                raise ModelError(f"{what} '{x}' is {kind}, read as input {j} of node "
                                  f"'{node.name or f'(Unnamed Layer* {i}) [{node.op_type}]'}' ({node.op_type}): kiln "
                                  "reads 4-bit values only as DequantizeLinear's data or zero point (weight-only "
                                  "quantization)")
@@ -287,7 +290,9 @@ def _check_arity(pnode: onnx.NodeProto, name: str, opset: int) -> None:
 
 def _constant_value(name: str, attrs: dict[str, Any]) -> np.ndarray:
     if "value" in attrs:
-        return np.asarray(attrs["value"])
+        value = np.asarray(attrs["value"])
+        return value.astype(np.int8 if value.dtype.name == "int4" else np.uint8) \
+            if value.dtype.name in ("int4", "uint4") else value   # widened as 4-bit initializers are
     for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
                        ("value_int", np.int64), ("value_ints", np.int64)):
         if key in attrs:

@@ -14,6 +14,20 @@ def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
     return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
+def nbits_shape_error(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
+                      bits: int, block_size: int) -> str | None:
+    """What is wrong with MatMulNBits' weight, scale and zero-point sizes for K=k, N=n; None when they fit."""
+    if k <= 0 or n <= 0 or block_size <= 0:
+        return f"K={k}, N={n}, block_size={block_size}: each must be positive"
+    blocks = -(-k // block_size)
+    want = {"packed weights": (packed.size, n * blocks * (block_size * bits // 8)), "scales": (scales.size, n * blocks)}
+    if zero_points is not None:
+        per_row = -(-blocks * bits // 8) if zero_points.dtype == np.uint8 else blocks
+        want["zero points"] = (zero_points.size, n * per_row)
+    return next((f"its {what} hold {got} values, not the {need} that K={k}, N={n}, bits={bits}, "
+                 f"block_size={block_size} make" for what, (got, need) in want.items() if got != need), None)
+
+
 def dequantize_nbits(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
                      bits: int, block_size: int) -> np.ndarray:
     """MatMulNBits' weights as FP32 [n, k] (the type of `scales` when that is float16):

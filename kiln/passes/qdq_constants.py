@@ -36,12 +36,17 @@ def fold_weight_only_dequantize(g: Graph, plog: PassLog) -> None:
             continue
         if any(_through_movement(p.inputs[0]) is not None for p in products):
             continue   # an INT8 product: QuantizeDoubleInputNodes takes it
-        plog.running(dq)
-        if dq.inputs[0].const.size > FOLD_MAX_ELEMENTS:
-            plog.note(f"not folding {dq.name}: {dq.inputs[0].const.size} values, more than constant folding makes")
-            continue
-        fold_node(g, dq)
-        plog.removing(dq)
+        _fold(g, dq, plog)
+
+
+def _fold(g: Graph, dq: Node, plog: PassLog) -> None:
+    """`dq` evaluated into the FP32 constant it computes (up to FOLD_MAX_ELEMENTS values, as constant folding)."""
+    plog.running(dq)
+    if dq.inputs[0].const.size > FOLD_MAX_ELEMENTS:
+        plog.note(f"not folding {dq.name}: {dq.inputs[0].const.size} values, more than constant folding makes")
+        return
+    fold_node(g, dq)
+    plog.removing(dq)
 
 
 def _weight_uses(dq: Node) -> list[Node]:
@@ -62,9 +67,10 @@ def _weight_uses(dq: Node) -> list[Node]:
 
 
 def _through_movement(v) -> Node | None:
-    """The DequantizeLinear producing `v`, directly or through movement ops; None when there is none."""
+    """The DequantizeLinear producing `v`, directly or through movement ops and Pads (PaddingConvFusion later makes
+    `DQ -> Pad -> Conv` an INT8 convolution's padding); None when there is none."""
     node = v.producer
-    while is_op(node, MOVEMENT):
+    while is_op(node, (*MOVEMENT, "Pad")):
         node = node.inputs[0].producer
     return node if is_op(node, "DequantizeLinear") else None
 
@@ -105,9 +111,4 @@ def fold_constant_dequantize(g: Graph, plog: PassLog) -> None:
     for dq in [n for n in g.nodes if _constant_dequantize(n)]:
         if g.is_output(dq.outputs[0]):
             continue
-        plog.running(dq)
-        if dq.inputs[0].const.size > FOLD_MAX_ELEMENTS:
-            plog.note(f"not folding {dq.name}: {dq.inputs[0].const.size} values, more than constant folding makes")
-            continue
-        fold_node(g, dq)
-        plog.removing(dq)
+        _fold(g, dq, plog)

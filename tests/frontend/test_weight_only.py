@@ -1,7 +1,7 @@
 """Weight-only quantized products as onnxruntime's matmul_nbits_quantizer writes them: com.microsoft MatMulNBits
 (2/4/8-bit weights packed per output column, blockwise scales and zero points) and opset 21's blocked
 DequantizeLinear of INT4/UINT4 weights before a MatMul. kiln dequantizes the weights once, at build time, and runs
-one FP32 product on prepacked weights (bias inside); outputs against onnxruntime (rel 1e-4: the sums' order
+one FP32 product on constant weights (bias inside); outputs against onnxruntime (rel 1e-4: the sums' order
 differs; onnxruntime's unfused graph for the Q/DQ form, whose fused path quantizes the activations too)."""
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def nbits_model(k: int, bits: int, block: int, zero_points: str, bias: bool, g_i
     while not inputs[-1]:
         inputs.pop()
     node = ms("MatMulNBits", inputs, ["y"], "nbits", K=k, N=N, bits=bits, block_size=block)
-    return ms_model([node], [vi("x", TensorProto.FLOAT, [BATCH, SEQ, k])], [vi("y", TensorProto.FLOAT, [BATCH, SEQ, N])],
-                    inits)
+    return ms_model([node], [vi("x", TensorProto.FLOAT, [BATCH, SEQ, k])],
+                    [vi("y", TensorProto.FLOAT, [BATCH, SEQ, N])], inits)
 
 
 @pytest.mark.parametrize("k, bits, block, zero_points, bias", [
@@ -69,13 +69,10 @@ def nbits_model(k: int, bits: int, block: int, zero_points: str, bias: bool, g_i
     (64, 4, 32, "float", True),
     (96, 2, 32, "packed", False),
 ])
-def test_matmul_nbits_is_one_fp32_product_on_prepacked_weights(k, bits, block, zero_points, bias):
+def test_matmul_nbits_is_one_fp32_product_on_constant_weights(k, bits, block, zero_points, bias):
     model = nbits_model(k, bits, block, zero_points, bias)
     feeds = {"x": rand((BATCH, SEQ, k), 3)}
-    try:
-        want = run_ort(model, feeds)[0]
-    except Exception as e:   # an older onnxruntime without this bit width
-        pytest.skip(f"onnxruntime cannot run MatMulNBits bits={bits} here: {str(e)[:120]}")
+    want = run_ort(model, feeds)[0]
     engine = kiln.build(model, tactic_sources="-openvino,-onnxruntime", autotune=False)
     (layer,) = engine.plan.layers
     assert layer.op_type == "MatMul" and [a.kind for a in layer.args[1:]] == ["weight"] * (1 + bias)
@@ -83,9 +80,28 @@ def test_matmul_nbits_is_one_fp32_product_on_prepacked_weights(k, bits, block, z
     assert_close_to_ort(engine.run(feeds)["y"], want, 1e-4)
 
 
+def test_matmul_nbits_without_bits_is_four_bit():
+    model = nbits_model(64, 4, 32, "packed", True)
+    node = model.graph.node[0]
+    node.attribute.remove(next(a for a in node.attribute if a.name == "bits"))   # optional, default 4
+    feeds = {"x": rand((BATCH, SEQ, 64), 5)}
+    engine = kiln.build(model, tactic_sources="-openvino,-onnxruntime", autotune=False)
+    assert_close_to_ort(engine.run(feeds)["y"], run_ort(model, feeds)[0], 1e-4)
+
+
 def test_matmul_nbits_refusals_name_the_node_and_the_reason():
     with pytest.raises(UnsupportedOpError, match=r"nbits.*g_idx \(act-order block indices\) is not unfolded"):
         kiln.build(nbits_model(64, 4, 32, "packed", False, g_idx=True))
+    wrong_width = nbits_model(64, 4, 32, "none", False)
+    wrong_width.graph.node[0].attribute.append(helper.make_attribute("K", 96))   # 3 blocks a column, 2 stored
+    wrong_width.graph.node[0].attribute.remove(next(a for a in wrong_width.graph.node[0].attribute if a.name == "K"))
+    with pytest.raises(UnsupportedOpError, match=r"nbits.*its packed weights hold 768 values, not the 1152 that "
+                                                 r"K=96, N=24, bits=4, block_size=32 make"):
+        kiln.build(wrong_width)
+    three_bit = nbits_model(64, 4, 32, "none", False)
+    next(a for a in three_bit.graph.node[0].attribute if a.name == "bits").i = 3
+    with pytest.raises(UnsupportedOpError, match=r"nbits.*bits=3: only 2, 4 and 8 bits are unpacked"):
+        kiln.build(three_bit)
     model = nbits_model(64, 4, 32, "none", False)
     model.graph.input.append(vi("scales", TensorProto.FLOAT, [N * 2]))   # scales fed at run time
     model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "scales"))
@@ -128,8 +144,22 @@ def test_blocked_int4_dequantize_linear_folds_into_fp32_weights(signed):
     assert_close_to_ort(engine.run(feeds)["y"], want, 1e-4)
 
 
+def test_int4_weights_in_a_constant_node_are_read_as_initializers_are():
+    model = blocked_int4_model(True)
+    w4 = next(t for t in model.graph.initializer if t.name == "w4")
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["w4"], name="weights", value=w4))
+    model.graph.initializer.remove(w4)
+    feeds = {"x": rand((BATCH, 64), 6)}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    engine = kiln.build(model, tactic_sources="-openvino,-onnxruntime", autotune=False)
+    assert [l.op_type for l in engine.plan.layers] == ["MatMul"]
+    assert_close_to_ort(engine.run(feeds)["y"], want, 1e-4)
+
+
 def test_a_blocked_scale_of_the_wrong_shape_is_an_error_naming_the_node():
-    with pytest.raises(Exception, match=r"dq_w.*scale shape \[3, 24\] must be \[2, 24\]"):
+    with pytest.raises(ModelError, match=r"dq_w.*scale shape \[3, 24\] must be \[2, 24\]"):
         kiln.build(blocked_int4_model(True, scale_rows=3))
 
 

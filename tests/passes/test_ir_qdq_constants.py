@@ -126,18 +126,44 @@ def test_a_weight_only_quantized_product_gets_fp32_weights_and_an_int8_product_k
     assert (run.stat.matches, run.stat.rejections) == (1, 0)
 
 
+def test_a_convolution_whose_input_is_dequantized_behind_a_pad_keeps_its_int8_weights():
+    """Keras/tf2onnx write `DQ(x) -> Pad -> Conv(DQ(W))`; PaddingConvFusion later makes it one INT8 convolution."""
+    b = IRBuilder()
+    x = dq(b, q(b, b.input("x", (1, 4, 6, 6)), "xq", 0.125), "xf", 0.125)
+    padded = b.node("Pad", [x, b.const("pads", [0, 0, 1, 1, 0, 0, 1, 1], np.int64)], "xp", (1, 4, 8, 8), name="pad")
+    w = b.node("DequantizeLinear", [b.const("w_q", np.ones((6, 4, 3, 3)), np.int8), b.const("w_s", 0.5)], "w",
+               (6, 4, 3, 3), dtype=np.float32, name="dq_w")
+    g = b.graph(b.node("Conv", [padded, w], "y", (1, 6, 6, 6), name="conv"))
+    run_pass_unchanged(g, "WeightOnlyDequantizeFolding", fold_weight_only_dequantize)
+
+
 def test_a_dequantized_constant_read_other_than_as_a_weight_stays():
-    """Gathered (the embedding swap's case), a product's data input, or an output: left for the later passes."""
+    """Gathered (the embedding swap's case), a product's data input, or a graph output (also a product's weight):
+    left for the later passes."""
     b = IRBuilder()
     gathered = b.node("Gather", [dequantized_table(b), b.input("ids", (3,), np.int64)], "rows", (3, 4), name="g")
     as_data = b.node("MatMul", [dequantized_table(b, name="lhs"), b.input("w", (4, 2))], "p", (6, 2), name="mm")
-    g = b.graph(gathered, as_data, dequantized_table(b, name="out"))
+    out = dequantized_table(b, name="out")
+    as_weight = b.node("MatMul", [b.input("h", (2, 6)), out], "o", (2, 4), name="mm_out")
+    g = b.graph(gathered, as_data, out, as_weight)
+    run_pass_unchanged(g, "WeightOnlyDequantizeFolding", fold_weight_only_dequantize)
+
+
+def test_a_tied_table_gathered_and_read_as_a_weight_stays_int8():
+    """A tied embedding (gathered, and the LM head's transposed weight): folding it for the product would take the
+    INT8 gather away."""
+    b = IRBuilder()
+    table = dequantized_table(b)
+    rows = b.node("Gather", [table, b.input("ids", (3,), np.int64)], "rows", (3, 4), name="gather")
+    head = b.node("MatMul", [b.input("h", (2, 4)), b.node("Transpose", [table], "tt", (4, 6), perm=[1, 0])],
+                  "logits", (2, 6), name="head")
+    g = b.graph(rows, head)
     run_pass_unchanged(g, "WeightOnlyDequantizeFolding", fold_weight_only_dequantize)
 
 
 def test_a_weight_only_quantized_block_runs_packed_and_matches_onnxruntime(tmp_path):
     """DQ(per-channel INT8 weights stored [N, K]) -> Transpose -> MatMul -> bias Add -> Relu, and a weight-only
-    convolution: each one layer on a prepacked FP32 tactic (no runtime Transpose), equal to onnxruntime's output."""
+    convolution: each one FP32 layer on constant weights (no runtime Transpose), equal to onnxruntime's output."""
     h = helper.make_node
     rng = np.random.default_rng(5)
     inits = [numpy_helper.from_array(a, n) for n, a in (
