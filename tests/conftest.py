@@ -41,6 +41,17 @@ def tmp_engine(tmp_path):
     return tmp_path / "model.kiln"
 
 
+def unfused_onnxruntime(model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The first output of onnxruntime with its graph optimizations off: each node on its own, as the ONNX spec
+    defines it (its fused Q/DQ paths round differently, and some quantize activations too)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
 def make_model(nodes, inputs, outputs, initializers=(), opset: int = 17, name: str = "test"):
     """A ModelProto onnxruntime accepts (onnx >= 1.23 defaults to an IR version newer than ORT reads)."""
     from onnx import helper

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 import kiln
 from kiln.errors import ModelError, UnsupportedOpError
 from kiln.frontend.weight_only import unpack_bits
-from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
+from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort, unfused_onnxruntime
 from tests.frontend.test_contrib import ms, ms_model
 
 vi = helper.make_tensor_value_info
@@ -134,9 +133,7 @@ def blocked_int4_model(signed: bool, k: int = 64, block: int = 32, scale_rows: i
 def test_blocked_int4_dequantize_linear_folds_into_fp32_weights(signed):
     model = blocked_int4_model(signed)
     feeds = {"x": rand((BATCH, 64), 4)}
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    want = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    want = unfused_onnxruntime(model, feeds)
     engine = kiln.build(model, tactic_sources="-openvino,-onnxruntime", autotune=False)
     (layer,) = engine.plan.layers
     assert layer.op_type == "MatMul" and layer.args[1].kind == "weight"
@@ -150,9 +147,7 @@ def test_int4_weights_in_a_constant_node_are_read_as_initializers_are():
     model.graph.node.insert(0, helper.make_node("Constant", [], ["w4"], name="weights", value=w4))
     model.graph.initializer.remove(w4)
     feeds = {"x": rand((BATCH, 64), 6)}
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    want = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    want = unfused_onnxruntime(model, feeds)
     engine = kiln.build(model, tactic_sources="-openvino,-onnxruntime", autotune=False)
     assert [l.op_type for l in engine.plan.layers] == ["MatMul"]
     assert_close_to_ort(engine.run(feeds)["y"], want, 1e-4)

@@ -4,7 +4,6 @@ unfused Q/DQ ops; programs reading or writing INT8 in other ways are declined.""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -12,20 +11,12 @@ import kiln
 from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
 from kiln.tactics.codegen import CodegenPointWiseTactic
-from tests.conftest import make_model
+from tests.conftest import make_model, unfused_onnxruntime
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler that builds OpenMP shared libraries")
 
 TACTIC = CodegenPointWiseTactic()
 ONNX_TYPES = {np.int8: TensorProto.INT8, np.uint8: TensorProto.UINT8, np.float32: TensorProto.FLOAT}
-
-
-def unfused_onnxruntime(model, feeds):
-    """onnxruntime with its graph optimizations off: each Q/DQ node on its own, as the ONNX spec defines it."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None,
-                                                                                                          feeds)[0]
 
 
 def qparams(name, scale, zp, dtype):
