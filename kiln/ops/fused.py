@@ -89,10 +89,33 @@ def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: li
     x = dequantize(x_q, q["x_scale"], q["x_zero_point"])
     if len(rest) > 1 and rest[1] is not None and "r_scale" in q:   # an INT8 residual summed before the activation
         rest = [rest[0], dequantize(rest[1], q["r_scale"], q["r_zero_point"])]
-    y = OPS[base].impl(attrs, [x, w] + list(rest))[0]   # the base op ignores the extra "quant" attribute
+    if "mid_scale" in q:
+        y = _rounded_before_bias(base, attrs, x, w, rest)
+    else:
+        y = OPS[base].impl(attrs, [x, w] + list(rest))[0]   # the base op ignores the extra "quant" attribute
     if "y_scale" in q:
         y = quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))
     return y
+
+
+def _rounded_before_bias(base: str, attrs, x: torch.Tensor, w: torch.Tensor, rest: list) -> torch.Tensor:
+    """The product rounded to INT8 at the mid scale and dequantized again (the model's Q -> DQ after it, which
+    kiln.passes.quantization.fuse_requantized_bias keeps), then the bias (per output channel), residual and
+    activation."""
+    from kiln.ops.dtypes import to_torch_dtype
+    from kiln.ops.nn import apply_activation
+    from kiln.ops.quantize import dequantize, quantize
+
+    q = attrs["quant"]
+    y = OPS[base].impl({k: v for k, v in attrs.items() if k != "activation"}, [x, w])[0]
+    y = quantize(y, q["mid_scale"], q["mid_zero_point"], to_torch_dtype(np.dtype(q["mid_dtype"])))
+    y = dequantize(y, q["mid_scale"], q["mid_zero_point"])
+    bias, residual = (list(rest) + [None, None])[:2]
+    if bias is not None:
+        y = y + (bias.reshape(-1, *[1] * (y.dim() - 2)) if base == "Conv" else bias)
+    if residual is not None:
+        y = y + residual
+    return apply_activation(attrs.get("activation"), y)
 
 
 def _quantized(base: str):

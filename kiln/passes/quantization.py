@@ -12,7 +12,8 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import remove_dead, replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.passes.patterns import (activation_spec, other_input, remove_dead, replace_nodes, sole_consumer,
+                                 why_not_sole_consumer)
 from kiln.trt.vocab import fused_layer_name
 
 log = logging.getLogger("kiln.build")
@@ -160,8 +161,6 @@ def swap_dq_q_around_movement(g: Graph, plog: PassLog) -> None:
 
 def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
     """INT8 residual add: Q(act(DQ(a) + DQ(b))) with per-tensor scales becomes one INT8 ElementWise layer."""
-    from kiln.passes.patterns import activation_spec
-
     for add in [n for n in g.nodes if n.op_type == "Add" and n.domain in ("", "ai.onnx")]:
         dqs = [_dq(v) for v in add.inputs]
         if any(d is None or _params(d) is None or _params(d)[0].size != 1 or d.inputs[0].is_const for d in dqs):
@@ -273,3 +272,75 @@ def _fuse_residual(g: Graph, conv: Node, add: Node, i: int) -> None:
     inputs = [conv.inputs[0], conv.inputs[1], bias, add.inputs[1 - i]]
     replace_nodes(g, [conv, add], Node(fused_layer_name([conv.name, add.name]), "QConv", inputs, [add.outputs[0]],
                                        attrs, "kiln", conv.origin + add.origin))
+
+
+def fuse_requantized_bias(g: Graph, plog: PassLog) -> None:
+    """RequantizedBiasFusion: quantize_static writes a MatMul and its bias Add as two quantized steps, Q(DQ(Q(x·W))
+    + b): an INT8 product, then the bias added to its dequantized INT8 output. The product's kernel does both: it
+    rounds its sums to INT8 at that (mid) scale as the model did, dequantizes, adds the bias [, activation] and
+    requantizes to the Add's QuantizeLinear (or writes FP32 where none follows). The numbers are the unfused
+    graph's; a separate pointwise layer (BERT-base: 72 of them) and its INT8 round trip through memory go."""
+    for layer in [n for n in g.nodes if n.op_type in QUANTIZABLE.values() and n.domain == "kiln"]:
+        q = layer.attrs["quant"]
+        dq = sole_consumer(g, layer) if "y_scale" in q else None
+        add = sole_consumer(g, dq) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+            continue
+        plog.running(layer)
+        bias = other_input(add, dq.outputs[0])
+        reason = _requantized_bias_blocker(layer, dq, add, bias)
+        if reason:
+            plog.not_fused(layer, add, reason)
+            continue
+        _fuse_requantized_bias(g, plog, layer, dq, add, bias)
+
+
+def _requantized_bias_blocker(layer: Node, dq: Node, add: Node, bias: Value | None) -> str | None:
+    q = layer.attrs["quant"]
+    if len(layer.inputs) > 2 and any(v is not None for v in layer.inputs[2:]):
+        return f"{layer.name} already has a bias or residual"
+    if "activation" in layer.attrs:
+        return f"{layer.name} applies an activation before its output is requantized"
+    p = _params(dq)
+    if p is None or p[0].size != 1 or (float(p[0].reshape(-1)[0]), int(p[1].reshape(-1)[0])) != \
+            (q["y_scale"], q["y_zero_point"]):
+        return "the DequantizeLinear after it has another scale or zero point than its output's"
+    if bias is None or not bias.is_const or np.dtype(bias.dtype) != np.float32:
+        return "the Add's other operand is not a constant FP32 bias"
+    if _bias_vector(layer, bias) is None:
+        return f"bias shape {list(bias.shape)} does not broadcast along the output channels only"
+    return None
+
+
+def _bias_vector(layer: Node, bias: Value) -> np.ndarray | None:
+    """The bias as one FP32 value per output channel (axis 1 of a convolution's output, the last axis of a
+    product's); None where it broadcasts along any other axis or would widen the output."""
+    out = layer.outputs[0].shape
+    axis = 1 if layer.op_type == "QConv" else len(out) - 1
+    shape = (1,) * (len(out) - len(bias.shape)) + tuple(bias.shape)
+    if not out or len(bias.shape) > len(out) or any(d != 1 for i, d in enumerate(shape) if i != axis) or \
+            shape[axis] not in (1, out[axis]):
+        return None
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(bias.const).reshape(-1), (out[axis],)), np.float32)
+
+
+def _fuse_requantized_bias(g: Graph, plog: PassLog, layer: Node, dq: Node, add: Node, bias: Value) -> None:
+    q = {k: v for k, v in layer.attrs["quant"].items() if not k.startswith("y_")}
+    q.update(mid_scale=layer.attrs["quant"]["y_scale"], mid_zero_point=layer.attrs["quant"]["y_zero_point"],
+             mid_dtype=layer.attrs["quant"]["y_dtype"])
+    nodes, attrs, nxt = [layer, dq, add], dict(layer.attrs), sole_consumer(g, add)
+    if nxt is not None and activation_spec(g, nxt) is not None:
+        attrs["activation"], nodes, nxt = activation_spec(g, nxt), nodes + [nxt], sole_consumer(g, nxt)
+    if nxt is not None and nxt.op_type == "QuantizeLinear" and _params(nxt) is not None and _params(nxt)[0].size == 1:
+        sy, zy = _params(nxt)
+        q.update(y_scale=float(sy.reshape(-1)[0]), y_zero_point=int(zy.reshape(-1)[0]),
+                 y_dtype=str(nxt.outputs[0].dtype))
+        nodes.append(nxt)
+    for n in nodes[1:]:
+        plog.fusing(layer, n)
+    vector = g.add_const(g.fresh_name(f"{add.name}.bias"), _bias_vector(layer, bias))
+    origin = tuple(o for n in nodes for o in n.origin)
+    name = _layer_name([n for n in nodes if n is not dq])
+    inputs = [layer.inputs[0], layer.inputs[1], vector]
+    replace_nodes(g, nodes, Node(name, layer.op_type, inputs, [nodes[-1].outputs[0]], {**attrs, "quant": q}, "kiln",
+                                 origin))

@@ -31,15 +31,18 @@ def int8_available() -> bool:
         hasattr(torch.ops.onednn, "qconv2d_pointwise")
 
 
-def _quant_supported(layer: LayerView, zero_points: bool = False) -> bool:
+def _quant_supported(layer: LayerView, zero_points: bool = False, mid: bool = False) -> bool:
     """u8 or s8 activations (s8 ones read as u8: see `unsigned_input`), symmetric s8 weights (per tensor, or per
     output channel; with `zero_points`, also asymmetric s8 and u8 ones), an output that is u8, s8 or FP32, and a
-    constant FP32 bias or none."""
+    constant FP32 bias or none; with `mid`, also a product rounded to u8/s8 before its bias (`mid_scale`), which
+    oneDNN's post-ops cannot express."""
     q = layer.attrs.get("quant")
     w = layer.const_inputs.get(1)
     weight_types = (torch.int8, torch.uint8) if zero_points else (torch.int8,)
     if not q or w is None or w.dtype not in weight_types or layer.input_dtypes[0] not in ("uint8", "int8") or \
             q.get("x_dtype") != layer.input_dtypes[0]:
+        return False
+    if "mid_scale" in q and (not mid or q.get("mid_dtype") not in OUTPUT_DTYPES):
         return False
     per_channel = max(len(q["w_scale"]), len(q["w_zero_point"])) > 1
     if (not zero_points and any(z != 0 for z in q["w_zero_point"])) or \
@@ -157,13 +160,13 @@ def _has_residual(layer: LayerView) -> bool:
     return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
 
 
-def linear_supported(layer: LayerView, zero_points: bool = False) -> bool:
+def linear_supported(layer: LayerView, zero_points: bool = False, mid: bool = False) -> bool:
     """A QGemm (plain: 2-D input, no transA, alpha = beta = 1) or QMatMul by a constant 2-D INT8 matrix with the
     quantization `_quant_supported` takes: what every INT8 linear kernel runs (the activation is each one's own)."""
     if layer.op_type not in ("QGemm", "QMatMul") or layer.domain != "kiln":
         return False
     x, w, a = layer.input_shapes[0], layer.const_inputs.get(1), layer.attrs
-    if x is None or len(x) < 2 or w is None or w.dim() != 2 or not _quant_supported(layer, zero_points):
+    if x is None or len(x) < 2 or w is None or w.dim() != 2 or not _quant_supported(layer, zero_points, mid):
         return False
     return layer.op_type != "QGemm" or (len(x) == 2 and not a.get("transA", 0) and a.get("alpha", 1.0) == 1.0
                                         and a.get("beta", 1.0) == 1.0)

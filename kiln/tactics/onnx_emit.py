@@ -249,14 +249,17 @@ def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     base = dataclasses.replace(view, op_type=QUANTIZED_BASE[view.op_type], domain="",
                                attrs={k: v for k, v in view.attrs.items() if k != "quant"})
     rest = list(xs[2:])
-    if rest and rest[0]:
+    if rest and rest[0] and "mid_scale" not in q:
         rest[0] = _quantized_bias(e, rest[0], np.float32(q["x_scale"]) * w_scale)
     if len(rest) > 1 and rest[1] and "r_scale" in q:   # the fused INT8 residual: summed dequantized
         r_type = np.dtype(view.input_dtypes[3] or q["y_dtype"])
         rest[1] = e.node("DequantizeLinear", [rest[1], e.const(q["r_scale"]), e.const(q["r_zero_point"], r_type)])
         if "sum_input_scale" in q:   # the convolution's own Q -> DQ before the sum, as the model had it
             return _emit_quantized_sum(e, base, [x, w] + rest, q)
-    y = emit_layer(e, base, [x, w] + rest)
+    if "mid_scale" in q:
+        y = _emit_rounded_before_bias(e, base, [x, w] + rest, q)
+    else:
+        y = emit_layer(e, base, [x, w] + rest)
     if "y_scale" in q:
         y = e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
     return y
@@ -301,6 +304,26 @@ def _emit_quantized_sum(e: Emitter, base: LayerView, xs: list[str | None], q: di
     if "activation" in base.attrs:
         y = e.activation(y, base.attrs["activation"])
     return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
+
+
+def _emit_rounded_before_bias(e: Emitter, base: LayerView, xs: list[str | None], q: dict) -> str:
+    """A product rounded to INT8 before its bias, as quantize_static writes a MatMul and its bias Add: product ->
+    Q -> DQ at the mid scale, + the FP32 bias (per output channel), + residual, activation (the caller adds the
+    output's Q). onnxruntime fuses the product into QLinearMatMul/QLinearConv again."""
+    import dataclasses
+
+    plain = dataclasses.replace(base, attrs={k: v for k, v in base.attrs.items() if k != "activation"})
+    m_type = np.dtype(q["mid_dtype"])
+    y = emit_layer(e, plain, xs[:2])
+    y = e.node("QuantizeLinear", [y, e.const(q["mid_scale"]), e.const(q["mid_zero_point"], m_type)])
+    y = e.node("DequantizeLinear", [y, e.const(q["mid_scale"]), e.const(q["mid_zero_point"], m_type)])
+    bias, residual = (list(xs[2:]) + [None, None])[:2]
+    if bias:
+        channel = [-1] + [1] * (len(base.input_shapes[0]) - 2) if base.op_type == "Conv" else [-1]
+        y = e.node("Add", [y, e.node("Reshape", [bias, e.const(channel, np.int64)])])
+    if residual:
+        y = e.node("Add", [y, residual])
+    return e.activation(y, base.attrs.get("activation"))
 
 
 def _quantized_bias(e: Emitter, name: str, scale: np.ndarray) -> str:

@@ -41,9 +41,10 @@ class Epilogue(ctypes.Structure):
 
     _fields_ = [("comp", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("clamp_lo", ctypes.c_float), ("clamp_hi", ctypes.c_float), ("r_scale", ctypes.c_float),
-                ("y_inv_scale", ctypes.c_float), ("r_zp", ctypes.c_int32), ("y_zp", ctypes.c_int32),
+                ("y_scale", ctypes.c_float), ("r_zp", ctypes.c_int32), ("y_zp", ctypes.c_int32),
                 ("act", ctypes.c_int32), ("out_kind", ctypes.c_int32), ("signed_input", ctypes.c_int32),
-                ("pad_byte", ctypes.c_int32), ("r_kind", ctypes.c_int32), ("w_zp", ctypes.c_void_p)]
+                ("pad_byte", ctypes.c_int32), ("r_kind", ctypes.c_int32), ("w_zp", ctypes.c_void_p),
+                ("mid_scale", ctypes.c_float), ("mid_zp", ctypes.c_int32), ("mid_kind", ctypes.c_int32)]
 
 
 I64 = ctypes.c_int64
@@ -171,9 +172,10 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
     lo, hi, act = fused_activation(layer.attrs.get("activation"))
     y_scale, y_zp, _ = _output(layer)
     e = Epilogue(comp.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), lo, hi,
-                 float(q.get("r_scale", 1.0)), 1.0 / y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
+                 float(q.get("r_scale", 1.0)), y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
                  OUT_KINDS[q.get("y_dtype") if "y_scale" in q else None], int(q["x_dtype"] == "int8"),
-                 int(q["x_zero_point"]) & 0xFF, _residual_kind(layer), None if w_zp is None else w_zp.data_ptr())
+                 int(q["x_zero_point"]) & 0xFF, _residual_kind(layer), None if w_zp is None else w_zp.data_ptr(),
+                 float(q.get("mid_scale", 1.0)), int(q.get("mid_zero_point", 0)), OUT_KINDS[q.get("mid_dtype")])
     return e, tuple(t for t in (comp, scale, bias, w_zp) if t is not None)
 
 
@@ -204,7 +206,7 @@ def _conv_supported(layer: LayerView) -> bool:
     a, w = layer.attrs, layer.const_inputs.get(1)
     if w is None or w.dim() != 4 or a.get("group", 1) != 1 or any(d != 1 for d in a.get("dilations") or [1, 1]):
         return False
-    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer, zero_points=True):
+    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer, True, mid=True):
         return False
     if fused_activation(a.get("activation")) is None or not batch_dynamic_only(layer):
         return False
@@ -307,7 +309,7 @@ class QLinearGemmTactic:
     pack = staticmethod(pack_quads)
 
     def supports(self, layer: LayerView) -> bool:
-        if not linear_supported(layer, zero_points=True) or not k_fits(layer, layer.input_shapes[0][-1]):
+        if not linear_supported(layer, zero_points=True, mid=True) or not k_fits(layer, layer.input_shapes[0][-1]):
             return False
         dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
         return fused_activation(layer.attrs.get("activation")) is not None and \

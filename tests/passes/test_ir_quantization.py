@@ -1,14 +1,15 @@
 """Explicit-quantization passes on IR graphs: DQ -> Conv/MatMul(DQ(W_int8)) [-> Q] becomes one INT8 layer
 (QuantizeDoubleInputNodes), Q(act(DQ + DQ)) one INT8 add (QuantizedAddFusion), an INT8 add of an INT8 conv's
-output into the conv (QConvEltwiseSumFusion), duplicate Q nodes merge, max
-pooling and concatenation run on INT8 tensors; and the reasons when the input has no INT8 scale."""
+output into the conv (QConvEltwiseSumFusion), an INT8 product's requantized output into its bias Add
+(RequantizedBiasFusion), duplicate Q nodes merge, max pooling and concatenation run on INT8 tensors; and the
+reasons when the input has no INT8 scale."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
-                                     merge_duplicate_qdq,
-                                     split_q_across_concat, swap_dq_q_around_movement)
+                                     fuse_requantized_bias, merge_duplicate_qdq, split_q_across_concat,
+                                     swap_dq_q_around_movement)
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 
 # The fused layers read the INT8 tensors directly; the DequantizeLinear nodes they leave behind have no readers
@@ -222,3 +223,75 @@ def test_int8_sum_stays_apart_when_the_conv_activates_first_or_scales_disagree()
         run = run_pass(graph, "QConvEltwiseSumFusion", fuse_quantized_residual)
         assert str(graph) == before
         assert run.not_fusing == [f"QConvEltwiseSumFusion: Not fusing conv + cq with add + relu + yq: {reason}"]
+
+
+# ---------------------------------------------------------------- RequantizedBiasFusion
+PRODUCT_QUANT = {"x_scale": 0.5, "x_zero_point": 0, "x_dtype": "int8", "w_scale": [0.25], "w_zero_point": [0],
+                 "w_axis": 1, "y_scale": 0.125, "y_zero_point": 0, "y_dtype": "int8"}
+
+
+def product_then_bias(b: IRBuilder, bias_shape=(4,), dq_scale=0.125, act=None, final_q=True, product_attrs=None):
+    """What QuantizeDoubleInputNodes and ConstantDequantizeFolding leave of quantize_static's MatMul and its bias:
+    QMatMul(x) -> DQ -> Add(FP32 constant) [-> activation] [-> Q]."""
+    xq = b.input("xq", (2, 3, 3), np.int8)
+    mm = b.node("QMatMul", [xq, int8_weight(b, "wq", (3, 4))], "mmq", (2, 3, 4), dtype=np.int8, domain="kiln",
+                name="mm + mmq", quant=PRODUCT_QUANT, **(product_attrs or {}))
+    y = b.node("Add", [dq(b, mm, "mm", dq_scale), b.const("bias", np.arange(4.0).reshape(bias_shape)
+                                                          if np.prod(bias_shape) == 4 else np.ones(bias_shape))],
+               "sum", (2, 3, 4), name="add")
+    if act:
+        y = b.node(act, [y], "act", (2, 3, 4), name="relu")
+    return b.graph(q(b, y, "y", 0.25) if final_q else y)
+
+
+def test_int8_product_takes_its_bias_rounding_at_its_own_scale_first():
+    g = product_then_bias(IRBuilder(), bias_shape=(1, 1, 4), act="Relu")
+
+    run = run_pass(g, "RequantizedBiasFusion", fuse_requantized_bias)
+
+    assert str(g) == expected("""
+        graph g(%xq: int8[2x3x3]):
+          %y: int8[2x3x4] = kiln.QMatMul(%xq, const %wq, const %add.bias) activation={'op': 'Relu', 'attrs': {}} quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'int8', 'w_scale': [0.25], 'w_zero_point': [0], 'w_axis': 1, 'mid_scale': 0.125, 'mid_zero_point': 0, 'mid_dtype': 'int8', 'y_scale': 0.25, 'y_zero_point': 0, 'y_dtype': 'int8'}  # mm + mmq + add + relu + y
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (4, 0)   # the DQ, the Add, the ReLU and the Q
+    assert g.nodes[0].inputs[2].const.tolist() == [0.0, 1.0, 2.0, 3.0]   # one value per output column
+    assert g.nodes[0].origin == ("mm + mmq", "mm", "add", "relu", "y")
+
+
+def test_int8_product_with_its_bias_and_no_q_after_writes_fp32():
+    g = product_then_bias(IRBuilder(), bias_shape=(), final_q=False)
+
+    run_pass(g, "RequantizedBiasFusion", fuse_requantized_bias)
+
+    (node,) = g.nodes
+    assert str(node.outputs[0].dtype) == "float32" and node.name == "mm + mmq + add"
+    assert not any(k.startswith("y_") for k in node.attrs["quant"]) and node.attrs["quant"]["mid_scale"] == 0.125
+    assert node.inputs[2].const.tolist() == [1.0] * 4   # a scalar bias, one value per column
+
+
+def test_int8_product_and_bias_stay_apart_with_the_reason():
+    cases = [(dict(dq_scale=0.0625), "the DequantizeLinear after it has another scale or zero point than its output's"),
+             (dict(bias_shape=(3, 1)), "bias shape [3, 1] does not broadcast along the output channels only"),
+             (dict(product_attrs={"activation": {"op": "Relu", "attrs": {}}}),
+              "mm + mmq applies an activation before its output is requantized")]
+    for kwargs, reason in cases:
+        run = run_pass_unchanged(product_then_bias(IRBuilder(), **kwargs), "RequantizedBiasFusion",
+                                 fuse_requantized_bias)
+        assert run.not_fusing == [f"RequantizedBiasFusion: Not fusing mm + mmq with add: {reason}"]
+
+
+def test_int8_convolution_takes_a_per_channel_bias():
+    b = IRBuilder()
+    xq = b.input("xq", X, np.uint8)
+    quant = {**PRODUCT_QUANT, "x_dtype": "uint8", "y_dtype": "uint8"}
+    c = b.node("QConv", [xq, int8_weight(b, "wq", (2, 2, 1, 1))], "cq", X, dtype=np.uint8, domain="kiln",
+               name="conv + cq", kernel_shape=[1, 1], quant=quant)
+    mid = b.node("DequantizeLinear", [c, b.const("c.scale", 0.125), b.const("c.zero", 0, np.uint8)], "c", X,
+                 dtype=np.float32)
+    g = b.graph(b.node("Add", [b.const("bias", [[[0.5]], [[-0.5]]]), mid], "y", X, name="add"))
+
+    run_pass(g, "RequantizedBiasFusion", fuse_requantized_bias)
+
+    (node,) = g.nodes
+    assert (node.op_type, node.name, node.inputs[2].const.tolist()) == ("QConv", "conv + cq + add", [0.5, -0.5])

@@ -2,7 +2,9 @@
    u8 activations times s8 weights with `vpdpbusd` (four u8 x s8 products summed into each int32 lane, no 16-bit
    saturation), int32 accumulation, then per output channel n: (acc - x_zp * colsum_w[n]) * x_scale * w_scale[n]
    + bias[n], + the residual (INT8 dequantized, or FP32), clamp (ReLU, Clip), Swish or GELU, and FP32 out or
-   requantized to u8/s8 (round half to even, saturated). s8 activations are read as u8 with each byte's top bit
+   requantized to u8/s8 (round half to even, saturated). A product the model requantized before adding its bias
+   (quantize_static's MatMul -> Q -> DQ -> Add(bias) -> Q) is rounded to INT8 at that mid scale and dequantized
+   first, the bias added after: the same numbers as the unfused graph. s8 activations are read as u8 with each byte's top bit
    flipped (x_zp + 128: the caller's comp). Weights with zero points (asymmetric, or u8 read as s8) also take
    w_zp[n] * (the row's byte sum) off: sum (x - x_zp)(w - w_zp) = acc - x_zp (colsum[n] - k w_zp[n]) - w_zp[n] sum x,
    the caller folding the middle term into comp. kiln_dqgemm and kiln_dqconv (qgemm_dynamic.h) quantize their FP32
@@ -13,6 +15,11 @@
    quad is built from its remaining bytes, never past its end. The register tile is gemm.h's: 6 rows x 32
    columns, 12 zmm accumulators; the work split (batch, panel, row chunk) over OpenMP is work_split.h's, as
    gemm.c's. */
+/* No implicit multiply-add contraction: the epilogue's scale, dequantize and bias steps round as the ONNX graph's
+   separate Mul / DequantizeLinear / Add do (explicit _mm512_fmadd_ps calls stay fused). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,7 +39,7 @@ typedef struct {
   const float* bias;        /* FP32 bias, padded; NULL: none */
   float clamp_lo, clamp_hi; /* ReLU (0, inf), Clip (min, max); (-inf, inf) otherwise */
   float r_scale;            /* an INT8 residual's scale (FP32 ones are added as read) */
-  float y_inv_scale;        /* 1 / y_scale */
+  float y_scale;            /* the output's scale (divided by, as QuantizeLinear does) */
   int32_t r_zp, y_zp;
   int32_t act;              /* after the clamp (activation.h): ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH; 0 none */
   int32_t out_kind;         /* OUT_F32, OUT_U8, OUT_S8 */
@@ -40,6 +47,8 @@ typedef struct {
   int32_t pad_byte;         /* the raw input byte of a quantized zero (x_zp), written where a window is padded */
   int32_t r_kind;           /* the residual's type: OUT_F32, OUT_U8, OUT_S8 */
   const int32_t* w_zp;      /* the weights' zero points per column, padded; NULL: all 0 (see above) */
+  float mid_scale;          /* the product rounded to INT8 at (mid_scale, mid_zp) before the bias; */
+  int32_t mid_zp, mid_kind; /* mid_kind OUT_U8 or OUT_S8; OUT_F32: no such rounding */
 } QEpilogue;
 
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
@@ -123,12 +132,29 @@ static inline __m512 v_gelu(__m512 x, int tanh_form) {   /* 0.5 x (1 + erf(x / s
   return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), _mm512_add_ps(g, _mm512_set1_ps(1.0f)));
 }
 
-/* 16 output columns from their int32 sums: compensation, scales, bias, residual, activation, then stored as
-   FP32 or requantized u8/s8 (`mask`: the real columns of a partial panel; other lanes are never stored). */
+/* ONNX QuantizeLinear of 16 floats as int32 lanes: x / scale rounded half to even (the default MXCSR rounding),
+   plus the zero point, saturated to u8 or s8 (`kind`). The quotient is clamped first: a float past 2^31 would
+   convert to INT32_MIN whatever its sign. */
+static inline __m512i quantize16(__m512 x, float scale, int32_t zp, int32_t kind) {
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, _mm512_set1_ps(scale)), _mm512_set1_ps(-1e9f)),
+                                 _mm512_set1_ps(1e9f));
+  const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(zp));
+  const int32_t lo = kind == OUT_S8 ? -128 : 0, hi = kind == OUT_S8 ? 127 : 255;
+  return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(lo)), _mm512_set1_epi32(hi));
+}
+
+/* 16 output columns from their int32 sums: compensation, scales, [rounded at the mid scale and dequantized,] bias,
+   residual, activation, then stored as FP32 or requantized u8/s8 (`mask`: the real columns of a partial panel;
+   other lanes are never stored). */
 static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out,
                            __mmask16 mask) {
   __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(e->comp + col)));
   y = _mm512_mul_ps(y, _mm512_loadu_ps(e->scale + col));
+  if (e->mid_kind != OUT_F32) {   /* DequantizeLinear(QuantizeLinear(y)) at the mid scale, as the model had it */
+    const __m512i m = quantize16(y, e->mid_scale, e->mid_zp, e->mid_kind);
+    y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(m, _mm512_set1_epi32(e->mid_zp))),
+                      _mm512_set1_ps(e->mid_scale));
+  }
   if (e->bias) y = _mm512_add_ps(y, _mm512_loadu_ps(e->bias + col));
   if (res && e->r_kind == OUT_F32) {   /* an FP32 residual (a sum left unquantized) */
     y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, res));
@@ -145,11 +171,7 @@ static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const v
     _mm512_mask_storeu_ps(out, mask, y);
     return;
   }
-  /* default MXCSR rounding: half to even, as QuantizeLinear rounds */
-  __m512i q = _mm512_cvtps_epi32(_mm512_fmadd_ps(y, _mm512_set1_ps(e->y_inv_scale), _mm512_set1_ps((float)e->y_zp)));
-  const __m128i packed = e->out_kind == OUT_S8 ? _mm512_cvtsepi32_epi8(q)
-                                               : _mm512_cvtusepi32_epi8(_mm512_max_epi32(q, _mm512_setzero_si512()));
-  _mm_mask_storeu_epi8(out, mask, packed);
+  _mm_mask_storeu_epi8(out, mask, _mm512_cvtepi32_epi8(quantize16(y, e->y_scale, e->y_zp, e->out_kind)));
 }
 
 static inline uint32_t quad(const uint8_t* p) {
