@@ -94,14 +94,22 @@ def pwn_name(origin: tuple[str, ...]) -> str:
 
 
 def fuse_pointwise(g: Graph, plog: PassLog) -> None:
+    """Each elementwise node merges into its sole elementwise consumer, sweep after sweep: a node read by several
+    steps of one chain (the x of GELU's `x * (1 + erf(x / sqrt 2))`, SiLU's x) has that chain as its only reader
+    once those steps merged, and joins it on the next sweep. What still has several readers is logged at the end."""
+    while _merge_sole_consumers(g, plog):
+        pass
+    for node in [n for n in g.nodes if is_elementwise(n) and sole_consumer(g, n) is None]:
+        for user in (u for u in node.outputs[0].users if is_elementwise(u)):
+            plog.not_fused(node, user, why_not_sole_consumer(g, node))
+
+
+def _merge_sole_consumers(g: Graph, plog: PassLog) -> bool:
+    merged = False
     for node in list(g.nodes):
         while node in g.nodes and is_elementwise(node):
             consumer = sole_consumer(g, node)
-            if consumer is None:
-                for user in (u for u in node.outputs[0].users if is_elementwise(u)):
-                    plog.not_fused(node, user, why_not_sole_consumer(g, node))
-                break
-            if not is_elementwise(consumer):
+            if consumer is None or not is_elementwise(consumer):
                 break
             plog.running(node)
             steps, inputs = merge_programs(node, consumer)
@@ -109,3 +117,5 @@ def fuse_pointwise(g: Graph, plog: PassLog) -> None:
             plog.fusing(node, consumer)
             node = replace_nodes(g, [node, consumer], Node(pwn_name(origin), "PointWise", inputs,
                                                            list(consumer.outputs), {"program": steps}, "kiln", origin))
+            merged = True
+    return merged

@@ -100,3 +100,22 @@ def test_a_value_read_by_two_elementwise_ops_ends_the_chain():
     assert run.not_fusing == ["PointWiseFusion: Not fusing exp with neg: exp's output 'e' has 2 consumers",
                               "PointWiseFusion: Not fusing exp with abs: exp's output 'e' has 2 consumers"]
     assert (run.stat.matches, run.stat.rejections) == (0, 2)
+
+
+def test_a_value_read_twice_by_one_chain_joins_it_once_the_chain_is_one_program():
+    """GELU's x / sqrt 2 -> Erf -> + 1 -> * x: Exp's output is read by Div and by the last Mul. Once Div..Mul are one
+    PointWise, that is Exp's only reader, and Exp joins it on the next sweep (no "not fusing" line is left)."""
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    e = b.node("Exp", [x], "e", (2, 3), name="exp")
+    d = b.node("Div", [e, b.const("sqrt2", 2 ** 0.5)], "d", (2, 3), name="div")
+    a = b.node("Add", [b.node("Erf", [d], "f", (2, 3), name="erf"), b.const("one", 1.0)], "a", (2, 3), name="add")
+    g = b.graph(b.node("Mul", [e, a], "y", (2, 3), name="mul"))
+
+    run = run_pass(g, "PointWiseFusion", fuse_pointwise)
+
+    (node,) = g.nodes
+    assert node.name == "PWN(exp, div, erf, add, mul)" and [v.name for v in node.inputs] == ["x", "sqrt2", "one"]
+    assert [(step["op"], step["args"]) for step in node.attrs["program"]] == [
+        ("Exp", ["x0"]), ("Div", ["t0", "x1"]), ("Erf", ["t1"]), ("Add", ["t2", "x2"]), ("Mul", ["t0", "t3"])]
+    assert (run.stat.matches, run.stat.rejections) == (4, 0) and run.not_fusing == []

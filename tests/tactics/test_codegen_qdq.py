@@ -47,13 +47,13 @@ def assert_one_step_at_most(got, want):
     assert diff.max() <= 1 and (diff == 0).mean() >= 0.99
 
 
-def test_a_quantized_gelu_chain_is_one_generated_kernel_writing_int8():
-    """The input's DequantizeLinear has two readers (Div and the Mul), so it stays a layer of its own (kiln's Q/DQ
-    kernel); the rest, from Div to the last QuantizeLinear, is one generated kernel with an INT8 output."""
+def test_a_quantized_gelu_chain_is_one_generated_kernel_reading_and_writing_int8():
+    """The input's DequantizeLinear has two readers (Div and the Mul); once the chain from Div to the last
+    QuantizeLinear is one PointWise, that is its only reader and it joins: one generated kernel, INT8 in and out."""
     model = gelu_chain_model()
     engine = kiln.build(model, tactic_sources="codegen,kiln,torch", autotune=False)
-    assert [(l.op_type, l.tactic_name) for l in engine.plan.layers] == [
-        ("DequantizeLinear", "kiln.quantize_linear"), ("PointWise", "codegen.pointwise_c_simd")]
+    assert [(l.op_type, l.tactic_name) for l in engine.plan.layers] == [("PointWise", "codegen.pointwise_c_simd")]
+    assert [t.dtype for t in engine.plan.layers[0].inputs] == ["int8"]
     x = {"x": np.random.default_rng(0).integers(-128, 128, (2, 64, 96)).astype(np.int8)}
     assert_one_step_at_most(engine.run(x)["y"], unfused_onnxruntime(model, x))
 
