@@ -1,7 +1,8 @@
 """kiln's AMX INT8 kernels (qgemm_amx.h) give exactly the VNNI kernels' bytes — integer sums, the same epilogue —
 on every quantized convolution and linear case of test_qgemm_c.py (u8 and s8 input, per-channel scales, padding
-at the zero point, strides, Clip/Swish, FP32 out, residual + ReLU, weights with zero points), and pack each k range
-to whole 64-byte tile steps. AMX is real where this CPU has it, else emulated in C (tests/tactics/amx.py)."""
+at the zero point, strides, Clip/Swish, FP32 out, residual + ReLU, weights with zero points, a product rounded
+before its bias: test_qgemm_bias.py's cases), and pack each k range to whole 64-byte tile steps. AMX is real where
+this CPU has it, else emulated in C (tests/tactics/amx.py)."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,7 @@ from kiln.tactics.qgemm_amx import (
 )
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads
 from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
+from tests.tactics.test_qgemm_bias import CASES as MID_CASES, mid_case
 from tests.tactics.test_qgemm_c import (
     CONV_CASES, ZERO_POINT_CASES, assert_requantized_equal, assert_spread, conv_formula, linear_case, linear_formula,
     needs_vnni, qconv_view, quant, rand_q, run, zero_point_case,
@@ -109,3 +111,15 @@ def test_weights_with_zero_points_equal_the_vnni_kernel(case, amx_int8_kernels):
     got = run(amx, view, [x, None, None])
     assert torch.equal(got, run(vnni, view, [x, None, None]))
     assert_spread(got)
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", list(MID_CASES))
+def test_products_rounded_before_their_bias_equal_the_vnni_kernel(case, amx_int8_kernels):
+    view, x, vnni = mid_case(case)
+    amx = {QLinearGemmTactic.name: QLinearGemmAmxTactic(), QConvGemmTactic.name: QConvGemmAmxTactic(),
+           QConvDirectTactic.name: QConvDirectAmxTactic()}[vnni.name]
+    assert amx.supports(view)
+    got = run(amx, view, [x, None, None])
+    assert torch.equal(got, run(vnni, view, [x, None, None]))
+    assert torch.unique(got).numel() >= 20

@@ -130,7 +130,8 @@ def bias_after_product_model(relu: bool):
              numpy_helper.from_array(rng.integers(0, 256, n).astype(np.uint8), "b_q")]
     for name, scale, zp, dtype in (("x", 0.03, 110, np.uint8), ("p", 0.12, -4, np.int8), ("b", 0.01, 128, np.uint8),
                                    ("y", 0.05, 20, np.uint8)):
-        inits += [numpy_helper.from_array(np.float32(scale), f"{name}_s"), numpy_helper.from_array(dtype(zp), f"{name}_z")]
+        inits += [numpy_helper.from_array(np.float32(scale), f"{name}_s"),
+                  numpy_helper.from_array(dtype(zp), f"{name}_z")]
     nodes = [h("QuantizeLinear", ["x", "x_s", "x_z"], ["xq"]), h("DequantizeLinear", ["xq", "x_s", "x_z"], ["xf"]),
              h("DequantizeLinear", ["w_q", "w_s", "w_z"], ["wf"], axis=1), h("MatMul", ["xf", "wf"], ["p"], name="mm"),
              h("QuantizeLinear", ["p", "p_s", "p_z"], ["pq"], name="mm_q"),

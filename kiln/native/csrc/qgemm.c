@@ -4,8 +4,8 @@
    + bias[n], + the residual (INT8 dequantized, or FP32), clamp (ReLU, Clip), Swish or GELU, and FP32 out or
    requantized to u8/s8 (round half to even, saturated). A product the model requantized before adding its bias
    (quantize_static's MatMul -> Q -> DQ -> Add(bias) -> Q) is rounded to INT8 at that mid scale and dequantized
-   first, the bias added after: the same numbers as the unfused graph. s8 activations are read as u8 with each byte's top bit
-   flipped (x_zp + 128: the caller's comp). Weights with zero points (asymmetric, or u8 read as s8) also take
+   first, the bias added after: the same numbers as the unfused graph. s8 activations are read as u8 with each
+   byte's top bit flipped (x_zp + 128: the caller's comp). Weights with zero points (asymmetric, or u8 read as s8) also take
    w_zp[n] * (the row's byte sum) off: sum (x - x_zp)(w - w_zp) = acc - x_zp (colsum[n] - k w_zp[n]) - w_zp[n] sum x,
    the caller folding the middle term into comp. kiln_dqgemm and kiln_dqconv (qgemm_dynamic.h) quantize their FP32
    input first (dynamic quantization) and make the epilogue per call.
