@@ -55,6 +55,8 @@ def as_program(node: Node) -> tuple[list[dict[str, Any]], list[Value]]:
             args.append(None)
         elif i in host:
             args.append({"const": v.const.tolist()})
+        elif any(v is u for u in inputs):   # Mul(x, x): one input read twice
+            args.append(f"x{next(j for j, u in enumerate(inputs) if u is v)}")
         else:
             args.append(f"x{len(inputs)}")
             inputs.append(v)
@@ -99,16 +101,23 @@ def fuse_pointwise(g: Graph, plog: PassLog) -> None:
     once those steps merged, and joins it on the next sweep. What still has several readers is logged at the end."""
     while _merge_sole_consumers(g, plog):
         pass
-    for node in [n for n in g.nodes if is_elementwise(n) and sole_consumer(g, n) is None]:
-        for user in (u for u in node.outputs[0].users if is_elementwise(u)):
+    for node in [n for n in g.nodes if is_elementwise(n) and _sole_reader(g, n) is None]:
+        for user in dict.fromkeys(u for u in node.outputs[0].users if is_elementwise(u)):
             plog.not_fused(node, user, why_not_sole_consumer(g, node))
+
+
+def _sole_reader(g: Graph, node: Node) -> Node | None:
+    """The one node reading `node`'s single output (perhaps as several of its inputs), if it is no graph output."""
+    out = node.outputs[0]
+    readers = list(dict.fromkeys(out.users))
+    return readers[0] if len(node.outputs) == 1 and len(readers) == 1 and not g.is_output(out) else None
 
 
 def _merge_sole_consumers(g: Graph, plog: PassLog) -> bool:
     merged = False
     for node in list(g.nodes):
         while node in g.nodes and is_elementwise(node):
-            consumer = sole_consumer(g, node)
+            consumer = _sole_reader(g, node)
             if consumer is None or not is_elementwise(consumer):
                 break
             plog.running(node)

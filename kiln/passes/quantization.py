@@ -278,9 +278,13 @@ def fuse_requantized_bias(g: Graph, plog: PassLog) -> None:
     """RequantizedBiasFusion: quantize_static writes a MatMul and its bias Add as two quantized steps, Q(DQ(Q(x·W))
     + b): an INT8 product, then the bias added to its dequantized INT8 output. The product's kernel does both: it
     rounds its sums to INT8 at that (mid) scale as the model did, dequantizes, adds the bias [, activation] and
-    requantizes to the Add's QuantizeLinear (or writes FP32 where none follows). The numbers are the unfused
-    graph's; a separate pointwise layer (BERT-base: 72 of them) and its INT8 round trip through memory go."""
-    for layer in [n for n in g.nodes if n.op_type in QUANTIZABLE.values() and n.domain == "kiln"]:
+    requantizes to the Add's QuantizeLinear (or writes FP32 where none follows), in the graph's float steps; a
+    separate pointwise layer (BERT-base: 72 of them) and its INT8 round trip through memory go.
+
+    Only kiln's INT8 kernels round in the middle (oneDNN's post-ops cannot), so the pass takes what they run: a
+    MatMul (a Gemm's or convolution's bias is its own input in quantize_static files) and the activations of
+    their epilogue (kiln.tactics.qgemm_c.fused_activation); with another activation after the bias it declines."""
+    for layer in [n for n in g.nodes if n.op_type == "QMatMul" and n.domain == "kiln"]:
         q = layer.attrs["quant"]
         dq = sole_consumer(g, layer) if "y_scale" in q else None
         add = sole_consumer(g, dq) if dq is not None and dq.op_type == "DequantizeLinear" else None
@@ -288,14 +292,14 @@ def fuse_requantized_bias(g: Graph, plog: PassLog) -> None:
             continue
         plog.running(layer)
         bias = other_input(add, dq.outputs[0])
-        reason = _requantized_bias_blocker(layer, dq, add, bias)
+        reason = _requantized_bias_blocker(g, layer, dq, add, bias)
         if reason:
             plog.not_fused(layer, add, reason)
             continue
         _fuse_requantized_bias(g, plog, layer, dq, add, bias)
 
 
-def _requantized_bias_blocker(layer: Node, dq: Node, add: Node, bias: Value | None) -> str | None:
+def _requantized_bias_blocker(g: Graph, layer: Node, dq: Node, add: Node, bias: Value | None) -> str | None:
     q = layer.attrs["quant"]
     if len(layer.inputs) > 2 and any(v is not None for v in layer.inputs[2:]):
         return f"{layer.name} already has a bias or residual"
@@ -309,16 +313,28 @@ def _requantized_bias_blocker(layer: Node, dq: Node, add: Node, bias: Value | No
         return "the Add's other operand is not a constant FP32 bias"
     if _bias_vector(layer, bias) is None:
         return f"bias shape {list(bias.shape)} does not broadcast along the output channels only"
+    nxt = sole_consumer(g, add)
+    spec = activation_spec(g, nxt) if nxt is not None else None
+    if spec is not None and not _epilogue_activation(spec):
+        return f"the INT8 kernels' epilogue has no {spec['op']} (the activation after the bias)"
     return None
 
 
+def _epilogue_activation(spec: dict) -> bool:
+    """Whether kiln's INT8 kernels apply this activation after the bias (kiln.tactics.qgemm_c.fused_activation)."""
+    attrs = spec.get("attrs", {})
+    return spec["op"] in ("Relu", "Clip", "Gelu") or (spec["op"] == "Swish" and attrs.get("alpha", 1.0) == 1.0)
+
+
 def _bias_vector(layer: Node, bias: Value) -> np.ndarray | None:
-    """The bias as one FP32 value per output channel (axis 1 of a convolution's output, the last axis of a
-    product's); None where it broadcasts along any other axis or would widen the output."""
+    """The bias as one FP32 value per output column (the product's last axis); None where it broadcasts along any
+    other axis or would widen the output."""
     out = layer.outputs[0].shape
-    axis = 1 if layer.op_type == "QConv" else len(out) - 1
+    if not out:
+        return None
+    axis = len(out) - 1
     shape = (1,) * (len(out) - len(bias.shape)) + tuple(bias.shape)
-    if not out or len(bias.shape) > len(out) or any(d != 1 for i, d in enumerate(shape) if i != axis) or \
+    if len(bias.shape) > len(out) or any(d != 1 for i, d in enumerate(shape) if i != axis) or \
             shape[axis] not in (1, out[axis]):
         return None
     return np.ascontiguousarray(np.broadcast_to(np.asarray(bias.const).reshape(-1), (out[axis],)), np.float32)

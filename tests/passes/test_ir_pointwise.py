@@ -119,3 +119,21 @@ def test_a_value_read_twice_by_one_chain_joins_it_once_the_chain_is_one_program(
     assert [(step["op"], step["args"]) for step in node.attrs["program"]] == [
         ("Exp", ["x0"]), ("Div", ["t0", "x1"]), ("Erf", ["t1"]), ("Add", ["t2", "x2"]), ("Mul", ["t0", "t3"])]
     assert (run.stat.matches, run.stat.rejections) == (4, 0) and run.not_fusing == []
+
+
+def test_a_value_one_step_reads_twice_joins_that_step():
+    """tanh-GELU's cube: Mul(e, e) reads Exp's output twice, then two more steps read it: one program, one input."""
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    e = b.node("Exp", [x], "e", (2, 3), name="exp")
+    cube = b.node("Mul", [b.node("Mul", [e, e], "sq", (2, 3), name="square"), e], "cube", (2, 3), name="cube")
+    t = b.node("Tanh", [cube], "t", (2, 3), name="tanh")
+    g = b.graph(b.node("Mul", [e, t], "y", (2, 3), name="mul"))
+
+    run = run_pass(g, "PointWiseFusion", fuse_pointwise)
+
+    (node,) = g.nodes
+    assert node.name == "PWN(exp, square, cube, tanh, mul)" and [v.name for v in node.inputs] == ["x"]
+    assert [(step["op"], step["args"]) for step in node.attrs["program"]] == [
+        ("Exp", ["x0"]), ("Mul", ["t0", "t0"]), ("Mul", ["t1", "t0"]), ("Tanh", ["t2"]), ("Mul", ["t0", "t3"])]
+    assert run.not_fusing == []

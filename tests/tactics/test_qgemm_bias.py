@@ -113,8 +113,9 @@ def test_reference_op_and_region_writer_round_before_the_bias_too(case):
     model.graph.initializer.extend(inits)
     emitted = unfused_onnxruntime(model, {"x0": x.numpy()})
     for got in (ref, torch.from_numpy(emitted)):   # the float product, not integer sums: one step at most, rarely
-        if CASES[case][3] is None:
-            torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=0.16)   # a mid step, rarely
+        if CASES[case][3] is None:   # a whole mid step (0.15) apart on a tie, rarely
+            diff = (got.float() - want).abs()
+            assert diff.max() <= 0.16 and (diff <= 1e-4).float().mean() >= 0.99
         else:
             assert_requantized_equal(got, want)
 

@@ -4,8 +4,8 @@
    + bias[n], + the residual (INT8 dequantized, or FP32), clamp (ReLU, Clip), Swish or GELU, and FP32 out or
    requantized to u8/s8 (round half to even, saturated). A product the model requantized before adding its bias
    (quantize_static's MatMul -> Q -> DQ -> Add(bias) -> Q) is rounded to INT8 at that mid scale and dequantized
-   first, the bias added after: the same numbers as the unfused graph. s8 activations are read as u8 with each
-   byte's top bit flipped (x_zp + 128: the caller's comp). Weights with zero points (asymmetric, or u8 read as s8) also take
+   first, the bias added after, in the graph's float steps. s8 activations are read as u8 with each byte's top bit
+   flipped (x_zp + 128: the caller's comp). Weights with zero points (asymmetric, or u8 read as s8) also take
    w_zp[n] * (the row's byte sum) off: sum (x - x_zp)(w - w_zp) = acc - x_zp (colsum[n] - k w_zp[n]) - w_zp[n] sum x,
    the caller folding the middle term into comp. kiln_dqgemm and kiln_dqconv (qgemm_dynamic.h) quantize their FP32
    input first (dynamic quantization) and make the epilogue per call.
@@ -132,22 +132,21 @@ static inline __m512 v_gelu(__m512 x, int tanh_form) {   /* 0.5 x (1 + erf(x / s
   return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), _mm512_add_ps(g, _mm512_set1_ps(1.0f)));
 }
 
-/* ONNX QuantizeLinear of 16 floats as int32 lanes: x / scale rounded half to even (the default MXCSR rounding),
-   plus the zero point, saturated to u8 or s8 (`kind`). The quotient is clamped first: a float past 2^31 would
-   convert to INT32_MIN whatever its sign. */
+/* ONNX QuantizeLinear of 16 floats as int32 lanes: x / scale clamped to [lo - zp, hi - zp] of u8 or s8 (`kind`),
+   rounded half to even (the default MXCSR rounding), plus the zero point. Clamping before rounding gives the same
+   integer, as the bounds are integers; NaN takes the low bound (max_ps returns its second operand). */
 static inline __m512i quantize16(__m512 x, float scale, int32_t zp, int32_t kind) {
-  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, _mm512_set1_ps(scale)), _mm512_set1_ps(-1e9f)),
-                                 _mm512_set1_ps(1e9f));
-  const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(zp));
-  const int32_t lo = kind == OUT_S8 ? -128 : 0, hi = kind == OUT_S8 ? 127 : 255;
-  return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(lo)), _mm512_set1_epi32(hi));
+  const float lo = (kind == OUT_S8 ? -128.0f : 0.0f) - (float)zp, hi = (kind == OUT_S8 ? 127.0f : 255.0f) - (float)zp;
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, _mm512_set1_ps(scale)), _mm512_set1_ps(lo)),
+                                 _mm512_set1_ps(hi));
+  return _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(zp));
 }
 
 /* 16 output columns from their int32 sums: compensation, scales, [rounded at the mid scale and dequantized,] bias,
    residual, activation, then stored as FP32 or requantized u8/s8 (`mask`: the real columns of a partial panel;
    other lanes are never stored). */
-static inline void store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out,
-                           __mmask16 mask) {
+static inline __attribute__((always_inline)) void
+store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out, __mmask16 mask) {
   __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(e->comp + col)));
   y = _mm512_mul_ps(y, _mm512_loadu_ps(e->scale + col));
   if (e->mid_kind != OUT_F32) {   /* DequantizeLinear(QuantizeLinear(y)) at the mid scale, as the model had it */
