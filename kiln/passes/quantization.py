@@ -39,6 +39,15 @@ def _params(dq: Node) -> tuple[np.ndarray, np.ndarray] | None:
     return scale, zp
 
 
+def _output_quant(q: Node | None) -> dict | None:
+    """{y_scale, y_zero_point, y_dtype} of a per-tensor QuantizeLinear with constant parameters; None otherwise."""
+    if q is None or q.op_type != "QuantizeLinear" or _params(q) is None or _params(q)[0].size != 1:
+        return None
+    sy, zy = _params(q)
+    return {"y_scale": float(sy.reshape(-1)[0]), "y_zero_point": int(zy.reshape(-1)[0]),
+            "y_dtype": str(q.outputs[0].dtype)}
+
+
 def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
     """QuantizeDoubleInputNodes: INT8 input and INT8 weights (each with its scale) make one INT8 layer."""
     for node in [n for n in g.nodes if n.op_type in QUANTIZABLE and n.domain in ("", "ai.onnx")]:
@@ -57,10 +66,8 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
                  "w_zero_point": zw.reshape(-1).astype(int).tolist(), "w_axis": int(dqw.attrs.get("axis", 1))}
         nodes, out = [node], node.outputs[0]
         q = sole_consumer(g, node)
-        if q is not None and q.op_type == "QuantizeLinear" and _params(q) is not None and _params(q)[0].size == 1:
-            sy, zy = _params(q)
-            quant.update(y_scale=float(sy.reshape(-1)[0]), y_zero_point=int(zy.reshape(-1)[0]),
-                         y_dtype=str(q.outputs[0].dtype))
+        if _output_quant(q) is not None:
+            quant.update(_output_quant(q))
             nodes, out = [node, q], q.outputs[0]
             plog.fusing(node, q)
         else:
@@ -347,10 +354,8 @@ def _fuse_requantized_bias(g: Graph, plog: PassLog, layer: Node, dq: Node, add: 
     nodes, attrs, nxt = [layer, dq, add], dict(layer.attrs), sole_consumer(g, add)
     if nxt is not None and activation_spec(g, nxt) is not None:
         attrs["activation"], nodes, nxt = activation_spec(g, nxt), nodes + [nxt], sole_consumer(g, nxt)
-    if nxt is not None and nxt.op_type == "QuantizeLinear" and _params(nxt) is not None and _params(nxt)[0].size == 1:
-        sy, zy = _params(nxt)
-        q.update(y_scale=float(sy.reshape(-1)[0]), y_zero_point=int(zy.reshape(-1)[0]),
-                 y_dtype=str(nxt.outputs[0].dtype))
+    if _output_quant(nxt) is not None:
+        q.update(_output_quant(nxt))
         nodes.append(nxt)
     for n in nodes[1:]:
         plog.fusing(layer, n)

@@ -101,12 +101,17 @@ def test_quantized_linear_equals_the_vnni_kernel(op, x_shape, trans_b, x, y, amx
         assert_requantized_equal(got, want)
 
 
+def amx_twin(vnni):
+    """The AMX tactic that runs what the VNNI tactic `vnni` runs."""
+    return {QLinearGemmTactic.name: QLinearGemmAmxTactic(), QConvGemmTactic.name: QConvGemmAmxTactic(),
+            QConvDirectTactic.name: QConvDirectAmxTactic()}[vnni.name]
+
+
 @needs_vnni
 @pytest.mark.parametrize("case", list(ZERO_POINT_CASES))
 def test_weights_with_zero_points_equal_the_vnni_kernel(case, amx_int8_kernels):
     view, x, vnni = zero_point_case(case)
-    amx = {QLinearGemmTactic.name: QLinearGemmAmxTactic(), QConvGemmTactic.name: QConvGemmAmxTactic(),
-           QConvDirectTactic.name: QConvDirectAmxTactic()}[vnni.name]
+    amx = amx_twin(vnni)
     assert amx.supports(view)
     got = run(amx, view, [x, None, None])
     assert torch.equal(got, run(vnni, view, [x, None, None]))
@@ -117,8 +122,7 @@ def test_weights_with_zero_points_equal_the_vnni_kernel(case, amx_int8_kernels):
 @pytest.mark.parametrize("case", list(MID_CASES))
 def test_products_rounded_before_their_bias_equal_the_vnni_kernel(case, amx_int8_kernels):
     view, x, vnni = mid_case(case)
-    amx = {QLinearGemmTactic.name: QLinearGemmAmxTactic(), QConvGemmTactic.name: QConvGemmAmxTactic(),
-           QConvDirectTactic.name: QConvDirectAmxTactic()}[vnni.name]
+    amx = amx_twin(vnni)
     assert amx.supports(view)
     got = run(amx, view, [x, None, None])
     assert torch.equal(got, run(vnni, view, [x, None, None]))

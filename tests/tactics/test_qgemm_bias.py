@@ -5,6 +5,8 @@ computed in FP32 (GELU, a few ulps off, at most one step); oneDNN declines the l
 region writer give the same numbers; a Q/DQ model of that form matches onnxruntime's unfused graph."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -36,7 +38,7 @@ def with_mid(view, mid, act):
     """`view` rounding its product at `mid` before its bias (and `act`): the fused layer's quant."""
     q = {**view.attrs["quant"], "mid_dtype": mid[0], "mid_zero_point": mid[1], "mid_scale": mid[2]}
     attrs = {**view.attrs, "quant": q, **({"activation": act} if act else {})}
-    return type(view)(**{**view.__dict__, "attrs": attrs})
+    return dataclasses.replace(view, attrs=attrs)
 
 
 def mid_case(case):
