@@ -44,7 +44,9 @@ class Epilogue(ctypes.Structure):
                 ("y_scale", ctypes.c_float), ("r_zp", ctypes.c_int32), ("y_zp", ctypes.c_int32),
                 ("act", ctypes.c_int32), ("out_kind", ctypes.c_int32), ("signed_input", ctypes.c_int32),
                 ("pad_byte", ctypes.c_int32), ("r_kind", ctypes.c_int32), ("w_zp", ctypes.c_void_p),
-                ("mid_scale", ctypes.c_float), ("mid_zp", ctypes.c_int32), ("mid_kind", ctypes.c_int32)]
+                ("mid_scale", ctypes.c_float), ("mid_zp", ctypes.c_int32), ("mid_kind", ctypes.c_int32),
+                ("y_lo", ctypes.c_float), ("y_hi", ctypes.c_float), ("mid_lo", ctypes.c_float),
+                ("mid_hi", ctypes.c_float)]
 
 
 I64 = ctypes.c_int64
@@ -175,8 +177,17 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
                  float(q.get("r_scale", 1.0)), y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
                  OUT_KINDS[q.get("y_dtype") if "y_scale" in q else None], int(q["x_dtype"] == "int8"),
                  int(q["x_zero_point"]) & 0xFF, _residual_kind(layer), None if w_zp is None else w_zp.data_ptr(),
-                 float(q.get("mid_scale", 1.0)), int(q.get("mid_zero_point", 0)), OUT_KINDS[q.get("mid_dtype")])
+                 float(q.get("mid_scale", 1.0)), int(q.get("mid_zero_point", 0)), OUT_KINDS[q.get("mid_dtype")],
+                 *_clamp_bounds(q.get("y_dtype") if "y_scale" in q else None, y_zp),
+                 *_clamp_bounds(q.get("mid_dtype"), int(q.get("mid_zero_point", 0))))
     return e, tuple(t for t in (comp, scale, bias, w_zp) if t is not None)
+
+
+def _clamp_bounds(dtype: str | None, zero_point: int) -> tuple[float, float]:
+    """quantize16's clamp for an output of `dtype` at `zero_point`: the type's range less the zero point (FP32
+    outputs: unused)."""
+    lo, hi = {"uint8": (0, 255), "int8": (-128, 127)}.get(dtype, (0, 0))
+    return float(lo - zero_point), float(hi - zero_point)
 
 
 def _residual_kind(layer: LayerView) -> int:

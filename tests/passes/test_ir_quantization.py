@@ -231,16 +231,18 @@ PRODUCT_QUANT = {"x_scale": 0.5, "x_zero_point": 0, "x_dtype": "int8", "w_scale"
 
 
 def product_then_bias(b: IRBuilder, bias_shape=(4,), dq_scale=0.125, act=None, final_q=True, product_attrs=None,
-                      own_bias=False):
+                      own_bias=False, dq_zero_point=None, bias_input=False):
     """What QuantizeDoubleInputNodes and ConstantDequantizeFolding leave of quantize_static's MatMul and its bias:
-    QMatMul(x) -> DQ -> Add(FP32 constant) [-> activation] [-> Q]."""
+    QMatMul(x) -> DQ -> Add(FP32 constant; a graph input with `bias_input`) [-> activation] [-> Q]."""
     xq = b.input("xq", (2, 3, 3), np.int8)
     inputs = [xq, int8_weight(b, "wq", (3, 4))] + ([b.const("own_bias", np.ones(4))] if own_bias else [])
     mm = b.node("QMatMul", inputs, "mmq", (2, 3, 4), dtype=np.int8, domain="kiln",
                 name="mm + mmq", quant=PRODUCT_QUANT, **(product_attrs or {}))
-    y = b.node("Add", [dq(b, mm, "mm", dq_scale), b.const("bias", np.arange(4.0).reshape(bias_shape)
-                                                          if np.prod(bias_shape) == 4 else np.ones(bias_shape))],
-               "sum", (2, 3, 4), name="add")
+    zero = [] if dq_zero_point is None else [b.const("mm.zero", dq_zero_point, np.int8)]
+    mid = b.node("DequantizeLinear", [mm, b.const("mm.scale", dq_scale), *zero], "mm", mm.shape, dtype=np.float32)
+    bias = b.input("bias", bias_shape, np.float32) if bias_input else \
+        b.const("bias", np.arange(4.0).reshape(bias_shape) if np.prod(bias_shape) == 4 else np.ones(bias_shape))
+    y = b.node("Add", [mid, bias], "sum", (2, 3, 4) if len(bias_shape) <= 3 else bias_shape, name="add")
     if act:
         y = b.node(act, [y], "act", (2, 3, 4), name=act.lower())
     return b.graph(q(b, y, "y", 0.25) if final_q else y)
@@ -278,11 +280,26 @@ def test_int8_product_and_bias_stay_apart_with_the_reason():
              (dict(product_attrs={"activation": {"op": "Relu", "attrs": {}}}),
               "mm + mmq applies an activation before its output is requantized"),
              (dict(act="Sigmoid"), "the INT8 kernels' epilogue has no Sigmoid (the activation after the bias)"),
-             (dict(own_bias=True), "mm + mmq already has a bias or residual")]
+             (dict(own_bias=True), "mm + mmq already has a bias or residual"),
+             (dict(dq_zero_point=3), "the DequantizeLinear after it has another scale or zero point than its output's"),
+             (dict(bias_input=True), "the Add's other operand is not a constant FP32 bias"),
+             (dict(bias_shape=(2, 2, 3, 4)), "bias shape [2, 2, 3, 4] does not broadcast along the output channels "
+              "only")]   # a bias of higher rank widens the output
     for kwargs, reason in cases:
         run = run_pass_unchanged(product_then_bias(IRBuilder(), **kwargs), "RequantizedBiasFusion",
                                  fuse_requantized_bias)
         assert run.not_fusing == [f"RequantizedBiasFusion: Not fusing mm + mmq with add: {reason}"]
+
+
+def test_int8_product_read_again_before_its_bias_is_left_whole():
+    """The requantized product (or its dequantized value) read by another node too: no one consumer to fuse."""
+    for reread in ("mmq", "mm"):
+        b = IRBuilder()
+        g = product_then_bias(b)
+        g.outputs.append(b.node("Identity", [g.values[reread]], "copy", (2, 3, 4)))
+        g.verify()
+        run = run_pass_unchanged(g, "RequantizedBiasFusion", fuse_requantized_bias)
+        assert run.stat.matches == 0 and run.not_fusing == []
 
 
 def test_a_convolution_keeps_its_bias_add_apart():

@@ -58,7 +58,7 @@ def mid_case(case):
     return with_mid(view, mid, act), rand_q(x_shape, x[0], g), tactic
 
 
-def mid_formula(view, x, mid_rounding=True):
+def mid_formula(view, x, mid_rounding=True, rounding=torch.round):
     """The unfused graph in the kernel's float32 steps: exact integer sums, times x_scale * w_scale, QuantizeLinear
     and DequantizeLinear at the mid scale, + bias, activation, QuantizeLinear (or FP32)."""
     q, conv = view.attrs["quant"], view.op_type == "QConv"
@@ -74,7 +74,7 @@ def mid_formula(view, x, mid_rounding=True):
     y = sums.float() * scale.reshape(channel)
     if mid_rounding:
         lo, hi = RANGES[q["mid_dtype"]]
-        m = torch.clamp(torch.round(y / q["mid_scale"]) + q["mid_zero_point"], lo, hi)
+        m = torch.clamp(rounding(y / q["mid_scale"]) + q["mid_zero_point"], lo, hi)
         y = (m - q["mid_zero_point"]) * torch.tensor(q["mid_scale"], dtype=torch.float32)
     y = y + view.const_inputs[2].float().reshape(channel)
     spec = view.attrs.get("activation")
@@ -82,7 +82,7 @@ def mid_formula(view, x, mid_rounding=True):
     if "y_scale" not in q:
         return y
     lo, hi = RANGES[q["y_dtype"]]
-    return torch.clamp(torch.round(y / q["y_scale"]) + q["y_zero_point"], lo, hi)
+    return torch.clamp(rounding(y / q["y_scale"]) + q["y_zero_point"], lo, hi)
 
 
 @needs_vnni
@@ -99,6 +99,34 @@ def test_kernels_round_the_product_before_its_bias_as_the_graph_does(case):
         assert torch.equal(got.float(), want.float())
     # the mid rounding is no formality here: without it a good part of the outputs would differ
     assert (got.float() != mid_formula(view, x, mid_rounding=False).float()).float().mean() > 0.1
+
+
+def tie_case():
+    """A QMatMul whose scales make exact ties common: the sums times 2^-10 (x 2^-4, weights 2^-6) over a mid scale of
+    7 * 2^-9 fall on k + 1/2 for sums 7 mod 14, and the output scale (twice the mid's) with a bias of whole output
+    steps puts every odd mid value on a tie again; all of it exact in float32."""
+    view = linear_case("QMatMul", (4, 9, 40), 0, ("uint8", 7, 2.0**-4), ("int8", 3, 7 * 2.0**-8), n=48)[0]
+    n = view.const_inputs[1].shape[1]
+    view = with_mid(view, ("int8", -2, 7 * 2.0**-9), None)
+    q = {**view.attrs["quant"], "w_scale": [2.0**-6] * n}
+    steps = torch.arange(n, dtype=torch.float32) % 9 - 4
+    return dataclasses.replace(view, attrs={**view.attrs, "quant": q},
+                               const_inputs={**view.const_inputs, 2: steps * q["y_scale"]})
+
+
+@needs_vnni
+def test_kernels_round_exact_ties_to_even_at_both_roundings():
+    view, g = tie_case(), torch.Generator().manual_seed(8)
+    x = rand_q(view.input_shapes[0], "uint8", g)
+    sums = (x.double() - view.attrs["quant"]["x_zero_point"]) @ centred(view)
+    mid_steps = torch.round(sums / 14)   # the product over the mid scale is sums / 14
+    assert (torch.remainder(sums, 14) == 7).double().mean() > 0.04   # ties at the mid rounding
+    assert (torch.remainder(mid_steps, 2) != 0).double().mean() > 0.3   # and at the output's
+    got = QLinearGemmTactic().prepare(view)([x, None, None])[0]
+    assert torch.unique(got).numel() >= 20
+    assert torch.equal(got.float(), mid_formula(view, x).float())   # torch.round: half to even, as ONNX rounds
+    half_away = mid_formula(view, x, rounding=lambda t: torch.sign(t) * torch.floor(t.abs() + 0.5))
+    assert (got.float() != half_away.float()).double().mean() > 0.1
 
 
 @pytest.mark.parametrize("case", list(CASES))
