@@ -1,6 +1,7 @@
 """Explicit quantization (Q/DQ): DequantizeLinear(x) -> Conv/MatMul/Gemm(DequantizeLinear(W_int8)) [-> QuantizeLinear]
 becomes one INT8 layer carrying its scales (TensorRT's QuantizeDoubleInputNodes; the INT8 weights stay INT8:
-ConstWeightsQuantizeFusion is constant folding of Q(W) plus ConstantFolding leaving DQ(W_int8) alone).
+ConstWeightsQuantizeFusion is constant folding of Q(W) plus ConstantFolding leaving DQ(W_int8) alone). A MatMul's
+second input may also be an INT8 activation with a per-tensor scale (attention's products in a Q/DQ model).
 
 A layer with no QuantizeLinear after it has no output scale: it computes in INT8 but writes FP32. TensorRT
 does that silently; kiln warns and says how to fix it (add Q/DQ after the layer's output)."""
@@ -56,7 +57,7 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
             continue
         plog.running(node)
         dqx = _dq(node.inputs[0])
-        reason = _blocker(dqx, dqw)
+        reason = _blocker(dqx, dqw, node.op_type)
         if reason:
             plog.not_fused(dqx.name if dqx else node.inputs[0].name, node, reason)
             continue
@@ -103,7 +104,9 @@ def _layer_name(nodes: list[Node]) -> str:
                             if n.op_type != "QuantizeLinear" or not n.origin or not set(n.origin) <= named)
 
 
-def _blocker(dqx: Node | None, dqw: Node) -> str | None:
+def _blocker(dqx: Node | None, dqw: Node, op_type: str) -> str | None:
+    """Why the layer stays FP32; None where it runs in INT8. A MatMul's second input may be an INT8 activation (a
+    Q/DQ model's attention products) with a per-tensor scale; convolutions and Gemms take constant weights."""
     if dqx is None:
         return "the input is not dequantized from INT8 (no input scale): the layer stays FP32"
     if dqx.inputs[0].is_const:
@@ -111,7 +114,10 @@ def _blocker(dqx: Node | None, dqw: Node) -> str | None:
     px, pw = _params(dqx), _params(dqw)
     if px is None or px[0].size != 1:
         return "the input scale is not a constant per-tensor scale"
-    if pw is None or not dqw.inputs[0].is_const:
+    if pw is not None and not dqw.inputs[0].is_const and op_type == "MatMul":
+        if pw[0].size != 1:
+            return "the second input is an activation without a per-tensor scale"
+    elif pw is None or not dqw.inputs[0].is_const:
         return "the weights are not constant INT8 with constant scales"
     if np.dtype(dqw.inputs[0].dtype) not in (np.dtype(np.int8), np.dtype(np.uint8)):
         return f"weights of type {dqw.inputs[0].dtype} are not INT8"

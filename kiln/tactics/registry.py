@@ -28,6 +28,7 @@ from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import POOL_OPS, NhwcPoolBf16Tactic, NhwcPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
+from kiln.tactics.qgemm_act_c import QActMatMulTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
@@ -64,7 +65,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic(),
                                                QConvGemmAmxTactic(), QConvDirectAmxTactic()],
                                      "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
-                                     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
+                                     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(),
+                                                 QActMatMulTactic()],
                                      "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],
                                      "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
                                      "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q

@@ -46,6 +46,7 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, atten
     "tests/tactics/test_codegen.py::test_binary_ops_with_broadcast_match_onnxruntime",
     "tests/tactics/test_qgemm_c.py::test_quantized_conv_matches_its_formula_and_onednn",   # skipped without VNNI
     "tests/tactics/test_qgemm_c.py::test_quantized_linear_matches_its_formula_and_onednn",
+    "tests/tactics/test_qgemm_act.py::test_product_of_two_int8_activations_equals_its_formula",
     "tests/tactics/test_qgemm_amx.py::test_quantized_conv_equals_the_vnni_kernel",   # AMX emulated
     "tests/tactics/test_qgemm_amx.py::test_quantized_linear_equals_the_vnni_kernel",
 ]

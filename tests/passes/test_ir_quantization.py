@@ -93,6 +93,42 @@ def test_layers_without_a_per_tensor_int8_input_stay_float():
     assert (run.stat.matches, run.stat.rejections) == (0, 2)
 
 
+def test_matmul_of_two_int8_activations_becomes_one_int8_product():
+    """Attention's Q.K^T in a Q/DQ model: both inputs dequantized activations with per-tensor scales."""
+    b = IRBuilder()
+    qq, kq = b.input("qq", (1, 2, 3, 4), np.uint8), b.input("kq", (1, 2, 4, 3), np.uint8)
+    k = b.node("DequantizeLinear", [kq, b.const("k.scale", 0.25), b.const("k.zero", 128, np.uint8)], "k",
+               (1, 2, 4, 3), dtype=np.float32)
+    s = b.node("MatMul", [dq(b, qq, "q", 0.5), k], "s", (1, 2, 3, 3), name="scores")
+    g = b.graph(q(b, s, "y", 0.125))
+
+    run = run_pass(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
+
+    assert str(g) == expected("""
+        graph g(%qq: uint8[1x2x3x4], %kq: uint8[1x2x4x3]):
+          %k: float32[1x2x4x3] = DequantizeLinear(%kq, const %k.scale, const %k.zero)  # k
+          %q: float32[1x2x3x4] = DequantizeLinear(%qq, const %q.scale)  # q
+          %y: int8[1x2x3x3] = kiln.QMatMul(%qq, %kq) quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'uint8', 'w_scale': [0.25], 'w_zero_point': [128], 'w_axis': 1, 'y_scale': 0.125, 'y_zero_point': 0, 'y_dtype': 'int8'}  # scores + y
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+    assert g.nodes[-1].origin == ("q", "k", "scores", "y")
+
+
+def test_only_a_matmul_takes_an_int8_activation_and_only_per_tensor():
+    b = IRBuilder()
+    xq, wq, cq = b.input("xq", (2, 3), np.int8), b.input("wq", (3, 4), np.int8), b.input("cq", (3, 4), np.int8)
+    gemm = b.node("Gemm", [dq(b, xq, "x", 0.5), dq(b, wq, "w", 0.25)], "g", (2, 4), name="gemm")
+    per_column = dq(b, cq, "c", [0.5, 0.25, 0.5, 0.25], axis=1)
+    mm = b.node("MatMul", [dq(b, xq, "x2", 0.5), per_column], "m", (2, 4), name="mm")
+    g = b.graph(gemm, mm)
+    run = run_pass_unchanged(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
+    assert run.not_fusing == [
+        "QuantizeDoubleInputNodes: Not fusing x with gemm: the weights are not constant INT8 with constant scales",
+        "QuantizeDoubleInputNodes: Not fusing x2 with mm: the second input is an activation without a per-tensor "
+        "scale"]
+
+
 # ---------------------------------------------------------------- QuantizedAddFusion
 def test_dq_add_relu_q_becomes_one_int8_add():
     b = IRBuilder()

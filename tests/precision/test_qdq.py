@@ -362,14 +362,19 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
     assert cosine(got, want) >= 0.995   # onnxruntime agrees with itself, fused against unfused, to 0.9991 here
     layers = engine.plan.layers
     assert "Region" not in {l.op_type for l in layers}
-    assert sum(l.op_type == "QMatMul" and l.precision == "INT8" for l in layers) == 12
-    # each product took its bias Add: rounded to INT8 at the product's own scale first, as the model has it
-    assert all("mid_scale" in l.attrs["quant"] and len(l.args) == 3 for l in layers if l.op_type == "QMatMul")
+    products = [l for l in layers if l.op_type == "QMatMul" and l.precision == "INT8"]
+    by_weights = [l for l in products if l.args[1].kind == "weight"]
+    attention = [l for l in products if l.args[1].kind == "tensor"]   # Q.K^T and P.V: two INT8 activations
+    assert (len(by_weights), len(attention), len(products)) == (12, 4, sum(l.op_type == "QMatMul" for l in layers))
+    assert not any(l.op_type == "MatMul" for l in layers)
+    # each product by weights took its bias Add: rounded to INT8 at the product's own scale first, as the model has it
+    assert all("mid_scale" in l.attrs["quant"] and len(l.args) == 3 for l in by_weights)
     # the products' weights are a Transpose of an initializer, which quantize_static quantizes as an activation
     # (with zero points): kiln's INT8 kernels take them, oneDNN's need none
     if vnni_available():
-        assert {l.tactic_name for l in layers if l.op_type == "QMatMul"} <= {
+        assert {l.tactic_name for l in by_weights} <= {
             "onednn.qlinear_prepacked", "kiln.qmatmul_gemm_int8", "kiln.qmatmul_gemm_amx_int8"}
+        assert {l.tactic_name for l in attention} == {"kiln.qmatmul_act_int8"}
     assert not any(l.op_type == "DequantizeLinear" and all(a.kind == "weight" for a in l.args) for l in layers)
     tables = [l for l in layers if l.op_type == "Gather" and l.args[0].kind == "weight" and
               engine.plan.weights[l.args[0].name].ndim == 2]   # the embeddings, gathered as INT8
@@ -377,4 +382,5 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
     if native.available():   # the Q/DQ between them runs in generated kernels (but the mask's Where), and the sums
         pointwise = [l for l in layers if l.op_type == "QAdd" or l.op_type == "PointWise" and
                      "Where" not in {step["op"] for step in l.attrs["program"]}]
-        assert len(pointwise) == 19 and {l.tactic_name for l in pointwise} == {"codegen.pointwise_c_simd"}
+        # 17: the probabilities' Q -> DQ is a QuantizeLinear now, its DQ read by the INT8 P.V product
+        assert len(pointwise) == 17 and {l.tactic_name for l in pointwise} == {"codegen.pointwise_c_simd"}

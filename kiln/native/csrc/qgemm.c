@@ -301,21 +301,24 @@ static int32_t* row_sums(const QGemmCall* g, const uint8_t* a, int64_t m) {
   return sums;
 }
 
-/* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual, of
-   e.r_kind) laid out as C, and may be C itself where they have one type. */
-void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+/* kiln_qgemm's loop over B (packed) and the compensation `comps` (NULL: the epilogue's own) of each image: image p
+   reads b + p * b_image bytes and comps + p * comp_image (an activation B, packed per call: kiln_qgemm_act). */
+static void qgemm_images(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m, const int8_t* b,
+                         int64_t b_image, const int32_t* comps, int64_t comp_image) {
   const int64_t c_batch = g->c_batch, batch = g->batch, k = g->k, n = g->n;
-  const int8_t* b = g->b;
   const QEpilogue* e = &g->e;
   const int64_t quads = (k + 3) / 4, panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR;
   const int64_t chunks = (tiles + CHUNK - 1) / CHUNK, units = panels * chunks, esize = out_size(e);
   const int64_t rows_outer = quads * 4 * n <= ROWS_OUTER_BYTES;
   int32_t* sums = e->w_zp ? row_sums(g, a, m) : 0;
   MAYBE_PARALLEL(threads_pay(batch * units, batch * m * k * n), {
+    QEpilogue own = *e;   /* the image's compensation, where each image has its own */
     _Pragma("omp for schedule(static)")
     for (int64_t q = 0; q < batch * units; ++q) {
       const WorkUnit unit = work_unit(q, panels, chunks, tiles, n, NR, rows_outer);
-      const int8_t* bp = b + unit.nb * quads * NR * 4;
+      const int8_t* bp = b + unit.p * b_image + unit.nb * quads * NR * 4;
+      if (comps) own.comp = comps + unit.p * comp_image;
+      const QEpilogue* ue = comps ? &own : e;
       for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         const uint8_t* rows[MR];
@@ -324,12 +327,18 @@ void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, 
         const int64_t at = unit.p * c_batch + r0 * n + unit.nb * NR;
         uint8_t* out = (uint8_t*)c + at * esize;
         const uint8_t* r = res ? (const uint8_t*)res + at * res_size(e) : 0;
-        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n * res_size(e), e,
+        tile_rows(rows, 1, mr, k, bp, out, n * esize, esize, unit.cols, unit.nb * NR, r, n * res_size(e), ue,
                   sums ? sums + unit.p * m + r0 : 0);
       }
     }
   });
   free(sums);
+}
+
+/* C[m x n] = A[m x k] . B per image (`g`), C rows n wide and c_batch elements per image; `res` (the residual, of
+   e.r_kind) laid out as C, and may be C itself where they have one type. */
+void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
+  qgemm_images(g, a, c, res, m, g->b, 0, 0, 0);
 }
 
 /* Direct convolution on NHWC x[n][h][w][c] (dilation 1, one group): output pixel r is a GEMM row, kernel row s of
@@ -372,6 +381,7 @@ void kiln_qconv(const QConvCall* g, const uint8_t* x, void* y, const void* res) 
 }
 #include "qgemm_amx.h"
 #include "qgemm_dynamic.h"
+#include "qgemm_act.h"
 #else
 /* Compiled on every CPU so the library stays one unit; kiln offers these tactics only where AVX512-VNNI is. */
 void kiln_qgemm(const QGemmCall* g, const uint8_t* a, void* c, const void* res, int64_t m) {
@@ -412,6 +422,12 @@ void kiln_dqconv(const QConvCall* g, const float* x, float* y, const float* res,
 void kiln_dqconv_amx(const QConvCall* g, const float* x, float* y, const float* res, const int32_t* colsum,
                      const float* w_scale) {
   kiln_dqconv(g, x, y, res, colsum, w_scale);   /* aborts, as above */
+}
+
+void kiln_qgemm_act(const QGemmCall* g, const uint8_t* a, const uint8_t* b, void* c, int64_t m, int64_t x_zp,
+                    int64_t b_unsigned) {
+  (void)g; (void)a; (void)b; (void)c; (void)m; (void)x_zp; (void)b_unsigned;
+  abort();   /* unreachable, as above */
 }
 
 int64_t kiln_amx_int8_ready(void) { return 0; }

@@ -1,0 +1,104 @@
+"""kiln's INT8 product of two activations in C (kiln/native/csrc/qgemm_act.h): a QMatMul whose B the graph
+computes, as a Q/DQ model's attention has them (Q.K^T, then the probabilities times V). Both inputs are u8 or s8
+with per-tensor scales and zero points; each image's B is packed into kiln_qgemm's panels on every call (u8 read
+as s8 with its zero point less 128, taken off by the rows' byte sums as weight zero points are) and the images run
+on kiln_qgemm's loop, with its epilogue: requantized u8/s8 or FP32 out, the bias and activation where the passes
+fused them. Leading (batch, head) dimensions must be equal on both inputs; they may vary per call, k may not."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kiln import native
+from kiln.tactics.base import LINEAR, Kernel, LayerView
+from kiln.tactics.gemm_c import ONE_LINE
+from kiln.tactics.onednn_int8 import unsigned_input
+from kiln.tactics.qgemm_c import (MAX_K_ZERO_POINTS, OUT_KINDS, VNNI_ISA, Epilogue, GemmCall, _clamp_bounds, _padded,
+                                  fused_activation, vnni_available)
+
+INT8 = {"uint8": torch.uint8, "int8": torch.int8}
+
+
+class QActMatMulTactic:
+    """QMatMul of two INT8 activations, batched over their equal leading dimensions."""
+
+    name = "kiln.qmatmul_act_int8"
+    source = "kiln"
+    needs_c_compiler = True
+    required_isa = VNNI_ISA
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type != "QMatMul" or layer.domain != "kiln" or 1 in layer.const_inputs:
+            return False
+        q, (a, b) = layer.attrs.get("quant") or {}, layer.input_shapes[:2]
+        if not q or a is None or b is None or len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+            return False
+        if layer.input_dtypes[0] not in INT8 or q.get("x_dtype") != layer.input_dtypes[0] or \
+                layer.input_dtypes[1] not in INT8 or len(q["w_scale"]) != 1 or len(q["w_zero_point"]) != 1:
+            return False
+        k_axis = len(a) - 1
+        dynamic_k = any(k_axis in d for d in layer.input_dynamic[:1]) or \
+            any(k_axis - 1 in d for d in layer.input_dynamic[1:2])
+        bias = layer.const_inputs.get(2)
+        extra_ok = all(v is None for v in layer.input_shapes[3:]) and \
+            (len(layer.input_shapes) < 3 or layer.input_shapes[2] is None or (bias is not None and bias.dim() == 1))
+        return not dynamic_k and a[-1] <= MAX_K_ZERO_POINTS and extra_ok and \
+            q.get("y_dtype", "uint8") in INT8 and q.get("mid_dtype", "uint8") in INT8 and \
+            fused_activation(layer.attrs.get("activation")) is not None and vnni_available()
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [LINEAR] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return LINEAR
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        product = native.library("qgemm").kiln_qgemm_act
+        q = layer.attrs["quant"]
+        x_zp = unsigned_input(q)[0]   # the kernel flips s8 input bytes itself (signed_input)
+        b_unsigned = int(layer.input_dtypes[1] == "uint8")
+        out_dtype = INT8[q["y_dtype"]] if "y_scale" in q else torch.float32
+        calls = _calls(layer)
+
+        def run(xs):
+            a, b = (x if x.is_contiguous() else x.contiguous() for x in xs[:2])
+            *lead, m, k = a.shape
+            n = b.shape[-1]
+            y = torch.empty((*lead, m, n), dtype=out_dtype)
+            if y.numel():
+                call = calls(int(torch.Size(lead).numel()), m, k, n)
+                product(call, a.data_ptr(), b.data_ptr(), y.data_ptr(), m, x_zp, b_unsigned)
+            return [y]
+        run.constants = calls
+        return run
+
+
+def _calls(layer: LayerView):
+    """`calls(batch, m, k, n)`: the address of a GemmCall for that shape, built on first sight and kept (the
+    scales padded to n columns, the weight zero points, the bias)."""
+    q = layer.attrs["quant"]
+    made: dict[tuple[int, ...], tuple] = {}
+    w_zp = int(q["w_zero_point"][0]) - (128 if layer.input_dtypes[1] == "uint8" else 0)
+    bias = layer.const_inputs.get(2)
+    lo, hi, act = fused_activation(layer.attrs.get("activation"))
+    y_scale, y_zp = float(q.get("y_scale", 1.0)), int(q.get("y_zero_point", 0))
+    y_kind = q.get("y_dtype") if "y_scale" in q else None
+
+    def calls(batch: int, m: int, k: int, n: int) -> int:
+        key = (batch, m, k, n)
+        if key not in made:
+            scale = _padded(torch.tensor([float(q["x_scale"]) * float(q["w_scale"][0])] * n, dtype=torch.float64),
+                            n, torch.float32)
+            zps = _padded(torch.full((n,), w_zp, dtype=torch.int32), n, torch.int32) if w_zp else None
+            b = None if bias is None else _padded(bias.float(), n, torch.float32)
+            e = Epilogue(None, scale.data_ptr(), None if b is None else b.data_ptr(), lo, hi, 1.0, y_scale, 0, y_zp,
+                         act, OUT_KINDS[y_kind], int(q["x_dtype"] == "int8"), 0, OUT_KINDS[None],
+                         None if zps is None else zps.data_ptr(), float(q.get("mid_scale", 1.0)),
+                         int(q.get("mid_zero_point", 0)), OUT_KINDS[q.get("mid_dtype")], *_clamp_bounds(y_kind, y_zp),
+                         *_clamp_bounds(q.get("mid_dtype"), int(q.get("mid_zero_point", 0))))
+            call = GemmCall(None, m * k, ONE_LINE, k, 0, m * n, batch, k, n, e)
+            made[key] = (call, scale, zps, b)
+        return ctypes.addressof(made[key][0])
+    calls.made = made
+    return calls

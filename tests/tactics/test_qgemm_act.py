@@ -1,0 +1,148 @@
+"""INT8 products of two activations (a Q/DQ model's attention: Q.K^T, then P.V): QuantizeDoubleInputNodes makes the
+MatMul one QMatMul reading both INT8 tensors, and kiln's kernel packs B on every call: its exact integer sums and
+float32 epilogue equal the formula bit for bit, whatever the signedness and zero points, shapes off the register
+tile and panel sizes; a Q/DQ attention block built from ONNX matches onnxruntime's unfused graph."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.tactics.base import LayerView
+from kiln.tactics.qgemm_act_c import QActMatMulTactic
+from kiln.tactics.qgemm_c import QLinearGemmTactic, vnni_available
+from tests.conftest import make_model, unfused_onnxruntime
+from tests.tactics.test_qgemm_c import RANGES, TORCH, rand_q
+
+needs_vnni = pytest.mark.skipif(not vnni_available(), reason="this CPU has no AVX512-VNNI (vpdpbusd) or there is "
+                                "no C compiler: kiln's INT8 kernels are not offered here")
+RELU = {"op": "Relu", "attrs": {}}
+CASES = {
+    # name: (leading dims, m, k, n, x (dtype, zp), b (dtype, zp), y (dtype, zp, scale) or None: FP32 out)
+    "attention_scores_u8_u8": ((1, 4), 32, 64, 32, ("uint8", 127), ("uint8", 128), ("uint8", 120, 0.4)),
+    "odd_shapes_s8_by_u8": ((2, 3), 13, 37, 45, ("int8", -3), ("uint8", 126), ("int8", 5, 0.05)),
+    "u8_by_s8_fp32_out": ((5,), 7, 70, 33, ("uint8", 9), ("int8", -4), None),
+    "probabilities_by_values": ((3,), 24, 24, 16, ("uint8", 0), ("uint8", 126), ("uint8", 128, 0.1)),
+    "plain_2d": ((), 9, 20, 70, ("uint8", 200), ("int8", 0), ("uint8", 3, 0.6)),
+}
+
+
+def act_case(case, bias=None, act=None):
+    """(view, a, b) of CASES[case]: x_scale 0.02, b's scale 0.03."""
+    lead, m, k, n, x, b, y = CASES[case]
+    q = {"x_dtype": x[0], "x_zero_point": x[1], "x_scale": 0.02, "w_scale": [0.03], "w_zero_point": [b[1]],
+         "w_axis": 1}
+    if y:
+        q.update(y_dtype=y[0], y_zero_point=y[1], y_scale=y[2])
+    shapes = ((*lead, m, k), (*lead, k, n)) + (((n,),) if bias is not None else ())
+    consts = {2: bias} if bias is not None else {}
+    view = LayerView("QMatMul", "kiln", {"quant": q, **({"activation": act} if act else {})}, shapes,
+                     (x[0], b[0]) + (("float32",) if bias is not None else ()), consts, (y[0] if y else "float32",))
+    g = torch.Generator().manual_seed(len(case))
+    return view, rand_q(shapes[0], x[0], g), rand_q(shapes[1], b[0], g)
+
+
+def act_formula(view, a, b):
+    """Exact integer sums of (a - a_zp)(b - b_zp), times x_scale * b_scale in float32, [+ bias, ReLU,] requantized
+    (half to even, saturated) or FP32."""
+    q = view.attrs["quant"]
+    sums = (a.double() - q["x_zero_point"]) @ (b.double() - q["w_zero_point"][0])
+    y = sums.float() * torch.tensor(q["x_scale"] * q["w_scale"][0], dtype=torch.float64).float()
+    if 2 in view.const_inputs:
+        y = y + view.const_inputs[2]
+    if view.attrs.get("activation"):
+        y = torch.relu(y)
+    if "y_scale" not in q:
+        return y
+    lo, hi = RANGES[q["y_dtype"]]
+    return torch.clamp(torch.round(y / q["y_scale"]) + q["y_zero_point"], lo, hi)
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", list(CASES))
+def test_product_of_two_int8_activations_equals_its_formula(case):
+    view, a, b = act_case(case)
+    tactic = QActMatMulTactic()
+    assert tactic.supports(view) and not QLinearGemmTactic().supports(view)   # that one needs constant weights
+    got = tactic.prepare(view)([a, b])[0]
+    want = act_formula(view, a, b)
+    y = CASES[case][-1]
+    assert got.dtype == (TORCH[y[0]] if y else torch.float32) and got.shape == want.shape
+    assert torch.unique(got).numel() >= 20   # neither saturated nor constant
+    assert torch.equal(got.float(), want.float())
+
+
+@needs_vnni
+def test_bias_and_relu_run_in_the_epilogue_and_each_call_packs_its_own_b():
+    n = CASES["attention_scores_u8_u8"][3]
+    view, a, b = act_case("attention_scores_u8_u8", bias=torch.linspace(-3, 3, n), act=RELU)
+    run = QActMatMulTactic().prepare(view)
+    assert torch.equal(run([a, b])[0].float(), act_formula(view, a, b).float())
+    b2 = torch.flip(b, dims=[-1]).contiguous()   # another B through the same prepared kernel
+    assert torch.equal(run([a, b2])[0].float(), act_formula(view, a, b2).float())
+    a3, b3 = a[:, :2], b[:, :2]   # fewer heads per call: the leading dimensions are read per call
+    assert torch.equal(run([a3.contiguous(), b3.contiguous()])[0].float(), act_formula(view, a3, b3).float())
+
+
+def test_the_kernel_declines_what_it_cannot_run():
+    view, _, _ = act_case("odd_shapes_s8_by_u8")
+    tactic = QActMatMulTactic()
+    broadcast = LayerView(view.op_type, view.domain, view.attrs, ((2, 3, 13, 37), (1, 3, 37, 45)),
+                          view.input_dtypes, {}, view.output_dtypes)
+    dynamic_k = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes, {},
+                          view.output_dtypes, input_dynamic=((3,), (2,)))
+    const_b = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes,
+                        {1: torch.zeros(view.input_shapes[1], dtype=torch.uint8)}, view.output_dtypes)
+    q = {**view.attrs["quant"], "w_scale": [0.03, 0.04]}
+    per_channel = LayerView(view.op_type, view.domain, {"quant": q}, view.input_shapes, view.input_dtypes, {},
+                            view.output_dtypes)
+    for declined in (broadcast, dynamic_k, const_b, per_channel):
+        assert not tactic.supports(declined)
+
+
+def attention_model(seq=24, heads=2, head=16):
+    """A Q/DQ attention core as quantize_static writes it: u8 Q, K^T, V with zero points; scores = DQ(Q) . DQ(K^T)
+    -> Q/DQ -> Softmax -> Q/DQ (scale 1/255, zp 0) -> . DQ(V) -> Q/DQ, FP32 out."""
+    h = helper.make_node
+    params = {"q": (0.05, 127), "k": (0.06, 128), "v": (0.04, 126), "s": (0.2, 120), "p": (1 / 255, 0),
+              "o": (0.03, 125)}
+    inits = []
+    for name, (scale, zp) in params.items():
+        inits += [numpy_helper.from_array(np.float32(scale), f"{name}_s"),
+                  numpy_helper.from_array(np.uint8(zp), f"{name}_z")]
+
+    def qdq(x, name, out):
+        return [h("QuantizeLinear", [x, f"{name}_s", f"{name}_z"], [f"{out}_q"], name=f"{out}_Q"),
+                h("DequantizeLinear", [f"{out}_q", f"{name}_s", f"{name}_z"], [out], name=f"{out}_DQ")]
+    nodes = [*qdq("q", "q", "qf"), *qdq("kt", "k", "kf"), *qdq("v", "v", "vf"),
+             h("MatMul", ["qf", "kf"], ["scores"], name="scores_mm"), *qdq("scores", "s", "sf"),
+             h("Softmax", ["sf"], ["probs"], axis=-1, name="softmax"), *qdq("probs", "p", "pf"),
+             h("MatMul", ["pf", "vf"], ["ctx"], name="context_mm"), *qdq("ctx", "o", "out")]
+    f = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("q", f, [1, heads, seq, head]),
+              helper.make_tensor_value_info("kt", f, [1, heads, head, seq]),
+              helper.make_tensor_value_info("v", f, [1, heads, seq, head])]
+    return make_model(nodes, inputs, [helper.make_tensor_value_info("out", f, [1, heads, seq, head])], inits)
+
+
+@pytest.mark.parametrize("sources", ["-openvino,-onnxruntime", "torch"])
+def test_quantized_attention_products_run_in_int8_matching_onnxruntime(sources):
+    model = attention_model()
+    engine = kiln.build(model, tactic_sources=sources, autotune=False)
+    products = [l for l in engine.plan.layers if l.op_type == "QMatMul"]
+    assert [l.name for l in products] == ["scores_mm + sf_Q", "context_mm + out_Q"]
+    assert all(l.precision == "INT8" and l.inputs[1].dtype == "uint8" for l in products)
+    own = sources != "torch" and vnni_available()
+    assert {l.tactic_name for l in products} == {"kiln.qmatmul_act_int8" if own else "torch.reference"}
+    assert not [l for l in engine.plan.layers if l.op_type == "MatMul"]   # no FP32 product left
+    rng = np.random.default_rng(2)
+    feeds = {"q": rng.normal(0, 2, (1, 2, 24, 16)), "kt": rng.normal(0, 2, (1, 2, 16, 24)),
+             "v": rng.normal(0, 2, (1, 2, 24, 16))}
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    got, want = engine.run(feeds)["out"], unfused_onnxruntime(model, feeds)
+    assert len(np.unique(want)) > 30
+    # onnxruntime's float products round differently from exact integer sums: one output step (0.03), rarely
+    diff = np.abs(got - want)
+    assert diff.max() <= 0.03 + 1e-6 and (diff < 1e-6).mean() >= 0.97
