@@ -117,10 +117,14 @@ def _blocker(dqx: Node | None, dqw: Node, op_type: str) -> str | None:
     if pw is not None and not dqw.inputs[0].is_const and op_type == "MatMul":
         if pw[0].size != 1:
             return "the second input is an activation without a per-tensor scale"
+        ranks = (len(dqx.outputs[0].shape or ()), len(dqw.outputs[0].shape or ()))
+        if ranks[0] != ranks[1] or ranks[0] < 2:   # what kiln's INT8 kernel multiplies (else DQ + FP32 MatMul)
+            return f"the second input is an activation of rank {ranks[1]} against {ranks[0]}: kiln's INT8 product " \
+                   "of two activations takes equal ranks of at least 2"
     elif pw is None or not dqw.inputs[0].is_const:
         return "the weights are not constant INT8 with constant scales"
     if np.dtype(dqw.inputs[0].dtype) not in (np.dtype(np.int8), np.dtype(np.uint8)):
-        return f"weights of type {dqw.inputs[0].dtype} are not INT8"
+        return f"a second input of type {dqw.inputs[0].dtype} is not INT8"
     return None
 
 

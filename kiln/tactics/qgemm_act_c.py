@@ -18,6 +18,7 @@ from kiln.tactics.qgemm_c import (MAX_K_ZERO_POINTS, OUT_KINDS, VNNI_ISA, Epilog
                                   fused_activation, vnni_available)
 
 INT8 = {"uint8": torch.uint8, "int8": torch.int8}
+MAX_SHAPES = 64   # (batch, m, k, n) call structures kept per layer
 
 
 class QActMatMulTactic:
@@ -40,10 +41,13 @@ class QActMatMulTactic:
         k_axis = len(a) - 1
         dynamic_k = any(k_axis in d for d in layer.input_dynamic[:1]) or \
             any(k_axis - 1 in d for d in layer.input_dynamic[1:2])
-        bias = layer.const_inputs.get(2)
+        bias, dynamic_n = layer.const_inputs.get(2), any(k_axis in d for d in layer.input_dynamic[1:2])
         extra_ok = all(v is None for v in layer.input_shapes[3:]) and \
-            (len(layer.input_shapes) < 3 or layer.input_shapes[2] is None or (bias is not None and bias.dim() == 1))
-        return not dynamic_k and a[-1] <= MAX_K_ZERO_POINTS and extra_ok and \
+            (len(layer.input_shapes) < 3 or layer.input_shapes[2] is None or
+             (bias is not None and bias.dim() == 1 and bias.numel() == b[-1] and not dynamic_n))
+        dyn = (list(layer.input_dynamic[:2]) + [(), ()])[:2]
+        lead_ok = {x for x in dyn[0] if x < k_axis - 1} == {x for x in dyn[1] if x < k_axis - 1}   # both vary
+        return not dynamic_k and 0 < a[-1] <= MAX_K_ZERO_POINTS and extra_ok and lead_ok and \
             q.get("y_dtype", "uint8") in INT8 and q.get("mid_dtype", "uint8") in INT8 and \
             fused_activation(layer.attrs.get("activation")) is not None and vnni_available()
 
@@ -65,10 +69,13 @@ class QActMatMulTactic:
             a, b = (x if x.is_contiguous() else x.contiguous() for x in xs[:2])
             *lead, m, k = a.shape
             n = b.shape[-1]
+            if tuple(b.shape[:-1]) != (*lead, k):   # the kernel reads one B per A image: never past B's end
+                raise ValueError(f"INT8 product: B's shape {list(b.shape)} does not follow A's {list(a.shape)}")
             y = torch.empty((*lead, m, n), dtype=out_dtype)
             if y.numel():
-                call = calls(int(torch.Size(lead).numel()), m, k, n)
+                call, alive = calls(int(torch.Size(lead).numel()), m, k, n)
                 product(call, a.data_ptr(), b.data_ptr(), y.data_ptr(), m, x_zp, b_unsigned)
+                del alive
             return [y]
         run.constants = calls
         return run
@@ -85,10 +92,13 @@ def _calls(layer: LayerView):
     y_scale, y_zp = float(q.get("y_scale", 1.0)), int(q.get("y_zero_point", 0))
     y_kind = q.get("y_dtype") if "y_scale" in q else None
 
-    def calls(batch: int, m: int, k: int, n: int) -> int:
+    def calls(batch: int, m: int, k: int, n: int) -> tuple:
+        """(the call's address, what keeps it alive): shapes past the first MAX_SHAPES are built per call, so a
+        dynamic sequence length does not grow the cache without bound; concurrent first calls keep one entry."""
         key = (batch, m, k, n)
-        if key not in made:
-            scale = _padded(torch.tensor([float(q["x_scale"]) * float(q["w_scale"][0])] * n, dtype=torch.float64),
+        entry = made.get(key)
+        if entry is None:
+            scale = _padded(torch.full((n,), float(q["x_scale"]) * float(q["w_scale"][0]), dtype=torch.float64),
                             n, torch.float32)
             zps = _padded(torch.full((n,), w_zp, dtype=torch.int32), n, torch.int32) if w_zp else None
             b = None if bias is None else _padded(bias.float(), n, torch.float32)
@@ -97,8 +107,9 @@ def _calls(layer: LayerView):
                          None if zps is None else zps.data_ptr(), float(q.get("mid_scale", 1.0)),
                          int(q.get("mid_zero_point", 0)), OUT_KINDS[q.get("mid_dtype")], *_clamp_bounds(y_kind, y_zp),
                          *_clamp_bounds(q.get("mid_dtype"), int(q.get("mid_zero_point", 0))))
-            call = GemmCall(None, m * k, ONE_LINE, k, 0, m * n, batch, k, n, e)
-            made[key] = (call, scale, zps, b)
-        return ctypes.addressof(made[key][0])
+            entry = (GemmCall(None, m * k, ONE_LINE, k, 0, m * n, batch, k, n, e), scale, zps, b)
+            if len(made) < MAX_SHAPES:
+                entry = made.setdefault(key, entry)
+        return ctypes.addressof(entry[0]), entry
     calls.made = made
     return calls

@@ -121,12 +121,16 @@ def test_only_a_matmul_takes_an_int8_activation_and_only_per_tensor():
     gemm = b.node("Gemm", [dq(b, xq, "x", 0.5), dq(b, wq, "w", 0.25)], "g", (2, 4), name="gemm")
     per_column = dq(b, cq, "c", [0.5, 0.25, 0.5, 0.25], axis=1)
     mm = b.node("MatMul", [dq(b, xq, "x2", 0.5), per_column], "m", (2, 4), name="mm")
-    g = b.graph(gemm, mm)
+    x3 = b.input("x3", (5, 2, 3), np.int8)
+    head = b.node("MatMul", [dq(b, x3, "x3f", 0.5), dq(b, cq, "c2", 0.25)], "h", (5, 2, 4), name="head")
+    g = b.graph(gemm, mm, head)
     run = run_pass_unchanged(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
     assert run.not_fusing == [
         "QuantizeDoubleInputNodes: Not fusing x with gemm: the weights are not constant INT8 with constant scales",
         "QuantizeDoubleInputNodes: Not fusing x2 with mm: the second input is an activation without a per-tensor "
-        "scale"]
+        "scale",
+        "QuantizeDoubleInputNodes: Not fusing x3f with head: the second input is an activation of rank 2 against 3: "
+        "kiln's INT8 product of two activations takes equal ranks of at least 2"]
 
 
 # ---------------------------------------------------------------- QuantizedAddFusion

@@ -98,8 +98,20 @@ def test_the_kernel_declines_what_it_cannot_run():
     q = {**view.attrs["quant"], "w_scale": [0.03, 0.04]}
     per_channel = LayerView(view.op_type, view.domain, {"quant": q}, view.input_shapes, view.input_dtypes, {},
                             view.output_dtypes)
-    for declined in (broadcast, dynamic_k, const_b, per_channel):
+    one_side_dynamic = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes, {},
+                                 view.output_dtypes, input_dynamic=((0,), ()))
+    short_bias = LayerView(view.op_type, view.domain, view.attrs, (*view.input_shapes, (44,)),
+                           (*view.input_dtypes, "float32"), {2: torch.zeros(44)}, view.output_dtypes)
+    for declined in (broadcast, dynamic_k, const_b, per_channel, one_side_dynamic, short_bias):
         assert not tactic.supports(declined)
+
+
+@needs_vnni
+def test_a_b_that_does_not_follow_a_is_refused_not_read_past_its_end():
+    view, a, b = act_case("odd_shapes_s8_by_u8")
+    run = QActMatMulTactic().prepare(view)
+    with pytest.raises(ValueError, match=r"B's shape \[1, 3, 37, 45\] does not follow A's \[2, 3, 13, 37\]"):
+        run([a, b[:1].contiguous()])
 
 
 def attention_model(seq=24, heads=2, head=16):
