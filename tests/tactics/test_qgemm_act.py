@@ -26,6 +26,8 @@ CASES = {
     "u8_by_s8_fp32_out": ((5,), 7, 70, 33, ("uint8", 9), ("int8", -4), None),
     "probabilities_by_values": ((3,), 24, 24, 16, ("uint8", 0), ("uint8", 126), ("uint8", 128, 0.1)),
     "plain_2d": ((), 9, 20, 70, ("uint8", 200), ("int8", 0), ("uint8", 3, 0.6)),
+    "small_s8_by_s8": ((2,), 5, 3, 15, ("int8", -5), ("int8", 3), ("int8", 3, 0.15)),   # m < 6, k < 4, n < 16
+    "many_heads_two_threads": ((8, 12), 128, 64, 128, ("int8", 1), ("uint8", 131), ("uint8", 128, 0.5)),
 }
 
 
@@ -66,11 +68,16 @@ def test_product_of_two_int8_activations_equals_its_formula(case):
     view, a, b = act_case(case)
     tactic = QActMatMulTactic()
     assert tactic.supports(view) and not QLinearGemmTactic().supports(view)   # that one needs constant weights
-    got = tactic.prepare(view)([a, b])[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if "two_threads" in case else threads)   # the packing and GEMM's parallel paths
+    try:
+        got = tactic.prepare(view)([a, b])[0]
+    finally:
+        torch.set_num_threads(threads)
     want = act_formula(view, a, b)
     y = CASES[case][-1]
     assert got.dtype == (TORCH[y[0]] if y else torch.float32) and got.shape == want.shape
-    assert torch.unique(got).numel() >= 20   # neither saturated nor constant
+    assert torch.unique(got).numel() >= 10   # neither saturated nor constant
     assert torch.equal(got.float(), want.float())
 
 
@@ -86,9 +93,11 @@ def test_bias_and_relu_run_in_the_epilogue_and_each_call_packs_its_own_b():
     assert torch.equal(run([a3.contiguous(), b3.contiguous()])[0].float(), act_formula(view, a3, b3).float())
 
 
+@needs_vnni
 def test_the_kernel_declines_what_it_cannot_run():
     view, _, _ = act_case("odd_shapes_s8_by_u8")
     tactic = QActMatMulTactic()
+    assert tactic.supports(view)
     broadcast = LayerView(view.op_type, view.domain, view.attrs, ((2, 3, 13, 37), (1, 3, 37, 45)),
                           view.input_dtypes, {}, view.output_dtypes)
     dynamic_k = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes, {},
@@ -107,6 +116,24 @@ def test_the_kernel_declines_what_it_cannot_run():
 
 
 @needs_vnni
+def test_a_product_rounded_before_its_bias_rounds_on_this_kernel_too():
+    n = CASES["odd_shapes_s8_by_u8"][3]
+    view, a, b = act_case("odd_shapes_s8_by_u8", bias=torch.linspace(-2, 2, n))
+    q = {**view.attrs["quant"], "mid_dtype": "int8", "mid_zero_point": -2, "mid_scale": 0.07}
+    view = LayerView(view.op_type, view.domain, {"quant": q}, view.input_shapes, view.input_dtypes,
+                     view.const_inputs, view.output_dtypes)
+    got = QActMatMulTactic().prepare(view)([a, b])[0]
+    sums = (a.double() - q["x_zero_point"]) @ (b.double() - q["w_zero_point"][0])
+    y = sums.float() * torch.tensor(q["x_scale"] * q["w_scale"][0], dtype=torch.float64).float()
+    mid = torch.clamp(torch.round(y / q["mid_scale"]) + q["mid_zero_point"], -128, 127)
+    y = (mid - q["mid_zero_point"]) * torch.tensor(q["mid_scale"], dtype=torch.float32) + view.const_inputs[2]
+    want = torch.clamp(torch.round(y / q["y_scale"]) + q["y_zero_point"], -128, 127)
+    assert torch.equal(got.float(), want)
+    plain = act_case("odd_shapes_s8_by_u8", bias=view.const_inputs[2])[0]
+    assert not torch.equal(got, QActMatMulTactic().prepare(plain)([a, b])[0])   # the mid rounding changes outputs
+
+
+@needs_vnni
 def test_a_b_that_does_not_follow_a_is_refused_not_read_past_its_end():
     view, a, b = act_case("odd_shapes_s8_by_u8")
     run = QActMatMulTactic().prepare(view)
@@ -118,7 +145,7 @@ def attention_model(seq=24, heads=2, head=16):
     """A Q/DQ attention core as quantize_static writes it: u8 Q, K^T, V with zero points; scores = DQ(Q) . DQ(K^T)
     -> Q/DQ -> Softmax -> Q/DQ (scale 1/255, zp 0) -> . DQ(V) -> Q/DQ, FP32 out."""
     h = helper.make_node
-    params = {"q": (0.05, 127), "k": (0.06, 128), "v": (0.04, 126), "s": (0.2, 120), "p": (1 / 255, 0),
+    params = {"q": (0.05, 127), "k": (0.06, 128), "v": (0.04, 126), "s": (0.1973, 120), "p": (1 / 255, 0),
               "o": (0.03, 125)}
     inits = []
     for name, (scale, zp) in params.items():
