@@ -73,17 +73,16 @@ class QActMatMulTactic:
                 raise ValueError(f"INT8 product: B's shape {list(b.shape)} does not follow A's {list(a.shape)}")
             y = torch.empty((*lead, m, n), dtype=out_dtype)
             if y.numel():
-                call, alive = calls(int(torch.Size(lead).numel()), m, k, n)
-                product(call, a.data_ptr(), b.data_ptr(), y.data_ptr(), m, x_zp, b_unsigned)
-                del alive
+                call = calls(int(torch.Size(lead).numel()), m, k, n)   # held (alive) until the call returns
+                product(ctypes.addressof(call[0]), a.data_ptr(), b.data_ptr(), y.data_ptr(), m, x_zp, b_unsigned)
             return [y]
         run.constants = calls
         return run
 
 
 def _calls(layer: LayerView):
-    """`calls(batch, m, k, n)`: the address of a GemmCall for that shape, built on first sight and kept (the
-    scales padded to n columns, the weight zero points, the bias)."""
+    """`calls(batch, m, k, n)`: (the GemmCall for that shape, the tensors it points into: the scales padded to n
+    columns, the weight zero points, the bias), built on first sight and kept."""
     q = layer.attrs["quant"]
     made: dict[tuple[int, ...], tuple] = {}
     w_zp = int(q["w_zero_point"][0]) - (128 if layer.input_dtypes[1] == "uint8" else 0)
@@ -93,8 +92,8 @@ def _calls(layer: LayerView):
     y_kind = q.get("y_dtype") if "y_scale" in q else None
 
     def calls(batch: int, m: int, k: int, n: int) -> tuple:
-        """(the call's address, what keeps it alive): shapes past the first MAX_SHAPES are built per call, so a
-        dynamic sequence length does not grow the cache without bound; concurrent first calls keep one entry."""
+        """Shapes past the first MAX_SHAPES are built per call, so a dynamic sequence length does not grow the
+        cache without bound; concurrent first calls keep one entry."""
         key = (batch, m, k, n)
         entry = made.get(key)
         if entry is None:
@@ -110,6 +109,6 @@ def _calls(layer: LayerView):
             entry = (GemmCall(None, m * k, ONE_LINE, k, 0, m * n, batch, k, n, e), scale, zps, b)
             if len(made) < MAX_SHAPES:
                 entry = made.setdefault(key, entry)
-        return ctypes.addressof(entry[0]), entry
+        return entry
     calls.made = made
     return calls

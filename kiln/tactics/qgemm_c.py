@@ -22,6 +22,7 @@ import math
 import torch
 
 from kiln import hardware, native
+from kiln.ops.quantize import RANGES
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
 from kiln.tactics.gemm_c import ONE_LINE, nhwc_kernel
@@ -186,7 +187,7 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
 def _clamp_bounds(dtype: str | None, zero_point: int) -> tuple[float, float]:
     """quantize16's clamp for an output of `dtype` at `zero_point`: the type's range less the zero point (FP32
     outputs: unused)."""
-    lo, hi = {"uint8": (0, 255), "int8": (-128, 127)}.get(dtype, (0, 0))
+    lo, hi = RANGES[getattr(torch, dtype)] if dtype else (0, 0)
     return float(lo - zero_point), float(hi - zero_point)
 
 

@@ -17,9 +17,9 @@ import kiln
 from kiln.ops import lookup
 from kiln.tactics import onnx_emit
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic, int8_available
-from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, vnni_available
+from kiln.tactics.qgemm_c import QLinearGemmTactic, vnni_available
 from tests.conftest import make_model, unfused_onnxruntime
-from tests.tactics.test_qgemm_c import (RANGES, assert_requantized_equal, centred, linear_case, qconv_view, quant,
+from tests.tactics.test_qgemm_c import (RANGES, assert_requantized_equal, centred, int8_case, linear_case,
                                         rand_q)
 
 needs_vnni = pytest.mark.skipif(not vnni_available(), reason="this CPU has no AVX512-VNNI (vpdpbusd) or there is "
@@ -45,16 +45,7 @@ def mid_case(case):
     """(view, quantized input, VNNI tactic) of CASES[case]."""
     op, x, mid, y, act = CASES[case]
     g = torch.Generator().manual_seed(len(case))
-    if op == "QConv":
-        kh = 3 if "3x3" in case else 1
-        x_shape, cout = (2, 13, 7, 6), 40
-        w = torch.randint(-127, 128, (cout, 13, kh, kh), generator=g, dtype=torch.int8)
-        view = qconv_view(x_shape, w, quant(cout, x, y), (1, 1, 1, 1) if kh == 3 else (0, 0, 0, 0))
-        tactic = QConvDirectTactic() if kh == 3 else QConvGemmTactic()
-    else:
-        x_shape = (3, 11, 75) if op == "QMatMul" else (11, 75)
-        view = linear_case(op, x_shape, int(op == "QGemm"), x, y)[0]
-        tactic = QLinearGemmTactic()
+    view, x_shape, tactic = int8_case(op, case, x, y, g)
     return with_mid(view, mid, act), rand_q(x_shape, x[0], g), tactic
 
 

@@ -310,20 +310,26 @@ ZERO_POINT_CASES = {
 }
 
 
+def int8_case(op, case, x, y, g):
+    """(view, input shape, VNNI tactic) of a test case's INT8 layer: a convolution of 40 channels (3x3 padded where
+    `case` says "3x3", else 1x1) on (2, 13, 7, 6), or a linear layer of 70 columns on k = 75 (no multiple of 4, nor
+    of 64); random s8 weights from `g`."""
+    if op == "QConv":
+        kh = 3 if "3x3" in case else 1
+        x_shape, cout = (2, 13, 7, 6), 40
+        w = torch.randint(-127, 128, (cout, 13, kh, kh), generator=g, dtype=torch.int8)
+        view = qconv_view(x_shape, w, quant(cout, x, y), (1, 1, 1, 1) if kh == 3 else (0, 0, 0, 0))
+        return view, x_shape, QConvDirectTactic() if kh == 3 else QConvGemmTactic()
+    x_shape = (3, 11, 75) if op == "QMatMul" else (11, 75)
+    return linear_case(op, x_shape, int(op == "QGemm"), x, y)[0], x_shape, QLinearGemmTactic()
+
+
 def zero_point_case(case):
     """(view, quantized input, VNNI tactic) of ZERO_POINT_CASES[case]."""
     op, w_dtype, zps, xq, yq = ZERO_POINT_CASES[case]
     g = torch.Generator().manual_seed(len(case))
-    if op == "QConv":
-        kh = 3 if "3x3" in case else 1
-        x_shape, cout = (2, 13, 7, 6), 40
-        view = qconv_view(x_shape, torch.zeros((cout, 13, kh, kh), dtype=torch.int8), quant(cout, xq, yq),
-                          (1, 1, 1, 1) if kh == 3 else (0, 0, 0, 0))
-        tactic = QConvDirectTactic() if kh == 3 else QConvGemmTactic()
-    else:
-        x_shape, cout = (3, 11, 75) if op == "QMatMul" else (11, 75), 70   # k: no multiple of 4 (nor of 64)
-        view = linear_case(op, x_shape, int(op == "QGemm"), xq, yq, cout)[0]
-        tactic = QLinearGemmTactic()
+    view, x_shape, tactic = int8_case(op, case, xq, yq, g)
+    cout = len(view.attrs["quant"]["w_scale"])
     w = rand_q(tuple(view.const_inputs[1].shape), w_dtype, g)
     lo, hi = RANGES[w_dtype]
     zero_points = torch.randint(lo + 20, hi - 19, (cout if zps == "channel" else 1,), generator=g).tolist()
