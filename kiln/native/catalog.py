@@ -65,7 +65,9 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("conv_planes", "conv_planes.c", (   # the first argument: the layer's constants
         Function("kiln_conv_planes", (POINTER,) * 5 + (I64,)),)),   # ..., x, w, bias, y, batch
     LibrarySpec("softmax", "softmax.c", (
-        Function("kiln_softmax", (POINTER,) * 2 + (I64,) * 4),)),   # x, y, outer, n, inner, io
+        Function("kiln_softmax", (POINTER,) * 2 + (I64,) * 4),   # x, y, outer, n, inner, io
+        # x, y, rows, n, x scale, x zero point, y scale, y zero point, types (bit 0: x s8, bit 1: y s8)
+        Function("kiln_softmax_q8", (POINTER,) * 2 + (I64,) * 2 + (ctypes.c_float, I64) * 2 + (I64,)))),
     LibrarySpec("attention", "attention.c", (   # the first argument: the layer's geometry (kiln.tactics.attention_c)
         Function("kiln_attention", (POINTER,) * 6),
         Function("kiln_attention_bf16", (POINTER,) * 6))),
@@ -80,7 +82,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         [Function(f"kiln_{op}_{t}", (POINTER, POINTER, I64, ctypes.c_float, I64))
          for op in ("quantize", "dequantize") for t in ("u8", "s8")]
         + [Function(f"kiln_quantize_nhwc_{t}", (POINTER, POINTER, I64, I64, I64, ctypes.c_float, I64))
-           for t in ("u8", "s8")])),
+           for t in ("u8", "s8")]
+        + [Function(f"kiln_lookup_{t}", (POINTER, POINTER, I64, POINTER)) for t in ("u8", "f32")])),   # x, y, n, table
     LibrarySpec("resize", "resize.c", (
         Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),   # ..., pixel bytes, ...
         # x, y, n, h, w, c, oh, ow, row taps, rows, row weights, col taps, cols, col weights, io

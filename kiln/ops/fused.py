@@ -1,6 +1,6 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
 Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization, and the INT8
-layers (QConv, QMatMul, QGemm, QAdd from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic quantization)."""
+layers (QConv, QMatMul, QGemm, QAdd, QSoftmax from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -196,7 +196,18 @@ def quantized_add(attrs, xs):
     return [quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
 
 
+def quantized_softmax(attrs, xs):
+    """INT8 Softmax: dequantize, softmax along `axis` in FP32, quantize with the output scale."""
+    from kiln.ops.dtypes import to_torch_dtype
+    from kiln.ops.quantize import dequantize, quantize
+
+    q = attrs["quant"]
+    p = torch.softmax(dequantize(xs[0], q["x_scale"], q["x_zero_point"]), dim=attrs.get("axis", -1))
+    return [quantize(p, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
+
+
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
+KILN_OPS["QSoftmax"] = OpDef("QSoftmax", OpKind.REDUCTION, quantized_softmax)
 KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul, (),
                                    _centre_weights_once)
 KILN_OPS["DynamicQConv"] = OpDef("DynamicQConv", OpKind.COMPLEX, dynamic_quantized_conv, (), _centre_weights_once)

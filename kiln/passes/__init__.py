@@ -14,8 +14,8 @@ from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
-                                     fuse_requantized_bias, merge_duplicate_qdq, split_q_across_concat,
-                                     swap_dq_q_around_movement)
+                                     fuse_quantized_softmax, fuse_requantized_bias, merge_duplicate_qdq,
+                                     split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 
 DEFAULT_PIPELINE: list[Pass] = [
@@ -68,6 +68,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("SplitQAcrossPrecedingFanIn", split_q_across_concat),
     Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
     Pass("QuantizedAddFusion", fuse_quantized_add),
+    Pass("QuantizedSoftmaxFusion", fuse_quantized_softmax),
     Pass("QConvEltwiseSumFusion", fuse_quantized_residual, "vertical fusions"),
     # DequantizeLinear of constants no INT8 layer took: an embedding table gathered as INT8, the rest FP32 constants.
     Pass("GatherDequantizeSwap", swap_gather_dequantize),

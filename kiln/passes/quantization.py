@@ -206,6 +206,47 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         remove_dead(g, dqs)   # the sum reads the INT8 tensors: the producers' sole consumer is the sum again
 
 
+def _scalar_params(node: Node | None) -> tuple[float, int, str] | None:
+    """(scale, zero point, INT8 type) of a per-tensor Q/DQ node with constant parameters, else None."""
+    params = _params(node) if node is not None else None
+    if params is None or params[0].size != 1 or params[1].size != 1:
+        return None
+    dtype = str((node.inputs[0] if node.op_type == "DequantizeLinear" else node.outputs[0]).dtype)
+    return (float(params[0].reshape(-1)[0]), int(params[1].reshape(-1)[0]), dtype) \
+        if dtype in ("uint8", "int8") else None
+
+
+def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
+    """INT8 Softmax (TensorRT's int8 softmax inside its fused attention)::
+
+        x (INT8) -> DequantizeLinear -> Softmax(last axis) -> QuantizeLinear -> y (INT8)
+        ==>  x -> QSoftmax -> y          (FP32 inside, each probability quantized as the Q node would)
+
+    per-tensor scales only. The attention probabilities of a quantize_static model are read by P.V as INT8."""
+    for sm in [n for n in g.nodes if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
+        dq, q = _dq(sm.inputs[0]), sole_consumer(g, sm)
+        if dq is None or dq.inputs[0].is_const or sm.inputs[0].shape is None:
+            continue
+        plog.running(sm)
+        rank = len(sm.inputs[0].shape)
+        axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
+        x_params, y_params = _scalar_params(dq), _scalar_params(q) if q and q.op_type == "QuantizeLinear" else None
+        reason = "no per-tensor INT8 QuantizeLinear is its only reader" if y_params is None else \
+            "the input's DequantizeLinear is not per-tensor INT8" if x_params is None else \
+            f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None
+        if reason:
+            plog.not_fused(sm, q.name if q is not None else "its consumers", reason + ": it stays FP32")
+            continue
+        quant = {"x_scale": x_params[0], "x_zero_point": x_params[1], "x_dtype": x_params[2],
+                 "y_scale": y_params[0], "y_zero_point": y_params[1], "y_dtype": y_params[2]}
+        plog.fusing(dq, sm)
+        plog.fusing(sm, q)
+        origin = _dq_origins(g, [dq], [sm, q]) + sm.origin + q.origin
+        replace_nodes(g, [sm, q], Node(_layer_name([sm, q]), "QSoftmax", [dq.inputs[0]], [q.outputs[0]],
+                                       {"axis": axis, "quant": quant}, "kiln", origin))
+        remove_dead(g, [dq])
+
+
 def split_q_across_concat(g: Graph, plog: PassLog) -> None:
     """SplitQAcrossPrecedingFanIn: Q(Concat(x1, x2, ...)) == Concat(Q(x1), Q(x2), ...) (Q is elementwise); where
     an input is DQ with the same scale and zero point, Q(DQ(a)) is `a` itself, so the concat runs on INT8."""

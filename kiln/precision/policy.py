@@ -26,7 +26,7 @@ log = logging.getLogger("kiln.build")
 
 PRECISIONS = ("FP32", "FP16", "BF16", "INT8")
 CONSTRAINTS = ("none", "prefer", "obey")
-INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "DynamicQMatMul", "DynamicQConv", "QLinearConv", "QLinearMatMul",
+INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "QSoftmax", "DynamicQMatMul", "DynamicQConv", "QLinearConv", "QLinearMatMul",
                "MatMulInteger", "ConvInteger", "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearConcat",
                "QLinearSigmoid", "QLinearLeakyRelu")
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")

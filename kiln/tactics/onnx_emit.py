@@ -205,6 +205,12 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
                  for x, k in zip(xs, "ab")]
         y = e.activation(e.node("Add", parts), a.get("activation"))
         return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
+    if view.domain == "kiln" and view.op_type == "QSoftmax":
+        q = a["quant"]
+        x = e.node("DequantizeLinear", [xs[0], e.const(q["x_scale"]), e.const(q["x_zero_point"],
+                                                                              np.dtype(q["x_dtype"]))])
+        p = e.node("Softmax", [x], {"axis": a.get("axis", -1)})
+        return e.node("QuantizeLinear", [p, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
     if view.domain == "kiln" and view.op_type in ("DynamicQMatMul", "DynamicQConv"):
         return _emit_dynamic_quantized(e, view, xs)
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
@@ -359,7 +365,7 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     return _emit_steps(e, out, a.get("out_steps", []))
 
 
-KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "DynamicQMatMul",
+KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "QSoftmax", "DynamicQMatMul",
                   "DynamicQConv", *QUANTIZED_BASE)
 
 

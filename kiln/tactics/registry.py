@@ -17,6 +17,7 @@ from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, 
 from kiln.tactics.groupnorm_c import (NORMS, GroupNormBf16Tactic, GroupNormNhwcBf16Tactic, GroupNormNhwcTactic,
                                      GroupNormTactic)
 from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
+from kiln.tactics.lookup_c import LookupTableTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
 from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTactic, OneDnnBf16Deconv1dTactic,
                                      OneDnnBf16DeconvTactic, OneDnnConv1dTactic, OneDnnConvTactic, OneDnnDeconv1dTactic,
@@ -34,7 +35,7 @@ from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemm
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import (InterpolateResizeBf16Tactic, InterpolateResizeTactic, NhwcResizeBf16Tactic,
                                    NhwcResizeTactic)
-from kiln.tactics.softmax_c import SOFTMAX_OPS, SoftmaxBf16Tactic, SoftmaxTactic
+from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
@@ -52,8 +53,9 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
                                                 MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(),
                                                 OneDnnFp16LinearTactic()],
-                                     **{op: [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()]
-                                        for op in ("PointWise", "BatchNormalization")},
+                                     "PointWise": [LookupTableTactic(), CodegenPointWiseTactic(),
+                                                   CodegenPointWiseBf16Tactic()],
+                                     "BatchNormalization": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
                                      **{op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
                                      "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic(), InterpolateResizeTactic(),
                                                 InterpolateResizeBf16Tactic()],
@@ -70,6 +72,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],
                                      "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
                                      "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
+                                     "QSoftmax": [QuantizedSoftmaxTactic()],
                                      "QuantizeLinear": [QuantizeLinearTactic()],
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),

@@ -84,7 +84,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "Shape": ("Shape", "Size"),
     "Shuffle": ("DepthToSpace", "Flatten", "Reshape", "SpaceToDepth", "Squeeze", "Transpose", "Unsqueeze", "Shuffle"),
     "Slice": ("Expand", "Slice", "Split", "Tile"),
-    "SoftMax": ("LogSoftmax", "Softmax"),
+    "SoftMax": ("LogSoftmax", "Softmax", "QSoftmax"),
     "TopK": ("ArgMax", "ArgMin", "TopK"),
     "Unary": ("Abs", "Ceil", "Cos", "Erf", "Exp", "Floor", "IsInf", "IsNaN", "Log", "Neg", "Not", "Reciprocal", "Round",
               "Sign", "Sin", "Sqrt"),

@@ -1,15 +1,15 @@
 """Explicit-quantization passes on IR graphs: DQ -> Conv/MatMul(DQ(W_int8)) [-> Q] becomes one INT8 layer
 (QuantizeDoubleInputNodes), Q(act(DQ + DQ)) one INT8 add (QuantizedAddFusion), an INT8 add of an INT8 conv's
 output into the conv (QConvEltwiseSumFusion), an INT8 product's requantized output into its bias Add
-(RequantizedBiasFusion), duplicate Q nodes merge, max pooling and concatenation run on INT8 tensors; and the
+(RequantizedBiasFusion), DQ -> Softmax -> Q one INT8 softmax (QuantizedSoftmaxFusion), duplicate Q nodes merge, max pooling and concatenation run on INT8 tensors; and the
 reasons when the input has no INT8 scale."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
-                                     fuse_requantized_bias, merge_duplicate_qdq, split_q_across_concat,
-                                     swap_dq_q_around_movement)
+                                     fuse_quantized_softmax, fuse_requantized_bias, merge_duplicate_qdq,
+                                     split_q_across_concat, swap_dq_q_around_movement)
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 
 # The fused layers read the INT8 tensors directly; the DequantizeLinear nodes they leave behind have no readers
@@ -158,6 +158,40 @@ def test_int8_sum_without_a_following_q_stays_a_float_add():
     run = run_pass_unchanged(g, "QuantizedAddFusion", fuse_quantized_add)
     assert run.not_fusing == ["QuantizedAddFusion: Not fusing add with neg: no per-tensor QuantizeLinear after the "
                               "sum: it stays an FP32 add"]
+
+
+# ---------------------------------------------------------------- QuantizedSoftmaxFusion
+def scores_softmax(b: IRBuilder, axis=-1, y_scale=1 / 256, dq_scale=0.5):
+    x = b.input("x", (2, 4, 8), np.int8)
+    p = b.node("Softmax", [dq(b, x, "dx", dq_scale)], "p", (2, 4, 8), name="softmax", axis=axis)
+    return p if y_scale is None else q(b, p, "y", y_scale)
+
+
+def test_dq_softmax_q_becomes_one_int8_softmax():
+    b = IRBuilder()
+    g = b.graph(scores_softmax(b))
+
+    run = run_pass(g, "QuantizedSoftmaxFusion", fuse_quantized_softmax)
+
+    assert str(g) == expected("""
+        graph g(%x: int8[2x4x8]):
+          %y: int8[2x4x8] = kiln.QSoftmax(%x) axis=2 quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'int8', 'y_scale': 0.00390625, 'y_zero_point': 0, 'y_dtype': 'int8'}  # softmax + y
+          return %y
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+
+
+def test_softmax_stays_fp32_without_its_quantization_or_on_another_axis():
+    cases = {"no per-tensor INT8 QuantizeLinear is its only reader": {"y_scale": None},
+             "the input's DequantizeLinear is not per-tensor INT8": {"dq_scale": np.array([0.5, 0.25])},
+             "it normalizes axis 1, not the last": {"axis": 1}}
+    for reason, kwargs in cases.items():
+        b = IRBuilder()
+        g = b.graph(scores_softmax(b, **kwargs))
+        run = run_pass_unchanged(g, "QuantizedSoftmaxFusion", fuse_quantized_softmax)
+        reader = "its consumers" if kwargs.get("y_scale", 1) is None else "y"
+        assert run.not_fusing == [f"QuantizedSoftmaxFusion: Not fusing softmax with {reader}: {reason}: "
+                                  "it stays FP32"], reason
 
 
 # ---------------------------------------------------------------- HorizontalMergeQNodes

@@ -383,4 +383,11 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
         pointwise = [l for l in layers if l.op_type == "QAdd" or l.op_type == "PointWise" and
                      "Where" not in {step["op"] for step in l.attrs["program"]}]
         # 17: the probabilities' Q -> DQ is a QuantizeLinear now, its DQ read by the INT8 P.V product
-        assert len(pointwise) == 17 and {l.tactic_name for l in pointwise} == {"codegen.pointwise_c_simd"}
+        assert len(pointwise) == 17
+        assert {l.tactic_name for l in pointwise if l.op_type == "QAdd"} == {"codegen.pointwise_c_simd"}
+        # chains on one INT8 tensor are 256-byte tables: 3 embeddings' requantization, per layer the scores'
+        # scaling and the GELU's Q/DQ-separated ops, the pooler's Tanh
+        lookups = [l for l in pointwise if l.tactic_name == "kiln.lookup_table"]
+        assert len(lookups) == 8 and all(sum(a.kind == "tensor" for a in l.args) == 1 for l in lookups)
+        softmaxes = [l for l in layers if "Softmax" in l.op_type]   # DQ -> Softmax -> Q: INT8 in and out
+        assert [(l.op_type, l.tactic_name) for l in softmaxes] == [("QSoftmax", "kiln.softmax_int8")] * 2

@@ -1,9 +1,13 @@
 /* QuantizeLinear and DequantizeLinear with one scale and zero point (kiln.tactics.quant_c), on u8 or s8: one
    pass over the elements, OpenMP over blocks. Quantizing also converts a channel-planar (NCHW) input to the
    channel-major (NHWC) layout kiln's INT8 convolutions read, so the network's input needs no Reformat after it.
-   Rounding is ONNX's: x / scale rounded half to even, plus the zero point, saturated. */
+   Rounding is ONNX's: x / scale rounded half to even, plus the zero point, saturated. Also here: the byte table
+   lookups that run an elementwise chain on an INT8 input. */
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 #define BLOCK 4096   /* elements per OpenMP work unit */
 #define PARALLEL_MIN 32768   /* fewer elements run on the calling thread: waking the team costs more than they do */
@@ -72,3 +76,37 @@ QUANTIZE_TO_NHWC(kiln_quantize_nhwc_u8, uint8_t, 0.0f, 255.0f)
 QUANTIZE_TO_NHWC(kiln_quantize_nhwc_s8, int8_t, -128.0f, 127.0f)
 DEQUANTIZE(kiln_dequantize_u8, uint8_t)
 DEQUANTIZE(kiln_dequantize_s8, int8_t)
+
+/* Table lookup over bytes (kiln.tactics.lookup_c): y[i] = table[x[i]] for a chain of elementwise ops whose only
+   input per call is an INT8 tensor, evaluated once on all 256 byte values. With AVX512-VBMI one vpermi2b picks 64
+   bytes from 128 table entries; two of them cover the table's halves and the index's top bit chooses. */
+#define LOOKUP_BLOCK 16384   /* bytes per OpenMP work unit */
+#define LOOKUP_PARALLEL_MIN 262144   /* a lookup moves ~64 bytes a cycle: smaller tensors stay on one thread */
+static void lookup_bytes(const uint8_t* restrict x, uint8_t* restrict y, int64_t begin, int64_t end,
+                         const uint8_t* restrict table) {
+  int64_t i = begin;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 64);
+  const __m512i t2 = _mm512_loadu_si512(table + 128), t3 = _mm512_loadu_si512(table + 192);
+  for (; i + 64 <= end; i += 64) {
+    const __m512i index = _mm512_loadu_si512(x + i);
+    const __m512i low = _mm512_permutex2var_epi8(t0, index, t1), high = _mm512_permutex2var_epi8(t2, index, t3);
+    _mm512_storeu_si512(y + i, _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high));
+  }
+#endif
+  for (; i < end; ++i) y[i] = table[x[i]];
+}
+
+void kiln_lookup_u8(const uint8_t* restrict x, uint8_t* restrict y, int64_t count, const uint8_t* restrict table) {
+  _Pragma("omp parallel for schedule(static) if(count >= LOOKUP_PARALLEL_MIN)")
+  for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)
+    lookup_bytes(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table);
+}
+
+void kiln_lookup_f32(const uint8_t* restrict x, float* restrict y, int64_t count, const float* restrict table) {
+  _Pragma("omp parallel for schedule(static) if(count >= LOOKUP_PARALLEL_MIN / 4)")
+  for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b) {
+    const int64_t end = (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count;
+    for (int64_t i = b * LOOKUP_BLOCK; i < end; ++i) y[i] = table[x[i]];
+  }
+}

@@ -170,3 +170,47 @@ void kiln_softmax(const void* x, void* y, int64_t outer, int64_t n, int64_t inne
     }
   });
 }
+
+/* INT8 Softmax on the last axis (kiln.tactics.softmax_c.QuantizedSoftmaxTactic): DequantizeLinear, Softmax and
+   QuantizeLinear of one scale each, as a quantized model writes them around attention's probabilities. A row of
+   u8/s8 is widened to FP32 on the stack, its exponentials kept there, and each probability quantized as ONNX
+   does (p / scale rounded half to even, plus the zero point, saturated). `types`: bit 0 the input is s8, bit 1
+   the output is; the caller keeps n <= KEPT. */
+#define ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
+
+static void softmax_row_q8(const uint8_t* x, uint8_t* y, int64_t n, float x_scale, float x_zp, float y_scale,
+                           float y_zp, int types) {
+  float row[n + VW];
+  const float lo = (types & 2 ? -128.0f : 0.0f) - y_zp, hi = (types & 2 ? 127.0f : 255.0f) - y_zp;
+  if (types & 1)
+    for (int64_t j = 0; j < n; ++j) row[j] = ((float)(int8_t)x[j] - x_zp) * x_scale;
+  else
+    for (int64_t j = 0; j < n; ++j) row[j] = ((float)x[j] - x_zp) * x_scale;
+  vf m = (vf){0} - INFINITY;
+  for (int64_t j = 0; j < n; j += VW) m = v_max(m, load(row, j, n - j < VW ? n - j : VW, 0, -INFINITY));
+  const vf max = (vf){0} + h_max(m);
+  vf s = (vf){0};
+  for (int64_t j = 0; j < n; j += VW) {
+    const int64_t count = n - j < VW ? n - j : VW;
+    const vf v = v_exp_neg(load(row, j, count, 0, -INFINITY) - max);
+    s += v;
+    store(row, j, count, 0, v);
+  }
+  const float inverse = 1.0f / h_sum(s);
+  for (int64_t j = 0; j < n; ++j) {
+    float v = row[j] * inverse / y_scale;
+    v = v < lo ? lo : (v > hi ? hi : v);
+    const int32_t q = (int32_t)((v + ROUNDER) - ROUNDER + y_zp);
+    y[j] = (uint8_t)q;   /* s8 stored as its two's-complement byte */
+  }
+}
+
+void kiln_softmax_q8(const uint8_t* x, uint8_t* y, int64_t rows, int64_t n, float x_scale, int64_t x_zp,
+                     float y_scale, int64_t y_zp, int64_t types) {
+  if (rows <= 0 || n <= 0 || n > KEPT) return;
+  MAYBE_PARALLEL(threads_pay(rows, rows * n * MACS_PER_ELEMENT), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t r = 0; r < rows; ++r)
+      softmax_row_q8(x + r * n, y + r * n, n, x_scale, (float)x_zp, y_scale, (float)y_zp, (int)types);
+  });
+}

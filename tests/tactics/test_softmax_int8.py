@@ -1,0 +1,107 @@
+"""kiln's INT8 Softmax (QSoftmax: DequantizeLinear -> Softmax -> QuantizeLinear, kiln.tactics.softmax_c) against the
+formula in float64 for each pair of INT8 types, odd row lengths and two threads; a quantized attention's
+probabilities against onnxruntime's unfused ops; the layers it declines."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.tactics import codegen
+from kiln.tactics.base import LayerView
+from kiln.tactics.softmax_c import QSOFTMAX_TACTIC, QuantizedSoftmaxTactic
+from tests.conftest import make_model, unfused_onnxruntime
+
+pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
+
+TACTIC = QuantizedSoftmaxTactic()
+TYPES = {"uint8": torch.uint8, "int8": torch.int8}
+RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
+
+
+def qsoftmax(shape, x_dtype, y_dtype, x_scale=0.07, x_zp=3, y_scale=1 / 255, y_zp=None, axis=-1, dynamic=()):
+    y_zp = RANGE[y_dtype][0] if y_zp is None else y_zp   # probabilities from the type's lowest value up
+    quant = {"x_scale": x_scale, "x_zero_point": x_zp, "x_dtype": x_dtype, "y_scale": y_scale,
+             "y_zero_point": y_zp, "y_dtype": y_dtype}
+    return LayerView("QSoftmax", "kiln", {"axis": axis, "quant": quant}, (tuple(shape),), (x_dtype,), {}, (y_dtype,),
+                     17, (dynamic,))
+
+
+def formula(x: torch.Tensor, view: LayerView) -> torch.Tensor:
+    """Dequantize, softmax and quantize (half to even, saturated) in float64."""
+    q = view.attrs["quant"]
+    p = torch.softmax((x.double() - q["x_zero_point"]) * q["x_scale"], dim=-1)
+    lo, hi = RANGE[q["y_dtype"]]
+    return (torch.round(p / q["y_scale"]) + q["y_zero_point"]).clamp(lo, hi).to(torch.int32)
+
+
+@pytest.mark.parametrize("x_dtype,y_dtype", [("uint8", "uint8"), ("int8", "int8"), ("uint8", "int8"),
+                                             ("int8", "uint8")])
+@pytest.mark.parametrize("shape,threads", [((3, 5, 77), 1), ((2, 12, 128), 2), ((4, 1), 1)])
+def test_the_kernel_quantizes_the_softmax_of_the_dequantized_row(x_dtype, y_dtype, shape, threads):
+    view = qsoftmax(shape, x_dtype, y_dtype)
+    assert TACTIC.supports(view)
+    lo, hi = RANGE[x_dtype]
+    x = torch.randint(lo, hi + 1, shape, dtype=TYPES[x_dtype], generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = TACTIC.prepare(view)([x])[0]
+    finally:
+        torch.set_num_threads(before)
+    want = formula(x, view)
+    assert y.dtype == TYPES[y_dtype] and y.shape == x.shape
+    diff = (y.to(torch.int32) - want).abs()
+    assert diff.max() <= 1 and (diff == 0).double().mean() >= 0.99   # float32 inside: a rare value a step off
+    if shape[-1] > 1:
+        assert len(torch.unique(want)) > 20
+    else:
+        assert torch.equal(y.to(torch.int32), want)   # a row of one: probability 1 exactly
+
+
+def attention_probabilities_model():
+    h = helper.make_node
+    nodes = [h("DequantizeLinear", ["x", "x_s", "x_z"], ["xf"]), h("Softmax", ["xf"], ["p"], axis=-1, name="sm"),
+             h("QuantizeLinear", ["p", "y_s", "y_z"], ["y"], name="sm_q")]
+    inits = [numpy_helper.from_array(np.float32(0.0831), "x_s"), numpy_helper.from_array(np.uint8(128), "x_z"),
+             numpy_helper.from_array(np.float32(1 / 255), "y_s"), numpy_helper.from_array(np.uint8(0), "y_z")]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 12, 64, 64])],
+                      [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 12, 64, 64])], inits)
+
+
+def test_quantized_probabilities_are_one_int8_layer_matching_onnxruntime():
+    model = attention_probabilities_model()
+    engine = kiln.build(model, autotune=False)
+    assert [(l.name, l.op_type, l.tactic_name, l.precision) for l in engine.plan.layers] == \
+        [("sm + sm_q", "QSoftmax", QSOFTMAX_TACTIC, "INT8")]
+    x = {"x": np.random.default_rng(2).integers(0, 256, (1, 12, 64, 64)).astype(np.uint8)}
+    got, want = engine.run(x)["y"], unfused_onnxruntime(model, x)
+    diff = np.abs(got.astype(np.int32) - want)
+    assert got.dtype == np.uint8 and diff.max() <= 1 and (diff == 0).mean() >= 0.99 and len(np.unique(want)) > 20
+    reference = kiln.build(model, tactic_sources="torch", autotune=False)   # QSoftmax on torch's reference
+    assert [l.tactic_name for l in reference.plan.layers] == ["torch.reference"]
+    assert np.abs(reference.run(x)["y"].astype(np.int32) - want).max() <= 1
+
+
+def test_declines_what_it_cannot_compute():
+    assert TACTIC.supports(qsoftmax((2, 4096), "uint8", "uint8"))
+    cases = {"another axis": qsoftmax((2, 8, 4), "uint8", "uint8", axis=1),
+             "a row longer than the stack keeps": qsoftmax((2, 4097), "uint8", "uint8"),
+             "a last axis that varies per call": qsoftmax((2, 16), "uint8", "uint8", dynamic=(1,)),
+             "a 16-bit type": qsoftmax((2, 16), "uint16", "uint8")}
+    for name, view in cases.items():
+        assert not TACTIC.supports(view), name
+
+
+def test_an_onnxruntime_region_runs_it_as_the_three_onnx_ops(monkeypatch):
+    from tests.conftest import force_plan
+
+    model = attention_probabilities_model()
+    force_plan(monkeypatch, "onnxruntime")
+    engine = kiln.build(model, avg_timing=1, min_timing=1)
+    [region] = engine.plan.layers
+    assert region.op_type == "Region" and [l.op_type for l in region.inner] == ["QSoftmax"]
+    x = {"x": np.random.default_rng(3).integers(0, 256, (1, 12, 64, 64)).astype(np.uint8)}
+    assert np.abs(engine.run(x)["y"].astype(np.int32) - unfused_onnxruntime(model, x)).max() <= 1
