@@ -123,14 +123,21 @@ def test_only_a_matmul_takes_an_int8_activation_and_only_per_tensor():
     mm = b.node("MatMul", [dq(b, xq, "x2", 0.5), per_column], "m", (2, 4), name="mm")
     x3 = b.input("x3", (5, 2, 3), np.int8)
     head = b.node("MatMul", [dq(b, x3, "x3f", 0.5), dq(b, cq, "c2", 0.25)], "h", (5, 2, 4), name="head")
-    g = b.graph(gemm, mm, head)
+    v1, u1 = b.input("v1", (3,), np.int8), b.input("u1", (3,), np.int8)
+    dot = b.node("MatMul", [dq(b, v1, "v1f", 0.5), dq(b, u1, "u1f", 0.25)], "d", (), name="dot")
+    wide = b.input("wide", (3, 4), np.int32)
+    int32 = b.node("MatMul", [dq(b, xq, "x4", 0.5), dq(b, wide, "widef", 0.25)], "i", (2, 4), name="int32")
+    g = b.graph(gemm, mm, head, dot, int32)
     run = run_pass_unchanged(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
     assert run.not_fusing == [
         "QuantizeDoubleInputNodes: Not fusing x with gemm: the weights are not constant INT8 with constant scales",
         "QuantizeDoubleInputNodes: Not fusing x2 with mm: the second input is an activation without a per-tensor "
         "scale",
         "QuantizeDoubleInputNodes: Not fusing x3f with head: the second input is an activation of rank 2 against 3: "
-        "kiln's INT8 product of two activations takes equal ranks of at least 2"]
+        "kiln's INT8 product of two activations takes equal ranks of at least 2",
+        "QuantizeDoubleInputNodes: Not fusing v1f with dot: the second input is an activation of rank 1 against 1: "
+        "kiln's INT8 product of two activations takes equal ranks of at least 2",
+        "QuantizeDoubleInputNodes: Not fusing x4 with int32: a second input of type int32 is not INT8"]
 
 
 # ---------------------------------------------------------------- QuantizedAddFusion

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.tactics.base import LayerView
 from kiln.tactics.qgemm_act_c import QActMatMulTactic
-from kiln.tactics.qgemm_c import QLinearGemmTactic, vnni_available
+from kiln.tactics.qgemm_c import MAX_K_ZERO_POINTS, QLinearGemmTactic, vnni_available
 from tests.conftest import make_model, unfused_onnxruntime
 from tests.tactics.test_qgemm_c import RANGES, TORCH, rand_q
 
@@ -115,8 +115,24 @@ def test_the_kernel_declines_what_it_cannot_run():
                                  view.output_dtypes, input_dynamic=((0,), ()))
     short_bias = LayerView(view.op_type, view.domain, view.attrs, (*view.input_shapes, (44,)),
                            (*view.input_dtypes, "float32"), {2: torch.zeros(44)}, view.output_dtypes)
-    for declined in (broadcast, dynamic_k, const_b, per_channel, one_side_dynamic, short_bias):
-        assert not tactic.supports(declined)
+    sigmoid = LayerView(view.op_type, view.domain, {**view.attrs, "activation": {"op": "Sigmoid", "attrs": {}}},
+                        view.input_shapes, view.input_dtypes, {}, view.output_dtypes)
+    residual = LayerView(view.op_type, view.domain, view.attrs, (*view.input_shapes, None, (2, 3, 13, 45)),
+                         (*view.input_dtypes, None, "float32"), {}, view.output_dtypes)
+    k = MAX_K_ZERO_POINTS + 1   # sums of (x - x_zp)(b - b_zp) past int32
+    long_k = LayerView(view.op_type, view.domain, view.attrs, ((2, 3, 13, k), (2, 3, k, 45)), view.input_dtypes, {},
+                       view.output_dtypes)
+    int32_b = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, (view.input_dtypes[0], "int32"), {},
+                        view.output_dtypes)
+    q16 = {**view.attrs["quant"], "y_dtype": "uint16", "y_scale": 0.1, "y_zero_point": 0}
+    wide_output = LayerView(view.op_type, view.domain, {"quant": q16}, view.input_shapes, view.input_dtypes, {},
+                            ("uint16",))
+    declined = {"broadcast lead dims": broadcast, "dynamic k": dynamic_k, "constant B": const_b,
+                "per-channel B": per_channel, "one side dynamic": one_side_dynamic, "short bias": short_bias,
+                "an activation the epilogue lacks": sigmoid, "a residual": residual, "k past int32 sums": long_k,
+                "an int32 B": int32_b, "a 16-bit output": wide_output}
+    for name, layer in declined.items():
+        assert not tactic.supports(layer), name
 
 
 @needs_vnni
