@@ -45,7 +45,7 @@ def lookup_table(layer: LayerView, index: int) -> torch.Tensor:
         y = run_program(layer.attrs["program"], xs).reshape(-1)
     want = TABLE_OUTPUTS[layer.output_dtypes[0]]
     if y.numel() != 256 or y.dtype != want:
-        raise ValueError(f"the PointWise program gives {y.numel()} {y.dtype} values for 256 bytes, not {want}")
+        raise RuntimeError(f"the PointWise program gives {y.numel()} {y.dtype} values for 256 bytes, not {want}")
     return y.view(torch.uint8).clone() if want != torch.float32 else y.contiguous()
 
 

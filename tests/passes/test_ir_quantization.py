@@ -201,6 +201,24 @@ def test_softmax_stays_fp32_without_its_quantization_or_on_another_axis():
                                   "it stays FP32"], reason
 
 
+def test_an_int8_softmax_leaves_its_dq_to_other_readers_and_keeps_opset_11_axis_rules():
+    b = IRBuilder()
+    x = b.input("x", (2, 4, 8), np.int8)
+    xf = dq(b, x, "dx", 0.5)
+    p = b.node("Softmax", [xf], "p", (2, 4, 8), name="softmax", axis=-1)
+    g = b.graph(q(b, p, "y", 1 / 256), b.node("Relu", [xf], "r", (2, 4, 8), name="relu"))
+    run_pass(g, "QuantizedSoftmaxFusion", fuse_quantized_softmax)
+    assert [n.op_type for n in g.nodes] == ["DequantizeLinear", "QSoftmax", "Relu"]   # the Relu's DQ stays
+    b = IRBuilder()
+    x = b.input("x", (2, 4, 8), np.int8)
+    p = b.node("Softmax", [dq(b, x, "dx", 0.5)], "p", (2, 4, 8), name="softmax")   # no axis: opset 11's is 1
+    g = b.graph(q(b, p, "y", 1 / 256))
+    g.opset = 11
+    run = run_pass_unchanged(g, "QuantizedSoftmaxFusion", fuse_quantized_softmax)
+    assert run.not_fusing == ["QuantizedSoftmaxFusion: Not fusing softmax with y: it normalizes axis 1, not the "
+                              "last: it stays FP32"]
+
+
 # ---------------------------------------------------------------- HorizontalMergeQNodes
 def test_equal_quantizations_of_one_tensor_merge_and_different_ones_do_not():
     b = IRBuilder()

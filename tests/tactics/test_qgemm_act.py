@@ -127,7 +127,13 @@ def test_the_kernel_declines_what_it_cannot_run():
     q16 = {**view.attrs["quant"], "y_dtype": "uint16", "y_scale": 0.1, "y_zero_point": 0}
     wide_output = LayerView(view.op_type, view.domain, {"quant": q16}, view.input_shapes, view.input_dtypes, {},
                             ("uint16",))
-    declined = {"broadcast lead dims": broadcast, "dynamic k": dynamic_k, "constant B": const_b,
+    def with_quant(**changes):
+        return LayerView(view.op_type, view.domain, {"quant": {**view.attrs["quant"], **changes}}, view.input_shapes,
+                         view.input_dtypes, {}, view.output_dtypes)
+    declined = {"a 16-bit mid rounding": with_quant(mid_dtype="int16", mid_scale=0.1, mid_zero_point=0),
+                "per-column B zero points": with_quant(w_zero_point=[0, 1]),
+                "an x type other than A's": with_quant(x_dtype="uint8" if view.input_dtypes[0] == "int8" else "int8"),
+                "broadcast lead dims": broadcast, "dynamic k": dynamic_k, "constant B": const_b,
                 "per-channel B": per_channel, "one side dynamic": one_side_dynamic, "short bias": short_bias,
                 "an activation the epilogue lacks": sigmoid, "a residual": residual, "k past int32 sums": long_k,
                 "an int32 B": int32_b, "a 16-bit output": wide_output}

@@ -66,9 +66,9 @@ def attention_probabilities_model():
     nodes = [h("DequantizeLinear", ["x", "x_s", "x_z"], ["xf"]), h("Softmax", ["xf"], ["p"], axis=-1, name="sm"),
              h("QuantizeLinear", ["p", "y_s", "y_z"], ["y"], name="sm_q")]
     inits = [numpy_helper.from_array(np.float32(0.0831), "x_s"), numpy_helper.from_array(np.uint8(128), "x_z"),
-             numpy_helper.from_array(np.float32(1 / 255), "y_s"), numpy_helper.from_array(np.uint8(0), "y_z")]
+             numpy_helper.from_array(np.float32(1 / 255), "y_s"), numpy_helper.from_array(np.int8(-128), "y_z")]
     return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 12, 64, 64])],
-                      [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 12, 64, 64])], inits)
+                      [helper.make_tensor_value_info("y", TensorProto.INT8, [1, 12, 64, 64])], inits)
 
 
 def test_quantized_probabilities_are_one_int8_layer_matching_onnxruntime():
@@ -79,18 +79,45 @@ def test_quantized_probabilities_are_one_int8_layer_matching_onnxruntime():
     x = {"x": np.random.default_rng(2).integers(0, 256, (1, 12, 64, 64)).astype(np.uint8)}
     got, want = engine.run(x)["y"], unfused_onnxruntime(model, x)
     diff = np.abs(got.astype(np.int32) - want)
-    assert got.dtype == np.uint8 and diff.max() <= 1 and (diff == 0).mean() >= 0.99 and len(np.unique(want)) > 20
+    assert got.dtype == np.int8 and diff.max() <= 1 and (diff == 0).mean() >= 0.99 and len(np.unique(want)) > 20
     reference = kiln.build(model, tactic_sources="torch", autotune=False)   # QSoftmax on torch's reference
     assert [l.tactic_name for l in reference.plan.layers] == ["torch.reference"]
     assert np.abs(reference.run(x)["y"].astype(np.int32) - want).max() <= 1
 
 
+def test_ties_round_to_even_and_the_top_saturates():
+    """Two equal inputs: p = 0.5 exactly, 0.5 / 1.0 rounds to 0 (half to even, not away); probabilities past the
+    output range saturate at its top, exactly."""
+    view = qsoftmax((5, 2), "uint8", "uint8", y_scale=1.0, y_zp=0)
+    x = torch.full((5, 2), 7, dtype=torch.uint8)
+    assert torch.equal(TACTIC.prepare(view)([x])[0], torch.zeros((5, 2), dtype=torch.uint8))
+    for y_dtype, y_scale, y_zp in (("uint8", 1 / 1024, 0), ("int8", 1 / 512, -128)):
+        view = qsoftmax((3, 40), "int8", y_dtype, x_scale=0.5, y_scale=y_scale, y_zp=y_zp)
+        x = torch.randint(-128, 128, (3, 40), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+        y, want = TACTIC.prepare(view)([x])[0].to(torch.int32), formula(x, view)
+        top = want == RANGE[y_dtype][1]
+        assert top.any() and torch.equal(y[top], want[top]) and (y - want).abs().max() <= 1
+
+
+def test_rows_are_read_per_call_and_long_ones_computed_too():
+    """A sequence length that varies per call (the row read from the input, not the plan) and rows longer than
+    the kernel keeps on its stack (4096: computed on torch's kernels, the same formula)."""
+    view = qsoftmax((2, 16), "int8", "uint8", x_scale=0.02, y_scale=1e-4, dynamic=(1,))
+    assert TACTIC.supports(view)
+    run = TACTIC.prepare(view)
+    for n in (16, 33, 5000):
+        x = torch.randint(-128, 128, (2, n), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+        y, want = run([x])[0], formula(x, view)
+        assert y.shape == (2, n) and (y.to(torch.int32) - want).abs().max() <= 1 and len(torch.unique(want)) > 5
+    assert run([torch.zeros((0, 7), dtype=torch.int8)])[0].shape == (0, 7)
+
+
 def test_declines_what_it_cannot_compute():
     assert TACTIC.supports(qsoftmax((2, 4096), "uint8", "uint8"))
     cases = {"another axis": qsoftmax((2, 8, 4), "uint8", "uint8", axis=1),
-             "a row longer than the stack keeps": qsoftmax((2, 4097), "uint8", "uint8"),
-             "a last axis that varies per call": qsoftmax((2, 16), "uint8", "uint8", dynamic=(1,)),
-             "a 16-bit type": qsoftmax((2, 16), "uint16", "uint8")}
+             "a 16-bit type": qsoftmax((2, 16), "uint16", "uint8"),
+             "a 16-bit output": qsoftmax((2, 16), "uint8", "int16", y_zp=0),
+             "a plain Softmax": LayerView("Softmax", "", {"axis": -1}, ((2, 16),), ("float32",), {}, ("float32",))}
     for name, view in cases.items():
         assert not TACTIC.supports(view), name
 

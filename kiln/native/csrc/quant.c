@@ -98,15 +98,26 @@ static void lookup_bytes(const uint8_t* restrict x, uint8_t* restrict y, int64_t
 }
 
 void kiln_lookup_u8(const uint8_t* restrict x, uint8_t* restrict y, int64_t count, const uint8_t* restrict table) {
-  _Pragma("omp parallel for schedule(static) if(count >= LOOKUP_PARALLEL_MIN)")
+  if (count < LOOKUP_PARALLEL_MIN) {   /* without entering an OpenMP region: a team of one costs 1-2 us */
+    lookup_bytes(x, y, 0, count, table);
+    return;
+  }
+  _Pragma("omp parallel for schedule(static)")
   for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)
     lookup_bytes(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table);
 }
 
+static void lookup_floats(const uint8_t* restrict x, float* restrict y, int64_t begin, int64_t end,
+                          const float* restrict table) {
+  for (int64_t i = begin; i < end; ++i) y[i] = table[x[i]];
+}
+
 void kiln_lookup_f32(const uint8_t* restrict x, float* restrict y, int64_t count, const float* restrict table) {
-  _Pragma("omp parallel for schedule(static) if(count >= LOOKUP_PARALLEL_MIN / 4)")
-  for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b) {
-    const int64_t end = (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count;
-    for (int64_t i = b * LOOKUP_BLOCK; i < end; ++i) y[i] = table[x[i]];
+  if (count < LOOKUP_PARALLEL_MIN / 4) {   /* four bytes written per byte read */
+    lookup_floats(x, y, 0, count, table);
+    return;
   }
+  _Pragma("omp parallel for schedule(static)")
+  for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)
+    lookup_floats(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table);
 }

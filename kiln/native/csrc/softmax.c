@@ -175,7 +175,7 @@ void kiln_softmax(const void* x, void* y, int64_t outer, int64_t n, int64_t inne
    QuantizeLinear of one scale each, as a quantized model writes them around attention's probabilities. A row of
    u8/s8 is widened to FP32 on the stack, its exponentials kept there, and each probability quantized as ONNX
    does (p / scale rounded half to even, plus the zero point, saturated). `types`: bit 0 the input is s8, bit 1
-   the output is; the caller keeps n <= KEPT. */
+   the output is. Rows longer than KEPT are the caller's to compute (kiln.tactics.softmax_c), as are empty ones. */
 #define ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
 
 static void softmax_row_q8(const uint8_t* x, uint8_t* y, int64_t n, float x_scale, float x_zp, float y_scale,
