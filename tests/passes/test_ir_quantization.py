@@ -1,8 +1,8 @@
 """Explicit-quantization passes on IR graphs: DQ -> Conv/MatMul(DQ(W_int8)) [-> Q] becomes one INT8 layer
 (QuantizeDoubleInputNodes), Q(act(DQ + DQ)) one INT8 add (QuantizedAddFusion), an INT8 add of an INT8 conv's
 output into the conv (QConvEltwiseSumFusion), an INT8 product's requantized output into its bias Add
-(RequantizedBiasFusion), DQ -> Softmax -> Q one INT8 softmax (QuantizedSoftmaxFusion), duplicate Q nodes merge, max pooling and concatenation run on INT8 tensors; and the
-reasons when the input has no INT8 scale."""
+(RequantizedBiasFusion), DQ -> Softmax -> Q one INT8 softmax (QuantizedSoftmaxFusion), duplicate Q nodes merge,
+max pooling and concatenation run on INT8 tensors; and the reasons when the input has no INT8 scale."""
 from __future__ import annotations
 
 import numpy as np
