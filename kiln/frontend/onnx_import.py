@@ -16,7 +16,7 @@ from kiln.frontend.profiles import Profile, opt_and_probe_shapes, resolve_profil
 from kiln.frontend.shape_inference import infer_shapes
 from kiln.ir import Graph, Node
 from kiln.ops import lookup
-from kiln.ops.dtypes import FOUR_BIT_TO_NUMPY, onnx_to_numpy
+from kiln.ops.dtypes import FOUR_BIT_TO_NUMPY, onnx_to_numpy, widen_four_bit
 from kiln.preprocess.fold import FOLDED_KEY
 
 log = logging.getLogger("kiln")
@@ -208,11 +208,9 @@ def _import_initializers(g: Graph, proto: onnx.ModelProto) -> None:
             arr = numpy_helper.to_array(init)
         except Exception as exc:
             raise ModelError(f"initializer '{init.name}' cannot be read: {exc}") from None
-        if init.data_type in FOUR_BIT_TO_NUMPY:
-            arr = arr.astype(FOUR_BIT_TO_NUMPY[init.data_type])
-        else:
+        if init.data_type not in FOUR_BIT_TO_NUMPY:
             onnx_to_numpy(init.data_type, f"initializer '{init.name}'")
-        g.add_const(init.name, arr)
+        g.add_const(init.name, widen_four_bit(arr))
 
 
 def check_four_bit(proto: onnx.ModelProto) -> None:
@@ -290,9 +288,7 @@ def _check_arity(pnode: onnx.NodeProto, name: str, opset: int) -> None:
 
 def _constant_value(name: str, attrs: dict[str, Any]) -> np.ndarray:
     if "value" in attrs:
-        value = np.asarray(attrs["value"])
-        return value.astype(np.int8 if value.dtype.name == "int4" else np.uint8) \
-            if value.dtype.name in ("int4", "uint4") else value   # widened as 4-bit initializers are
+        return widen_four_bit(np.asarray(attrs["value"]))   # as 4-bit initializers are
     for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
                        ("value_int", np.int64), ("value_ints", np.int64)):
         if key in attrs:

@@ -21,6 +21,12 @@ ONNX_TO_NUMPY: dict[int, np.dtype] = {
 # 4-bit weights (weight-only quantization, opset 21) are read widened; the frontend lets only DequantizeLinear read them
 FOUR_BIT_TO_NUMPY: dict[int, np.dtype] = {TensorProto.INT4: np.dtype("int8"), TensorProto.UINT4: np.dtype("uint8")}
 
+
+def widen_four_bit(value: np.ndarray) -> np.ndarray:
+    """A 4-bit array (onnx reads INT4/UINT4 tensors as ml_dtypes' int4/uint4) as int8/uint8; any other unchanged."""
+    widened = {"int4": np.dtype("int8"), "uint4": np.dtype("uint8")}.get(value.dtype.name)
+    return value if widened is None else value.astype(widened)
+
 NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype("float32"): torch.float32,
     np.dtype("float64"): torch.float64,

@@ -19,6 +19,7 @@ from kiln.trt.vocab import fused_layer_name
 
 log = logging.getLogger("kiln.build")
 QUANTIZABLE = {"Conv": "QConv", "MatMul": "QMatMul", "Gemm": "QGemm"}
+INT8_TYPES = ("uint8", "int8")
 
 
 def _dq(v: Value | None) -> Node | None:
@@ -40,13 +41,19 @@ def _params(dq: Node) -> tuple[np.ndarray, np.ndarray] | None:
     return scale, zp
 
 
+def _scalar_params(node: Node | None) -> tuple[float, int] | None:
+    """(scale, zero point) of a per-tensor Q/DQ node with constant parameters, else None."""
+    params = _params(node) if node is not None else None
+    if params is None or params[0].size != 1 or params[1].size != 1:
+        return None
+    return float(params[0].reshape(-1)[0]), int(params[1].reshape(-1)[0])
+
+
 def _output_quant(q: Node | None) -> dict | None:
     """{y_scale, y_zero_point, y_dtype} of a per-tensor QuantizeLinear with constant parameters; None otherwise."""
-    if q is None or q.op_type != "QuantizeLinear" or _params(q) is None or _params(q)[0].size != 1:
-        return None
-    sy, zy = _params(q)
-    return {"y_scale": float(sy.reshape(-1)[0]), "y_zero_point": int(zy.reshape(-1)[0]),
-            "y_dtype": str(q.outputs[0].dtype)}
+    params = _scalar_params(q) if q is not None and q.op_type == "QuantizeLinear" else None
+    return None if params is None else {"y_scale": params[0], "y_zero_point": params[1],
+                                        "y_dtype": str(q.outputs[0].dtype)}
 
 
 def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
@@ -180,22 +187,21 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
     """INT8 residual add: Q(act(DQ(a) + DQ(b))) with per-tensor scales becomes one INT8 ElementWise layer."""
     for add in [n for n in g.nodes if n.op_type == "Add" and n.domain in ("", "ai.onnx")]:
         dqs = [_dq(v) for v in add.inputs]
-        if any(d is None or _params(d) is None or _params(d)[0].size != 1 or d.inputs[0].is_const for d in dqs):
+        if any(d is None or _scalar_params(d) is None or d.inputs[0].is_const for d in dqs):
             continue
         nodes, act, nxt = [add], None, sole_consumer(g, add)
         if nxt is not None and activation_spec(g, nxt) is not None:
             act, nodes, nxt = activation_spec(g, nxt), nodes + [nxt], sole_consumer(g, nxt)
         plog.running(add)
-        if nxt is None or nxt.op_type != "QuantizeLinear" or _params(nxt) is None or _params(nxt)[0].size != 1:
+        y = _output_quant(nxt)
+        if y is None:
             plog.not_fused(add, nxt.name if nxt is not None else "its consumers",
                            "no per-tensor QuantizeLinear after the sum: it stays an FP32 add")
             continue
-        (sa, za), (sb, zb), (sy, zy) = _params(dqs[0]), _params(dqs[1]), _params(nxt)
-        quant = {"a_scale": float(sa.reshape(-1)[0]), "a_zero_point": int(za.reshape(-1)[0]),
-                 "b_scale": float(sb.reshape(-1)[0]), "b_zero_point": int(zb.reshape(-1)[0]),
-                 "y_scale": float(sy.reshape(-1)[0]), "y_zero_point": int(zy.reshape(-1)[0]),
-                 "a_dtype": str(dqs[0].inputs[0].dtype), "b_dtype": str(dqs[1].inputs[0].dtype),
-                 "y_dtype": str(nxt.outputs[0].dtype)}
+        (sa, za), (sb, zb) = _scalar_params(dqs[0]), _scalar_params(dqs[1])
+        quant = {"a_scale": sa, "a_zero_point": za, "b_scale": sb, "b_zero_point": zb, "y_scale": y["y_scale"],
+                 "y_zero_point": y["y_zero_point"], "a_dtype": str(dqs[0].inputs[0].dtype),
+                 "b_dtype": str(dqs[1].inputs[0].dtype), "y_dtype": y["y_dtype"]}
         nodes.append(nxt)
         for n in nodes[1:]:
             plog.fusing(add, n)
@@ -204,16 +210,6 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         replace_nodes(g, nodes, Node(_layer_name(nodes), "QAdd", [dqs[0].inputs[0], dqs[1].inputs[0]],
                                      [nxt.outputs[0]], attrs, "kiln", origin))
         remove_dead(g, dqs)   # the sum reads the INT8 tensors: the producers' sole consumer is the sum again
-
-
-def _scalar_params(node: Node | None) -> tuple[float, int, str] | None:
-    """(scale, zero point, INT8 type) of a per-tensor Q/DQ node with constant parameters, else None."""
-    params = _params(node) if node is not None else None
-    if params is None or params[0].size != 1 or params[1].size != 1:
-        return None
-    dtype = str((node.inputs[0] if node.op_type == "DequantizeLinear" else node.outputs[0]).dtype)
-    return (float(params[0].reshape(-1)[0]), int(params[1].reshape(-1)[0]), dtype) \
-        if dtype in ("uint8", "int8") else None
 
 
 def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
@@ -230,15 +226,15 @@ def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
         plog.running(sm)
         rank = len(sm.inputs[0].shape)
         axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
-        x_params, y_params = _scalar_params(dq), _scalar_params(q) if q and q.op_type == "QuantizeLinear" else None
-        reason = "no per-tensor INT8 QuantizeLinear is its only reader" if y_params is None else \
-            "the input's DequantizeLinear is not per-tensor INT8" if x_params is None else \
-            f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None
+        x_params, y_quant, x_dtype = _scalar_params(dq), _output_quant(q), str(dq.inputs[0].dtype)
+        reason = "no per-tensor INT8 QuantizeLinear is its only reader" if y_quant is None or \
+            y_quant["y_dtype"] not in INT8_TYPES else \
+            "the input's DequantizeLinear is not per-tensor INT8" if x_params is None or x_dtype not in INT8_TYPES \
+            else f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None
         if reason:
             plog.not_fused(sm, q.name if q is not None else "its consumers", reason + ": it stays FP32")
             continue
-        quant = {"x_scale": x_params[0], "x_zero_point": x_params[1], "x_dtype": x_params[2],
-                 "y_scale": y_params[0], "y_zero_point": y_params[1], "y_dtype": y_params[2]}
+        quant = {"x_scale": x_params[0], "x_zero_point": x_params[1], "x_dtype": x_dtype, **y_quant}
         plog.fusing(dq, sm)
         plog.fusing(sm, q)
         origin = _dq_origins(g, [dq], [sm, q]) + sm.origin + q.origin
@@ -252,8 +248,7 @@ def split_q_across_concat(g: Graph, plog: PassLog) -> None:
     an input is DQ with the same scale and zero point, Q(DQ(a)) is `a` itself, so the concat runs on INT8."""
     for cat in [n for n in g.nodes if n.op_type == "Concat" and n.domain in ("", "ai.onnx")]:
         q = sole_consumer(g, cat)
-        if q is None or q.op_type != "QuantizeLinear" or _params(q) is None or _params(q)[0].size != 1 \
-                or g.is_output(q.outputs[0]):
+        if _output_quant(q) is None or g.is_output(q.outputs[0]):
             continue
         plog.running(cat)
         for i, x in enumerate(list(cat.inputs)):
@@ -363,9 +358,7 @@ def _requantized_bias_blocker(g: Graph, layer: Node, dq: Node, add: Node, bias: 
         return f"{layer.name} already has a bias or residual"
     if "activation" in layer.attrs:
         return f"{layer.name} applies an activation before its output is requantized"
-    p = _params(dq)
-    if p is None or p[0].size != 1 or (float(p[0].reshape(-1)[0]), int(p[1].reshape(-1)[0])) != \
-            (q["y_scale"], q["y_zero_point"]):
+    if _scalar_params(dq) != (q["y_scale"], q["y_zero_point"]):
         return "the DequantizeLinear after it has another scale or zero point than its output's"
     if bias is None or not bias.is_const or np.dtype(bias.dtype) != np.float32:
         return "the Add's other operand is not a constant FP32 bias"

@@ -15,6 +15,7 @@ import torch
 from kiln import native
 from kiln.ops.fused import run_program
 from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
+from kiln.tactics.quant_c import dense_layout
 
 LOOKUP_TACTIC = "kiln.lookup_table"
 INT8_INPUTS = {"uint8": torch.uint8, "int8": torch.int8}
@@ -72,9 +73,7 @@ class LookupTableTactic:
         lookup = lib.kiln_lookup_f32 if out_dtype == torch.float32 else lib.kiln_lookup_u8
 
         def run(xs, table=table):
-            x = xs[index]
-            if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
-                x = x.contiguous()
+            x = xs[index] if dense_layout(xs[index]) else xs[index].contiguous()
             y = torch.empty_like(x, dtype=out_dtype)   # the same strides: the layout is kept
             lookup(x.data_ptr(), y.data_ptr(), x.numel(), table.data_ptr())
             return [y]

@@ -1,6 +1,7 @@
 """Express kiln layers (fused or not) as ONNX, one layer or a whole region per model, for external libraries."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -200,17 +201,12 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return _emit_quantized(e, view, xs)
     if view.domain == "kiln" and view.op_type == "QAdd":
         q = a["quant"]
-        parts = [e.node("DequantizeLinear", [x, e.const(q[f"{k}_scale"]), e.const(q[f"{k}_zero_point"],
-                                                                                  np.dtype(q[f"{k}_dtype"]))])
-                 for x, k in zip(xs, "ab")]
-        y = e.activation(e.node("Add", parts), a.get("activation"))
-        return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
+        parts = [_qdq(e, "DequantizeLinear", x, q, k) for x, k in zip(xs, "ab")]
+        return _qdq(e, "QuantizeLinear", e.activation(e.node("Add", parts), a.get("activation")), q, "y")
     if view.domain == "kiln" and view.op_type == "QSoftmax":
         q = a["quant"]
-        x = e.node("DequantizeLinear", [xs[0], e.const(q["x_scale"]), e.const(q["x_zero_point"],
-                                                                              np.dtype(q["x_dtype"]))])
-        p = e.node("Softmax", [x], {"axis": a.get("axis", -1)})
-        return e.node("QuantizeLinear", [p, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
+        p = e.node("Softmax", [_qdq(e, "DequantizeLinear", xs[0], q, "x")], {"axis": a.get("axis", -1)})
+        return _qdq(e, "QuantizeLinear", p, q, "y")
     if view.domain == "kiln" and view.op_type in ("DynamicQMatMul", "DynamicQConv"):
         return _emit_dynamic_quantized(e, view, xs)
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
@@ -240,13 +236,26 @@ def _emit_steps(e: Emitter, y: str, steps: list[dict]) -> str:
     return y
 
 
+def _qdq(e: Emitter, op: str, x: str, q: dict, prefix: str, dtype: str | None = None) -> str:
+    """`op` (QuantizeLinear or DequantizeLinear) of `x` at quant `q`'s `prefix`_scale and `prefix`_zero_point, the
+    zero point of type `dtype` (default: q's `prefix`_dtype)."""
+    zero_point = e.const(q[f"{prefix}_zero_point"], np.dtype(dtype or q[f"{prefix}_dtype"]))
+    return e.node(op, [x, e.const(q[f"{prefix}_scale"]), zero_point])
+
+
+def _round_trip(e: Emitter, x: str, q: dict, prefix: str) -> str:
+    """QuantizeLinear then DequantizeLinear at one scale: the INT8 rounding a model writes between two float steps."""
+    return _qdq(e, "DequantizeLinear", _qdq(e, "QuantizeLinear", x, q, prefix), q, prefix)
+
+
+def _without_activation(view: LayerView) -> LayerView:
+    return dataclasses.replace(view, attrs={k: v for k, v in view.attrs.items() if k != "activation"})
+
+
 def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     """An INT8 layer as the Q/DQ graph it came from: DQ(x) -> op(DQ(W)) -> [Q] (onnxruntime fuses it again)."""
-    import dataclasses
-
     q = view.attrs["quant"]
-    x_type = np.dtype(q["x_dtype"])
-    x = e.node("DequantizeLinear", [xs[0], e.const(q["x_scale"]), e.const(q["x_zero_point"], x_type)])
+    x = _qdq(e, "DequantizeLinear", xs[0], q, "x")
     w_scale, w_zp = np.array(q["w_scale"], np.float32), np.array(q["w_zero_point"])
     w_type = np.dtype(view.input_dtypes[1]) if view.input_dtypes[1] else np.dtype(np.int8)
     scalar = w_scale.size == 1
@@ -258,17 +267,14 @@ def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     if rest and rest[0] and "mid_scale" not in q:
         rest[0] = _quantized_bias(e, rest[0], np.float32(q["x_scale"]) * w_scale)
     if len(rest) > 1 and rest[1] and "r_scale" in q:   # the fused INT8 residual: summed dequantized
-        r_type = np.dtype(view.input_dtypes[3] or q["y_dtype"])
-        rest[1] = e.node("DequantizeLinear", [rest[1], e.const(q["r_scale"]), e.const(q["r_zero_point"], r_type)])
+        rest[1] = _qdq(e, "DequantizeLinear", rest[1], q, "r", view.input_dtypes[3] or q["y_dtype"])
         if "sum_input_scale" in q:   # the convolution's own Q -> DQ before the sum, as the model had it
             return _emit_quantized_sum(e, base, [x, w] + rest, q)
     if "mid_scale" in q:
         y = _emit_rounded_before_bias(e, base, [x, w] + rest, q)
     else:
         y = emit_layer(e, base, [x, w] + rest)
-    if "y_scale" in q:
-        y = e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
-    return y
+    return _qdq(e, "QuantizeLinear", y, q, "y") if "y_scale" in q else y
 
 
 def _emit_dynamic_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
@@ -299,30 +305,16 @@ def _emit_quantized_sum(e: Emitter, base: LayerView, xs: list[str | None], q: di
     """A convolution with a fused INT8 residual as quantize_static wrote it: Conv -> Q -> DQ, + DQ(residual),
     activation, Q. onnxruntime fuses that into QLinearConv and QLinearAdd; summed in FP32 instead, it ran the
     convolution in FP32 between layout transposes (ResNet-50: 16 such layers, 36 Transposes)."""
-    import dataclasses
-
-    conv = dataclasses.replace(base, attrs={k: v for k, v in base.attrs.items() if k != "activation"})
-    s_type = np.dtype(q["sum_input_dtype"])
-    y = emit_layer(e, conv, xs[:3])
-    y = e.node("QuantizeLinear", [y, e.const(q["sum_input_scale"]), e.const(q["sum_input_zero_point"], s_type)])
-    y = e.node("DequantizeLinear", [y, e.const(q["sum_input_scale"]), e.const(q["sum_input_zero_point"], s_type)])
-    y = e.node("Add", [y, xs[3]])
-    if "activation" in base.attrs:
-        y = e.activation(y, base.attrs["activation"])
-    return e.node("QuantizeLinear", [y, e.const(q["y_scale"]), e.const(q["y_zero_point"], np.dtype(q["y_dtype"]))])
+    y = _round_trip(e, emit_layer(e, _without_activation(base), xs[:3]), q, "sum_input")
+    y = e.activation(e.node("Add", [y, xs[3]]), base.attrs.get("activation"))
+    return _qdq(e, "QuantizeLinear", y, q, "y")
 
 
 def _emit_rounded_before_bias(e: Emitter, base: LayerView, xs: list[str | None], q: dict) -> str:
     """A product rounded to INT8 before its bias, as quantize_static writes a MatMul and its bias Add: product ->
     Q -> DQ at the mid scale, + the FP32 bias (per output channel), + residual, activation (the caller adds the
     output's Q). onnxruntime fuses the product into QLinearMatMul/QLinearConv again."""
-    import dataclasses
-
-    plain = dataclasses.replace(base, attrs={k: v for k, v in base.attrs.items() if k != "activation"})
-    m_type = np.dtype(q["mid_dtype"])
-    y = emit_layer(e, plain, xs[:2])
-    y = e.node("QuantizeLinear", [y, e.const(q["mid_scale"]), e.const(q["mid_zero_point"], m_type)])
-    y = e.node("DequantizeLinear", [y, e.const(q["mid_scale"]), e.const(q["mid_zero_point"], m_type)])
+    y = _round_trip(e, emit_layer(e, _without_activation(base), xs[:2]), q, "mid")
     bias, residual = (list(xs[2:]) + [None, None])[:2]
     if bias:
         channel = [-1] + [1] * (len(base.input_shapes[0]) - 2) if base.op_type == "Conv" else [-1]

@@ -14,8 +14,8 @@ from kiln import native
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.gemm_c import ONE_LINE
 from kiln.tactics.onednn_int8 import unsigned_input
-from kiln.tactics.qgemm_c import (MAX_K_ZERO_POINTS, OUT_KINDS, VNNI_ISA, Epilogue, GemmCall, _clamp_bounds, _padded,
-                                  fused_activation, vnni_available)
+from kiln.tactics.qgemm_c import (MAX_K_ZERO_POINTS, OUT_KINDS, VNNI_ISA, Epilogue, GemmCall, _padded,
+                                  fused_activation, output_type, rounding_fields, vnni_available)
 
 INT8 = {"uint8": torch.uint8, "int8": torch.int8}
 MAX_SHAPES = 64   # (batch, m, k, n) call structures kept per layer
@@ -62,7 +62,7 @@ class QActMatMulTactic:
         q = layer.attrs["quant"]
         x_zp = unsigned_input(q)[0]   # the kernel flips s8 input bytes itself (signed_input)
         b_unsigned = int(layer.input_dtypes[1] == "uint8")
-        out_dtype = INT8[q["y_dtype"]] if "y_scale" in q else torch.float32
+        out_dtype = INT8[output_type(q)] if output_type(q) else torch.float32
         calls = _calls(layer)
 
         def run(xs):
@@ -89,7 +89,6 @@ def _calls(layer: LayerView):
     bias = layer.const_inputs.get(2)
     lo, hi, act = fused_activation(layer.attrs.get("activation"))
     y_scale, y_zp = float(q.get("y_scale", 1.0)), int(q.get("y_zero_point", 0))
-    y_kind = q.get("y_dtype") if "y_scale" in q else None
 
     def calls(batch: int, m: int, k: int, n: int) -> tuple:
         """Shapes past the first MAX_SHAPES are built per call, so a dynamic sequence length does not grow the
@@ -102,10 +101,8 @@ def _calls(layer: LayerView):
             zps = _padded(torch.full((n,), w_zp, dtype=torch.int32), n, torch.int32) if w_zp else None
             b = None if bias is None else _padded(bias.float(), n, torch.float32)
             e = Epilogue(None, scale.data_ptr(), None if b is None else b.data_ptr(), lo, hi, 1.0, y_scale, 0, y_zp,
-                         act, OUT_KINDS[y_kind], int(q["x_dtype"] == "int8"), 0, OUT_KINDS[None],
-                         None if zps is None else zps.data_ptr(), float(q.get("mid_scale", 1.0)),
-                         int(q.get("mid_zero_point", 0)), OUT_KINDS[q.get("mid_dtype")], *_clamp_bounds(y_kind, y_zp),
-                         *_clamp_bounds(q.get("mid_dtype"), int(q.get("mid_zero_point", 0))))
+                         act, OUT_KINDS[output_type(q)], int(q["x_dtype"] == "int8"), 0, OUT_KINDS[None],
+                         None if zps is None else zps.data_ptr(), *rounding_fields(q, y_zp))
             entry = (GemmCall(None, m * k, ONE_LINE, k, 0, m * n, batch, k, n, e), scale, zps, b)
             if len(made) < MAX_SHAPES:
                 entry = made.setdefault(key, entry)

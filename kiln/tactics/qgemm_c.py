@@ -176,12 +176,22 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
     y_scale, y_zp, _ = _output(layer)
     e = Epilogue(comp.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), lo, hi,
                  float(q.get("r_scale", 1.0)), y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
-                 OUT_KINDS[q.get("y_dtype") if "y_scale" in q else None], int(q["x_dtype"] == "int8"),
-                 int(q["x_zero_point"]) & 0xFF, _residual_kind(layer), None if w_zp is None else w_zp.data_ptr(),
-                 float(q.get("mid_scale", 1.0)), int(q.get("mid_zero_point", 0)), OUT_KINDS[q.get("mid_dtype")],
-                 *_clamp_bounds(q.get("y_dtype") if "y_scale" in q else None, y_zp),
-                 *_clamp_bounds(q.get("mid_dtype"), int(q.get("mid_zero_point", 0))))
+                 OUT_KINDS[output_type(q)], int(q["x_dtype"] == "int8"), int(q["x_zero_point"]) & 0xFF,
+                 _residual_kind(layer), None if w_zp is None else w_zp.data_ptr(), *rounding_fields(q, y_zp))
     return e, tuple(t for t in (comp, scale, bias, w_zp) if t is not None)
+
+
+def output_type(q: dict) -> str | None:
+    """The INT8 type a layer's quant requantizes its output to; None for an FP32 output."""
+    return q.get("y_dtype") if "y_scale" in q else None
+
+
+def rounding_fields(q: dict, y_zp: int) -> tuple:
+    """QEpilogue's last fields from a layer's quant: the rounding before the bias (mid_scale, mid_zp, mid_kind;
+    OUT_F32 where there is none), then the clamp bounds of the output and of that rounding."""
+    mid_zp = int(q.get("mid_zero_point", 0))
+    return (float(q.get("mid_scale", 1.0)), mid_zp, OUT_KINDS[q.get("mid_dtype")],
+            *_clamp_bounds(output_type(q), y_zp), *_clamp_bounds(q.get("mid_dtype"), mid_zp))
 
 
 def _clamp_bounds(dtype: str | None, zero_point: int) -> tuple[float, float]:

@@ -63,7 +63,7 @@ class QuantizeLinearTactic:
             dequantize = getattr(lib, f"kiln_dequantize_{suffix}")
 
             def run_dequantize(xs):
-                q = xs[0].contiguous() if not _dense(xs[0]) else xs[0]
+                q = xs[0].contiguous() if not dense_layout(xs[0]) else xs[0]
                 y = torch.empty_like(q, dtype=torch.float32)   # the same strides: the layout is kept
                 dequantize(q.data_ptr(), y.data_ptr(), q.numel(), scale, zero_point)
                 return [y]
@@ -72,7 +72,7 @@ class QuantizeLinearTactic:
         to_nhwc = getattr(lib, f"kiln_quantize_nhwc_{suffix}")
 
         def run_quantize(xs):
-            x = xs[0] if _dense(xs[0]) else xs[0].contiguous()
+            x = xs[0] if dense_layout(xs[0]) else xs[0].contiguous()
             if x.dim() == 4 and x.is_contiguous():   # channel-planar in, channel-major out
                 n, c, h, w = x.shape
                 y = torch.empty(x.shape, dtype=qtype, memory_format=torch.channels_last)
@@ -84,6 +84,6 @@ class QuantizeLinearTactic:
         return run_quantize
 
 
-def _dense(x: torch.Tensor) -> bool:
+def dense_layout(x: torch.Tensor) -> bool:
     """Whether `x` is a row-major or channels-last block of memory (elementwise loops may walk its storage)."""
     return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
