@@ -58,6 +58,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("layernorm", "layernorm.c", (
         Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),
         Function("kiln_layernorm_bf16", (POINTER,) * 5 + (I64,) * 2 + (F64, I64)),
+        # a, b (the residual, or NULL), gamma, beta, y, rows, n, eps, scales and zero points, types
+        Function("kiln_layernorm_q8", (POINTER,) * 5 + (I64,) * 2 + (F64, POINTER, I64)),
         # x, gamma, beta, y, rows, n, groups, hw, eps, act, io
         Function("kiln_groupnorm", (POINTER,) * 4 + (I64,) * 4 + (F64, I64, I64)),
         # x, gamma, beta, y, batch, hw, channels, groups, eps, act, io

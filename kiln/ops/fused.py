@@ -1,6 +1,7 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
 Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization, and the INT8
-layers (QConv, QMatMul, QGemm, QAdd, QSoftmax from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic quantization)."""
+layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic
+quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -206,8 +207,25 @@ def quantized_softmax(attrs, xs):
     return [quantize(p, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
 
 
+def quantized_layer_norm(attrs, xs):
+    """INT8 LayerNormalization over the axes from `axis`: dequantize, normalize in FP32, quantize with the output
+    scale. With `skip_quant` the first two inputs are a residual sum's, added and quantized as that QAdd would
+    (its INT8 result is what the normalization reads); the scale and bias follow."""
+    from kiln.ops.dtypes import to_torch_dtype
+    from kiln.ops.norm_resize import layer_norm
+    from kiln.ops.quantize import dequantize, quantize
+
+    q, skip = attrs["quant"], attrs.get("skip_quant")
+    x = quantized_add({"quant": skip}, xs[:2])[0] if skip else xs[0]
+    rest = xs[2:] if skip else xs[1:]
+    y = layer_norm({k: attrs[k] for k in ("axis", "epsilon") if k in attrs},
+                   [dequantize(x, q["x_scale"], q["x_zero_point"])] + list(rest))[0]
+    return [quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
+
+
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
 KILN_OPS["QSoftmax"] = OpDef("QSoftmax", OpKind.REDUCTION, quantized_softmax)
+KILN_OPS["QLayerNorm"] = OpDef("QLayerNorm", OpKind.REDUCTION, quantized_layer_norm)
 KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul, (),
                                    _centre_weights_once)
 KILN_OPS["DynamicQConv"] = OpDef("DynamicQConv", OpKind.COMPLEX, dynamic_quantized_conv, (), _centre_weights_once)

@@ -13,9 +13,9 @@ from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
 from kiln.passes.qoperator import unfold_qoperators
-from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
-                                     fuse_quantized_softmax, fuse_requantized_bias, merge_duplicate_qdq,
-                                     split_q_across_concat, swap_dq_q_around_movement)
+from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_norm, fuse_quantized_layers,
+                                     fuse_quantized_residual, fuse_quantized_softmax, fuse_requantized_bias,
+                                     merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 
 DEFAULT_PIPELINE: list[Pass] = [
@@ -75,6 +75,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("ConstantDequantizeFolding", fold_constant_dequantize),
     # quantize_static's bias Add after an INT8 product (its DQ(bias) now an FP32 constant) joins the product.
     Pass("RequantizedBiasFusion", fuse_requantized_bias),
+    # An INT8 LayerNorm (with the residual QAdd before it) once its scale and bias are FP32 constants.
+    Pass("QuantizedLayerNormFusion", fuse_quantized_layer_norm),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
     Pass("DeadLayerRemoval", remove_dead_layers, "final dead-layer removal"),

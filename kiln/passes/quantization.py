@@ -243,6 +243,56 @@ def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
         remove_dead(g, [dq])
 
 
+def fuse_quantized_layer_norm(g: Graph, plog: PassLog) -> None:
+    """INT8 LayerNorm, per-tensor scales, constant scale and bias::
+
+        x (INT8) -> DequantizeLinear -> LayerNormalization -> QuantizeLinear -> y (INT8)
+        ==>  x -> QLayerNorm -> y          (FP32 inside)
+
+    Where x is a QAdd's sum that nothing else reads (a post-LN encoder's residual), the sum joins too: a, b ->
+    QLayerNorm -> y, the sum still rounded to INT8 inside as its QuantizeLinear asked."""
+    for ln in [n for n in g.nodes if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]:
+        dq = _dq(ln.inputs[0])
+        if dq is None or dq.inputs[0].is_const:
+            continue
+        plog.running(ln)
+        q = ln.outputs[0].users[0] if len(ln.outputs[0].users) == 1 and not g.is_output(ln.outputs[0]) else None
+        x_params, y_quant, x_dtype = _scalar_params(dq), _output_quant(q), str(dq.inputs[0].dtype)
+        reason = "no per-tensor INT8 QuantizeLinear is its only reader" if y_quant is None or \
+            y_quant["y_dtype"] not in INT8_TYPES else \
+            "the input's DequantizeLinear is not per-tensor INT8" if x_params is None or x_dtype not in INT8_TYPES \
+            else "its mean or inverse standard deviation output is read" if any(
+                o.users or g.is_output(o) for o in ln.outputs[1:]) \
+            else "its scale or bias is not an FP32 constant" if any(
+                v is not None and (not v.is_const or str(v.dtype) != "float32") for v in ln.inputs[1:]) \
+            else "it computes in a stash type other than FP32" if ln.attrs.get("stash_type", 1) != 1 else None
+        if reason:
+            plog.not_fused(ln, q.name if q is not None else "its consumers", reason + ": it stays FP32")
+            continue
+        attrs = {k: ln.attrs[k] for k in ("axis", "epsilon") if k in ln.attrs}
+        attrs["quant"] = {"x_scale": x_params[0], "x_zero_point": x_params[1], "x_dtype": x_dtype, **y_quant}
+        nodes, inputs, add = [ln, q], [dq.inputs[0]] + list(ln.inputs[1:]), dq.inputs[0].producer
+        if _residual_sum(g, add, dq, ln):
+            nodes, inputs, attrs["skip_quant"] = [add] + nodes, list(add.inputs) + inputs[1:], add.attrs["quant"]
+            plog.fusing(add, ln)
+        plog.fusing(dq, ln)
+        plog.fusing(ln, q)
+        origin = _dq_origins(g, [dq], nodes) + tuple(o for n in nodes for o in n.origin)
+        replace_nodes(g, nodes, Node(_layer_name(nodes), "QLayerNorm", inputs, [q.outputs[0]], attrs, "kiln", origin))
+        remove_dead(g, [dq])
+
+
+def _residual_sum(g: Graph, add: Node | None, dq: Node, ln: Node) -> bool:
+    """`add` a QAdd without activation of two same-shape INT8 tensors whose sum only `dq` reads, and `dq` only
+    `ln`: the sum is needed nowhere else."""
+    if add is None or add.op_type != "QAdd" or add.domain != "kiln" or add.attrs.get("activation"):
+        return False
+    a, b, total = add.inputs[0], add.inputs[1], add.outputs[0]
+    alike = a.shape is not None and a.shape == b.shape == total.shape and a.dyn_dims == b.dyn_dims
+    only = [u for v in (total, dq.outputs[0]) for u in v.users] == [dq, ln] and len(total.users) == 1
+    return alike and only and not g.is_output(total) and not g.is_output(dq.outputs[0])
+
+
 def split_q_across_concat(g: Graph, plog: PassLog) -> None:
     """SplitQAcrossPrecedingFanIn: Q(Concat(x1, x2, ...)) == Concat(Q(x1), Q(x2), ...) (Q is elementwise); where
     an input is DQ with the same scale and zero point, Q(DQ(a)) is `a` itself, so the concat runs on INT8."""

@@ -200,9 +200,14 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     if view.domain == "kiln" and view.op_type in QUANTIZED_BASE:
         return _emit_quantized(e, view, xs)
     if view.domain == "kiln" and view.op_type == "QAdd":
-        q = a["quant"]
-        parts = [_qdq(e, "DequantizeLinear", x, q, k) for x, k in zip(xs, "ab")]
-        return _qdq(e, "QuantizeLinear", e.activation(e.node("Add", parts), a.get("activation")), q, "y")
+        return _emit_quantized_add(e, xs, a["quant"], a.get("activation"))
+    if view.domain == "kiln" and view.op_type == "QLayerNorm":
+        q, skip = a["quant"], a.get("skip_quant")
+        x = _emit_quantized_add(e, xs[:2], skip, None) if skip else xs[0]
+        norm = {k: a[k] for k in ("axis", "epsilon") if k in a}
+        y = e.layer_norm([_qdq(e, "DequantizeLinear", x, q, "x")] + xs[2 if skip else 1:], norm,
+                         len(view.input_shapes[0]))
+        return _qdq(e, "QuantizeLinear", y, q, "y")
     if view.domain == "kiln" and view.op_type == "QSoftmax":
         q = a["quant"]
         p = e.node("Softmax", [_qdq(e, "DequantizeLinear", xs[0], q, "x")], {"axis": a.get("axis", -1)})
@@ -241,6 +246,12 @@ def _qdq(e: Emitter, op: str, x: str, q: dict, prefix: str, dtype: str | None = 
     zero point of type `dtype` (default: q's `prefix`_dtype)."""
     zero_point = e.const(q[f"{prefix}_zero_point"], np.dtype(dtype or q[f"{prefix}_dtype"]))
     return e.node(op, [x, e.const(q[f"{prefix}_scale"]), zero_point])
+
+
+def _emit_quantized_add(e: Emitter, xs: list[str | None], q: dict, activation: dict | None) -> str:
+    """kiln's QAdd: both INT8 inputs dequantized, added, the activation, quantized at the output scale."""
+    parts = [_qdq(e, "DequantizeLinear", x, q, k) for x, k in zip(xs, "ab")]
+    return _qdq(e, "QuantizeLinear", e.activation(e.node("Add", parts), activation), q, "y")
 
 
 def _round_trip(e: Emitter, x: str, q: dict, prefix: str) -> str:
@@ -357,7 +368,7 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     return _emit_steps(e, out, a.get("out_steps", []))
 
 
-KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "QSoftmax",
+KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "QSoftmax", "QLayerNorm",
                   "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
 
 

@@ -16,7 +16,7 @@ from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, Mat
 from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
 from kiln.tactics.groupnorm_c import (NORMS, GroupNormBf16Tactic, GroupNormNhwcBf16Tactic, GroupNormNhwcTactic,
                                      GroupNormTactic)
-from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic
+from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic, QuantizedLayerNormTactic
 from kiln.tactics.lookup_c import LookupTableTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
 from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTactic, OneDnnBf16Deconv1dTactic,
@@ -73,6 +73,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
                                      "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
                                      "QSoftmax": [QuantizedSoftmaxTactic()],
+                                     "QLayerNorm": [QuantizedLayerNormTactic()],
                                      "QuantizeLinear": [QuantizeLinearTactic()],
                                      "DequantizeLinear": [QuantizeLinearTactic()],
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),

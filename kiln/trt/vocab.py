@@ -70,7 +70,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "Identity": ("Dropout", "Identity"),
     "MatrixMultiply": ("Gemm", "MatMul", "MatMulInteger", "QLinearMatMul", "QGemm", "QMatMul", "DynamicQMatMul"),
     "Normalization": ("GroupNormalization", "InstanceNormalization", "LayerNormalization", "RMSNormalization",
-                      "SkipLayerNormalization"),
+                      "SkipLayerNormalization", "QLayerNorm"),
     "OneHot": ("OneHot",),
     "Padding": ("Pad",),
     "PointWise": ("PointWise",),

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, attention, pooling, Resize, reformat,
-                   # row copies, softmax (FP32, INT8), NCHW 1x1 planes, pointwise, table lookups, INT8
+                   # row copies, softmax and LayerNorm (FP32, INT8), NCHW 1x1 planes, pointwise, table lookups, INT8
     "tests/tactics/test_conv1x1.py::test_matches_float64_convolution",
     "tests/tactics/test_conv1x1.py::test_batched_product_with_separate_weights_per_batch",
     "tests/tactics/test_conv_direct.py::test_matches_float64_convolution",
@@ -39,6 +39,7 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, atten
     "tests/tactics/test_softmax_c.py::test_fp32_equals_torch_on_every_axis",
     "tests/tactics/test_softmax_c.py::test_bf16_storage_computes_in_fp32",
     "tests/tactics/test_softmax_int8.py::test_the_kernel_quantizes_the_softmax_of_the_dequantized_row",
+    "tests/tactics/test_layernorm_int8.py::test_the_residual_sum_is_rounded_to_int8_before_the_norm",
     "tests/tactics/test_lookup_c.py::test_the_kernel_maps_every_byte_through_its_table",
     "tests/precision/test_dynamic_quant.py::test_the_kernel_equals_onnxruntime_at_the_edges_of_the_range",
     "tests/precision/test_dynamic_quant_conv.py::test_the_kernel_pads_with_the_calls_zero_point_as_onnxruntime",

@@ -382,8 +382,9 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
     if native.available():   # the Q/DQ between them runs in generated kernels (but the mask's Where), and the sums
         pointwise = [l for l in layers if l.op_type == "QAdd" or l.op_type == "PointWise" and
                      "Where" not in {step["op"] for step in l.attrs["program"]}]
-        # 17: the probabilities' Q -> DQ is a QuantizeLinear now, its DQ read by the INT8 P.V product
-        assert len(pointwise) == 17
+        # 11: the embeddings' first sum, per layer the mask's sum and three tables, the pooler's Tanh; the residual
+        # sums are inside the INT8 LayerNorms below
+        assert len(pointwise) == 11
         assert {l.tactic_name for l in pointwise if l.op_type == "QAdd"} == {"codegen.pointwise_c_simd"}
         # chains on one INT8 tensor are 256-byte tables: 3 embeddings' requantization, per layer the scores'
         # scaling and the GELU's Q/DQ-separated ops, the pooler's Tanh
@@ -391,3 +392,7 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
         assert len(lookups) == 8 and all(sum(a.kind == "tensor" for a in l.args) == 1 for l in lookups)
         softmaxes = [l for l in layers if "Softmax" in l.op_type]   # DQ -> Softmax -> Q: INT8 in and out
         assert [(l.op_type, l.tactic_name) for l in softmaxes] == [("QSoftmax", "kiln.softmax_int8")] * 2
+        # DQ -> LayerNorm -> Q with the residual QAdd before it: one INT8 layer each (embeddings', 2 per layer)
+        norms = [l for l in layers if "Norm" in l.op_type]
+        assert [(l.op_type, l.tactic_name, "skip_quant" in l.attrs) for l in norms] == \
+            [("QLayerNorm", "kiln.layernorm_rows_int8", True)] * 5

@@ -4,7 +4,8 @@
    and writes its output in bf16 or FP32, as the plan stores them, and computes in FP32; with LN_RMS it is
    RMSNormalization (T5's, LLaMA's): no mean subtracted, 1 / sqrt(mean of squares + eps), no bias. Instance and
    group normalization run the same statistics over each (n, group) row with one scale and bias per channel, or,
-   on channel-major maps, over each group's channels of every pixel; both apply a fused ReLU or SiLU. */
+   on channel-major maps, over each group's channels of every pixel; both apply a fused ReLU or SiLU. The INT8
+   variant (QLayerNorm) reads u8/s8 rows, the residual sum optionally first, and writes u8/s8. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,6 +106,106 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
       #pragma omp simd
       for (int64_t k = 0; k < n; ++k) row[k] = (row[k] - mean) * inv * gamma[k] + (beta ? beta[k] : 0.0f);
       store_row(row, n, io & IO_Y_BF16, y, r * n);
+    }
+    free(row);
+  }
+}
+
+/* INT8 LayerNorm (kiln's QLayerNorm): DequantizeLinear -> LayerNormalization -> QuantizeLinear per row, u8 or s8
+   in and out. With `b`, the post-LN residual sum comes first, as its QuantizeLinear left it: a and b dequantized and
+   added, the sum rounded to INT8 with its own scale, then dequantized with x's. `q` holds the scale and zero point
+   of a, b, the sum, x and y (ten floats); bit k of `types` says a, b, the sum, y (k = 0..3) is s8. Rounding is
+   ONNX's (half to even, saturated); the statistics are kiln_layernorm's. */
+#define Q8_ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
+#define Q8_BLOCK 16384   /* elements summed in int32 before joining the int64 totals: 16384 * 255^2 < 2^31 */
+
+/* A u8 or s8 code as its integer (s8: flip 0x80 and subtract 128, branch-free). */
+#define Q8_INT(byte, s8) ((int32_t)((byte) ^ ((s8) ? 0x80 : 0)) - ((s8) ? 128 : 0))
+
+/* v / scale rounded half to even plus zp, saturated to [lo, hi] (the type's range less zp), as a float. */
+static inline float q8_level(float v, float scale, float zp, float lo, float hi) {
+  v = v / scale;
+  v = v < lo ? lo : v;
+  v = v > hi ? hi : v;
+  return (v + Q8_ROUNDER) - Q8_ROUNDER + zp;
+}
+
+/* row[k] = the k-th level of x less x's zero point (a small integer, exact in float); returns the row's sum and
+   sum of squares of those integers, exactly. No multiply-add contraction here: the residual sum rounds as the
+   graph's two DequantizeLinear and its Add do, so its INT8 level is the model's. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+static void level_row(const uint8_t* restrict a, const uint8_t* restrict b, const float* restrict q, int types,
+                      int64_t n, float* restrict row, int64_t* sum_out, int64_t* squares_out) {
+  const int a8 = types & 1, b8 = types & 2;
+  const float a_scale = q[0], a_zp = q[1], b_scale = q[2], b_zp = q[3], t_scale = q[4], t_zp = q[5];
+  const float t_lo = (types & 4 ? -128.0f : 0.0f) - t_zp, t_hi = (types & 4 ? 127.0f : 255.0f) - t_zp;
+  const int32_t x_zp = (int32_t)q[7];
+  int64_t sum = 0, squares = 0;
+  for (int64_t k0 = 0; k0 < n; k0 += Q8_BLOCK) {
+    const int64_t k1 = k0 + Q8_BLOCK < n ? k0 + Q8_BLOCK : n;
+    int32_t s = 0, s2 = 0;
+    if (!b) {
+      #pragma omp simd reduction(+:s, s2)
+      for (int64_t k = k0; k < k1; ++k) {
+        const int32_t d = Q8_INT(a[k], a8) - x_zp;
+        row[k] = (float)d;
+        s += d;
+        s2 += d * d;
+      }
+    } else {
+      #pragma omp simd reduction(+:s, s2)
+      for (int64_t k = k0; k < k1; ++k) {
+        const float total = ((float)Q8_INT(a[k], a8) - a_zp) * a_scale + ((float)Q8_INT(b[k], b8) - b_zp) * b_scale;
+        const int32_t d = (int32_t)q8_level(total, t_scale, t_zp, t_lo, t_hi) - x_zp;
+        row[k] = (float)d;
+        s += d;
+        s2 += d * d;
+      }
+    }
+    sum += s;
+    squares += s2;
+  }
+  *sum_out = sum;
+  *squares_out = squares;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+/* out[k] = the quantized (row[k] * x_scale - mean) * inv * gamma[k] + beta[k] (no beta: 0). */
+static void quantized_row(const float* restrict row, const float* restrict gamma, const float* restrict beta,
+                          int64_t n, float x_scale, float mean, float inv, const float* restrict q, int s8,
+                          uint8_t* restrict out) {
+  const float y_scale = q[8], y_zp = q[9], lo = (s8 ? -128.0f : 0.0f) - y_zp, hi = (s8 ? 127.0f : 255.0f) - y_zp;
+  if (beta) {
+    #pragma omp simd
+    for (int64_t k = 0; k < n; ++k)   /* s8 stored as its two's-complement byte */
+      out[k] = (uint8_t)(int32_t)q8_level((row[k] * x_scale - mean) * inv * gamma[k] + beta[k], y_scale, y_zp, lo, hi);
+  } else {
+    #pragma omp simd
+    for (int64_t k = 0; k < n; ++k)
+      out[k] = (uint8_t)(int32_t)q8_level((row[k] * x_scale - mean) * inv * gamma[k], y_scale, y_zp, lo, hi);
+  }
+}
+
+void kiln_layernorm_q8(const uint8_t* a, const uint8_t* b, const float* restrict gamma, const float* restrict beta,
+                       uint8_t* y, int64_t rows, int64_t n, double eps, const float* q, int64_t types) {
+  const float x_scale = q[6];
+  #pragma omp parallel if (rows * n >= 32768)
+  {
+    float* row = (float*)malloc(sizeof(float) * n);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t sum, squares;
+      level_row(a + r * n, b ? b + r * n : NULL, q, (int)types, n, row, &sum, &squares);
+      /* the dequantized row's statistics from exact integer sums: n^2 variance = n S2 - S^2 (int64) */
+      const double scale = (double)x_scale, spread = (double)(squares * n - sum * sum) / ((double)n * (double)n);
+      const float mean = (float)(scale * (double)sum / (double)n);
+      const float inv = (float)(1.0 / sqrt(scale * scale * spread + eps));
+      quantized_row(row, gamma, beta, n, x_scale, mean, inv, q, (int)(types & 8), y + r * n);
     }
     free(row);
   }

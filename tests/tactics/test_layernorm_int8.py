@@ -1,0 +1,162 @@
+"""kiln's INT8 LayerNorm (QLayerNorm: DequantizeLinear -> LayerNormalization -> QuantizeLinear, the residual QAdd
+optionally inside; kiln.tactics.layernorm_c) against the formula for each pair of INT8 types, odd and long rows and
+two threads; a quantize_static encoder's residual + LayerNorm against onnxruntime's unfused ops; the layers it
+declines."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.tactics import codegen
+from kiln.tactics.base import LayerView
+from kiln.tactics.layernorm_c import QLAYERNORM_TACTIC, QuantizedLayerNormTactic
+from tests.conftest import make_model, unfused_onnxruntime
+
+pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
+
+TACTIC = QuantizedLayerNormTactic()
+TYPES = {"uint8": torch.uint8, "int8": torch.int8}
+RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
+MID = {"uint8": 128, "int8": 0}
+
+
+def qlayernorm(shape, x_dtype, y_dtype, skip=None, dynamic=(), eps=1e-5, seed=0):
+    """A QLayerNorm view over the last axis: x at scale 0.07, y at 0.03 (zero points near the middle); with `skip`
+    (a's and b's types) the residual sum's quantization at scales that produce ties (0.5, 0.25 -> 0.5)."""
+    n = shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    gamma, beta = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen) * 0.1
+    quant = {"x_scale": 0.5 if skip else 0.07, "x_zero_point": MID[x_dtype] + 3, "x_dtype": x_dtype,
+             "y_scale": 0.03, "y_zero_point": MID[y_dtype] - 5, "y_dtype": y_dtype}
+    attrs = {"axis": -1, "epsilon": eps, "quant": quant}
+    acts = 1
+    if skip:
+        a_dtype, b_dtype = skip
+        attrs["skip_quant"] = {"a_scale": 0.5, "a_zero_point": MID[a_dtype], "b_scale": 0.25,
+                               "b_zero_point": MID[b_dtype] + 1, "y_scale": 0.5, "y_zero_point": MID[x_dtype] + 3,
+                               "a_dtype": a_dtype, "b_dtype": b_dtype, "y_dtype": x_dtype}
+        acts = 2
+    dtypes = (skip or (x_dtype,)) + ("float32", "float32")
+    return LayerView("QLayerNorm", "kiln", attrs, (tuple(shape),) * acts + ((n,), (n,)), dtypes,
+                     {acts: gamma, acts + 1: beta}, (y_dtype,), 17, (dynamic,) * acts + ((), ()))
+
+
+def levels(x: torch.Tensor, scale: float, zp: int, dtype: str) -> torch.Tensor:
+    """ONNX QuantizeLinear's integers (half to even, saturated) of float32 or float64 values."""
+    lo, hi = RANGE[dtype]
+    return (torch.round(x / scale) + zp).clamp(lo, hi)
+
+
+def formula(xs: list[torch.Tensor], view: LayerView, round_the_sum: bool = True) -> torch.Tensor:
+    """The residual sum in float32 as the graph's DequantizeLinear/Add/QuantizeLinear compute it, the LayerNorm in
+    float64, the output quantized (half to even, saturated)."""
+    q, skip = view.attrs["quant"], view.attrs.get("skip_quant")
+    if skip:
+        total = (xs[0].float() - skip["a_zero_point"]) * skip["a_scale"] + \
+            (xs[1].float() - skip["b_zero_point"]) * skip["b_scale"]
+        x = levels(total, skip["y_scale"], skip["y_zero_point"], skip["y_dtype"]) if round_the_sum else \
+            total / q["x_scale"] + q["x_zero_point"]
+    else:
+        x = xs[0].double()
+    acts = 2 if skip else 1
+    v = (x.double() - q["x_zero_point"]) * q["x_scale"]
+    mean, var = v.mean(-1, keepdim=True), v.var(-1, unbiased=False, keepdim=True)
+    gamma, beta = view.const_inputs[acts].double(), view.const_inputs[acts + 1].double()
+    y = (v - mean) / torch.sqrt(var + view.attrs["epsilon"]) * gamma + beta
+    return levels(y, q["y_scale"], q["y_zero_point"], q["y_dtype"]).to(torch.int32)
+
+
+def random_codes(shape, dtype, seed):
+    lo, hi = RANGE[dtype]
+    return torch.randint(lo, hi + 1, shape, dtype=TYPES[dtype], generator=torch.Generator().manual_seed(seed))
+
+
+def run_with_threads(view, xs, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return TACTIC.prepare(view)(xs)[0]
+    finally:
+        torch.set_num_threads(before)
+
+
+def close(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """FP32 statistics against float64: a rare value a step off."""
+    diff = (y.to(torch.int32) - want).abs()
+    return diff.max() <= 1 and (diff == 0).double().mean() >= 0.999
+
+
+@pytest.mark.parametrize("x_dtype,y_dtype", [("uint8", "uint8"), ("int8", "int8"), ("uint8", "int8"),
+                                             ("int8", "uint8")])
+@pytest.mark.parametrize("shape,threads", [((3, 5, 77), 1), ((2, 64, 768), 2), ((2, 20000), 2)])
+def test_the_kernel_quantizes_the_layer_norm_of_the_dequantized_row(x_dtype, y_dtype, shape, threads):
+    view = qlayernorm(shape, x_dtype, y_dtype)
+    assert TACTIC.supports(view)
+    x = random_codes(shape, x_dtype, 1)
+    y = run_with_threads(view, [x], threads)
+    want = formula([x], view)
+    assert y.dtype == TYPES[y_dtype] and y.shape == x.shape and close(y, want)
+    assert len(torch.unique(want)) > 50
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype,x_dtype,y_dtype", [("uint8", "uint8", "uint8", "uint8"),
+                                                             ("int8", "uint8", "int8", "uint8"),
+                                                             ("uint8", "int8", "uint8", "int8")])
+@pytest.mark.parametrize("shape,threads", [((3, 5, 77), 1), ((2, 64, 768), 2)])
+def test_the_residual_sum_is_rounded_to_int8_before_the_norm(a_dtype, b_dtype, x_dtype, y_dtype, shape, threads):
+    """0.5 a + 0.25 b at scale 0.5: a quarter of the sums are ties, rounded half to even as QuantizeLinear does;
+    normalizing the unrounded sum instead would miss the formula."""
+    view = qlayernorm(shape, x_dtype, y_dtype, skip=(a_dtype, b_dtype))
+    assert TACTIC.supports(view)
+    xs = [random_codes(shape, a_dtype, 2), random_codes(shape, b_dtype, 3)]
+    y = run_with_threads(view, xs, threads)
+    assert y.dtype == TYPES[y_dtype] and close(y, formula(xs, view))
+    assert not close(y, formula(xs, view, round_the_sum=False))
+
+
+def residual_layer_norm_model(n=256):
+    """a, b (u8) -> DQ, DQ -> Add -> Q -> DQ -> LayerNormalization -> Q (u8): a post-LN encoder's residual."""
+    h = helper.make_node
+    nodes = [h("DequantizeLinear", ["a", "a_s", "a_z"], ["af"]), h("DequantizeLinear", ["b", "b_s", "b_z"], ["bf"]),
+             h("Add", ["af", "bf"], ["s"], name="add"), h("QuantizeLinear", ["s", "s_s", "s_z"], ["sq"], name="add_q"),
+             h("DequantizeLinear", ["sq", "s_s", "s_z"], ["sf"]),
+             h("LayerNormalization", ["sf", "gamma", "beta"], ["n"], name="ln", axis=-1, epsilon=1e-12),
+             h("QuantizeLinear", ["n", "y_s", "y_z"], ["y"], name="ln_q")]
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(np.float32(v), k) for k, v in
+             (("a_s", 0.043), ("b_s", 0.061), ("s_s", 0.072), ("y_s", 0.047))] + \
+            [numpy_helper.from_array(np.uint8(v), k) for k, v in (("a_z", 131), ("b_z", 120), ("s_z", 127),
+                                                                  ("y_z", 125))] + \
+            [numpy_helper.from_array((rng.random(n) + 0.5).astype(np.float32), "gamma"),
+             numpy_helper.from_array((rng.standard_normal(n) * 0.1).astype(np.float32), "beta")]
+    ins = [helper.make_tensor_value_info(k, TensorProto.UINT8, [1, 128, n]) for k in "ab"]
+    return make_model(nodes, ins, [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 128, n])], inits)
+
+
+def test_an_int8_residual_layer_norm_is_one_layer_matching_onnxruntime():
+    model = residual_layer_norm_model()
+    engine = kiln.build(model, autotune=False)
+    assert [(l.name, l.op_type, l.tactic_name, l.precision) for l in engine.plan.layers] == \
+        [("add + add_q + ln + ln_q", "QLayerNorm", QLAYERNORM_TACTIC, "INT8")]
+    rng = np.random.default_rng(5)
+    feeds = {k: rng.integers(0, 256, (1, 128, 256)).astype(np.uint8) for k in "ab"}
+    got, want = engine.run(feeds)["y"], unfused_onnxruntime(model, feeds)
+    diff = np.abs(got.astype(np.int32) - want)
+    assert got.dtype == np.uint8 and diff.max() <= 1 and (diff == 0).mean() >= 0.999 and len(np.unique(want)) > 50
+    reference = kiln.build(model, tactic_sources="torch", autotune=False)   # QLayerNorm on torch's reference
+    assert [l.tactic_name for l in reference.plan.layers] == ["torch.reference"]
+    assert np.abs(reference.run(feeds)["y"].astype(np.int32) - want).max() <= 1
+
+
+def test_layers_it_declines():
+    """A normalized axis that varies per call (the scale's length is fixed), or FP32 activations."""
+    assert not TACTIC.supports(qlayernorm((2, 16), "uint8", "uint8", dynamic=(1,)))
+    assert TACTIC.supports(qlayernorm((2, 16), "uint8", "uint8", dynamic=(0,)))
+    view = qlayernorm((2, 16), "uint8", "uint8")
+    float_input = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes,
+                            ("float32",) + view.input_dtypes[1:], view.const_inputs, view.output_dtypes, 17,
+                            view.input_dynamic)
+    assert not TACTIC.supports(float_input)
