@@ -69,7 +69,8 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
         is_shape = node.op_type in ("Shape", "Size")
         if is_shape and _reads_dynamic_axes(node):
             continue
-        if not is_shape and not all(v is None or v.is_const for v in node.inputs):
+        through = node.op_type == "QuantizeLinear" and _kept_int8_constant(node.inputs[0])
+        if not is_shape and not through and not all(v is None or v.is_const for v in node.inputs):
             continue
         if node.op_type == "DequantizeLinear" and node.inputs[0].dtype in INT8_TYPES:
             continue   # INT8 weights stay INT8: QuantizeDoubleInputNodes reads them with their scales
@@ -83,9 +84,23 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
         plog.removing(node)
 
 
+def _kept_int8_constant(v) -> bool:
+    """`v` is DequantizeLinear(INT8 constant), which folding keeps for the Q/DQ fusions. A QuantizeLinear reading it
+    is still a constant: quantize_static writes Q(DQ(w)) where an exporter's Identity shared one weight (torch's
+    deduplicated parameters), treating the copy as an activation."""
+    dq = v.producer if v is not None else None
+    return dq is not None and dq.op_type == "DequantizeLinear" and dq.inputs[0].dtype in INT8_TYPES and \
+        all(i is None or i.is_const for i in dq.inputs)
+
+
 def fold_node(g: Graph, node) -> None:
-    """Evaluate `node` on its constant inputs and replace it by the constants it computes."""
+    """Evaluate `node` on its constant inputs and replace it by the constants it computes; an input that is a
+    kept DequantizeLinear of an INT8 constant is evaluated on the way."""
     known = {id(v): torch.from_numpy(np.array(v.const)) for v in node.inputs if v is not None and v.is_const}
+    for v in node.inputs:
+        if v is not None and not v.is_const and _kept_int8_constant(v):
+            consts = {id(i): torch.from_numpy(np.array(i.const)) for i in v.producer.inputs if i is not None}
+            known[id(v)] = evaluate_node(v.producer, consts)[0]
     outs = evaluate_node(node, known)
     g.remove_node(node)
     for v, t in zip(node.outputs, outs):

@@ -171,3 +171,32 @@ def test_dynamic_shapes_int8_weights_outputs_and_huge_constants_do_not_fold():
         """)
     assert run.stat.matches == 0
     assert "ConstantFolding: not folding big: output too large" in run.lines
+
+
+def test_a_quantize_linear_of_a_kept_int8_weight_folds_to_an_int8_constant():
+    """quantize_static's Q(DQ(w)) where an exporter's Identity shared one weight between two layers (torch's
+    deduplicated parameters): the copy is a constant, requantized at build time; the DQ its first layer reads stays
+    for the Q/DQ fusions."""
+    b = IRBuilder()
+    x = b.input("x", (4, 8))
+    w = b.node("DequantizeLinear", [b.const("w_q", np.arange(16).reshape(8, 2) - 8, np.int8),
+                                    b.const("w_scale", 0.5)], "w", (8, 2), dtype=np.float32)
+    copy = b.node("QuantizeLinear", [w, b.const("c_scale", 0.25), b.const("c_zero", 3, np.int8)], "c", (8, 2),
+                  dtype=np.int8)
+    c = b.node("DequantizeLinear", [copy, b.const("c_scale2", 0.25), b.const("c_zero2", 3, np.int8)], "cf", (8, 2),
+               dtype=np.float32)
+    g = b.graph(b.node("MatMul", [x, w], "y", (4, 2)), b.node("MatMul", [x, c], "z", (4, 2)))
+
+    run = run_pass(g, "ConstantFolding", fold_constants, folds_constants=True)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[4x8]):
+          %w: float32[8x2] = DequantizeLinear(const %w_q, const %w_scale)  # w
+          %cf: float32[8x2] = DequantizeLinear(const %c, const %c_scale2, const %c_zero2)  # cf
+          %y: float32[4x2] = MatMul(%x, %w)  # y
+          %z: float32[4x2] = MatMul(%x, %cf)  # z
+          return %y, %z
+        """)
+    assert run.stat.matches == 1
+    want = np.clip(np.round((np.arange(16).reshape(8, 2) - 8) * 0.5 / 0.25) + 3, -128, 127).astype(np.int8)
+    np.testing.assert_array_equal(g.values["c"].const, want)

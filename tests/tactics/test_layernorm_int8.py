@@ -160,3 +160,44 @@ def test_layers_it_declines():
                             ("float32",) + view.input_dtypes[1:], view.const_inputs, view.output_dtypes, 17,
                             view.input_dynamic)
     assert not TACTIC.supports(float_input)
+
+
+def test_a_quantize_static_pre_ln_encoder_runs_its_norms_and_products_in_int8(tmp_path, monkeypatch):
+    """torch's nn.TransformerEncoder (norm_first: each LayerNorm reads the residual stream, which the next sum
+    reads too) clones its layer, so the export shares weights through Identity nodes, which quantize_static wraps
+    in Q(DQ(w)). Every LayerNorm is a QLayerNorm; every product INT8; close to onnxruntime."""
+    import warnings
+
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    from tests.conftest import cosine, force_plan, run_ort
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                torch.nn.LayerNorm(32)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(1, 16, 32),), tmp_path / "pre.onnx", input_names=["x"],
+                          output_names=["y"], opset_version=17, dynamo=False)
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((1, 16, 32)).astype(np.float32)} for _ in range(3)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter(batches[:2])
+
+        def get_next(self):
+            return next(self.feeds, None)
+    quantize_static(str(tmp_path / "pre.onnx"), str(tmp_path / "q.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
+    force_plan(monkeypatch, "kiln")
+    engine = kiln.build(str(tmp_path / "q.onnx"), autotune=False)
+    layers = engine.plan.layers
+    norms = [(l.op_type, l.tactic_name, "skip_quant" in l.attrs) for l in layers if "Norm" in l.op_type]
+    # two per layer read the residual stream; the final one takes the last sum, which nothing else reads
+    assert norms == [("QLayerNorm", QLAYERNORM_TACTIC, False)] * 4 + [("QLayerNorm", QLAYERNORM_TACTIC, True)]
+    assert not {"MatMul", "Gemm", "LayerNormalization"} & {l.op_type for l in layers}
+    assert sum(l.op_type in ("QMatMul", "QGemm") for l in layers) == 12   # 4 by weights, 2 of activations a layer
+    got, want = engine.run(batches[2])["y"], run_ort(str(tmp_path / "q.onnx"), batches[2])[0]
+    assert cosine(got, want) >= 0.999
