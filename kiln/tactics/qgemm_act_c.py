@@ -3,7 +3,8 @@ computes, as a Q/DQ model's attention has them (Q.K^T, then the probabilities ti
 with per-tensor scales and zero points; each image's B is packed into kiln_qgemm's panels on every call (u8 read
 as s8 with its zero point less 128, taken off by the rows' byte sums as weight zero points are) and the images run
 on kiln_qgemm's loop, with its epilogue: requantized u8/s8 or FP32 out, the bias and activation where the passes
-fused them. Leading (batch, head) dimensions must be equal on both inputs; they may vary per call, k may not."""
+fused them. Leading (batch, head) dimensions must be equal on both inputs; they and k (P.V's sequence length)
+may vary per call, a k past the kernel's int32 sums running torch's formula."""
 from __future__ import annotations
 
 import ctypes
@@ -11,6 +12,7 @@ import ctypes
 import torch
 
 from kiln import native
+from kiln.ops import lookup
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.gemm_c import ONE_LINE
 from kiln.tactics.onednn_int8 import unsigned_input
@@ -47,7 +49,7 @@ class QActMatMulTactic:
              (bias is not None and bias.dim() == 1 and bias.numel() == b[-1] and not dynamic_n))
         dyn = (list(layer.input_dynamic[:2]) + [(), ()])[:2]
         lead_ok = {x for x in dyn[0] if x < k_axis - 1} == {x for x in dyn[1] if x < k_axis - 1}   # both vary
-        return not dynamic_k and 0 < a[-1] <= MAX_K_ZERO_POINTS and extra_ok and lead_ok and \
+        return (dynamic_k or 0 < a[-1] <= MAX_K_ZERO_POINTS) and extra_ok and lead_ok and \
             q.get("y_dtype", "uint8") in INT8 and q.get("mid_dtype", "uint8") in INT8 and \
             fused_activation(layer.attrs.get("activation")) is not None and vnni_available()
 
@@ -64,6 +66,8 @@ class QActMatMulTactic:
         b_unsigned = int(layer.input_dtypes[1] == "uint8")
         out_dtype = INT8[output_type(q)] if output_type(q) else torch.float32
         calls = _calls(layer)
+        bias = [layer.const_inputs[2]] if 2 in layer.const_inputs else []
+        reference = lookup("QMatMul", "kiln").impl
 
         def run(xs):
             a, b = (x if x.is_contiguous() else x.contiguous() for x in xs[:2])
@@ -71,6 +75,8 @@ class QActMatMulTactic:
             n = b.shape[-1]
             if tuple(b.shape[:-1]) != (*lead, k):   # the kernel reads one B per A image: never past B's end
                 raise ValueError(f"INT8 product: B's shape {list(b.shape)} does not follow A's {list(a.shape)}")
+            if not 0 < k <= MAX_K_ZERO_POINTS:   # a sequence length past the int32 sums (or none): torch's way
+                return reference(layer.attrs, [a, b] + bias)
             y = torch.empty((*lead, m, n), dtype=out_dtype)
             if y.numel():
                 call = calls(int(torch.Size(lead).numel()), m, k, n)   # held (alive) until the call returns

@@ -104,8 +104,6 @@ def test_the_kernel_declines_what_it_cannot_run():
     assert tactic.supports(view)
     broadcast = LayerView(view.op_type, view.domain, view.attrs, ((2, 3, 13, 37), (1, 3, 37, 45)),
                           view.input_dtypes, {}, view.output_dtypes)
-    dynamic_k = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes, {},
-                          view.output_dtypes, input_dynamic=((3,), (2,)))
     const_b = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes,
                         {1: torch.zeros(view.input_shapes[1], dtype=torch.uint8)}, view.output_dtypes)
     q = {**view.attrs["quant"], "w_scale": [0.03, 0.04]}
@@ -133,12 +131,33 @@ def test_the_kernel_declines_what_it_cannot_run():
     declined = {"a 16-bit mid rounding": with_quant(mid_dtype="int16", mid_scale=0.1, mid_zero_point=0),
                 "per-column B zero points": with_quant(w_zero_point=[0, 1]),
                 "an x type other than A's": with_quant(x_dtype="uint8" if view.input_dtypes[0] == "int8" else "int8"),
-                "broadcast lead dims": broadcast, "dynamic k": dynamic_k, "constant B": const_b,
+                "broadcast lead dims": broadcast, "constant B": const_b,
                 "per-channel B": per_channel, "one side dynamic": one_side_dynamic, "short bias": short_bias,
                 "an activation the epilogue lacks": sigmoid, "a residual": residual, "k past int32 sums": long_k,
                 "an int32 B": int32_b, "a 16-bit output": wide_output}
     for name, layer in declined.items():
         assert not tactic.supports(layer), name
+
+
+@needs_vnni
+def test_k_may_vary_per_call_and_past_int32_sums_runs_torchs_formula():
+    """P.V of a dynamic sequence: k is the probabilities' last axis and V's rows, read per call. A k whose exact
+    sums could pass int32 runs torch's formula (float32 sums: within a step of the exact one)."""
+    view, _, _ = act_case("probabilities_by_values")
+    view = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes, {},
+                     view.output_dtypes, input_dynamic=((1, 2), (1,)))   # the sequence: m and k; n is static
+    tactic = QActMatMulTactic()
+    assert tactic.supports(view)
+    run = tactic.prepare(view)
+    g = torch.Generator().manual_seed(7)
+    for seq in (5, 24, 61, MAX_K_ZERO_POINTS + 1):
+        a, b = rand_q((3, min(seq, 8), seq), "uint8", g), rand_q((3, seq, 16), "uint8", g)
+        a[..., 61:] = 0   # the zero point: a long row's tail adds nothing, so the outputs stay in range
+        got, want = run([a, b])[0], act_formula(view, a, b)
+        if seq <= MAX_K_ZERO_POINTS:
+            assert torch.equal(got.float(), want.float()), seq
+        else:
+            assert (got.float() - want.float()).abs().max() <= 1 and torch.unique(want).numel() > 5
 
 
 @needs_vnni
