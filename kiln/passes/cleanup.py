@@ -69,7 +69,8 @@ def fold_constants(g: Graph, plog: PassLog) -> None:
         is_shape = node.op_type in ("Shape", "Size")
         if is_shape and _reads_dynamic_axes(node):
             continue
-        through = node.op_type == "QuantizeLinear" and _kept_int8_constant(node.inputs[0])
+        through = node.op_type == "QuantizeLinear" and _kept_int8_constant(node.inputs[0]) and \
+            all(v is None or v.is_const for v in node.inputs[1:])
         if not is_shape and not through and not all(v is None or v.is_const for v in node.inputs):
             continue
         if node.op_type == "DequantizeLinear" and node.inputs[0].dtype in INT8_TYPES:

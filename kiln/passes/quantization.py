@@ -283,8 +283,8 @@ def fuse_quantized_layer_norm(g: Graph, plog: PassLog) -> None:
 
 
 def _residual_sum(g: Graph, add: Node | None, dq: Node, ln: Node) -> bool:
-    """`add` a QAdd without activation of two same-shape INT8 tensors whose sum only `dq` reads, and `dq` only
-    `ln`: the sum is needed nowhere else."""
+    """`add` a QAdd without activation of two same-shape tensors (QAdd's inputs are INT8 by construction) whose
+    sum only `dq` reads, and `dq` only `ln`: the sum is needed nowhere else."""
     if add is None or add.op_type != "QAdd" or add.domain != "kiln" or add.attrs.get("activation"):
         return False
     a, b, total = add.inputs[0], add.inputs[1], add.outputs[0]

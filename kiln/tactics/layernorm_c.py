@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kiln import hardware, native
+from kiln.ops.fused import quantized_layer_norm
 from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, bf16_io, storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
@@ -42,11 +43,13 @@ def _geometry(layer: LayerView) -> tuple[int, int] | None:
         return None
     axis = layer.attrs.get("axis", -1) % len(x)
     dynamic = [set(d) for d in layer.input_dynamic[:first]] if layer.input_dynamic else []
-    if any(k >= axis for d in dynamic for k in d) or (skip and len(dynamic) == 2 and dynamic[0] != dynamic[1]):
+    if any(k >= axis for d in dynamic for k in d) or (first == 2 and len(dynamic) == 2 and dynamic[0] != dynamic[1]):
         return None   # the normalized axes must be static, and x and skip vary alike
     n = 1
     for d in x[axis:]:
         n *= d
+    if n == 0:
+        return None
     params = [i for i in range(first, len(layer.input_shapes)) if layer.input_shapes[i] is not None]
     if first not in params or any(i not in layer.const_inputs or layer.const_inputs[i].numel() != n
                                   or layer.const_inputs[i].dtype != torch.float32 for i in params):
@@ -146,12 +149,14 @@ class QuantizedLayerNormTactic(LayerNormTactic):
         q, skip = layer.attrs.get("quant", {}), layer.attrs.get("skip_quant") or {}
         dtypes = [q.get("x_dtype"), q.get("y_dtype")] + [skip.get(k) for k in ("a_dtype", "b_dtype", "y_dtype")
                                                            if skip]
-        return all(d in INT8_DTYPES for d in dtypes) and native.available()
+        same_x = not skip or skip.get("y_dtype") == q.get("x_dtype")   # the sum's type is what x is read as
+        return all(d in INT8_DTYPES for d in dtypes) and same_x and native.available()
 
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("layernorm")
         n, first, gamma, beta, eps = _params(layer)
         q, skip = layer.attrs["quant"], layer.attrs.get("skip_quant")
+        params_as_given = [layer.const_inputs[first], layer.const_inputs.get(first + 1)]
         inputs = (skip, "a", skip, "b", skip, "y") if skip else (q, "x", q, "x", q, "x")
         pairs = [(d[f"{k}_scale"], d[f"{k}_zero_point"]) for d, k in zip(inputs[::2], inputs[1::2])]
         params = torch.tensor([v for pair in pairs + [(q["x_scale"], q["x_zero_point"]),
@@ -164,6 +169,8 @@ class QuantizedLayerNormTactic(LayerNormTactic):
         def run(xs):
             a = xs[0].contiguous()
             b = xs[1].contiguous() if first == 2 else None
+            if b is not None and b.shape != a.shape:   # the kernel reads one row of b per row of a
+                return quantized_layer_norm(layer.attrs, list(xs[:2]) + params_as_given)
             y = torch.empty(a.shape, dtype=out_dtype)
             lib.kiln_layernorm_q8(a.data_ptr(), None if b is None else b.data_ptr(), gamma.data_ptr(),
                                   None if beta is None else beta.data_ptr(), y.data_ptr(), a.numel() // n, n, eps,

@@ -200,3 +200,14 @@ def test_a_quantize_linear_of_a_kept_int8_weight_folds_to_an_int8_constant():
     assert run.stat.matches == 1
     want = np.clip(np.round((np.arange(16).reshape(8, 2) - 8) * 0.5 / 0.25) + 3, -128, 127).astype(np.int8)
     np.testing.assert_array_equal(g.values["c"].const, want)
+
+
+def test_a_quantize_linear_with_a_computed_scale_does_not_fold():
+    b = IRBuilder()
+    scale = b.input("scale", ())
+    w = b.node("DequantizeLinear", [b.const("w_q", np.ones((8, 2)), np.int8), b.const("w_scale", 0.5)], "w", (8, 2),
+               dtype=np.float32)
+    g = b.graph(b.node("QuantizeLinear", [w, scale], "c", (8, 2), dtype=np.uint8))
+    before = str(g)
+    run = run_pass(g, "ConstantFolding", fold_constants)
+    assert str(g) == before and run.stat.matches == 0

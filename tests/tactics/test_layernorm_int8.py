@@ -23,13 +23,14 @@ RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
 MID = {"uint8": 128, "int8": 0}
 
 
-def qlayernorm(shape, x_dtype, y_dtype, skip=None, dynamic=(), eps=1e-5, seed=0):
+def qlayernorm(shape, x_dtype, y_dtype, skip=None, dynamic=(), eps=1e-5, seed=0, bias=True):
     """A QLayerNorm view over the last axis: x at scale 0.07, y at 0.03 (zero points near the middle); with `skip`
-    (a's and b's types) the residual sum's quantization at scales that produce ties (0.5, 0.25 -> 0.5)."""
+    (a's and b's types) the residual sum's quantization at scales that produce ties (0.5, 0.25 -> 0.5), read
+    back at x's (0.45, another zero point: each parameter in its own slot)."""
     n = shape[-1]
     gen = torch.Generator().manual_seed(seed)
     gamma, beta = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen) * 0.1
-    quant = {"x_scale": 0.5 if skip else 0.07, "x_zero_point": MID[x_dtype] + 3, "x_dtype": x_dtype,
+    quant = {"x_scale": 0.45 if skip else 0.07, "x_zero_point": MID[x_dtype] + 1, "x_dtype": x_dtype,
              "y_scale": 0.03, "y_zero_point": MID[y_dtype] - 5, "y_dtype": y_dtype}
     attrs = {"axis": -1, "epsilon": eps, "quant": quant}
     acts = 1
@@ -39,9 +40,11 @@ def qlayernorm(shape, x_dtype, y_dtype, skip=None, dynamic=(), eps=1e-5, seed=0)
                                "b_zero_point": MID[b_dtype] + 1, "y_scale": 0.5, "y_zero_point": MID[x_dtype] + 3,
                                "a_dtype": a_dtype, "b_dtype": b_dtype, "y_dtype": x_dtype}
         acts = 2
-    dtypes = (skip or (x_dtype,)) + ("float32", "float32")
-    return LayerView("QLayerNorm", "kiln", attrs, (tuple(shape),) * acts + ((n,), (n,)), dtypes,
-                     {acts: gamma, acts + 1: beta}, (y_dtype,), 17, (dynamic,) * acts + ((), ()))
+    params = 2 if bias else 1
+    dtypes = (skip or (x_dtype,)) + ("float32",) * params
+    consts = {acts: gamma, **({acts + 1: beta} if bias else {})}
+    return LayerView("QLayerNorm", "kiln", attrs, (tuple(shape),) * acts + ((n,),) * params, dtypes, consts,
+                     (y_dtype,), 17, (dynamic,) * acts + ((),) * params)
 
 
 def levels(x: torch.Tensor, scale: float, zp: int, dtype: str) -> torch.Tensor:
@@ -64,7 +67,8 @@ def formula(xs: list[torch.Tensor], view: LayerView, round_the_sum: bool = True)
     acts = 2 if skip else 1
     v = (x.double() - q["x_zero_point"]) * q["x_scale"]
     mean, var = v.mean(-1, keepdim=True), v.var(-1, unbiased=False, keepdim=True)
-    gamma, beta = view.const_inputs[acts].double(), view.const_inputs[acts + 1].double()
+    gamma = view.const_inputs[acts].double()
+    beta = view.const_inputs[acts + 1].double() if acts + 1 in view.const_inputs else 0.0
     y = (v - mean) / torch.sqrt(var + view.attrs["epsilon"]) * gamma + beta
     return levels(y, q["y_scale"], q["y_zero_point"], q["y_dtype"]).to(torch.int32)
 
@@ -105,11 +109,14 @@ def test_the_kernel_quantizes_the_layer_norm_of_the_dequantized_row(x_dtype, y_d
 @pytest.mark.parametrize("a_dtype,b_dtype,x_dtype,y_dtype", [("uint8", "uint8", "uint8", "uint8"),
                                                              ("int8", "uint8", "int8", "uint8"),
                                                              ("uint8", "int8", "uint8", "int8")])
-@pytest.mark.parametrize("shape,threads", [((3, 5, 77), 1), ((2, 64, 768), 2)])
-def test_the_residual_sum_is_rounded_to_int8_before_the_norm(a_dtype, b_dtype, x_dtype, y_dtype, shape, threads):
+@pytest.mark.parametrize("shape,threads,bias", [((3, 5, 77), 1, True), ((2, 64, 768), 2, True),
+                                               ((2, 20000), 2, False)])
+def test_the_residual_sum_is_rounded_to_int8_before_the_norm(a_dtype, b_dtype, x_dtype, y_dtype, shape, threads,
+                                                             bias):
     """0.5 a + 0.25 b at scale 0.5: a quarter of the sums are ties, rounded half to even as QuantizeLinear does;
-    normalizing the unrounded sum instead would miss the formula."""
-    view = qlayernorm(shape, x_dtype, y_dtype, skip=(a_dtype, b_dtype))
+    normalizing the unrounded sum instead would miss the formula. Rows longer than the kernel's int32 blocks, and
+    a LayerNorm without bias, too."""
+    view = qlayernorm(shape, x_dtype, y_dtype, skip=(a_dtype, b_dtype), bias=bias)
     assert TACTIC.supports(view)
     xs = [random_codes(shape, a_dtype, 2), random_codes(shape, b_dtype, 3)]
     y = run_with_threads(view, xs, threads)
@@ -160,6 +167,16 @@ def test_layers_it_declines():
                             ("float32",) + view.input_dtypes[1:], view.const_inputs, view.output_dtypes, 17,
                             view.input_dynamic)
     assert not TACTIC.supports(float_input)
+
+
+def test_a_residual_that_broadcasts_at_run_time_is_computed_not_read_past_its_end():
+    """The kernel reads one row of b per row of a; a b of another shape (a batch axis both vary in, 1 in b) runs
+    torch's formula instead, broadcasting as the QAdd would."""
+    view = qlayernorm((2, 16), "uint8", "uint8", skip=("uint8", "uint8"), dynamic=(0,))
+    assert TACTIC.supports(view)
+    a, b = random_codes((3, 16), "uint8", 6), random_codes((1, 16), "uint8", 7)
+    y = TACTIC.prepare(view)([a, b])[0]
+    assert y.shape == (3, 16) and close(y, formula([a, b], view))
 
 
 def test_a_quantize_static_pre_ln_encoder_runs_its_norms_and_products_in_int8(tmp_path, monkeypatch):

@@ -115,17 +115,19 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
    in and out. With `b`, the post-LN residual sum comes first, as its QuantizeLinear left it: a and b dequantized and
    added, the sum rounded to INT8 with its own scale, then dequantized with x's. `q` holds the scale and zero point
    of a, b, the sum, x and y (ten floats); bit k of `types` says a, b, the sum, y (k = 0..3) is s8. Rounding is
-   ONNX's (half to even, saturated); the statistics are kiln_layernorm's. */
+   ONNX's (half to even, saturated; NaN to the type's lowest value); the statistics come from exact integer sums
+   of the row's levels (mean and variance in double, as kiln_layernorm's two passes would find them). */
 #define Q8_ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
 #define Q8_BLOCK 16384   /* elements summed in int32 before joining the int64 totals: 16384 * 255^2 < 2^31 */
 
 /* A u8 or s8 code as its integer (s8: flip 0x80 and subtract 128, branch-free). */
 #define Q8_INT(byte, s8) ((int32_t)((byte) ^ ((s8) ? 0x80 : 0)) - ((s8) ? 128 : 0))
 
-/* v / scale rounded half to even plus zp, saturated to [lo, hi] (the type's range less zp), as a float. */
+/* v / scale rounded half to even plus zp, saturated to [lo, hi] (the type's range less zp; NaN to lo), as a
+   float. */
 static inline float q8_level(float v, float scale, float zp, float lo, float hi) {
   v = v / scale;
-  v = v < lo ? lo : v;
+  v = !(v >= lo) ? lo : v;
   v = v > hi ? hi : v;
   return (v + Q8_ROUNDER) - Q8_ROUNDER + zp;
 }
@@ -139,6 +141,9 @@ static inline float q8_level(float v, float scale, float zp, float lo, float hi)
 #endif
 static void level_row(const uint8_t* restrict a, const uint8_t* restrict b, const float* restrict q, int types,
                       int64_t n, float* restrict row, int64_t* sum_out, int64_t* squares_out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
   const int a8 = types & 1, b8 = types & 2;
   const float a_scale = q[0], a_zp = q[1], b_scale = q[2], b_zp = q[3], t_scale = q[4], t_zp = q[5];
   const float t_lo = (types & 4 ? -128.0f : 0.0f) - t_zp, t_hi = (types & 4 ? 127.0f : 255.0f) - t_zp;
@@ -194,6 +199,7 @@ static void quantized_row(const float* restrict row, const float* restrict gamma
 void kiln_layernorm_q8(const uint8_t* a, const uint8_t* b, const float* restrict gamma, const float* restrict beta,
                        uint8_t* y, int64_t rows, int64_t n, double eps, const float* q, int64_t types) {
   const float x_scale = q[6];
+  if (rows <= 0 || n <= 0) return;
   #pragma omp parallel if (rows * n >= 32768)
   {
     float* row = (float*)malloc(sizeof(float) * n);
@@ -202,7 +208,8 @@ void kiln_layernorm_q8(const uint8_t* a, const uint8_t* b, const float* restrict
       int64_t sum, squares;
       level_row(a + r * n, b ? b + r * n : NULL, q, (int)types, n, row, &sum, &squares);
       /* the dequantized row's statistics from exact integer sums: n^2 variance = n S2 - S^2 (int64) */
-      const double scale = (double)x_scale, spread = (double)(squares * n - sum * sum) / ((double)n * (double)n);
+      const __int128 spread_n2 = (__int128)squares * n - (__int128)sum * sum;   /* n S2 passes int64 past n ~ 1e7 */
+      const double scale = (double)x_scale, spread = (double)spread_n2 / ((double)n * (double)n);
       const float mean = (float)(scale * (double)sum / (double)n);
       const float inv = (float)(1.0 / sqrt(scale * scale * spread + eps));
       quantized_row(row, gamma, beta, n, x_scale, mean, inv, q, (int)(types & 8), y + r * n);
