@@ -13,6 +13,7 @@
 
 #include "activation.h"
 #include "parallel.h"
+#include "rounding.h"
 #include "simd.h"
 
 /* (mean, 1 / sqrt(variance + eps)) of one row. */
@@ -117,19 +118,15 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
    of a, b, the sum, x and y (ten floats); bit k of `types` says a, b, the sum, y (k = 0..3) is s8. Rounding is
    ONNX's (half to even, saturated; NaN to the type's lowest value); the statistics come from exact integer sums
    of the row's levels (mean and variance in double, as kiln_layernorm's two passes would find them). */
-#define Q8_ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
 #define Q8_BLOCK 16384   /* elements summed in int32 before joining the int64 totals: 16384 * 255^2 < 2^31 */
 
 /* A u8 or s8 code as its integer (s8: flip 0x80 and subtract 128, branch-free). */
 #define Q8_INT(byte, s8) ((int32_t)((byte) ^ ((s8) ? 0x80 : 0)) - ((s8) ? 128 : 0))
 
 /* v / scale rounded half to even plus zp, saturated to [lo, hi] (the type's range less zp; NaN to lo), as a
-   float. */
+   float (rounding.h). */
 static inline float q8_level(float v, float scale, float zp, float lo, float hi) {
-  v = v / scale;
-  v = !(v >= lo) ? lo : v;
-  v = v > hi ? hi : v;
-  return (v + Q8_ROUNDER) - Q8_ROUNDER + zp;
+  return saturated_level(v / scale, zp, lo, hi);
 }
 
 /* row[k] = the k-th level of x less x's zero point (a small integer, exact in float); returns the row's sum and

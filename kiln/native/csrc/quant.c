@@ -5,21 +5,18 @@
    lookups that run an elementwise chain on an INT8 input. */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "rounding.h"
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 
 #define BLOCK 4096   /* elements per OpenMP work unit */
 #define PARALLEL_MIN 32768   /* fewer elements run on the calling thread: waking the team costs more than they do */
-#define ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
 
-/* x / scale + zp, saturated to [lo, hi] and rounded half to even: clamping first keeps |v| small for ROUNDER
-   (clamping before or after rounding gives the same integer since lo and hi are integers). */
+/* x / scale + zp, saturated to [lo, hi] and rounded half to even (rounding.h). */
 static inline float quantized(float x, float scale, float zp, float lo, float hi) {
-  float v = x / scale;
-  v = v < lo - zp ? lo - zp : v;
-  v = v > hi - zp ? hi - zp : v;
-  return (v + ROUNDER) - ROUNDER + zp;
+  return saturated_level(x / scale, zp, lo - zp, hi - zp);
 }
 
 /* One elementwise function over `count` elements, `y[i] = EXPR` (of x[i]), OpenMP over blocks of BLOCK. */

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "rounding.h"
 #include "simd.h"
 
 #define SM_LOG 4   /* `io` bit above bf16.h's IO_X_BF16/IO_Y_BF16: LogSoftmax */
@@ -176,7 +177,6 @@ void kiln_softmax(const void* x, void* y, int64_t outer, int64_t n, int64_t inne
    u8/s8 is widened to FP32 on the stack, its exponentials kept there, and each probability quantized as ONNX
    does (p / scale rounded half to even, plus the zero point, saturated). `types`: bit 0 the input is s8, bit 1
    the output is. Rows longer than KEPT are the caller's to compute (kiln.tactics.softmax_c), as are empty ones. */
-#define ROUNDER 12582912.0f   /* 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 half to even */
 
 static void softmax_row_q8(const uint8_t* x, uint8_t* y, int64_t n, float x_scale, float x_zp, float y_scale,
                            float y_zp, int types) {
@@ -198,9 +198,7 @@ static void softmax_row_q8(const uint8_t* x, uint8_t* y, int64_t n, float x_scal
   }
   const float inverse = 1.0f / h_sum(s);
   for (int64_t j = 0; j < n; ++j) {
-    float v = row[j] * inverse / y_scale;
-    v = v < lo ? lo : (v > hi ? hi : v);
-    const int32_t q = (int32_t)((v + ROUNDER) - ROUNDER + y_zp);
+    const int32_t q = (int32_t)saturated_level(row[j] * inverse / y_scale, y_zp, lo, hi);
     y[j] = (uint8_t)q;   /* s8 stored as its two's-complement byte */
   }
 }
