@@ -24,8 +24,11 @@ FOUR_BIT_TO_NUMPY: dict[int, np.dtype] = {TensorProto.INT4: np.dtype("int8"), Te
 
 def widen_four_bit(value: np.ndarray) -> np.ndarray:
     """A 4-bit array (onnx reads INT4/UINT4 tensors as ml_dtypes' int4/uint4) as int8/uint8; any other unchanged."""
-    widened = {"int4": np.dtype("int8"), "uint4": np.dtype("uint8")}.get(value.dtype.name)
+    widened = _WIDENED.get(value.dtype.name)
     return value if widened is None else value.astype(widened)
+
+
+_WIDENED = {"int4": np.dtype("int8"), "uint4": np.dtype("uint8")}
 
 NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype("float32"): torch.float32,
@@ -40,6 +43,7 @@ NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype("bfloat16"): torch.bfloat16,   # ml_dtypes' (kiln.plan.model): tensors stored in BF16 between layers
 }
 TORCH_TO_NUMPY = {t: n for n, t in NUMPY_TO_TORCH.items()}
+INT8_TORCH: dict[str, torch.dtype] = {"uint8": torch.uint8, "int8": torch.int8}   # kiln's INT8 layers' types by name
 
 def onnx_to_numpy(elem_type: int, where: str) -> np.dtype:
     from kiln.errors import ModelError

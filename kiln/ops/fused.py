@@ -83,8 +83,7 @@ def dequantized_weights(attrs, w: torch.Tensor) -> torch.Tensor:
 def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: list) -> torch.Tensor:
     """An INT8 layer: dequantize the input, run the float op with (already dequantized) weights `w`, then
     quantize with the output scale if the layer has one (else the output stays FP32)."""
-    from kiln.ops.dtypes import to_torch_dtype
-    from kiln.ops.quantize import dequantize, quantize
+    from kiln.ops.quantize import dequantize
 
     q = attrs["quant"]
     x = dequantize(x_q, q["x_scale"], q["x_zero_point"])
@@ -95,8 +94,16 @@ def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: li
     else:
         y = OPS[base].impl(attrs, [x, w] + list(rest))[0]   # the base op ignores the extra "quant" attribute
     if "y_scale" in q:
-        y = quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))
+        y = requantized(y, q)
     return y
+
+
+def requantized(y: torch.Tensor, q: dict) -> torch.Tensor:
+    """`y` quantized at a layer's output scale, zero point and type (quant's y_*)."""
+    from kiln.ops.dtypes import to_torch_dtype
+    from kiln.ops.quantize import quantize
+
+    return quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))
 
 
 def _rounded_before_bias(base: str, attrs, x: torch.Tensor, w: torch.Tensor, rest: list) -> torch.Tensor:
@@ -187,40 +194,37 @@ def _centre_weights_once(attrs, consts: dict) -> dict:
 
 def quantized_add(attrs, xs):
     """INT8 residual add: dequantize both inputs, add, activation, quantize with the output scale."""
-    from kiln.ops.dtypes import to_torch_dtype
     from kiln.ops.nn import apply_activation
-    from kiln.ops.quantize import dequantize, quantize
+    from kiln.ops.quantize import dequantize
 
     q = attrs["quant"]
     y = dequantize(xs[0], q["a_scale"], q["a_zero_point"]) + dequantize(xs[1], q["b_scale"], q["b_zero_point"])
     y = apply_activation(attrs.get("activation"), y)
-    return [quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
+    return [requantized(y, q)]
 
 
 def quantized_softmax(attrs, xs):
     """INT8 Softmax: dequantize, softmax along `axis` in FP32, quantize with the output scale."""
-    from kiln.ops.dtypes import to_torch_dtype
-    from kiln.ops.quantize import dequantize, quantize
+    from kiln.ops.quantize import dequantize
 
     q = attrs["quant"]
     p = torch.softmax(dequantize(xs[0], q["x_scale"], q["x_zero_point"]), dim=attrs.get("axis", -1))
-    return [quantize(p, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
+    return [requantized(p, q)]
 
 
 def quantized_layer_norm(attrs, xs):
     """INT8 LayerNormalization over the axes from `axis`: dequantize, normalize in FP32, quantize with the output
     scale. With `skip_quant` the first two inputs are a residual sum's, added and quantized as that QAdd would
     (its INT8 result is what the normalization reads); the scale and bias follow."""
-    from kiln.ops.dtypes import to_torch_dtype
     from kiln.ops.norm_resize import layer_norm
-    from kiln.ops.quantize import dequantize, quantize
+    from kiln.ops.quantize import dequantize
 
     q, skip = attrs["quant"], attrs.get("skip_quant")
     x = quantized_add({"quant": skip}, xs[:2])[0] if skip else xs[0]
     rest = xs[2:] if skip else xs[1:]
     y = layer_norm({k: attrs[k] for k in ("axis", "epsilon") if k in attrs},
                    [dequantize(x, q["x_scale"], q["x_zero_point"])] + list(rest))[0]
-    return [quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))]
+    return [requantized(y, q)]
 
 
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)

@@ -74,8 +74,8 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
                  "w_zero_point": zw.reshape(-1).astype(int).tolist(), "w_axis": int(dqw.attrs.get("axis", 1))}
         nodes, out = [node], node.outputs[0]
         q = sole_consumer(g, node)
-        if _output_quant(q) is not None:
-            quant.update(_output_quant(q))
+        if (y := _output_quant(q)) is not None:
+            quant.update(y)
             nodes, out = [node, q], q.outputs[0]
             plog.fusing(node, q)
         else:
@@ -130,7 +130,7 @@ def _blocker(dqx: Node | None, dqw: Node, op_type: str) -> str | None:
                    "of two activations takes equal ranks of at least 2"
     elif pw is None or not dqw.inputs[0].is_const:
         return "the weights are not constant INT8 with constant scales"
-    if np.dtype(dqw.inputs[0].dtype) not in (np.dtype(np.int8), np.dtype(np.uint8)):
+    if str(dqw.inputs[0].dtype) not in INT8_TYPES:
         return f"a second input of type {dqw.inputs[0].dtype} is not INT8"
     return None
 
@@ -212,6 +212,16 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
         remove_dead(g, dqs)   # the sum reads the INT8 tensors: the producers' sole consumer is the sum again
 
 
+def _int8_io_blocker(x_params: tuple | None, x_dtype: str, y_quant: dict | None) -> str | None:
+    """Why an op between a DequantizeLinear and a QuantizeLinear (softmax, LayerNorm) cannot run INT8 in and out;
+    None where it can."""
+    if y_quant is None or y_quant["y_dtype"] not in INT8_TYPES:
+        return "no per-tensor INT8 QuantizeLinear is its only reader"
+    if x_params is None or x_dtype not in INT8_TYPES:
+        return "the input's DequantizeLinear is not per-tensor INT8"
+    return None
+
+
 def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
     """INT8 Softmax (TensorRT's int8 softmax inside its fused attention)::
 
@@ -227,10 +237,8 @@ def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
         rank = len(sm.inputs[0].shape)
         axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
         x_params, y_quant, x_dtype = _scalar_params(dq), _output_quant(q), str(dq.inputs[0].dtype)
-        reason = "no per-tensor INT8 QuantizeLinear is its only reader" if y_quant is None or \
-            y_quant["y_dtype"] not in INT8_TYPES else \
-            "the input's DequantizeLinear is not per-tensor INT8" if x_params is None or x_dtype not in INT8_TYPES \
-            else f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None
+        reason = _int8_io_blocker(x_params, x_dtype, y_quant) or \
+            (f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None)
         if reason:
             plog.not_fused(sm, q.name if q is not None else "its consumers", reason + ": it stays FP32")
             continue
@@ -258,14 +266,7 @@ def fuse_quantized_layer_norm(g: Graph, plog: PassLog) -> None:
         plog.running(ln)
         q = ln.outputs[0].users[0] if len(ln.outputs[0].users) == 1 and not g.is_output(ln.outputs[0]) else None
         x_params, y_quant, x_dtype = _scalar_params(dq), _output_quant(q), str(dq.inputs[0].dtype)
-        reason = "no per-tensor INT8 QuantizeLinear is its only reader" if y_quant is None or \
-            y_quant["y_dtype"] not in INT8_TYPES else \
-            "the input's DequantizeLinear is not per-tensor INT8" if x_params is None or x_dtype not in INT8_TYPES \
-            else "its mean or inverse standard deviation output is read" if any(
-                o.users or g.is_output(o) for o in ln.outputs[1:]) \
-            else "its scale or bias is not an FP32 constant" if any(
-                v is not None and (not v.is_const or str(v.dtype) != "float32") for v in ln.inputs[1:]) \
-            else "it computes in a stash type other than FP32" if ln.attrs.get("stash_type", 1) != 1 else None
+        reason = _int8_io_blocker(x_params, x_dtype, y_quant) or _layer_norm_blocker(g, ln)
         if reason:
             plog.not_fused(ln, q.name if q is not None else "its consumers", reason + ": it stays FP32")
             continue
@@ -280,6 +281,17 @@ def fuse_quantized_layer_norm(g: Graph, plog: PassLog) -> None:
         origin = _dq_origins(g, [dq], nodes) + tuple(o for n in nodes for o in n.origin)
         replace_nodes(g, nodes, Node(_layer_name(nodes), "QLayerNorm", inputs, [q.outputs[0]], attrs, "kiln", origin))
         remove_dead(g, [dq])
+
+
+def _layer_norm_blocker(g: Graph, ln: Node) -> str | None:
+    """Why a LayerNormalization between INT8 Q/DQ stays FP32 (beyond its quantization); None where it need not."""
+    if any(o.users or g.is_output(o) for o in ln.outputs[1:]):
+        return "its mean or inverse standard deviation output is read"
+    if any(v is not None and (not v.is_const or str(v.dtype) != "float32") for v in ln.inputs[1:]):
+        return "its scale or bias is not an FP32 constant"
+    if ln.attrs.get("stash_type", 1) != 1:
+        return "it computes in a stash type other than FP32"
+    return None
 
 
 def _residual_sum(g: Graph, add: Node | None, dq: Node, ln: Node) -> bool:
@@ -448,8 +460,8 @@ def _fuse_requantized_bias(g: Graph, plog: PassLog, layer: Node, dq: Node, add: 
     nodes, attrs, nxt = [layer, dq, add], dict(layer.attrs), sole_consumer(g, add)
     if nxt is not None and activation_spec(g, nxt) is not None:
         attrs["activation"], nodes, nxt = activation_spec(g, nxt), nodes + [nxt], sole_consumer(g, nxt)
-    if _output_quant(nxt) is not None:
-        q.update(_output_quant(nxt))
+    if (y := _output_quant(nxt)) is not None:
+        q.update(y)
         nodes.append(nxt)
     for n in nodes[1:]:
         plog.fusing(layer, n)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from kiln import hardware, native
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.fused import quantized_layer_norm
 from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, bf16_io, storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
 QLAYERNORM_TACTIC = "kiln.layernorm_rows_int8"
-INT8_DTYPES = {"uint8": torch.uint8, "int8": torch.int8}
 LN_SKIP_BF16 = 4   # layernorm.c's `io` bits above the storage bits (kiln.tactics.base.bf16_io): the skip in bf16,
 LN_RMS = 8         # RMSNormalization
 
@@ -37,7 +37,7 @@ def _geometry(layer: LayerView) -> tuple[int, int] | None:
     if x is None or not x or len(layer.output_dtypes) != 1 or layer.attrs.get("stash_type", 1) != 1:
         return None
     acts = range(first)
-    stored = INT8_DTYPES if quantized else STORED_FLOATS
+    stored = INT8_TORCH if quantized else STORED_FLOATS
     if any(layer.input_dtypes[i] not in stored or layer.input_shapes[i] != x or i in layer.const_inputs
            for i in acts):
         return None
@@ -150,21 +150,20 @@ class QuantizedLayerNormTactic(LayerNormTactic):
         dtypes = [q.get("x_dtype"), q.get("y_dtype")] + [skip.get(k) for k in ("a_dtype", "b_dtype", "y_dtype")
                                                            if skip]
         same_x = not skip or skip.get("y_dtype") == q.get("x_dtype")   # the sum's type is what x is read as
-        return all(d in INT8_DTYPES for d in dtypes) and same_x and native.available()
+        return all(d in INT8_TORCH for d in dtypes) and same_x and native.available()
 
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("layernorm")
         n, first, gamma, beta, eps = _params(layer)
         q, skip = layer.attrs["quant"], layer.attrs.get("skip_quant")
         params_as_given = [layer.const_inputs[first], layer.const_inputs.get(first + 1)]
-        inputs = (skip, "a", skip, "b", skip, "y") if skip else (q, "x", q, "x", q, "x")
-        pairs = [(d[f"{k}_scale"], d[f"{k}_zero_point"]) for d, k in zip(inputs[::2], inputs[1::2])]
-        params = torch.tensor([v for pair in pairs + [(q["x_scale"], q["x_zero_point"]),
-                                                      (q["y_scale"], q["y_zero_point"])] for v in pair],
+        # kiln_layernorm_q8's slots: a, b, the sum (x itself three times without the residual), x, y
+        slots = ([(skip, "a"), (skip, "b"), (skip, "y")] if skip else [(q, "x")] * 3) + [(q, "x"), (q, "y")]
+        params = torch.tensor([v for d, k in slots for v in (d[f"{k}_scale"], d[f"{k}_zero_point"])],
                               dtype=torch.float32)
-        signed = [d[f"{k}_dtype"] == "int8" for d, k in zip(inputs[::2], inputs[1::2])] + [q["y_dtype"] == "int8"]
+        signed = [d[f"{k}_dtype"] == "int8" for d, k in slots[:3] + slots[4:]]   # type bits: a, b, sum, y
         types = sum(bit << k for k, bit in enumerate(signed))
-        out_dtype = INT8_DTYPES[q["y_dtype"]]
+        out_dtype = INT8_TORCH[q["y_dtype"]]
 
         def run(xs):
             a = xs[0].contiguous()

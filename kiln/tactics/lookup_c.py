@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from kiln import native
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.fused import run_program
 from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
 from kiln.tactics.quant_c import dense_layout
 
 LOOKUP_TACTIC = "kiln.lookup_table"
-INT8_INPUTS = {"uint8": torch.uint8, "int8": torch.int8}
-TABLE_OUTPUTS = {"uint8": torch.uint8, "int8": torch.int8, "float32": torch.float32}
+TABLE_OUTPUTS = {**INT8_TORCH, "float32": torch.float32}
 
 
 def lookup_input(layer: LayerView) -> int | None:
@@ -29,7 +29,7 @@ def lookup_input(layer: LayerView) -> int | None:
             layer.output_dtypes[0] not in TABLE_OUTPUTS or None in layer.input_shapes:
         return None
     read = [i for i in range(len(layer.input_shapes)) if i not in layer.const_inputs]
-    if len(read) != 1 or layer.input_dtypes[read[0]] not in INT8_INPUTS:
+    if len(read) != 1 or layer.input_dtypes[read[0]] not in INT8_TORCH:
         return None
     if any(int(np.prod(t.shape)) != 1 for t in layer.const_inputs.values()):
         return None

@@ -13,14 +13,14 @@ import torch
 
 from kiln import native
 from kiln.ops import lookup
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.gemm_c import ONE_LINE
 from kiln.tactics.onednn_int8 import unsigned_input
 from kiln.tactics.qgemm_c import (MAX_K_ZERO_POINTS, OUT_KINDS, VNNI_ISA, Epilogue, GemmCall, _padded,
-                                  fused_activation, output_type, rounding_fields, vnni_available)
+                                  fused_activation, output_dtype, output_type, rounding_fields, vnni_available)
 
-INT8 = {"uint8": torch.uint8, "int8": torch.int8}
-MAX_SHAPES = 64   # (batch, m, k, n) call structures kept per layer
+MAX_SHAPES = 64   # (batch, m, k, n) call structures, and epilogues per n, kept per layer
 
 
 class QActMatMulTactic:
@@ -37,8 +37,8 @@ class QActMatMulTactic:
         q, (a, b) = layer.attrs.get("quant") or {}, layer.input_shapes[:2]
         if not q or a is None or b is None or len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
             return False
-        if layer.input_dtypes[0] not in INT8 or q.get("x_dtype") != layer.input_dtypes[0] or \
-                layer.input_dtypes[1] not in INT8 or len(q["w_scale"]) != 1 or len(q["w_zero_point"]) != 1:
+        if layer.input_dtypes[0] not in INT8_TORCH or q.get("x_dtype") != layer.input_dtypes[0] or \
+                layer.input_dtypes[1] not in INT8_TORCH or len(q["w_scale"]) != 1 or len(q["w_zero_point"]) != 1:
             return False
         k_axis = len(a) - 1
         dynamic_k = any(k_axis in d for d in layer.input_dynamic[:1]) or \
@@ -50,7 +50,7 @@ class QActMatMulTactic:
         dyn = (list(layer.input_dynamic[:2]) + [(), ()])[:2]
         lead_ok = {x for x in dyn[0] if x < k_axis - 1} == {x for x in dyn[1] if x < k_axis - 1}   # both vary
         return (dynamic_k or 0 < a[-1] <= MAX_K_ZERO_POINTS) and extra_ok and lead_ok and \
-            q.get("y_dtype", "uint8") in INT8 and q.get("mid_dtype", "uint8") in INT8 and \
+            q.get("y_dtype", "uint8") in INT8_TORCH and q.get("mid_dtype", "uint8") in INT8_TORCH and \
             fused_activation(layer.attrs.get("activation")) is not None and vnni_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
@@ -64,7 +64,7 @@ class QActMatMulTactic:
         q = layer.attrs["quant"]
         x_zp = unsigned_input(q)[0]   # the kernel flips s8 input bytes itself (signed_input)
         b_unsigned = int(layer.input_dtypes[1] == "uint8")
-        out_dtype = INT8[output_type(q)] if output_type(q) else torch.float32
+        out_dtype = output_dtype(layer)
         calls = _calls(layer)
         bias = [layer.const_inputs[2]] if 2 in layer.const_inputs else []
         reference = lookup("QMatMul", "kiln").impl
@@ -87,20 +87,39 @@ class QActMatMulTactic:
 
 
 def _calls(layer: LayerView):
-    """`calls(batch, m, k, n)`: (the GemmCall for that shape, the tensors it points into: the scales padded to n
-    columns, the weight zero points, the bias), built on first sight and kept."""
-    q = layer.attrs["quant"]
+    """`calls(batch, m, k, n)`: (the GemmCall for that shape, the epilogue's tensors it points into), built on
+    first sight and kept. The epilogue (the scales and weight zero points padded to n columns, the bias) depends on
+    n only and is kept per n; a GemmCall is a small struct around it."""
     made: dict[tuple[int, ...], tuple] = {}
-    w_zp = int(q["w_zero_point"][0]) - (128 if layer.input_dtypes[1] == "uint8" else 0)
-    bias = layer.const_inputs.get(2)
-    lo, hi, act = fused_activation(layer.attrs.get("activation"))
-    y_scale, y_zp = float(q.get("y_scale", 1.0)), int(q.get("y_zero_point", 0))
+    epilogues = _epilogues(layer)
 
     def calls(batch: int, m: int, k: int, n: int) -> tuple:
         """Shapes past the first MAX_SHAPES are built per call, so a dynamic sequence length does not grow the
         cache without bound; concurrent first calls keep one entry."""
         key = (batch, m, k, n)
         entry = made.get(key)
+        if entry is None:
+            e, tensors = epilogues(n)
+            entry = (GemmCall(None, m * k, ONE_LINE, k, 0, m * n, batch, k, n, e), tensors)
+            if len(made) < MAX_SHAPES:
+                entry = made.setdefault(key, entry)
+        return entry
+    calls.made = made
+    return calls
+
+
+def _epilogues(layer: LayerView):
+    """`epilogue(n)`: (the Epilogue for n output columns, the tensors it points into), kept per n (the first
+    MAX_SHAPES of them)."""
+    q = layer.attrs["quant"]
+    made: dict[int, tuple] = {}
+    w_zp = int(q["w_zero_point"][0]) - (128 if layer.input_dtypes[1] == "uint8" else 0)
+    bias = layer.const_inputs.get(2)
+    lo, hi, act = fused_activation(layer.attrs.get("activation"))
+    y_scale, y_zp = float(q.get("y_scale", 1.0)), int(q.get("y_zero_point", 0))
+
+    def epilogue(n: int) -> tuple:
+        entry = made.get(n)
         if entry is None:
             scale = _padded(torch.full((n,), float(q["x_scale"]) * float(q["w_scale"][0]), dtype=torch.float64),
                             n, torch.float32)
@@ -109,9 +128,8 @@ def _calls(layer: LayerView):
             e = Epilogue(None, scale.data_ptr(), None if b is None else b.data_ptr(), lo, hi, 1.0, y_scale, 0, y_zp,
                          act, OUT_KINDS[output_type(q)], int(q["x_dtype"] == "int8"), 0, OUT_KINDS[None],
                          None if zps is None else zps.data_ptr(), *rounding_fields(q, y_zp))
-            entry = (GemmCall(None, m * k, ONE_LINE, k, 0, m * n, batch, k, n, e), scale, zps, b)
+            entry = (e, (scale, zps, b))
             if len(made) < MAX_SHAPES:
-                entry = made.setdefault(key, entry)
+                entry = made.setdefault(n, entry)
         return entry
-    calls.made = made
-    return calls
+    return epilogue

@@ -22,6 +22,7 @@ import math
 import torch
 
 from kiln import hardware, native
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.quantize import RANGES
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
 from kiln.tactics.conv_direct import conv_geometry
@@ -214,9 +215,10 @@ def _has_residual(layer: LayerView) -> bool:
     return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
 
 
-def _output_dtype(layer: LayerView) -> torch.dtype:
+def output_dtype(layer: LayerView) -> torch.dtype:
+    """The torch dtype of the layer's output: its INT8 type where it requantizes, else float32."""
     q = layer.attrs["quant"]
-    return {"uint8": torch.uint8, "int8": torch.int8}[q["y_dtype"]] if "y_scale" in q else torch.float32
+    return INT8_TORCH[q["y_dtype"]] if "y_scale" in q else torch.float32
 
 
 def _conv_supported(layer: LayerView) -> bool:
@@ -279,7 +281,7 @@ class QConvGemmTactic:
 
         def launch(x, out, res):
             gemm(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), m)
-        run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), _output_dtype(layer))
+        run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), output_dtype(layer))
         run.constants = (packed, calls, kept)   # read through raw pointers
         return run
 
@@ -315,7 +317,7 @@ class QConvDirectTactic(QConvGemmTactic):
 
         def launch(x, out, res):
             conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
-        run = nhwc_kernel(launch, out_shape, None, _has_residual(layer), _output_dtype(layer))
+        run = nhwc_kernel(launch, out_shape, None, _has_residual(layer), output_dtype(layer))
         run.constants = (packed, calls, kept)
         return run
 
@@ -356,7 +358,7 @@ class QLinearGemmTactic:
         w = s8_weights(layer)
         packed, call, kept = self.packed_call(layer, w.t() if _channel_axis(layer) == 0 else w, epilogue)
         call_ptr = ctypes.addressof(call)
-        run = rows_kernel(call.k, call.n, _output_dtype(layer), lambda x, y, rows: gemm(call_ptr, x, y, None, rows))
+        run = rows_kernel(call.k, call.n, output_dtype(layer), lambda x, y, rows: gemm(call_ptr, x, y, None, rows))
         run.constants = (packed, call, kept)
         return run
 

@@ -18,6 +18,7 @@ import torch
 
 from kiln import native
 from kiln.native.catalog import header_constant
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.fused import quantized_softmax
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, bf16_io, \
     storage_dtype
@@ -105,7 +106,6 @@ class SoftmaxBf16Tactic(Bf16Storage, SoftmaxTactic):
 
 QSOFTMAX_TACTIC = "kiln.softmax_int8"
 MAX_QUANTIZED_ROW = header_constant("softmax.c", "KEPT")   # a row's exponentials are kept on the stack
-INT8_DTYPES = {"uint8": torch.uint8, "int8": torch.int8}
 
 
 class QuantizedSoftmaxTactic:
@@ -123,7 +123,7 @@ class QuantizedSoftmaxTactic:
             return False
         shape, q = layer.input_shapes[0], layer.attrs.get("quant", {})
         last = layer.attrs.get("axis", -1) % len(shape) == len(shape) - 1
-        return last and q.get("x_dtype") in INT8_DTYPES and q.get("y_dtype") in INT8_DTYPES and native.available()
+        return last and q.get("x_dtype") in INT8_TORCH and q.get("y_dtype") in INT8_TORCH and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [LINEAR]
@@ -136,7 +136,7 @@ class QuantizedSoftmaxTactic:
         attrs, q = layer.attrs, layer.attrs["quant"]
         types = int(q["x_dtype"] == "int8") | 2 * int(q["y_dtype"] == "int8")
         params = (q["x_scale"], q["x_zero_point"], q["y_scale"], q["y_zero_point"], types)
-        out_dtype = INT8_DTYPES[q["y_dtype"]]
+        out_dtype = INT8_TORCH[q["y_dtype"]]
 
         def run(xs):
             x = xs[0].contiguous()

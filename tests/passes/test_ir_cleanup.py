@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
-from tests.passes.ir_builder import IRBuilder, expected, run_pass
+from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 
 
 # ---------------------------------------------------------------- DeadLayerRemoval
@@ -174,40 +174,49 @@ def test_dynamic_shapes_int8_weights_outputs_and_huge_constants_do_not_fold():
 
 
 def test_a_quantize_linear_of_a_kept_int8_weight_folds_to_an_int8_constant():
-    """quantize_static's Q(DQ(w)) where an exporter's Identity shared one weight between two layers (torch's
-    deduplicated parameters): the copy is a constant, requantized at build time; the DQ its first layer reads stays
-    for the Q/DQ fusions."""
+    """quantize_static's Q(DQ(w)) where an exporter's Identity shared one weight between layers (torch's
+    deduplicated parameters): each copy is a constant, requantized at build time as QuantizeLinear would (ties
+    half to even at scale 2, saturation at 1/8); the DQ the first layer reads stays for the Q/DQ fusions."""
+    codes = np.array([-128, -6, -2, 2, 6, 10, 14, 127] * 2).reshape(8, 2)
     b = IRBuilder()
     x = b.input("x", (4, 8))
-    w = b.node("DequantizeLinear", [b.const("w_q", np.arange(16).reshape(8, 2) - 8, np.int8),
-                                    b.const("w_scale", 0.5)], "w", (8, 2), dtype=np.float32)
-    copy = b.node("QuantizeLinear", [w, b.const("c_scale", 0.25), b.const("c_zero", 3, np.int8)], "c", (8, 2),
-                  dtype=np.int8)
-    c = b.node("DequantizeLinear", [copy, b.const("c_scale2", 0.25), b.const("c_zero2", 3, np.int8)], "cf", (8, 2),
+    w = b.node("DequantizeLinear", [b.const("w_q", codes, np.int8), b.const("w_scale", 0.5)], "w", (8, 2),
                dtype=np.float32)
-    g = b.graph(b.node("MatMul", [x, w], "y", (4, 2)), b.node("MatMul", [x, c], "z", (4, 2)))
+    products = [b.node("MatMul", [x, w], "y", (4, 2))]
+    for name, scale in (("c", 2.0), ("d", 0.125)):
+        copy = b.node("QuantizeLinear", [w, b.const(f"{name}_scale", scale), b.const(f"{name}_zero", 3, np.int8)],
+                      name, (8, 2), dtype=np.int8)
+        params = [b.const(f"{name}_scale2", scale), b.const(f"{name}_zero2", 3, np.int8)]
+        read = b.node("DequantizeLinear", [copy, *params], f"{name}f", (8, 2), dtype=np.float32)
+        products.append(b.node("MatMul", [x, read], f"{name}y", (4, 2)))
+    g = b.graph(*products)
 
     run = run_pass(g, "ConstantFolding", fold_constants, folds_constants=True)
 
     assert str(g) == expected("""
         graph g(%x: float32[4x8]):
           %w: float32[8x2] = DequantizeLinear(const %w_q, const %w_scale)  # w
-          %cf: float32[8x2] = DequantizeLinear(const %c, const %c_scale2, const %c_zero2)  # cf
           %y: float32[4x2] = MatMul(%x, %w)  # y
-          %z: float32[4x2] = MatMul(%x, %cf)  # z
-          return %y, %z
+          %cf: float32[8x2] = DequantizeLinear(const %c, const %c_scale2, const %c_zero2)  # cf
+          %cy: float32[4x2] = MatMul(%x, %cf)  # cy
+          %df: float32[8x2] = DequantizeLinear(const %d, const %d_scale2, const %d_zero2)  # df
+          %dy: float32[4x2] = MatMul(%x, %df)  # dy
+          return %y, %cy, %dy
         """)
-    assert run.stat.matches == 1
-    want = np.clip(np.round((np.arange(16).reshape(8, 2) - 8) * 0.5 / 0.25) + 3, -128, 127).astype(np.int8)
-    np.testing.assert_array_equal(g.values["c"].const, want)
+    assert run.stat.matches == 2
+    ties = np.array([-32, -2, 0, 0, 2, 2, 4, 32] * 2).reshape(8, 2) + 3   # -1.5 -> -2, -0.5 -> 0, 2.5 -> 2, ...
+    np.testing.assert_array_equal(g.values["c"].const, ties.astype(np.int8))
+    np.testing.assert_array_equal(g.values["d"].const, np.clip(codes * 4 + 3, -128, 127).astype(np.int8))
+    assert g.values["d"].const.min() == -128 and g.values["d"].const.max() == 127
 
 
 def test_a_quantize_linear_with_a_computed_scale_does_not_fold():
+    """The Q of a kept DQ(INT8 constant) folds only where its own scale is a constant too."""
     b = IRBuilder()
-    scale = b.input("scale", ())
+    x, scale = b.input("x", (4, 8)), b.input("scale", ())
     w = b.node("DequantizeLinear", [b.const("w_q", np.ones((8, 2)), np.int8), b.const("w_scale", 0.5)], "w", (8, 2),
                dtype=np.float32)
-    g = b.graph(b.node("QuantizeLinear", [w, scale], "c", (8, 2), dtype=np.uint8))
-    before = str(g)
-    run = run_pass(g, "ConstantFolding", fold_constants)
-    assert str(g) == before and run.stat.matches == 0
+    copy = b.node("QuantizeLinear", [w, scale], "c", (8, 2), dtype=np.uint8)
+    read = b.node("DequantizeLinear", [copy, scale], "cf", (8, 2), dtype=np.float32)
+    g = b.graph(b.node("MatMul", [x, read], "z", (4, 2)))
+    run_pass_unchanged(g, "ConstantFolding", fold_constants)

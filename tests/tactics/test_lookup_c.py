@@ -11,8 +11,8 @@ import kiln
 from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
 from kiln.tactics.lookup_c import LOOKUP_TACTIC, LookupTableTactic
-from tests.conftest import unfused_onnxruntime
-from tests.tactics.test_codegen_qdq import assert_one_step_at_most, gelu_chain_model
+from tests.conftest import assert_one_step_at_most, torch_threads, unfused_onnxruntime
+from tests.tactics.test_codegen_qdq import gelu_chain_model
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler that builds OpenMP shared libraries")
 
@@ -50,12 +50,8 @@ def test_the_kernel_maps_every_byte_through_its_table(in_dtype, out_dtype, shape
     x = torch.randint(-128 if in_dtype == "int8" else 0, 128 if in_dtype == "int8" else 256, shape,
                       dtype=TYPES[in_dtype], generator=torch.Generator().manual_seed(0))
     x.view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(TYPES[in_dtype])   # every byte
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = TACTIC.prepare(layer)([x, None, None, None])[0]
-    finally:
-        torch.set_num_threads(before)
     assert y.dtype == TYPES[out_dtype] and len(torch.unique(x)) == 256
     torch.testing.assert_close(y.to(torch.int32), int(c) - x.to(torch.int32), rtol=0, atol=0)
 
@@ -82,15 +78,13 @@ def test_a_float_output_is_looked_up_as_floats():
 
 def test_a_quantized_gelu_chain_is_one_lookup_within_a_step_of_onnxruntime():
     """BERT's quantized GELU (s8 in, Q/DQ between its ops, s8 out) builds to one PointWise layer on kiln's table
-    lookup, as close to onnxruntime's unfused ops as the generated kernel is; each of the 256 inputs appears."""
+    lookup, within a step of onnxruntime's unfused ops on rare values; each of the 256 inputs appears."""
     model = gelu_chain_model()
     engine = kiln.build(model, autotune=False)
     assert [(l.op_type, l.tactic_name) for l in engine.plan.layers] == [("PointWise", LOOKUP_TACTIC)]
     x = {"x": np.random.default_rng(0).integers(-128, 128, (2, 64, 96)).astype(np.int8)}
     got = engine.run(x)["y"]
     assert_one_step_at_most(got, unfused_onnxruntime(model, x))
-    generated = kiln.build(model, tactic_sources="codegen,torch", autotune=False).run(x)["y"]
-    assert np.abs(got.astype(np.int32) - generated).max() <= 1
 
 
 def test_layers_it_cannot_tabulate_are_declined():

@@ -13,11 +13,9 @@ import kiln
 from kiln.tactics.base import LayerView
 from kiln.tactics.qgemm_act_c import QActMatMulTactic
 from kiln.tactics.qgemm_c import MAX_K_ZERO_POINTS, QLinearGemmTactic, vnni_available
-from tests.conftest import make_model, unfused_onnxruntime
-from tests.tactics.test_qgemm_c import RANGES, TORCH, rand_q
+from tests.conftest import make_model, torch_threads, unfused_onnxruntime
+from tests.tactics.test_qgemm_c import RANGES, TORCH, needs_vnni, rand_q, requantize
 
-needs_vnni = pytest.mark.skipif(not vnni_available(), reason="this CPU has no AVX512-VNNI (vpdpbusd) or there is "
-                                "no C compiler: kiln's INT8 kernels are not offered here")
 RELU = {"op": "Relu", "attrs": {}}
 CASES = {
     # name: (leading dims, m, k, n, x (dtype, zp), b (dtype, zp), y (dtype, zp, scale) or None: FP32 out)
@@ -60,10 +58,7 @@ def act_formula(view, a, b):
         y = y + view.const_inputs[2]
     if view.attrs.get("activation"):
         y = torch.relu(y)
-    if "y_scale" not in q:
-        return y
-    lo, hi = RANGES[q["y_dtype"]]
-    return torch.clamp(torch.round(y / q["y_scale"]) + q["y_zero_point"], lo, hi)
+    return requantize(y, q)
 
 
 @needs_vnni
@@ -72,12 +67,8 @@ def test_product_of_two_int8_activations_equals_its_formula(case):
     view, a, b = act_case(case)
     tactic = QActMatMulTactic()
     assert tactic.supports(view) and not QLinearGemmTactic().supports(view)   # that one needs constant weights
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2 if "two_threads" in case else threads)   # the packing and GEMM's parallel paths
-    try:
+    with torch_threads(2 if "two_threads" in case else 1):   # the packing and GEMM's parallel paths
         got = tactic.prepare(view)([a, b])[0]
-    finally:
-        torch.set_num_threads(threads)
     want = act_formula(view, a, b)
     y = CASES[case][-1]
     assert got.dtype == (TORCH[y[0]] if y else torch.float32) and got.shape == want.shape
@@ -170,7 +161,7 @@ def test_a_product_rounded_before_its_bias_rounds_on_this_kernel_too():
     got = QActMatMulTactic().prepare(view)([a, b])[0]
     assert torch.equal(got.float(), act_formula(view, a, b))
     plain = act_case("odd_shapes_s8_by_u8", bias=view.const_inputs[2])[0]
-    assert not torch.equal(got, QActMatMulTactic().prepare(plain)([a, b])[0])   # the mid rounding changes outputs
+    assert (got.float() != act_formula(plain, a, b).float()).float().mean() > 0.05   # the mid rounding matters
 
 
 @needs_vnni

@@ -20,10 +20,8 @@ from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTacti
 from kiln.tactics.qgemm_c import QLinearGemmTactic, vnni_available
 from tests.conftest import make_model, unfused_onnxruntime
 from tests.tactics.test_qgemm_c import (RANGES, assert_requantized_equal, centred, int8_case, linear_case,
-                                        rand_q)
+                                        needs_vnni, rand_q)
 
-needs_vnni = pytest.mark.skipif(not vnni_available(), reason="this CPU has no AVX512-VNNI (vpdpbusd) or there is "
-                                "no C compiler: kiln's INT8 kernels are not offered here")
 RELU, GELU = {"op": "Relu", "attrs": {}}, {"op": "Gelu", "attrs": {}}
 CASES = {
     # name: (op, x (dtype, zp, scale), mid (dtype, zp, scale), y (None: FP32 out), activation)

@@ -94,27 +94,23 @@ static void lookup_bytes(const uint8_t* restrict x, uint8_t* restrict y, int64_t
   for (; i < end; ++i) y[i] = table[x[i]];
 }
 
-void kiln_lookup_u8(const uint8_t* restrict x, uint8_t* restrict y, int64_t count, const uint8_t* restrict table) {
-  if (count < LOOKUP_PARALLEL_MIN) {   /* without entering an OpenMP region: a team of one costs 1-2 us */
-    lookup_bytes(x, y, 0, count, table);
-    return;
+/* y = table[x] over `count` bytes by BLOCK (one block of y[i] = table[x[i]] per call), on the calling thread
+   below MIN elements: a team of one costs 1-2 us. */
+#define LOOKUP(NAME, OUT, BLOCK_FN, MIN)                                                                     \
+  void NAME(const uint8_t* restrict x, OUT* restrict y, int64_t count, const OUT* restrict table) {        \
+    if (count < (MIN)) {                                                                                     \
+      BLOCK_FN(x, y, 0, count, table);                                                                       \
+      return;                                                                                                \
+    }                                                                                                        \
+    _Pragma("omp parallel for schedule(static)")                                                             \
+    for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)                                  \
+      BLOCK_FN(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table); \
   }
-  _Pragma("omp parallel for schedule(static)")
-  for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)
-    lookup_bytes(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table);
-}
 
 static void lookup_floats(const uint8_t* restrict x, float* restrict y, int64_t begin, int64_t end,
                           const float* restrict table) {
   for (int64_t i = begin; i < end; ++i) y[i] = table[x[i]];
 }
 
-void kiln_lookup_f32(const uint8_t* restrict x, float* restrict y, int64_t count, const float* restrict table) {
-  if (count < LOOKUP_PARALLEL_MIN / 4) {   /* four bytes written per byte read */
-    lookup_floats(x, y, 0, count, table);
-    return;
-  }
-  _Pragma("omp parallel for schedule(static)")
-  for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)
-    lookup_floats(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table);
-}
+LOOKUP(kiln_lookup_u8, uint8_t, lookup_bytes, LOOKUP_PARALLEL_MIN)
+LOOKUP(kiln_lookup_f32, float, lookup_floats, LOOKUP_PARALLEL_MIN / 4)   /* four bytes written per byte read */

@@ -174,7 +174,7 @@ void kiln_softmax(const void* x, void* y, int64_t outer, int64_t n, int64_t inne
 
 /* INT8 Softmax on the last axis (kiln.tactics.softmax_c.QuantizedSoftmaxTactic): DequantizeLinear, Softmax and
    QuantizeLinear of one scale each, as a quantized model writes them around attention's probabilities. A row of
-   u8/s8 is widened to FP32 on the stack, its exponentials kept there, and each probability quantized as ONNX
+   u8/s8 is widened to FP32 on the stack, softmax_row runs on it in place, and each probability quantized as ONNX
    does (p / scale rounded half to even, plus the zero point, saturated). `types`: bit 0 the input is s8, bit 1
    the output is. Rows longer than KEPT are the caller's to compute (kiln.tactics.softmax_c), as are empty ones. */
 
@@ -186,19 +186,9 @@ static void softmax_row_q8(const uint8_t* x, uint8_t* y, int64_t n, float x_scal
     for (int64_t j = 0; j < n; ++j) row[j] = ((float)(int8_t)x[j] - x_zp) * x_scale;
   else
     for (int64_t j = 0; j < n; ++j) row[j] = ((float)x[j] - x_zp) * x_scale;
-  vf m = (vf){0} - INFINITY;
-  for (int64_t j = 0; j < n; j += VW) m = v_max(m, load(row, j, n - j < VW ? n - j : VW, 0, -INFINITY));
-  const vf max = (vf){0} + h_max(m);
-  vf s = (vf){0};
-  for (int64_t j = 0; j < n; j += VW) {
-    const int64_t count = n - j < VW ? n - j : VW;
-    const vf v = v_exp_neg(load(row, j, count, 0, -INFINITY) - max);
-    s += v;
-    store(row, j, count, 0, v);
-  }
-  const float inverse = 1.0f / h_sum(s);
+  softmax_row(row, row, 0, n, 0);   /* in place, FP32: each chunk is read before it is written */
   for (int64_t j = 0; j < n; ++j) {
-    const int32_t q = (int32_t)saturated_level(row[j] * inverse / y_scale, y_zp, lo, hi);
+    const int32_t q = (int32_t)saturated_level(row[j] / y_scale, y_zp, lo, hi);
     y[j] = (uint8_t)q;   /* s8 stored as its two's-complement byte */
   }
 }
