@@ -16,7 +16,9 @@ from kiln import native
 from kiln.errors import EngineFormatError
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
     storage_dtype
-from kiln.tactics.pointwise_c import BINARY, INT8_C_TYPES, UNARY, VARIADIC, expressible, generate, loop_nest
+from kiln.tactics.pointwise_c import BINARY, INT8_C_TYPES, UNARY, VARIADIC, ShapedNest, expressible, generate, loop_nest, \
+    nest_array, read_inputs
+from kiln.tactics.reference import ReferenceTactic
 
 available = native.available   # "codegen" is an available tactic source where kiln.native has a C compiler
 CODEGEN_TACTIC = "codegen.pointwise_c_simd"
@@ -220,7 +222,7 @@ class CodegenPointWiseTactic:
             return False
         if len(layer.input_shapes) > MAX_INPUTS or any(s is None for s in layer.input_shapes):
             return False
-        if any(layer.input_dynamic) or len(layer.output_dtypes) != 1:
+        if len(layer.output_dtypes) != 1:
             return False
         int8 = int8_types(layer)
         if int8 is None or any(d not in self.stored_types for i, d in enumerate(layer.input_dtypes)
@@ -245,6 +247,8 @@ class CodegenPointWiseTactic:
         return input_formats[sum(1 for i in range(ref) if i not in layer.const_inputs)]
 
     def prepare(self, layer: LayerView) -> Kernel:
+        if any(layer.input_dynamic):
+            return shaped_kernel(layer)
         layer = program_view(layer)
         out_shape = tuple(np.broadcast_shapes(*layer.input_shapes))
         scalars = _scalar_inputs(layer)
@@ -275,11 +279,105 @@ class CodegenPointWiseTactic:
             for i, x in zip(read, ins):
                 pointers[i] = x.data_ptr()
             out = torch.empty(out_shape, dtype=out_dtype, memory_format=fmt)
-            kernel.fn(pointers, out.data_ptr())
+            kernel.fn(pointers, out.data_ptr(), None)
             return [out]
         run.generated_source = planar.source
         run.constants = (planar, channel_major)   # each holds the constants its code reads through raw pointers
         return run
+
+
+MAX_CALL_SHAPES = 64   # per shaped kernel: the loop nests kept for the input shapes met (all dropped past it)
+
+
+def shaped_kernel(original: LayerView) -> Kernel:
+    """The layer's program for inputs whose shapes vary per call (`ShapedPointWise`)."""
+    return ShapedPointWise(original)
+
+
+_UNPLANNED = object()
+
+
+class ShapedPointWise:
+    """A program whose input shapes vary per call: the broadcast pattern at the build's shapes compiled once (a
+    planar and, where the layer takes channel-major tensors, a channel-major kernel), the loop nest of each call's
+    shapes computed once per shape and passed in. A call whose pattern differs from the compiled one (an axis
+    broadcast along the inner loop that was not at the build's shapes) runs torch's kernel."""
+
+    def __init__(self, original: LayerView):
+        layer = self.layer = program_view(original)
+        scalars = _scalar_inputs(layer)
+        consts = {i: t.to(torch.float32).contiguous() for i, t in layer.const_inputs.items() if i not in scalars}
+        self.flat = _is_flat(layer)
+        self.channel_major_ok = _layout_free(layer) and len(np.broadcast_shapes(*layer.input_shapes)) == 4
+        self.planar = self.channel_major = _compiled(layer, list(layer.input_shapes), scalars, consts, shaped=True)
+        if self.channel_major_ok and not self.flat:
+            permuted = {i: t.reshape(_padded(layer.input_shapes[i])).permute(*MEMORY_ORDER[HWC]).contiguous()
+                        for i, t in consts.items()}
+            self.channel_major = _compiled(layer, [_channel_major(s) for s in layer.input_shapes], scalars,
+                                           permuted, shaped=True)
+        self.read = read_inputs(layer.attrs["program"], len(layer.input_shapes), scalars)   # through pointers
+        self.runtime = [i for i in self.read if i not in consts]   # of them, those given per call
+        self.ref = _reference_input(layer)
+        out = layer.output_dtypes[0]
+        self.out_dtype = getattr(torch, out) if out in INT8_C_TYPES else storage_dtype(out)
+        self.reference = ReferenceTactic().prepare(original)
+        self.pointer_array = ctypes.c_void_p * len(layer.input_shapes)
+        self.plans: dict[tuple, tuple | None] = {}
+        self.generated_source = self.planar.source
+
+    def call_plan(self, shapes: dict[int, tuple[int, ...]], channels_last: bool) -> tuple | None:
+        """(kernel, nest array, output shape) for inputs of these shapes; None where the kernel cannot take them."""
+        logical = [shapes.get(i, tuple(s)) for i, s in enumerate(self.layer.input_shapes)]
+        try:
+            out_shape = tuple(np.broadcast_shapes(*logical))
+        except ValueError:
+            return None   # torch's kernel says why
+        kernel = self.channel_major if channels_last else self.planar
+        if channels_last and self.flat and any(logical[i] != out_shape for i in self.runtime):
+            return None   # element for element in memory order only while nothing broadcasts
+        if channels_last and not self.flat:
+            if len(out_shape) != 4 or any(len(logical[i]) < 4 and not _reads_alike(logical[i])
+                                          for i in self.runtime):
+                return None
+            logical = [_channel_major(s) for s in logical]
+        nest = loop_nest(tuple(np.broadcast_shapes(*logical)), logical)
+        if nest.dims[-1] > 1 and any(bool(nest.strides[i][-1]) != kernel.dense_inner[i] for i in self.read):
+            return None
+        values = nest_array(nest, self.read)
+        return kernel, (ctypes.c_int64 * len(values))(*values), out_shape
+
+    def __call__(self, xs):
+        ref = None if self.ref is None or not self.channel_major_ok else xs[self.ref]
+        channels_last = ref is not None and ref.dim() == 4 and not ref.is_contiguous() and \
+            ref.is_contiguous(memory_format=torch.channels_last)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        key = (tuple(tuple(xs[i].shape) for i in self.runtime), channels_last)
+        plan = self.plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            if len(self.plans) >= MAX_CALL_SHAPES:
+                self.plans.clear()
+            plan = self.plans[key] = self.call_plan(dict(zip(self.runtime, key[0])), channels_last)
+        if plan is None:
+            wide = [x.float() if x is not None and x.dtype == torch.bfloat16 else x for x in xs]
+            y = self.reference(wide)[0].to(self.out_dtype)
+            return [y.contiguous(memory_format=fmt) if y.dim() == 4 else y.contiguous()]
+        kernel, nest, out_shape = plan
+        pointers = self.pointer_array(*kernel.constant_pointers)
+        ins = [xs[i].contiguous(memory_format=fmt) if xs[i].dim() == 4 else xs[i].contiguous()
+               for i in self.runtime]
+        for i, x in zip(self.runtime, ins):   # `ins` holds the copies until the kernel returns
+            pointers[i] = x.data_ptr()
+        y = torch.empty(out_shape, dtype=self.out_dtype,
+                        memory_format=fmt if len(out_shape) == 4 else torch.contiguous_format)
+        if y.numel():
+            kernel.fn(pointers, y.data_ptr(), nest)
+        return [y]
+
+
+def _reads_alike(shape: tuple[int, ...]) -> bool:
+    """Whether an input of lower rank than 4 reads the same in NCHW and NHWC order (no channel axis, or only it)."""
+    padded = _padded(shape)
+    return padded[1] == 1 or padded[2:] == (1, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,13 +389,17 @@ class CompiledProgram:
     source: str
     constants: dict[int, torch.Tensor]
     constant_pointers: tuple[int | None, ...]
+    dense_inner: tuple[bool, ...] = ()   # a shaped program's inputs read densely along the inner loop
 
 
 def _compiled(layer: LayerView, shapes: list[tuple[int, ...]], scalars: dict[int, float],
-              consts: dict[int, torch.Tensor]) -> CompiledProgram:
-    """The program compiled for inputs of these shapes, each input's elements in that shape's row-major order."""
+              consts: dict[int, torch.Tensor], shaped: bool = False) -> CompiledProgram:
+    """The program compiled for inputs of these shapes, each input's elements in that shape's row-major order;
+    `shaped`: for any shapes of that broadcast pattern, the loop nest given per call (pointwise_c.ShapedNest)."""
     out_shape = tuple(np.broadcast_shapes(*shapes))
     nest = loop_nest(out_shape, shapes)
+    if shaped:
+        nest = ShapedNest(tuple(bool(strides[-1]) for strides in nest.strides))
     consts_at = set(layer.const_inputs)   # constants are held in FP32
     try:
         bf16 = frozenset(i for i, d in enumerate(layer.input_dtypes) if d == "bfloat16" and i not in consts_at)
@@ -309,7 +411,7 @@ def _compiled(layer: LayerView, shapes: list[tuple[int, ...]], scalars: dict[int
                                 "rebuild it") from None
     fn = native.library(POINTWISE_LIBRARY, source).kiln_pointwise
     pointers = tuple(consts[i].data_ptr() if i in consts else None for i in range(len(shapes)))
-    return CompiledProgram(fn, source, consts, pointers)
+    return CompiledProgram(fn, source, consts, pointers, nest.dense_inner if shaped else ())
 
 
 class CodegenPointWiseBf16Tactic(Bf16Storage, CodegenPointWiseTactic):

@@ -193,58 +193,112 @@ INT8_C_TYPES = {"int8": "int8_t", "uint8": "uint8_t"}
 EXACT_ROUNDING = ("#if defined(__GNUC__) && !defined(__clang__)", '#pragma GCC optimize("fp-contract=off")', "#endif")
 
 
-def generate(steps: list[dict], n_inputs: int, nest: LoopNest, scalars: dict[int, float] | None = None,
+@dataclass(frozen=True)
+class ShapedNest:
+    """A loop nest whose dims and strides arrive per call (`nest_array`): for layers whose shapes vary with the
+    input shapes. Only whether each input is read densely along the inner axis (stride 1, not 0) is compiled in."""
+
+    dense_inner: tuple[bool, ...]
+
+
+def nest_array(nest: LoopNest, read: list[int]) -> list[int]:
+    """What a ShapedNest program takes per call: [rank, dims..., then each read input's strides, rank each]."""
+    return [len(nest.dims), *nest.dims, *(s for i in read for s in nest.strides[i])]
+
+
+def generate(steps: list[dict], n_inputs: int, nest: LoopNest | ShapedNest, scalars: dict[int, float] | None = None,
              bf16_inputs: frozenset[int] = frozenset(), bf16_output: bool = False,
              int8_inputs: dict[int, str] | None = None, int8_output: str | None = None) -> str:
-    """The C translation unit: `void kiln_pointwise(const void* const* in, void* out)`. Inputs in `scalars`
-    (one-element constants) become literals and are not read, nor are inputs no step uses. The work is split in
-    blocks of at most BLOCK_ELEMENTS of one row, shared out among the OpenMP threads; each block is one
-    vectorized loop. Inputs in `bf16_inputs` are read as bf16 and widened, and a `bf16_output` is rounded to
-    nearest even as it is stored: the arithmetic is FP32 either way. `int8_inputs` (index -> "int8"/"uint8") are
-    read as those integers, and an `int8_output` stored so (the caller's last step writes an integer in range)."""
+    """The C translation unit: `void kiln_pointwise(const void* const* in, void* out, const int64_t* nest)`.
+    Inputs in `scalars` (one-element constants) become literals and are not read, nor are inputs no step uses. The
+    work is split in blocks of at most BLOCK_ELEMENTS of one row, shared out among the OpenMP threads; each block is
+    one vectorized loop. A LoopNest is compiled in (`nest` unused, pass NULL); a ShapedNest reads it per call
+    (`nest_array` of the call's loop nest, the inputs `read_inputs` names). Inputs in `bf16_inputs` are read as bf16
+    and widened, and a `bf16_output` is rounded to nearest even as it is stored: the arithmetic is FP32 either way.
+    `int8_inputs` (index -> "int8"/"uint8") are read as those integers, and an `int8_output` stored so (the
+    caller's last step writes an integer in range)."""
     scalars, int8_inputs = scalars or {}, int8_inputs or {}
     in_type = {i: INT8_C_TYPES[int8_inputs[i]] if i in int8_inputs else "uint16_t" if i in bf16_inputs else "float"
                for i in range(n_inputs)}
     out_type = INT8_C_TYPES[int8_output] if int8_output else "uint16_t" if bf16_output else "float"
     expressions = _expressions(steps, n_inputs, scalars)
-    used = [i for i in range(n_inputs) if any(re.search(rf"\bv{i}\b", e) for e in expressions)]
+    used = _used(expressions, n_inputs)
+    read = [i for i in used if i not in scalars]
+    dense = {i: nest.dense_inner[i] if isinstance(nest, ShapedNest) else bool(nest.strides[i][-1]) for i in read}
+    params = "".join(f"const {in_type[i]}* restrict p{i}, " for i in read)
+    lines = [*(EXACT_ROUNDING if any(step["op"] in ("Quantize", "Dequantize") for step in steps) else ()),
+             f'#include "{HEADER_FILE}"', "",
+             f"static inline void k_block({params}{out_type}* restrict out, const int64_t j0, const int64_t j1) {{",
+             "  #pragma omp simd",
+             "  for (int64_t j = j0; j < j1; ++j) {"]
+    for i in used:
+        index = "j" if dense.get(i) else "0"
+        load = f"bf16_widen(p{i}[{index}])" if i in bf16_inputs else f"p{i}[{index}]"
+        lines.append(f"    const float v{i} = {_f(scalars[i])};" if i in scalars else f"    const float v{i} = {load};")
+    lines += [f"    const float t{k} = {expr};" for k, expr in enumerate(expressions)]
+    result = f"t{len(steps) - 1}"
+    stored = f"({out_type}){result}" if int8_output else f"bf16_narrow({result})" if bf16_output else result
+    lines += [f"    out[j] = {stored};", "  }", "}", ""]
+    driver = _shaped_driver if isinstance(nest, ShapedNest) else _static_driver
+    return "\n".join(lines + driver(nest, read, in_type, out_type))
+
+
+def read_inputs(steps: list[dict], n_inputs: int, scalars: dict[int, float]) -> list[int]:
+    """The inputs a generated program reads through pointers, in the order `nest_array` lists their strides."""
+    return [i for i in _used(_expressions(steps, n_inputs, scalars), n_inputs) if i not in scalars]
+
+
+def _used(expressions: list[str], n_inputs: int) -> list[int]:
+    return [i for i in range(n_inputs) if any(re.search(rf"\bv{i}\b", e) for e in expressions)]
+
+
+def _static_driver(nest: LoopNest, read: list[int], in_type: dict[int, str], out_type: str) -> list[str]:
     rows, inner = math.prod(nest.dims[:-1]), nest.dims[-1]
     chunk = min(inner, BLOCK_ELEMENTS)
     per_row = -(-inner // chunk) if inner else 1
-    read = [i for i in used if i not in scalars]
-    params = "".join(f"const {in_type[i]}* restrict x{i}, " for i in read)
-    lines = [*(EXACT_ROUNDING if any(step["op"] in ("Quantize", "Dequantize") for step in steps) else ()),
-             f'#include "{HEADER_FILE}"', "",
-             f"static void k_block({params}{out_type}* restrict out, const int64_t r, const int64_t j0, "
-             "const int64_t j1) {"]
+    pointers = []
     for i in read:
         terms, div = [], 1
         for k in range(len(nest.dims) - 2, -1, -1):
             if nest.strides[i][k]:
                 terms.append(f"((r / {div}) % {nest.dims[k]}) * {nest.strides[i][k]}")
             div *= nest.dims[k]
-        lines.append(f"  const {in_type[i]}* restrict p{i} = x{i} + {' + '.join(terms) or '0'};")
-    if not any("(r / " in line for line in lines):
-        lines.append("  (void)r;   /* no input is broadcast along rows */")
-    lines.append("  #pragma omp simd")
-    lines.append("  for (int64_t j = j0; j < j1; ++j) {")
-    for i in used:
-        index = "j" if nest.strides[i][-1] else "0"
-        load = f"bf16_widen(p{i}[{index}])" if i in bf16_inputs else f"p{i}[{index}]"
-        lines.append(f"    const float v{i} = {_f(scalars[i])};" if i in scalars else f"    const float v{i} = {load};")
-    lines += [f"    const float t{k} = {expr};" for k, expr in enumerate(expressions)]
-    result = f"t{len(steps) - 1}"
-    stored = f"({out_type}){result}" if int8_output else f"bf16_narrow({result})" if bf16_output else result
-    lines += [f"    out[j] = {stored};", "  }", "}", "",
-              "void kiln_pointwise(const void* const* in, void* out) {",
-              f"  #pragma omp parallel for schedule(static) if({int(nest.elements >= PARALLEL_MIN_ELEMENTS)})",
-              f"  for (int64_t b = 0; b < {rows * per_row}; ++b) {{",
-              f"    const int64_t r = b / {per_row}, j0 = (b % {per_row}) * {chunk};",
-              f"    const int64_t j1 = j0 + {chunk} < {inner} ? j0 + {chunk} : {inner};",
-              f"    k_block({''.join(f'(const {in_type[i]}*)in[{i}], ' for i in read)}"
-              f"({out_type}*)out + r * {inner}, r, j0, j1);",
-              "  }", "}", ""]
-    return "\n".join(lines)
+        pointers.append(f"(const {in_type[i]}*)in[{i}] + {' + '.join(terms) or '0'}, ")
+    return ["void kiln_pointwise(const void* const* in, void* out, const int64_t* nest) {",
+            "  (void)nest;   /* the loop nest is compiled in */",
+            f"  #pragma omp parallel for schedule(static) if({int(nest.elements >= PARALLEL_MIN_ELEMENTS)})",
+            f"  for (int64_t b = 0; b < {rows * per_row}; ++b) {{",
+            f"    const int64_t r = b / {per_row}, j0 = (b % {per_row}) * {chunk};",
+            f"    const int64_t j1 = j0 + {chunk} < {inner} ? j0 + {chunk} : {inner};",
+            f"    k_block({''.join(pointers)}({out_type}*)out + r * {inner}, j0, j1);",
+            "  }", "}", ""]
+
+
+def _shaped_driver(nest: ShapedNest, read: list[int], in_type: dict[int, str], out_type: str) -> list[str]:
+    n_read = max(len(read), 1)
+    pointers = "".join(f"(const {in_type[i]}*)in[{i}] + offset[{m}], " for m, i in enumerate(read))
+    return ["void kiln_pointwise(const void* const* in, void* out, const int64_t* nest) {",
+            "  const int64_t rank = nest[0];",
+            "  const int64_t* dims = nest + 1;",
+            "  const int64_t* strides = nest + 1 + rank;   /* read input m's strides at m * rank */",
+            "  int64_t rows = 1;",
+            "  for (int64_t k = 0; k + 1 < rank; ++k) rows *= dims[k];",
+            "  const int64_t inner = dims[rank - 1];",
+            f"  const int64_t chunk = inner < {BLOCK_ELEMENTS} ? inner : {BLOCK_ELEMENTS};",
+            "  const int64_t per_row = chunk > 0 ? (inner + chunk - 1) / chunk : 1;",
+            f"  #pragma omp parallel for schedule(static) if(rows * inner >= {PARALLEL_MIN_ELEMENTS})",
+            "  for (int64_t b = 0; b < rows * per_row; ++b) {",
+            "    const int64_t r = b / per_row, j0 = (b % per_row) * chunk;",
+            "    const int64_t j1 = j0 + chunk < inner ? j0 + chunk : inner;",
+            f"    int64_t offset[{n_read}] = {{0}};",
+            "    int64_t div = 1;",
+            "    for (int64_t k = rank - 2; k >= 0; --k) {",
+            "      const int64_t at = (r / div) % dims[k];",
+            f"      for (int64_t m = 0; m < {len(read)}; ++m) offset[m] += at * strides[m * rank + k];",
+            "      div *= dims[k];",
+            "    }",
+            f"    k_block({pointers}({out_type}*)out + r * inner, j0, j1);",
+            "  }", "}", ""]
 
 
 def expressible(steps: list[dict], n_inputs: int) -> bool:
