@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_norm, merge_matmuls
-from kiln.passes.cleanup import fold_constants, remove_dead_layers, remove_identities
+from kiln.passes.cleanup import fold_constants, merge_common_subexpressions, remove_dead_layers, remove_identities
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
                               fuse_norm_activation, fuse_residual_add)
 from kiln.passes.dynamic_quant import fuse_dynamic_quantized_conv, fuse_dynamic_quantized_matmul
@@ -31,6 +31,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     # Folding turns shape arithmetic (Shape->Gather->Concat->Reshape) into constant reshape targets.
     Pass("ConstantFolding", fold_constants, "constant folding"),
     Pass("DeadLayerRemoval", remove_dead_layers),
+    # Then equal constants compare equal: per-layer copies of one computation (a mask, a Shape) are merged.
+    Pass("CommonSubexpressionElimination", merge_common_subexpressions),
     # onnxruntime-optimized models: Reshape -> Gemm -> Reshape back to a MatMul, while the Reshapes (their targets
     # folded to constants) are not yet Shuffles, and before the fusions that extend the product.
     Pass("GemmToMatMul", gemm_between_reshapes),

@@ -1,4 +1,4 @@
-"""Clean-up passes: dead-layer removal, Identity/Dropout removal, constant folding."""
+"""Clean-up passes: dead-layer removal, Identity/Dropout removal, constant folding, common subexpressions."""
 from __future__ import annotations
 
 import numpy as np
@@ -119,3 +119,63 @@ def _reads_dynamic_axes(node) -> bool:
     start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
     start, end = (max(0, min(rank, a + rank if a < 0 else a)) for a in (start, end))
     return any(start <= i < end for i in x.dyn_dims)
+
+
+NOT_MERGED_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                  "Bernoulli",   # each draws its own values
+                  "QuantizeLinear", "DequantizeLinear")   # HorizontalMergeQNodes merges these where Q/DQ fusions expect
+COMPARED_CONSTANT_BYTES = 1 << 16   # constants up to this size are compared by value, larger ones by identity
+
+
+def merge_common_subexpressions(g: Graph, plog: PassLog) -> None:
+    """Nodes that compute the same op with the same attributes on the same inputs (small constants compared by
+    value) become one, its outputs read by both sets of users: an exporter's per-layer copies of one computation
+    (each attention block turning the same boolean mask into the same additive mask; Shape of one input read per
+    layer) run once. onnxruntime's CommonSubexpressionElimination; random ops, Q/DQ and graph outputs are left alone.
+    The merged nodes' ONNX names are in no layer, as folded ones are."""
+    seen: dict[tuple, object] = {}
+    for node in list(g.nodes):   # in topological order: a node's inputs are merged before it is keyed
+        key = _expression_key(node)
+        if key is None:
+            continue
+        kept = seen.setdefault(key, node)
+        if kept is node or any(g.is_output(v) for v in node.outputs):
+            continue
+        plog.note(f"{node.name} computes what {kept.name} does: merged into it")
+        for old, new in zip(node.outputs, kept.outputs):
+            g.replace_all_uses(old, new)
+        g.remove_node(node)
+        plog.removing(node)
+
+
+def _expression_key(node) -> tuple | None:
+    """What the node computes, hashable; None where it cannot be merged (random, or an attribute it cannot key)."""
+    if node.op_type in NOT_MERGED_OPS:
+        return None
+    try:
+        attrs = tuple(sorted((name, _frozen(value)) for name, value in node.attrs.items()))
+        hash(attrs)
+    except TypeError:
+        return None
+    return (node.domain, node.op_type, len(node.outputs), attrs, tuple(_input_key(v) for v in node.inputs))
+
+
+def _input_key(v) -> tuple | None:
+    if v is None:
+        return None
+    if v.is_const and v.const.nbytes <= COMPARED_CONSTANT_BYTES:
+        return ("const", v.const.dtype.str, v.const.shape, v.const.tobytes())
+    return ("value", id(v))
+
+
+def _frozen(value):
+    """An attribute value as a hashable key (arrays by type, shape and bytes); TypeError where it has no key."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if value is None or isinstance(value, (bool, int, float, str, bytes, np.generic)):
+        return value
+    raise TypeError(f"no key for {type(value).__name__}")
