@@ -15,6 +15,9 @@ from kiln.passes.manager import PassLog
 from kiln.passes.patterns import is_op, is_shuffle, other_input, replace_nodes, sole_consumer
 from kiln.trt.vocab import fused_layer_name, merged_layer_name
 
+HEAD_STEPS = ("q_steps", "k_steps", "v_steps")   # the attention layer's data movement on Q, Kᵀ and V
+
+
 def _scalar(v: Value | None) -> float | None:
     if v is None or not v.is_const or v.const.size != 1 or v.const.dtype.kind != "f":
         return None
@@ -266,7 +269,7 @@ def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[
 def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dict) -> Value:
     """Shuffles feeding Q/Kᵀ/V (and one reading the output) join the layer as steps; so does a Split whose
     every output feeds this attention (a merged QKV projection). Returns the layer's output value."""
-    for i, key in enumerate(("q_steps", "k_steps", "v_steps")):
+    for i, key in enumerate(HEAD_STEPS):
         v, steps = inputs[i], []
         p = v.producer
         while is_shuffle(p) and len(v.users) == 1 and not g.is_output(v):   # a chain: reshape, scale moved, transpose
@@ -282,11 +285,13 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
         axis = split.attrs.get("axis", 0) % len(split.inputs[0].shape)
         sizes = [o.shape[axis] for o in split.outputs]
         bounds = {id(o): (s0, s0 + n) for o, s0, n in zip(split.outputs, np.cumsum([0] + sizes[:-1]), sizes)}
-        for i, key in enumerate(("q_steps", "k_steps", "v_steps")):
+        for i, key in enumerate(HEAD_STEPS):
             lo, hi = bounds[id(inputs[i])]
             attrs[key] = [{"slice": [axis, int(lo), int(hi)]}] + attrs[key]
             inputs[i] = split.inputs[0]
         nodes.append(split)
+    else:
+        _absorb_gathers(g, nodes, inputs, attrs)
     pv = nodes[1]
     swap = attrs.pop("v_swap")   # V'·Pᵀ = (P·V'ᵀ)ᵀ: V' transposed in, the output transposed out
     attrs["v_steps"] = attrs["v_steps"] + swap
@@ -297,6 +302,67 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
         nodes.append(reader)
         return reader.outputs[0]
     return pv.outputs[0]
+
+
+def _absorb_gathers(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dict) -> None:
+    """Q, K and V each picked from one packed tensor by a Gather of a constant index (nn.MultiheadAttention's
+    export: in_proj, then unflatten/transpose to [3, ...] and Gather 0, 1, 2) read it through a slice step, and so
+    does the layer: no copy of each head's third. A shuffle producing the packed tensor for these Gathers alone
+    joins too."""
+    gathers = [inputs[i].producer for i in range(3)]
+    if not all(is_op(n, "Gather") for n in gathers) or len({id(n) for n in gathers}) != 3:
+        return
+    packed = gathers[0].inputs[0]
+    axes = {n.attrs.get("axis", 0) % max(len(packed.shape), 1) for n in gathers}
+    picks = [_constant_index(n, packed) for n in gathers]
+    if len(axes) != 1 or None in picks or any(n.inputs[0] is not packed or len(n.outputs[0].users) != 1 or
+                                              g.is_output(n.outputs[0]) for n in gathers):
+        return
+    axis = axes.pop()
+    squeeze = _squeezed_target(packed, axis)
+    if axis in packed.dyn_dims or squeeze is None:
+        return
+    for i, key in enumerate(HEAD_STEPS):
+        index, scalar = picks[i]
+        attrs[key] = [{"slice": [axis, index, index + 1]}] + ([{"reshape": squeeze}] if scalar else []) + attrs[key]
+        inputs[i] = packed
+    nodes.extend(gathers)
+    shuffle = packed.producer
+    if is_shuffle(shuffle) and not g.is_output(packed) and all(u in gathers for u in packed.users):
+        for key in HEAD_STEPS:
+            attrs[key] = list(shuffle.attrs["steps"]) + attrs[key]
+        inputs[:3] = [shuffle.inputs[0]] * 3
+        nodes.append(shuffle)
+
+
+def _constant_index(gather: Node, packed: Value) -> tuple[int, bool] | None:
+    """(the one index a Gather picks, whether it is a scalar that drops the axis); None unless constant and one."""
+    index = gather.inputs[1] if len(gather.inputs) > 1 else None
+    if index is None or not index.is_const or index.const.size != 1 or index.const.dtype.kind not in "iu":
+        return None
+    size = packed.shape[gather.attrs.get("axis", 0) % len(packed.shape)]
+    i = int(index.const.reshape(-1)[0])
+    i = i + size if i < 0 else i
+    return (i, index.const.ndim == 0) if 0 <= i < size else None
+
+
+def _squeezed_target(x: Value, axis: int) -> list[int] | None:
+    """A reshape target dropping `axis` (size 1 after the slice) for every input shape: axes before it copied (0)
+    where dynamic, one dynamic axis after it inferred (-1); None where more vary."""
+    target, inferred = [], 0
+    for k, d in enumerate(x.shape):
+        if k == axis:
+            continue
+        if k in x.dyn_dims and k < axis:
+            target.append(0)
+        elif k in x.dyn_dims:
+            target.append(-1)
+            inferred += 1
+        elif d == 0:
+            return None   # a literal 0 would read as "copy the input's axis"
+        else:
+            target.append(int(d))
+    return target if inferred <= 1 else None
 
 
 # ---- residual add + LayerNorm --------------------------------------------------------------------------

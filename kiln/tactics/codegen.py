@@ -16,8 +16,8 @@ from kiln import native
 from kiln.errors import EngineFormatError
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
     storage_dtype
-from kiln.tactics.pointwise_c import BINARY, INT8_C_TYPES, UNARY, VARIADIC, ShapedNest, expressible, generate, loop_nest, \
-    nest_array, read_inputs
+from kiln.tactics.pointwise_c import BINARY, INT8_C_TYPES, UNARY, VARIADIC, ShapedNest, expressible, generate, \
+    loop_nest, nest_array, read_inputs
 from kiln.tactics.reference import ReferenceTactic
 
 available = native.available   # "codegen" is an available tactic source where kiln.native has a C compiler

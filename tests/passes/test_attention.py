@@ -179,3 +179,22 @@ def test_a_vae_attention_block_is_one_attention_layer_and_matches_onnxruntime(tm
     assert attention.attrs["scale"] == pytest.approx(32 ** -0.5)
     f = {"input": x.numpy()}
     assert_close_to_ort(engine.run(f)["output"], run_ort(str(path), f)[0])
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_torchs_multihead_attention_reads_q_k_v_from_its_packed_projection(tmp_path, exporter):
+    """nn.MultiheadAttention (a pre-LN block with a key padding mask) exports its packed in_proj, unflattened and
+    transposed to [3, ...], then Gather 0, 1, 2: the Attention layer reads the projection through slice steps, so
+    no Gather (each a copy of a third of it) and no shared shuffle stays in the plan."""
+    from tests.models import encoders
+
+    model = encoders.make("mha")
+    feeds = encoders.inputs(model, batch=2, seq=16)
+    path = tmp_path / f"mha_{exporter}.onnx"
+    encoders.export(model, feeds, path, exporter)
+    engine = kiln.build(str(path), autotune=False, tactic_sources="-openvino,-onnxruntime")
+    ops = [l.op_type for l in engine.plan.layers]
+    assert ops.count("Attention") == 1 and "Gather" not in ops
+    (attention,) = [l for l in engine.plan.layers if l.op_type == "Attention"]
+    assert all(any("slice" in step for step in attention.attrs[key]) for key in ("q_steps", "k_steps", "v_steps"))
+    assert_close_to_ort(engine.run(feeds)["last_hidden_state"], run_ort(str(path), feeds)[0])

@@ -161,6 +161,47 @@ def test_values_times_transposed_probabilities_is_attention_with_v_and_the_outpu
     assert run.stat.matches == 1
 
 
+def packed_heads_attention(b: IRBuilder, extra_reader: bool = False):
+    """nn.MultiheadAttention's export: in_proj [S, B, 3D] unflattened and transposed to [3, S, B, D] (one
+    Shuffle), Q, K and V each a Gather of it, then split into heads."""
+    x = b.input("x", (5, 1, 24))
+    packed = b.node("Shuffle", [x], "packed", (3, 5, 1, 8), domain="kiln",
+                    steps=[{"reshape": [5, 1, 3, 8]}, {"transpose": [2, 0, 1, 3]}])
+    picked = [b.node("Gather", [packed, b.const(f"at{i}", i, np.int64)], f"g{i}", (5, 1, 8), axis=0)
+              for i in range(3)]
+    heads = [{"reshape": [5, 2, 4]}, {"transpose": [1, 0, 2]}]
+    q, v = (b.node("Shuffle", [picked[i]], n, (2, 5, 4), domain="kiln", steps=heads) for i, n in ((0, "q"), (2, "v")))
+    kt = b.node("Shuffle", [picked[1]], "kt", (2, 4, 5), domain="kiln",
+                steps=[{"reshape": [5, 2, 4]}, {"transpose": [1, 2, 0]}])
+    p = b.node("Softmax", [b.node("MatMul", [q, kt], "qk", (2, 5, 5))], "probs", (2, 5, 5), axis=-1)
+    out = b.node("MatMul", [p, v], "pv", (2, 5, 4))
+    return b.graph(out, b.node("Relu", [picked[2]], "also_v", (5, 1, 8))) if extra_reader else b.graph(out)
+
+
+def test_heads_gathered_from_one_packed_projection_are_read_through_slices():
+    g = packed_heads_attention(IRBuilder())
+
+    run = run_pass(g, "AttentionFusion", fuse_attention)
+
+    packed = "{'reshape': [5, 1, 3, 8]}, {'transpose': [2, 0, 1, 3]}"
+    heads, keys = "{'reshape': [5, 2, 4]}, {'transpose': [1, 0, 2]}", "{'reshape': [5, 2, 4]}, {'transpose': [1, 2, 0]}"
+    pick = "{{'slice': [0, {0}, {1}]}}, {{'reshape': [5, 1, 8]}}"
+    assert str(g) == expected(f"""
+        graph g(%x: float32[5x1x24]):
+          %pv: float32[2x5x4] = kiln.Attention(%x, %x, %x) k_steps=[{packed}, {pick.format(1, 2)}, {keys}] nan_to_zero=False out_steps=[] q_steps=[{packed}, {pick.format(0, 1)}, {heads}] scale=1.0 v_steps=[{packed}, {pick.format(2, 3)}, {heads}]  # packed + g0 + g1 + g2 + q + v + kt + qk + probs + pv
+          return %pv
+        """)
+    assert run.stat.matches == 1
+
+
+def test_a_gathered_head_read_elsewhere_keeps_the_gathers():
+    g = packed_heads_attention(IRBuilder(), extra_reader=True)
+    run_pass(g, "AttentionFusion", fuse_attention)
+    attention = next(n for n in g.nodes if n.op_type == "Attention")
+    assert [n.op_type for n in g.nodes].count("Gather") == 3 and attention.inputs[2].name == "g2"
+    assert not any("slice" in step for key in ("q_steps", "k_steps", "v_steps") for step in attention.attrs[key])
+
+
 def test_softmax_over_another_axis_or_not_multiplied_by_v_is_not_attention():
     b = IRBuilder()
     q, kt, v = b.input("q", Q), b.input("kt", KT), b.input("v", Q)
