@@ -319,12 +319,12 @@ def _absorb_gathers(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dic
                                               g.is_output(n.outputs[0]) for n in gathers):
         return
     axis = axes.pop()
-    squeeze = _squeezed_target(packed, axis)
-    if axis in packed.dyn_dims or squeeze is None:
+    if axis in packed.dyn_dims:
         return
     for i, key in enumerate(HEAD_STEPS):
         index, scalar = picks[i]
-        attrs[key] = [{"slice": [axis, index, index + 1]}] + ([{"reshape": squeeze}] if scalar else []) + attrs[key]
+        attrs[key] = [{"slice": [axis, index, index + 1]}] + (_dropped(axis, len(packed.shape)) if scalar else []) \
+            + attrs[key]
         inputs[i] = packed
     nodes.extend(gathers)
     shuffle = packed.producer
@@ -336,9 +336,11 @@ def _absorb_gathers(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dic
 
 
 def _constant_index(gather: Node, packed: Value) -> tuple[int, bool] | None:
-    """(the one index a Gather picks, whether it is a scalar that drops the axis); None unless constant and one."""
+    """(the one index a Gather picks, whether it is a scalar that drops the axis); None unless a constant scalar or
+    one-element vector (a deeper index adds axes)."""
     index = gather.inputs[1] if len(gather.inputs) > 1 else None
-    if index is None or not index.is_const or index.const.size != 1 or index.const.dtype.kind not in "iu":
+    if index is None or not index.is_const or index.const.size != 1 or index.const.ndim > 1 or \
+            index.const.dtype.kind not in "iu":
         return None
     size = packed.shape[gather.attrs.get("axis", 0) % len(packed.shape)]
     i = int(index.const.reshape(-1)[0])
@@ -346,23 +348,11 @@ def _constant_index(gather: Node, packed: Value) -> tuple[int, bool] | None:
     return (i, index.const.ndim == 0) if 0 <= i < size else None
 
 
-def _squeezed_target(x: Value, axis: int) -> list[int] | None:
-    """A reshape target dropping `axis` (size 1 after the slice) for every input shape: axes before it copied (0)
-    where dynamic, one dynamic axis after it inferred (-1); None where more vary."""
-    target, inferred = [], 0
-    for k, d in enumerate(x.shape):
-        if k == axis:
-            continue
-        if k in x.dyn_dims and k < axis:
-            target.append(0)
-        elif k in x.dyn_dims:
-            target.append(-1)
-            inferred += 1
-        elif d == 0:
-            return None   # a literal 0 would read as "copy the input's axis"
-        else:
-            target.append(int(d))
-    return target if inferred <= 1 else None
+def _dropped(axis: int, rank: int) -> list[dict]:
+    """Steps removing `axis` (size 1 after the slice) for any input shape: moved last, then a reshape copying the
+    other axes (ONNX's 0), so dynamic axes need no size."""
+    move = [{"transpose": [k for k in range(rank) if k != axis] + [axis]}] if axis != rank - 1 else []
+    return move + [{"reshape": [0] * (rank - 1)}]
 
 
 # ---- residual add + LayerNorm --------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Clean-up passes: dead-layer removal, Identity/Dropout removal, constant folding, common subexpressions."""
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
@@ -131,7 +133,8 @@ def merge_common_subexpressions(g: Graph, plog: PassLog) -> None:
     """Nodes that compute the same op with the same attributes on the same inputs (small constants compared by
     value) become one, its outputs read by both sets of users: an exporter's per-layer copies of one computation
     (each attention block turning the same boolean mask into the same additive mask; Shape of one input read per
-    layer) run once. onnxruntime's CommonSubexpressionElimination; random ops, Q/DQ and graph outputs are left alone.
+    layer) run once. onnxruntime's CommonSubexpressionElimination; random ops, Q/DQ, graph outputs and nodes of
+    several outputs (but Split) are left alone.
     The merged nodes' ONNX names are in no layer, as folded ones are."""
     seen: dict[tuple, object] = {}
     for node in list(g.nodes):   # in topological order: a node's inputs are merged before it is keyed
@@ -150,8 +153,8 @@ def merge_common_subexpressions(g: Graph, plog: PassLog) -> None:
 
 def _expression_key(node) -> tuple | None:
     """What the node computes, hashable; None where it cannot be merged (random, or an attribute it cannot key)."""
-    if node.op_type in NOT_MERGED_OPS:
-        return None
+    if node.op_type in NOT_MERGED_OPS or (len(node.outputs) > 1 and node.op_type != "Split"):
+        return None   # the IR drops unnamed optional outputs: which ones a node has is not in its outputs
     try:
         attrs = tuple(sorted((name, _frozen(value)) for name, value in node.attrs.items()))
         hash(attrs)
@@ -176,6 +179,8 @@ def _frozen(value):
         return tuple(_frozen(v) for v in value)
     if isinstance(value, dict):
         return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    if value is None or isinstance(value, (bool, int, float, str, bytes, np.generic)):
+    if isinstance(value, (float, np.floating)):
+        return ("float", struct.pack("<d", float(value)))   # -0.0 apart from 0.0
+    if value is None or isinstance(value, (bool, int, str, bytes, np.generic)):
         return value
     raise TypeError(f"no key for {type(value).__name__}")

@@ -286,7 +286,7 @@ class CodegenPointWiseTactic:
         return run
 
 
-MAX_CALL_SHAPES = 64   # per shaped kernel: the loop nests kept for the input shapes met (all dropped past it)
+MAX_CALL_SHAPES = 64   # per shaped kernel: the loop nests kept for the input shapes met (the oldest dropped past it)
 
 
 def shaped_kernel(original: LayerView) -> Kernel:
@@ -317,6 +317,7 @@ class ShapedPointWise:
                                            permuted, shaped=True)
         self.read = read_inputs(layer.attrs["program"], len(layer.input_shapes), scalars)   # through pointers
         self.runtime = [i for i in self.read if i not in consts]   # of them, those given per call
+        self.given = [i for i in range(len(layer.input_shapes)) if i not in layer.const_inputs]   # all, for shapes
         self.ref = _reference_input(layer)
         out = layer.output_dtypes[0]
         self.out_dtype = getattr(torch, out) if out in INT8_C_TYPES else storage_dtype(out)
@@ -333,11 +334,11 @@ class ShapedPointWise:
         except ValueError:
             return None   # torch's kernel says why
         kernel = self.channel_major if channels_last else self.planar
-        if channels_last and self.flat and any(logical[i] != out_shape for i in self.runtime):
+        if channels_last and self.flat and any(logical[i] != out_shape for i in self.given):
             return None   # element for element in memory order only while nothing broadcasts
         if channels_last and not self.flat:
             if len(out_shape) != 4 or any(len(logical[i]) < 4 and not _reads_alike(logical[i])
-                                          for i in self.runtime):
+                                          for i in self.given):
                 return None
             logical = [_channel_major(s) for s in logical]
         nest = loop_nest(tuple(np.broadcast_shapes(*logical)), logical)
@@ -351,12 +352,15 @@ class ShapedPointWise:
         channels_last = ref is not None and ref.dim() == 4 and not ref.is_contiguous() and \
             ref.is_contiguous(memory_format=torch.channels_last)
         fmt = torch.channels_last if channels_last else torch.contiguous_format
-        key = (tuple(tuple(xs[i].shape) for i in self.runtime), channels_last)
+        key = (tuple(tuple(xs[i].shape) for i in self.given), channels_last)
         plan = self.plans.get(key, _UNPLANNED)
         if plan is _UNPLANNED:
             if len(self.plans) >= MAX_CALL_SHAPES:
-                self.plans.clear()
-            plan = self.plans[key] = self.call_plan(dict(zip(self.runtime, key[0])), channels_last)
+                try:
+                    self.plans.pop(next(iter(self.plans)), None)   # the oldest
+                except (RuntimeError, StopIteration):   # another context's thread changed it meanwhile: no matter
+                    pass
+            plan = self.plans[key] = self.call_plan(dict(zip(self.given, key[0])), channels_last)
         if plan is None:
             wide = [x.float() if x is not None and x.dtype == torch.bfloat16 else x for x in xs]
             y = self.reference(wide)[0].to(self.out_dtype)

@@ -198,3 +198,4 @@ def test_torchs_multihead_attention_reads_q_k_v_from_its_packed_projection(tmp_p
     (attention,) = [l for l in engine.plan.layers if l.op_type == "Attention"]
     assert all(any("slice" in step for step in attention.attrs[key]) for key in ("q_steps", "k_steps", "v_steps"))
     assert_close_to_ort(engine.run(feeds)["last_hidden_state"], run_ort(str(path), feeds)[0])
+

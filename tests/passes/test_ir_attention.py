@@ -161,14 +161,19 @@ def test_values_times_transposed_probabilities_is_attention_with_v_and_the_outpu
     assert run.stat.matches == 1
 
 
-def packed_heads_attention(b: IRBuilder, extra_reader: bool = False):
+def packed_heads_attention(b: IRBuilder, extra_reader: bool = False, indices=(0, 1, 2)):
     """nn.MultiheadAttention's export: in_proj [S, B, 3D] unflattened and transposed to [3, S, B, D] (one
-    Shuffle), Q, K and V each a Gather of it, then split into heads."""
+    Shuffle), Q, K and V each a Gather of it (a scalar index drops the axis), then split into heads."""
     x = b.input("x", (5, 1, 24))
     packed = b.node("Shuffle", [x], "packed", (3, 5, 1, 8), domain="kiln",
                     steps=[{"reshape": [5, 1, 3, 8]}, {"transpose": [2, 0, 1, 3]}])
-    picked = [b.node("Gather", [packed, b.const(f"at{i}", i, np.int64)], f"g{i}", (5, 1, 8), axis=0)
-              for i in range(3)]
+    picked = []
+    for i, at in enumerate(indices):
+        shape = (1,) * np.ndim(at) + (5, 1, 8)
+        picked.append(b.node("Gather", [packed, b.const(f"at{i}", at, np.int64)], f"g{i}", shape, axis=0))
+        if np.ndim(at):   # the kept axis reshaped away, as an exporter would
+            picked[-1] = b.node("Shuffle", [picked[-1]], f"g{i}_drop", (5, 1, 8), domain="kiln",
+                                steps=[{"reshape": [5, 1, 8]}])
     heads = [{"reshape": [5, 2, 4]}, {"transpose": [1, 0, 2]}]
     q, v = (b.node("Shuffle", [picked[i]], n, (2, 5, 4), domain="kiln", steps=heads) for i, n in ((0, "q"), (2, "v")))
     kt = b.node("Shuffle", [picked[1]], "kt", (2, 4, 5), domain="kiln",
@@ -185,13 +190,26 @@ def test_heads_gathered_from_one_packed_projection_are_read_through_slices():
 
     packed = "{'reshape': [5, 1, 3, 8]}, {'transpose': [2, 0, 1, 3]}"
     heads, keys = "{'reshape': [5, 2, 4]}, {'transpose': [1, 0, 2]}", "{'reshape': [5, 2, 4]}, {'transpose': [1, 2, 0]}"
-    pick = "{{'slice': [0, {0}, {1}]}}, {{'reshape': [5, 1, 8]}}"
+    # the picked axis moved last and reshaped away with ONNX's 0s: right for any dynamic axis
+    pick = "{{'slice': [0, {0}, {1}]}}, {{'transpose': [1, 2, 3, 0]}}, {{'reshape': [0, 0, 0]}}"
     assert str(g) == expected(f"""
         graph g(%x: float32[5x1x24]):
           %pv: float32[2x5x4] = kiln.Attention(%x, %x, %x) k_steps=[{packed}, {pick.format(1, 2)}, {keys}] nan_to_zero=False out_steps=[] q_steps=[{packed}, {pick.format(0, 1)}, {heads}] scale=1.0 v_steps=[{packed}, {pick.format(2, 3)}, {heads}]  # packed + g0 + g1 + g2 + q + v + kt + qk + probs + pv
           return %pv
         """)
     assert run.stat.matches == 1
+
+
+def test_a_negative_or_one_element_vector_index_picks_the_same_slice_and_a_deeper_one_is_declined():
+    g = packed_heads_attention(IRBuilder(), indices=(0, [1], -1))
+    run_pass(g, "AttentionFusion", fuse_attention)
+    (attention,) = [n for n in g.nodes if n.op_type == "Attention"]
+    assert attention.inputs[0].name == "x" and "Gather" not in [n.op_type for n in g.nodes]
+    assert attention.attrs["k_steps"][2:4] == [{"slice": [0, 1, 2]}, {"reshape": [5, 1, 8]}]   # the axis kept
+    assert attention.attrs["v_steps"][2] == {"slice": [0, 2, 3]}
+    g = packed_heads_attention(IRBuilder(), indices=(0, [[1]], 2))   # output [1, 1, 5, 1, 8]: not one slice
+    run_pass(g, "AttentionFusion", fuse_attention)
+    assert [n.op_type for n in g.nodes].count("Gather") == 3
 
 
 def test_a_gathered_head_read_elsewhere_keeps_the_gathers():

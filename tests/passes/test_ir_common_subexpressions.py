@@ -73,7 +73,9 @@ def test_different_attributes_inputs_or_constant_values_stay_apart():
             b.node("Relu", [x], "relu_x", (2, 3)),
             b.node("Relu", [y], "relu_y", (2, 3)),                    # another input
             b.node("Add", [x, b.const("one", 1.0)], "plus_one", (2, 3)),
-            b.node("Add", [x, b.const("two", 2.0)], "plus_two", (2, 3))]   # another constant value
+            b.node("Add", [x, b.const("two", 2.0)], "plus_two", (2, 3)),   # another constant value
+            b.node("Shrink", [x], "shrink_zero", (2, 3), bias=0.0),
+            b.node("Shrink", [x], "shrink_minus_zero", (2, 3), bias=-0.0)]   # -0.0 is not 0.0
     g = b.graph(*outs)
     run_pass_unchanged(g, NAME, merge_common_subexpressions)
 
