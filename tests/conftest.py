@@ -30,6 +30,22 @@ def assert_one_step_at_most(got: np.ndarray, want: np.ndarray, exact: float = 0.
     assert diff.max() <= 1 and (diff == 0).mean() >= exact
 
 
+def assert_int8_layer_matches_onnxruntime(model, feeds: dict[str, np.ndarray], layer: tuple[str, str, str],
+                                          out_dtype, exact: float, spread: int) -> None:
+    """`model` builds into one INT8 layer, `layer` = (name, op type, tactic), whose output is within a step of
+    onnxruntime's unfused run (`assert_one_step_at_most`); so is the same layer on torch's reference kernel."""
+    import kiln
+
+    engine = kiln.build(model, autotune=False)
+    assert [(l.name, l.op_type, l.tactic_name, l.precision) for l in engine.plan.layers] == [(*layer, "INT8")]
+    got, want = engine.run(feeds)["y"], unfused_onnxruntime(model, feeds)
+    assert got.dtype == out_dtype
+    assert_one_step_at_most(got, want, exact=exact, spread=spread)
+    reference = kiln.build(model, tactic_sources="torch", autotune=False)
+    assert [l.tactic_name for l in reference.plan.layers] == ["torch.reference"]
+    assert np.abs(reference.run(feeds)["y"].astype(np.int32) - want).max() <= 1
+
+
 def cosine(a, b) -> float:
     """Cosine similarity of two arrays, flattened, in float64 (how reduced-precision outputs are scored)."""
     a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)

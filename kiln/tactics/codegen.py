@@ -248,7 +248,7 @@ class CodegenPointWiseTactic:
 
     def prepare(self, layer: LayerView) -> Kernel:
         if any(layer.input_dynamic):
-            return shaped_kernel(layer)
+            return ShapedPointWise(layer)   # shapes that vary per call
         layer = program_view(layer)
         out_shape = tuple(np.broadcast_shapes(*layer.input_shapes))
         scalars = _scalar_inputs(layer)
@@ -287,11 +287,6 @@ class CodegenPointWiseTactic:
 
 
 MAX_CALL_SHAPES = 64   # per shaped kernel: the loop nests kept for the input shapes met (the oldest dropped past it)
-
-
-def shaped_kernel(original: LayerView) -> Kernel:
-    """The layer's program for inputs whose shapes vary per call (`ShapedPointWise`)."""
-    return ShapedPointWise(original)
 
 
 _UNPLANNED = object()

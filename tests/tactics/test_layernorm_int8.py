@@ -13,7 +13,7 @@ import kiln
 from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
 from kiln.tactics.layernorm_c import QLAYERNORM_TACTIC, QuantizedLayerNormTactic
-from tests.conftest import assert_one_step_at_most, make_model, torch_threads, unfused_onnxruntime
+from tests.conftest import assert_int8_layer_matches_onnxruntime, make_model, torch_threads
 from tests.tactics.test_qgemm_c import RANGES, TORCH, rand_q
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
@@ -138,18 +138,11 @@ def residual_layer_norm_model(n=256):
 
 
 def test_an_int8_residual_layer_norm_is_one_layer_matching_onnxruntime():
-    model = residual_layer_norm_model()
-    engine = kiln.build(model, autotune=False)
-    assert [(l.name, l.op_type, l.tactic_name, l.precision) for l in engine.plan.layers] == \
-        [("add + add_q + ln + ln_q", "QLayerNorm", QLAYERNORM_TACTIC, "INT8")]
     rng = np.random.default_rng(5)
     feeds = {k: rng.integers(0, 256, (1, 128, 256)).astype(np.uint8) for k in "ab"}
-    got, want = engine.run(feeds)["y"], unfused_onnxruntime(model, feeds)
-    assert got.dtype == np.uint8
-    assert_one_step_at_most(got, want, exact=0.999, spread=50)
-    reference = kiln.build(model, tactic_sources="torch", autotune=False)   # QLayerNorm on torch's reference
-    assert [l.tactic_name for l in reference.plan.layers] == ["torch.reference"]
-    assert np.abs(reference.run(feeds)["y"].astype(np.int32) - want).max() <= 1
+    assert_int8_layer_matches_onnxruntime(residual_layer_norm_model(), feeds,
+                                          ("add + add_q + ln + ln_q", "QLayerNorm", QLAYERNORM_TACTIC), np.uint8,
+                                          exact=0.999, spread=50)
 
 
 def test_layers_it_declines():

@@ -12,7 +12,8 @@ import kiln
 from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
 from kiln.tactics.softmax_c import QSOFTMAX_TACTIC, QuantizedSoftmaxTactic
-from tests.conftest import assert_one_step_at_most, make_model, torch_threads, unfused_onnxruntime
+from tests.conftest import assert_int8_layer_matches_onnxruntime, make_model, torch_threads, \
+    unfused_onnxruntime
 from tests.tactics.test_qgemm_c import RANGES, TORCH, rand_q
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
@@ -66,17 +67,9 @@ def attention_probabilities_model():
 
 
 def test_quantized_probabilities_are_one_int8_layer_matching_onnxruntime():
-    model = attention_probabilities_model()
-    engine = kiln.build(model, autotune=False)
-    assert [(l.name, l.op_type, l.tactic_name, l.precision) for l in engine.plan.layers] == \
-        [("sm + sm_q", "QSoftmax", QSOFTMAX_TACTIC, "INT8")]
     x = {"x": np.random.default_rng(2).integers(0, 256, (1, 12, 64, 64)).astype(np.uint8)}
-    got, want = engine.run(x)["y"], unfused_onnxruntime(model, x)
-    assert got.dtype == np.int8
-    assert_one_step_at_most(got, want, exact=0.99, spread=20)
-    reference = kiln.build(model, tactic_sources="torch", autotune=False)   # QSoftmax on torch's reference
-    assert [l.tactic_name for l in reference.plan.layers] == ["torch.reference"]
-    assert np.abs(reference.run(x)["y"].astype(np.int32) - want).max() <= 1
+    layer = ("sm + sm_q", "QSoftmax", QSOFTMAX_TACTIC)
+    assert_int8_layer_matches_onnxruntime(attention_probabilities_model(), x, layer, np.int8, exact=0.99, spread=20)
 
 
 def test_ties_round_to_even_and_the_top_saturates():
