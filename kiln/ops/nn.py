@@ -144,6 +144,7 @@ def global_max_pool(attrs, xs):
 
 @register("Gemm", OpKind.COMPLEX)
 def gemm(attrs, xs):
+    """ONNX Gemm; kiln's fused form adds input 3 (a residual) and `activation`."""
     a, b = xs[0], xs[1]
     c = xs[2] if len(xs) > 2 else None
     if attrs.get("transA", 0):
@@ -156,16 +157,23 @@ def gemm(attrs, xs):
         out = out * alpha
     if c is not None:
         out = out + (c * beta if beta != 1.0 else c)
-    return [apply_activation(attrs.get("activation"), out)]
+    return [_residual_then_activation(attrs, xs, out)]
 
 
 @register("MatMul", OpKind.COMPLEX)
 def matmul(attrs, xs):
-    """ONNX MatMul; kiln's fused form adds input 2 (bias) and `activation`."""
+    """ONNX MatMul; kiln's fused form adds input 2 (bias), input 3 (a residual) and `activation`."""
     out = torch.matmul(xs[0], xs[1])
     if len(xs) > 2 and xs[2] is not None:
         out = out + xs[2]
-    return [apply_activation(attrs.get("activation"), out)]
+    return [_residual_then_activation(attrs, xs, out)]
+
+
+def _residual_then_activation(attrs, xs, out):
+    """A fused product's epilogue after its bias: the residual (input 3, kiln.passes.gemm), then the activation."""
+    if len(xs) > 3 and xs[3] is not None:
+        out = out + xs[3]
+    return apply_activation(attrs.get("activation"), out)
 
 
 @register("Softmax", OpKind.REDUCTION)

@@ -7,7 +7,7 @@ from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse
                               fuse_norm_activation, fuse_residual_add)
 from kiln.passes.dynamic_quant import fuse_dynamic_quantized_conv, fuse_dynamic_quantized_matmul
 from kiln.passes.einsum import lower_einsum
-from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
+from kiln.passes.gemm import fuse_matmul_bias, fuse_matmul_residual, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
@@ -63,6 +63,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("MatMulHorizontalMerge", merge_matmuls),
     Pass("AttentionFusion", fuse_attention),
     Pass("SkipLayerNormFusion", fuse_skip_layer_norm),
+    # The residual sums no LayerNorm took (pre-LN blocks) join their linear layer, before its activation as for convs.
+    Pass("MatMulEltwiseSumFusion", fuse_matmul_residual),
     Pass("GemmActFusion", fuse_gemm_activation),
     # Q/DQ last among the vertical fusions: the conv/gemm has its bias, residual and activation by now.
     Pass("HorizontalMergeQNodes", merge_duplicate_qdq),

@@ -154,12 +154,13 @@ def _scaled_output_channels(w: np.ndarray, k: np.ndarray, transposed: bool, grou
     return (grouped * factors).reshape(w.shape).astype(w.dtype)
 
 
-def fuse_residual_add(g: Graph, plog: PassLog) -> None:
+def fuse_residual_add(g: Graph, plog: PassLog, producer_ops: tuple[str, ...] = ("Conv", "DynamicQConv")) -> None:
     """ConvEltwiseSumFusion:  Conv(x) + r  ==>  Conv(x, residual=r)  (same shapes, conv read only by the Add); a
-    DynamicQConv takes its FP32 residual the same way (its kernel adds it before the activation)."""
+    DynamicQConv takes its FP32 residual the same way (its kernel adds it before the activation), and so does a
+    linear layer (kiln.passes.gemm.fuse_matmul_residual): input 3 in every case, after the bias."""
     for add in [n for n in g.nodes if is_op(n, "Add")]:
         a, b = add.inputs
-        candidates = [(v, other) for v, other in ((a, b), (b, a)) if is_op(v.producer, ("Conv", "DynamicQConv"))]
+        candidates = [(v, other) for v, other in ((a, b), (b, a)) if is_op(v.producer, producer_ops)]
         if not candidates:
             continue
         # prefer the later convolution: the other operand is then computed already
@@ -186,6 +187,9 @@ def fuse_residual_add(g: Graph, plog: PassLog) -> None:
 def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str | None:
     if sole_consumer(g, conv) is not add:
         return why_not_sole_consumer(g, conv)
+    weight = conv.inputs[1]
+    if conv.op_type in ("MatMul", "Gemm") and not (weight.is_const and weight.shape and len(weight.shape) == 2):
+        return f"{conv.name} multiplies two activations (kiln adds residuals only in linear layers' kernels)"
     if "activation" in conv.attrs:
         return f"{conv.name} already applies an activation before the sum"
     if len(conv.inputs) > 3:

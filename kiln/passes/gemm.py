@@ -1,10 +1,12 @@
-"""Matrix-multiply fusions: a constant bias Add folds into the MatMul/Gemm before it; a Gemm between the Reshapes
-that flatten and restore an activation's leading axes becomes a MatMul on the activation."""
+"""Matrix-multiply fusions: a constant bias Add folds into the MatMul/Gemm before it, then a residual Add of an
+activation; a Gemm between the Reshapes that flatten and restore an activation's leading axes becomes a MatMul on
+the activation."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.ir import Graph, Node
+from kiln.passes.conv import fuse_residual_add
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import fused_name, is_op, replace_nodes, sole_consumer, why_not_sole_consumer
 
@@ -27,6 +29,14 @@ def fuse_matmul_bias(g: Graph, plog: PassLog) -> None:
             replace_nodes(g, [mm, add], Node(name, mm.op_type, inputs, [add.outputs[0]], dict(mm.attrs), mm.domain,
                                              origin))
             break
+
+
+def fuse_matmul_residual(g: Graph, plog: PassLog) -> None:
+    """MatMulEltwiseSumFusion:  MatMul(x, W, b) + r  ==>  MatMul(x, W, b, residual=r)  (also Gemm): a pre-LN
+    block's residual sum (x + proj(...)) added as the product's output is stored, not as one more pass over the
+    activation. W is a constant matrix, r an activation of the product's shape, the product read only by the Add;
+    the sums a LayerNorm reads are SkipLayerNormFusion's, which runs first."""
+    fuse_residual_add(g, plog, producer_ops=("MatMul", "Gemm"))
 
 
 def _bias_blocker(g: Graph, mm: Node, add: Node, mm_out, bias) -> str | None:

@@ -36,6 +36,7 @@ EXACT_RANKING_S = 90   # re-lowering each layer alone: BERT-base's 85 took 32 s 
 
 METRICS = ("cos", "l0", "l1", "l2", "linf")
 PRODUCTS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention")   # their arithmetic runs in the reduced type
+RESIDUAL_INPUT = 3   # a convolution's or linear layer's fused residual (kiln.passes.conv.fuse_residual_add)
 REDUCED_DTYPES = ("bfloat16", "float16")
 
 
@@ -277,7 +278,8 @@ def reduced_alone(g: Graph, lowered: Lowering, every: Lowering, inputs: Batch, b
 def _rounded_around(layer, as_reduced, weights: TorchWeights, np_weights: dict, opset: int):
     """`layer`'s FP32 kernel with values rounded as `as_reduced` (the same layer in the reduced plan) rounds them:
     its weights, the outputs it stores in a reduced type, and a product's float inputs (its arithmetic is in that
-    type; other kernels compute in FP32, and the rounding of what they read is its writer's harm)."""
+    type; other kernels compute in FP32, and the rounding of what they read is its writer's harm). A fused residual
+    (input 3) is added in FP32 as stored, so it is not rounded here either."""
     dtype = torch.bfloat16 if as_reduced.precision == "BF16" else torch.float16
 
     def rounded(t):
@@ -288,7 +290,8 @@ def _rounded_around(layer, as_reduced, weights: TorchWeights, np_weights: dict, 
     kernel = prepare_kernel(layer, _Overlay(weights, own), np_weights, opset)
 
     def emulated(xs):
-        return [rounded(y) if low else y for y, low in zip(kernel([rounded(x) for x in xs] if product else xs), writes)]
+        read = [rounded(x) if i != RESIDUAL_INPUT else x for i, x in enumerate(xs)] if product else xs
+        return [rounded(y) if low else y for y, low in zip(kernel(read), writes)]
     return emulated
 
 

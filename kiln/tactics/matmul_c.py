@@ -1,6 +1,6 @@
 """A MatMul or Gemm by a constant matrix as kiln's own GEMM (kiln.tactics.gemm_c): the activation's rows are the
-GEMM's rows, read in place; the weight is packed into 32-column panels once; bias and ReLU or Swish are applied
-as the output is written. A layer with another fused activation (GELU) is left to oneDNN, which fuses it too.
+GEMM's rows, read in place; the weight is packed into 32-column panels once; bias, a residual of the output's shape
+(a pre-LN block's sum) and ReLU or Swish are applied as the output is written. A layer with another fused activation (GELU) is left to oneDNN, which fuses it too.
 Leading axes may be dynamic: rows are counted per call.
 
 Against oneDNN's inner product through torch the call is cheaper (~3 µs of set-up instead of ~15-25 µs inside
@@ -17,7 +17,7 @@ import torch
 from kiln import native
 from kiln.tactics import gemm_c
 from kiln.tactics.base import LINEAR, Kernel, LayerView, storage_dtype
-from kiln.tactics.onednn_linear import by_constant_matrix, linear_bias, linear_weight
+from kiln.tactics.onednn_linear import by_constant_matrix, has_residual, linear_bias, linear_weight
 
 MATMUL_TACTIC = "kiln.matmul_gemm"
 
@@ -56,13 +56,26 @@ class MatMulGemmTactic:
                                act=gemm_c.activation_code(layer.attrs.get("activation")), k=k, n=n,
                                io=self.io_flags(layer))
         call_ptr, out_dtype = ctypes.addressof(call), storage_dtype(layer.output_dtypes[0])
+        residual = has_residual(layer)
+
+        def launch(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor | None) -> list[torch.Tensor]:
+            rows = x.numel() // k
+            if rows:
+                gemm(call_ptr, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr(), 1, rows)
+            return [y]
 
         def run(xs):
             x = xs[0].contiguous()
-            rows = x.numel() // k
-            y = torch.empty((*x.shape[:-1], n), dtype=out_dtype)
-            if rows:
-                gemm(call_ptr, x.data_ptr(), y.data_ptr(), None, 1, rows)
-            return [y]
+            return launch(x, torch.empty((*x.shape[:-1], n), dtype=out_dtype), xs[3].contiguous() if residual else None)
+
+        def run_into_residual(xs):
+            """The output written over the residual's dead buffer (each element read before it is written, by the
+            same thread; kiln.runtime.donation calls this only when nothing else reads that buffer)."""
+            r = xs[3]
+            if r.dtype != out_dtype or not r.is_contiguous():
+                return run(xs)
+            return launch(xs[0].contiguous(), r, r)
+        if residual:
+            run.into_input = (3, run_into_residual)
         run.constants = (packed, bias, call)   # read through raw pointers
         return run

@@ -32,7 +32,8 @@ def linear_bias(layer: LayerView, n: int) -> tuple[bool, torch.Tensor | None]:
 
 def by_constant_matrix(layer: LayerView) -> bool:
     """A float32 MatMul (or Gemm without transA/alpha/beta) of an activation by a constant 2-D matrix, with a
-    per-column constant bias or none: a linear layer, whichever library runs it."""
+    per-column constant bias or none and a residual of the output's shape or none: a linear layer, whichever
+    library runs it."""
     if layer.op_type not in ("Gemm", "MatMul") or layer.domain not in ("", "ai.onnx"):
         return False
     x, w = layer.input_shapes[0], layer.const_inputs.get(1)
@@ -42,7 +43,14 @@ def by_constant_matrix(layer: LayerView) -> bool:
     if layer.op_type == "Gemm" and (len(x) != 2 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0
                                     or a.get("beta", 1.0) != 1.0):
         return False
-    return len(x) >= 2 and linear_bias(layer, linear_weight(layer).shape[0])[0]
+    n = linear_weight(layer).shape[0]
+    return len(x) >= 2 and linear_bias(layer, n)[0] and (not has_residual(layer)
+                                                         or tuple(layer.input_shapes[3]) == (*x[:-1], n))
+
+
+def has_residual(layer: LayerView) -> bool:
+    """Whether the linear layer adds a residual (input 3, kiln.passes.gemm.fuse_matmul_residual) after its bias."""
+    return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
 
 
 class OneDnnLinearTactic:
@@ -72,11 +80,32 @@ class OneDnnLinearTactic:
         post = None if (not spec or fused is not None) else spec
         linear = torch.ops.mkldnn._linear_pointwise
 
+        if has_residual(layer):
+            return self.residual_kernel(layer, packed, bias, to_compute)
         finish = finisher(post, layer.output_dtypes[0])
 
         def run(xs):
             return finish(linear(to_compute(xs[0].contiguous()), packed, bias, unary, scalars, algorithm or ""))
         return run
+
+    def residual_kernel(self, layer: LayerView, packed, bias, to_compute) -> Kernel:
+        """x·W + bias + residual, then the activation (after oneDNN's call). The sum is oneDNN's binary "add"
+        post-op where that rounds nothing the plan keeps: in FP32, or in BF16 with the residual and the output
+        stored bf16 (oneDNN's BF16 call reads and writes only its compute type). Otherwise the product is rounded
+        alone and the residual added in FP32, as when the Add was a layer of its own: a budget keeping the
+        residual's producer or the output in FP32 means just that."""
+        finish = finisher(layer.attrs.get("activation"), layer.output_dtypes[0])
+        linear = torch.ops.mkldnn._linear_pointwise
+        if self.compute_dtype == torch.float32 or (layer.input_dtypes[3] == layer.output_dtypes[0] == "bfloat16"):
+            def run(xs):
+                return finish(linear.binary(to_compute(xs[0].contiguous()), to_compute(xs[3].contiguous()), packed,
+                                            bias, "add"))
+            return run
+
+        def run_then_add(xs):
+            product = linear(to_compute(xs[0].contiguous()), packed, bias, "none", [], "")
+            return finish(product.float() + xs[3].float())
+        return run_then_add
 
 
 class OneDnnBf16LinearTactic(Bf16Variant, OneDnnLinearTactic):

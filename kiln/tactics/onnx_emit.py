@@ -190,6 +190,8 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         y = e.node(view.op_type, xs[:3] if view.op_type == "Gemm" else xs[:2], a)
         if view.op_type == "MatMul" and len(xs) > 2 and xs[2]:
             y = e.node("Add", [y, xs[2]])
+        if len(xs) > 3 and xs[3]:   # the fused residual, after the bias
+            y = e.node("Add", [y, xs[3]])
         return e.activation(y, a.get("activation"))
     if view.op_type == "PointWise":
         return _emit_program(e, xs, a["program"])

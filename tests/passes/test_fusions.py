@@ -183,14 +183,15 @@ def test_matmul_bias_add_fuses():
     assert parameter_type(engine.plan.layers[0]) == "MatrixMultiply"
 
 
-def test_matmul_add_non_constant_not_fused(caplog):
+def test_matmul_add_of_an_activation_is_a_residual_not_a_bias(caplog):
     caplog.set_level(logging.DEBUG, logger="kiln.build")
     nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"], name="mm"),
              helper.make_node("Add", ["mm", "z"], ["y"], name="add")]
     model = make_model(nodes, [vi("x", [3, 4]), vi("z", [3, 5])], [vi("y", [3, 5])], [init("W", rand((4, 5), 1))])
     engine = build_and_check(model, {"x": rand((3, 4)), "z": rand((3, 5), 4)})
-    assert "mm + add" not in names(engine)
+    assert names(engine) == ["mm + add"]
     assert "MatMulAddFusion: Not fusing mm with add: the other operand is not a constant bias" in caplog.text
+    assert "MatMulEltwiseSumFusion: Fusing mm with add" in caplog.text
 
 
 def test_gemm_relu_fuses():

@@ -1,12 +1,13 @@
 """Matrix-product fusions on IR graphs: a constant bias Add becomes the MatMul/Gemm third input
-(MatMulAddFusion), an activation after it becomes its `activation` attribute (GemmActFusion), a Gemm between
-Reshapes that flatten and restore the leading axes becomes a MatMul (GemmToMatMul)."""
+(MatMulAddFusion), a residual Add of an activation its fourth (MatMulEltwiseSumFusion), an activation after it
+becomes its `activation` attribute (GemmActFusion), a Gemm between Reshapes that flatten and restore the leading
+axes becomes a MatMul (GemmToMatMul)."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.passes.conv import fuse_gemm_activation
-from kiln.passes.gemm import fuse_matmul_bias, gemm_between_reshapes
+from kiln.passes.gemm import fuse_matmul_bias, fuse_matmul_residual, gemm_between_reshapes
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 
 
@@ -52,6 +53,49 @@ def test_computed_full_and_second_biases_do_not_fold():
         "MatMulAddFusion: Not fusing mm2 with add2: bias shape [2, 4] does not broadcast along the last axis only",
         "MatMulAddFusion: Not fusing mm3 with add3: mm3 already has a bias"]
     assert (run.stat.matches, run.stat.rejections) == (0, 3)
+
+
+# ---------------------------------------------------------------- MatMulEltwiseSumFusion
+def test_pre_ln_residual_sums_become_the_products_fourth_input():
+    """x1 = x + proj(x), x2 = x1 + Gemm(x1): each sum joins its linear layer (a MatMul without a bias gets an empty
+    bias slot); the residual stream read twice is the operand, never the product."""
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    w3 = b.const("w3", np.ones((3, 3)))
+    proj = b.node("MatMul", [x, w3, b.const("bias", np.zeros(3))], "p", (2, 3), name="proj + bias")
+    x1 = b.node("Add", [x, proj], "x1", (2, 3), name="add1")
+    x2 = b.node("Add", [b.node("Gemm", [x1, w3], "q", (2, 3), name="gemm"), x1], "x2", (2, 3), name="add2")
+    g = b.graph(x2)
+
+    run = run_pass(g, "MatMulEltwiseSumFusion", fuse_matmul_residual)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[2x3]):
+          %x1: float32[2x3] = MatMul(%x, const %w3, const %bias, %x)  # proj + bias + add1
+          %x2: float32[2x3] = Gemm(%x1, const %w3, None, %x1)  # gemm + add2
+          return %x2
+        """)
+    assert (run.stat.matches, run.stat.rejections) == (2, 0)
+    assert "MatMulEltwiseSumFusion: Fusing gemm with add2" in run.lines
+
+
+def test_sums_no_linear_kernel_can_add_are_left_with_the_reason():
+    b = IRBuilder()
+    x, y = b.input("x", (2, 3)), b.input("y", (3, 3))
+    scores = b.node("MatMul", [x, y], "s", (2, 3), name="scores")
+    out1 = b.node("Add", [scores, x], "o1", (2, 3), name="add1")
+    act = b.node("MatMul", [x, weight(b, "w")], "a", (2, 4), name="mm_act", activation={"op": "Relu", "attrs": {}})
+    out2 = b.node("Add", [act, b.input("r", (2, 4))], "o2", (2, 4), name="add2")
+    wide = b.node("MatMul", [x, weight(b, "w2")], "m", (2, 4), name="mm_wide")
+    out3 = b.node("Add", [wide, b.input("row", (1, 4))], "o3", (2, 4), name="add3")
+    g = b.graph(out1, out2, out3)
+    run = run_pass_unchanged(g, "MatMulEltwiseSumFusion", fuse_matmul_residual)
+    assert run.not_fusing == [
+        "MatMulEltwiseSumFusion: Not fusing scores with add1: scores multiplies two activations (kiln adds residuals "
+        "only in linear layers' kernels)",
+        "MatMulEltwiseSumFusion: Not fusing mm_act with add2: mm_act already applies an activation before the sum",
+        "MatMulEltwiseSumFusion: Not fusing mm_wide with add3: shapes differ ([1, 4] vs [2, 4]): broadcasting sum is "
+        "not fusable"]
 
 
 # ---------------------------------------------------------------- GemmActFusion

@@ -35,8 +35,8 @@ def run_both(model, engine, seed: int = 0):
 
 @pytest.mark.parametrize("make, bf16_layers", [
     (conv_net, {"conv1 + relu1", "conv2 + relu2", "fc", "head"}),
-    (transformer_net, {"q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn", "o_proj", "ffn2",
-                       "ln", "residual1", "residual2"}),   # the residual Adds on the generated loop
+    (transformer_net, {"q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn",
+                       "o_proj + residual1", "ffn2 + residual2", "ln"}),   # the residual Adds in the products' stores
 ])
 def test_bf16_is_granted_on_kiln_kernels_and_stays_close_to_fp32(make, bf16_layers):
     model = make()

@@ -259,10 +259,11 @@ def test_an_encoder_block_keeps_bf16_from_one_gemm_to_the_next():
     engine = kiln.build(model, bf16=True, precision_constraints="prefer", accuracy="off")
     by_layer = {layer.name: layer for layer in engine.plan.layers}
     written_bf16 = {name for name, layer in by_layer.items() if layer.outputs[0].dtype == "bfloat16"}
-    # q||k||v -> attention -> o_proj -> residual1 -> ln -> ffn1 (+GELU) -> ffn2: every tensor bf16, the residual
-    # Adds on the generated loop reading bf16; only residual2's output, the engine's, is FP32
-    assert written_bf16 == {"q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn", "o_proj",
-                            "residual1", "ln", "ffn1 + gelu_div + gelu_erf + gelu_add + gelu_mul + gelu_half", "ffn2"}
+    # q||k||v -> attention -> o_proj + residual1 -> ln -> ffn1 (+GELU) -> ffn2 + residual2: every tensor bf16, the
+    # residual sums in the products' stores reading bf16; only residual2's output, the engine's, is FP32
+    assert written_bf16 == {"q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn",
+                            "o_proj + residual1", "ln", "ffn1 + gelu_div + gelu_erf + gelu_add + gelu_mul + gelu_half"}
+    assert by_layer["ffn2 + residual2"].args[3].name == "res1" and by_layer["ffn2 + residual2"].precision == "BF16"
     assert by_layer["ln"].tactic_name == "kiln.layernorm_rows_bf16" and by_layer["ln"].precision == "BF16"
     x = rand((1, 8, 16), seed=9)
     assert cosine(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]) >= 0.999

@@ -135,12 +135,14 @@ def test_the_output_tail_is_the_arithmetic_after_the_last_matrix_layers():
                     reason="BF16 is granted only where the CPU computes it natively (an AVX2 CPU denies --bf16)")
 def test_the_output_tail_keeps_fp32_unless_the_user_asks():
     """Without constraints the encoder block's last residual Add (after ffn2, writing the output) stays FP32 with
-    the reason; a layer precision naming it, or `prefer`, grants BF16."""
+    the reason; a layer precision naming it, or `prefer`, grants BF16. (The Adds are layers of their own with
+    MatMulEltwiseSumFusion off; on, each joins its product, a matrix layer and no tail.)"""
     model = transformer_net()
-    layers = {l.name: l for l in kiln.build(model, bf16=True, autotune=False).plan.layers}
+    separate = {"disabled_passes": ["MatMulEltwiseSumFusion"]}
+    layers = {l.name: l for l in kiln.build(model, bf16=True, autotune=False, **separate).plan.layers}
     assert layers["residual2"].precision == "FP32" and layers["residual2"].requested_precision == "BF16"
     assert layers["residual2"].precision_reason == OUTPUT_TAIL
     assert layers["residual1"].precision == "BF16"   # the same Add between matrix layers
     for options in ({"layer_precisions": {"residual2": "BF16"}}, {"precision_constraints": "prefer"}):
-        named = {l.name: l for l in kiln.build(model, bf16=True, autotune=False, **options).plan.layers}
+        named = {l.name: l for l in kiln.build(model, bf16=True, autotune=False, **separate, **options).plan.layers}
         assert named["residual2"].precision == "BF16", options

@@ -20,15 +20,14 @@ from tests.conftest import assert_close_to_ort, cosine, init, make_model, rand, 
 from tests.precision.models import conv_net, transformer_net
 
 float16 = pytest.importorskip("onnxruntime.transformers.float16")
-# model, input, shape, and the output Cast's layer: its own after a Gemm, fused into the residual Add's PWN
-MODELS = {"conv": (conv_net, "x", (1, 3, 16, 16), "y to float16"),
-          "transformer": (transformer_net, "x", (1, 8, 16), "PWN(residual2, y to float16)")}
+# model, input, shape; the output Cast is a layer of its own after a Gemm and after the residual sum's product
+MODELS = {"conv": (conv_net, "x", (1, 3, 16, 16)), "transformer": (transformer_net, "x", (1, 8, 16))}
 # the FP32 models' own layers (untimed builds)
 FP32_LAYERS = {"conv": ["Reformatting CopyNode for Input Tensor 0 to conv1 + relu1", "conv1 + relu1", "conv2 + relu2",
                         "gap", "Reformatting CopyNode for Input Tensor 0 to flatten", "flatten", "fc", "head"],
-               "transformer": ["q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn", "o_proj",
-                               "residual1", "ln", "ffn1 + gelu_div + gelu_erf + gelu_add + gelu_mul + gelu_half",
-                               "ffn2", "residual2"]}
+               "transformer": ["q_proj || k_proj || v_proj", "k_t + scores + scale_mul + softmax + attn", "o_proj + residual1",
+                               "ln", "ffn1 + gelu_div + gelu_erf + gelu_add + gelu_mul + gelu_half",
+                               "ffn2 + residual2"]}
 
 
 def fp16_exact(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -44,27 +43,24 @@ def fp16_exact(model: onnx.ModelProto) -> onnx.ModelProto:
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def pair(request):
-    make, name, shape, last = MODELS[request.param]
+    make, name, shape = MODELS[request.param]
     fp32 = fp16_exact(make())
     x = rand(shape, 21).astype(np.float16)
-    return fp32, float16.convert_float_to_float16(fp32, keep_io_types=False), name, x, last, \
-        FP32_LAYERS[request.param]
+    return fp32, float16.convert_float_to_float16(fp32, keep_io_types=False), name, x, FP32_LAYERS[request.param]
 
 
 def test_float16_model_runs_fp32_layers_and_keeps_its_float16_io(pair, caplog):
-    fp32, fp16, name, x, last, fp32_layers = pair
+    fp32, fp16, name, x, fp32_layers = pair
     with caplog.at_level(logging.INFO, logger="kiln"):   # untimed: the layer lists must not depend on timing
         engine = kiln.build(fp16, regions=False, autotune=False)
     assert "built weakly typed" in caplog.text and "float16" in caplog.text
     assert [l.name for l in kiln.build(fp32, regions=False, autotune=False).plan.layers] == fp32_layers
     layers = engine.plan.layers
-    # the FP32 model's layers, a Cast reading the float16 input, and one writing the float16 output (fused into a
-    # pointwise layer where one ends the model); every layer computes in FP32
-    fused = last != "y to float16"
-    assert len(layers) == len(fp32_layers) + 2 - fused
-    assert [(layers[0].name, layers[0].op_type), layers[-1].name] == [(f"{name} to FP32", "Cast"), last]
-    assert {l.name for l in layers[1:len(layers) - (not fused)]} == set(fp32_layers) - \
-        ({"residual2"} if fused else set()) | ({last} if fused else set())
+    # the FP32 model's layers, a Cast reading the float16 input and one writing the float16 output; every layer
+    # computes in FP32
+    assert len(layers) == len(fp32_layers) + 2
+    assert [(layers[0].name, layers[0].op_type), layers[-1].name] == [(f"{name} to FP32", "Cast"), "y to float16"]
+    assert {l.name for l in layers[1:-1]} == set(fp32_layers)
     assert {l.precision for l in layers} == {"FP32"}
     got = engine.run({name: x})["y"]
     assert got.dtype == np.float16
@@ -74,7 +70,7 @@ def test_float16_model_runs_fp32_layers_and_keeps_its_float16_io(pair, caplog):
 
 
 def test_float16_weights_with_float32_io_leave_no_cast_layers(pair):
-    fp32, _, name, x, _, fp32_layers = pair
+    fp32, _, name, x, fp32_layers = pair
     fp16 = float16.convert_float_to_float16(fp32, keep_io_types=True)
     assert sum(n.op_type == "Cast" for n in fp16.graph.node) >= 2
     engine = kiln.build(fp16, regions=False, autotune=False)
