@@ -1,12 +1,13 @@
 """Graph passes and the default pipeline (one ordered list, with the reason for the order beside it)."""
 from __future__ import annotations
 
-from kiln.passes.attention import fuse_attention, fuse_gelu, fuse_skip_layer_norm, merge_matmuls
+from kiln.passes.attention import fuse_attention, fuse_skip_layer_norm, merge_matmuls
 from kiln.passes.cleanup import fold_constants, merge_common_subexpressions, remove_dead_layers, remove_identities
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
                               fuse_norm_activation, fuse_residual_add)
 from kiln.passes.dynamic_quant import fuse_dynamic_quantized_conv, fuse_dynamic_quantized_matmul
 from kiln.passes.einsum import lower_einsum
+from kiln.passes.gelu import fuse_gelu
 from kiln.passes.gemm import fuse_matmul_bias, fuse_matmul_residual, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
@@ -42,7 +43,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("LayerNormFusion", fuse_layer_norm),
     Pass("RMSNormFusion", fuse_rms_norm),
     Pass("GroupNormFusion", fuse_group_norm),
-    # GELU's erf form becomes one Gelu op before pointwise fusion could split it, so a MatMul can absorb it.
+    # GELU's erf and tanh forms become one Gelu op before pointwise fusion could split them, so a MatMul absorbs it.
     Pass("GeluFusion", fuse_gelu),
     # A zero Pad before a convolution becomes the convolution's own padding (no copy of the padded map).
     Pass("PaddingConvFusion", fold_pad_into_conv),

@@ -1,7 +1,6 @@
-"""Transformer fusions: GELU, horizontal merge of matrix products sharing an input (`q || k || v`), attention
-(Q·Kᵀ, scale, mask, softmax, ·V and the data movement around it) and residual-add + LayerNorm.
+"""Transformer fusions: horizontal merge of matrix products sharing an input (`q || k || v`), attention (Q·Kᵀ,
+scale, mask, softmax, ·V and the data movement around it) and residual-add + LayerNorm (GELU: kiln.passes.gelu).
 
-    GeluFusion:          x * 0.5 * (1 + Erf(x / √2))                        ==>  Gelu(x)
     MatMulHorizontalMerge: MatMul(x, Wq [+bq]), MatMul(x, Wk [+bk]), ...     ==>  MatMul(x, [Wq|Wk|..]) -> Split
     AttentionFusion:     [Shuffle] MatMul(q, kᵀ) [*s] [+mask] Softmax MatMul(·, v) [Shuffle]  ==>  Attention
     SkipLayerNormFusion: LayerNormalization(a + b)                           ==>  SkipLayerNormalization(a, b)
@@ -32,57 +31,6 @@ def _graph_order(g: Graph, nodes: list[Node]) -> list[Node]:
 def _fused(g: Graph, nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
     origin = tuple(o for n in _graph_order(g, nodes) for o in n.origin)
     return fused_layer_name(origin), origin
-
-
-# ---- GELU ---------------------------------------------------------------------------------------------
-def fuse_gelu(g: Graph, plog: PassLog) -> None:
-    """GeluFusion: the erf form exporters write for nn.GELU becomes one Gelu op (which a MatMul can absorb)."""
-    for erf in [n for n in g.nodes if is_op(n, "Erf")]:
-        plog.running(erf)
-        found = _match_gelu(g, erf)
-        if isinstance(found, str):
-            plog.not_fused(erf, "Gelu", found)
-            continue
-        nodes, x = found
-        name, origin = _fused(g, nodes)
-        for n in nodes[:-1]:
-            plog.fusing(n, nodes[-1])
-        replace_nodes(g, nodes, Node(name, "Gelu", [x], [nodes[-1].outputs[0]], {}, "", origin))
-
-
-def _match_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
-    scale = erf.inputs[0].producer
-    if not (is_op(scale, "Div") or is_op(scale, "Mul")) or sole_consumer(g, scale) is not erf:
-        return "its input is not x/√2 computed for it alone"
-    x, c = scale.inputs
-    factor = _scalar(c)
-    if factor is None or not np.isclose(factor if scale.op_type == "Mul" else 1 / factor, 2 ** -0.5, rtol=1e-3):
-        return "its input is not x/√2"
-    add = sole_consumer(g, erf)
-    if not is_op(add, "Add") or _scalar(other_input(add, erf.outputs[0])) != 1.0:
-        return "it is not followed by +1"
-    nodes, consts, xs, cur = [scale, erf, add], [], 0, add
-    for _ in range(2):
-        mul = sole_consumer(g, cur)
-        if not is_op(mul, "Mul"):
-            break
-        other = other_input(mul, cur.outputs[0])
-        half = other.producer if other is not None else None
-        if other is x:
-            xs += 1
-        elif _scalar(other) is not None:
-            consts.append(_scalar(other))
-        elif is_op(half, "Mul") and x in half.inputs and _scalar(other_input(half, x)) is not None and \
-                len(half.outputs[0].users) == 1 and not g.is_output(half.outputs[0]):
-            xs, consts = xs + 1, consts + [_scalar(other_input(half, x))]
-            nodes.append(half)
-        else:
-            break
-        nodes.append(mul)
-        cur = mul
-        if xs == 1 and consts and np.isclose(np.prod(consts), 0.5):
-            return nodes, x
-    return "the product with x and 0.5 is not there"
 
 
 # ---- horizontal MatMul merge ---------------------------------------------------------------------------

@@ -199,3 +199,40 @@ def test_torchs_multihead_attention_reads_q_k_v_from_its_packed_projection(tmp_p
     assert all(any("slice" in step for step in attention.attrs[key]) for key in ("q_steps", "k_steps", "v_steps"))
     assert_close_to_ort(engine.run(feeds)["last_hidden_state"], run_ort(str(path), feeds)[0])
 
+
+
+class TanhGeluMlp(torch.nn.Module):
+    """fc1 -> GELU's tanh form as `form` writes it -> fc2 (BERT's TensorFlow original, GPT-2's gelu_new, torch's
+    approximate="tanh", which exporters spell out before opset 20)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        torch.manual_seed(1)
+        self.form, self.fc1, self.fc2 = form, torch.nn.Linear(HIDDEN, 4 * HIDDEN), torch.nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h, c = self.fc1(x), math.sqrt(2.0 / math.pi)
+        if self.form == "torch":
+            g = torch.nn.functional.gelu(h, approximate="tanh")
+        elif self.form == "gpt2":
+            g = 0.5 * h * (1.0 + torch.tanh(c * (h + 0.044715 * torch.pow(h, 3.0))))
+        else:   # tensorflow's BERT: cdf first, then times x
+            g = h * (0.5 * (1.0 + torch.tanh(c * (h + 0.044715 * h * h * h))))
+        return self.fc2(g)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("form", ["torch", "gpt2", "tensorflow"])
+def test_tanh_gelu_becomes_the_first_products_activation(tmp_path, form, exporter):
+    path = tmp_path / f"mlp_{form}_{exporter}.onnx"
+    x = torch.randn(2, 16, HIDDEN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(TanhGeluMlp(form).eval(), (x,), str(path), input_names=["x"], output_names=["y"],
+                          dynamo=exporter == "dynamo", opset_version=17 if exporter == "legacy" else 18)
+    assert any(n.op_type == "Tanh" for n in onnx.load(str(path)).graph.node)   # spelled out, not Gelu (opset 20)
+    engine = kiln.build(str(path), autotune=False, tactic_sources="-openvino,-onnxruntime")
+    assert [l.op_type for l in engine.plan.layers] == ["MatMul", "MatMul"]
+    assert engine.plan.layers[0].attrs["activation"] == {"op": "Gelu", "attrs": {"approximate": "tanh"}}
+    f = {"x": x.numpy()}
+    assert_close_to_ort(engine.run(f)["y"], run_ort(str(path), f)[0])
