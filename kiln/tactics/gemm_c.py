@@ -26,7 +26,8 @@ from kiln.ops.nn import apply_activation
 # The micro-kernel's register tile, defined once in kiln/native/csrc/gemm.h: weights are packed to match it.
 PANEL = native.header_constant("gemm.h", "NR")      # columns per packed weight panel: two 16-float vectors
 ROW_TILE = native.header_constant("gemm.h", "MR")   # rows per register tile
-ACT_RELU, ACT_SWISH = (native.header_constant("activation.h", name) for name in ("ACT_RELU", "ACT_SWISH"))
+ACT_RELU, ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH = (native.header_constant("activation.h", name) for name in
+                                                    ("ACT_RELU", "ACT_SWISH", "ACT_GELU_ERF", "ACT_GELU_TANH"))
 
 
 def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
@@ -110,6 +111,14 @@ def activation_code(spec: dict | None) -> int:
     if spec["op"] == "Relu":
         return ACT_RELU
     return ACT_SWISH if spec["op"] == "Swish" and spec.get("attrs", {}).get("alpha", 1.0) == 1.0 else 0
+
+
+def linear_activation_code(spec: dict | None) -> int:
+    """activation_code, and GELU (erf or tanh form) for linear layers, which gemm.h's epilogue also applies."""
+    if spec and spec["op"] == "Gelu":
+        form = spec.get("attrs", {}).get("approximate", "none")
+        return {"none": ACT_GELU_ERF, "tanh": ACT_GELU_TANH}.get(form, 0)
+    return activation_code(spec)
 
 
 def pack_weights(b: torch.Tensor) -> torch.Tensor:

@@ -91,17 +91,20 @@ def test_bf16_1x1_convolution_matches_its_formula(n, c, h, w, cout, stride, resi
 
 @needs_bf16
 @both_kernels
-@pytest.mark.parametrize("x_shape,n", [((1, 7, 48), 33), ((5, 768), 64), ((2, 40, 75), 70)])
-def test_bf16_linear_matches_its_formula(x_shape, n, kind, request):
+@pytest.mark.parametrize("x_shape,n,gelu", [((1, 7, 48), 33, None), ((5, 768), 64, "none"), ((2, 40, 75), 70, "tanh")])
+def test_bf16_linear_matches_its_formula(x_shape, n, gelu, kind, request):
+    """x·W in bf16 with FP32 sums, then GELU (erf or tanh form) in FP32 where the layer has it."""
     g = torch.Generator().manual_seed(13)
     w = torch.randn(x_shape[-1], n, generator=g)
-    view = LayerView("MatMul", "", {}, (x_shape, tuple(w.shape)), ("float32", "float32"), {1: w}, ("float32",),
+    attrs = {"activation": {"op": "Gelu", "attrs": {"approximate": gelu}}} if gelu else {}
+    view = LayerView("MatMul", "", attrs, (x_shape, tuple(w.shape)), ("float32", "float32"), {1: w}, ("float32",),
                      17, ((), ()))
     tactic = tactic_of(kind, request, MatMulGemmBf16Tactic(), MatMulGemmAmxTactic())
     assert tactic.supports(view)
     x = torch.randn(x_shape, generator=g)
     got = tactic.prepare(view)([x, None])[0]
-    torch.testing.assert_close(got, bf16(x) @ bf16(w), rtol=1e-4, atol=1e-4)
+    want = bf16(x) @ bf16(w)
+    torch.testing.assert_close(got, F.gelu(want, approximate=gelu) if gelu else want, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_gemm_is_not_offered_without_avx512_bf16(monkeypatch):

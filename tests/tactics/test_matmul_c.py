@@ -57,12 +57,12 @@ def view(op="MatMul", x=(2, 5, 8), w=None, dynamic=((0, 1),), activation=None, *
 
 
 @pytest.mark.parametrize("layer", [
-    view(activation="Gelu"),                          # oneDNN fuses GELU; kiln's store does not
+    view(activation="Tanh"),                          # oneDNN fuses tanh; kiln's store does not
     view(dynamic=((2,),)),                            # the reduced axis varies
     view(x=(5, 8), op="Gemm", transA=1),
     view(w=torch.randn(2, 8, 6)),                     # a batched weight
     view(w=torch.randn(8, 6).double()),
-], ids=["gelu", "dynamic-k", "transA", "3d-weight", "float64"])
+], ids=["tanh", "dynamic-k", "transA", "3d-weight", "float64"])
 def test_declines_what_it_cannot_run(layer):
     assert not MatMulGemmTactic().supports(layer)
     assert MatMulGemmTactic().supports(view(activation="Relu"))
@@ -70,22 +70,26 @@ def test_declines_what_it_cannot_run(layer):
 
 @pytest.mark.skipif(not __import__("kiln.hardware", fromlist=["has_any"]).has_any(("avx2",)),
                     reason="this CPU has no AVX2")
-@pytest.mark.parametrize("n", [7, 16, 21, 70])   # a panel's first half only, exactly one half, both, several panels
-def test_the_avx2_build_of_the_gemm_tile_matches_this_cpus(n, monkeypatch, tmp_path):
+@pytest.mark.parametrize("n,act", [(7, "Relu"), (16, "Relu"), (21, "Gelu"), (70, "Gelu-tanh")])
+def test_the_avx2_build_of_the_gemm_tile_matches_this_cpus(n, act, monkeypatch, tmp_path):
     """gemm.c compiled for AVX2 alone (-march=x86-64-v3, as on a Zen 3: 16 registers of 8 floats, where the
     AVX-512 tile's 64-byte vectors spilled and ran 65x slower) computes what this CPU's build computes, bias,
-    ReLU and partial panels included."""
+    the activation and partial panels (a panel's first half only, exactly one half, both, several) included."""
     from kiln import native
     from tests.tactics.avx2 import avx2_build
 
     avx2 = avx2_build("gemm", tmp_path)
     w, bias = torch.from_numpy(rand((40, n), 5)), torch.from_numpy(rand((n,), 6))
-    layer = LayerView("MatMul", "", {"activation": {"op": "Relu", "attrs": {}}}, ((2, 13, 40), (40, n), (n,)),
-                      ("float32",) * 3, {1: w, 2: bias}, ("float32",))
+    spec = {"op": act.split("-")[0], "attrs": {"approximate": "tanh"} if act.endswith("tanh") else {}}
+    layer = LayerView("MatMul", "", {"activation": spec}, ((2, 13, 40), (40, n), (n,)), ("float32",) * 3,
+                      {1: w, 2: bias}, ("float32",))
     assert MatMulGemmTactic().supports(layer)
     x = torch.from_numpy(rand((2, 13, 40), 7))
     here = MatMulGemmTactic().prepare(layer)([x, None, None])[0]
-    torch.testing.assert_close(here, torch.relu(x @ w + bias), rtol=1e-5, atol=1e-5)
+    y = x @ w + bias
+    want = torch.relu(y) if act == "Relu" else torch.nn.functional.gelu(y, approximate=spec["attrs"].get(
+        "approximate", "none"))
+    torch.testing.assert_close(here, want, rtol=1e-5, atol=1e-5)
     built = native.library
     monkeypatch.setattr(native, "library", lambda name, generated="": avx2 if name == "gemm" else built(name, generated))
     torch.testing.assert_close(MatMulGemmTactic().prepare(layer)([x, None, None])[0], here, rtol=1e-6, atol=1e-6)

@@ -22,7 +22,8 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 #define IO_C_BF16 2
 #define IO_RES_BF16 4
 
-#include "activation.h"   /* ACT_RELU, ACT_SWISH: applied as tiles are stored */
+#include "activation.h"   /* ACT_RELU, ACT_SWISH, ACT_GELU_*: applied as tiles are stored */
+#include "gelu.h"
 
 /* x * sigmoid(x) through Cephes' expf (range reduction by ln 2, a degree-5 polynomial; a few ulp): k_swish one
    float, v_swish 16 at a time in vector registers (the loops the scalar form sits in do not vectorize). */
@@ -56,11 +57,31 @@ static inline v16 v_swish(v16 x) {
   return x / (1.0f + (p * r * r + r + 1.0f) * scale);
 }
 
+/* gelu.h's odd rational polynomial p(x*x) * x / q(x*x), the argument clamped to [-bound, bound]. */
+static inline v16 v_rational(v16 x, float bound, const float* p, int np, const float* q, int nq) {
+  const v16 c = v_select((v16i)(x < -bound), (v16){0} - bound, v_select((v16i)(x > bound), (v16){0} + bound, x));
+  const v16 x2 = c * c;
+  v16 num = (v16){0} + p[0], den = (v16){0} + q[0];
+  for (int i = 1; i < np; ++i) num = num * x2 + p[i];
+  for (int i = 1; i < nq; ++i) den = den * x2 + q[i];
+  return c * num / den;
+}
+
+/* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
+static inline v16 v_gelu(v16 x, int tanh_form) {
+  const v16 g = tanh_form ? v_rational(0.7978845608028654f * (x * x * x * 0.044715f + x), GELU_TANH_BOUND,
+                                       GELU_TANH_P, GELU_COUNT(GELU_TANH_P), GELU_TANH_Q, GELU_COUNT(GELU_TANH_Q))
+                          : v_rational(x * 0.7071067811865476f, GELU_ERF_BOUND, GELU_ERF_P, GELU_COUNT(GELU_ERF_P),
+                                       GELU_ERF_Q, GELU_COUNT(GELU_ERF_Q));
+  return x * 0.5f * (g + 1.0f);
+}
+
 static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, int64_t act) {
   if (bias) v += *(const v16*)bias;
   if (res) v += *(const v16*)res;
   if (act == ACT_RELU) v = (v16)((v16i)v & (v16i)(v > (v16){0}));
   if (act == ACT_SWISH) v = v_swish(v);
+  if (act == ACT_GELU_ERF || act == ACT_GELU_TANH) v = v_gelu(v, act == ACT_GELU_TANH);
   return v;
 }
 

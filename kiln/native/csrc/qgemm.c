@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "activation.h"
+#include "gelu.h"
 #include "window.h"
 #include "work_split.h"
 
@@ -113,24 +114,16 @@ static inline __m512 v_rational(__m512 x, float bound, const float* p, int np, c
 }
 
 static inline __m512 v_gelu(__m512 x, int tanh_form) {   /* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form */
-  static const float erf_p[] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,
-                                -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,
-                                -1.60960333262415e-02f};
-  static const float erf_q[] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f,
-                                -7.37332916720468e-03f, -1.42647390514189e-02f};
-  static const float tanh_p[] = {-2.76076847742355e-16f, 2.00018790482477e-13f, -8.60467152213735e-11f,
-                                 5.12229709037114e-08f, 1.48572235717979e-05f, 6.37261928875436e-04f,
-                                 4.89352455891786e-03f};
-  static const float tanh_q[] = {1.19825839466702e-06f, 1.18534705686654e-04f, 2.26843463243900e-03f,
-                                 4.89352518554385e-03f};
   __m512 g;
   if (tanh_form) {   /* tanh(sqrt(2 / pi) (x + 0.044715 x^3)) */
     const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
                                        _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(x, x), x),
                                                        _mm512_set1_ps(0.044715f), x));
-    g = v_rational(inner, 7.90531110763549805f, tanh_p, 7, tanh_q, 4);
+    g = v_rational(inner, GELU_TANH_BOUND, GELU_TANH_P, GELU_COUNT(GELU_TANH_P), GELU_TANH_Q,
+                   GELU_COUNT(GELU_TANH_Q));
   } else {
-    g = v_rational(_mm512_mul_ps(x, _mm512_set1_ps(0.7071067811865476f)), 4.0f, erf_p, 7, erf_q, 5);
+    g = v_rational(_mm512_mul_ps(x, _mm512_set1_ps(0.7071067811865476f)), GELU_ERF_BOUND, GELU_ERF_P,
+                   GELU_COUNT(GELU_ERF_P), GELU_ERF_Q, GELU_COUNT(GELU_ERF_Q));
   }
   return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), _mm512_add_ps(g, _mm512_set1_ps(1.0f)));
 }
