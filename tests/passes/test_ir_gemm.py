@@ -158,3 +158,30 @@ def test_a_gemm_between_flattening_reshapes_becomes_a_matmul():
         "GemmToMatMul: Not fusing b_in with b_gemm: the second Reshape does not restore the leading axes",
         "GemmToMatMul: Not fusing c_in with c_gemm: the Gemm has transA, alpha or beta"]
     assert (run.stat.matches, run.stat.rejections) == (2, 2)   # one fusion line per Reshape taken in
+
+
+def test_a_gemm_after_a_reshape_merging_heads_becomes_a_matmul_on_the_rows():
+    """GPT-2's attention output [1, S, H, D] -> [S, H*D] -> Gemm (c_proj) -> [1, S, N]: the first Reshape stays,
+    retargeted to [1, S, H*D], and the product becomes a MatMul writing [1, S, N]; with a dynamic axis it is left,
+    as the retargeted shape could not be written for every input shape."""
+    b = IRBuilder()
+    heads = b.input("heads", (1, 4, 2, 3))
+    flat = b.node("Reshape", [heads, b.const("flat", [4, 6], np.int64)], "flat_out", (4, 6), name="merge_heads")
+    y = b.node("Gemm", [flat, b.const("w", np.ones((6, 5))), b.const("c", np.zeros(5))], "y", (4, 5), name="proj")
+    out = b.node("Reshape", [y, b.const("back", [1, 4, 5], np.int64)], "out", (1, 4, 5), name="restore")
+    dyn = b.input("dyn", (1, 4, 2, 3), dyn_dims=(1,))
+    flat2 = b.node("Reshape", [dyn, b.const("flat2", [-1, 6], np.int64)], "flat2_out", (4, 6), dyn_dims=(0,),
+                   name="merge_dyn")
+    y2 = b.node("Gemm", [flat2, b.const("w2", np.ones((6, 5)))], "y2", (4, 5), dyn_dims=(0,), name="proj_dyn")
+    out2 = b.node("Reshape", [y2, b.const("back2", [1, -1, 5], np.int64)], "out2", (1, 4, 5), dyn_dims=(1,),
+                  name="restore_dyn")
+    g = b.graph(out, out2)
+
+    run = run_pass(g, "GemmToMatMul", gemm_between_reshapes)
+
+    lines = str(g).splitlines()
+    assert lines[1] == "  %flat_out: float32[1x4x6] = Reshape(%heads, const %merge_heads_rows)  # merge_heads"
+    assert lines[2] == "  %out: float32[1x4x5] = MatMul(%flat_out, const %w, const %c)  # proj + restore"
+    np.testing.assert_array_equal(g.values["merge_heads_rows"].const, [1, 4, 6])
+    assert run.not_fusing == ["GemmToMatMul: Not fusing merge_dyn with proj_dyn: the first Reshape does not flatten "
+                              "the leading axes of a 3-D or larger tensor"]
