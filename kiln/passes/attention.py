@@ -11,16 +11,10 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import is_op, is_shuffle, other_input, replace_nodes, sole_consumer
+from kiln.passes.patterns import is_op, is_shuffle, other_input, replace_nodes, scalar_const, sole_consumer
 from kiln.trt.vocab import fused_layer_name, merged_layer_name
 
 HEAD_STEPS = ("q_steps", "k_steps", "v_steps")   # the attention layer's data movement on Q, Kᵀ and V
-
-
-def _scalar(v: Value | None) -> float | None:
-    if v is None or not v.is_const or v.const.size != 1 or v.const.dtype.kind != "f":
-        return None
-    return float(v.const.reshape(-1)[0])
 
 
 def _graph_order(g: Graph, nodes: list[Node]) -> list[Node]:
@@ -137,7 +131,7 @@ def _match_core(g: Graph, sm: Node):
         masks.append(other_input(cur, chain_in))
         nodes, cur = nodes + [cur], chain_in.producer
     while (is_op(cur, "Mul") or is_op(cur, "Div")) and sole_consumer(g, cur) is not None:
-        c = _scalar(cur.inputs[1])
+        c = scalar_const(cur.inputs[1])
         if c is None:
             break
         scale *= c if cur.op_type == "Mul" else 1 / c
@@ -191,7 +185,7 @@ def _nan_guard(g: Graph, sm: Node) -> list[Node]:
     if isnan is None or where is None or sole_consumer(g, isnan) is not where:
         return []
     cond, zero, kept = where.inputs
-    if cond is not isnan.outputs[0] or kept is not p or _scalar(zero) != 0.0:
+    if cond is not isnan.outputs[0] or kept is not p or scalar_const(zero) != 0.0:
         return []
     return [isnan, where]
 
@@ -203,8 +197,9 @@ def _absorb_scale(g: Graph, v: Value, scale: float, nodes: list[Node]) -> tuple[
     while is_shuffle(p) and sole_consumer(g, p) is not None:
         shuffles.append(p)
         p = p.inputs[0].producer
-    if (is_op(p, "Mul") or is_op(p, "Div")) and sole_consumer(g, p) is not None and _scalar(p.inputs[1]) is not None:
-        c = _scalar(p.inputs[1])
+    if (is_op(p, "Mul") or is_op(p, "Div")) and sole_consumer(g, p) is not None and \
+            scalar_const(p.inputs[1]) is not None:
+        c = scalar_const(p.inputs[1])
         nodes.append(p)
         if shuffles:
             g.set_input(shuffles[-1], 0, p.inputs[0])

@@ -198,6 +198,9 @@ def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str |
         return "the other operand is a constant (a bias, not a residual)"
     if other.shape != conv_out.shape:
         return f"shapes differ ({list(other.shape)} vs {list(conv_out.shape)}): broadcasting sum is not fusable"
+    if tuple(other.dyn_dims) != tuple(conv_out.dyn_dims):
+        return (f"dynamic axes differ ({list(other.dyn_dims)} vs {list(conv_out.dyn_dims)}): the sum may broadcast "
+                "at run time")
     if other.dtype != conv_out.dtype:
         return "operand data types differ"
     return None

@@ -15,7 +15,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import fused_name, is_op, other_input, replace_nodes, sole_consumer
+from kiln.passes.patterns import fused_name, is_op, other_input, replace_nodes, scalar_const, sole_consumer
 
 ARITHMETIC = ("Add", "Sub", "Mul", "Div", "Pow")   # the tanh form's scalar arithmetic around the Tanh
 SAMPLES = np.linspace(-6.0, 6.0, 121)
@@ -41,10 +41,9 @@ def fuse_gelu(g: Graph, plog: PassLog) -> None:
         replace_nodes(g, ordered, Node(name, "Gelu", [x], [nodes[-1].outputs[0]], attrs, "", origin))
 
 
-def _scalar(v: Value | None) -> float | None:
-    if v is None or not v.is_const or v.const.size != 1 or v.const.dtype.kind != "f":
-        return None
-    return float(v.const.reshape(-1)[0])
+def _number(v: Value | None) -> float | None:
+    """A scalar of the tanh form's arithmetic: float, or integer (an exponent, Pow(x, 3))."""
+    return scalar_const(v, "fiu")
 
 
 # ---- erf form ---------------------------------------------------------------------------------------------
@@ -53,11 +52,11 @@ def _match_erf_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
     if not (is_op(scale, "Div") or is_op(scale, "Mul")) or sole_consumer(g, scale) is not erf:
         return "its input is not x/√2 computed for it alone"
     x, c = scale.inputs
-    factor = _scalar(c)
+    factor = scalar_const(c)
     if factor is None or not np.isclose(factor if scale.op_type == "Mul" else 1 / factor, 2 ** -0.5, rtol=1e-3):
         return "its input is not x/√2"
     add = sole_consumer(g, erf)
-    if not is_op(add, "Add") or _scalar(other_input(add, erf.outputs[0])) != 1.0:
+    if not is_op(add, "Add") or scalar_const(other_input(add, erf.outputs[0])) != 1.0:
         return "it is not followed by +1"
     nodes, consts, xs, cur = [scale, erf, add], [], 0, add
     for _ in range(2):
@@ -68,11 +67,11 @@ def _match_erf_gelu(g: Graph, erf: Node) -> tuple[list[Node], Value] | str:
         half = other.producer if other is not None else None
         if other is x:
             xs += 1
-        elif _scalar(other) is not None:
-            consts.append(_scalar(other))
-        elif is_op(half, "Mul") and x in half.inputs and _scalar(other_input(half, x)) is not None and \
+        elif scalar_const(other) is not None:
+            consts.append(scalar_const(other))
+        elif is_op(half, "Mul") and x in half.inputs and scalar_const(other_input(half, x)) is not None and \
                 len(half.outputs[0].users) == 1 and not g.is_output(half.outputs[0]):
-            xs, consts = xs + 1, consts + [_scalar(other_input(half, x))]
+            xs, consts = xs + 1, consts + [scalar_const(other_input(half, x))]
             nodes.append(half)
         else:
             break
@@ -105,6 +104,8 @@ def _match_tanh_gelu(g: Graph, tanh: Node) -> tuple[list[Node], Value] | str:
         nodes.append(after)
         cur = after
         if np.allclose(_evaluate(nodes, x), _tanh_gelu(SAMPLES), rtol=1e-4, atol=1e-5):
+            if cur.outputs[0].shape != x.shape:
+                return "a constant broadcasts it to another shape"
             return (nodes, x) if _private(g, nodes) else "a value computed inside it is read outside it"
     return "the arithmetic around it is not 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))"
 
@@ -119,7 +120,7 @@ def _source(v: Value, depth: int = 8) -> Value | None:
     node = v.producer
     if v.is_const:
         return None
-    if depth == 0 or not is_op(node, ARITHMETIC) or any(u.is_const and _scalar(u) is None for u in node.inputs):
+    if depth == 0 or not is_op(node, ARITHMETIC) or any(u.is_const and _number(u) is None for u in node.inputs):
         return v
     found = {id(s): s for u in node.inputs if (s := _source(u, depth - 1)) is not None}
     return next(iter(found.values())) if len(found) == 1 else None
@@ -128,7 +129,7 @@ def _source(v: Value, depth: int = 8) -> Value | None:
 def _arithmetic_from(v: Value, x: Value, limit: int = 8) -> list[Node] | None:
     """The nodes computing `v` from `x` and scalar constants by ARITHMETIC alone (none where `v` is x or a scalar),
     or None where anything else feeds it."""
-    if v is x or _scalar(v) is not None:
+    if v is x or _number(v) is not None:
         return []
     node = v.producer
     if limit == 0 or not is_op(node, ARITHMETIC) or len(node.outputs) != 1:

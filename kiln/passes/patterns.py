@@ -97,5 +97,12 @@ def activation_spec(g: Graph, node: Node) -> dict[str, Any] | None:
     return {"op": node.op_type, "attrs": attrs}
 
 
+def scalar_const(v: Value | None, kinds: str = "f") -> float | None:
+    """A one-element constant's value, where its dtype kind is among `kinds` ("f" float, "i"/"u" integer)."""
+    if v is None or not v.is_const or v.const.size != 1 or v.const.dtype.kind not in kinds:
+        return None
+    return float(v.const.reshape(-1)[0])
+
+
 def const_value(v: Value | None) -> np.ndarray | None:
     return None if v is None or not v.is_const else v.const

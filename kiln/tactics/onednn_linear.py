@@ -44,8 +44,8 @@ def by_constant_matrix(layer: LayerView) -> bool:
                                     or a.get("beta", 1.0) != 1.0):
         return False
     n = linear_weight(layer).shape[0]
-    return len(x) >= 2 and linear_bias(layer, n)[0] and (not has_residual(layer)
-                                                         or tuple(layer.input_shapes[3]) == (*x[:-1], n))
+    return len(x) >= 2 and linear_bias(layer, n)[0] and (not has_residual(layer) or (
+        tuple(layer.input_shapes[3]) == (*x[:-1], n) and layer.input_spec(3) == (*layer.input_spec(0)[:-1], n)))
 
 
 def has_residual(layer: LayerView) -> bool:

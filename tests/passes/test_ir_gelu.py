@@ -116,3 +116,27 @@ def test_a_tanh_gelu_whose_inner_value_is_read_elsewhere_stays():
     g = b.graph(*tanh_gelu(b, x, "torch"))
     run = run_pass_unchanged(g, "GeluFusion", fuse_gelu)
     assert run.not_fusing == ["GeluFusion: Not fusing tanh with Gelu: a value computed inside it is read outside it"]
+
+
+def test_integer_exponents_match_and_a_broadcasting_constant_does_not():
+    """Pow(x, int64 3) is the same cube; a one-element constant of higher rank would change the output's shape."""
+    b = IRBuilder()
+    x, u = b.input("x", (2, 4)), b.input("u", (2, 4))
+    s = (2, 4)
+    x3 = b.node("Pow", [x, b.const("three", 3, np.int64)], "x3", s, name="cube")
+    inner = b.node("Add", [x, b.node("Mul", [x3, b.const("k", 0.044715)], "kx3", s, name="kmul")], "in", s,
+                   name="inner")
+    t = b.node("Tanh", [b.node("Mul", [inner, b.const("c", C)], "arg", s, name="scale")], "t", s, name="tanh")
+    y1 = b.node("Mul", [b.node("Mul", [x, b.const("half", 0.5)], "hx", s, name="half_x"),
+                        b.node("Add", [t, b.const("one", 1.0)], "t1", s, name="plus1")], "y1", s, name="times")
+    u3 = b.node("Mul", [u, b.node("Mul", [u, u], "u2", s, name="usq")], "u3", s, name="ucube")
+    inner2 = b.node("Add", [u, b.node("Mul", [u3, b.const("k2", 0.044715)], "ku3", s, name="kmul2")], "in2", s,
+                    name="inner2")
+    t2 = b.node("Tanh", [b.node("Mul", [inner2, b.const("c2", C)], "arg2", s, name="scale2")], "t2", s, name="tanh2")
+    one3 = b.const("one3", np.ones((1, 1, 1)))   # one element, rank 3: the sum is [1, 2, 4]
+    y2 = b.node("Mul", [b.node("Mul", [u, b.const("half2", 0.5)], "hu", s, name="half_u"),
+                        b.node("Add", [t2, one3], "t21", (1, 2, 4), name="plus1_3d")], "y2", (1, 2, 4), name="times2")
+    g = b.graph(y1, y2)
+    run = run_pass(g, "GeluFusion", fuse_gelu)
+    assert str(g).splitlines()[1].startswith("  %y1: float32[2x4] = Gelu(%x) approximate='tanh'")
+    assert run.not_fusing == ["GeluFusion: Not fusing tanh2 with Gelu: a constant broadcasts it to another shape"]

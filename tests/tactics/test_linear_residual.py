@@ -139,3 +139,29 @@ def test_pre_ln_block_with_a_dynamic_length_runs_every_profile_shape():
     for seq in (1, 16, 40):
         feeds = {"x": rand((1, seq, 48), seq)}
         assert_close_to_ort(engine.run(feeds)["y"], run_ort(model, feeds)[0])
+
+
+def broadcast_at_run_time(query_batch: int | str, residual_batch: int | str):
+    """y = q·W + r where one of q and r has a dynamic batch and the other batch 1: the sum broadcasts at run time."""
+    nodes = [helper.make_node("MatMul", ["q", "w"], ["m"], name="proj"),
+             helper.make_node("Add", ["m", "r"], ["y"], name="add")]
+    return make_model(nodes, [helper.make_tensor_value_info("q", TensorProto.FLOAT, [query_batch, 4, 48]),
+                              helper.make_tensor_value_info("r", TensorProto.FLOAT, [residual_batch, 4, 48])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4, 48])],
+                      [init("w", 0.2 * rand((48, 48), 9))])
+
+
+@pytest.mark.parametrize("query_batch,residual_batch", [(1, "B"), ("B", 1)])
+def test_a_sum_that_broadcasts_at_run_time_is_not_fused(query_batch, residual_batch):
+    """Equal shapes at the profile's opt point are not enough: with one operand's batch dynamic and the other's 1,
+    the Add stays a layer of its own (fused, the product returned the wrong shape or read past the residual)."""
+    model = broadcast_at_run_time(query_batch, residual_batch)
+    one, many = (1, 4, 48), (3, 4, 48)
+    profile = {name: (one, one, many) if batch == "B" else (one, one, one)
+               for name, batch in (("q", query_batch), ("r", residual_batch))}
+    engine = kiln.build(model, tactic_sources="-openvino,-onnxruntime", profiles=[profile])
+    assert [l.name for l in engine.plan.layers] == ["proj", "add"]
+    feeds = {"q": rand(many if query_batch == "B" else one, 10), "r": rand(many if residual_batch == "B" else one, 11)}
+    got, want = engine.run(feeds)["y"], run_ort(model, feeds)[0]
+    assert got.shape == want.shape == many
+    assert_close_to_ort(got, want)

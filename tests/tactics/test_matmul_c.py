@@ -93,3 +93,16 @@ def test_the_avx2_build_of_the_gemm_tile_matches_this_cpus(n, act, monkeypatch, 
     built = native.library
     monkeypatch.setattr(native, "library", lambda name, generated="": avx2 if name == "gemm" else built(name, generated))
     torch.testing.assert_close(MatMulGemmTactic().prepare(layer)([x, None, None])[0], here, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["none", "tanh"])
+def test_gelu_in_the_store_is_zero_far_below_and_x_far_above(form):
+    """Past the rational approximations' bounds erf and tanh are exactly +-1: GELU of -1000 is 0, not x * 1e-7."""
+    w = torch.eye(16)
+    layer = view(x=(1, 8, 16), w=w, dynamic=((),))
+    layer.attrs["activation"] = {"op": "Gelu", "attrs": {"approximate": form}}
+    x = torch.linspace(-1000.0, 1000.0, 128).reshape(1, 8, 16)
+    got = MatMulGemmTactic().prepare(layer)([x, None])[0]
+    want = torch.nn.functional.gelu(x.double(), approximate=form).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got[x < -10].abs().max() == 0 and torch.equal(got[x > 10], x[x > 10])

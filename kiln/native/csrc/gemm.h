@@ -67,12 +67,17 @@ static inline v16 v_rational(v16 x, float bound, const float* p, int np, const f
   return c * num / den;
 }
 
-/* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
+/* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))); past the
+   tanh bound the rational gives 0.99999976, so there it is +-1 exactly (GELU of a large negative x is 0) */
 static inline v16 v_gelu(v16 x, int tanh_form) {
-  const v16 g = tanh_form ? v_rational(0.7978845608028654f * (x * x * x * 0.044715f + x), GELU_TANH_BOUND,
-                                       GELU_TANH_P, GELU_COUNT(GELU_TANH_P), GELU_TANH_Q, GELU_COUNT(GELU_TANH_Q))
-                          : v_rational(x * 0.7071067811865476f, GELU_ERF_BOUND, GELU_ERF_P, GELU_COUNT(GELU_ERF_P),
-                                       GELU_ERF_Q, GELU_COUNT(GELU_ERF_Q));
+  if (tanh_form) {
+    const v16 u = 0.7978845608028654f * (x * x * x * 0.044715f + x), one = (v16){0} + 1.0f;
+    v16 g = v_rational(u, GELU_TANH_BOUND, GELU_TANH_P, GELU_COUNT(GELU_TANH_P), GELU_TANH_Q, GELU_COUNT(GELU_TANH_Q));
+    g = v_select((v16i)(u >= GELU_TANH_BOUND), one, v_select((v16i)(u <= -GELU_TANH_BOUND), -one, g));
+    return x * 0.5f * (g + 1.0f);
+  }
+  const v16 g = v_rational(x * 0.7071067811865476f, GELU_ERF_BOUND, GELU_ERF_P, GELU_COUNT(GELU_ERF_P), GELU_ERF_Q,
+                           GELU_COUNT(GELU_ERF_Q));
   return x * 0.5f * (g + 1.0f);
 }
 
