@@ -99,14 +99,18 @@ def native_precision(op_type: str, output_dtypes: Iterable, input_dtypes: Iterab
     return "FP32"
 
 
-def named_precision(name: str, options: PrecisionOptions) -> str | None:
-    """The precision the first `--layer-precisions` pattern naming the layer asks for, else None."""
-    return next((kind for pattern, kind in options.layer_precisions.items() if fnmatch.fnmatchcase(name, pattern)),
-                None)
+def named_precision(name: str, options: PrecisionOptions, origin: Iterable[str] = ()) -> str | None:
+    """The precision the first `--layer-precisions` pattern naming the layer asks for, else None. A pattern names
+    a layer by its own name or by any ONNX node it computes (`origin`): "small:fp32" still reaches "small + sum"
+    once a fusion renamed it, where TensorRT's patterns see only the fused name."""
+    names = (name, *origin)
+    return next((kind for pattern, kind in options.layer_precisions.items()
+                 if any(fnmatch.fnmatchcase(n, pattern) for n in names)), None)
 
 
-def requested(name: str, op_type: str, output_dtypes: Iterable, options: PrecisionOptions) -> str:
-    named = named_precision(name, options)
+def requested(name: str, op_type: str, output_dtypes: Iterable, options: PrecisionOptions,
+              origin: Iterable[str] = ()) -> str:
+    named = named_precision(name, options, origin)
     if named is not None:
         return named
     if op_type in INT8_LAYERS or op_type in QDQ_OPS:
@@ -178,14 +182,16 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
     FP32 unless a layer precision names it. Under `--precision-constraints obey` the first unmet request raises,
     naming the layer."""
     support = cpu_reduced_float_support() if support is None else support
+    nodes = list(nodes)
+    _warn_unmatched(nodes, options)
     decisions = {}
     for node in nodes:
         dtypes = [v.dtype for v in node.outputs if v is not None and v.dtype is not None]
         reads = [v.dtype for v in node.inputs if v is not None and v.dtype is not None]
-        want = requested(node.name, node.op_type, dtypes, options)
+        want = requested(node.name, node.op_type, dtypes, options, node.origin)
         native = native_precision(node.op_type, dtypes, reads)
         if want in REDUCED_FLOATS and node.name in tail and native == "FP32" and options.constraints == "none" \
-                and named_precision(node.name, options) is None:
+                and named_precision(node.name, options, node.origin) is None:
             decisions[node.name] = PrecisionDecision(want, native, OUTPUT_TAIL)
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, native, OUTPUT_TAIL)
             continue
@@ -198,3 +204,11 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, got, why)
         decisions[node.name] = PrecisionDecision(want, got, why)
     return decisions
+
+
+def _warn_unmatched(nodes: list[Node], options: PrecisionOptions) -> None:
+    """One warning per `--layer-precisions` pattern that names no layer and no ONNX node (a typo TensorRT ignores)."""
+    names = [n for node in nodes for n in (node.name, *node.origin)]
+    for pattern in options.layer_precisions:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            log.warning("--layer-precisions: '%s' names no layer and no ONNX node of this model", pattern)

@@ -146,3 +146,17 @@ def test_the_output_tail_keeps_fp32_unless_the_user_asks():
     for options in ({"layer_precisions": {"residual2": "BF16"}}, {"precision_constraints": "prefer"}):
         named = {l.name: l for l in kiln.build(model, bf16=True, autotune=False, **separate, **options).plan.layers}
         assert named["residual2"].precision == "BF16", options
+
+
+def test_a_layer_precision_names_a_fused_layer_by_any_of_its_onnx_nodes(caplog):
+    """transformer_net's o_proj and residual1 become one layer "o_proj + residual1": "residual1:fp16" still names
+    it, and a pattern naming nothing is a warning (TensorRT ignores it silently)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kiln.build")
+    engine = kiln.build(transformer_net(), autotune=False, layer_precisions={"residual1": "fp16", "typo*": "bf16"})
+    layers = {l.name: l for l in engine.plan.layers}
+    assert layers["o_proj + residual1"].requested_precision == "FP16"
+    assert layers["ffn2 + residual2"].requested_precision == "FP32"
+    assert "--layer-precisions: 'typo*' names no layer and no ONNX node of this model" in caplog.text
+    assert "'residual1'" not in caplog.text
