@@ -98,26 +98,24 @@ def run_quantized(base: str, attrs, x_q: torch.Tensor, w: torch.Tensor, rest: li
     return y
 
 
-def requantized(y: torch.Tensor, q: dict) -> torch.Tensor:
-    """`y` quantized at a layer's output scale, zero point and type (quant's y_*)."""
+def requantized(y: torch.Tensor, q: dict, at: str = "y") -> torch.Tensor:
+    """`y` quantized at a layer's output scale, zero point and type (quant's y_*; `at="mid"`: its mid_*)."""
     from kiln.ops.dtypes import to_torch_dtype
     from kiln.ops.quantize import quantize
 
-    return quantize(y, q["y_scale"], q["y_zero_point"], to_torch_dtype(np.dtype(q["y_dtype"])))
+    return quantize(y, q[f"{at}_scale"], q[f"{at}_zero_point"], to_torch_dtype(np.dtype(q[f"{at}_dtype"])))
 
 
 def _rounded_before_bias(base: str, attrs, x: torch.Tensor, w: torch.Tensor, rest: list) -> torch.Tensor:
     """The product rounded to INT8 at the mid scale and dequantized again (the model's Q -> DQ after it, which
     kiln.passes.quantization.fuse_requantized_bias keeps), then the bias (per output channel), residual and
     activation."""
-    from kiln.ops.dtypes import to_torch_dtype
     from kiln.ops.nn import apply_activation
-    from kiln.ops.quantize import dequantize, quantize
+    from kiln.ops.quantize import dequantize
 
     q = attrs["quant"]
     y = OPS[base].impl({k: v for k, v in attrs.items() if k != "activation"}, [x, w])[0]
-    y = quantize(y, q["mid_scale"], q["mid_zero_point"], to_torch_dtype(np.dtype(q["mid_dtype"])))
-    y = dequantize(y, q["mid_scale"], q["mid_zero_point"])
+    y = dequantize(requantized(y, q, "mid"), q["mid_scale"], q["mid_zero_point"])
     bias, residual = (list(rest) + [None, None])[:2]
     if bias is not None:
         y = y + (bias.reshape(-1, *[1] * (y.dim() - 2)) if base == "Conv" else bias)
@@ -161,7 +159,7 @@ def dynamic_quantized_matmul(attrs, xs):
 def dynamic_quantized_conv(attrs, xs):
     """DynamicQuantizeLinear(x) -> ConvInteger(x_u8, W) -> FP32 * (x_scale * w_scale) [+ bias] [+ residual]
     [-> activation] (kiln.passes.dynamic_quant's DynamicQConv): exact integer sums, FP32 scales per output channel."""
-    from kiln.ops.nn import apply_activation
+    from kiln.ops.nn import residual_then_activation
     from kiln.ops.quantize import dynamic_qparams, quantize
 
     x, w, q = xs[0], xs[1], attrs["quant"]
@@ -176,9 +174,7 @@ def dynamic_quantized_conv(attrs, xs):
     y = sums.float() * torch.from_numpy(scale * np.asarray(q["w_scale"], np.float32)).reshape(channel)
     if len(xs) > 2 and xs[2] is not None:
         y = y + xs[2].reshape(channel)
-    if len(xs) > 3 and xs[3] is not None:
-        y = y + xs[3]
-    return [apply_activation(attrs.get("activation"), y)]
+    return [residual_then_activation(attrs, xs, y)]
 
 
 def centred_weights(attrs, w: torch.Tensor) -> torch.Tensor:

@@ -66,9 +66,7 @@ def conv(attrs, xs):
     x, padding = _split_pads(x, pads, n)
     y = _CONV[n](x, w, b, attrs.get("strides") or [1] * n, padding,
                  attrs.get("dilations") or [1] * n, attrs.get("group", 1))
-    if len(xs) > 3 and xs[3] is not None:
-        y = y + xs[3]
-    return [apply_activation(attrs.get("activation"), y)]
+    return [residual_then_activation(attrs, xs, y)]
 
 
 @register("MaxPool", OpKind.REDUCTION)
@@ -157,7 +155,7 @@ def gemm(attrs, xs):
         out = out * alpha
     if c is not None:
         out = out + (c * beta if beta != 1.0 else c)
-    return [_residual_then_activation(attrs, xs, out)]
+    return [residual_then_activation(attrs, xs, out)]
 
 
 @register("MatMul", OpKind.COMPLEX)
@@ -166,11 +164,12 @@ def matmul(attrs, xs):
     out = torch.matmul(xs[0], xs[1])
     if len(xs) > 2 and xs[2] is not None:
         out = out + xs[2]
-    return [_residual_then_activation(attrs, xs, out)]
+    return [residual_then_activation(attrs, xs, out)]
 
 
-def _residual_then_activation(attrs, xs, out):
-    """A fused product's epilogue after its bias: the residual (input 3, kiln.passes.gemm), then the activation."""
+def residual_then_activation(attrs, xs, out):
+    """A fused product's epilogue after its bias: the residual (input 3, kiln.passes.conv.fuse_residual_add), then
+    the activation."""
     if len(xs) > 3 and xs[3] is not None:
         out = out + xs[3]
     return apply_activation(attrs.get("activation"), out)

@@ -11,20 +11,15 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import is_op, is_shuffle, other_input, replace_nodes, scalar_const, sole_consumer
-from kiln.trt.vocab import fused_layer_name, merged_layer_name
+from kiln.passes.patterns import (fused_name, graph_order, is_op, is_shuffle, other_input, replace_nodes, scalar_const,
+                                  sole_consumer)
+from kiln.trt.vocab import merged_layer_name
 
 HEAD_STEPS = ("q_steps", "k_steps", "v_steps")   # the attention layer's data movement on Q, Kᵀ and V
 
 
-def _graph_order(g: Graph, nodes: list[Node]) -> list[Node]:
-    index = {id(n): i for i, n in enumerate(g.nodes)}
-    return sorted(set(nodes), key=lambda n: index[id(n)])
-
-
 def _fused(g: Graph, nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
-    origin = tuple(o for n in _graph_order(g, nodes) for o in n.origin)
-    return fused_layer_name(origin), origin
+    return fused_name(graph_order(g, nodes))
 
 
 # ---- horizontal MatMul merge ---------------------------------------------------------------------------
@@ -42,7 +37,7 @@ def merge_matmuls(g: Graph, plog: PassLog) -> None:
         group = [n for n in group if n.inputs[1].shape[0] == k and (_bias(n) is not None) == (len(with_bias) > 1)]
         if len(group) < 2:
             continue
-        group = _graph_order(g, group)
+        group = graph_order(g, group)
         for n in group[1:]:
             plog.running(group[0])
             plog.fusing(group[0], n)

@@ -167,7 +167,7 @@ def _input_key(v) -> tuple | None:
     if v is None:
         return None
     if v.is_const and v.const.nbytes <= COMPARED_CONSTANT_BYTES:
-        return ("const", v.const.dtype.str, v.const.shape, v.const.tobytes())
+        return ("const", _frozen(v.const))
     return ("value", id(v))
 
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import fused_name, is_op, other_input, replace_nodes, scalar_const, sole_consumer
+from kiln.passes.patterns import (fused_name, graph_order, is_op, other_input, replace_nodes, scalar_const,
+                                  sole_consumer)
 
 ARITHMETIC = ("Add", "Sub", "Mul", "Div", "Pow")   # the tanh form's scalar arithmetic around the Tanh
 SAMPLES = np.linspace(-6.0, 6.0, 121)
@@ -33,7 +34,7 @@ def fuse_gelu(g: Graph, plog: PassLog) -> None:
             plog.not_fused(anchor, "Gelu", found)
             continue
         nodes, x = found
-        ordered = sorted(nodes, key=g.nodes.index)
+        ordered = graph_order(g, nodes)
         name, origin = fused_name(ordered)
         for n in ordered[:-1]:
             plog.fusing(n, ordered[-1])
@@ -103,7 +104,7 @@ def _match_tanh_gelu(g: Graph, tanh: Node) -> tuple[list[Node], Value] | str:
             nodes += [n for n in more if n not in nodes]
         nodes.append(after)
         cur = after
-        if np.allclose(_evaluate(nodes, x), _tanh_gelu(SAMPLES), rtol=1e-4, atol=1e-5):
+        if np.allclose(_evaluate(g, nodes, x), _tanh_gelu(SAMPLES), rtol=1e-4, atol=1e-5):
             if cur.outputs[0].shape != x.shape:
                 return "a constant broadcasts it to another shape"
             return (nodes, x) if _private(g, nodes) else "a value computed inside it is read outside it"
@@ -143,19 +144,17 @@ def _arithmetic_from(v: Value, x: Value, limit: int = 8) -> list[Node] | None:
     return found + [node]
 
 
-def _evaluate(nodes: list[Node], x: Value) -> np.ndarray:
-    """The last node's output with SAMPLES for x (float64; the nodes in an order that computes each input first)."""
+NUMPY_OPS = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
+             "Tanh": np.tanh}   # passes compute in numpy: torch is constant folding's alone
+
+
+def _evaluate(g: Graph, nodes: list[Node], x: Value) -> np.ndarray:
+    """The last node's output with SAMPLES for x (float64), the nodes run in graph order."""
     values = {id(x): SAMPLES}
-    ops = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power, "Tanh": np.tanh}
-    pending = list(nodes)
-    while pending:
-        node = next((n for n in pending if all(id(u) in values or u.is_const for u in n.inputs)), None)
-        if node is None:   # not computable from x alone: no match
-            return np.full_like(SAMPLES, np.nan)
-        args = [values[id(u)] if id(u) in values else float(u.const.reshape(-1)[0]) for u in node.inputs]
+    for node in graph_order(g, nodes):
+        args = [values[id(u)] if id(u) in values else _number(u) for u in node.inputs]
         with np.errstate(all="ignore"):
-            values[id(node.outputs[0])] = ops[node.op_type](*args)
-        pending.remove(node)
+            values[id(node.outputs[0])] = NUMPY_OPS[node.op_type](*args)
     return values[id(nodes[-1].outputs[0])]
 
 

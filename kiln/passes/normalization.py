@@ -23,7 +23,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import fused_name, is_shuffle, other_input, replace_nodes, sole_consumer
+from kiln.passes.patterns import fused_name, is_shuffle, other_input, replace_nodes, scalar_const, sole_consumer
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,7 @@ def _reduce_axes(node: Node, rank: int) -> list[int] | None:
 
 
 def _scalar(v: Value | None) -> float | None:
-    if v is None or not v.is_const or v.const.size != 1:
-        return None
-    return float(v.const.reshape(-1)[0])
+    return scalar_const(v, "fiub")
 
 
 def _match(g: Graph, div: Node) -> tuple[list[Node], Value, list[int], float] | NearMiss | None:

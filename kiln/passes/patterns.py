@@ -69,6 +69,12 @@ def is_shuffle(node: Node | None) -> bool:
     return node is not None and node.op_type == "Shuffle" and node.domain == "kiln"
 
 
+def graph_order(g: Graph, nodes: list[Node]) -> list[Node]:
+    """`nodes` (each once) in the graph's order, which computes every input first."""
+    index = {id(n): i for i, n in enumerate(g.nodes)}
+    return sorted({id(n): n for n in nodes}.values(), key=lambda n: index[id(n)])
+
+
 def fused_name(nodes: list[Node]) -> tuple[str, tuple[str, ...]]:
     origin = tuple(o for n in nodes for o in n.origin)
     return fused_layer_name(origin), origin

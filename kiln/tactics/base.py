@@ -44,6 +44,11 @@ def batch_dynamic_only(layer: LayerView) -> bool:
 STORED_FLOATS = ("float32", "bfloat16")   # the types a plan stores float tensors in (kiln.tactics.storage)
 
 
+def has_residual(layer: LayerView) -> bool:
+    """Whether a convolution or linear layer adds a fused residual (input 3, kiln.passes.conv.fuse_residual_add)."""
+    return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
+
+
 def storage_dtype(dtype: str | None) -> torch.dtype:
     """The torch dtype of a plan tensor a kernel writes: bf16 where the plan stores it so, else FP32."""
     return torch.bfloat16 if dtype == "bfloat16" else torch.float32

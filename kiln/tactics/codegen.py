@@ -14,6 +14,7 @@ import torch
 
 from kiln import native
 from kiln.errors import EngineFormatError
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
     storage_dtype
 from kiln.tactics.pointwise_c import BINARY, INT8_C_TYPES, UNARY, VARIADIC, ShapedNest, expressible, generate, \
@@ -264,7 +265,7 @@ class CodegenPointWiseTactic:
         ref = _reference_input(layer)
         check_layout = ref is not None and _layout_free(layer) and len(out_shape) == 4
         out = layer.output_dtypes[0]
-        out_dtype = getattr(torch, out) if out in INT8_C_TYPES else storage_dtype(out)
+        out_dtype = INT8_TORCH.get(out) or storage_dtype(out)
         pointer_array = ctypes.c_void_p * len(layer.input_shapes)
         last = torch.channels_last
 
@@ -315,7 +316,7 @@ class ShapedPointWise:
         self.given = [i for i in range(len(layer.input_shapes)) if i not in layer.const_inputs]   # all, for shapes
         self.ref = _reference_input(layer)
         out = layer.output_dtypes[0]
-        self.out_dtype = getattr(torch, out) if out in INT8_C_TYPES else storage_dtype(out)
+        self.out_dtype = INT8_TORCH.get(out) or storage_dtype(out)
         self.reference = ReferenceTactic().prepare(original)
         self.pointer_array = ctypes.c_void_p * len(layer.input_shapes)
         self.plans: dict[tuple, tuple | None] = {}

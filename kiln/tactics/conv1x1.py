@@ -13,7 +13,7 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only, storage_dtype
+from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only, has_residual, storage_dtype
 
 CONV1X1_TACTIC = "kiln.conv2d_1x1_gemm_nhwc"
 
@@ -69,7 +69,7 @@ class Conv1x1GemmTactic:
         def launch(x, out, res):
             gemm(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0], m)
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
-                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
+                                 has_residual(layer),
                                  storage_dtype(layer.output_dtypes[0]))
         run.constants = (packed, bias, call)   # read through raw pointers
         return run

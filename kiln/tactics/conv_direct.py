@@ -17,7 +17,7 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only, storage_dtype
+from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only, has_residual, storage_dtype
 
 DIRECT_TACTIC = "kiln.conv2d_direct_gemm_nhwc"
 
@@ -82,7 +82,7 @@ class DirectConvTactic:
         def launch(x, out, res):
             conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0])
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
-                                 len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None,
+                                 has_residual(layer),
                                  storage_dtype(layer.output_dtypes[0]))
         run.constants = (packed, bias, call)   # read through raw pointers
         return run

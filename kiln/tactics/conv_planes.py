@@ -14,7 +14,7 @@ import torch
 
 from kiln import native
 from kiln.tactics.base import LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, bf16_io, \
-    storage_dtype
+    has_residual, storage_dtype
 
 PLANES_TACTIC = "kiln.conv2d_1x1_planes"
 MAX_OUT_CHANNELS = 32   # each output channel reads the input planes again (from cache): beyond, the GEMMs win
@@ -44,7 +44,7 @@ class Conv1x1PlanesTactic:
             return False
         if layer.input_dtypes[0] not in self.stored_types or layer.output_dtypes[0] not in self.stored_types:
             return False
-        if len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None:
+        if has_residual(layer):
             return False   # a fused residual: the channel-major kernels take those
         if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and 2 not in layer.const_inputs:
             return False

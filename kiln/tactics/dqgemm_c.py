@@ -17,11 +17,11 @@ import torch
 
 from kiln import native
 from kiln.ops.nn import apply_activation
-from kiln.tactics.base import Kernel, LayerView, batch_dynamic_only
+from kiln.tactics.base import Kernel, LayerView, batch_dynamic_only, has_residual
 from kiln.tactics.conv_direct import conv_geometry
 from kiln.tactics.gemm_c import nhwc_kernel
 from kiln.tactics.qgemm_amx import AmxInt8, pack_amx_quads, pack_amx_segments
-from kiln.tactics.qgemm_c import (OUT_KINDS, Epilogue, QConvDirectTactic, QLinearGemmTactic, _has_residual,
+from kiln.tactics.qgemm_c import (OUT_KINDS, Epilogue, QConvDirectTactic, QLinearGemmTactic,
                                   _padded, column_sums, fused_activation, k_fits, pack_quads, pack_segments,
                                   rows_kernel, s8_weights, vnni_available)
 
@@ -121,7 +121,7 @@ def dynamic_conv_supported(layer: LayerView) -> bool:
     if layer.input_dtypes[0] != "float32" or not batch_dynamic_only(layer) or not _bias_fits(layer, w.shape[0]):
         return False
     kh, kw, _, _, pt, pl, oh, ow = conv_geometry(layer)
-    if _has_residual(layer) and (layer.input_dtypes[3] != "float32" or
+    if has_residual(layer) and (layer.input_dtypes[3] != "float32" or
                                  tuple(layer.input_shapes[3][1:]) != (w.shape[0], oh, ow)):
         return False
     return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and k_fits(layer, kh * kw * layer.input_shapes[0][1])
@@ -147,7 +147,7 @@ class DynamicQConvTactic(QConvDirectTactic):
         def launch(x, out, res):
             conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), colsum_ptr,
                  scale_ptr)
-        run = nhwc_kernel(launch, out_shape, None, _has_residual(layer))
+        run = nhwc_kernel(launch, out_shape, None, has_residual(layer))
         run.constants = (packed, calls, kept)   # read through raw pointers
         return with_activation(layer, run)
 

@@ -72,7 +72,7 @@ class LayerNormTactic:
     needs_c_compiler = True
 
     def supports(self, layer: LayerView) -> bool:
-        return layer.op_type != "QLayerNorm" and _geometry(layer) is not None and native.available()
+        return _geometry(layer) is not None and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [LINEAR] * len(layer.input_shapes)

@@ -16,8 +16,8 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import LINEAR, Kernel, LayerView, storage_dtype
-from kiln.tactics.onednn_linear import by_constant_matrix, has_residual, linear_bias, linear_weight
+from kiln.tactics.base import LINEAR, Kernel, LayerView, has_residual, storage_dtype
+from kiln.tactics.onednn_linear import by_constant_matrix, linear_bias, linear_weight
 
 MATMUL_TACTIC = "kiln.matmul_gemm"
 

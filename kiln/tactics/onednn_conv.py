@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kiln import hardware
 from kiln.ops.nn import _torch_pad, apply_activation
 from kiln.ops.norm_resize import conv_transpose_geometry
-from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
+from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only, has_residual
 
 # kiln activation -> (oneDNN unary attr, scalars from attrs, algorithm); None: applied after the kernel.
 _UNARY = {
@@ -119,12 +119,12 @@ class OneDnnConvTactic(OneDnnWeightedTactic):
             in_shape = [in_shape[0], in_shape[1], in_shape[2] + pads[0] + pads[2], in_shape[3] + pads[1] + pads[3]]
         packed = torch.ops.mkldnn._reorder_convolution_weight(w, padding, strides, dilations, groups, in_shape)
         spec = a.get("activation")
-        has_residual = len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
+        with_residual = has_residual(layer)
         fused = fused_unary(spec)
-        if has_residual and spec and spec["op"] not in _BINARY_UNARY:
+        if with_residual and spec and spec["op"] not in _BINARY_UNARY:
             fused = None
         post = None if (not spec or fused is not None) else spec
-        unary, scalars, alg = fused if fused else (None if has_residual else "none", [], None)
+        unary, scalars, alg = fused if fused else (None if with_residual else "none", [], None)
         conv, into = torch.ops.mkldnn._convolution_pointwise, torch.ops.mkldnn._convolution_pointwise_
         last = torch.channels_last
 
@@ -135,7 +135,7 @@ class OneDnnConvTactic(OneDnnWeightedTactic):
 
         def run(xs):
             x = padded(to_compute(xs[0]))
-            if has_residual:
+            if with_residual:
                 return finish(conv.binary(x, to_compute(xs[3]), packed, bias, padding, strides, dilations, groups,
                                           "add", 1.0, unary, scalars, alg))
             return finish(conv(x, packed, bias, padding, strides, dilations, groups, unary, scalars, alg))
@@ -148,7 +148,7 @@ class OneDnnConvTactic(OneDnnWeightedTactic):
                 return run(xs)
             return finish(into.binary(residual, padded(xs[0]), packed, bias, padding, strides, dilations, groups,
                                       "add", 1.0, unary, scalars, alg))
-        if has_residual and self.compute_dtype == torch.float32:   # the sum post-op writes the residual's FP32 buffer
+        if with_residual and self.compute_dtype == torch.float32:   # the sum post-op writes the residual's FP32 buffer
             run.into_input = (3, run_into_residual)
         return run
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kiln import hardware
 from kiln.ops.nn import _torch_pad
-from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView
+from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, has_residual
 from kiln.tactics.onednn_conv import _BINARY_UNARY, fused_unary
 
 INT8_DOT_ISA = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -98,7 +98,7 @@ class OneDnnInt8ConvTactic:
             return False
         if layer.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer):
             return False
-        spec, residual = layer.attrs.get("activation"), _has_residual(layer)
+        spec, residual = layer.attrs.get("activation"), has_residual(layer)
         if spec and (spec["op"] not in QCONV_UNARY or fused_unary(spec) is None or
                      residual and spec["op"] not in _BINARY_UNARY):
             return False
@@ -134,7 +134,7 @@ class OneDnnInt8ConvTactic:
             x = to_unsigned(x if x.is_contiguous(memory_format=last) else x.contiguous(memory_format=last))
             return x if explicit_pad is None else F.pad(x, explicit_pad, value=x_zp).contiguous(memory_format=last)
 
-        if not _has_residual(layer):
+        if not has_residual(layer):
             def run(xs):
                 return [conv(padded(xs[0]), x_scale, x_zp, packed, w_scales, w_zps, bias, *geometry, y_scale, y_zp,
                              y_dtype, unary, scalars, algorithm or "")]
@@ -155,9 +155,6 @@ class OneDnnInt8ConvTactic:
         run.into_input = (3, run_into_residual)
         return run
 
-
-def _has_residual(layer: LayerView) -> bool:
-    return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
 
 
 def linear_supported(layer: LayerView, zero_points: bool = False, mid: bool = False) -> bool:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kiln.tactics.base import LINEAR, Kernel, LayerView
+from kiln.tactics.base import LINEAR, Kernel, LayerView, has_residual
 from kiln.tactics.onednn_conv import Bf16Variant, Fp16Variant, casts, finisher, fused_unary
 
 
@@ -46,11 +46,6 @@ def by_constant_matrix(layer: LayerView) -> bool:
     n = linear_weight(layer).shape[0]
     return len(x) >= 2 and linear_bias(layer, n)[0] and (not has_residual(layer) or (
         tuple(layer.input_shapes[3]) == (*x[:-1], n) and layer.input_spec(3) == (*layer.input_spec(0)[:-1], n)))
-
-
-def has_residual(layer: LayerView) -> bool:
-    """Whether the linear layer adds a residual (input 3, kiln.passes.gemm.fuse_matmul_residual) after its bias."""
-    return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
 
 
 class OneDnnLinearTactic:

@@ -181,13 +181,8 @@ class Emitter:
 def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     """Append the nodes computing one layer whose inputs are the ONNX values `xs`; returns the result value."""
     a = view.attrs
-    if view.op_type in ("Conv", "ConvTranspose"):
-        y = e.node(view.op_type, xs[:3], a)
-        if len(xs) > 3 and xs[3]:
-            y = e.node("Add", [y, xs[3]])
-        return e.activation(y, a.get("activation"))
-    if view.op_type in ("Gemm", "MatMul"):
-        y = e.node(view.op_type, xs[:3] if view.op_type == "Gemm" else xs[:2], a)
+    if view.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+        y = e.node(view.op_type, xs[:2] if view.op_type == "MatMul" else xs[:3], a)
         if view.op_type == "MatMul" and len(xs) > 2 and xs[2]:
             y = e.node("Add", [y, xs[2]])
         if len(xs) > 3 and xs[3]:   # the fused residual, after the bias

@@ -24,7 +24,7 @@ import torch
 from kiln import hardware, native
 from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.quantize import RANGES
-from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only
+from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only, has_residual
 from kiln.tactics.conv_direct import conv_geometry
 from kiln.tactics.gemm_c import ONE_LINE, nhwc_kernel
 from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _scales, linear_supported, \
@@ -204,15 +204,12 @@ def _clamp_bounds(dtype: str | None, zero_point: int) -> tuple[float, float]:
 
 def _residual_kind(layer: LayerView) -> int:
     """The residual's type as qgemm.c's r_kind: an INT8 one's, else FP32 (also where there is none)."""
-    return OUT_KINDS.get(layer.input_dtypes[3], OUT_KINDS[None]) if _has_residual(layer) else OUT_KINDS[None]
+    return OUT_KINDS.get(layer.input_dtypes[3], OUT_KINDS[None]) if has_residual(layer) else OUT_KINDS[None]
 
 
 def vnni_available() -> bool:
     return hardware.has_any(VNNI_ISA) and native.available()
 
-
-def _has_residual(layer: LayerView) -> bool:
-    return len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None
 
 
 def output_dtype(layer: LayerView) -> torch.dtype:
@@ -237,7 +234,7 @@ def _conv_supported(layer: LayerView) -> bool:
     kh, kw, sh, sw, pt, pl, oh, ow = conv_geometry(layer)
     if oh < 1 or ow < 1 or min(pt, pl) < 0 or not k_fits(layer, kh * kw * layer.input_shapes[0][1]):
         return False
-    if _has_residual(layer):
+    if has_residual(layer):
         q = layer.attrs["quant"]
         out = (layer.input_shapes[0][0], w.shape[0], oh, ow)
         if layer.input_dtypes[3] not in (q.get("y_dtype"), "float32") or tuple(layer.input_shapes[3]) != out:
@@ -281,7 +278,7 @@ class QConvGemmTactic:
 
         def launch(x, out, res):
             gemm(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), m)
-        run = nhwc_kernel(launch, (n, cout, oh, ow), None, _has_residual(layer), output_dtype(layer))
+        run = nhwc_kernel(launch, (n, cout, oh, ow), None, has_residual(layer), output_dtype(layer))
         run.constants = (packed, calls, kept)   # read through raw pointers
         return run
 
@@ -317,7 +314,7 @@ class QConvDirectTactic(QConvGemmTactic):
 
         def launch(x, out, res):
             conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr())
-        run = nhwc_kernel(launch, out_shape, None, _has_residual(layer), output_dtype(layer))
+        run = nhwc_kernel(launch, out_shape, None, has_residual(layer), output_dtype(layer))
         run.constants = (packed, calls, kept)
         return run
 

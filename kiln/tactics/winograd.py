@@ -23,7 +23,8 @@ import torch
 from kiln import native
 from kiln.ops.nn import apply_activation
 from kiln.tactics import gemm_c, winograd_c
-from kiln.tactics.base import HWC, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, storage_dtype
+from kiln.tactics.base import (HWC, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, has_residual,
+                              storage_dtype)
 from kiln.tactics.gemm_bf16 import io_flags
 
 # Transform matrices (Lavin & Gray 2016), interpolation points 0, ±1, ±2 (and ∞) for F(4,3); 0, ±1 for F(2,3).
@@ -172,7 +173,7 @@ class _Geometry:
         return _Geometry(m, n, c, h, w, layer.const_inputs[1].shape[0], (pt, pl, pb, pr), out_h, out_w,
                          -(-out_h // m), -(-out_w // m), None if bias is None else bias.float().contiguous(),
                          layer.attrs.get("activation"),
-                         len(layer.input_shapes) > 3 and layer.input_shapes[3] is not None)
+                         has_residual(layer))
 
     @property
     def tiles(self) -> int:

@@ -1,13 +1,12 @@
-"""Transformer fusions on IR graphs: Q/K/V projections sharing an input (MatMulHorizontalMerge), softmax(Q·Kᵀ·s + mask)·V with its data movement (AttentionFusion) and LayerNorm of a
-residual sum (SkipLayerNormFusion); and the reasons near misses give."""
+"""Transformer fusions on IR graphs: Q/K/V projections sharing an input (MatMulHorizontalMerge),
+softmax(Q·Kᵀ·s + mask)·V with its data movement (AttentionFusion) and LayerNorm of a residual sum
+(SkipLayerNormFusion); and the reasons near misses give."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.passes.attention import fuse_attention, fuse_skip_layer_norm, merge_matmuls
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
-
-SQRT2 = 2.0 ** 0.5
 
 
 # ---------------------------------------------------------------- MatMulHorizontalMerge

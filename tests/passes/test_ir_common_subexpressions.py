@@ -76,8 +76,13 @@ def test_different_attributes_inputs_or_constant_values_stay_apart():
             b.node("Add", [x, b.const("two", 2.0)], "plus_two", (2, 3)),   # another constant value
             b.node("Shrink", [x], "shrink_zero", (2, 3), bias=0.0),
             b.node("Shrink", [x], "shrink_minus_zero", (2, 3), bias=-0.0)]   # -0.0 is not 0.0
-    g = b.graph(*outs)
+    g = b.graph(*(read(b, v) for v in outs))   # not graph outputs themselves: those are never merged
     run_pass_unchanged(g, NAME, merge_common_subexpressions)
+
+
+def read(b: IRBuilder, v):
+    """A reader of `v` (so `v` is no graph output); readers of different values never merge."""
+    return b.node("Neg", [v], f"{v.name}_read", v.shape, dtype=v.dtype)
 
 
 def test_random_ops_quantize_nodes_and_graph_outputs_are_not_merged():
@@ -87,7 +92,7 @@ def test_random_ops_quantize_nodes_and_graph_outputs_are_not_merged():
     qs = [b.node("QuantizeLinear", [x, b.const(f"s{i}", 0.1), b.const(f"z{i}", 0, np.uint8)], f"q{i}", (2, 3),
                  dtype=np.uint8) for i in range(2)]
     outs = [b.node("Exp", [x], f"exp{i}", (2, 3)) for i in range(2)]   # both graph outputs
-    g = b.graph(*draws, *qs, *outs)
+    g = b.graph(*(read(b, v) for v in draws + qs), *outs)
     run_pass_unchanged(g, NAME, merge_common_subexpressions)
 
 

@@ -31,6 +31,12 @@ def compiled_calls(kernel: ShapedPointWise) -> dict:
     return {shapes: plan is not None for (shapes, _), plan in kernel.plans.items()}
 
 
+def assert_all_compiled(kernel: ShapedPointWise, shapes_met: int) -> None:
+    """The generated kernel ran every one of the `shapes_met` input shapes (none fell back to torch's)."""
+    calls = compiled_calls(kernel)
+    assert len(calls) == shapes_met and all(calls.values()), calls
+
+
 def test_an_attention_mask_add_follows_each_calls_batch_and_length():
     """Scores [b, h, s, s] + mask [b, 1, 1, s] with b and s dynamic: one kernel for every (b, s); at s = 1 the mask
     broadcasts along the inner loop, a pattern the kernel was not compiled for, and torch's kernel runs it."""
@@ -56,7 +62,7 @@ def test_a_bias_and_gelu_over_dynamic_rows_reads_its_constant_through_the_nest()
         x = torch.randn(b, s, 48)
         y = kernel([x, None])[0]
         torch.testing.assert_close(y, torch.nn.functional.gelu(x + bias), rtol=1e-5, atol=1e-6)
-    assert all(compiled_calls(kernel).values())
+    assert_all_compiled(kernel, 3)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -71,7 +77,7 @@ def test_a_per_channel_program_keeps_the_callers_layout_for_any_batch(channels_l
         y = kernel([x.contiguous(memory_format=fmt), None])[0]
         torch.testing.assert_close(y, torch.sigmoid(x * scale), rtol=1e-6, atol=1e-6)
         assert y.is_contiguous(memory_format=fmt)
-    assert all(compiled_calls(kernel).values())
+    assert_all_compiled(kernel, 2)
 
 
 def test_a_channel_major_call_whose_other_input_reads_otherwise_runs_torchs_kernel():
@@ -102,7 +108,7 @@ def test_an_int8_sum_with_dynamic_dims_rounds_as_the_reference_op():
         y = kernel([a, c])[0]
         assert y.dtype == torch.uint8
         assert torch.equal(y, reference({"quant": quant}, [a, c])[0])
-    assert all(compiled_calls(kernel).values())
+    assert_all_compiled(kernel, 3)
 
 
 def test_bf16_storage_with_dynamic_dims_rounds_only_the_output():
@@ -116,6 +122,7 @@ def test_bf16_storage_with_dynamic_dims_rounds_only_the_output():
         assert torch.equal(y, torch.relu(x.float() + r).bfloat16())
     x, r = torch.randn(2, 1, 32).bfloat16(), torch.randn(2, 5, 32)   # x broadcast along rows: still the kernel's
     assert torch.equal(kernel([x, r])[0], torch.relu(x.float() + r).bfloat16())
+    assert_all_compiled(kernel, 3)
 
 
 def test_a_dynamic_model_runs_its_pointwise_layers_on_generated_kernels():

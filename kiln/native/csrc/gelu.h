@@ -1,7 +1,7 @@
 /* GELU's coefficients for the C kernels' epilogues (activation.h's ACT_GELU_ERF and ACT_GELU_TANH): erf and tanh as
    odd rational polynomials in x*x, p(x*x) * x / q(x*x) (the approximations Eigen and MLAS use; pointwise.h's k_erf
-   and k_tanh unrolled), a few float ulps from the exact value, the argument clamped where the result is +-1 in
-   float. qgemm.c evaluates them with AVX-512 intrinsics, gemm.h with vector extensions (AVX2 builds too). */
+   and k_tanh unrolled), a few float ulps from the exact value. From the bound on the result is +-1 exactly (the
+   rational gives 0.99999976 there for tanh: GELU of x = -1000 would be -1.2e-4, not 0). qgemm.c evaluates them with AVX-512 intrinsics, gemm.h with vector extensions (AVX2 builds too). */
 #ifndef KILN_GELU_H
 #define KILN_GELU_H
 

@@ -57,27 +57,22 @@ static inline v16 v_swish(v16 x) {
   return x / (1.0f + (p * r * r + r + 1.0f) * scale);
 }
 
-/* gelu.h's odd rational polynomial p(x*x) * x / q(x*x), the argument clamped to [-bound, bound]. */
+/* gelu.h's odd rational polynomial p(x*x) * x / q(x*x); +-1 from the bound on (gelu.h). */
 static inline v16 v_rational(v16 x, float bound, const float* p, int np, const float* q, int nq) {
-  const v16 c = v_select((v16i)(x < -bound), (v16){0} - bound, v_select((v16i)(x > bound), (v16){0} + bound, x));
-  const v16 x2 = c * c;
+  const v16 lo = (v16){0} - bound, hi = (v16){0} + bound, one = (v16){0} + 1.0f;
+  const v16 c = v_select((v16i)(x < lo), lo, v_select((v16i)(x > hi), hi, x)), x2 = c * c;
   v16 num = (v16){0} + p[0], den = (v16){0} + q[0];
   for (int i = 1; i < np; ++i) num = num * x2 + p[i];
   for (int i = 1; i < nq; ++i) den = den * x2 + q[i];
-  return c * num / den;
+  return v_select((v16i)(x >= hi), one, v_select((v16i)(x <= lo), -one, c * num / den));
 }
 
-/* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))); past the
-   tanh bound the rational gives 0.99999976, so there it is +-1 exactly (GELU of a large negative x is 0) */
+/* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
 static inline v16 v_gelu(v16 x, int tanh_form) {
-  if (tanh_form) {
-    const v16 u = 0.7978845608028654f * (x * x * x * 0.044715f + x), one = (v16){0} + 1.0f;
-    v16 g = v_rational(u, GELU_TANH_BOUND, GELU_TANH_P, GELU_COUNT(GELU_TANH_P), GELU_TANH_Q, GELU_COUNT(GELU_TANH_Q));
-    g = v_select((v16i)(u >= GELU_TANH_BOUND), one, v_select((v16i)(u <= -GELU_TANH_BOUND), -one, g));
-    return x * 0.5f * (g + 1.0f);
-  }
-  const v16 g = v_rational(x * 0.7071067811865476f, GELU_ERF_BOUND, GELU_ERF_P, GELU_COUNT(GELU_ERF_P), GELU_ERF_Q,
-                           GELU_COUNT(GELU_ERF_Q));
+  const v16 g = tanh_form ? v_rational(0.7978845608028654f * (x * x * x * 0.044715f + x), GELU_TANH_BOUND,
+                                       GELU_TANH_P, GELU_COUNT(GELU_TANH_P), GELU_TANH_Q, GELU_COUNT(GELU_TANH_Q))
+                          : v_rational(x * 0.7071067811865476f, GELU_ERF_BOUND, GELU_ERF_P, GELU_COUNT(GELU_ERF_P),
+                                       GELU_ERF_Q, GELU_COUNT(GELU_ERF_Q));
   return x * 0.5f * (g + 1.0f);
 }
 

@@ -33,8 +33,9 @@ static inline float k_quantize(float x, float scale, float zp, float lo, float h
   const float v = x / scale;
   return nearbyintf(v > lo - zp ? (v < hi - zp ? v : hi - zp) : lo - zp) + zp;
 }
-/* tanh and erf as rational polynomials in x*x (the approximations Eigen and MLAS use): branch-free, so the
-   loop vectorizes without library calls; a few float ulps from the exact value */
+/* tanh and erf as rational polynomials in x*x (the approximations Eigen and MLAS use; gelu.h's coefficients, unrolled
+   here): branch-free, so the loop vectorizes without library calls; a few float ulps from the exact value, +-1 from
+   the bound on */
 static inline float k_tanh(float x) {
   const float c = k_clip(x, -7.90531110763549805f, 7.90531110763549805f), x2 = c * c;
   float p = -2.76076847742355e-16f;
@@ -42,7 +43,7 @@ static inline float k_tanh(float x) {
   p = p * x2 + 1.48572235717979e-05f; p = p * x2 + 6.37261928875436e-04f; p = p * x2 + 4.89352455891786e-03f;
   float q = 1.19825839466702e-06f;
   q = q * x2 + 1.18534705686654e-04f; q = q * x2 + 2.26843463243900e-03f; q = q * x2 + 4.89352518554385e-03f;
-  return fabsf(x) < 0.0004f ? x : (x != x ? x : c * p / q);
+  return fabsf(x) < 0.0004f ? x : (x != x ? x : (fabsf(x) >= 7.90531110763549805f ? copysignf(1.0f, x) : c * p / q));
 }
 static inline float k_erf(float x) {
   const float c = k_clip(x, -4.0f, 4.0f), x2 = c * c;

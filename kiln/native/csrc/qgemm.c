@@ -102,15 +102,17 @@ static inline __m512 v_swish(__m512 x) {   /* x * sigmoid(x), gemm.h's Cephes ex
   return _mm512_div_ps(x, _mm512_fmadd_ps(e, scale, _mm512_set1_ps(1.0f)));
 }
 
-/* Odd rational polynomials in x*x (pointwise.h's k_erf and k_tanh, the approximations Eigen and MLAS use), a few
-   float ulps from the exact value; the argument clamped where the result is +-1 in float. */
+/* gelu.h's odd rational polynomials in x*x (pointwise.h's k_erf and k_tanh), +-1 from the bound on. */
 static inline __m512 v_rational(__m512 x, float bound, const float* p, int np, const float* q, int nq) {
-  const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-bound)), _mm512_set1_ps(bound));
+  const __m512 lo = _mm512_set1_ps(-bound), hi = _mm512_set1_ps(bound);
+  const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
   const __m512 x2 = _mm512_mul_ps(c, c);
   __m512 num = _mm512_set1_ps(p[0]), den = _mm512_set1_ps(q[0]);
   for (int i = 1; i < np; ++i) num = _mm512_fmadd_ps(num, x2, _mm512_set1_ps(p[i]));
   for (int i = 1; i < nq; ++i) den = _mm512_fmadd_ps(den, x2, _mm512_set1_ps(q[i]));
-  return _mm512_div_ps(_mm512_mul_ps(c, num), den);
+  const __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GE_OQ),
+                                        _mm512_div_ps(_mm512_mul_ps(c, num), den), _mm512_set1_ps(1.0f));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LE_OQ), r, _mm512_set1_ps(-1.0f));
 }
 
 static inline __m512 v_gelu(__m512 x, int tanh_form) {   /* 0.5 x (1 + erf(x / sqrt 2)), or its tanh form */
