@@ -18,6 +18,7 @@ from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_n
                                      fuse_quantized_residual, fuse_quantized_softmax, fuse_requantized_bias,
                                      merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
+from kiln.passes.shuffle_swap import move_shuffles_across_products
 
 DEFAULT_PIPELINE: list[Pass] = [
     Pass("DeadLayerRemoval", remove_dead_layers, "dead-layer removal"),
@@ -38,6 +39,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     # folded to constants) are not yet Shuffles, and before the fusions that extend the product.
     Pass("GemmToMatMul", gemm_between_reshapes),
     Pass("ShuffleShuffleFusion", fuse_shuffles),
+    Pass("ShuffleMatMulSwap", move_shuffles_across_products),
     Pass("ShuffleErasure", erase_noop_shuffles, "shuffle fusions"),
     # LayerNorm before pointwise fusion, which would otherwise swallow its Sub/Pow/Add/Sqrt/Div into PWN layers.
     Pass("LayerNormFusion", fuse_layer_norm),
@@ -60,6 +62,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     # Dynamic quantization's chain becomes one INT8 product first, which then takes its bias and merges as MatMuls do.
     Pass("DynamicQuantizeMatMulFusion", fuse_dynamic_quantized_matmul),
     Pass("MatMulAddFusion", fuse_matmul_bias),
+    Pass("ShuffleMatMulSwap", move_shuffles_across_products),   # again, now that biases joined their products
     # Q/K/V projections merge once their biases are inside; attention then absorbs the Split and the shuffles.
     Pass("MatMulHorizontalMerge", merge_matmuls),
     Pass("AttentionFusion", fuse_attention),

@@ -36,6 +36,11 @@ class PassLog:
         self.matches += 1
         log.debug(log_lines.pass_note(self.pass_name, f"Lowering {node.name} to {into}"))
 
+    def moving(self, node: Node, above: Node) -> None:
+        """`node` moved above `above` so that a fusion can follow (a match)."""
+        self.matches += 1
+        log.debug(log_lines.pass_note(self.pass_name, f"Moving {node.name} above {above.name}"))
+
     def note(self, message: str) -> None:
         log.debug(log_lines.pass_note(self.pass_name, message))
 

@@ -1,7 +1,7 @@
 """Shuffle fusions: Reshape/Flatten/Squeeze/Unsqueeze/Transpose become Shuffle layers; chains merge; no-ops go."""
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, format_shape
+from kiln.ir import Graph, Node, Value, format_shape
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer, why_not_sole_consumer
 
@@ -12,13 +12,24 @@ def _as_shuffle(node: Node) -> Node | None:
     """A data-movement op as a Shuffle with explicit steps; None when its target cannot be written down."""
     if node.op_type == "Transpose":
         perm = node.attrs.get("perm") or list(reversed(range(len(node.inputs[0].shape))))
-        steps = [{"transpose": list(perm)}]
+        target = reshape_target(node.inputs[0], node.outputs[0]) if _moves_only_unit_axes(perm, node.inputs[0]) \
+            else None
+        steps = [{"transpose": list(perm)} if target is None else {"reshape": target}]
     else:
         target = reshape_target(node.inputs[0], node.outputs[0])
         if target is None:
             return None
         steps = [{"reshape": target}]
     return Node(node.name, "Shuffle", [node.inputs[0]], list(node.outputs), {"steps": steps}, "kiln", node.origin)
+
+
+def _moves_only_unit_axes(perm: list[int], src: Value) -> bool:
+    """Whether a permutation keeps every axis but static size-1 ones in order, so the data's layout does not change
+    and it is a reshape ([1, S, D] -> [S, 1, D]: nn.MultiheadAttention's batch-first transposes at batch 1)."""
+    if src.shape is None or len(perm) != len(src.shape):
+        return False
+    kept = [axis for axis in perm if src.shape[axis] != 1 or axis in src.dyn_dims]
+    return kept == sorted(kept)
 
 
 def reshape_target(src, out) -> list[int] | None:
@@ -41,7 +52,7 @@ def reshape_target(src, out) -> list[int] | None:
     return target
 
 
-def _simplify(steps: list[dict]) -> list[dict]:
+def simplify(steps: list[dict]) -> list[dict]:
     out: list[dict] = []
     for step in steps:
         if "transpose" in step and step["transpose"] == sorted(step["transpose"]):
@@ -99,7 +110,7 @@ def fuse_shuffles(g: Graph, plog: PassLog) -> None:
             plog.running(first)
             plog.fusing(first, second)
             name, origin = fused_name([first, second])
-            steps = _simplify(first.attrs["steps"] + second.attrs["steps"])
+            steps = simplify(first.attrs["steps"] + second.attrs["steps"])
             replace_nodes(g, [first, second], Node(name, "Shuffle", [first.inputs[0]], list(second.outputs),
                                                    {"steps": steps}, "kiln", origin))
             changed = True
@@ -110,7 +121,7 @@ def erase_noop_shuffles(g: Graph, plog: PassLog) -> None:
     """ShuffleErasure: a Shuffle that keeps the shape and moves no data is removed."""
     for node in [n for n in g.nodes if n.op_type == "Shuffle"]:
         src, out = node.inputs[0], node.outputs[0]
-        steps = _simplify(node.attrs["steps"])
+        steps = simplify(node.attrs["steps"])
         if any("transpose" in s for s in steps) or src.shape != out.shape or src.dyn_dims != out.dyn_dims:
             continue
         if g.is_output(out) or src.is_const:
@@ -119,3 +130,4 @@ def erase_noop_shuffles(g: Graph, plog: PassLog) -> None:
         g.remove_node(node)
         g.replace_all_uses(out, src)
         plog.removing(node)
+

@@ -201,6 +201,30 @@ def test_torchs_multihead_attention_reads_q_k_v_from_its_packed_projection(tmp_p
 
 
 
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_multihead_attentions_batch_first_transposes_leave_the_residual_to_out_proj(tmp_path, exporter, batch):
+    """nn.MultiheadAttention(batch_first=True) transposes [B, S, D] to [S, B, D] around its products. out_proj's
+    reshape and transpose back move into the Attention layer's output steps, so the residual Add joins out_proj; at
+    batch 1 the transpose before in_proj only moves a size-1 axis and sinks into the Attention layer's steps."""
+    from tests.models import encoders
+
+    model = encoders.make("mha")
+    feeds = encoders.inputs(model, batch=batch, seq=16)
+    path = tmp_path / f"mha_{exporter}_{batch}.onnx"
+    encoders.export(model, feeds, path, exporter)
+    engine = kiln.build(str(path), autotune=False, tactic_sources="-openvino,-onnxruntime")
+    in_proj = ["Shuffle", "MatMul"] if batch > 1 else ["MatMul"]   # the transpose copies once, before the product
+    assert [l.op_type for l in engine.plan.layers] == ["LayerNormalization", "PointWise", *in_proj, "Shuffle",
+                                                       "Expand", "Attention", "MatMul", "LayerNormalization",
+                                                       "MatMul", "MatMul"]
+    attention, out_proj = engine.plan.layers[-5:-3]
+    residual = "/Add" if exporter == "legacy" else "node_add"
+    assert out_proj.name.endswith(f" + {residual}") and out_proj.inputs[1].name == "inputs_embeds"
+    assert attention.attrs["out_steps"][-1] == ({"transpose": [1, 0, 2]} if batch > 1 else {"reshape": [1, 16, 64]})
+    assert_close_to_ort(engine.run(feeds)["last_hidden_state"], run_ort(str(path), feeds)[0])
+
+
 class TanhGeluMlp(torch.nn.Module):
     """fc1 -> GELU's tanh form as `form` writes it -> fc2 (BERT's TensorFlow original, GPT-2's gelu_new, torch's
     approximate="tanh", which exporters spell out before opset 20)."""

@@ -73,6 +73,29 @@ def test_a_shuffle_read_twice_is_not_merged_and_an_unwritable_reshape_stays():
            "target" in run.lines
 
 
+def test_a_transpose_moving_only_static_size_1_axes_is_a_reshape():
+    """[1, S, D] -> [S, 1, D] keeps the data where it is (nn.MultiheadAttention's batch-first transpose at batch 1);
+    an axis that is 1 only at the opt point (dynamic), or one of size 1 that crosses a larger one, still moves."""
+    b = IRBuilder()
+    x, d, s = b.input("x", (1, 5, 8)), b.input("d", (1, 5, 8), dyn_dims=(0,)), b.input("s", (2, 1, 3, 1))
+    unit = b.node("Transpose", [x], "unit", (5, 1, 8), perm=[1, 0, 2])
+    dyn = b.node("Transpose", [d], "dyn", (5, 1, 8), dyn_dims=(1,), perm=[1, 0, 2])
+    ones = b.node("Transpose", [s], "ones", (1, 2, 1, 3), perm=[1, 0, 3, 2])
+    cross = b.node("Transpose", [s], "cross", (3, 1, 2, 1), perm=[2, 1, 0, 3])
+    g = b.graph(unit, dyn, ones, cross)
+
+    run_pass(g, "ShuffleShuffleFusion", fuse_shuffles)
+
+    assert str(g) == expected("""
+        graph g(%x: float32[1x5x8], %d: float32[-1x5x8], %s: float32[2x1x3x1]):
+          %unit: float32[5x1x8] = kiln.Shuffle(%x) steps=[{'reshape': [5, 1, 8]}]  # unit
+          %dyn: float32[5x-1x8] = kiln.Shuffle(%d) steps=[{'transpose': [1, 0, 2]}]  # dyn
+          %ones: float32[1x2x1x3] = kiln.Shuffle(%s) steps=[{'reshape': [1, 2, 1, 3]}]  # ones
+          %cross: float32[3x1x2x1] = kiln.Shuffle(%s) steps=[{'transpose': [2, 1, 0, 3]}]  # cross
+          return %unit, %dyn, %ones, %cross
+        """)
+
+
 # ---------------------------------------------------------------- ShuffleErasure
 def shuffle(b: IRBuilder, x, out: str, shape, steps):
     return b.node("Shuffle", [x], out, shape, domain="kiln", steps=steps)
