@@ -36,7 +36,7 @@ EXACT_RANKING_S = 90   # re-lowering each layer alone: BERT-base's 85 took 32 s 
 
 METRICS = ("cos", "l0", "l1", "l2", "linf")
 PRODUCTS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention")   # their arithmetic runs in the reduced type
-RESIDUAL_INPUT = 3   # a linear layer's fused residual (kiln.passes.gemm.fuse_matmul_residual)
+RESIDUAL_INPUT = 3   # a convolution's or linear layer's fused residual (kiln.passes.conv.fuse_residual_add)
 REDUCED_DTYPES = ("bfloat16", "float16")
 
 
@@ -278,9 +278,8 @@ def reduced_alone(g: Graph, lowered: Lowering, every: Lowering, inputs: Batch, b
 def _rounded_around(layer, as_reduced, weights: TorchWeights, np_weights: dict, opset: int):
     """`layer`'s FP32 kernel with values rounded as `as_reduced` (the same layer in the reduced plan) rounds them:
     its weights, the outputs it stores in a reduced type, and a product's float inputs (its arithmetic is in that
-    type; other kernels compute in FP32, and the rounding of what they read is its writer's harm). A linear layer's
-    fused residual (input 3) is added in FP32 as stored, so it is not rounded here either (oneDNN's BF16
-    convolution rounds its residual, so a convolution's is)."""
+    type; other kernels compute in FP32, and the rounding of what they read is its writer's harm). A convolution's
+    or linear layer's fused residual (input 3) is added in FP32 as stored, so it is not rounded here either."""
     dtype = torch.bfloat16 if as_reduced.precision == "BF16" else torch.float16
 
     def rounded(t):
@@ -291,7 +290,7 @@ def _rounded_around(layer, as_reduced, weights: TorchWeights, np_weights: dict, 
     kernel = prepare_kernel(layer, _Overlay(weights, own), np_weights, opset)
 
     def emulated(xs):
-        exact = RESIDUAL_INPUT if layer.op_type in ("MatMul", "Gemm") else None
+        exact = RESIDUAL_INPUT if layer.op_type in ("Conv", "MatMul", "Gemm") else None
         read = [rounded(x) if i != exact else x for i, x in enumerate(xs)] if product else xs
         return [rounded(y) if low else y for y, low in zip(kernel(read), writes)]
     return emulated

@@ -132,6 +132,16 @@ class OneDnnConvTactic(OneDnnWeightedTactic):
             return x if explicit_pad is None else F.pad(x, explicit_pad).contiguous(memory_format=last)
 
         finish = finisher(post, layer.output_dtypes[0])
+        if with_residual and not sums_in_compute_type(layer, self.compute_dtype):
+            then_add = finisher(spec, layer.output_dtypes[0])
+
+            def run_then_add(xs):
+                """The residual added in FP32 as stored: oneDNN's reduced-precision call would round it (a budget
+                keeping the residual's producer or this output in FP32 means just that), then the activation."""
+                product = conv(padded(to_compute(xs[0])), packed, bias, padding, strides, dilations, groups, "none",
+                               [], "")
+                return then_add(product.float() + xs[3].float())
+            return run_then_add
 
         def run(xs):
             x = padded(to_compute(xs[0]))
@@ -151,6 +161,12 @@ class OneDnnConvTactic(OneDnnWeightedTactic):
         if with_residual and self.compute_dtype == torch.float32:   # the sum post-op writes the residual's FP32 buffer
             run.into_input = (3, run_into_residual)
         return run
+
+
+def sums_in_compute_type(layer: LayerView, compute_dtype: torch.dtype) -> bool:
+    """Whether oneDNN's sum post-op rounds nothing the plan keeps: in FP32, or in BF16 with the residual and the
+    output stored bf16 (a reduced-precision call reads and writes only its compute type)."""
+    return compute_dtype == torch.float32 or layer.input_dtypes[3] == layer.output_dtypes[0] == "bfloat16"
 
 
 class OneDnnConv1dTactic(OneDnnConvTactic):

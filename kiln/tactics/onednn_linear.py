@@ -11,7 +11,7 @@ import math
 import torch
 
 from kiln.tactics.base import LINEAR, Kernel, LayerView, has_residual
-from kiln.tactics.onednn_conv import Bf16Variant, Fp16Variant, casts, finisher, fused_unary
+from kiln.tactics.onednn_conv import Bf16Variant, Fp16Variant, casts, finisher, fused_unary, sums_in_compute_type
 
 
 def linear_weight(layer: LayerView) -> torch.Tensor:
@@ -85,13 +85,12 @@ class OneDnnLinearTactic:
 
     def residual_kernel(self, layer: LayerView, packed, bias, to_compute) -> Kernel:
         """x·W + bias + residual, then the activation (after oneDNN's call). The sum is oneDNN's binary "add"
-        post-op where that rounds nothing the plan keeps: in FP32, or in BF16 with the residual and the output
-        stored bf16 (oneDNN's BF16 call reads and writes only its compute type). Otherwise the product is rounded
+        post-op where that rounds nothing the plan keeps (`sums_in_compute_type`); otherwise the product is rounded
         alone and the residual added in FP32, as when the Add was a layer of its own: a budget keeping the
         residual's producer or the output in FP32 means just that."""
         finish = finisher(layer.attrs.get("activation"), layer.output_dtypes[0])
         linear = torch.ops.mkldnn._linear_pointwise
-        if self.compute_dtype == torch.float32 or (layer.input_dtypes[3] == layer.output_dtypes[0] == "bfloat16"):
+        if sums_in_compute_type(layer, self.compute_dtype):
             def run(xs):
                 return finish(linear.binary(to_compute(xs[0].contiguous()), to_compute(xs[3].contiguous()), packed,
                                             bias, "add"))

@@ -16,6 +16,7 @@ from kiln import hardware, native
 from kiln.plan.model import Arg, Layer, TensorDesc
 from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA, Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
+from kiln.tactics.onednn_conv import OneDnnBf16ConvTactic, bf16_available
 from kiln.tactics.storage import bf16_tensors, native_view, with_conversions
 from tests.conftest import cosine, init, make_model, rand, run_ort
 
@@ -110,6 +111,31 @@ def test_bf16_kernels_read_and_write_the_types_the_plan_stores(x_bf16, out_bf16,
     tol = 1 / 128 if out_bf16 else 1e-4                # a bf16 output is the FP32 result rounded to 8 bits
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
+
+
+@pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 (AVX512-BF16 or AMX) or oneDNN does not "
+                    "use it: oneDNN's BF16 convolution is not offered")
+@pytest.mark.parametrize("res_bf16,out_bf16", [(0, 0), (1, 1), (1, 0)])
+def test_onednn_bf16_conv_adds_a_residual_as_the_plan_stores_it(res_bf16, out_bf16):
+    """An FP32-stored residual (its producer kept FP32, by a budget or --layer-precisions) is added in FP32 after
+    oneDNN's BF16 call, then the activation: rounded to bf16, r = ±1000 + noise would be off by up to 2."""
+    g = torch.Generator().manual_seed(23)
+    weight, bias = torch.randn(24, 16, 3, 3, generator=g) * 0.1, torch.randn(24, generator=g)
+    x = torch.randn(1, 16, 8, 8, generator=g).contiguous(memory_format=torch.channels_last)
+    product = F.conv2d(bf16(x), bf16(weight), bias, padding=1)
+    r = (torch.randn(product.shape, generator=g) + 1000 * torch.randn(product.shape, generator=g).sign())
+    r = r.contiguous(memory_format=torch.channels_last)
+    r = r.bfloat16() if res_bf16 else r
+    ins, outs = _dtypes(0, out_bf16, res_bf16, True)
+    attrs = {"kernel_shape": [3, 3], "pads": [1] * 4, "strides": [1, 1], "dilations": [1, 1], "group": 1,
+             "activation": {"op": "Relu", "attrs": {}}}
+    shapes = ((1, 16, 8, 8), tuple(weight.shape), (24,), tuple(product.shape))
+    view = LayerView("Conv", "", attrs, shapes, ins, {1: weight, 2: bias}, outs, 17, tuple(() for _ in shapes))
+    got = OneDnnBf16ConvTactic().prepare(view)([x, None, None, r])[0]
+    assert got.dtype == (torch.bfloat16 if out_bf16 else torch.float32)
+    want = torch.relu(product + r.float())
+    tol = dict(rtol=1 / 128, atol=0.1) if out_bf16 else dict(rtol=0, atol=0.1)   # the product's own bf16 rounding
+    torch.testing.assert_close(got.float(), want, **tol)
 
 @needs_bf16
 @pytest.mark.parametrize("k", [48, 33])
