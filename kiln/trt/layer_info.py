@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 from kiln.plan.model import Layer, Plan, TensorDesc
 from kiln.errors import Error
 from kiln.trt.vocab import (ACTIVATION_TYPE, PROFILING_VERBOSITY_NAMES, format_datatype, format_text_11, layer_type,
@@ -90,6 +92,9 @@ def detailed_layer(plan: Plan, layer: Layer, tensor=tensor_info) -> dict[str, An
         d.update(PARAMETERS.get(kind, _generic)(plan, layer))
         d["TacticName"] = layer.tactic_name
     d["TacticValue"] = f"0x{layer.tactic_value:016x}"
+    for attr, key in QUANTIZATION_KEYS.items():   # kiln's addition: the scales an INT8 layer runs with
+        if attr in layer.attrs:
+            d[key] = quantization(layer.attrs[attr])
     if layer.requested_precision:   # kiln's addition: TensorRT never says why it fell back
         d["RequestedPrecision"] = layer.requested_precision
         d["GrantedPrecision"] = layer.precision
@@ -98,6 +103,22 @@ def detailed_layer(plan: Plan, layer: Layer, tensor=tensor_info) -> dict[str, An
     d["StreamId"] = 0
     d["Metadata"] = metadata_text(layer.origin)
     return d
+
+
+QUANTIZATION_KEYS = {"quant": "Quantization", "skip_quant": "SkipQuantization"}   # QLayerNorm's fused skip QAdd
+
+
+def quantization(quant: dict[str, Any]) -> dict[str, Any]:
+    """An INT8 layer's quantization as its parameters name them (x_scale, w_scale, y_zero_point, ...; dtypes as
+    strings); a per-channel array as its count and range, which is what a reader compares between engines."""
+    out: dict[str, Any] = {}
+    for key, value in quant.items():
+        array = np.asarray(value)
+        if array.size > 1:
+            out[key] = {"Count": int(array.size), "Min": float(array.min()), "Max": float(array.max())}
+        else:
+            out[key] = array.reshape(()).item() if array.dtype.kind in "biuf" else value
+    return out
 
 
 def _weight_info(plan: Plan, layer: Layer, index: int) -> dict[str, Any]:
@@ -246,7 +267,7 @@ def _reformat(plan: Plan, layer: Layer) -> dict[str, Any]:
 
 def _generic(plan: Plan, layer: Layer) -> dict[str, Any]:
     """Layers TensorRT has no published key set for: kiln names the ONNX op and its attributes."""
-    attrs = {k: v for k, v in layer.attrs.items() if not k.startswith("_")}
+    attrs = {k: v for k, v in layer.attrs.items() if not k.startswith("_") and k not in QUANTIZATION_KEYS}
     return {"Operation": layer.op_type, "Attributes": attrs}
 
 

@@ -85,6 +85,10 @@ def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_r
     info = engine.layer_info()
     conv = next(l for l in info["Layers"] if l["Name"] == convs[0].name)
     assert conv["RequestedPrecision"] == conv["GrantedPrecision"] == "INT8"
+    quant, model_scales = conv["Quantization"], np.asarray(convs[0].attrs["quant"]["w_scale"])
+    assert quant["x_dtype"] == "uint8" and isinstance(quant["x_scale"], float) and quant["x_scale"] > 0
+    assert quant["w_scale"] == {"Count": conv["OutMaps"], "Min": float(model_scales.min()),
+                                "Max": float(model_scales.max())}   # per channel: its count and range
     channel_major = convs[0].tactic_name == "onednn.qconv2d_nhwc_prepacked"   # where the CPU has VNNI/AMX-INT8
     assert conv["TacticName"] == convs[0].tactic_name
     assert conv["Inputs"][0]["Format/Datatype"] == ("Channel major UInt8 format" if channel_major
@@ -396,3 +400,8 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
         norms = [l for l in layers if "Norm" in l.op_type]
         assert [(l.op_type, l.tactic_name, "skip_quant" in l.attrs) for l in norms] == \
             [("QLayerNorm", "kiln.layernorm_rows_int8", True)] * 5
+        info = {l["Name"]: l for l in engine.layer_info()["Layers"]}
+        for layer in softmaxes + norms:   # their scales, as layer info's kiln addition (TensorRT shows none)
+            shown = info[layer.name]
+            assert shown["Quantization"] == layer.attrs["quant"] and "quant" not in shown.get("Attributes", {})
+            assert shown.get("SkipQuantization") == layer.attrs.get("skip_quant")
