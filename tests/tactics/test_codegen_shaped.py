@@ -142,18 +142,22 @@ def test_a_dynamic_model_runs_its_pointwise_layers_on_generated_kernels():
         assert_close_to_ort(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0], rel=1e-5)
 
 
-def test_a_dynamic_quantized_sum_in_a_model_matches_onnxruntime_exactly():
+@pytest.mark.parametrize("b_type,b_zero_point", [(np.uint8, 128), (np.int8, -5)])
+def test_a_dynamic_quantized_sum_in_a_model_matches_onnxruntime_exactly(b_type, b_zero_point):
     h = helper.make_node
     nodes = [h("DequantizeLinear", ["a", "a_s", "a_z"], ["af"]), h("DequantizeLinear", ["b", "b_s", "b_z"], ["bf"]),
              h("Add", ["af", "bf"], ["s"]), h("QuantizeLinear", ["s", "y_s", "y_z"], ["y"])]
     inits = [init("a_s", np.float32(0.03)), init("a_z", np.uint8(120)), init("b_s", np.float32(0.07)),
-             init("b_z", np.uint8(128)), init("y_s", np.float32(0.06)), init("y_z", np.uint8(10))]
-    model = make_model(nodes, [helper.make_tensor_value_info(n, TensorProto.UINT8, ["b", "s", 40]) for n in "ab"],
+             init("b_z", b_type(b_zero_point)), init("y_s", np.float32(0.06)), init("y_z", np.uint8(10))]
+    b_proto = TensorProto.UINT8 if b_type is np.uint8 else TensorProto.INT8
+    model = make_model(nodes, [helper.make_tensor_value_info("a", TensorProto.UINT8, ["b", "s", 40]),
+                               helper.make_tensor_value_info("b", b_proto, ["b", "s", 40])],
                        [helper.make_tensor_value_info("y", TensorProto.UINT8, ["b", "s", 40])], inits)
     engine = kiln.build(model, autotune=False, tactic_sources="codegen,torch", min_shapes="a:1x1x40,b:1x1x40",
                         opt_shapes="a:1x16x40,b:1x16x40", max_shapes="a:2x64x40,b:2x64x40")
     assert [(l.op_type, l.tactic_name) for l in engine.plan.layers] == [("QAdd", "codegen.pointwise_c_simd")]
     rng = np.random.default_rng(3)
     for shape in ((1, 1, 40), (2, 37, 40), (2, 64, 40)):
-        feeds = {n: rng.integers(0, 256, shape).astype(np.uint8) for n in "ab"}
+        feeds = {"a": rng.integers(0, 256, shape).astype(np.uint8),
+                 "b": rng.integers(np.iinfo(b_type).min, np.iinfo(b_type).max + 1, shape).astype(b_type)}
         np.testing.assert_array_equal(engine.run(feeds)["y"], unfused_onnxruntime(model, feeds))

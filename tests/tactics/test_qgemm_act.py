@@ -4,12 +4,15 @@ float32 epilogue equal the formula bit for bit, whatever the signedness and zero
 tile and panel sizes; a Q/DQ attention block built from ONNX matches onnxruntime's unfused graph."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
+from kiln.tactics import qgemm_act_c
 from kiln.tactics.base import LayerView
 from kiln.tactics.qgemm_act_c import QActMatMulTactic
 from kiln.tactics.qgemm_c import MAX_K_ZERO_POINTS, QLinearGemmTactic, vnni_available
@@ -131,14 +134,21 @@ def test_the_kernel_declines_what_it_cannot_run():
 
 
 @needs_vnni
-def test_k_may_vary_per_call_and_past_int32_sums_runs_torchs_formula():
+def test_k_may_vary_per_call_and_past_int32_sums_runs_torchs_formula(monkeypatch):
     """P.V of a dynamic sequence: k is the probabilities' last axis and V's rows, read per call. A k whose exact
-    sums could pass int32 runs torch's formula (float32 sums: within a step of the exact one)."""
+    sums could pass int32 runs torch's formula (float32 sums: within a step of the exact one), and only that k."""
     view, _, _ = act_case("probabilities_by_values")
     view = LayerView(view.op_type, view.domain, view.attrs, view.input_shapes, view.input_dtypes, {},
                      view.output_dtypes, input_dynamic=((1, 2), (1,)))   # the sequence: m and k; n is static
     tactic = QActMatMulTactic()
     assert tactic.supports(view)
+    formula_ks = []
+    torchs = qgemm_act_c.lookup("QMatMul", "kiln")
+
+    def spied(attrs, xs):
+        formula_ks.append(xs[0].shape[-1])
+        return torchs.impl(attrs, xs)
+    monkeypatch.setattr(qgemm_act_c, "lookup", lambda op, domain: dataclasses.replace(torchs, impl=spied))
     run = tactic.prepare(view)
     g = torch.Generator().manual_seed(7)
     for seq in (5, 24, 61, MAX_K_ZERO_POINTS + 1):
@@ -149,6 +159,7 @@ def test_k_may_vary_per_call_and_past_int32_sums_runs_torchs_formula():
             assert torch.equal(got.float(), want.float()), seq
         else:
             assert (got.float() - want.float()).abs().max() <= 1 and torch.unique(want).numel() > 5
+    assert formula_ks == [MAX_K_ZERO_POINTS + 1]
 
 
 @needs_vnni

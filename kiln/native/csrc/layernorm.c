@@ -143,7 +143,7 @@ static void level_row(const uint8_t* restrict a, const uint8_t* restrict b, cons
 #endif
   const int a8 = types & 1, b8 = types & 2;
   const float a_scale = q[0], a_zp = q[1], b_scale = q[2], b_zp = q[3], t_scale = q[4], t_zp = q[5];
-  const float t_lo = (types & 4 ? -128.0f : 0.0f) - t_zp, t_hi = (types & 4 ? 127.0f : 255.0f) - t_zp;
+  const float t_lo = level_lo(types & 4, t_zp), t_hi = level_hi(types & 4, t_zp);
   const int32_t x_zp = (int32_t)q[7];
   int64_t sum = 0, squares = 0;
   for (int64_t k0 = 0; k0 < n; k0 += Q8_BLOCK) {
@@ -181,7 +181,7 @@ static void level_row(const uint8_t* restrict a, const uint8_t* restrict b, cons
 static void quantized_row(const float* restrict row, const float* restrict gamma, const float* restrict beta,
                           int64_t n, float x_scale, float mean, float inv, const float* restrict q, int s8,
                           uint8_t* restrict out) {
-  const float y_scale = q[8], y_zp = q[9], lo = (s8 ? -128.0f : 0.0f) - y_zp, hi = (s8 ? 127.0f : 255.0f) - y_zp;
+  const float y_scale = q[8], y_zp = q[9], lo = level_lo(s8, y_zp), hi = level_hi(s8, y_zp);
   if (beta) {
     #pragma omp simd
     for (int64_t k = 0; k < n; ++k)   /* s8 stored as its two's-complement byte */

@@ -14,4 +14,8 @@ static inline float saturated_level(float v, float zp, float lo, float hi) {
   return (v + ROUNDER) - ROUNDER + zp;
 }
 
+/* The range saturated_level clamps to for an s8 (nonzero `s8`) or u8 type with zero point zp. */
+static inline float level_lo(int s8, float zp) { return (s8 ? -128.0f : 0.0f) - zp; }
+static inline float level_hi(int s8, float zp) { return (s8 ? 127.0f : 255.0f) - zp; }
+
 #endif

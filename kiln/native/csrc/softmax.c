@@ -181,7 +181,7 @@ void kiln_softmax(const void* x, void* y, int64_t outer, int64_t n, int64_t inne
 static void softmax_row_q8(const uint8_t* x, uint8_t* y, int64_t n, float x_scale, float x_zp, float y_scale,
                            float y_zp, int types) {
   float row[n + VW];
-  const float lo = (types & 2 ? -128.0f : 0.0f) - y_zp, hi = (types & 2 ? 127.0f : 255.0f) - y_zp;
+  const float lo = level_lo(types & 2, y_zp), hi = level_hi(types & 2, y_zp);
   if (types & 1)
     for (int64_t j = 0; j < n; ++j) row[j] = ((float)(int8_t)x[j] - x_zp) * x_scale;
   else
