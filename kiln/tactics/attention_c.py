@@ -68,9 +68,9 @@ def _unit_inner(t: torch.Tensor) -> torch.Tensor:
 def operands(attrs: dict, xs: list) -> Operands | None:
     """The layer's inputs after their steps as the kernel reads them; None where it cannot (more than two leading
     axes, empty axes, shapes that do not broadcast)."""
-    q = apply_steps(xs[0], attrs.get("q_steps", []))
-    k = apply_steps(xs[1], attrs.get("k_steps", [])).transpose(-1, -2)
-    v = apply_steps(xs[2], attrs.get("v_steps", []))
+    q = viewed_steps(xs[0], attrs.get("q_steps", []))
+    k = viewed_steps(xs[1], attrs.get("k_steps", [])).transpose(-1, -2)
+    v = viewed_steps(xs[2], attrs.get("v_steps", []))
     mask = xs[3] if len(xs) > 3 else None
     if min(q.dim(), k.dim(), v.dim()) < 2 or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         return None
@@ -86,6 +86,25 @@ def operands(attrs: dict, xs: list) -> Operands | None:
         return None
     four = [_four_dims(_unit_inner(t.expand(*lead, *t.shape[-2:]))) for t in (q, k, v)]
     return Operands(*four, None if mask is None else _four_dims(mask), (*lead, sq, v.shape[-1]))
+
+
+def viewed_steps(x: torch.Tensor, steps: list[dict]) -> torch.Tensor:
+    """`x` after `steps`, as a view of `x` wherever the result is one, even where a step on the way copies: a
+    batch-first nn.MultiheadAttention's [B, S, 3D] projection goes through [S, B*H, Dh], which no view gives, on
+    its way to Q [B, H, S, Dh], which is a strided view. The steps run once more on `x`'s element offsets; where
+    those form a strided grid, that grid is the view."""
+    y = apply_steps(x, steps)
+    if x.device.type == "meta" or y.numel() <= 1 or _shares(x, y.data_ptr()):
+        return y
+    span = sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1 if x.numel() else 0
+    offsets = apply_steps(torch.arange(span).as_strided(x.shape, x.stride()), steps).contiguous()
+    first = offsets.reshape(-1)[0]
+    strides = [int(offsets.select(k, 1).reshape(-1)[0] - first) if n > 1 else 0
+               for k, n in enumerate(offsets.shape)]
+    grid = torch.arange(span).as_strided(offsets.shape, strides, int(first))
+    if min(strides, default=0) < 0 or not torch.equal(grid, offsets):
+        return y
+    return x.as_strided(y.shape, strides, x.storage_offset() + int(first))
 
 
 def output_view(y: torch.Tensor, out_steps: list[dict], out_shape: tuple[int, ...]) -> torch.Tensor | None:

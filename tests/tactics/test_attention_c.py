@@ -206,6 +206,27 @@ def test_views_without_unit_inner_stride_and_outputs_that_are_not_views():
         assert_matches(kernel([qt, kt, v])[0], want, FP32_REL)
 
 
+
+def test_steps_through_a_shape_no_view_gives_still_read_in_place():
+    """Batch-first nn.MultiheadAttention (batch 2): the packed [S, B, 3D] projection goes through [S, B*H, Dh],
+    which no view of it gives, to Q [B, H, S, Dh], which is one: Q, K and V are read in place all the same."""
+    s, b, h, d = 6, 2, 3, 4
+    packed = [{"reshape": [s, b, 3, h * d]}, {"transpose": [2, 0, 1, 3]}]
+    steps = [packed + [{"slice": [0, i, i + 1]}, {"reshape": [s, b * h, d]}, {"transpose": [1, 0, 2]},
+                       {"reshape": [b, h, s, d]}] for i in range(3)]
+    attrs = {"scale": 0.5, "q_steps": steps[0], "k_steps": steps[1] + [{"transpose": [0, 1, 3, 2]}],
+             "v_steps": steps[2], "out_steps": [{"transpose": [2, 0, 1, 3]}, {"reshape": [s, b, h * d]}]}
+    layer = LayerView("Attention", "kiln", attrs, ((s, b, 3 * h * d),) * 3, ("float32",) * 3, {}, ("float32",), 17,
+                      ((),) * 3)
+    qkv = torch.randn(s, b, 3 * h * d, generator=torch.Generator().manual_seed(5))
+    geo = call_geometry(attrs, [qkv] * 3, torch.float32, 0)
+    assert geo.in_place and geo.direct
+    assert (geo.call.q_at, geo.call.k_at, geo.call.v_at) == (0, h * d * 4, 2 * h * d * 4)   # bytes into a row
+    q, k, v = (qkv.reshape(s, b, 3, h, d)[:, :, i].permute(1, 2, 0, 3) for i in range(3))
+    want = formula(q, k, v, None, 0.5).permute(2, 0, 1, 3).reshape(s, b, h * d)
+    assert_matches(AttentionTactic().prepare(layer)([qkv] * 3)[0], want, FP32_REL)
+
+
 @pytest.mark.skipif(not hardware.has_any(("avx2",)), reason="this CPU has no AVX2")
 def test_the_avx2_build_matches_the_formula(tmp_path):
     """attention.c compiled for AVX2 alone (-march=x86-64-v3: 8-float vectors, 6 x 16 tiles, as on a Zen 3), run
