@@ -215,20 +215,7 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
             nodes.append(p)
             p = v.producer
         inputs[i], attrs[key] = v, steps
-    split = inputs[0].producer
-    if is_op(split, "Split") and all(inputs[i].producer is split for i in range(3)) and \
-            len({id(inputs[i]) for i in range(3)}) == 3 and all(len(o.users) == 1 for o in split.outputs) \
-            and len(split.outputs) == 3 and \
-            all((split.attrs.get("axis", 0) % len(o.shape)) not in o.dyn_dims for o in split.outputs):
-        axis = split.attrs.get("axis", 0) % len(split.inputs[0].shape)
-        sizes = [o.shape[axis] for o in split.outputs]
-        bounds = {id(o): (s0, s0 + n) for o, s0, n in zip(split.outputs, np.cumsum([0] + sizes[:-1]), sizes)}
-        for i, key in enumerate(HEAD_STEPS):
-            lo, hi = bounds[id(inputs[i])]
-            attrs[key] = [{"slice": [axis, int(lo), int(hi)]}] + attrs[key]
-            inputs[i] = split.inputs[0]
-        nodes.append(split)
-    else:
+    if not _absorb_split(nodes, inputs, attrs):
         _absorb_gathers(g, nodes, inputs, attrs)
     pv = nodes[1]
     swap = attrs.pop("v_swap")   # V'·Pᵀ = (P·V'ᵀ)ᵀ: V' transposed in, the output transposed out
@@ -240,6 +227,31 @@ def _absorb_movement(g: Graph, nodes: list[Node], inputs: list[Value], attrs: di
         nodes.append(reader)
         return reader.outputs[0]
     return pv.outputs[0]
+
+
+def _read_packed(inputs: list[Value], attrs: dict, packed: Value, picks: list[list[dict]]) -> None:
+    """Q, K and V read from one packed tensor, each through its own steps `picks[i]` first."""
+    for i, key in enumerate(HEAD_STEPS):
+        attrs[key] = picks[i] + attrs[key]
+        inputs[i] = packed
+
+
+def _absorb_split(nodes: list[Node], inputs: list[Value], attrs: dict) -> bool:
+    """Q, K and V the three outputs of one Split (a merged QKV projection) that only this layer reads: they read
+    its input through slice steps. Whether they did."""
+    split = inputs[0].producer
+    if not is_op(split, "Split") or len(split.outputs) != 3 or len({id(inputs[i]) for i in range(3)}) != 3 or \
+            any(inputs[i].producer is not split for i in range(3)) or any(len(o.users) != 1 for o in split.outputs):
+        return False
+    axis = split.attrs.get("axis", 0) % len(split.inputs[0].shape)
+    if any(axis in o.dyn_dims for o in split.outputs):
+        return False
+    sizes = [o.shape[axis] for o in split.outputs]
+    bounds = {id(o): (s0, s0 + n) for o, s0, n in zip(split.outputs, np.cumsum([0] + sizes[:-1]), sizes)}
+    _read_packed(inputs, attrs, split.inputs[0],
+                 [[{"slice": [axis, int(bounds[id(v)][0]), int(bounds[id(v)][1])]}] for v in inputs[:3]])
+    nodes.append(split)
+    return True
 
 
 def _absorb_gathers(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dict) -> None:
@@ -259,17 +271,12 @@ def _absorb_gathers(g: Graph, nodes: list[Node], inputs: list[Value], attrs: dic
     axis = axes.pop()
     if axis in packed.dyn_dims:
         return
-    for i, key in enumerate(HEAD_STEPS):
-        index, scalar = picks[i]
-        attrs[key] = [{"slice": [axis, index, index + 1]}] + (_dropped(axis, len(packed.shape)) if scalar else []) \
-            + attrs[key]
-        inputs[i] = packed
+    _read_packed(inputs, attrs, packed, [[{"slice": [axis, index, index + 1]}] +
+                                         (_dropped(axis, len(packed.shape)) if scalar else []) for index, scalar in picks])
     nodes.extend(gathers)
     shuffle = packed.producer
     if is_shuffle(shuffle) and not g.is_output(packed) and all(u in gathers for u in packed.users):
-        for key in HEAD_STEPS:
-            attrs[key] = list(shuffle.attrs["steps"]) + attrs[key]
-        inputs[:3] = [shuffle.inputs[0]] * 3
+        _read_packed(inputs, attrs, shuffle.inputs[0], [list(shuffle.attrs["steps"])] * 3)
         nodes.append(shuffle)
 
 

@@ -230,25 +230,36 @@ def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
 
     per-tensor scales only. The attention probabilities of a quantize_static model are read by P.V as INT8."""
     for sm in [n for n in g.nodes if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
-        dq, q = _dq(sm.inputs[0]), sole_consumer(g, sm)
-        if dq is None or dq.inputs[0].is_const or sm.inputs[0].shape is None:
-            continue
-        plog.running(sm)
-        rank = len(sm.inputs[0].shape)
+        rank = len(sm.inputs[0].shape or ())
         axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
-        x_params, y_quant, x_dtype = _scalar_params(dq), _output_quant(q), str(dq.inputs[0].dtype)
-        reason = _int8_io_blocker(x_params, x_dtype, y_quant) or \
-            (f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None)
-        if reason:
-            plog.not_fused(sm, q.name if q is not None else "its consumers", reason + ": it stays FP32")
+        found = _between_qdq(g, sm, plog, f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None)
+        if found is None:
             continue
-        quant = {"x_scale": x_params[0], "x_zero_point": x_params[1], "x_dtype": x_dtype, **y_quant}
+        dq, q, quant = found
         plog.fusing(dq, sm)
         plog.fusing(sm, q)
         origin = _dq_origins(g, [dq], [sm, q]) + sm.origin + q.origin
         replace_nodes(g, [sm, q], Node(_layer_name([sm, q]), "QSoftmax", [dq.inputs[0]], [q.outputs[0]],
                                        {"axis": axis, "quant": quant}, "kiln", origin))
         remove_dead(g, [dq])
+
+
+def _between_qdq(g: Graph, node: Node, plog: PassLog, blocker: str | None) -> tuple[Node, Node, dict] | None:
+    """(its DequantizeLinear, its QuantizeLinear, the quantization) of an FP32 op that reads an INT8 activation
+    through a per-tensor DequantizeLinear and whose one reader is a per-tensor QuantizeLinear; None where it is
+    not (logged with the reason, `blocker` among them, where it reads such an activation)."""
+    dq = _dq(node.inputs[0])
+    if dq is None or dq.inputs[0].is_const or node.inputs[0].shape is None:
+        return None
+    plog.running(node)
+    out = node.outputs[0]
+    q = out.users[0] if len(out.users) == 1 and not g.is_output(out) else None
+    x_params, y_quant, x_dtype = _scalar_params(dq), _output_quant(q), str(dq.inputs[0].dtype)
+    reason = _int8_io_blocker(x_params, x_dtype, y_quant) or blocker
+    if reason:
+        plog.not_fused(node, q.name if q is not None else "its consumers", reason + ": it stays FP32")
+        return None
+    return dq, q, {"x_scale": x_params[0], "x_zero_point": x_params[1], "x_dtype": x_dtype, **y_quant}
 
 
 def fuse_quantized_layer_norm(g: Graph, plog: PassLog) -> None:
@@ -260,18 +271,11 @@ def fuse_quantized_layer_norm(g: Graph, plog: PassLog) -> None:
     Where x is a QAdd's sum that nothing else reads (a post-LN encoder's residual), the sum joins too: a, b ->
     QLayerNorm -> y, the sum still rounded to INT8 inside as its QuantizeLinear asked."""
     for ln in [n for n in g.nodes if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]:
-        dq = _dq(ln.inputs[0])
-        if dq is None or dq.inputs[0].is_const:
+        found = _between_qdq(g, ln, plog, _layer_norm_blocker(g, ln))
+        if found is None:
             continue
-        plog.running(ln)
-        q = ln.outputs[0].users[0] if len(ln.outputs[0].users) == 1 and not g.is_output(ln.outputs[0]) else None
-        x_params, y_quant, x_dtype = _scalar_params(dq), _output_quant(q), str(dq.inputs[0].dtype)
-        reason = _int8_io_blocker(x_params, x_dtype, y_quant) or _layer_norm_blocker(g, ln)
-        if reason:
-            plog.not_fused(ln, q.name if q is not None else "its consumers", reason + ": it stays FP32")
-            continue
-        attrs = {k: ln.attrs[k] for k in ("axis", "epsilon") if k in ln.attrs}
-        attrs["quant"] = {"x_scale": x_params[0], "x_zero_point": x_params[1], "x_dtype": x_dtype, **y_quant}
+        dq, q, quant = found
+        attrs = {**{k: ln.attrs[k] for k in ("axis", "epsilon") if k in ln.attrs}, "quant": quant}
         nodes, inputs, add = [ln, q], [dq.inputs[0]] + list(ln.inputs[1:]), dq.inputs[0].producer
         if _residual_sum(g, add, dq, ln):
             nodes, inputs, attrs["skip_quant"] = [add] + nodes, list(add.inputs) + inputs[1:], add.attrs["quant"]
