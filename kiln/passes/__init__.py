@@ -74,6 +74,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("HorizontalMergeQNodes", merge_duplicate_qdq),
     Pass("VanillaSwapWithFollowingQ", swap_dq_q_around_movement),
     Pass("SplitQAcrossPrecedingFanIn", split_q_across_concat),
+    Pass("ShuffleShuffleFusion", fuse_shuffles),   # again: shuffles a Q/DQ pair separated now move INT8 together
     Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
     Pass("QuantizedAddFusion", fuse_quantized_add),
     Pass("QuantizedSoftmaxFusion", fuse_quantized_softmax),

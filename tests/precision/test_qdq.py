@@ -370,6 +370,10 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
     by_weights = [l for l in products if l.args[1].kind == "weight"]
     attention = [l for l in products if l.args[1].kind == "tensor"]   # Q.K^T and P.V: two INT8 activations
     assert (len(by_weights), len(attention), len(products)) == (12, 4, sum(l.op_type == "QMatMul" for l in layers))
+    # each head split (Reshape + Transpose of Q, K, V) and merge (Transpose + Reshape of the context) moves INT8 as
+    # one Shuffle: their Q/DQ pairs, swapped out of the way, no longer keep them apart
+    shuffles = [l for l in layers if l.op_type == "Shuffle" and l.inputs[0].dtype in ("uint8", "int8")]
+    assert len(shuffles) == 8 and all(" + " in l.name for l in shuffles), [l.name for l in shuffles]
     assert not any(l.op_type == "MatMul" for l in layers)
     # each product by weights took its bias Add: rounded to INT8 at the product's own scale first, as the model has it
     assert all("mid_scale" in l.attrs["quant"] and len(l.args) == 3 for l in by_weights)
