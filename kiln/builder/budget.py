@@ -62,7 +62,8 @@ def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, 
                            budget: AccuracyBudget | None) -> tuple[Lowering, BudgetReport | None]:
     """The lowering, or one with the fewest layers kept in FP32 to meet the accuracy budget (kiln.planning.accuracy):
     `--accuracy`, by default cos:0.999 where a reduced float precision was granted; and the budget's report.
-    `proto` is the FP32 model the plan is checked against."""
+    `proto` is the FP32 model the plan is checked against (onnxruntime runs it); one that quantizes itself is
+    checked against kiln's plan with its INT8 layers and every BF16/FP16 layer in FP32."""
     if budget is None or not any(l.precision in REDUCED_FLOATS for l in lowered.layers):
         return lowered, None
 
@@ -71,15 +72,31 @@ def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, 
         again.run()
         return again
     batches = budget_batches(g, options, FLOAT_BUDGET_BATCHES)
-    check = onnxruntime_reference(proto)
+    check = None if quantized_by_the_model(proto) else onnxruntime_reference(proto)
     references = [check(b) for b in batches] if check is not None else None
     every = None
-    if references is None:   # no onnxruntime: the same plan with every layer in FP32 is the reference
+    if references is None:   # the same plan with every BF16/FP16 layer in FP32 is the reference
         every = relower(keep_fp32(lowered.precisions, [l.name for l in lowered.layers
                                                        if l.precision in REDUCED_FLOATS]))
         references = plan_outputs(g, every, batches)
+        if quantized_by_the_model(proto):
+            log.info("Accuracy budget %s: the model quantizes itself, so its INT8 layers are in the reference too "
+                     "(kiln's plan with every BF16/FP16 layer in FP32): the budget measures what they add",
+                     budget.text())
     return meet_budget(g, lowered, relower, budget, batches, references, options.precision.constraints == "obey",
                        every)
+
+
+MODEL_QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger",
+                                    "ConvInteger", "QLinearConv", "QLinearMatMul", "QGemm", "QAttention",
+                                    "DynamicQuantizeMatMul", "MatMulIntegerToFloat"})
+
+
+def quantized_by_the_model(proto: onnx.ModelProto) -> bool:
+    """Whether the model asks for INT8 itself (Q/DQ pairs, quantize_dynamic's integer products, QOperator ops): its
+    rounding, which kiln's INT8 kernels reproduce only to onnxruntime's own fused-against-unfused agreement, is then
+    the model's, not a reduced precision kiln chose."""
+    return any(n.op_type in MODEL_QUANTIZATION_OPS or n.op_type.startswith("QLinear") for n in proto.graph.node)
 
 
 def within_int8_budget(float_proto: onnx.ModelProto, scales: dict[str, float], first: Lowered,
