@@ -124,10 +124,15 @@ def _rounded_before_bias(base: str, attrs, x: torch.Tensor, w: torch.Tensor, res
     return apply_activation(attrs.get("activation"), y)
 
 
+OPERAND_STEPS = ("a_steps", "b_steps")   # a QMatMul of two INT8 activations: its operands' steps
+
+
 def _quantized(base: str):
     def impl(attrs, xs):
-        w = xs[1] if xs[1].is_floating_point() else dequantized_weights(attrs, xs[1])   # float: prepared once
-        return [run_quantized(base, attrs, xs[0], w, xs[2:])]
+        """A product of two INT8 activations reads them after their steps (kiln.passes.qmatmul_steps)."""
+        x, w = (apply_steps(v, attrs.get(key, [])) for v, key in zip(xs[:2], OPERAND_STEPS))
+        w = w if w.is_floating_point() else dequantized_weights(attrs, w)   # float: prepared once
+        return [apply_steps(run_quantized(base, attrs, x, w, xs[2:]), attrs.get("out_steps", []))]
     return impl
 
 

@@ -13,6 +13,7 @@ from kiln.passes.manager import Pass, PassStat, run_passes
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
+from kiln.passes.qmatmul_steps import fuse_product_shuffles
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_norm, fuse_quantized_layers,
                                      fuse_quantized_residual, fuse_quantized_softmax, fuse_requantized_bias,
@@ -76,6 +77,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("SplitQAcrossPrecedingFanIn", split_q_across_concat),
     Pass("ShuffleShuffleFusion", fuse_shuffles),   # again: shuffles a Q/DQ pair separated now move INT8 together
     Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
+    Pass("QMatMulShuffleFusion", fuse_product_shuffles),
     Pass("QuantizedAddFusion", fuse_quantized_add),
     Pass("QuantizedSoftmaxFusion", fuse_quantized_softmax),
     Pass("QConvEltwiseSumFusion", fuse_quantized_residual, "vertical fusions"),

@@ -14,6 +14,7 @@ import torch
 from kiln import native
 from kiln.ops import lookup
 from kiln.ops.dtypes import INT8_TORCH
+from kiln.ops.fused import OPERAND_STEPS, apply_steps
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.gemm_c import ONE_LINE
 from kiln.tactics.onednn_int8 import unsigned_input
@@ -34,7 +35,9 @@ class QActMatMulTactic:
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "QMatMul" or layer.domain != "kiln" or 1 in layer.const_inputs:
             return False
-        q, (a, b) = layer.attrs.get("quant") or {}, layer.input_shapes[:2]
+        q, (a, b) = layer.attrs.get("quant") or {}, operand_shapes(layer)
+        if any(layer.attrs.get(key) for key in OPERAND_STEPS) and any(layer.input_dynamic[:2]):
+            return False   # steps come with static shapes (kiln.passes.qmatmul_steps)
         if not q or a is None or b is None or len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
             return False
         if layer.input_dtypes[0] not in INT8_TORCH or q.get("x_dtype") != layer.input_dtypes[0] or \
@@ -68,22 +71,36 @@ class QActMatMulTactic:
         calls = _calls(layer)
         bias = [layer.const_inputs[2]] if 2 in layer.const_inputs else []
         reference = lookup("QMatMul", "kiln").impl
+        operand_steps = [layer.attrs.get(key, []) for key in OPERAND_STEPS]
+        out_steps = layer.attrs.get("out_steps", [])
+        plain = {k: v for k, v in layer.attrs.items() if k not in (*OPERAND_STEPS, "out_steps")}
+
+        def finish(y: torch.Tensor) -> list[torch.Tensor]:
+            return [apply_steps(y, out_steps).contiguous() if out_steps else y]
 
         def run(xs):
-            a, b = (x if x.is_contiguous() else x.contiguous() for x in xs[:2])
+            a, b = (apply_steps(x, steps) for x, steps in zip(xs[:2], operand_steps))
+            a, b = (x if x.is_contiguous() else x.contiguous() for x in (a, b))
             *lead, m, k = a.shape
             n = b.shape[-1]
             if tuple(b.shape[:-1]) != (*lead, k):   # the kernel reads one B per A image: never past B's end
                 raise ValueError(f"INT8 product: B's shape {list(b.shape)} does not follow A's {list(a.shape)}")
             if not 0 < k <= MAX_K_ZERO_POINTS:   # a sequence length past the int32 sums (or none): torch's way
-                return reference(layer.attrs, [a, b] + bias)
+                return finish(reference(plain, [a, b] + bias)[0])
             y = torch.empty((*lead, m, n), dtype=out_dtype)
             if y.numel():
                 call = calls(int(torch.Size(lead).numel()), m, k, n)   # held (alive) until the call returns
                 product(ctypes.addressof(call[0]), a.data_ptr(), b.data_ptr(), y.data_ptr(), m, x_zp, b_unsigned)
-            return [y]
+            return finish(y)
         run.constants = calls
         return run
+
+
+def operand_shapes(layer: LayerView) -> list[tuple[int, ...] | None]:
+    """A and B's shapes as the product reads them: after their steps (kiln.passes.qmatmul_steps)."""
+    return [shape if not layer.attrs.get(key) or shape is None else
+            tuple(apply_steps(torch.empty(shape, device="meta"), layer.attrs[key]).shape)
+            for shape, key in zip(layer.input_shapes[:2], OPERAND_STEPS)]
 
 
 def _calls(layer: LayerView):

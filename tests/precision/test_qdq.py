@@ -363,18 +363,19 @@ def test_a_quantized_models_cosine_bar_is_lowered_to_its_own_rounding_noise(unfu
         assert got == pytest.approx(bar)
 
 
-def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp_path, monkeypatch):
-    """A quantize_static BERT-shaped encoder (Q/DQ on every MatMul, Add, LayerNorm and GELU input): kiln's own plan
-    passes the check against onnxruntime (the plan is forced, not timed) and runs INT8 layers close to it."""
-    from tests.conftest import force_plan
+@pytest.fixture(scope="module")
+def qdq_encoder(tmp_path_factory):
+    """(path, feeds) of a quantize_static BERT-shaped encoder: Q/DQ on every MatMul, Add, LayerNorm and GELU input,
+    per-channel weights."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
     from tests.models import encoders
 
+    folder = tmp_path_factory.mktemp("qdq_encoder")
     model = encoders.make("bert")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        encoders.export(model, encoders.inputs(model, 1, 32), tmp_path / "b.onnx", "legacy")
+        encoders.export(model, encoders.inputs(model, 1, 32), folder / "b.onnx", "legacy")
 
     class Reader(CalibrationDataReader):
         def __init__(self):
@@ -382,12 +383,20 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
 
         def get_next(self):
             return next(self.feeds, None)
-    quantize_static(str(tmp_path / "b.onnx"), str(tmp_path / "bq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+    quantize_static(str(folder / "b.onnx"), str(folder / "bq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
                     per_channel=True)
+    return str(folder / "bq.onnx"), encoders.inputs(model, 1, 32, seed=5)
+
+
+def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(qdq_encoder, monkeypatch):
+    """kiln's own plan of the Q/DQ encoder passes the check against onnxruntime (the plan is forced, not timed) and
+    runs INT8 layers close to it."""
+    from tests.conftest import force_plan
+
+    path, feeds = qdq_encoder
     force_plan(monkeypatch, "kiln")
-    engine = kiln.build(str(tmp_path / "bq.onnx"), autotune=False)   # each layer: the first tactic that takes it
-    feeds = encoders.inputs(model, 1, 32, seed=5)
-    got, want = engine.run(feeds)["last_hidden_state"], run_ort(str(tmp_path / "bq.onnx"), feeds)[0]
+    engine = kiln.build(path, autotune=False)   # each layer: the first tactic that takes it
+    got, want = engine.run(feeds)["last_hidden_state"], run_ort(path, feeds)[0]
     assert cosine(got, want) >= 0.995   # onnxruntime agrees with itself, fused against unfused, to 0.9991 here
     layers = engine.plan.layers
     assert "Region" not in {l.op_type for l in layers}
@@ -395,10 +404,13 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
     by_weights = [l for l in products if l.args[1].kind == "weight"]
     attention = [l for l in products if l.args[1].kind == "tensor"]   # Q.K^T and P.V: two INT8 activations
     assert (len(by_weights), len(attention), len(products)) == (12, 4, sum(l.op_type == "QMatMul" for l in layers))
-    # each head split (Reshape + Transpose of Q, K, V) and merge (Transpose + Reshape of the context) moves INT8 as
-    # one Shuffle: their Q/DQ pairs, swapped out of the way, no longer keep them apart
-    shuffles = [l for l in layers if l.op_type == "Shuffle" and l.inputs[0].dtype in ("uint8", "int8")]
-    assert len(shuffles) == 8 and all(" + " in l.name for l in shuffles), [l.name for l in shuffles]
+    # each head split (Reshape + Transpose of Q, K, V) and merge (Transpose + Reshape of the context) is one INT8
+    # Shuffle once their Q/DQ pairs are swapped out of the way, and joins its attention product as steps
+    assert not any(l.op_type == "Shuffle" and l.inputs[0].dtype in ("uint8", "int8") for l in layers)
+    step_counts = [tuple(len(l.attrs.get(k, [])) for k in ("a_steps", "b_steps", "out_steps")) for l in attention]
+    assert step_counts == [(2, 2, 0), (0, 2, 2)] * 2, step_counts   # Q.K^T, then P.V; per encoder layer
+    shown = next(l for l in engine.layer_info()["Layers"] if l["Name"] == attention[1].name)
+    assert shown["Steps"] == {"B": attention[1].attrs["b_steps"], "Output": attention[1].attrs["out_steps"]}
     assert not any(l.op_type == "MatMul" for l in layers)
     # each product by weights took its bias Add: rounded to INT8 at the product's own scale first, as the model has it
     assert all("mid_scale" in l.attrs["quant"] and len(l.args) == 3 for l in by_weights)
@@ -434,3 +446,18 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(tmp
             shown = info[layer.name]
             assert shown["Quantization"] == layer.attrs["quant"] and "quant" not in shown.get("Attributes", {})
             assert shown.get("SkipQuantization") == layer.attrs.get("skip_quant")
+
+
+def test_an_onnxruntime_region_writes_the_attention_products_steps_back(qdq_encoder, monkeypatch):
+    """The Q/DQ encoder handed to onnxruntime as one region: each attention product's steps are written back as
+    the Reshape and Transpose around it (kiln.tactics.onnx_emit), and the region agrees with the file."""
+    from tests.conftest import force_plan
+
+    path, feeds = qdq_encoder
+    force_plan(monkeypatch, "onnxruntime")   # built and checked against the file, then picked
+    engine = kiln.build(path, tactic_sources="-openvino", avg_timing=1, min_timing=1)
+    assert [l.tactic_name for l in engine.plan.layers] == ["onnxruntime.region"]
+    inner = [l for l in engine.plan.layers[0].inner if l.op_type == "QMatMul" and l.attrs.get("b_steps")]
+    assert len(inner) == 4
+    got, want = engine.run(feeds)["last_hidden_state"], run_ort(path, feeds)[0]
+    assert cosine(got, want) >= 0.9999

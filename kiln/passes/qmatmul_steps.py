@@ -1,0 +1,59 @@
+"""QMatMulShuffleFusion: a Q/DQ attention's INT8 head split and merge join its products of two activations.
+
+quantize_static leaves a BERT's attention as INT8 layers: Q·Kᵀ and P·V are QMatMuls of two INT8 activations, each
+operand reshaped and transposed into heads by a Shuffle of its own, the context transposed and reshaped back by
+another. As kiln's FP32 Attention layer takes its shuffles as steps, the product takes them: `a_steps` and
+`b_steps` applied to its operands as they are read, `out_steps` to its result. Four layers less per attention.
+Static shapes only (the kernels' dynamic-axis checks read the operands' own shapes)."""
+from __future__ import annotations
+
+from kiln.ir import Graph, Node
+from kiln.ops.fused import OPERAND_STEPS
+from kiln.passes.manager import PassLog
+from kiln.passes.patterns import is_shuffle, remove_dead, replace_nodes, sole_consumer
+from kiln.trt.vocab import fused_layer_name
+
+
+def fuse_product_shuffles(g: Graph, plog: PassLog) -> None:
+    """QMatMulShuffleFusion: Shuffles feeding an INT8 product of two activations (each read by it alone) and one
+    reading its result become its steps."""
+    for mm in [n for n in g.nodes if n.op_type == "QMatMul" and n.domain == "kiln" and len(n.inputs) == 2
+               and not n.inputs[1].is_const]:
+        before, inputs, attrs = [], list(mm.inputs), dict(mm.attrs)
+        for i, key in enumerate(OPERAND_STEPS):
+            shuffle = inputs[i].producer
+            if inputs[0] is not inputs[1] and _static(shuffle) and _read_only_by(g, shuffle, mm):
+                attrs[key], inputs[i] = list(shuffle.attrs["steps"]), shuffle.inputs[0]
+                before.append(shuffle)
+        reader = sole_consumer(g, mm)
+        after = [reader] if _static(reader) else []
+        if after:
+            attrs["out_steps"] = list(reader.attrs["steps"])
+        if not before and not after:
+            continue
+        plog.running(mm)
+        for shuffle in before:
+            plog.fusing(shuffle, mm)
+        for shuffle in after:
+            plog.fusing(mm, shuffle)
+        nodes = before + [mm] + after
+        name = fused_layer_name([s.name for s in before] + [mm.name] + [s.name for s in after])
+        origin = tuple(o for n in nodes for o in n.origin)
+        replace_nodes(g, nodes, Node(name, "QMatMul", inputs, list(nodes[-1].outputs), attrs, "kiln", origin))
+
+
+def _read_only_by(g: Graph, shuffle: Node, mm: Node) -> bool:
+    """Whether `mm` is the shuffle's one live reader; the DequantizeLinear the product absorbed, dead now and read by
+    nothing, goes (QuantizeDoubleInputNodes leaves it to the final dead-layer removal)."""
+    out = shuffle.outputs[0]
+    others = [u for u in out.users if u is not mm]
+    if g.is_output(out) or out.users.count(mm) != 1 or \
+            any(o.users or g.is_output(o) for u in others for o in u.outputs):
+        return False
+    remove_dead(g, others)
+    return True
+
+
+def _static(node: Node | None) -> bool:
+    """A Shuffle of fixed shapes (its steps then say everything about them)."""
+    return is_shuffle(node) and not node.inputs[0].dyn_dims and not node.outputs[0].dyn_dims
