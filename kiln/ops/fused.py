@@ -125,6 +125,12 @@ def _rounded_before_bias(base: str, attrs, x: torch.Tensor, w: torch.Tensor, res
 
 
 OPERAND_STEPS = ("a_steps", "b_steps")   # a QMatMul of two INT8 activations: its operands' steps
+PRODUCT_STEPS = (*OPERAND_STEPS, "out_steps")   # ... and its result's (kiln.passes.qmatmul_steps)
+
+
+def without_steps(attrs: dict) -> dict:
+    """A product's attributes less its steps: the product alone, on operands already moved."""
+    return {k: v for k, v in attrs.items() if k not in PRODUCT_STEPS}
 
 
 def _quantized(base: str):

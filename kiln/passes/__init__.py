@@ -77,7 +77,6 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("SplitQAcrossPrecedingFanIn", split_q_across_concat),
     Pass("ShuffleShuffleFusion", fuse_shuffles),   # again: shuffles a Q/DQ pair separated now move INT8 together
     Pass("QuantizeDoubleInputNodes", fuse_quantized_layers),
-    Pass("QMatMulShuffleFusion", fuse_product_shuffles),
     Pass("QuantizedAddFusion", fuse_quantized_add),
     Pass("QuantizedSoftmaxFusion", fuse_quantized_softmax),
     Pass("QConvEltwiseSumFusion", fuse_quantized_residual, "vertical fusions"),
@@ -86,6 +85,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("ConstantDequantizeFolding", fold_constant_dequantize),
     # quantize_static's bias Add after an INT8 product (its DQ(bias) now an FP32 constant) joins the product.
     Pass("RequantizedBiasFusion", fuse_requantized_bias),
+    # Once nothing more joins an INT8 product: its head split and merge become its steps (a bias added before them).
+    Pass("QMatMulShuffleFusion", fuse_product_shuffles),
     # An INT8 LayerNorm (with the residual QAdd before it) once its scale and bias are FP32 constants.
     Pass("QuantizedLayerNormFusion", fuse_quantized_layer_norm),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.

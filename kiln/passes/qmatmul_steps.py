@@ -10,27 +10,29 @@ from __future__ import annotations
 from kiln.ir import Graph, Node
 from kiln.ops.fused import OPERAND_STEPS
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import is_shuffle, remove_dead, replace_nodes, sole_consumer
+from kiln.passes.patterns import is_shuffle, remove_dead, replace_nodes
 from kiln.trt.vocab import fused_layer_name
 
 
 def fuse_product_shuffles(g: Graph, plog: PassLog) -> None:
     """QMatMulShuffleFusion: Shuffles feeding an INT8 product of two activations (each read by it alone) and one
     reading its result become its steps."""
-    for mm in [n for n in g.nodes if n.op_type == "QMatMul" and n.domain == "kiln" and len(n.inputs) == 2
-               and not n.inputs[1].is_const]:
+    for mm in [n for n in g.nodes if n.op_type == "QMatMul" and n.domain == "kiln" and not n.inputs[1].is_const
+               and all(v is None or v.is_const for v in n.inputs[2:])]:   # a bias (added before out_steps) at most
         before, inputs, attrs = [], list(mm.inputs), dict(mm.attrs)
         for i, key in enumerate(OPERAND_STEPS):
             shuffle = inputs[i].producer
-            if inputs[0] is not inputs[1] and _static(shuffle) and _read_only_by(g, shuffle, mm):
+            if inputs[0] is not inputs[1] and _static(shuffle) and _only_live_reader(g, shuffle) is mm:
                 attrs[key], inputs[i] = list(shuffle.attrs["steps"]), shuffle.inputs[0]
                 before.append(shuffle)
-        reader = sole_consumer(g, mm)
+        reader = _only_live_reader(g, mm)
         after = [reader] if _static(reader) else []
         if after:
             attrs["out_steps"] = list(reader.attrs["steps"])
         if not before and not after:
             continue
+        for node in before + [mm]:   # the DequantizeLinear nodes the products absorbed, dead since then
+            remove_dead(g, [u for u in node.outputs[0].users if u not in (mm, reader)])
         plog.running(mm)
         for shuffle in before:
             plog.fusing(shuffle, mm)
@@ -42,16 +44,15 @@ def fuse_product_shuffles(g: Graph, plog: PassLog) -> None:
         replace_nodes(g, nodes, Node(name, "QMatMul", inputs, list(nodes[-1].outputs), attrs, "kiln", origin))
 
 
-def _read_only_by(g: Graph, shuffle: Node, mm: Node) -> bool:
-    """Whether `mm` is the shuffle's one live reader; the DequantizeLinear the product absorbed, dead now and read by
-    nothing, goes (QuantizeDoubleInputNodes leaves it to the final dead-layer removal)."""
-    out = shuffle.outputs[0]
-    others = [u for u in out.users if u is not mm]
-    if g.is_output(out) or out.users.count(mm) != 1 or \
-            any(o.users or g.is_output(o) for u in others for o in u.outputs):
-        return False
-    remove_dead(g, others)
-    return True
+def _only_live_reader(g: Graph, node: Node) -> Node | None:
+    """The one node reading `node`'s output whose own outputs are used, where the others are dead (a
+    DequantizeLinear an INT8 layer absorbed, left by QuantizeDoubleInputNodes to the final dead-layer removal) and
+    the output is no network output; else None."""
+    out = node.outputs[0]
+    live = [u for u in out.users if any(o.users or g.is_output(o) for o in u.outputs)]
+    if g.is_output(out) or len(live) != 1 or out.users.count(live[0]) != 1:
+        return None
+    return live[0]
 
 
 def _static(node: Node | None) -> bool:

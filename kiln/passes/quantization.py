@@ -424,6 +424,8 @@ def _requantized_bias_blocker(g: Graph, layer: Node, dq: Node, add: Node, bias: 
         return f"{layer.name} already has a bias or residual"
     if "activation" in layer.attrs:
         return f"{layer.name} applies an activation before its output is requantized"
+    if layer.attrs.get("out_steps"):
+        return f"{layer.name} moves its output after the product (out_steps): a bias would come before them"
     if _scalar_params(dq) != (q["y_scale"], q["y_zero_point"]):
         return "the DequantizeLinear after it has another scale or zero point than its output's"
     if bias is None or not bias.is_const or np.dtype(bias.dtype) != np.float32:

@@ -12,8 +12,7 @@ def _as_shuffle(node: Node) -> Node | None:
     """A data-movement op as a Shuffle with explicit steps; None when its target cannot be written down."""
     if node.op_type == "Transpose":
         perm = node.attrs.get("perm") or list(reversed(range(len(node.inputs[0].shape))))
-        target = reshape_target(node.inputs[0], node.outputs[0]) if _moves_only_unit_axes(perm, node.inputs[0]) \
-            else None
+        target = _unit_axes_target(perm, node.inputs[0], node.outputs[0])
         steps = [{"transpose": list(perm)} if target is None else {"reshape": target}]
     else:
         target = reshape_target(node.inputs[0], node.outputs[0])
@@ -23,13 +22,19 @@ def _as_shuffle(node: Node) -> Node | None:
     return Node(node.name, "Shuffle", [node.inputs[0]], list(node.outputs), {"steps": steps}, "kiln", node.origin)
 
 
-def _moves_only_unit_axes(perm: list[int], src: Value) -> bool:
-    """Whether a permutation keeps every axis but static size-1 ones in order, so the data's layout does not change
-    and it is a reshape ([1, S, D] -> [S, 1, D]: nn.MultiheadAttention's batch-first transposes at batch 1)."""
-    if src.shape is None or len(perm) != len(src.shape):
-        return False
+def _unit_axes_target(perm: list[int], src: Value, out: Value) -> list[int] | None:
+    """The reshape target of a permutation that keeps every axis but static size-1 ones in order, so the data's
+    layout does not change ([1, S, D] -> [S, 1, D]: nn.MultiheadAttention's batch-first transposes at batch 1),
+    written from the permutation: a dynamic axis that stays in place is copied (0), at most one that moves is
+    inferred (-1). None where the permutation moves data or that is not enough."""
+    if src.shape is None or len(perm) != len(src.shape) or 0 in out.shape:
+        return None
     kept = [axis for axis in perm if src.shape[axis] != 1 or axis in src.dyn_dims]
-    return kept == sorted(kept)
+    if kept != sorted(kept):
+        return None
+    target = [0 if axis in src.dyn_dims and axis == i else -1 if axis in src.dyn_dims else out.shape[i]
+              for i, axis in enumerate(perm)]
+    return target if target.count(-1) <= 1 else None
 
 
 def reshape_target(src, out) -> list[int] | None:
@@ -53,6 +58,7 @@ def reshape_target(src, out) -> list[int] | None:
 
 
 def simplify(steps: list[dict]) -> list[dict]:
+    """The same data movement in fewer steps: identity transposes dropped, adjacent reshapes and transposes merged."""
     out: list[dict] = []
     for step in steps:
         if "transpose" in step and step["transpose"] == sorted(step["transpose"]):
@@ -130,4 +136,3 @@ def erase_noop_shuffles(g: Graph, plog: PassLog) -> None:
         g.remove_node(node)
         g.replace_all_uses(out, src)
         plog.removing(node)
-

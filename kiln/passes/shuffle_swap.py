@@ -83,8 +83,8 @@ def _product_blocker(mm: Node) -> str | None:
             len(mm.inputs[0].shape) < 2:
         return "the product is not rows times a constant matrix"
     bias = mm.inputs[2] if len(mm.inputs) > 2 else None
-    if bias is not None and not (bias.is_const and bias.const.size == w.shape[1] and bias.shape[-1] == w.shape[1]):
-        return "the product's bias is not a constant row"
+    if bias is not None and not (bias.is_const and bias.const.ndim == 1 and bias.const.size == w.shape[1]):
+        return "the product's bias is not a constant row"   # one of higher rank could change the result's rank
     return None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,20 +92,33 @@ def operands(attrs: dict, xs: list) -> Operands | None:
 def viewed_steps(x: torch.Tensor, steps: list[dict]) -> torch.Tensor:
     """`x` after `steps`, as a view of `x` wherever the result is one, even where a step on the way copies: a
     batch-first nn.MultiheadAttention's [B, S, 3D] projection goes through [S, B*H, Dh], which no view gives, on
-    its way to Q [B, H, S, Dh], which is a strided view. The steps run once more on `x`'s element offsets; where
-    those form a strided grid, that grid is the view."""
-    y = apply_steps(x, steps)
-    if x.device.type == "meta" or y.numel() <= 1 or _shares(x, y.data_ptr()):
-        return y
-    span = sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1 if x.numel() else 0
-    offsets = apply_steps(torch.arange(span).as_strided(x.shape, x.stride()), steps).contiguous()
-    first = offsets.reshape(-1)[0]
-    strides = [int(offsets.select(k, 1).reshape(-1)[0] - first) if n > 1 else 0
-               for k, n in enumerate(offsets.shape)]
-    grid = torch.arange(span).as_strided(offsets.shape, strides, int(first))
-    if min(strides, default=0) < 0 or not torch.equal(grid, offsets):
-        return y
-    return x.as_strided(y.shape, strides, x.storage_offset() + int(first))
+    its way to Q [B, H, S, Dh], which is a strided view. Where a copy it is, the steps' copy."""
+    if x.device.type == "meta" or not steps or x.numel() <= 1:
+        return apply_steps(x, steps)
+    grid = _strided_grid(tuple(x.shape), tuple(x.stride()), json.dumps(steps))
+    if grid is None:
+        return apply_steps(x, steps)
+    shape, strides, first = grid
+    return x.as_strided(shape, strides, x.storage_offset() + first)
+
+
+@functools.lru_cache(maxsize=256)
+def _strided_grid(shape: tuple[int, ...], stride: tuple[int, ...], steps: str) -> tuple | None:
+    """(shape, strides, offset) of the view of a tensor of `shape` and `stride` that the steps (JSON) give, or None
+    where they give no view of it: the steps run once on the tensor's element offsets, which must form a strided
+    grid. Worked out once per geometry (a call with the same one finds it here)."""
+    span = sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+    offsets = apply_steps(torch.arange(span).as_strided(shape, stride), json.loads(steps)).contiguous()
+    if offsets.numel() <= 1:
+        return None
+    first = int(offsets.reshape(-1)[0])
+    strides = [int(offsets.select(k, 1).reshape(-1)[0]) - first if n > 1 else 0 for k, n in enumerate(offsets.shape)]
+    last = first + sum((n - 1) * st for n, st in zip(offsets.shape, strides))
+    if min(strides) < 0 or not 0 <= first <= last < span:
+        return None
+    if not torch.equal(torch.arange(span).as_strided(offsets.shape, strides, first), offsets):
+        return None
+    return tuple(offsets.shape), tuple(strides), first
 
 
 def output_view(y: torch.Tensor, out_steps: list[dict], out_shape: tuple[int, ...]) -> torch.Tensor | None:

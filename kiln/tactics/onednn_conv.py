@@ -165,8 +165,10 @@ class OneDnnConvTactic(OneDnnWeightedTactic):
 
 def sums_in_compute_type(layer: LayerView, compute_dtype: torch.dtype) -> bool:
     """Whether oneDNN's sum post-op rounds nothing the plan keeps: in FP32, or in BF16 with the residual and the
-    output stored bf16 (a reduced-precision call reads and writes only its compute type)."""
-    return compute_dtype == torch.float32 or layer.input_dtypes[3] == layer.output_dtypes[0] == "bfloat16"
+    output stored bf16 (a reduced-precision call reads and writes only its compute type; FP16's tensors are stored
+    FP32, so an FP16 call's residual is always added after it)."""
+    return compute_dtype == torch.float32 or \
+        (compute_dtype == torch.bfloat16 and layer.input_dtypes[3] == layer.output_dtypes[0] == "bfloat16")
 
 
 class OneDnnConv1dTactic(OneDnnConvTactic):

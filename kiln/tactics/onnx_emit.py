@@ -9,7 +9,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kiln.ops import lookup
-from kiln.ops.fused import OPERAND_STEPS, QUANTIZED_BASE
+from kiln.ops.fused import PRODUCT_STEPS, QUANTIZED_BASE, without_steps
 from kiln.tactics.base import LayerView
 
 KILN_ONLY_ATTRS = {"activation", "padding_mode"}
@@ -263,13 +263,12 @@ def _without_activation(view: LayerView) -> LayerView:
 def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     """An INT8 layer as the Q/DQ graph it came from: DQ(x) -> op(DQ(W)) -> [Q] (onnxruntime fuses it again); a
     product of two activations with its operands' and result's steps (kiln.passes.qmatmul_steps) around it."""
-    steps = [view.attrs.get(key) for key in (*OPERAND_STEPS, "out_steps")]
+    steps = [view.attrs.get(key) or [] for key in PRODUCT_STEPS]
     if not any(steps):
         return _emit_quantized_product(e, view, xs)
-    operands = [_emit_steps(e, x, s or []) for x, s in zip(xs[:2], steps)]
-    plain = {k: v for k, v in view.attrs.items() if k not in (*OPERAND_STEPS, "out_steps")}
-    y = _emit_quantized_product(e, dataclasses.replace(view, attrs=plain), operands + list(xs[2:]))
-    return _emit_steps(e, y, steps[2] or [])
+    operands = [_emit_steps(e, x, s) for x, s in zip(xs[:2], steps)]
+    y = _emit_quantized_product(e, dataclasses.replace(view, attrs=without_steps(view.attrs)), operands + list(xs[2:]))
+    return _emit_steps(e, y, steps[2])
 
 
 def _emit_quantized_product(e: Emitter, view: LayerView, xs: list[str | None]) -> str:

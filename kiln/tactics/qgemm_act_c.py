@@ -14,7 +14,7 @@ import torch
 from kiln import native
 from kiln.ops import lookup
 from kiln.ops.dtypes import INT8_TORCH
-from kiln.ops.fused import OPERAND_STEPS, apply_steps
+from kiln.ops.fused import OPERAND_STEPS, apply_steps, without_steps
 from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.gemm_c import ONE_LINE
 from kiln.tactics.onednn_int8 import unsigned_input
@@ -73,7 +73,7 @@ class QActMatMulTactic:
         reference = lookup("QMatMul", "kiln").impl
         operand_steps = [layer.attrs.get(key, []) for key in OPERAND_STEPS]
         out_steps = layer.attrs.get("out_steps", [])
-        plain = {k: v for k, v in layer.attrs.items() if k not in (*OPERAND_STEPS, "out_steps")}
+        plain = without_steps(layer.attrs)
 
         def finish(y: torch.Tensor) -> list[torch.Tensor]:
             return [apply_steps(y, out_steps).contiguous() if out_steps else y]

@@ -228,13 +228,13 @@ def _matmul(plan: Plan, layer: Layer) -> dict[str, Any]:
          "Weights": _weight_info(plan, layer, 1), "HasBias": int(has_bias),
          "Bias": _weight_info(plan, layer, 2) if has_bias else {"Type": "Float", "Count": 0},
          "Alpha": a.get("alpha", 1.0), "Beta": a.get("beta", 1.0), "Activation": _activation(a)}
-    steps = {key: a[attr] for attr, key in PRODUCT_STEPS.items() if a.get(attr)}
+    steps = {key: a[attr] for attr, key in STEPS_KEYS.items() if a.get(attr)}
     if steps:   # kiln's addition: an INT8 product's head split and merge (kiln.passes.qmatmul_steps)
         d["Steps"] = steps
     return d
 
 
-PRODUCT_STEPS = {"a_steps": "A", "b_steps": "B", "out_steps": "Output"}
+STEPS_KEYS = {"a_steps": "A", "b_steps": "B", "out_steps": "Output"}   # kiln.ops.fused.PRODUCT_STEPS, as shown
 
 
 def _pointwise(plan: Plan, layer: Layer) -> dict[str, Any]:

@@ -82,18 +82,23 @@ def test_a_transpose_moving_only_static_size_1_axes_is_a_reshape():
     dyn = b.node("Transpose", [d], "dyn", (5, 1, 8), dyn_dims=(1,), perm=[1, 0, 2])
     ones = b.node("Transpose", [s], "ones", (1, 2, 1, 3), perm=[1, 0, 3, 2])
     cross = b.node("Transpose", [s], "cross", (3, 1, 2, 1), perm=[2, 1, 0, 3])
-    g = b.graph(unit, dyn, ones, cross)
+    e, f = b.input("e", (1, 8, 4), dyn_dims=(1,)), b.input("f", (1, 8, 8), dyn_dims=(1, 2))
+    moved = b.node("Transpose", [e], "moved", (8, 1, 4), dyn_dims=(0,), perm=[1, 0, 2])
+    two = b.node("Transpose", [f], "two", (8, 8, 1), dyn_dims=(0, 1), perm=[1, 2, 0])
+    g = b.graph(unit, dyn, ones, cross, moved, two)
 
     run_pass(g, "ShuffleShuffleFusion", fuse_shuffles)
 
     assert str(g) == expected("""
-        graph g(%x: float32[1x5x8], %d: float32[-1x5x8], %s: float32[2x1x3x1]):
+        graph g(%x: float32[1x5x8], %d: float32[-1x5x8], %s: float32[2x1x3x1], %e: float32[1x-1x4], %f: float32[1x-1x-1]):
           %unit: float32[5x1x8] = kiln.Shuffle(%x) steps=[{'reshape': [5, 1, 8]}]  # unit
           %dyn: float32[5x-1x8] = kiln.Shuffle(%d) steps=[{'transpose': [1, 0, 2]}]  # dyn
           %ones: float32[1x2x1x3] = kiln.Shuffle(%s) steps=[{'reshape': [1, 2, 1, 3]}]  # ones
           %cross: float32[3x1x2x1] = kiln.Shuffle(%s) steps=[{'transpose': [2, 1, 0, 3]}]  # cross
-          return %unit, %dyn, %ones, %cross
-        """)
+          %moved: float32[-1x1x4] = kiln.Shuffle(%e) steps=[{'reshape': [-1, 1, 4]}]  # moved
+          %two: float32[-1x-1x1] = kiln.Shuffle(%f) steps=[{'transpose': [1, 2, 0]}]  # two
+          return %unit, %dyn, %ones, %cross, %moved, %two
+        """)   # two dynamic axes that move: one reshape cannot say which is which (equal at the opt point)
 
 
 # ---------------------------------------------------------------- ShuffleErasure

@@ -106,3 +106,21 @@ def test_a_shuffle_above_read_twice_or_a_reshape_of_the_width_does_not_sink():
     run = run_pass_unchanged(g, NAME, move_shuffles_across_products)
 
     assert run.stat.matches == 0
+
+
+def test_a_bias_of_higher_rank_or_a_scalar_keeps_the_shuffle_where_it_is():
+    """MatMul -> + b[1, 1, N] -> reshape [5, N]: below the shuffle the bias would give the sum its own rank back; a
+    scalar bias (a one-column product's) is no row either."""
+    b = IRBuilder()
+    x, y = b.input("x", (1, 5, 8)), b.input("y", (2, 3, 8))
+    ranked = b.node("MatMul", [x, b.const("w", np.ones((8, 6))), b.const("b3", np.ones((1, 1, 6)))], "ranked",
+                    (1, 5, 6))
+    flat = shuffle(b, ranked, "flat", (5, 6), [{"reshape": [5, 6]}])
+    column = b.node("MatMul", [y, b.const("w1", np.ones((8, 1))), b.const("half", 0.5)], "column", (2, 3, 1))
+    rows = shuffle(b, column, "rows", (3, 2, 1), [{"reshape": [3, 2, 1]}])
+    g = b.graph(b.node("Add", [flat, b.input("r", (5, 6))], "sum", (5, 6)), b.node("Relu", [rows], "z", (3, 2, 1)))
+
+    run = run_pass_unchanged(g, NAME, move_shuffles_across_products)
+
+    assert run.not_fusing == ["ShuffleMatMulSwap: Not fusing ranked with flat: the product's bias is not a constant row",
+                              "ShuffleMatMulSwap: Not fusing column with rows: the product's bias is not a constant row"]

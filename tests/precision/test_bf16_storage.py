@@ -112,7 +112,6 @@ def test_bf16_kernels_read_and_write_the_types_the_plan_stores(x_bf16, out_bf16,
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-
 @pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 (AVX512-BF16 or AMX) or oneDNN does not "
                     "use it: oneDNN's BF16 convolution is not offered")
 @pytest.mark.parametrize("res_bf16,out_bf16", [(0, 0), (1, 1), (1, 0)])
@@ -136,6 +135,7 @@ def test_onednn_bf16_conv_adds_a_residual_as_the_plan_stores_it(res_bf16, out_bf
     want = torch.relu(product + r.float())
     tol = dict(rtol=1 / 128, atol=0.1) if out_bf16 else dict(rtol=0, atol=0.1)   # the product's own bf16 rounding
     torch.testing.assert_close(got.float(), want, **tol)
+
 
 @needs_bf16
 @pytest.mark.parametrize("k", [48, 33])

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
+import torch
 
 import kiln
+from kiln.tactics.onednn_conv import bf16_available
 from tests.conftest import cosine, run_ort
 from tests.precision.models import conv_net
 
@@ -84,3 +87,31 @@ def test_calibrated_resnet_folds_batchnorm_and_every_conv_writes_int8(tmp_path):
     x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
     got, want = engine.run({"input": x})["output"], run_ort(str(tmp_path / "r18.onnx"), {"input": x})[0]
     assert cosine(got, want) >= 0.999
+
+
+@pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 (AVX512-BF16 or AMX): --bf16 grants "
+                    "nothing here, so there is no budget to check")
+def test_calibrated_int8_with_bf16_layers_meets_the_default_budget(tmp_path):
+    """--int8 --calib with BF16 layers: the default cos:0.999 budget measures what BF16 adds, against the plan with
+    its INT8 layers (calibration's rounding, whose own budget --accuracy asks for) and every BF16 layer in FP32.
+    Against onnxruntime's FP32 the calibration's INT8 error failed the build ("cannot be met even with every layer
+    in FP32", cos 0.9981)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU())],
+                              torch.nn.Flatten(), torch.nn.Linear(16 * 8 * 8, 64), torch.nn.LayerNorm(64),
+                              torch.nn.GELU(), torch.nn.Linear(64, 10), torch.nn.Softmax(-1)).eval()
+    net[0] = torch.nn.Conv2d(3, 16, 3, padding=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(1, 3, 8, 8),), str(tmp_path / "cnn.onnx"), input_names=["x"],
+                          output_names=["y"], opset_version=17, dynamo=False)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    engine = kiln.build(str(tmp_path / "cnn.onnx"), autotune=False, int8=True, bf16=True,
+                        calibration=str(tmp_path / "calib.npz"), layer_precisions="*LayerNorm*:bf16,*Softmax*:bf16",
+                        tactic_sources="-openvino,-onnxruntime")
+    granted = {l.op_type: l.precision for l in engine.plan.layers}
+    assert granted["LayerNormalization"] == granted["Softmax"] == "BF16"
+    assert sum(l.precision == "INT8" for l in engine.plan.layers) >= 4
+    report = engine.plan.build_info["accuracy_budget"]
+    assert report["budget"] == "cos:0.999" and report["score_after"] >= 0.999 and not report["kept_fp32"]

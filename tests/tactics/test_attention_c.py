@@ -15,7 +15,7 @@ import torch
 import kiln
 from kiln import hardware, native
 from kiln.tactics.attention_c import (ATTENTION_BF16_TACTIC, ATTENTION_TACTIC, AttentionBf16Tactic,
-                                      AttentionTactic, call_geometry, input_addresses)
+                                      AttentionTactic, call_geometry, input_addresses, viewed_steps)
 from kiln.tactics.base import LayerView
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
 from tests.conftest import assert_close_to_ort, cosine, run_ort
@@ -226,6 +226,18 @@ def test_steps_through_a_shape_no_view_gives_still_read_in_place():
     want = formula(q, k, v, None, 0.5).permute(2, 0, 1, 3).reshape(s, b, h * d)
     assert_matches(AttentionTactic().prepare(layer)([qkv] * 3)[0], want, FP32_REL)
 
+
+
+def test_steps_whose_result_is_no_view_are_copied():
+    """A head split written as q.transpose(1, 2).reshape(B, H, S, Dh): its offsets are no strided grid (the grid
+    the first elements suggest runs past the tensor), so the steps' copy is read, not a wrong view."""
+    x = torch.arange(48.0).reshape(1, 6, 8)
+    steps = [{"transpose": [0, 2, 1]}, {"reshape": [1, 2, 6, 4]}]
+    got = viewed_steps(x, steps)
+    assert torch.equal(got, x.transpose(1, 2).reshape(1, 2, 6, 4)) and got.data_ptr() != x.data_ptr()
+    split = [{"reshape": [1, 6, 2, 4]}, {"transpose": [0, 2, 1, 3]}]   # the usual split: a view
+    assert torch.equal(viewed_steps(x, split), x.reshape(1, 6, 2, 4).transpose(1, 2))
+    assert viewed_steps(x, split).data_ptr() == x.data_ptr()
 
 @pytest.mark.skipif(not hardware.has_any(("avx2",)), reason="this CPU has no AVX2")
 def test_the_avx2_build_matches_the_formula(tmp_path):
