@@ -54,7 +54,13 @@ def test_shared_dynamic_and_weight_side_shuffles_stay():
     rows = shuffle(b, x, "rows", (6, 8), [{"reshape": [6, 8]}])
     by_weights = b.node("QMatMul", [rows, b.const("w", np.ones((8, 4)), np.int8)], "by_weights", (6, 4),
                         domain="kiln", quant=QUANT)
-    g = b.graph(twice, per_key, by_weights)
+    heads = shuffle(b, x, "heads", (1, 2, 6, 4), SPLIT)
+    also = b.node("Identity", [heads], "also", (1, 2, 6, 4), dtype=np.uint8)   # a live second reader
+    read = b.node("QMatMul", [heads, b.input("k", (1, 2, 4, 6), np.uint8)], "read", (1, 2, 6, 6), domain="kiln",
+                  quant=QUANT)
+    merged = shuffle(b, per_key, "merged", (1, 6, 12), [{"transpose": [0, 2, 1, 3]}, {"reshape": [1, -1, 12]}],
+                     dyn_dims=(1,))   # a dynamic merge
+    g = b.graph(twice, merged, by_weights, also, read)
 
     run = run_pass_unchanged(g, NAME, fuse_product_shuffles)
 

@@ -75,7 +75,7 @@ def test_a_shuffle_read_twice_is_not_merged_and_an_unwritable_reshape_stays():
 
 def test_a_transpose_moving_only_static_size_1_axes_is_a_reshape():
     """[1, S, D] -> [S, 1, D] keeps the data where it is (nn.MultiheadAttention's batch-first transpose at batch 1);
-    an axis that is 1 only at the opt point (dynamic), or one of size 1 that crosses a larger one, still moves."""
+    an axis that is 1 only at the opt point (dynamic), or a swap of two larger axes, still moves."""
     b = IRBuilder()
     x, d, s = b.input("x", (1, 5, 8)), b.input("d", (1, 5, 8), dyn_dims=(0,)), b.input("s", (2, 1, 3, 1))
     unit = b.node("Transpose", [x], "unit", (5, 1, 8), perm=[1, 0, 2])

@@ -124,3 +124,12 @@ def test_a_bias_of_higher_rank_or_a_scalar_keeps_the_shuffle_where_it_is():
 
     assert run.not_fusing == ["ShuffleMatMulSwap: Not fusing ranked with flat: the product's bias is not a constant row",
                               "ShuffleMatMulSwap: Not fusing column with rows: the product's bias is not a constant row"]
+
+
+def test_a_shuffle_read_by_anything_but_an_add_or_activation_stays():
+    b = IRBuilder()
+    mm = b.node("MatMul", [b.input("x", (6, 4)), b.const("w", np.ones((4, 5)))], "mm", (6, 5))
+    flat = shuffle(b, mm, "flat", (2, 3, 5), [{"reshape": [2, 3, 5]}])
+    g = b.graph(b.node("Softmax", [flat], "s", (2, 3, 5), axis=-1))
+
+    assert run_pass_unchanged(g, NAME, move_shuffles_across_products).stat.matches == 0

@@ -218,7 +218,7 @@ def test_steps_through_a_shape_no_view_gives_still_read_in_place():
              "v_steps": steps[2], "out_steps": [{"transpose": [2, 0, 1, 3]}, {"reshape": [s, b, h * d]}]}
     layer = LayerView("Attention", "kiln", attrs, ((s, b, 3 * h * d),) * 3, ("float32",) * 3, {}, ("float32",), 17,
                       ((),) * 3)
-    qkv = torch.randn(s, b, 3 * h * d, generator=torch.Generator().manual_seed(5))
+    qkv = torch.randn(s + 1, b, 3 * h * d, generator=torch.Generator().manual_seed(5))[1:]   # a storage offset
     geo = call_geometry(attrs, [qkv] * 3, torch.float32, 0)
     assert geo.in_place and geo.direct
     assert (geo.call.q_at, geo.call.k_at, geo.call.v_at) == (0, h * d * 4, 2 * h * d * 4)   # bytes into a row
@@ -235,6 +235,14 @@ def test_steps_whose_result_is_no_view_are_copied():
     steps = [{"transpose": [0, 2, 1]}, {"reshape": [1, 2, 6, 4]}]
     got = viewed_steps(x, steps)
     assert torch.equal(got, x.transpose(1, 2).reshape(1, 2, 6, 4)) and got.data_ptr() != x.data_ptr()
+    s, b, d = 3, 2, 8   # rows b0s0, b0s1, .., b1s0: no strided grid; the layer reads the copy, not in place
+    rows = [{"transpose": [1, 0, 2]}, {"reshape": [1, 1, b * s, d]}]
+    attrs = {"scale": 0.5, "q_steps": rows, "k_steps": rows + [{"transpose": [0, 1, 3, 2]}], "v_steps": rows}
+    layer = LayerView("Attention", "kiln", attrs, ((s, b, d),) * 3, ("float32",) * 3, {}, ("float32",), 17, ((),) * 3)
+    y = torch.randn(s, b, d, generator=torch.Generator().manual_seed(3))
+    q = y.transpose(0, 1).reshape(1, 1, b * s, d)
+    assert not call_geometry(attrs, [y] * 3, torch.float32, 0).in_place
+    assert_matches(AttentionTactic().prepare(layer)([y] * 3)[0], formula(q, q, q, None, 0.5), FP32_REL)
     split = [{"reshape": [1, 6, 2, 4]}, {"transpose": [0, 2, 1, 3]}]   # the usual split: a view
     assert torch.equal(viewed_steps(x, split), x.reshape(1, 6, 2, 4).transpose(1, 2))
     assert viewed_steps(x, split).data_ptr() == x.data_ptr()

@@ -80,6 +80,34 @@ def test_product_of_two_int8_activations_equals_its_formula(case):
 
 
 @needs_vnni
+def test_head_split_and_merge_as_steps_read_and_write_as_the_shuffles_did():
+    """Q.K^T of a Q/DQ attention with its head split as steps (kiln.passes.qmatmul_steps): Q [1, S, H*D] read as
+    [1, H, S, D], K as [1, H, D, S], the scores written merged [1, S, H*S]; the same as the formula on the moved
+    operands, on the kernel and on the reference op."""
+    s, h, d = 24, 3, 16
+    view, _, _ = act_case("attention_scores_u8_u8")
+    steps = {"a_steps": [{"reshape": [1, s, h, d]}, {"transpose": [0, 2, 1, 3]}],
+             "b_steps": [{"reshape": [1, s, h, d]}, {"transpose": [0, 2, 3, 1]}],
+             "out_steps": [{"transpose": [0, 2, 1, 3]}, {"reshape": [1, s, h * s]}]}
+    view = dataclasses.replace(view, attrs={**view.attrs, **steps}, input_shapes=((1, s, h * d),) * 2)
+    g = torch.Generator().manual_seed(11)
+    q, k = rand_q((1, s, h * d), "uint8", g), rand_q((1, s, h * d), "uint8", g)
+    heads_q, heads_kt = q.reshape(1, s, h, d).permute(0, 2, 1, 3), k.reshape(1, s, h, d).permute(0, 2, 3, 1)
+    want = act_formula(view, heads_q, heads_kt).permute(0, 2, 1, 3).reshape(1, s, h * s)
+    tactic = QActMatMulTactic()
+    assert tactic.supports(view)
+    got = tactic.prepare(view)([q, k])[0]
+    assert got.shape == (1, s, h * s) and got.is_contiguous() and torch.unique(got).numel() >= 10
+    assert torch.equal(got, want)
+    reference = qgemm_act_c.lookup("QMatMul", "kiln").impl   # torch's formula, applying the steps itself
+    plain = {key: v for key, v in view.attrs.items() if "steps" not in key}
+    assert torch.equal(reference(view.attrs, [q, k])[0],
+                       reference(plain, [heads_q, heads_kt])[0].permute(0, 2, 1, 3).reshape(1, s, h * s))
+    static = dataclasses.replace(view, attrs=plain, input_shapes=((1, h, s, d), (1, h, d, s)))
+    assert tactic.supports(static) and not tactic.supports(dataclasses.replace(view, input_dynamic=((1,), (1,))))
+
+
+@needs_vnni
 def test_bias_and_relu_run_in_the_epilogue_and_each_call_packs_its_own_b():
     n = CASES["attention_scores_u8_u8"][3]
     view, a, b = act_case("attention_scores_u8_u8", bias=torch.linspace(-3, 3, n), act=RELU)
