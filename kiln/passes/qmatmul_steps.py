@@ -10,7 +10,7 @@ from __future__ import annotations
 from kiln.ir import Graph, Node
 from kiln.ops.fused import OPERAND_STEPS
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import is_shuffle, remove_dead, replace_nodes
+from kiln.passes.patterns import is_shuffle, replace_nodes, sole_consumer
 from kiln.trt.vocab import fused_layer_name
 
 
@@ -22,17 +22,15 @@ def fuse_product_shuffles(g: Graph, plog: PassLog) -> None:
         before, inputs, attrs = [], list(mm.inputs), dict(mm.attrs)
         for i, key in enumerate(OPERAND_STEPS):
             shuffle = inputs[i].producer
-            if inputs[0] is not inputs[1] and _static(shuffle) and _only_live_reader(g, shuffle) is mm:
+            if inputs[0] is not inputs[1] and _static(shuffle) and sole_consumer(g, shuffle) is mm:
                 attrs[key], inputs[i] = list(shuffle.attrs["steps"]), shuffle.inputs[0]
                 before.append(shuffle)
-        reader = _only_live_reader(g, mm)
+        reader = sole_consumer(g, mm)
         after = [reader] if _static(reader) else []
         if after:
             attrs["out_steps"] = list(reader.attrs["steps"])
         if not before and not after:
             continue
-        for node in before + [mm]:   # the DequantizeLinear nodes the products absorbed, dead since then
-            remove_dead(g, [u for u in node.outputs[0].users if u not in (mm, reader)])
         plog.running(mm)
         for shuffle in before:
             plog.fusing(shuffle, mm)
@@ -42,17 +40,6 @@ def fuse_product_shuffles(g: Graph, plog: PassLog) -> None:
         name = fused_layer_name([s.name for s in before] + [mm.name] + [s.name for s in after])
         origin = tuple(o for n in nodes for o in n.origin)
         replace_nodes(g, nodes, Node(name, "QMatMul", inputs, list(nodes[-1].outputs), attrs, "kiln", origin))
-
-
-def _only_live_reader(g: Graph, node: Node) -> Node | None:
-    """The one node reading `node`'s output whose own outputs are used, where the others are dead (a
-    DequantizeLinear an INT8 layer absorbed, left by QuantizeDoubleInputNodes to the final dead-layer removal) and
-    the output is no network output; else None."""
-    out = node.outputs[0]
-    live = [u for u in out.users if any(o.users or g.is_output(o) for o in u.outputs)]
-    if g.is_output(out) or len(live) != 1 or out.users.count(live[0]) != 1:
-        return None
-    return live[0]
 
 
 def _static(node: Node | None) -> bool:

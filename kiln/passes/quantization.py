@@ -92,6 +92,7 @@ def fuse_quantized_layers(g: Graph, plog: PassLog) -> None:
         attrs = {**node.attrs, "quant": quant}
         inputs = [dqx.inputs[0], dqw.inputs[0]] + list(node.inputs[2:])
         replace_nodes(g, nodes, Node(name, QUANTIZABLE[node.op_type], inputs, [out], attrs, "kiln", origin))
+        remove_dead(g, [dqx, dqw])   # the layer reads their INT8 tensors (a DQ another node reads stays)
 
 
 def _dq_origins(g: Graph, dqs: list[Node], nodes: list[Node]) -> tuple[str, ...]:

@@ -63,7 +63,6 @@ def _sink(g: Graph, plog: PassLog, mm: Node, above: Node, below: Node) -> None:
     steps = row_steps(above.attrs["steps"], x.shape, product.shape[-1])
     if steps is None or any("transpose" in step for step in steps):   # kept above: the product reads it contiguous,
         return                                                         # the Shuffles below read views of that
-
     plog.running(mm)
     plog.moving(above, mm)
     plog.fusing(above, below)

@@ -47,8 +47,6 @@ def test_dq_conv_q_becomes_one_int8_convolution():
 
     assert str(g) == expected("""
         graph g(%xq: int8[1x2x3x3]):
-          %w: float32[2x2x1x1] = DequantizeLinear(const %wq, const %w.scale, const %w.zero) axis=0  # w
-          %x: float32[1x2x3x3] = DequantizeLinear(%xq, const %x.scale)  # x
           %y: int8[1x2x3x3] = kiln.QConv(%xq, const %wq, const %bias) kernel_shape=[1, 1] quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'int8', 'w_scale': [0.25, 0.125], 'w_zero_point': [0, 0], 'w_axis': 0, 'y_scale': 0.125, 'y_zero_point': 0, 'y_dtype': 'int8'}  # conv + y
           return %y
         """)
@@ -67,8 +65,6 @@ def test_int8_matmul_without_a_following_q_keeps_a_float_output_and_warns():
 
     assert str(g) == expected("""
         graph g(%xq: int8[2x3]):
-          %x: float32[2x3] = DequantizeLinear(%xq, const %x.scale)  # x
-          %w: float32[3x4] = DequantizeLinear(const %wq, const %w.scale)  # w
           %y: float32[2x4] = kiln.QMatMul(%xq, const %wq) quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'int8', 'w_scale': [0.25], 'w_zero_point': [0], 'w_axis': 1}  # mm
           return %y
         """)
@@ -106,8 +102,6 @@ def test_matmul_of_two_int8_activations_becomes_one_int8_product():
 
     assert str(g) == expected("""
         graph g(%qq: uint8[1x2x3x4], %kq: uint8[1x2x4x3]):
-          %k: float32[1x2x4x3] = DequantizeLinear(%kq, const %k.scale, const %k.zero)  # k
-          %q: float32[1x2x3x4] = DequantizeLinear(%qq, const %q.scale)  # q
           %y: int8[1x2x3x3] = kiln.QMatMul(%qq, %kq) quant={'x_scale': 0.5, 'x_zero_point': 0, 'x_dtype': 'uint8', 'w_scale': [0.25], 'w_zero_point': [128], 'w_axis': 1, 'y_scale': 0.125, 'y_zero_point': 0, 'y_dtype': 'int8'}  # scores + y
           return %y
         """)

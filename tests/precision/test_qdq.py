@@ -86,7 +86,7 @@ def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_r
     info = engine.layer_info()
     conv = next(l for l in info["Layers"] if l["Name"] == convs[0].name)
     assert conv["RequestedPrecision"] == conv["GrantedPrecision"] == "INT8"
-    quant, model_scales = conv["Quantization"], np.asarray(convs[0].attrs["quant"]["w_scale"])
+    quant, model_scales = conv["Quantization"], _weight_scales(qdq_resnet, convs[0].origin)
     assert quant["x_dtype"] == "uint8" and isinstance(quant["x_scale"], float) and quant["x_scale"] > 0
     assert quant["w_scale"] == {"Count": conv["OutMaps"], "Min": float(model_scales.min()),
                                 "Max": float(model_scales.max())}   # per channel: its count and range
@@ -97,6 +97,17 @@ def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_r
     dq = next(l for l in info["Layers"] if l["Name"].endswith("_DequantizeLinear"))
     assert dq["LayerType"] == "Reformat" and dq["Origin"] == "QDQ"
 
+
+def _weight_scales(path: str, origin: tuple[str, ...]) -> np.ndarray:
+    """The scales the ONNX file gives the weights of the layer made of `origin`: its weight DequantizeLinear's."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(path)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name in origin
+             and n.input[0] in inits and inits[n.input[0]].ndim == 4]
+    return inits[dq.input[1]]
 
 def test_int8_plan_through_onnxruntime_region_is_exact(qdq_resnet):
     engine = kiln.build(qdq_resnet, avg_timing=1, min_timing=1)
