@@ -200,6 +200,7 @@ def _mark_dynamic_axes(g: Graph, probed: dict[str, tuple]) -> None:
             v.dyn_dims = tuple(range(len(v.shape)))
         else:
             v.dyn_dims = tuple(i for i, (a, b) in enumerate(zip(shape, v.shape)) if a != b)
+            v.probe_shape = tuple(shape)
 
 
 def _import_initializers(g: Graph, proto: onnx.ModelProto) -> None:

@@ -12,11 +12,13 @@ from kiln.errors import ModelError
 @dataclass(eq=False)
 class Value:
     """A tensor edge. `const` holds data for initializers and folded constants. `shape` is the shape at the
-    optimization profile's opt point; `dyn_dims` lists the axes that vary with the input shapes."""
+    optimization profile's opt point; `dyn_dims` lists the axes that vary with the input shapes; `probe_shape` is
+    the shape at a second point of the profiles, where every dynamic input axis differs (None: not known)."""
 
     name: str
     shape: tuple[int, ...] | None = None
     dyn_dims: tuple[int, ...] = ()
+    probe_shape: tuple[int, ...] | None = None
     dtype: np.dtype | None = None
     const: np.ndarray | None = None
     producer: "Node | None" = None
@@ -44,6 +46,23 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.op_type})"
+
+
+def same_extent(a: Value, i: int, b: Value, j: int) -> bool:
+    """Whether axis i of `a` and axis j of `b` have one size at every input shape, as far as the opt and probe
+    points tell: equal at both, both static or both dynamic. Two dynamic axes with a probe size not known are not
+    taken as one (equal sizes at the opt point can be a coincidence: [B*S] and [B] at S = 1)."""
+    if a.shape is None or b.shape is None or a.shape[i] != b.shape[j] or (i in a.dyn_dims) != (j in b.dyn_dims):
+        return False
+    if i not in a.dyn_dims:
+        return True
+    return a.probe_shape is not None and b.probe_shape is not None and a.probe_shape[i] == b.probe_shape[j]
+
+
+def same_shape(a: Value, b: Value) -> bool:
+    """Whether `a` and `b` have one shape at every input shape (see same_extent)."""
+    return a.shape is not None and b.shape is not None and len(a.shape) == len(b.shape) and \
+        all(same_extent(a, i, b, i) for i in range(len(a.shape)))
 
 
 def format_shape(shape: tuple[int, ...] | None, dyn_dims: tuple[int, ...] = ()) -> str:

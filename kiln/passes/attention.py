@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir import Graph, Node, Value
+from kiln.ir import Graph, Node, Value, same_shape
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import (fused_name, graph_order, is_op, is_shuffle, other_input, replace_nodes, scalar_const,
                                   sole_consumer)
@@ -67,6 +67,8 @@ def _merge(g: Graph, group: list[Node], x: Value) -> None:
     out = g.value(g.fresh_name(f"{group[0].outputs[0].name}_merged"))
     out.shape = group[0].outputs[0].shape[:-1] + (sum(widths),)
     out.dtype, out.dyn_dims = group[0].outputs[0].dtype, group[0].outputs[0].dyn_dims
+    probe = group[0].outputs[0].probe_shape
+    out.probe_shape = None if probe is None else probe[:-1] + (sum(widths),)
     sizes = g.add_const(g.fresh_name("merged_split"), np.array(widths, dtype=np.int64))
     outputs = [n.outputs[0] for n in group]
     origin = tuple(o for n in group for o in n.origin)
@@ -165,6 +167,8 @@ def _sum_masks(g: Graph, masks: list[Value], index: int) -> Value:
         shape = np.broadcast_shapes(total.shape, m.shape)
         out.shape, out.dtype = tuple(shape), total.dtype
         out.dyn_dims = tuple(sorted(set(total.dyn_dims) | set(m.dyn_dims)))
+        if total.probe_shape is not None and m.probe_shape is not None:
+            out.probe_shape = tuple(np.broadcast_shapes(total.probe_shape, m.probe_shape))
         g.add_node(Node(f"{out.name} [Add]", "Add", [total, m], [out], {}, "", ()), index + k)
         total = out
     return total
@@ -312,7 +316,7 @@ def fuse_skip_layer_norm(g: Graph, plog: PassLog) -> None:
         if sole_consumer(g, add) is not ln:
             plog.not_fused(add, ln, f"the sum '{add.outputs[0].name}' is also read elsewhere")
             continue
-        if a.is_const or b.is_const or a.shape != b.shape or a.dyn_dims != b.dyn_dims:
+        if a.is_const or b.is_const or not same_shape(a, b):
             plog.not_fused(add, ln, "the sum is not of two same-shape activations (a residual)")
             continue
         if len(ln.outputs) > 1 and any(o.users for o in ln.outputs[1:]):

@@ -116,10 +116,10 @@ def _lowering(g: Graph, node: Node, a: Value, b: Value, ta: str, tb: str, out: s
     """The nodes replacing `node` (the last writes its output), or why a reshape cannot be written."""
     name, steps = node.name, []
     a2 = _transpose(g, a, ta, batch + m + k, f"{name} [Transpose A]", steps)
-    rows = [_axis(a, ta, c) for c in m] or [(1, False)]   # MatMul needs a row axis: [batch…, 1, K]
+    rows = [_axis(a, ta, c) for c in m] or [UNIT]   # MatMul needs a row axis: [batch…, 1, K]
     a2 = _reshape(g, a2, [_axis(a, ta, c) for c in batch] + rows + [_merged(a, ta, k)], f"{name} [Reshape A]", steps)
     b2 = _transpose(g, b, tb, batch + k + n, f"{name} [Transpose B]", steps)
-    ones = [(1, False)] * (len(rows) - 1 if batch else 0)   # A's leading m axes are MatMul batch axes too
+    ones = [UNIT] * (len(rows) - 1 if batch else 0)   # A's leading m axes are MatMul batch axes too
     b_dims = [_axis(b, tb, c) for c in batch] + ones + [_merged(b, tb, k), _merged(b, tb, n)]
     b2 = None if a2 is None else _reshape(g, b2, b_dims, f"{name} [Reshape B]", steps)
     if a2 is None or b2 is None:
@@ -161,33 +161,46 @@ def _bias_before_split(g: Graph, add: Node, bias: Value, lowered: list[Node]) ->
     split = lowered[-1]
     product = split.inputs[0]
     flat = g.add_const(g.fresh_name(f"{bias.name}_flat"), bias.const.reshape(-1))
-    summed = _value(g, f"{product.name}_biased", [(s, i in product.dyn_dims) for i, s in enumerate(product.shape)],
-                    product.dtype)
+    summed = _value(g, f"{product.name}_biased", [_dim(product, i) for i in range(len(product.shape))], product.dtype)
     g.remove_node(add)
     lowered[-1] = Node(split.name, "Reshape", [summed, split.inputs[1]], list(add.outputs), {}, "", ())
     return lowered[:-1] + [Node(add.name, "Add", [product, flat], [summed], dict(add.attrs), "", add.origin),
                            lowered[-1]]
 
 
-def _axis(v: Value, term: str, c: str) -> tuple[int, bool]:
-    i = term.index(c)
-    return v.shape[i], i in v.dyn_dims
+Dim = tuple[int, bool, "int | None"]   # size at the opt point, dynamic, size at the probe point (None: not known)
+UNIT: Dim = (1, False, 1)
 
 
-def _merged(v: Value, term: str, letters: list[str]) -> tuple[int, bool]:
+def _axis(v: Value, term: str, c: str) -> Dim:
+    return _dim(v, term.index(c))
+
+
+def _dim(v: Value, i: int) -> Dim:
+    if i not in v.dyn_dims:
+        return v.shape[i], False, v.shape[i]
+    return v.shape[i], True, None if v.probe_shape is None else v.probe_shape[i]
+
+
+def _merged(v: Value, term: str, letters: list[str]) -> Dim:
     axes = [_axis(v, term, c) for c in letters]
-    return math.prod(s for s, _ in axes), any(d for _, d in axes)
+    probes = [p for _, _, p in axes]
+    return math.prod(s for s, _, _ in axes), any(d for _, d, _ in axes), \
+        None if None in probes else math.prod(probes)
 
 
-def _size(a: Value, ta: str, b: Value, tb: str, c: str) -> tuple[int, bool]:
+def _size(a: Value, ta: str, b: Value, tb: str, c: str) -> Dim:
     sides = [_axis(v, t, c) for v, t in ((a, ta), (b, tb)) if c in t]
-    return max(s for s, _ in sides), any(d for _, d in sides)
+    probes = [p for _, _, p in sides]
+    return max(s for s, _, _ in sides), any(d for _, d, _ in sides), None if None in probes else max(probes)
 
 
-def _value(g: Graph, base: str, dims: list[tuple[int, bool]], dtype) -> Value:
+def _value(g: Graph, base: str, dims: list[Dim], dtype) -> Value:
     v = g.value(g.fresh_name(base))
-    v.shape = tuple(int(s) for s, _ in dims)
-    v.dyn_dims = tuple(i for i, (_, d) in enumerate(dims) if d)
+    v.shape = tuple(int(s) for s, _, _ in dims)
+    v.dyn_dims = tuple(i for i, (_, d, _) in enumerate(dims) if d)
+    probes = [p for _, _, p in dims]
+    v.probe_shape = None if None in probes else tuple(int(p) for p in probes)
     v.dtype = dtype
     return v
 
@@ -196,13 +209,13 @@ def _transpose(g: Graph, v: Value, term: str, order: list[str], name: str, steps
     perm = [term.index(c) for c in order]
     if perm == sorted(perm):
         return v
-    out = _value(g, f"{v.name}_t", [(v.shape[p], p in v.dyn_dims) for p in perm], v.dtype)
+    out = _value(g, f"{v.name}_t", [_axis(v, term, term[p]) for p in perm], v.dtype)
     steps.append(Node(name, "Transpose", [v], [out], {"perm": perm}, "", ()))
     return out
 
 
-def _reshape(g: Graph, v: Value, dims: list[tuple[int, bool]], name: str, steps: list[Node]) -> Value | None:
-    if [s for s, _ in dims] == list(v.shape) and [i for i, (_, d) in enumerate(dims) if d] == list(v.dyn_dims):
+def _reshape(g: Graph, v: Value, dims: list[Dim], name: str, steps: list[Node]) -> Value | None:
+    if [s for s, _, _ in dims] == list(v.shape) and [i for i, (_, d, _) in enumerate(dims) if d] == list(v.dyn_dims):
         return v
     out = _value(g, f"{v.name}_r", dims, v.dtype)
     target = reshape_target(v, out)

@@ -97,6 +97,7 @@ def _gather_quantized(g: Graph, dq: Node, gather: Node) -> None:
     out = gather.outputs[0]
     gathered = g.value(g.fresh_name(f"{out.name}_quantized"))
     gathered.shape, gathered.dtype, gathered.dyn_dims = out.shape, dq.inputs[0].dtype, out.dyn_dims
+    gathered.probe_shape = out.probe_shape
     index = g.nodes.index(gather)
     g.remove_node(gather)
     g.add_node(Node(gather.name, "Gather", [dq.inputs[0], *gather.inputs[1:]], [gathered], dict(gather.attrs),

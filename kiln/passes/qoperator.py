@@ -108,6 +108,7 @@ def _unfold(g: Graph, node: Node, spec: Unfolding) -> None:
 def _like(g: Graph, v: Value, name: str, dtype: np.dtype = FLOAT) -> Value:
     out = g.value(g.fresh_name(name))
     out.shape, out.dtype, out.dyn_dims = v.shape, dtype, v.dyn_dims
+    out.probe_shape = v.probe_shape
     return out
 
 

@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from kiln.ir import Graph, Node, Value
+from kiln.ir import Graph, Node, Value, same_shape
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import (activation_spec, other_input, remove_dead, replace_nodes, sole_consumer,
                                  why_not_sole_consumer)
@@ -305,7 +305,7 @@ def _residual_sum(g: Graph, add: Node | None, dq: Node, ln: Node) -> bool:
     if add is None or add.op_type != "QAdd" or add.domain != "kiln" or add.attrs.get("activation"):
         return False
     a, b, total = add.inputs[0], add.inputs[1], add.outputs[0]
-    alike = a.shape is not None and a.shape == b.shape == total.shape and a.dyn_dims == b.dyn_dims
+    alike = same_shape(a, b) and same_shape(a, total)
     only = [u for v in (total, dq.outputs[0]) for u in v.users] == [dq, ln] and len(total.users) == 1
     return alike and only and not g.is_output(total) and not g.is_output(dq.outputs[0])
 
@@ -327,6 +327,7 @@ def split_q_across_concat(g: Graph, plog: PassLog) -> None:
                 continue
             out = g.value(g.fresh_name(f"{x.name}_quantized"))
             out.shape, out.dtype, out.dyn_dims = x.shape, q.outputs[0].dtype, x.dyn_dims
+            out.probe_shape = x.probe_shape
             g.add_node(Node(f"{q.name} [{i}]", "QuantizeLinear", [x] + list(q.inputs[1:]), [out], dict(q.attrs), "",
                             q.origin), g.nodes.index(cat))
             g.set_input(cat, i, out)

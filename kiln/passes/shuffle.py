@@ -1,7 +1,7 @@
 """Shuffle fusions: Reshape/Flatten/Squeeze/Unsqueeze/Transpose become Shuffle layers; chains merge; no-ops go."""
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, Value, format_shape
+from kiln.ir import Graph, Node, Value, format_shape, same_extent
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import fused_name, replace_nodes, sole_consumer, why_not_sole_consumer
 
@@ -15,11 +15,22 @@ def _as_shuffle(node: Node) -> Node | None:
         target = _unit_axes_target(perm, node.inputs[0], node.outputs[0])
         steps = [{"transpose": list(perm)} if target is None else {"reshape": target}]
     else:
-        target = reshape_target(node.inputs[0], node.outputs[0])
+        target = _constant_target(node) or reshape_target(node.inputs[0], node.outputs[0])
         if target is None:
             return None
         steps = [{"reshape": target}]
     return Node(node.name, "Shuffle", [node.inputs[0]], list(node.outputs), {"steps": steps}, "kiln", node.origin)
+
+
+def _constant_target(node: Node) -> list[int] | None:
+    """A Reshape's own constant target where the output has dynamic axes: exact, where one derived from the shapes
+    can only guess which input axis a dynamic output axis copies. None where the shapes say it all (static), or an
+    explicit zero-size axis (allowzero) would read as a copy."""
+    if node.op_type != "Reshape" or not node.outputs[0].dyn_dims or len(node.inputs) < 2 or \
+            node.inputs[1] is None or not node.inputs[1].is_const:
+        return None
+    target = [int(d) for d in node.inputs[1].const.reshape(-1)]
+    return None if node.attrs.get("allowzero", 0) and 0 in target else target
 
 
 def _unit_axes_target(perm: list[int], src: Value, out: Value) -> list[int] | None:
@@ -39,14 +50,15 @@ def _unit_axes_target(perm: list[int], src: Value, out: Value) -> list[int] | No
 
 def reshape_target(src, out) -> list[int] | None:
     """The Reshape target (ONNX semantics: 0 copies the input's axis, -1 is inferred) reaching `out`'s shape
-    for every input shape: static axes literally, dynamic axes copied from the same input axis, at most one
-    other dynamic axis as -1. None if that is not enough (e.g. two merged dynamic axes)."""
+    for every input shape: static axes literally, dynamic axes copied from the same input axis where that axis
+    has the same size at the opt and probe points, at most one other dynamic axis as -1. None if that is not
+    enough (e.g. two merged dynamic axes)."""
     target = list(out.shape)
     if 0 in target:
         return None   # a zero-size axis would read as "copy"
     rest = []
     for i in out.dyn_dims:
-        if i in src.dyn_dims and i < len(src.shape) and src.shape[i] == out.shape[i]:
+        if i < len(src.shape) and same_extent(src, i, out, i):
             target[i] = 0
         else:
             rest.append(i)

@@ -51,6 +51,7 @@ def _lift(g: Graph, plog: PassLog, mm: Node, shuffle: Node) -> None:
         x = g.value(g.fresh_name(f"{x.name}_rows"))
         x.dtype = source.dtype
     x.shape, x.dyn_dims = out.shape[:-1] + mm.inputs[0].shape[-1:], out.dyn_dims
+    x.probe_shape = None if out.probe_shape is None else out.probe_shape[:-1] + x.shape[-1:]
     g.add_node(Node(name, "Shuffle", [source], [x], {"steps": simplify(steps)}, "kiln", origin), g.nodes.index(mm))
     replace_nodes(g, [mm, shuffle], Node(mm.name, mm.op_type, [x] + mm.inputs[1:], list(shuffle.outputs),
                                          dict(mm.attrs), mm.domain, mm.origin))
@@ -69,6 +70,7 @@ def _sink(g: Graph, plog: PassLog, mm: Node, above: Node, below: Node) -> None:
     g.remove_node(above)
     g.set_input(mm, 0, x)
     product.shape, product.dyn_dims = x.shape[:-1] + product.shape[-1:], x.dyn_dims
+    product.probe_shape = None if x.probe_shape is None else x.probe_shape[:-1] + product.shape[-1:]
     name, origin = fused_name([above, below])
     replace_nodes(g, [below], Node(name, "Shuffle", [product], list(below.outputs),
                                    {"steps": simplify(steps + below.attrs["steps"])}, "kiln", origin))

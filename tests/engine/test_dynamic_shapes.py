@@ -218,3 +218,31 @@ def test_detailed_layer_info_describes_a_reshape_whose_shape_is_computed_at_run_
     assert info["ParameterType"] == "Shuffle" and info["Reshape"] == [-1, 1, 1, -1]
     x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
     np.testing.assert_allclose(engine.run({"x": x})["y"], np.maximum(x.reshape(3, 1, 1, 5), 0))
+
+
+class FlatRows(torch.nn.Module):
+    """[b, t, d] -> [b * t, d] -> Softmax -> [b, t, d]: a decoder's step with the length 1 at the opt point."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        return torch.relu(torch.softmax(x.reshape(b * t, d), -1).reshape(b, t, d)) + 1
+
+
+def test_a_computed_reshape_does_not_copy_an_axis_that_only_matches_at_the_opt_point(tmp_path):
+    """At the opt point [2, 1, 8] the merged axis b * t and the batch b are both 2, so a target written from the
+    opt shapes alone copied the batch ([0, 8]): [3, 2, 8] then failed and [b, t, d] came back [b * t, 1, d]. The
+    importer's probe point tells them apart (8 * 3 against 8), so the axis is inferred (-1)."""
+    path = tmp_path / "rows.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(FlatRows(), (torch.randn(2, 1, 8),), str(path), input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "b", 1: "t"}}, dynamo=False)
+    engine = kiln.build(str(path), autotune=False, tactic_sources="-openvino,-onnxruntime",
+                        profiles=[{"x": ((1, 1, 8), (2, 1, 8), (8, 3, 8))}])
+    targets = [l.attrs["steps"] for l in engine.plan.layers if "steps" in l.attrs]
+    assert [{"reshape": [-1, 8]}] in targets and [{"reshape": [-1, 0, 8]}] not in targets
+    for shape in [(2, 1, 8), (3, 2, 8), (8, 3, 8), (1, 1, 8)]:
+        x = np.random.default_rng(shape[0]).standard_normal(shape).astype(np.float32)
+        y = engine.run({"x": x})["y"]
+        assert y.shape == shape
+        assert_close_to_ort(y, run_ort(str(path), {"x": x})[0])

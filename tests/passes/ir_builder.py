@@ -37,8 +37,9 @@ class IRBuilder:
     def __init__(self, name: str = "g"):
         self._g = Graph(name)
 
-    def input(self, name: str, shape: Shape, dtype: Any = np.float32, dyn_dims: tuple[int, ...] = ()) -> Value:
-        v = self._new_value(name, shape, dtype, dyn_dims)
+    def input(self, name: str, shape: Shape, dtype: Any = np.float32, dyn_dims: tuple[int, ...] = (),
+              probe: Shape | None = None) -> Value:
+        v = self._new_value(name, shape, dtype, dyn_dims, probe)
         self._g.inputs.append(v)
         return v
 
@@ -50,12 +51,13 @@ class IRBuilder:
         return self._g.add_const(name, array)
 
     def node(self, op_type: str, inputs: list[Value | None], out: str, shape: Shape, *, dtype: Any = None,
-             name: str | None = None, domain: str = "", dyn_dims: tuple[int, ...] = (), **attrs: Any) -> Value:
+             name: str | None = None, domain: str = "", dyn_dims: tuple[int, ...] = (), probe: Shape | None = None,
+             **attrs: Any) -> Value:
         """One node with one output `out` of `shape` (dtype: the first input's unless given); named `out` unless
-        `name` says otherwise."""
+        `name` says otherwise. `probe`: the shape at the importer's probe point (see _new_value)."""
         first = next((v for v in inputs if v is not None), None)
         out_dtype = dtype if dtype is not None else (first.dtype if first is not None else np.float32)
-        value = self._new_value(out, shape, out_dtype, dyn_dims)
+        value = self._new_value(out, shape, out_dtype, dyn_dims, probe)
         self._g.add_node(Node(name or out, op_type, list(inputs), [value], attrs, domain, (name or out,)))
         return value
 
@@ -63,7 +65,7 @@ class IRBuilder:
               dtype: Any = None, domain: str = "", **attrs: Any) -> list[Value]:
         """One node with several outputs (Split, Dropout with its mask, ...)."""
         out_dtype = dtype if dtype is not None else inputs[0].dtype
-        values = [self._new_value(n, s, out_dtype, ()) for n, s in outs]
+        values = [self._new_value(n, s, out_dtype, (), None) for n, s in outs]
         self._g.add_node(Node(name, op_type, list(inputs), values, attrs, domain, (name,)))
         return values
 
@@ -73,11 +75,16 @@ class IRBuilder:
         self._g.verify()
         return self._g
 
-    def _new_value(self, name: str, shape: Shape, dtype: Any, dyn_dims: tuple[int, ...]) -> Value:
+    def _new_value(self, name: str, shape: Shape, dtype: Any, dyn_dims: tuple[int, ...], probe: Shape | None) -> Value:
+        """A value; unless `probe` is given, a dynamic axis's probe size is twice its opt size plus one, so dynamic
+        axes of one opt size read as one symbol (give `probe` where they are not)."""
         if name in self._g.values:
             raise ValueError(f"value '{name}' is already defined")
         v = self._g.value(name)
         v.shape, v.dtype, v.dyn_dims = tuple(shape), np.dtype(dtype), tuple(dyn_dims)
+        if probe is None and dyn_dims:
+            probe = tuple(2 * d + 1 if i in dyn_dims else d for i, d in enumerate(shape))
+        v.probe_shape = None if probe is None else tuple(probe)
         return v
 
 

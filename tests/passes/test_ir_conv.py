@@ -195,6 +195,21 @@ def test_constant_and_broadcast_operands_are_not_residuals():
     assert run.stat.rejections == 2
 
 
+def test_an_operand_that_matches_only_at_the_opt_point_is_not_a_residual():
+    """Both 1x2x-1x-1 and 3x3 at the opt point, but at the probe point one is 5x5 and the other 1x1 (it broadcasts
+    there): the sum is not the convolution's residual."""
+    b = IRBuilder()
+    x = b.input("x", X, dyn_dims=(2, 3), probe=(1, 2, 5, 5))
+    pooled = b.input("pooled", X, dyn_dims=(2, 3), probe=(1, 2, 1, 1))
+    c = b.node("Conv", [x, b.const("conv.w", np.ones((2, 2, 1, 1))), b.const("conv.b", [0.5, -0.5])], "c", X,
+               name="conv", dyn_dims=(2, 3), probe=(1, 2, 5, 5))
+    g = b.graph(b.node("Add", [c, pooled], "y", X, name="add", dyn_dims=(2, 3), probe=(1, 2, 5, 5)))
+    run = run_pass_unchanged(g, "ConvEltwiseSumFusion", fuse_residual_add)
+    assert run.not_fusing == [
+        "ConvEltwiseSumFusion: Not fusing conv with add: the shapes may differ at other input shapes (1x2x-1x-1 vs "
+        "1x2x-1x-1): the sum may broadcast at run time"]
+
+
 # ---------------------------------------------------------------- ConvReluFusion
 def test_relu_and_clip_become_the_convolution_activation():
     b = IRBuilder()

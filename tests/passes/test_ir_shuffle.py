@@ -50,20 +50,21 @@ def test_transposes_that_cancel_leave_an_empty_shuffle():
 def test_a_shuffle_read_twice_is_not_merged_and_an_unwritable_reshape_stays():
     b = IRBuilder()
     x, v = b.input("x", (2, 3, 4)), b.input("v", (2, 3, 4), dyn_dims=(0, 2))
+    s2 = b.input("s2", (2,), np.int64)   # a target computed at run time: only the shapes say what it does
     a = b.node("Reshape", [x, b.const("s", [6, 4], np.int64)], "a", (6, 4), name="r1")
     t1 = b.node("Transpose", [a], "t1", (4, 6), perm=[1, 0])
     t2 = b.node("Transpose", [a], "t2", (4, 6), perm=[1, 0])
-    r = b.node("Reshape", [v, b.const("s2", [-1, 4], np.int64)], "r", (6, 4), dyn_dims=(0, 1))
+    r = b.node("Reshape", [v, s2], "r", (6, 4), dyn_dims=(0, 1))
     g = b.graph(t1, t2, r)
 
     run = run_pass(g, "ShuffleShuffleFusion", fuse_shuffles)
 
     assert str(g) == expected("""
-        graph g(%x: float32[2x3x4], %v: float32[-1x3x-1]):
+        graph g(%x: float32[2x3x4], %v: float32[-1x3x-1], %s2: int64[2]):
           %a: float32[6x4] = kiln.Shuffle(%x) steps=[{'reshape': [6, 4]}]  # r1
           %t1: float32[4x6] = kiln.Shuffle(%a) steps=[{'transpose': [1, 0]}]  # t1
           %t2: float32[4x6] = kiln.Shuffle(%a) steps=[{'transpose': [1, 0]}]  # t2
-          %r: float32[-1x-1] = Reshape(%v, const %s2)  # r
+          %r: float32[-1x-1] = Reshape(%v, %s2)  # r
           return %t1, %t2, %r
         """)
     assert run.not_fusing == ["ShuffleShuffleFusion: Not fusing r1 with t1: r1's output 'a' has 2 consumers",
@@ -99,6 +100,27 @@ def test_a_transpose_moving_only_static_size_1_axes_is_a_reshape():
           %two: float32[-1x-1x1] = kiln.Shuffle(%f) steps=[{'transpose': [1, 2, 0]}]  # two
           return %unit, %dyn, %ones, %cross, %moved, %two
         """)   # two dynamic axes that move: one reshape cannot say which is which (equal at the opt point)
+
+
+def test_a_reshape_target_copies_an_axis_only_where_the_opt_and_probe_points_agree():
+    """A target computed at run time is written from the shapes: [b, t, d] -> [b * t, d] at the opt point b = 2,
+    t = 1 looks like a copied batch, but the probe point (b = 8, t = 3) says 24 against 8, so the axis is inferred;
+    where both points agree ([b, t, d] -> [b, t, 2, 4]) the axes are copied. A constant target is taken as written:
+    it says what the shapes can only guess."""
+    b = IRBuilder()
+    x = b.input("x", (2, 1, 8), dyn_dims=(0, 1), probe=(8, 3, 8))
+    computed = b.input("target", (2,), np.int64)
+    rows = b.node("Reshape", [x, computed], "rows", (2, 8), dyn_dims=(0,), probe=(24, 8))
+    heads = b.node("Reshape", [x, computed], "heads", (2, 1, 2, 4), dyn_dims=(0, 1), probe=(8, 3, 2, 4))
+    y = b.input("y", (2, 1, 8), dyn_dims=(0, 1))   # the builder's default probe: [5, 3, 8], and [5, 8] below
+    const = b.node("Reshape", [y, b.const("flat", [-1, 8], np.int64)], "const", (2, 8), dyn_dims=(0,))
+    g = b.graph(rows, heads, const)
+
+    run_pass(g, "ShuffleShuffleFusion", fuse_shuffles)
+
+    steps = {n.name: n.attrs["steps"] for n in g.nodes}
+    assert steps == {"rows": [{"reshape": [-1, 8]}], "heads": [{"reshape": [0, 0, 2, 4]}],
+                     "const": [{"reshape": [-1, 8]}]}
 
 
 # ---------------------------------------------------------------- ShuffleErasure
