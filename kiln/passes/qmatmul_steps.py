@@ -4,7 +4,8 @@ quantize_static leaves a BERT's attention as INT8 layers: Q·Kᵀ and P·V are Q
 operand reshaped and transposed into heads by a Shuffle of its own, the context transposed and reshaped back by
 another. As kiln's FP32 Attention layer takes its shuffles as steps, the product takes them: `a_steps` and
 `b_steps` applied to its operands as they are read, `out_steps` to its result. Four layers less per attention.
-Static shapes only (the kernels' dynamic-axis checks read the operands' own shapes)."""
+Dynamic shapes too: the steps' reshape targets copy (0) or infer (-1) those axes, and the kernel applies the
+steps per call."""
 from __future__ import annotations
 
 from kiln.ir import Graph, Node
@@ -22,11 +23,11 @@ def fuse_product_shuffles(g: Graph, plog: PassLog) -> None:
         before, inputs, attrs = [], list(mm.inputs), dict(mm.attrs)
         for i, key in enumerate(OPERAND_STEPS):
             shuffle = inputs[i].producer
-            if inputs[0] is not inputs[1] and _static(shuffle) and sole_consumer(g, shuffle) is mm:
+            if inputs[0] is not inputs[1] and is_shuffle(shuffle) and sole_consumer(g, shuffle) is mm:
                 attrs[key], inputs[i] = list(shuffle.attrs["steps"]), shuffle.inputs[0]
                 before.append(shuffle)
         reader = sole_consumer(g, mm)
-        after = [reader] if _static(reader) else []
+        after = [reader] if is_shuffle(reader) else []
         if after:
             attrs["out_steps"] = list(reader.attrs["steps"])
         if not before and not after:
@@ -40,8 +41,3 @@ def fuse_product_shuffles(g: Graph, plog: PassLog) -> None:
         name = fused_layer_name([s.name for s in before] + [mm.name] + [s.name for s in after])
         origin = tuple(o for n in nodes for o in n.origin)
         replace_nodes(g, nodes, Node(name, "QMatMul", inputs, list(nodes[-1].outputs), attrs, "kiln", origin))
-
-
-def _static(node: Node | None) -> bool:
-    """A Shuffle of fixed shapes (its steps then say everything about them)."""
-    return is_shuffle(node) and not node.inputs[0].dyn_dims and not node.outputs[0].dyn_dims

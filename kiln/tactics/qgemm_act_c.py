@@ -35,22 +35,19 @@ class QActMatMulTactic:
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "QMatMul" or layer.domain != "kiln" or 1 in layer.const_inputs:
             return False
-        q, (a, b) = layer.attrs.get("quant") or {}, operand_shapes(layer)
-        if any(layer.attrs.get(key) for key in OPERAND_STEPS) and any(layer.input_dynamic[:2]):
-            return False   # steps come with static shapes (kiln.passes.qmatmul_steps)
-        if not q or a is None or b is None or len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+        q, (a, b), dyn = layer.attrs.get("quant") or {}, operand_shapes(layer), operand_dynamic_axes(layer)
+        if not q or a is None or b is None or dyn is None or len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or \
+                a[-1] != b[-2]:
             return False
         if layer.input_dtypes[0] not in INT8_TORCH or q.get("x_dtype") != layer.input_dtypes[0] or \
                 layer.input_dtypes[1] not in INT8_TORCH or len(q["w_scale"]) != 1 or len(q["w_zero_point"]) != 1:
             return False
         k_axis = len(a) - 1
-        dynamic_k = any(k_axis in d for d in layer.input_dynamic[:1]) or \
-            any(k_axis - 1 in d for d in layer.input_dynamic[1:2])
-        bias, dynamic_n = layer.const_inputs.get(2), any(k_axis in d for d in layer.input_dynamic[1:2])
+        dynamic_k = k_axis in dyn[0] or k_axis - 1 in dyn[1]
+        bias, dynamic_n = layer.const_inputs.get(2), k_axis in dyn[1]
         extra_ok = all(v is None for v in layer.input_shapes[3:]) and \
             (len(layer.input_shapes) < 3 or layer.input_shapes[2] is None or
              (bias is not None and bias.dim() == 1 and bias.numel() == b[-1] and not dynamic_n))
-        dyn = (list(layer.input_dynamic[:2]) + [(), ()])[:2]
         lead_ok = {x for x in dyn[0] if x < k_axis - 1} == {x for x in dyn[1] if x < k_axis - 1}   # both vary
         return (dynamic_k or 0 < a[-1] <= MAX_K_ZERO_POINTS) and extra_ok and lead_ok and \
             q.get("y_dtype", "uint8") in INT8_TORCH and q.get("mid_dtype", "uint8") in INT8_TORCH and \
@@ -101,6 +98,26 @@ def operand_shapes(layer: LayerView) -> list[tuple[int, ...] | None]:
     return [shape if not layer.attrs.get(key) or shape is None else
             tuple(apply_steps(torch.empty(shape, device="meta"), layer.attrs[key]).shape)
             for shape, key in zip(layer.input_shapes[:2], OPERAND_STEPS)]
+
+
+def operand_dynamic_axes(layer: LayerView) -> list[set[int]] | None:
+    """The axes of A and B that vary with the input shapes, as the product reads them (after their steps): the
+    steps applied at the opt shapes and at shapes twice as large on every dynamic axis, the axes whose sizes differ.
+    None where the steps do not fit the larger shapes."""
+    out = []
+    for i, key in enumerate(OPERAND_STEPS):
+        dyn = layer.input_dynamic[i] if i < len(layer.input_dynamic) else ()
+        steps, shape = layer.attrs.get(key), layer.input_shapes[i]
+        if not steps or not dyn or shape is None:
+            out.append(set(dyn))
+            continue
+        grown = tuple(2 * d if axis in dyn else d for axis, d in enumerate(shape))
+        try:
+            small, large = (apply_steps(torch.empty(s, device="meta"), steps).shape for s in (shape, grown))
+        except RuntimeError:
+            return None
+        out.append({axis for axis, (s, t) in enumerate(zip(small, large)) if s != t})
+    return out
 
 
 def _calls(layer: LayerView):

@@ -1,5 +1,5 @@
 """QMatMulShuffleFusion on IR graphs: the INT8 Shuffles around a product of two INT8 activations (a Q/DQ
-attention's head split and merge) become its a_steps, b_steps and out_steps; shared, dynamic or weight-side
+attention's head split and merge) become its a_steps, b_steps and out_steps; shared or weight-side
 shuffles stay."""
 from __future__ import annotations
 
@@ -37,16 +37,31 @@ def test_head_split_and_merge_join_the_scores_product():
     assert (run.stat.matches, run.stat.layers_before, run.stat.layers_after) == (3, 4, 1)
 
 
-def test_shared_dynamic_and_weight_side_shuffles_stay():
+def test_dynamic_head_split_and_merge_join_the_product_too():
+    """The steps' targets copy (0) or infer (-1) the dynamic sequence; the kernel applies them per call."""
     b = IRBuilder()
-    x = b.input("x", (1, 6, 8), np.uint8)
     d = b.input("d", (1, 6, 8), np.uint8, dyn_dims=(1,))
-    shared = shuffle(b, x, "shared", (1, 2, 6, 4), SPLIT)
-    twice = b.node("QMatMul", [shared, shared], "twice", (1, 2, 6, 6), domain="kiln", quant=QUANT)
-    dynamic = shuffle(b, d, "dynamic", (1, 2, 6, 4), [{"reshape": [1, -1, 2, 4]}, {"transpose": [0, 2, 1, 3]}],
-                      dyn_dims=(2,))
+    split = [{"reshape": [1, -1, 2, 4]}, {"transpose": [0, 2, 1, 3]}]
+    dynamic = shuffle(b, d, "dynamic", (1, 2, 6, 4), split, dyn_dims=(2,))
     per_key = b.node("QMatMul", [dynamic, b.input("v", (1, 2, 4, 6), np.uint8)], "per_key", (1, 2, 6, 6),
                      dyn_dims=(2,), domain="kiln", quant=QUANT)
+    merge = [{"transpose": [0, 2, 1, 3]}, {"reshape": [1, -1, 12]}]
+    g = b.graph(shuffle(b, per_key, "merged", (1, 6, 12), merge, dyn_dims=(1,)))
+
+    run = run_pass(g, NAME, fuse_product_shuffles)
+
+    (layer,) = g.nodes
+    assert (layer.name, [v.name for v in layer.inputs]) == ("dynamic + per_key + merged", ["d", "v"])
+    assert layer.attrs == {"quant": QUANT, "a_steps": split, "out_steps": merge}
+    assert (g.outputs[0].shape, g.outputs[0].dyn_dims) == ((1, 6, 12), (1,))
+    assert (run.stat.matches, run.stat.layers_before, run.stat.layers_after) == (2, 3, 1)
+
+
+def test_shared_and_weight_side_shuffles_stay():
+    b = IRBuilder()
+    x = b.input("x", (1, 6, 8), np.uint8)
+    shared = shuffle(b, x, "shared", (1, 2, 6, 4), SPLIT)
+    twice = b.node("QMatMul", [shared, shared], "twice", (1, 2, 6, 6), domain="kiln", quant=QUANT)
     rows = shuffle(b, x, "rows", (6, 8), [{"reshape": [6, 8]}])
     by_weights = b.node("QMatMul", [rows, b.const("w", np.ones((8, 4)), np.int8)], "by_weights", (6, 4),
                         domain="kiln", quant=QUANT)
@@ -54,9 +69,7 @@ def test_shared_dynamic_and_weight_side_shuffles_stay():
     also = b.node("Identity", [heads], "also", (1, 2, 6, 4), dtype=np.uint8)   # a live second reader
     read = b.node("QMatMul", [heads, b.input("k", (1, 2, 4, 6), np.uint8)], "read", (1, 2, 6, 6), domain="kiln",
                   quant=QUANT)
-    merged = shuffle(b, per_key, "merged", (1, 6, 12), [{"transpose": [0, 2, 1, 3]}, {"reshape": [1, -1, 12]}],
-                     dyn_dims=(1,))   # a dynamic merge
-    g = b.graph(twice, merged, by_weights, also, read)
+    g = b.graph(twice, by_weights, also, read)
 
     run = run_pass_unchanged(g, NAME, fuse_product_shuffles)
 

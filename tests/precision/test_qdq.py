@@ -457,6 +457,45 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(qdq
             assert shown.get("SkipQuantization") == layer.attrs.get("skip_quant")
 
 
+def test_a_dynamic_sequence_keeps_the_head_split_in_the_int8_products(tmp_path, monkeypatch):
+    """The same encoder exported with a dynamic batch and sequence: the head split and merge (reshape targets with
+    0 and -1) still join Q.K^T and P.V as steps, and the plan gives at every shape what the plan with the Shuffles
+    as layers of their own gives, bit for bit."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    from tests.conftest import force_plan
+    from tests.models import encoders
+
+    model = encoders.make("bert")
+    encoders.export(model, encoders.inputs(model, 2, 16), tmp_path / "b.onnx", "legacy", dynamic=True)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([encoders.inputs(model, 2, 16, seed=s) for s in range(2)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+    path = str(tmp_path / "bq.onnx")
+    quantize_static(str(tmp_path / "b.onnx"), path, Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    force_plan(monkeypatch, "kiln")
+    profile = {name: ((1, 4), (1, 16), (2, 32)) for name in model.input_names}
+    engine = kiln.build(path, autotune=False, profiles=[profile])
+    apart = kiln.build(path, autotune=False, profiles=[profile], disabled_passes=["QMatMulShuffleFusion"])
+    attention = [l for l in engine.plan.layers if l.op_type == "QMatMul" and l.args[1].kind == "tensor"]
+    step_counts = [tuple(len(l.attrs.get(k, [])) for k in ("a_steps", "b_steps", "out_steps")) for l in attention]
+    assert step_counts == [(2, 2, 0), (0, 2, 2)] * 2, step_counts
+    assert not any(l.op_type == "Shuffle" and l.inputs[0].dtype in ("uint8", "int8") for l in engine.plan.layers)
+    assert len(apart.plan.layers) - len(engine.plan.layers) == 8   # 3 splits and a merge per encoder layer
+    if vnni_available():
+        assert {l.tactic_name for l in attention} == {"kiln.qmatmul_act_int8"}
+    for batch, seq in [(1, 16), (2, 29), (1, 5)]:
+        feeds = encoders.inputs(model, batch, seq, seed=seq)
+        got = engine.run(feeds)["last_hidden_state"]
+        assert got.shape[:2] == (batch, seq)
+        np.testing.assert_array_equal(got, apart.run(feeds)["last_hidden_state"])
+        assert cosine(got, run_ort(path, feeds)[0]) >= 0.99
+
+
 def test_an_onnxruntime_region_writes_the_attention_products_steps_back(qdq_encoder, monkeypatch):
     """The Q/DQ encoder handed to onnxruntime as one region: each attention product's steps are written back as
     the Reshape and Transpose around it (kiln.tactics.onnx_emit), and the region agrees with the file."""

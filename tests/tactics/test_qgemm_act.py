@@ -104,9 +104,33 @@ def test_head_split_and_merge_as_steps_read_and_write_as_the_shuffles_did():
     assert torch.equal(reference(view.attrs, [q, k])[0],
                        reference(plain, [heads_q, heads_kt])[0].permute(0, 2, 1, 3).reshape(1, s, h * s))
     static = dataclasses.replace(view, attrs=plain, input_shapes=((1, h, s, d), (1, h, d, s)))
-    assert tactic.supports(static) and not tactic.supports(dataclasses.replace(view, input_dynamic=((1,), (1,))))
+    assert tactic.supports(static)
+    assert not tactic.supports(dataclasses.replace(view, input_dynamic=((1,), (1,))))   # [1, 24, 3, 16] fixed
 
 
+@needs_vnni
+def test_steps_with_a_dynamic_sequence_run_at_every_length():
+    """The same head split written for a dynamic sequence (reshape [0, 0, H, D]; the merge [0, 0, -1], as the
+    merged width H * S varies too): the kernel reads the operands' dynamic axes from the steps (the sequence is A's
+    rows and B's columns) and applies them per call."""
+    h, d = 3, 16
+    view, _, _ = act_case("attention_scores_u8_u8")
+    steps = {"a_steps": [{"reshape": [0, 0, h, d]}, {"transpose": [0, 2, 1, 3]}],
+             "b_steps": [{"reshape": [0, 0, h, d]}, {"transpose": [0, 2, 3, 1]}],
+             "out_steps": [{"transpose": [0, 2, 1, 3]}, {"reshape": [0, 0, -1]}]}
+    view = dataclasses.replace(view, attrs={**view.attrs, **steps}, input_shapes=((1, 24, h * d),) * 2,
+                               input_dynamic=((1,), (1,)))
+    assert qgemm_act_c.operand_dynamic_axes(view) == [{2}, {3}]
+    tactic = QActMatMulTactic()
+    assert tactic.supports(view)
+    run = tactic.prepare(view)
+    g = torch.Generator().manual_seed(12)
+    for s in (24, 9, 40):
+        q, k = rand_q((1, s, h * d), "uint8", g), rand_q((1, s, h * d), "uint8", g)
+        heads_q, heads_kt = q.reshape(1, s, h, d).permute(0, 2, 1, 3), k.reshape(1, s, h, d).permute(0, 2, 3, 1)
+        want = act_formula(view, heads_q, heads_kt).permute(0, 2, 1, 3).reshape(1, s, h * s)
+        got = run([q, k])[0]
+        assert got.shape == (1, s, h * s) and torch.equal(got, want)
 @needs_vnni
 def test_bias_and_relu_run_in_the_epilogue_and_each_call_packs_its_own_b():
     n = CASES["attention_scores_u8_u8"][3]
