@@ -61,6 +61,10 @@ class IRBuilder:
         self._g.add_node(Node(name or out, op_type, list(inputs), [value], attrs, domain, (name or out,)))
         return value
 
+    def shuffle(self, x: Value, out: str, shape: Shape, steps: list[dict], dyn_dims: tuple[int, ...] = ()) -> Value:
+        """A kiln Shuffle layer with its steps ({"reshape": target}, {"transpose": perm})."""
+        return self.node("Shuffle", [x], out, shape, domain="kiln", dyn_dims=dyn_dims, steps=steps)
+
     def multi(self, op_type: str, inputs: list[Value | None], outs: list[tuple[str, Shape]], *, name: str,
               dtype: Any = None, domain: str = "", **attrs: Any) -> list[Value]:
         """One node with several outputs (Split, Dropout with its mask, ...)."""

@@ -13,17 +13,13 @@ QUANT = {"x_scale": 0.1, "x_zero_point": 128, "x_dtype": "uint8", "w_scale": [0.
 SPLIT = [{"reshape": [1, 6, 2, 4]}, {"transpose": [0, 2, 1, 3]}]
 
 
-def shuffle(b: IRBuilder, x, out: str, shape, steps, dyn_dims=()):
-    return b.node("Shuffle", [x], out, shape, domain="kiln", dyn_dims=dyn_dims, steps=steps)
-
-
 def test_head_split_and_merge_join_the_scores_product():
     b = IRBuilder()
     q, k = b.input("q", (1, 6, 8), np.uint8), b.input("k", (1, 6, 8), np.uint8)
-    heads = shuffle(b, q, "heads", (1, 2, 6, 4), SPLIT)
-    keys = shuffle(b, k, "keys", (1, 2, 4, 6), [{"reshape": [1, 6, 2, 4]}, {"transpose": [0, 2, 3, 1]}])
+    heads = b.shuffle(q, "heads", (1, 2, 6, 4), SPLIT)
+    keys = b.shuffle(k, "keys", (1, 2, 4, 6), [{"reshape": [1, 6, 2, 4]}, {"transpose": [0, 2, 3, 1]}])
     scores = b.node("QMatMul", [heads, keys], "scores", (1, 2, 6, 6), domain="kiln", quant=QUANT)
-    g = b.graph(shuffle(b, scores, "merged", (1, 6, 12), [{"transpose": [0, 2, 1, 3]}, {"reshape": [1, 6, 12]}]))
+    g = b.graph(b.shuffle(scores, "merged", (1, 6, 12), [{"transpose": [0, 2, 1, 3]}, {"reshape": [1, 6, 12]}]))
 
     run = run_pass(g, NAME, fuse_product_shuffles)
 
@@ -42,11 +38,11 @@ def test_dynamic_head_split_and_merge_join_the_product_too():
     b = IRBuilder()
     d = b.input("d", (1, 6, 8), np.uint8, dyn_dims=(1,))
     split = [{"reshape": [1, -1, 2, 4]}, {"transpose": [0, 2, 1, 3]}]
-    dynamic = shuffle(b, d, "dynamic", (1, 2, 6, 4), split, dyn_dims=(2,))
+    dynamic = b.shuffle(d, "dynamic", (1, 2, 6, 4), split, dyn_dims=(2,))
     per_key = b.node("QMatMul", [dynamic, b.input("v", (1, 2, 4, 6), np.uint8)], "per_key", (1, 2, 6, 6),
                      dyn_dims=(2,), domain="kiln", quant=QUANT)
     merge = [{"transpose": [0, 2, 1, 3]}, {"reshape": [1, -1, 12]}]
-    g = b.graph(shuffle(b, per_key, "merged", (1, 6, 12), merge, dyn_dims=(1,)))
+    g = b.graph(b.shuffle(per_key, "merged", (1, 6, 12), merge, dyn_dims=(1,)))
 
     run = run_pass(g, NAME, fuse_product_shuffles)
 
@@ -60,12 +56,12 @@ def test_dynamic_head_split_and_merge_join_the_product_too():
 def test_shared_and_weight_side_shuffles_stay():
     b = IRBuilder()
     x = b.input("x", (1, 6, 8), np.uint8)
-    shared = shuffle(b, x, "shared", (1, 2, 6, 4), SPLIT)
+    shared = b.shuffle(x, "shared", (1, 2, 6, 4), SPLIT)
     twice = b.node("QMatMul", [shared, shared], "twice", (1, 2, 6, 6), domain="kiln", quant=QUANT)
-    rows = shuffle(b, x, "rows", (6, 8), [{"reshape": [6, 8]}])
+    rows = b.shuffle(x, "rows", (6, 8), [{"reshape": [6, 8]}])
     by_weights = b.node("QMatMul", [rows, b.const("w", np.ones((8, 4)), np.int8)], "by_weights", (6, 4),
                         domain="kiln", quant=QUANT)
-    heads = shuffle(b, x, "heads", (1, 2, 6, 4), SPLIT)
+    heads = b.shuffle(x, "heads", (1, 2, 6, 4), SPLIT)
     also = b.node("Identity", [heads], "also", (1, 2, 6, 4), dtype=np.uint8)   # a live second reader
     read = b.node("QMatMul", [heads, b.input("k", (1, 2, 4, 6), np.uint8)], "read", (1, 2, 6, 6), domain="kiln",
                   quant=QUANT)

@@ -124,15 +124,11 @@ def test_a_reshape_target_copies_an_axis_only_where_the_opt_and_probe_points_agr
 
 
 # ---------------------------------------------------------------- ShuffleErasure
-def shuffle(b: IRBuilder, x, out: str, shape, steps):
-    return b.node("Shuffle", [x], out, shape, domain="kiln", steps=steps)
-
-
 def test_shuffles_that_move_nothing_are_erased():
     b = IRBuilder()
     x = b.input("x", (2, 3))
-    s1 = shuffle(b, x, "s1", (2, 3), [{"reshape": [2, 3]}])
-    s2 = shuffle(b, s1, "s2", (2, 3), [{"transpose": [1, 0]}, {"transpose": [1, 0]}])
+    s1 = b.shuffle(x, "s1", (2, 3), [{"reshape": [2, 3]}])
+    s2 = b.shuffle(s1, "s2", (2, 3), [{"transpose": [1, 0]}, {"transpose": [1, 0]}])
     g = b.graph(b.node("Relu", [s2], "y", (2, 3)))
 
     run = run_pass(g, "ShuffleErasure", erase_noop_shuffles)
@@ -148,9 +144,9 @@ def test_shuffles_that_move_nothing_are_erased():
 def test_transposes_outputs_and_constants_are_not_erased():
     b = IRBuilder()
     x = b.input("x", (3, 3))
-    t = shuffle(b, x, "t", (3, 3), [{"transpose": [1, 0]}])
-    s = shuffle(b, t, "s", (3, 3), [{"reshape": [3, 3]}])
-    c = shuffle(b, b.const("c", np.ones((3, 3))), "cs", (3, 3), [{"reshape": [3, 3]}])
+    t = b.shuffle(x, "t", (3, 3), [{"transpose": [1, 0]}])
+    s = b.shuffle(t, "s", (3, 3), [{"reshape": [3, 3]}])
+    c = b.shuffle(b.const("c", np.ones((3, 3))), "cs", (3, 3), [{"reshape": [3, 3]}])
     g = b.graph(s, b.node("Add", [t, c], "y", (3, 3)))
     before = str(g)
 

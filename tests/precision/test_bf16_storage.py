@@ -293,3 +293,31 @@ def test_an_encoder_block_keeps_bf16_from_one_gemm_to_the_next():
     assert by_layer["ln"].tactic_name == "kiln.layernorm_rows_bf16" and by_layer["ln"].precision == "BF16"
     x = rand((1, 8, 16), seed=9)
     assert cosine(engine.run({"x": x})["y"], run_ort(model, {"x": x})[0]) >= 0.999
+
+
+def test_the_budgets_emulation_adds_a_convolutions_residual_as_stored():
+    """The accuracy budget ranks each BF16 layer by its harm alone, emulated around its FP32 kernel: the input,
+    weights and bias rounded to bf16, but a convolution's fused residual added as stored (oneDNN's BF16 convolution
+    adds an FP32-stored residual in FP32), so a residual of +-1000 costs nothing here where rounding it would cost
+    up to 4."""
+    from kiln.planning.accuracy import _rounded_around
+    from kiln.runtime.prepare import TorchWeights
+
+    x_info, r_info = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 6, 6]) for n in ("x", "r"))
+    model = make_model([helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+                        helper.make_node("Add", ["c", "r"], ["y"], name="add")],
+                       [x_info, r_info], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                       [init("w", rand((8, 8, 3, 3), 1) / 8), init("b", rand((8,), 2))])
+    engine = kiln.build(model, autotune=False, tactic_sources="torch")   # the reference kernel: NCHW on every CPU
+    (conv,) = [l for l in engine.plan.layers if l.op_type == "Conv"]
+    assert [a.kind for a in conv.args] == ["tensor", "weight", "weight", "tensor"]   # the residual fused, input 3
+    weights = TorchWeights(engine.plan.weights)
+    emulated = _rounded_around(conv, dataclasses.replace(conv, precision="BF16"), weights, engine.plan.weights, 17)
+    x = torch.from_numpy(rand((1, 8, 6, 6), 3))
+    r = torch.from_numpy(np.where(rand((1, 8, 6, 6), 4) > 0, 1000.0, -1000.0).astype(np.float32)) + \
+        torch.from_numpy(rand((1, 8, 6, 6), 5))
+    got = emulated([x, None, None, r])[0]
+    w, b = (weights[a.name] for a in conv.args[1:3])
+    product = F.conv2d(bf16(x), bf16(w), bf16(b), padding=1)
+    torch.testing.assert_close(got, product + r, rtol=1e-5, atol=1e-3)
+    assert (product + bf16(r) - got).abs().max() > 0.5   # what rounding the residual would have done

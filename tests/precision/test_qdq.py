@@ -418,8 +418,10 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(qdq
     assert not any(l.op_type == "Shuffle" and l.inputs[0].dtype in ("uint8", "int8") for l in layers)
     step_counts = [tuple(len(l.attrs.get(k, [])) for k in ("a_steps", "b_steps", "out_steps")) for l in attention]
     assert step_counts == [(2, 2, 0), (0, 2, 2)] * 2, step_counts   # Q.K^T, then P.V; per encoder layer
-    shown = next(l for l in engine.layer_info()["Layers"] if l["Name"] == attention[1].name)
-    assert shown["Steps"] == {"B": attention[1].attrs["b_steps"], "Output": attention[1].attrs["out_steps"]}
+    shown = {l["Name"]: l for l in engine.layer_info()["Layers"]}
+    assert shown[attention[0].name]["Steps"] == {"A": attention[0].attrs["a_steps"], "B": attention[0].attrs["b_steps"]}
+    assert shown[attention[1].name]["Steps"] == {"B": attention[1].attrs["b_steps"],
+                                                 "Output": attention[1].attrs["out_steps"]}
     assert not any(l.op_type == "MatMul" for l in layers)
     # each product by weights took its bias Add: rounded to INT8 at the product's own scale first, as the model has it
     assert all("mid_scale" in l.attrs["quant"] and len(l.args) == 3 for l in by_weights)
