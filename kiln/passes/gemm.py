@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir import Graph, Node
+from kiln.ir import Graph, Node, same_extent
 from kiln.passes.conv import fuse_residual_add
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import fused_name, is_op, replace_nodes, sole_consumer, why_not_sole_consumer
@@ -118,7 +118,8 @@ def _flattening_blocker(g: Graph, before: Node, gemm: Node, after: Node) -> str 
     n = gemm.outputs[0].shape[-1]
     if not gemm.inputs[1].is_const or (bias is not None and not (bias.is_const and bias.shape in ((n,), (1, n)))):
         return "its weights or bias are not constants of the product's width"
-    if not regrouped and (out.shape != tuple(x.shape[:-1]) + (n,) or tuple(out.dyn_dims) != tuple(x.dyn_dims)):
+    if not regrouped and (out.shape != tuple(x.shape[:-1]) + (n,) or tuple(out.dyn_dims) != tuple(x.dyn_dims) or
+                          not all(same_extent(out, i, x, i) for i in range(len(x.shape) - 1))):
         return "the second Reshape does not restore the leading axes"
     if regrouped and out.shape[-1] != n:
         return "the second Reshape does not keep the product's width"

@@ -160,6 +160,22 @@ def test_a_gemm_between_flattening_reshapes_becomes_a_matmul():
     assert (run.stat.matches, run.stat.rejections) == (2, 2)   # one fusion line per Reshape taken in
 
 
+def test_a_restore_that_swaps_two_dynamic_axes_is_not_a_restore():
+    """[B, S, K] -> [B * S, K] -> Gemm -> [S, B, N] (a target computed at run time): at the opt point B = S = 2 it
+    looks like the leading axes restored; the probe point (B = 8, S = 3) says otherwise."""
+    b = IRBuilder()
+    x = b.input("x", (2, 2, 3), dyn_dims=(0, 1), probe=(8, 3, 3))
+    flat = b.node("Reshape", [x, b.const("flat", [-1, 3], np.int64)], "flat_out", (4, 3), dyn_dims=(0,),
+                  probe=(24, 3), name="flat")
+    y = b.node("Gemm", [flat, b.const("w", np.ones((3, 4)))], "y", (4, 4), dyn_dims=(0,), probe=(24, 4), name="gemm")
+    back = b.node("Reshape", [y, b.input("target", (3,), np.int64)], "back", (2, 2, 4), dyn_dims=(0, 1),
+                  probe=(3, 8, 4), name="back")
+    g = b.graph(back)
+    run = run_pass_unchanged(g, "GemmToMatMul", gemm_between_reshapes)
+    assert run.not_fusing == [
+        "GemmToMatMul: Not fusing flat with gemm: the second Reshape does not restore the leading axes"]
+
+
 def test_a_gemm_after_a_reshape_merging_heads_becomes_a_matmul_on_the_rows():
     """GPT-2's attention output [1, S, H, D] -> [S, H*D] -> Gemm (c_proj) -> [1, S, N]: the first Reshape stays,
     retargeted to [1, S, H*D], and the product becomes a MatMul writing [1, S, N]; with a dynamic axis it is left,
