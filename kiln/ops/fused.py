@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.registry import KILN_OPS, OPS, OpDef, OpKind
 
 
@@ -138,8 +139,16 @@ def _quantized(base: str):
         """A product of two INT8 activations reads them after their steps (kiln.passes.qmatmul_steps)."""
         x, w = (apply_steps(v, attrs.get(key, [])) for v, key in zip(xs[:2], OPERAND_STEPS))
         w = w if w.is_floating_point() else dequantized_weights(attrs, w)   # float: prepared once
-        return [apply_steps(run_quantized(base, attrs, x, w, xs[2:]), attrs.get("out_steps", []))]
+        y = apply_steps(run_quantized(base, attrs, x, w, xs[2:]), attrs.get("out_steps", []))
+        return [y if "out_table" not in attrs else apply_table(y, attrs["out_table"])]
     return impl
+
+
+def apply_table(y: torch.Tensor, table: dict) -> torch.Tensor:
+    """An INT8 tensor's bytes mapped through a 256-entry table of output bytes (kiln.passes.qmatmul_table):
+    {"bytes": [256 ints], "dtype": "uint8" | "int8"}, indexed by the raw byte (an s8 -1 reads entry 255)."""
+    mapped = torch.tensor(table["bytes"], dtype=torch.uint8)[y.view(torch.uint8).long()]
+    return mapped.view(INT8_TORCH[table["dtype"]])
 
 
 def _dequantize_weight_once(attrs, consts: dict) -> dict:

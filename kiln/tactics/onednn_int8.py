@@ -176,7 +176,8 @@ class OneDnnInt8LinearTactic:
 
     def supports(self, layer: LayerView) -> bool:
         spec = layer.attrs.get("activation")
-        return linear_supported(layer) and (not spec or spec["op"] in QLINEAR_UNARY and fused_unary(spec) is not None) \
+        return linear_supported(layer) and "out_table" not in layer.attrs and \
+            (not spec or spec["op"] in QLINEAR_UNARY and fused_unary(spec) is not None) \
             and int8_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:

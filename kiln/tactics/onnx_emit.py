@@ -262,13 +262,18 @@ def _without_activation(view: LayerView) -> LayerView:
 
 def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     """An INT8 layer as the Q/DQ graph it came from: DQ(x) -> op(DQ(W)) -> [Q] (onnxruntime fuses it again); a
-    product of two activations with its operands' and result's steps (kiln.passes.qmatmul_steps) around it."""
+    product of two activations with its operands' and result's steps (kiln.passes.qmatmul_steps) around it; an
+    output table (kiln.passes.qmatmul_table) as a Gather of its bytes."""
     steps = [view.attrs.get(key) or [] for key in PRODUCT_STEPS]
-    if not any(steps):
-        return _emit_quantized_product(e, view, xs)
+    table = view.attrs.get("out_table")
+    view = dataclasses.replace(view, attrs={k: v for k, v in without_steps(view.attrs).items() if k != "out_table"})
     operands = [_emit_steps(e, x, s) for x, s in zip(xs[:2], steps)]
-    y = _emit_quantized_product(e, dataclasses.replace(view, attrs=without_steps(view.attrs)), operands + list(xs[2:]))
-    return _emit_steps(e, y, steps[2])
+    y = _emit_steps(e, _emit_quantized_product(e, view, operands + list(xs[2:])), steps[2])
+    if table is None:
+        return y
+    index = e.node("Cast", [y], {"to": onnx.TensorProto.INT32})   # an s8 byte < 0 reads from the end: its raw byte
+    entries = np.array(table["bytes"], np.uint8).view(table["dtype"])
+    return e.node("Gather", [e.const(entries, table["dtype"]), index])
 
 
 def _emit_quantized_product(e: Emitter, view: LayerView, xs: list[str | None]) -> str:

@@ -19,7 +19,8 @@ from kiln.tactics.base import LINEAR, Kernel, LayerView
 from kiln.tactics.gemm_c import ONE_LINE
 from kiln.tactics.onednn_int8 import unsigned_input
 from kiln.tactics.qgemm_c import (MAX_K_ZERO_POINTS, OUT_KINDS, VNNI_ISA, Epilogue, GemmCall, _padded,
-                                  fused_activation, output_dtype, output_type, rounding_fields, vnni_available)
+                                  fused_activation, output_dtype, output_table, output_type, rounding_fields,
+                                  vnni_available)
 
 MAX_SHAPES = 64   # (batch, m, k, n) call structures, and epilogues per n, kept per layer
 
@@ -151,6 +152,7 @@ def _epilogues(layer: LayerView):
     bias = layer.const_inputs.get(2)
     lo, hi, act = fused_activation(layer.attrs.get("activation"))
     y_scale, y_zp = float(q.get("y_scale", 1.0)), int(q.get("y_zero_point", 0))
+    table = output_table(layer)
 
     def epilogue(n: int) -> tuple:
         entry = made.get(n)
@@ -162,7 +164,8 @@ def _epilogues(layer: LayerView):
             e = Epilogue(None, scale.data_ptr(), None if b is None else b.data_ptr(), lo, hi, 1.0, y_scale, 0, y_zp,
                          act, OUT_KINDS[output_type(q)], int(q["x_dtype"] == "int8"), 0, OUT_KINDS[None],
                          None if zps is None else zps.data_ptr(), *rounding_fields(q, y_zp))
-            entry = (e, (scale, zps, b))
+            e.table = None if table is None else table.data_ptr()
+            entry = (e, (scale, zps, b, table))
             if len(made) < MAX_SHAPES:
                 entry = made.setdefault(n, entry)
         return entry

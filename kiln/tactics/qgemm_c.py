@@ -32,6 +32,7 @@ from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _
 
 VNNI_ISA = ("avx512_vnni",)
 PANEL = native.header_constant("qgemm.c", "NR")   # columns per packed weight panel, defined once in qgemm.c
+TABLE_BYTES = native.header_constant("qgemm.c", "TABLE_BYTES")   # an output table's bytes, padded for a gather
 QUAD = 4                                          # k bytes per int32 lane: what one vpdpbusd sums
 OUT_KINDS = {None: 0, "uint8": 1, "int8": 2}   # qgemm.c's OUT_F32, OUT_U8, OUT_S8 (None: no y_scale, FP32 out)
 MAX_K = (2**31 - 1) // (255 * 128)   # products summed per output (65,793) before an int32 sum could overflow
@@ -48,7 +49,7 @@ class Epilogue(ctypes.Structure):
                 ("pad_byte", ctypes.c_int32), ("r_kind", ctypes.c_int32), ("w_zp", ctypes.c_void_p),
                 ("mid_scale", ctypes.c_float), ("mid_zp", ctypes.c_int32), ("mid_kind", ctypes.c_int32),
                 ("y_lo", ctypes.c_float), ("y_hi", ctypes.c_float), ("mid_lo", ctypes.c_float),
-                ("mid_hi", ctypes.c_float)]
+                ("mid_hi", ctypes.c_float), ("table", ctypes.c_void_p)]
 
 
 I64 = ctypes.c_int64
@@ -179,7 +180,18 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
                  float(q.get("r_scale", 1.0)), y_scale, int(q.get("r_zero_point", 0)), y_zp, act,
                  OUT_KINDS[output_type(q)], int(q["x_dtype"] == "int8"), int(q["x_zero_point"]) & 0xFF,
                  _residual_kind(layer), None if w_zp is None else w_zp.data_ptr(), *rounding_fields(q, y_zp))
-    return e, tuple(t for t in (comp, scale, bias, w_zp) if t is not None)
+    table = output_table(layer)
+    e.table = None if table is None else table.data_ptr()
+    return e, tuple(t for t in (comp, scale, bias, w_zp, table) if t is not None)
+
+
+def output_table(layer: LayerView) -> torch.Tensor | None:
+    """The 256 output bytes a product's requantized byte maps to (kiln.passes.qmatmul_table), padded as qgemm.c's
+    epilogue reads them; None where the layer has none."""
+    table = layer.attrs.get("out_table")
+    if table is None:
+        return None
+    return torch.tensor(table["bytes"] + [0] * (TABLE_BYTES - 256), dtype=torch.uint8)
 
 
 def output_type(q: dict) -> str | None:
@@ -213,8 +225,11 @@ def vnni_available() -> bool:
 
 
 def output_dtype(layer: LayerView) -> torch.dtype:
-    """The torch dtype of the layer's output: its INT8 type where it requantizes, else float32."""
-    q = layer.attrs["quant"]
+    """The torch dtype of the layer's output: its INT8 type where it requantizes (its table's where it has one),
+    else float32."""
+    q, table = layer.attrs["quant"], layer.attrs.get("out_table")
+    if table is not None:
+        return INT8_TORCH[table["dtype"]]
     return INT8_TORCH[q["y_dtype"]] if "y_scale" in q else torch.float32
 
 

@@ -231,6 +231,10 @@ def _matmul(plan: Plan, layer: Layer) -> dict[str, Any]:
     steps = {key: a[attr] for attr, key in STEPS_KEYS.items() if a.get(attr)}
     if steps:   # kiln's addition: an INT8 product's head split and merge (kiln.passes.qmatmul_steps)
         d["Steps"] = steps
+    table = a.get("out_table")
+    if table:   # kiln's addition: the pointwise chain it took, as the bytes each output byte maps to
+        d["OutputTable"] = {"Type": weight_type(table["dtype"]), "Count": len(table["bytes"]),
+                            "Values": table["bytes"]}
     return d
 
 

@@ -438,14 +438,20 @@ def test_quantize_static_encoder_builds_and_its_plan_agrees_with_onnxruntime(qdq
     if native.available():   # the Q/DQ between them runs in generated kernels (but the mask's Where), and the sums
         pointwise = [l for l in layers if l.op_type == "QAdd" or l.op_type == "PointWise" and
                      "Where" not in {step["op"] for step in l.attrs["program"]}]
-        # 11: the embeddings' first sum, per layer the mask's sum and three tables, the pooler's Tanh; the residual
+        # 7: the embeddings' first sum, per layer the mask's sum and one table, the pooler's Tanh; the residual
         # sums are inside the INT8 LayerNorms below
-        assert len(pointwise) == 11
+        assert len(pointwise) == 7
         assert {l.tactic_name for l in pointwise if l.op_type == "QAdd"} == {"codegen.pointwise_c_simd"}
-        # chains on one INT8 tensor are 256-byte tables: 3 embeddings' requantization, per layer the scores'
-        # scaling and the GELU's Q/DQ-separated ops, the pooler's Tanh
+        # chains on one INT8 tensor are 256-byte tables: 3 embeddings' requantization, the pooler's Tanh; per layer
+        # the scores' scaling and the GELU's Q/DQ-separated ops are tables in their products' epilogues
         lookups = [l for l in pointwise if l.tactic_name == "kiln.lookup_table"]
-        assert len(lookups) == 8 and all(sum(a.kind == "tensor" for a in l.args) == 1 for l in lookups)
+        assert len(lookups) == 4 and all(sum(a.kind == "tensor" for a in l.args) == 1 for l in lookups)
+        tabled = [l for l in products if "out_table" in l.attrs]
+        assert [l in attention for l in tabled] == [True, False] * 2   # Q.K^T's scaling, FFN1's GELU
+        assert all(l.name.endswith(")") and "PWN(" in l.name for l in tabled)
+        table = shown[tabled[0].name]["OutputTable"]
+        kind = {"uint8": "UInt8", "int8": "Int8"}[tabled[0].outputs[0].dtype]   # the chain's output type
+        assert table == {"Type": kind, "Count": 256, "Values": tabled[0].attrs["out_table"]["bytes"]}
         softmaxes = [l for l in layers if "Softmax" in l.op_type]   # DQ -> Softmax -> Q: INT8 in and out
         assert [(l.op_type, l.tactic_name) for l in softmaxes] == [("QSoftmax", "kiln.softmax_int8")] * 2
         # DQ -> LayerNorm -> Q with the residual QAdd before it: one INT8 layer each (embeddings', 2 per layer)

@@ -132,6 +132,23 @@ def test_steps_with_a_dynamic_sequence_run_at_every_length():
         got = run([q, k])[0]
         assert got.shape == (1, s, h * s) and torch.equal(got, want)
 @needs_vnni
+def test_an_output_table_maps_the_scores_bytes():
+    """Q.K^T with quantize_static's scaling as an output table (kiln.passes.qmatmul_table): table[byte] of the
+    product alone, also through the reference op (a k past the kernel's int32 sums runs it)."""
+    view, a, b = act_case("attention_scores_u8_u8")
+    bytes_ = torch.randperm(256, generator=torch.Generator().manual_seed(5)).tolist()
+    tabled = dataclasses.replace(view, attrs={**view.attrs, "out_table": {"bytes": bytes_, "dtype": "int8"}},
+                                 output_dtypes=("int8",))
+    plain = QActMatMulTactic().prepare(view)([a, b])[0]
+    want = torch.tensor(bytes_, dtype=torch.uint8)[plain.view(torch.uint8).long()].view(torch.int8)
+    assert torch.equal(QActMatMulTactic().prepare(tabled)([a, b])[0], want)
+    reference = qgemm_act_c.lookup("QMatMul", "kiln").impl
+    ref_plain = reference(view.attrs, [a, b])[0]
+    assert torch.equal(reference(tabled.attrs, [a, b])[0],
+                       torch.tensor(bytes_, dtype=torch.uint8)[ref_plain.view(torch.uint8).long()].view(torch.int8))
+
+
+@needs_vnni
 def test_bias_and_relu_run_in_the_epilogue_and_each_call_packs_its_own_b():
     n = CASES["attention_scores_u8_u8"][3]
     view, a, b = act_case("attention_scores_u8_u8", bias=torch.linspace(-3, 3, n), act=RELU)

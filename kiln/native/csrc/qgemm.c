@@ -53,9 +53,12 @@ typedef struct {
   int32_t mid_zp, mid_kind; /* mid_kind OUT_U8 or OUT_S8; OUT_F32: no such rounding */
   float y_lo, y_hi;         /* the output's integer range less its zero point ([0, 255] - y_zp for u8), and */
   float mid_lo, mid_hi;     /* the mid rounding's: what quantize16 clamps to (computed once at load) */
+  const uint8_t* table;     /* 256 output bytes by the requantized raw byte (a pointwise chain on it), padded to
+                               TABLE_BYTES for the gather below; NULL: none */
 } QEpilogue;
 
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2 };
+#define TABLE_BYTES 260   /* 256 entries and 3 bytes a gather of 4 at entry 255 reads past them, rounded up to 4 */
 
 static inline int64_t out_size(const QEpilogue* e) { return e->out_kind == OUT_F32 ? 4 : 1; }
 static inline int64_t res_size(const QEpilogue* e) { return e->r_kind == OUT_F32 ? 4 : 1; }
@@ -140,6 +143,19 @@ static inline __m512i quantize16(__m512 x, float scale, int32_t zp, float lo, fl
   return _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(zp));
 }
 
+/* 16 bytes mapped through a 256-byte table: two vpermi2b (128 entries each) and a blend on the top bit with
+   AVX512-VBMI, else a gather of 4 bytes at each byte's offset (the table padded by 3), its low byte kept. */
+static inline __m128i mapped16(__m128i bytes, const uint8_t* table) {
+#if defined(__AVX512VBMI__)
+  const __m512i idx = _mm512_castsi128_si512(bytes);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(table), idx, _mm512_loadu_si512(table + 64));
+  const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(table + 128), idx, _mm512_loadu_si512(table + 192));
+  return _mm512_castsi512_si128(_mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi));
+#else
+  return _mm512_cvtepi32_epi8(_mm512_i32gather_epi32(_mm512_cvtepu8_epi32(bytes), (const void*)table, 1));
+#endif
+}
+
 /* 16 output columns from their int32 sums: compensation, scales, [rounded at the mid scale and dequantized,] bias,
    residual, activation, then stored as FP32 or requantized u8/s8 (`mask`: the real columns of a partial panel;
    other lanes are never stored). */
@@ -168,7 +184,8 @@ store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out
     _mm512_mask_storeu_ps(out, mask, y);
     return;
   }
-  _mm_mask_storeu_epi8(out, mask, _mm512_cvtepi32_epi8(quantize16(y, e->y_scale, e->y_zp, e->y_lo, e->y_hi)));
+  const __m128i q = _mm512_cvtepi32_epi8(quantize16(y, e->y_scale, e->y_zp, e->y_lo, e->y_hi));
+  _mm_mask_storeu_epi8(out, mask, e->table ? mapped16(q, e->table) : q);
 }
 
 static inline uint32_t quad(const uint8_t* p) {

@@ -1,0 +1,61 @@
+"""QMatMulTableFusion on IR graphs: a PointWise chain reading only an INT8 product's output (and one-value
+constants) joins the product as a 256-entry table of output bytes; chains it cannot tabulate stay."""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.passes.qmatmul_table import fuse_product_tables
+from tests.passes.ir_builder import IRBuilder, run_pass, run_pass_unchanged
+
+NAME = "QMatMulTableFusion"
+QUANT = {"x_scale": 0.1, "x_zero_point": 128, "x_dtype": "uint8", "w_scale": [0.1], "w_zero_point": [128],
+         "y_scale": 0.5, "y_zero_point": 10, "y_dtype": "uint8"}
+# DQ at (0.5, 10), Neg, Q at (0.25, 0) to int8: y = clamp(round(-(x - 10) * 2))
+REVERSAL = [{"op": "DequantizeLinear", "attrs": {}, "args": ["x0", "x1", "x2"]},
+            {"op": "Neg", "attrs": {}, "args": ["t0"]},
+            {"op": "QuantizeLinear", "attrs": {}, "args": ["t1", "x3", "x4"]}]
+
+
+def chain(b: IRBuilder, x, out: str, tag: str, shape=(2, 4, 4)):
+    consts = [b.const(f"{tag}_s", 0.5), b.const(f"{tag}_zp", 10, np.uint8), b.const(f"{tag}_ys", 0.25),
+              b.const(f"{tag}_yzp", 0, np.int8)]
+    return b.node("PointWise", [x] + consts, out, shape, domain="kiln", dtype=np.int8, name=f"PWN({tag})",
+                  program=REVERSAL)
+
+
+def product(b: IRBuilder, a, k, out: str, quant=QUANT, dtype=np.uint8):
+    return b.node("QMatMul", [a, k], out, (2, 4, 4), domain="kiln", dtype=dtype, quant=quant)
+
+
+def test_a_chain_on_an_int8_products_output_becomes_its_output_table():
+    b = IRBuilder()
+    q, k = b.input("q", (2, 4, 8), np.uint8), b.input("k", (2, 8, 4), np.uint8)
+    g = b.graph(chain(b, product(b, q, k, "scores"), "scaled", "scale"))
+
+    run = run_pass(g, NAME, fuse_product_tables, folds_constants=True)   # the table: the chain on 256 bytes
+
+    (layer,) = g.nodes
+    assert (layer.op_type, layer.name, [v.name for v in layer.inputs]) == ("QMatMul", "scores + PWN(scale)", ["q", "k"])
+    assert layer.outputs[0].name == "scaled" and layer.outputs[0].dtype == np.int8
+    codes = np.arange(256)
+    want = np.clip(np.rint(-(codes - 10) * 0.5 / 0.25), -128, 127).astype(np.int8).view(np.uint8)
+    assert layer.attrs["out_table"] == {"bytes": want.tolist(), "dtype": "int8"}
+    assert {k: v for k, v in layer.attrs.items() if k != "out_table"} == {"quant": QUANT}
+    assert layer.origin == ("scores", "PWN(scale)")
+    assert (run.stat.matches, run.stat.layers_before, run.stat.layers_after) == (1, 2, 1)
+
+
+def test_chains_it_cannot_tabulate_stay():
+    b = IRBuilder()
+    q, k, other = b.input("q", (2, 4, 8), np.uint8), b.input("k", (2, 8, 4), np.uint8), b.input("o", (2, 4, 4))
+    two = b.node("PointWise", [product(b, q, k, "p1"), other], "two", (2, 4, 4), domain="kiln", name="PWN(two)",
+                 program=[{"op": "Add", "attrs": {}, "args": ["x0", "x1"]}])
+    fp32 = {key: v for key, v in QUANT.items() if not key.startswith("y_")}
+    floats = chain(b, product(b, q, k, "p2", quant=fp32, dtype=np.float32), "floats", "floats")
+    g = b.graph(two, floats)
+
+    run = run_pass_unchanged(g, NAME, fuse_product_tables)
+
+    assert run.not_fusing == [
+        f"{NAME}: Not fusing p1 with PWN(two): PWN(two) reads more than the product's output and one-value constants",
+        f"{NAME}: Not fusing p2 with PWN(floats): the product's output or the chain's is not INT8"]
