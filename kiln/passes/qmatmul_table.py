@@ -60,7 +60,7 @@ def output_table(chain: Node, index: int) -> dict:
     """The chain's output byte for each byte its INT8 input can hold, in raw-byte order."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     x = codes.view(torch.int8) if str(chain.inputs[index].dtype) == "int8" else codes
-    xs = [x if i == index else torch.as_tensor(np.asarray(v.const)).reshape(()) for i, v in enumerate(chain.inputs)]
+    xs = [x if i == index else torch.tensor(np.array(v.const)).reshape(()) for i, v in enumerate(chain.inputs)]
     with torch.inference_mode():
         y = run_program(chain.attrs["program"], xs).reshape(-1)
     return {"bytes": y.view(torch.uint8).tolist(), "dtype": str(chain.outputs[0].dtype)}
