@@ -15,11 +15,47 @@ def _as_shuffle(node: Node) -> Node | None:
         target = _unit_axes_target(perm, node.inputs[0], node.outputs[0])
         steps = [{"transpose": list(perm)} if target is None else {"reshape": target}]
     else:
-        target = _constant_target(node) or reshape_target(node.inputs[0], node.outputs[0])
+        if node.op_type in ("Squeeze", "Unsqueeze", "Flatten") and node.outputs[0].dyn_dims:
+            target = _axes_target(node)   # exact from the op's axes (or None: kept), never guessed from sizes
+        else:
+            target = _constant_target(node) or reshape_target(node.inputs[0], node.outputs[0])
         if target is None:
             return None
         steps = [{"reshape": target}]
     return Node(node.name, "Shuffle", [node.inputs[0]], list(node.outputs), {"steps": steps}, "kiln", node.origin)
+
+
+def _axes_target(node: Node) -> list[int] | None:
+    """The reshape target of a Squeeze, Unsqueeze or Flatten with dynamic axes, from the axes it names: each output
+    axis copies the input axis it comes from where that is the same index (0), a static one is written, at most one
+    other is inferred (-1). None where that is not enough (a dynamic axis that moves, besides one) or the axes are
+    not constants: the ONNX op stays and runs as written. Sizes equal at every profile bound (a square image
+    profile's H and W) cannot mislead it."""
+    src, out = node.inputs[0], node.outputs[0]
+    sources = _output_sources(node, len(src.shape))
+    if sources is None or len(sources) != len(out.shape):
+        return None
+    target = [out.shape[i] if i not in out.dyn_dims else 0 if source == i else -1 for i, source in enumerate(sources)]
+    return target if target.count(-1) <= 1 and 0 not in out.shape else None
+
+
+def _output_sources(node: Node, rank: int) -> list[int | None] | None:
+    """Per output axis, the input axis it is (None: a new or merged axis); None where the axes are not known."""
+    if node.op_type == "Flatten":
+        axis = node.attrs.get("axis", 1) % max(rank, 1) if rank else 0
+        return [0 if axis == 1 else None, rank - 1 if axis == rank - 1 else None]
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+        axes = node.inputs[1].const.reshape(-1).tolist() if node.inputs[1].is_const else None
+    if axes is None:
+        return None
+    if node.op_type == "Squeeze":
+        gone = {int(a) % rank for a in axes}
+        return [i for i in range(rank) if i not in gone]
+    out_rank = rank + len(axes)
+    added = {int(a) % out_rank for a in axes}
+    kept = iter(range(rank))
+    return [None if i in added else next(kept) for i in range(out_rank)]
 
 
 def _constant_target(node: Node) -> list[int] | None:

@@ -246,3 +246,31 @@ def test_a_computed_reshape_does_not_copy_an_axis_that_only_matches_at_the_opt_p
         y = engine.run({"x": x})["y"]
         assert y.shape == shape
         assert_close_to_ort(y, run_ort(str(path), {"x": x})[0])
+
+
+def test_squeeze_and_unsqueeze_keep_h_and_w_apart_in_a_square_profile():
+    """H and W have one size at every bound of a square profile, so no shape point tells them apart: Squeeze and
+    Unsqueeze targets come from their axes. [N, 1, H, W] -> [N, H, W] cannot be one reshape target (H and W both
+    move) and stays a Squeeze; before, it became [0, -1, 0] and a 5x7 image came back 7x5."""
+    from onnx import TensorProto, helper
+
+    from tests.conftest import init, make_model
+
+    nodes = [helper.make_node("Squeeze", ["x", "one"], ["s"], name="squeeze"),
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("Unsqueeze", ["r", "one"], ["u"], name="unsqueeze"),
+             helper.make_node("Sigmoid", ["u"], ["y"], name="sigmoid"),
+             helper.make_node("Unsqueeze", ["x", "last"], ["z"], name="trailing")]   # [N, 1, H, W, 1]: in place
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1, "h", "w"])],
+                       [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "z", "s")],
+                       [init("one", np.array([1], np.int64)), init("last", np.array([4], np.int64))])
+    engine = kiln.build(model, autotune=False, tactic_sources="-openvino,-onnxruntime",
+                        profiles=[{"x": ((1, 1, 4, 4), (1, 1, 8, 8), (2, 1, 16, 16))}])
+    ops = {l.name: (l.op_type, l.attrs.get("steps")) for l in engine.plan.layers}
+    assert ops["squeeze"] == ("Squeeze", None) and ops["trailing"] == ("Shuffle", [{"reshape": [0, 1, 0, 0, 1]}])
+    for shape in [(1, 1, 5, 7), (2, 1, 16, 4), (1, 1, 8, 8)]:
+        x = np.random.default_rng(shape[2]).standard_normal(shape).astype(np.float32)
+        got, want = engine.run({"x": x}), run_ort(model, {"x": x})
+        for name, expected in zip(("y", "z", "s"), want):
+            assert got[name].shape == expected.shape
+            np.testing.assert_allclose(got[name], expected, rtol=1e-6, atol=1e-6)
