@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln import hardware
+from kiln.ops.fused import apply_table
 from kiln.ops.nn import _torch_pad
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, has_residual
 from kiln.tactics.onednn_conv import _BINARY_UNARY, fused_unary
@@ -176,8 +177,7 @@ class OneDnnInt8LinearTactic:
 
     def supports(self, layer: LayerView) -> bool:
         spec = layer.attrs.get("activation")
-        return linear_supported(layer) and "out_table" not in layer.attrs and \
-            (not spec or spec["op"] in QLINEAR_UNARY and fused_unary(spec) is not None) \
+        return linear_supported(layer) and (not spec or spec["op"] in QLINEAR_UNARY and fused_unary(spec) is not None) \
             and int8_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
@@ -199,11 +199,13 @@ class OneDnnInt8LinearTactic:
         y_scale, y_zp, y_dtype = _output(layer)
         unary, scalars, algorithm = fused_unary(layer.attrs.get("activation")) or ("none", [], "")
         linear = torch.ops.onednn.qlinear_pointwise
+        table = layer.attrs.get("out_table")   # kiln.passes.qmatmul_table: applied after the call
 
         def run(xs):
             x = xs[0]
             flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
             y = linear(to_unsigned(flat.contiguous()), x_scale, x_zp, packed, w_scales, w_zps, bias, y_scale, y_zp, y_dtype,
                        unary, scalars, algorithm or "")
+            y = y if table is None else apply_table(y, table)   # no such post-op: one lookup over the output
             return [y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])]
         return run

@@ -131,10 +131,12 @@ def test_steps_with_a_dynamic_sequence_run_at_every_length():
         want = act_formula(view, heads_q, heads_kt).permute(0, 2, 1, 3).reshape(1, s, h * s)
         got = run([q, k])[0]
         assert got.shape == (1, s, h * s) and torch.equal(got, want)
+
+
 @needs_vnni
 def test_an_output_table_maps_the_scores_bytes():
     """Q.K^T with quantize_static's scaling as an output table (kiln.passes.qmatmul_table): table[byte] of the
-    product alone, also through the reference op (a k past the kernel's int32 sums runs it)."""
+    product alone, on the kernel and on the reference op (which the kernel runs for a k past its int32 sums)."""
     view, a, b = act_case("attention_scores_u8_u8")
     bytes_ = torch.randperm(256, generator=torch.Generator().manual_seed(5)).tolist()
     tabled = dataclasses.replace(view, attrs={**view.attrs, "out_table": {"bytes": bytes_, "dtype": "int8"}},
