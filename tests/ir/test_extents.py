@@ -18,7 +18,11 @@ def test_axes_are_one_only_where_both_points_agree():
     batch, merged = value((2, 1, 8), (0, 1), (8, 3, 8)), value((2, 8), (0,), (24, 8))
     assert not same_extent(batch, 0, merged, 0)            # 2 and 2 at the opt point, 8 and 24 at the probe point
     assert same_extent(batch, 2, merged, 1)                # static, equal
-    assert not same_extent(batch, 1, value((1,)), 0)       # dynamic against static, though both 1 here
+    assert not same_extent(batch, 1, value((1,), probe=(1,)), 0)   # dynamic against static, though both 1 here
+    static, dynamic = value((4,), probe=(4,)), value((4,), (0,), (4,))   # a probe that happens to agree
+    assert not same_extent(static, 0, dynamic, 0) and not same_extent(dynamic, 0, static, 0)
+    rows, cols = value((2, 3), (0, 1), (8, 5)), value((3, 2), (0, 1), (5, 8))   # axes at different indices
+    assert same_extent(rows, 1, cols, 0) and same_extent(rows, 0, cols, 1) and not same_extent(rows, 0, cols, 0)
     assert same_extent(batch, 0, value((2, 4), (0,), (8, 4)), 0)
     assert not same_extent(batch, 0, value((2,), (0,)), 0)  # no probe size: equal opt sizes may be a coincidence
     assert same_shape(batch, value((2, 1, 8), (0, 1), (8, 3, 8)))

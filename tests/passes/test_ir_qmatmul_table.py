@@ -59,3 +59,34 @@ def test_chains_it_cannot_tabulate_stay():
     assert run.not_fusing == [
         f"{NAME}: Not fusing p1 with PWN(two): PWN(two) reads more than the product's output and one-value constants",
         f"{NAME}: Not fusing p2 with PWN(floats): the product's output or the chain's is not INT8"]
+
+
+def test_an_int8_product_read_as_any_input_is_tabulated_by_raw_byte_and_odd_chains_stay():
+    """An s8 product's bytes index the table as raw bytes (-1 reads entry 255), its output read as the chain's
+    second input; a per-column constant, a chain that broadcasts, and a product already tabulated stay."""
+    b = IRBuilder()
+    q, k = b.input("q", (2, 4, 8), np.uint8), b.input("k", (2, 8, 4), np.uint8)
+    signed = {**QUANT, "y_zero_point": 0, "y_dtype": "int8"}
+    s8 = product(b, q, k, "s8", quant=signed, dtype=np.int8)
+    consts = [b.const("c_s", 0.5), b.const("c_zp", 0, np.int8), b.const("c_ys", 0.25), b.const("c_yzp", 0, np.uint8)]
+    program = [{"op": "DequantizeLinear", "attrs": {}, "args": ["x1", "x0", "x2"]},
+               {"op": "Neg", "attrs": {}, "args": ["t0"]},
+               {"op": "QuantizeLinear", "attrs": {}, "args": ["t1", "x3", "x4"]}]
+    flipped = b.node("PointWise", [consts[0], s8] + consts[1:], "flipped", (2, 4, 4), domain="kiln", dtype=np.uint8,
+                     name="PWN(flip)", program=program)
+    cols = b.node("PointWise", [product(b, q, k, "p1"), b.const("cols", np.arange(4.0))], "cols_out", (2, 4, 4),
+                  domain="kiln", name="PWN(cols)", program=[{"op": "Add", "attrs": {}, "args": ["x0", "x1"]}])
+    wide = chain(b, product(b, q, k, "p2"), "wide", "wide", shape=(3, 2, 4, 4))
+    g = b.graph(flipped, cols, wide)
+
+    run = run_pass(g, NAME, fuse_product_tables, folds_constants=True)
+
+    fused = next(n for n in g.nodes if n.outputs[0].name == "flipped")
+    codes = np.arange(256).astype(np.uint8).view(np.int8).astype(np.float64)   # raw byte order
+    want = np.clip(np.rint(-codes * 0.5 / 0.25), 0, 255).astype(np.uint8)
+    assert fused.attrs["out_table"] == {"bytes": want.tolist(), "dtype": "uint8"}
+    assert run.not_fusing == [
+        f"{NAME}: Not fusing p1 with PWN(cols): PWN(cols) reads more than the product's output and one-value constants",
+        f"{NAME}: Not fusing p2 with PWN(wide): PWN(wide) broadcasts the product's output"]
+    again = run_pass_unchanged(g, NAME, fuse_product_tables)   # a tabulated product is not a chain's reader now
+    assert again.stat.matches == 0
