@@ -68,6 +68,15 @@ def run_program(steps, xs):
     return temps[-1]
 
 
+def program_on_bytes(program, inputs: list, index: int, signed: bool) -> torch.Tensor:
+    """A PointWise program's output for each byte its INT8 input `index` can hold, in raw-byte order (an s8 -1 is
+    entry 255); `inputs` holds the other inputs (one-value constants), None at `index`."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    x = codes.view(torch.int8) if signed else codes
+    with torch.inference_mode():
+        return run_program(program, [x if i == index else v for i, v in enumerate(inputs)]).reshape(-1)
+
+
 def pointwise(attrs, xs):
     return [run_program(attrs["program"], xs)]
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kiln.ir import Graph, Node
-from kiln.ops.fused import run_program
+from kiln.ops.fused import program_on_bytes
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import replace_nodes, sole_consumer
 from kiln.trt.vocab import fused_layer_name
@@ -58,9 +58,6 @@ def _blocker(mm: Node, chain: Node) -> str | None:
 
 def output_table(chain: Node, index: int) -> dict:
     """The chain's output byte for each byte its INT8 input can hold, in raw-byte order."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    x = codes.view(torch.int8) if str(chain.inputs[index].dtype) == "int8" else codes
-    xs = [x if i == index else torch.tensor(np.array(v.const)).reshape(()) for i, v in enumerate(chain.inputs)]
-    with torch.inference_mode():
-        y = run_program(chain.attrs["program"], xs).reshape(-1)
+    consts = [None if i == index else torch.tensor(np.array(v.const)).reshape(()) for i, v in enumerate(chain.inputs)]
+    y = program_on_bytes(chain.attrs["program"], consts, index, str(chain.inputs[index].dtype) == "int8")
     return {"bytes": y.view(torch.uint8).tolist(), "dtype": str(chain.outputs[0].dtype)}

@@ -14,7 +14,7 @@ import torch
 
 from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
-from kiln.ops.fused import run_program
+from kiln.ops.fused import program_on_bytes
 from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
 from kiln.tactics.quant_c import dense_layout
 
@@ -39,11 +39,8 @@ def lookup_input(layer: LayerView) -> int | None:
 
 def lookup_table(layer: LayerView, index: int) -> torch.Tensor:
     """The program's output for each byte the input can hold, in byte order (raw bytes for an INT8 output)."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    x = codes.view(torch.int8) if layer.input_dtypes[index] == "int8" else codes
-    xs = [x if i == index else torch.as_tensor(layer.const_inputs[i]) for i in range(len(layer.input_shapes))]
-    with torch.inference_mode():
-        y = run_program(layer.attrs["program"], xs).reshape(-1)
+    consts = [None if i == index else torch.as_tensor(layer.const_inputs[i]) for i in range(len(layer.input_shapes))]
+    y = program_on_bytes(layer.attrs["program"], consts, index, layer.input_dtypes[index] == "int8")
     want = TABLE_OUTPUTS[layer.output_dtypes[0]]
     if y.numel() != 256 or y.dtype != want:
         raise RuntimeError(f"the PointWise program gives {y.numel()} {y.dtype} values for 256 bytes, not {want}")
