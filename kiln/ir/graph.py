@@ -71,6 +71,15 @@ def format_shape(shape: tuple[int, ...] | None, dyn_dims: tuple[int, ...] = ()) 
     return "x".join("-1" if i in dyn_dims else str(d) for i, d in enumerate(shape)) or "scalar"
 
 
+def shape_at_points(v: Value) -> str:
+    """`v`'s shape at the opt point, with its size at the probe point beside each dynamic axis: "1x16(33)x64"."""
+    if v.shape is None:
+        return "?"
+    probe = v.probe_shape or ()
+    return "x".join(f"{d}({probe[i] if i < len(probe) else '?'})" if i in v.dyn_dims else str(d)
+                    for i, d in enumerate(v.shape)) or "scalar"
+
+
 class Graph:
     """An ordered list of nodes (kept topological) plus graph inputs/outputs; edits keep `users` in sync."""
 

@@ -166,7 +166,7 @@ def _sum_masks(g: Graph, masks: list[Value], index: int) -> Value:
         out = g.value(g.fresh_name(f"{total.name}_plus_mask"))
         shape = np.broadcast_shapes(total.shape, m.shape)
         out.shape, out.dtype = tuple(shape), total.dtype
-        out.dyn_dims = tuple(sorted(set(total.dyn_dims) | set(m.dyn_dims)))
+        out.dyn_dims = tuple(sorted({len(shape) - len(v.shape) + i for v in (total, m) for i in v.dyn_dims}))
         if total.probe_shape is not None and m.probe_shape is not None:
             out.probe_shape = tuple(np.broadcast_shapes(total.probe_shape, m.probe_shape))
         g.add_node(Node(f"{out.name} [Add]", "Add", [total, m], [out], {}, "", ()), index + k)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir import Graph, Node, Value, format_shape, same_shape
+from kiln.ir import Graph, Node, Value, same_shape, shape_at_points
 from kiln.ops.shape import pad_widths
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import (activation_spec, const_value, fused_name, is_op, replace_nodes, sole_consumer,
@@ -199,8 +199,8 @@ def _residual_blocker(g: Graph, conv: Node, add: Node, conv_out, other) -> str |
     if other.shape != conv_out.shape:
         return f"shapes differ ({list(other.shape)} vs {list(conv_out.shape)}): broadcasting sum is not fusable"
     if not same_shape(other, conv_out):
-        return (f"the shapes may differ at other input shapes ({format_shape(other.shape, other.dyn_dims)} vs "
-                f"{format_shape(conv_out.shape, conv_out.dyn_dims)}): the sum may broadcast at run time")
+        return (f"the shapes may differ at other input shapes ({shape_at_points(other)} vs "
+                f"{shape_at_points(conv_out)}; probe sizes in brackets): the sum may broadcast at run time")
     if other.dtype != conv_out.dtype:
         return "operand data types differ"
     return None

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from kiln.ir import Graph, Node, Value, same_extent, same_shape
+from kiln.ir import Graph, Node, Value, same_extent, same_shape, shape_at_points
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import fused_name, is_shuffle, other_input, replace_nodes, scalar_const, sole_consumer
 
@@ -280,9 +280,12 @@ def _match_group(g: Graph, inn: Node) -> tuple[list[Node], Value, int, np.ndarra
     channels, groups = x.shape[1], grouped.shape[1]
     if merge.outputs[0].shape != x.shape or grouped.shape[0] != x.shape[0] or channels % groups:
         return None
-    if set(x.dyn_dims) - {0} or set(grouped.dyn_dims) - {0} or not same_shape(merge.outputs[0], x) or \
-            not same_extent(grouped, 0, x, 0):
+    if set(x.dyn_dims) - {0} or set(grouped.dyn_dims) - {0}:
         return NearMiss(split, "a dynamic axis other than the batch")
+    if not same_shape(merge.outputs[0], x) or not same_extent(grouped, 0, x, 0):
+        shapes = ", ".join(shape_at_points(v) for v in (x, grouped, merge.outputs[0]))
+        return NearMiss(split, f"the grouped batch may differ from the input's at other input shapes ({shapes}; "
+                               "probe sizes in brackets)")
     scale, bias = (v.const.reshape(-1).astype(np.float32) if v is not None and v.is_const and v.const.size == groups
                    else None for v in inn.inputs[1:3])
     if scale is None or bias is None:

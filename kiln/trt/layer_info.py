@@ -214,7 +214,7 @@ def _shuffle(plan: Plan, layer: Layer) -> dict[str, Any]:
     if rest and "transpose" in rest[0]:
         second = rest.pop(0)["transpose"]
     d = {"FirstTranspose": first, "Reshape": list(reshape) if reshape is not None else "nbDims=-1",
-         "SecondTranspose": second, "ZeroIsPlaceholder": 0}
+         "SecondTranspose": second, "ZeroIsPlaceholder": 1}   # kiln's targets read 0 as "copy this axis"
     if rest:   # chains TensorRT's three-step shuffle cannot express: kiln lists every step
         d["Steps"] = steps
     return d

@@ -127,13 +127,22 @@ def run_pass(g: Graph, name: str, rewrite: Callable[[Graph, PassLog], None], fol
     level = logger.level
     logger.setLevel(logging.DEBUG)
     logger.addHandler(handler)
+    probed = not _unprobed(g)
     try:
         with contextlib.nullcontext() if folds_constants else _NoTorchKernels():
             (stat,) = run_passes(g, [Pass(name, rewrite)], verify_each=True)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+    # a value a pass creates carries its probe shape, or later passes read its dynamic axes as unknown
+    assert not (probed and _unprobed(g)), f"{name} created dynamic values without a probe shape: {_unprobed(g)}"
     return PassRun(stat, tuple(handler.messages))
+
+
+def _unprobed(g: Graph) -> list[str]:
+    """The dynamic values of `g` with no shape at the probe point."""
+    values = [*g.inputs, *(o for n in g.nodes for o in n.outputs)]
+    return [v.name for v in values if v.dyn_dims and not v.is_const and v.probe_shape is None]
 
 
 def run_pass_unchanged(g: Graph, name: str, rewrite: Callable[[Graph, PassLog], None]) -> PassRun:

@@ -231,6 +231,9 @@ def test_reshape_transpose_reshape_is_one_shuffle():
     layer = engine.plan.layers[0]
     assert parameter_type(layer) == "Shuffle" and layer.origin == ("r1", "t", "r2")
     assert layer.name == "r1 + t + r2"
+    info = engine.layer_info("detailed")["Layers"][0]
+    assert info["ParameterType"] == "Shuffle" and info["ZeroIsPlaceholder"] == 1   # 0 in a target copies the axis
+    assert info["Steps"] == layer.attrs["steps"] and info["FirstTranspose"] == [0, 1, 2]
 
 
 def test_noop_reshape_erased():

@@ -33,8 +33,43 @@ def test_projections_of_one_input_merge_into_one_matmul_and_a_split():
     np.testing.assert_array_equal(g.values["merged_split"].const, [4, 4, 2])
 
 
+def test_merged_projections_of_a_dynamic_input_keep_its_probe_shape():
+    b = IRBuilder()
+    x = b.input("x", (2, 3), dyn_dims=(0,), probe=(7, 3))
+    q = b.node("MatMul", [x, b.const("wq", np.full((3, 4), 1.0))], "q", (2, 4), dyn_dims=(0,), probe=(7, 4))
+    k = b.node("MatMul", [x, b.const("wk", np.full((3, 2), 2.0))], "k", (2, 2), dyn_dims=(0,), probe=(7, 2))
+    g = b.graph(q, k)
+
+    run_pass(g, "MatMulHorizontalMerge", merge_matmuls)
+
+    merged = g.values["q_merged"]
+    assert (merged.shape, merged.dyn_dims, merged.probe_shape) == ((2, 6), (0,), (7, 6))
+
+
 # ---------------------------------------------------------------- AttentionFusion
 Q, KT, SCORES = (1, 2, 4, 8), (1, 2, 8, 4), (1, 2, 4, 4)
+
+
+def test_two_masks_of_different_ranks_are_summed_with_their_dynamic_axes_aligned_from_the_right():
+    """A padding mask [B, 1, 1, S] plus a position bias [S, S] (T5-style), S dynamic: one Add before the layer whose
+    output's dynamic axes are 0, 2 and 3 (the bias's axes 0 and 1 are the sum's 2 and 3) and whose probe shape is
+    the broadcast of theirs."""
+    b = IRBuilder()
+    q, kt, v = (b.input(n, s, dyn_dims=(2,) if n != "kt" else (3,)) for n, s in (("q", Q), ("kt", KT), ("v", Q)))
+    pad = b.input("pad", (1, 1, 1, 4), dyn_dims=(0, 3), probe=(3, 1, 1, 9))
+    bias = b.input("bias", (4, 4), dyn_dims=(0, 1), probe=(9, 9))
+    s = b.node("MatMul", [q, kt], "qk", SCORES, dyn_dims=(2, 3), probe=(1, 2, 9, 9))
+    s = b.node("Add", [s, pad], "padded", SCORES, dyn_dims=(0, 2, 3), probe=(3, 2, 9, 9))
+    s = b.node("Add", [s, bias], "biased", SCORES, dyn_dims=(0, 2, 3), probe=(3, 2, 9, 9))
+    p = b.node("Softmax", [s], "probs", SCORES, axis=-1, dyn_dims=(0, 2, 3), probe=(3, 2, 9, 9))
+    g = b.graph(b.node("MatMul", [p, v], "out", Q, dyn_dims=(0, 2), probe=(3, 2, 9, 8)))
+
+    run = run_pass(g, "AttentionFusion", fuse_attention)
+
+    assert [n.op_type for n in g.nodes] == ["Add", "Attention"] and run.stat.matches == 1
+    mask = g.nodes[0].outputs[0]
+    assert g.nodes[1].inputs[3] is mask and {i.name for i in g.nodes[0].inputs} == {"pad", "bias"}
+    assert (mask.shape, mask.dyn_dims, mask.probe_shape) == ((1, 1, 4, 4), (0, 2, 3), (3, 1, 9, 9))
 
 
 def test_scaled_masked_softmax_attention_is_one_layer():

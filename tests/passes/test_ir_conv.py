@@ -206,8 +206,8 @@ def test_an_operand_that_matches_only_at_the_opt_point_is_not_a_residual():
     g = b.graph(b.node("Add", [c, pooled], "y", X, name="add", dyn_dims=(2, 3), probe=(1, 2, 5, 5)))
     run = run_pass_unchanged(g, "ConvEltwiseSumFusion", fuse_residual_add)
     assert run.not_fusing == [
-        "ConvEltwiseSumFusion: Not fusing conv with add: the shapes may differ at other input shapes (1x2x-1x-1 vs "
-        "1x2x-1x-1): the sum may broadcast at run time"]
+        "ConvEltwiseSumFusion: Not fusing conv with add: the shapes may differ at other input shapes "
+        "(1x2x3(1)x3(1) vs 1x2x3(5)x3(5); probe sizes in brackets): the sum may broadcast at run time"]
 
 
 # ---------------------------------------------------------------- ConvReluFusion

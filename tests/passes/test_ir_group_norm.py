@@ -92,6 +92,20 @@ def test_a_dynamic_spatial_axis_is_a_near_miss():
     assert run.not_fusing == ["GroupNormFusion: Not fusing s1 with n: a dynamic axis other than the batch"]
 
 
+def test_a_batch_that_differs_at_the_probe_point_is_a_near_miss():
+    """The grouped view's batch equals the input's at the opt point but not at the probe point (a reshape that
+    folds another dynamic axis into it): not one group norm."""
+    b = IRBuilder()
+    x = b.input("x", SHAPE, dyn_dims=(0,))
+    g = b.graph(torch_group_norm(b, x, dyn_dims=(0,)))
+    g.values["s1"].probe_shape = (6, 2, 8)
+
+    run = run_pass_unchanged(g, "GroupNormFusion", fuse_group_norm)
+
+    assert run.not_fusing == ["GroupNormFusion: Not fusing s1 with n: the grouped batch may differ from the input's at "
+                              "other input shapes (1(3)x4x2x2, 1(6)x2x8, 1(3)x4x2x2; probe sizes in brackets)"]
+
+
 def test_per_element_mul_stays_outside():
     b = IRBuilder()
     x = b.input("x", SHAPE)

@@ -27,9 +27,9 @@ def dequantized_table(b: IRBuilder, scale=0.5, name="table", **attrs):
 
 def test_a_gathered_table_is_gathered_as_int8_and_only_its_rows_dequantized():
     b = IRBuilder()
-    ids = b.input("ids", (2, 3), np.int64)
+    ids = b.input("ids", (2, 3), np.int64, dyn_dims=(1,), probe=(2, 7))   # a dynamic sequence
     table = dequantized_table(b)
-    rows = b.node("Gather", [table, ids], "rows", (2, 3, 4), name="gather")
+    rows = b.node("Gather", [table, ids], "rows", (2, 3, 4), name="gather", dyn_dims=(1,), probe=(2, 7, 4))
     head = b.node("MatMul", [b.input("h", (2, 4)), b.node("Transpose", [table], "tt", (4, 6), perm=[1, 0])],
                   "logits", (2, 6), name="head")   # tied weights: the table is read by a product too
     g = b.graph(rows, head)
@@ -37,15 +37,17 @@ def test_a_gathered_table_is_gathered_as_int8_and_only_its_rows_dequantized():
     run = run_pass(g, "GatherDequantizeSwap", swap_gather_dequantize)
 
     assert str(g) == expected("""
-        graph g(%ids: int64[2x3], %h: float32[2x4]):
+        graph g(%ids: int64[2x-1], %h: float32[2x4]):
           %table_f: float32[6x4] = DequantizeLinear(const %table, const %table_s, const %table_z)  # dq_table
-          %rows_quantized: int8[2x3x4] = Gather(const %table, %ids)  # gather
-          %rows: float32[2x3x4] = DequantizeLinear(%rows_quantized, const %table_s, const %table_z)  # dq_table [gather]
+          %rows_quantized: int8[2x-1x4] = Gather(const %table, %ids)  # gather
+          %rows: float32[2x-1x4] = DequantizeLinear(%rows_quantized, const %table_s, const %table_z)  # dq_table [gather]
           %tt: float32[4x6] = Transpose(%table_f) perm=[1, 0]  # tt
           %logits: float32[2x6] = MatMul(%h, %tt)  # head
           return %rows, %logits
         """)
     assert [n.origin for n in g.nodes][1:3] == [("gather",), ("dq_table",)]
+    gathered = g.values["rows_quantized"]
+    assert (gathered.dyn_dims, gathered.probe_shape) == ((1,), (2, 7, 4))
     assert (run.stat.matches, run.stat.rejections) == (1, 0)
 
 

@@ -44,11 +44,12 @@ def test_qlinearconv_becomes_dq_conv_q_with_the_bias_in_float():
 
 def test_qgemm_without_an_output_scale_keeps_a_float_output():
     b = IRBuilder()
-    a = b.input("a", (2, 4), np.uint8)
+    a = b.input("a", (2, 4), np.uint8, dyn_dims=(0,), probe=(5, 4))
     as_, az = scalars(b, "a", 0.5, 0)
     w = b.const("w", np.ones((3, 4)), np.int8)
     ws, wz = b.const("w.scale", [0.5, 0.25, 0.125]), b.const("w.zero", [0, 0, 0], np.int8)
-    y = b.node("QGemm", [a, as_, az, w, ws, wz], "y", (2, 3), dtype=np.float32, name="fc", domain=MS, transB=1)
+    y = b.node("QGemm", [a, as_, az, w, ws, wz], "y", (2, 3), dtype=np.float32, name="fc", domain=MS, transB=1,
+               dyn_dims=(0,), probe=(5, 3))
     g = b.graph(y)
 
     run_pass(g, "QOperatorUnfolding", unfold_qoperators)
@@ -56,6 +57,8 @@ def test_qgemm_without_an_output_scale_keeps_a_float_output():
     assert [n.op_type for n in g.nodes] == ["DequantizeLinear", "DequantizeLinear", "Gemm"]
     assert g.nodes[1].attrs == {"axis": 0}                 # transB: B is [N, K], its scales run along axis 0
     assert g.nodes[2].outputs[0] is y and g.nodes[2].attrs == {"transB": 1}
+    dequantized = g.nodes[0].outputs[0]
+    assert (dequantized.dtype, dequantized.dyn_dims, dequantized.probe_shape) == (np.float32, (0,), (5, 4))
 
 
 def test_what_cannot_unfold_faithfully_stays_with_the_reason():

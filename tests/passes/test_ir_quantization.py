@@ -280,6 +280,20 @@ def test_q_after_concat_moves_onto_its_inputs_and_cancels_an_equal_dq():
     assert run.stat.matches == 1
 
 
+def test_a_q_moved_onto_a_dynamic_input_keeps_its_dynamic_axes_and_probe_shape():
+    b = IRBuilder()
+    f, h = b.input("f", (2, 4), dyn_dims=(0,), probe=(5, 4)), b.input("h", (2, 4), dyn_dims=(0,), probe=(5, 4))
+    cat = b.node("Concat", [f, h], "cat", (2, 8), axis=1, dyn_dims=(0,), probe=(5, 8))
+    quantized = b.node("QuantizeLinear", [cat, b.const("cq.scale", 0.5), b.const("cq.zero", 0, np.int8)], "cq",
+                       (2, 8), dtype=np.int8, dyn_dims=(0,), probe=(5, 8))
+    g = b.graph(dq(b, quantized, "y", 0.5, dyn_dims=(0,), probe=(5, 8)))
+
+    run_pass(g, "SplitQAcrossPrecedingFanIn", split_q_across_concat)
+
+    moved = [g.values[n] for n in ("f_quantized", "h_quantized")]
+    assert [(v.dtype, v.dyn_dims, v.probe_shape) for v in moved] == [(np.int8, (0,), (5, 4))] * 2
+
+
 # ---------------------------------------------------------------- QConvEltwiseSumFusion
 def residual_block(b: IRBuilder, conv_out_scale: float = 0.125, conv_act: bool = False):
     """QAdd(QConv(x), r) with a ReLU after the sum: what the two passes above leave of a ResNet block's tail."""
