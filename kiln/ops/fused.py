@@ -154,7 +154,7 @@ def _quantized(base: str):
 
 
 def apply_table(y: torch.Tensor, table: dict) -> torch.Tensor:
-    """An INT8 tensor's bytes mapped through a 256-entry table of output bytes (kiln.passes.qmatmul_table):
+    """An INT8 tensor's bytes mapped through a 256-entry table of output bytes (kiln.passes.qproduct_table):
     {"bytes": [256 ints], "dtype": "uint8" | "int8"}, indexed by the raw byte (an s8 -1 reads entry 255)."""
     mapped = torch.tensor(table["bytes"], dtype=torch.uint8)[y.view(torch.uint8).long()]
     return mapped.view(INT8_TORCH[table["dtype"]])

@@ -14,7 +14,7 @@ from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
 from kiln.passes.qmatmul_steps import fuse_product_shuffles
-from kiln.passes.qmatmul_table import fuse_product_tables
+from kiln.passes.qproduct_table import fuse_product_tables
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_norm, fuse_quantized_layers,
                                      fuse_quantized_residual, fuse_quantized_softmax, fuse_requantized_bias,
@@ -93,7 +93,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
     # A chain on one INT8 product's output (quantize_static's scores scaling, its GELU) as a table in its epilogue.
-    Pass("QMatMulTableFusion", fuse_product_tables),
+    Pass("QProductTableFusion", fuse_product_tables),
     Pass("DeadLayerRemoval", remove_dead_layers, "final dead-layer removal"),
 ]
 

@@ -14,7 +14,7 @@ import torch
 
 from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
-from kiln.ops.fused import program_on_bytes
+from kiln.ops.fused import apply_table, program_on_bytes
 from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
 from kiln.tactics.quant_c import dense_layout
 
@@ -45,6 +45,23 @@ def lookup_table(layer: LayerView, index: int) -> torch.Tensor:
     if y.numel() != 256 or y.dtype != want:
         raise RuntimeError(f"the PointWise program gives {y.numel()} {y.dtype} values for 256 bytes, not {want}")
     return y.view(torch.uint8).clone() if want != torch.float32 else y.contiguous()
+
+
+def table_mapper(table: dict):
+    """A function mapping an INT8 tensor's bytes through an output table ({"bytes", "dtype"}: kiln.passes.
+    qproduct_table) into a new tensor of the same strides: kiln's lookup kernel where there is a C compiler, else
+    torch's indexing. For kernels without such a post-op (oneDNN's)."""
+    if not native.available():
+        return lambda y: apply_table(y, table)
+    lookup, entries, dtype = native.library("quant").kiln_lookup_u8, torch.tensor(table["bytes"], dtype=torch.uint8), \
+        INT8_TORCH[table["dtype"]]
+
+    def mapped(y: torch.Tensor, entries=entries) -> torch.Tensor:
+        y = y if dense_layout(y) else y.contiguous()
+        out = torch.empty_like(y, dtype=dtype)
+        lookup(y.data_ptr(), out.data_ptr(), y.numel(), entries.data_ptr())
+        return out
+    return mapped
 
 
 class LookupTableTactic:

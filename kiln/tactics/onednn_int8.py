@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from kiln import hardware
-from kiln.ops.fused import apply_table
 from kiln.ops.nn import _torch_pad
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, has_residual
+from kiln.tactics.lookup_c import table_mapper
 from kiln.tactics.onednn_conv import _BINARY_UNARY, fused_unary
 
 INT8_DOT_ISA = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -130,6 +130,8 @@ class OneDnnInt8ConvTactic:
         unary, scalars, algorithm = fused_unary(a.get("activation")) or ("none", [], "")
         conv, last = torch.ops.onednn.qconv2d_pointwise, torch.channels_last
         geometry = (strides, padding, dilations, groups)
+        table = a.get("out_table")   # kiln.passes.qproduct_table: no such post-op, looked up after the call
+        mapped = (lambda y: y) if table is None else table_mapper(table)
 
         def padded(x):   # a quantized zero is the zero point: pad with it
             x = to_unsigned(x if x.is_contiguous(memory_format=last) else x.contiguous(memory_format=last))
@@ -137,8 +139,8 @@ class OneDnnInt8ConvTactic:
 
         if not has_residual(layer):
             def run(xs):
-                return [conv(padded(xs[0]), x_scale, x_zp, packed, w_scales, w_zps, bias, *geometry, y_scale, y_zp,
-                             y_dtype, unary, scalars, algorithm or "")]
+                return [mapped(conv(padded(xs[0]), x_scale, x_zp, packed, w_scales, w_zps, bias, *geometry, y_scale,
+                                    y_zp, y_dtype, unary, scalars, algorithm or ""))]
             return run
         r_scale, r_zp = float(q["r_scale"]), int(q["r_zero_point"])
         binary = conv.binary
@@ -147,9 +149,8 @@ class OneDnnInt8ConvTactic:
             """The residual as oneDNN's sum post-op, accumulated in its own (dead) INT8 buffer: no clone first
             (torch hands back a copy of that buffer as the output)."""
             accum = xs[3] if xs[3].is_contiguous(memory_format=last) else xs[3].contiguous(memory_format=last)
-            return [binary(padded(xs[0]), x_scale, x_zp, packed, w_scales, w_zps, accum, bias, *geometry, y_scale,
-                           y_zp, y_dtype, r_scale, r_zp, "sum", 1.0, unary, scalars,
-                           algorithm or "")]
+            return [mapped(binary(padded(xs[0]), x_scale, x_zp, packed, w_scales, w_zps, accum, bias, *geometry,
+                                  y_scale, y_zp, y_dtype, r_scale, r_zp, "sum", 1.0, unary, scalars, algorithm or ""))]
 
         def run(xs):
             return run_into_residual([xs[0], None, None, xs[3].clone(memory_format=last)])
@@ -199,13 +200,14 @@ class OneDnnInt8LinearTactic:
         y_scale, y_zp, y_dtype = _output(layer)
         unary, scalars, algorithm = fused_unary(layer.attrs.get("activation")) or ("none", [], "")
         linear = torch.ops.onednn.qlinear_pointwise
-        table = layer.attrs.get("out_table")   # kiln.passes.qmatmul_table: applied after the call
+        table = layer.attrs.get("out_table")   # kiln.passes.qproduct_table: no such post-op, looked up after the call
+        mapped = (lambda y: y) if table is None else table_mapper(table)
 
         def run(xs):
             x = xs[0]
             flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
             y = linear(to_unsigned(flat.contiguous()), x_scale, x_zp, packed, w_scales, w_zps, bias, y_scale, y_zp, y_dtype,
                        unary, scalars, algorithm or "")
-            y = y if table is None else apply_table(y, table)   # no such post-op: one lookup over the output
+            y = mapped(y)
             return [y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])]
         return run

@@ -263,7 +263,7 @@ def _without_activation(view: LayerView) -> LayerView:
 def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     """An INT8 layer as the Q/DQ graph it came from: DQ(x) -> op(DQ(W)) -> [Q] (onnxruntime fuses it again); a
     product of two activations with its operands' and result's steps (kiln.passes.qmatmul_steps) around it; an
-    output table (kiln.passes.qmatmul_table) as a Gather of its bytes."""
+    output table (kiln.passes.qproduct_table) as a Gather of its bytes."""
     steps = [view.attrs.get(key) or [] for key in PRODUCT_STEPS]
     table = view.attrs.get("out_table")
     view = dataclasses.replace(view, attrs={k: v for k, v in without_steps(view.attrs).items() if k != "out_table"})

@@ -186,7 +186,7 @@ def epilogue(layer: LayerView, w_kn: torch.Tensor) -> tuple[Epilogue, tuple[torc
 
 
 def output_table(layer: LayerView) -> torch.Tensor | None:
-    """The 256 output bytes a product's requantized byte maps to (kiln.passes.qmatmul_table), padded as qgemm.c's
+    """The 256 output bytes a product's requantized byte maps to (kiln.passes.qproduct_table), padded as qgemm.c's
     epilogue reads them; None where the layer has none."""
     table = layer.attrs.get("out_table")
     if table is None:

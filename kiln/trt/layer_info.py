@@ -167,14 +167,14 @@ def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:
     has_bias = bias is not None and len(layer.args) > bias and layer.args[bias].kind == "weight"
     has_res = layer.op_type in ("Conv", "QConv", "DynamicQConv") and len(layer.args) > 3 and layer.args[3].kind == "tensor"
     act = _activation(a)
-    return {"Kernel": kernel, "PaddingMode": _padding_mode(a), "PrePadding": pads[:n], "PostPadding": pads[n:],
+    return _with_output_table(a, {"Kernel": kernel, "PaddingMode": _padding_mode(a), "PrePadding": pads[:n], "PostPadding": pads[n:],
             "Stride": strides, "Dilation": dilations,
             "OutMaps": int(layer.outputs[0].dims[1]), "Groups": int(a.get("group", 1)),
             "Weights": _weight_info(plan, layer, weights),
             "Bias": _weight_info(plan, layer, bias) if has_bias else {"Type": "Float", "Count": 0},
             "HasBias": int(has_bias), "HasReLU": int(act == "RELU"), "HasSparseWeights": 0, "HasDynamicFilter": 0,
             "HasDynamicBias": 0, "HasResidual": int(has_res), "ConvXAsActInputIdx": -1, "BiasAsActInputIdx": -1,
-            "ResAsActInputIdx": -1, "Activation": act}
+            "ResAsActInputIdx": -1, "Activation": act})
 
 
 def _pooling(plan: Plan, layer: Layer) -> dict[str, Any]:
@@ -231,10 +231,15 @@ def _matmul(plan: Plan, layer: Layer) -> dict[str, Any]:
     steps = {key: a[attr] for attr, key in STEPS_KEYS.items() if a.get(attr)}
     if steps:   # kiln's addition: an INT8 product's head split and merge (kiln.passes.qmatmul_steps)
         d["Steps"] = steps
-    table = a.get("out_table")
-    if table:   # kiln's addition: the pointwise chain it took, as the bytes each output byte maps to
-        d["OutputTable"] = {"Type": weight_type(table["dtype"]), "Count": len(table["bytes"]),
-                            "Values": table["bytes"]}
+    return _with_output_table(a, d)
+
+
+def _with_output_table(attrs: dict, d: dict[str, Any]) -> dict[str, Any]:
+    """`d` and, where an INT8 product took a pointwise chain (kiln.passes.qproduct_table), kiln's `OutputTable`: the
+    bytes each requantized output byte maps to."""
+    table = attrs.get("out_table")
+    if table:
+        d["OutputTable"] = {"Type": weight_type(table["dtype"]), "Count": len(table["bytes"]), "Values": table["bytes"]}
     return d
 
 

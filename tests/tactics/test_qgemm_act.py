@@ -135,7 +135,7 @@ def test_steps_with_a_dynamic_sequence_run_at_every_length():
 
 @needs_vnni
 def test_an_output_table_maps_the_scores_bytes():
-    """Q.K^T with quantize_static's scaling as an output table (kiln.passes.qmatmul_table): table[byte] of the
+    """Q.K^T with quantize_static's scaling as an output table (kiln.passes.qproduct_table): table[byte] of the
     product alone, on the kernel and on the reference op (which the kernel runs for a k past its int32 sums)."""
     view, a, b = act_case("attention_scores_u8_u8")
     bytes_ = torch.randperm(256, generator=torch.Generator().manual_seed(5)).tolist()

@@ -6,7 +6,6 @@ another order): at most 1 step apart, at least 99 % identical."""
 from __future__ import annotations
 
 import warnings
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,9 +17,8 @@ import kiln
 from kiln import hardware, native
 from kiln.tactics.base import LayerView
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic, int8_available
-from kiln.ops import lookup
-from kiln.tactics.qgemm_c import (TABLE_BYTES, QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, VNNI_ISA,
-                                  output_table, pack_quads, pack_segments)
+from kiln.tactics.qgemm_c import (QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, VNNI_ISA,
+                                  pack_quads, pack_segments)
 from tests.conftest import cosine, run_ort
 
 needs_vnni = pytest.mark.skipif(not (hardware.has_any(VNNI_ISA) and native.available()),
@@ -292,62 +290,6 @@ def test_quantized_linear_matches_its_formula_and_onednn(op, x_shape, trans_b, x
             assert got.dtype == TORCH[y[0]]
             assert_spread(got)
             assert_requantized_equal(got, want)
-
-
-@needs_vnni
-@pytest.mark.parametrize("y,table_dtype", [(("uint8", 5, 0.05), "int8"), (("int8", -3, 0.4), "uint8")])
-def test_an_output_table_maps_each_stored_byte(y, table_dtype):
-    """A product with an output table (kiln.passes.qmatmul_table) stores table[byte] for each requantized byte:
-    the same bytes as the product alone, then the table, on kiln's kernel and on the reference op; oneDNN's
-    quantized linear, which has no such post-op, looks them up after its call."""
-    view, xs = linear_case("QMatMul", (2, 9, 48), 0, ("uint8", 3, 0.02), y)
-    bytes_ = torch.randperm(256, generator=torch.Generator().manual_seed(3)).tolist()
-    table = {"bytes": bytes_, "dtype": table_dtype}
-    tabled = LayerView(**{**view.__dict__, "attrs": {**view.attrs, "out_table": table},
-                          "output_dtypes": (table_dtype,)})
-    plain = run(QLinearGemmTactic(), view, [xs, None, None])
-    want = torch.tensor(bytes_, dtype=torch.uint8)[plain.view(torch.uint8).long()].view(TORCH[table_dtype])
-    assert QLinearGemmTactic().supports(tabled)
-    got = run(QLinearGemmTactic(), tabled, [xs, None, None])
-    assert got.dtype == TORCH[table_dtype] and torch.equal(got, want)
-    if int8_available():   # oneDNN has no such post-op: it looks the bytes up after the call
-        onednn = run(OneDnnInt8LinearTactic(), view, [xs, None, None]).view(torch.uint8).long()
-        assert torch.equal(run(OneDnnInt8LinearTactic(), tabled, [xs, None, None]),
-                           torch.tensor(bytes_, dtype=torch.uint8)[onednn].view(TORCH[table_dtype]))
-    reference = lookup("QMatMul", "kiln").impl
-    consts = dict(tabled.const_inputs)
-    ref_plain = reference(view.attrs, [xs, consts[1], consts[2]])[0]
-    ref = reference(tabled.attrs, [xs, consts[1], consts[2]])[0]
-    assert torch.equal(ref, torch.tensor(bytes_, dtype=torch.uint8)[ref_plain.view(torch.uint8).long()]
-                       .view(TORCH[table_dtype]))
-
-
-@needs_vnni
-@pytest.mark.parametrize("flags", [(), ("-mno-avx512vbmi",)])
-def test_the_epilogues_table_lookup_with_and_without_vbmi(flags, tmp_path):
-    """qgemm.c's mapped16 picks 16 bytes' entries with vpermi2b where the CPU has AVX512-VBMI, else gathers them
-    (a Cascade Lake has VNNI but not VBMI): both give table[byte] for every byte."""
-    import ctypes
-
-    from kiln.native.compiler import compile_unit
-
-    if not flags and "avx512vbmi" not in hardware.CPUINFO.read_text().split():
-        pytest.skip("this CPU has no AVX512-VBMI: the vpermi2b path is not compiled here (the gather case covers it)")
-    unit = ('#include "qgemm.c"\nvoid map16(const uint8_t* in, const uint8_t* table, uint8_t* out) {\n'
-            '  _mm_storeu_si128((void*)out, mapped16(_mm_loadu_si128((const void*)in), table));\n}\n')
-    compile_unit(native.toolchain(), unit, tmp_path / "map16.so", "map16.c", flags)
-    lib = ctypes.CDLL(str(tmp_path / "map16.so"))
-    lib.map16.argtypes = [ctypes.c_void_p] * 3
-    table = np.zeros(TABLE_BYTES, np.uint8)
-    table[:256] = np.random.default_rng(0).permutation(256)
-    for start in range(0, 256, 16):
-        codes, out = np.arange(start + 15, start - 1, -1).astype(np.uint8), np.zeros(16, np.uint8)
-        lib.map16(codes.ctypes.data, table.ctypes.data, out.ctypes.data)
-        np.testing.assert_array_equal(out, table[codes])
-    # the tactic pads a layer's table as the gather reads it: 4 bytes at each code, the last at 255 ends at byte 258
-    padded = output_table(SimpleNamespace(attrs={"out_table": {"bytes": table[:256].tolist(), "dtype": "uint8"}}))
-    assert len(padded) == TABLE_BYTES >= 259 and not padded[256:].any()
-    assert padded[:256].tolist() == table[:256].tolist()
 
 
 def with_weight_zero_points(view, w, zero_points):

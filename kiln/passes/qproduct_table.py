@@ -1,12 +1,15 @@
-"""QMatMulTableFusion: a pointwise chain on an INT8 product's output joins the product as a 256-entry table.
+"""QProductTableFusion: a pointwise chain on an INT8 product's output joins the product as a 256-entry table.
 
-quantize_static leaves the scores' scaling after Q·Kᵀ (DQ, Div or Mul, Q) and the GELU after the first FFN product
-(DQ, Div, Erf, Q, DQ, Add, Q, DQ, Mul, Q, DQ, Mul, Q) as PointWise layers reading one INT8 tensor: they can produce
-only 256 distinct outputs, one per byte. Their program is evaluated once here on every byte (constant folding, as
-the lookup_table kernel does at load) and the product's epilogue maps each requantized byte through the table as it
-stores it, exactly what the two layers gave: no second pass over the tensor, one layer less.
+quantize_static leaves pointwise chains between Q/DQ pairs as PointWise layers reading one INT8 tensor: the scores'
+scaling after Q·Kᵀ (DQ, Div or Mul, Q) and the GELU after BERT's first FFN product (DQ, Div, Erf, Q, DQ, Add, Q, DQ,
+Mul, Q, DQ, Mul, Q); every SiLU of a convolutional net (DQ, Sigmoid, Q, DQ, Mul, Q: YOLO, EfficientNet); a ReLU
+quantized at a scale of its own (ActivationSymmetric). They can produce only 256 distinct outputs, one per byte.
+Their program is evaluated once here on every byte (constant folding, as the lookup_table kernel does at load) and
+the product's epilogue maps each requantized byte through the table as it stores it, exactly what the two layers
+gave: no second pass over the tensor, one layer less. Products: QMatMul, QGemm and QConv (with a fused residual,
+the table maps the requantized sum).
 
-    QMatMul ─► PWN(DQ, Div, Q) ─►   ==>   QMatMul (out_table) ─►
+    QConv ─► PWN(DQ, Sigmoid, Q, DQ, Mul, Q) ─►   ==>   QConv (out_table) ─►
 """
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ from kiln.passes.patterns import replace_nodes, sole_consumer
 from kiln.trt.vocab import fused_layer_name
 
 INT8 = ("uint8", "int8")
+PRODUCTS = ("QMatMul", "QGemm", "QConv")
 
 
 def fuse_product_tables(g: Graph, plog: PassLog) -> None:
-    """QMatMulTableFusion (see the module docstring)."""
-    for mm in [n for n in g.nodes if n.op_type == "QMatMul" and n.domain == "kiln"]:
+    """QProductTableFusion (see the module docstring)."""
+    for mm in [n for n in g.nodes if n.op_type in PRODUCTS and n.domain == "kiln"]:
         chain = sole_consumer(g, mm)
         if chain is None or chain.op_type != "PointWise" or chain.domain != "kiln":
             continue
@@ -36,7 +40,7 @@ def fuse_product_tables(g: Graph, plog: PassLog) -> None:
         plog.fusing(mm, chain)
         attrs = {**mm.attrs, "out_table": output_table(chain, chain.inputs.index(mm.outputs[0]))}
         origin = mm.origin + chain.origin
-        replace_nodes(g, [mm, chain], Node(fused_layer_name([mm.name, chain.name]), "QMatMul", list(mm.inputs),
+        replace_nodes(g, [mm, chain], Node(fused_layer_name([mm.name, chain.name]), mm.op_type, list(mm.inputs),
                                            list(chain.outputs), attrs, "kiln", origin))
 
 

@@ -1,13 +1,13 @@
-"""QMatMulTableFusion on IR graphs: a PointWise chain reading only an INT8 product's output (and one-value
+"""QProductTableFusion on IR graphs: a PointWise chain reading only an INT8 product's output (and one-value
 constants) joins the product as a 256-entry table of output bytes; chains it cannot tabulate stay."""
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.passes.qmatmul_table import fuse_product_tables
+from kiln.passes.qproduct_table import fuse_product_tables
 from tests.passes.ir_builder import IRBuilder, run_pass, run_pass_unchanged
 
-NAME = "QMatMulTableFusion"
+NAME = "QProductTableFusion"
 QUANT = {"x_scale": 0.1, "x_zero_point": 128, "x_dtype": "uint8", "w_scale": [0.1], "w_zero_point": [128],
          "y_scale": 0.5, "y_zero_point": 10, "y_dtype": "uint8"}
 # DQ at (0.5, 10), Neg, Q at (0.25, 0) to int8: y = clamp(round(-(x - 10) * 2))
@@ -90,3 +90,23 @@ def test_an_int8_product_read_as_any_input_is_tabulated_by_raw_byte_and_odd_chai
         f"{NAME}: Not fusing p2 with PWN(wide): PWN(wide) broadcasts the product's output"]
     again = run_pass_unchanged(g, NAME, fuse_product_tables)   # a tabulated product is not a chain's reader now
     assert again.stat.matches == 0
+
+
+def test_a_chain_after_a_convolution_and_its_residual_sum_becomes_its_table_and_other_ops_stay():
+    """A SiLU-like chain after a QConv that sums a residual joins it (the table maps the requantized sum) and keeps
+    its op, inputs and attributes; the same chain after an INT8 sum (not a product) stays a layer."""
+    b = IRBuilder()
+    x, res = b.input("x", (1, 2, 4, 4), np.uint8), b.input("res", (1, 2, 4, 4), np.uint8)
+    quant = {**QUANT, "w_scale": [0.1, 0.2], "w_zero_point": [0, 0], "w_axis": 0, "r_scale": 0.3, "r_zero_point": 3}
+    conv = b.node("QConv", [x, b.const("w", np.ones((2, 2, 1, 1)), np.int8), b.const("bias", [0.5, -0.5]), res], "c",
+                  (1, 2, 4, 4), domain="kiln", dtype=np.uint8, name="conv + add", kernel_shape=[1, 1], quant=quant)
+    summed = b.node("QAdd", [x, res], "s", (1, 2, 4, 4), domain="kiln", dtype=np.uint8, name="sum", quant={})
+    g = b.graph(chain(b, conv, "silu", "silu", shape=(1, 2, 4, 4)), chain(b, summed, "after", "after", (1, 2, 4, 4)))
+
+    run = run_pass(g, NAME, fuse_product_tables, folds_constants=True)
+
+    assert sorted(n.op_type for n in g.nodes) == ["PointWise", "QAdd", "QConv"] and run.stat.matches == 1
+    fused = next(n for n in g.nodes if n.op_type == "QConv")
+    assert fused.name == "conv + add + PWN(silu)" and [v.name for v in fused.inputs] == ["x", "w", "bias", "res"]
+    assert {k: v for k, v in fused.attrs.items() if k != "out_table"} == {"kernel_shape": [1, 1], "quant": quant}
+    assert fused.attrs["out_table"]["dtype"] == "int8" and fused.outputs[0].name == "silu"
