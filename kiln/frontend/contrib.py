@@ -1,11 +1,11 @@
 """onnxruntime's transformer contrib ops (com.microsoft Attention, QAttention, MultiHeadAttention,
 EmbedLayerNormalization, SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu,
-BiasAdd, FusedMatMul, MatMulNBits, and ai.onnx-domain SimplifiedLayerNormalization), as onnxruntime's transformers
-optimizer, its quantize_dynamic and Optimum's O1-O3 write them, unfolded at import into the standard ops they stand for, as
-local functions are inlined. kiln's passes then fuse them again (attention, skip-layer-norm, GELU epilogues, dynamic
-INT8 products) onto its own kernels in every precision; TensorRT's parser refuses these models. Each node made keeps
-the contrib node as its origin (metadata UNFOLDED_KEY), so layer info and `kiln inspect --by-onnx` still name it.
-What is not unfolded (past/present state, rotary embeddings, packed mask formats) is refused with the reason."""
+BiasAdd, FusedMatMul, MatMulNBits, QuantizeLinear, DequantizeLinear, and ai.onnx-domain SimplifiedLayerNormalization),
+as onnxruntime's transformers optimizer, its quantizers and Optimum's O1-O3 write them, unfolded at import into the
+standard ops they stand for, as local functions are inlined. kiln's passes then fuse them again (attention,
+skip-layer-norm, GELU epilogues, dynamic INT8 products, Q/DQ) onto its own kernels in every precision; TensorRT's
+parser refuses these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer
+info and `kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings, packed mask formats) is refused with the reason."""
 from __future__ import annotations
 
 import logging
@@ -99,6 +99,12 @@ def _quick_gelu(u: _Unfolder) -> None:
     x = u.input(0)
     scaled = u.op("Mul", [x, u.const("alpha", float(u.attrs.get("alpha", 1.702)))], "scale")
     u.op("Mul", [x, u.op("Sigmoid", [scaled], "sigmoid")], "gate", u.output(0))
+
+
+def _standard_qdq(u: _Unfolder) -> None:
+    """com.microsoft QuantizeLinear/DequantizeLinear (what onnxruntime's quantizer writes for 4- and 16-bit types
+    below opset 21): the standard op, which has the same inputs and `axis`."""
+    u.op(u.src.op_type, list(u.src.input), "standard", u.output(0), **u.attrs)
 
 
 def _bias_add(u: _Unfolder) -> None:
@@ -356,6 +362,7 @@ UNFOLDINGS = {
         _simplified_layer_norm,
     (MS, "EmbedLayerNormalization"): _embed_layer_norm, (MS, "Attention"): _attention,
     (MS, "QAttention"): _quantized_attention, (MS, "MultiHeadAttention"): _multi_head_attention,
+    (MS, "QuantizeLinear"): _standard_qdq, (MS, "DequantizeLinear"): _standard_qdq,
 }
 
 
