@@ -150,6 +150,7 @@ def import_onnx(model: str | os.PathLike | onnx.ModelProto,
     probed = _probe_shapes(g, probe, opt) if probe else {}
     infer_shapes(g)
     check_sizes(g)
+    check_sixteen_bit_reads(g)
     _mark_dynamic_axes(g, probed)
     g.profiles = resolved if probe else []
     g.verify()
@@ -229,6 +230,25 @@ def check_four_bit(proto: onnx.ModelProto) -> None:
                                  f"'{node.name or f'(Unnamed Layer* {i}) [{node.op_type}]'}' ({node.op_type}): kiln "
                                  "reads 4-bit values only as DequantizeLinear's data or zero point (weight-only "
                                  "quantization)")
+
+
+# uint16 is read as 16-bit Q/DQ data (onnxruntime's QUInt16 activations) and moved; torch has no CPU arithmetic,
+# comparison or pooling kernels for it, so any other reader is refused at import, not at run time
+UINT16_READERS = {"DequantizeLinear": (0, 2), "QuantizeLinear": (2,)}
+UINT16_MOVERS = ("Reshape", "Transpose", "Concat", "Slice", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Split",
+                 "Expand", "Shape", "Cast")
+
+
+def check_sixteen_bit_reads(g: Graph) -> None:
+    """Fail on the first node reading a uint16 tensor other than as Q/DQ data or by moving it, naming it."""
+    for node in g.nodes:
+        for i, x in enumerate(node.inputs):
+            if x is None or x.dtype is None or np.dtype(x.dtype) != np.uint16 or node.op_type in UINT16_MOVERS or \
+                    i in UINT16_READERS.get(node.op_type, ()):
+                continue
+            raise ModelError(f"node '{node.name}' ({node.op_type}) reads the uint16 tensor '{x.name}' as input {i}: "
+                             "kiln reads uint16 only as Q/DQ data (16-bit quantization) and moves it "
+                             f"({', '.join(UINT16_MOVERS)})")
 
 
 def _import_inputs(g: Graph, proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -13,6 +13,7 @@ ONNX_TO_NUMPY: dict[int, np.dtype] = {
     TensorProto.INT64: np.dtype("int64"),
     TensorProto.INT32: np.dtype("int32"),
     TensorProto.INT16: np.dtype("int16"),
+    TensorProto.UINT16: np.dtype("uint16"),   # 16-bit Q/DQ (onnxruntime's QUInt16 activations)
     TensorProto.INT8: np.dtype("int8"),
     TensorProto.UINT8: np.dtype("uint8"),
     TensorProto.BOOL: np.dtype("bool"),
@@ -37,6 +38,7 @@ NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype("int64"): torch.int64,
     np.dtype("int32"): torch.int32,
     np.dtype("int16"): torch.int16,
+    np.dtype("uint16"): torch.uint16,   # torch's support is partial: kiln converts it and compares it only
     np.dtype("int8"): torch.int8,
     np.dtype("uint8"): torch.uint8,
     np.dtype("bool"): torch.bool,
@@ -50,7 +52,7 @@ def onnx_to_numpy(elem_type: int, where: str) -> np.dtype:
 
     if elem_type not in ONNX_TO_NUMPY:
         name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
-        raise ModelError(f"{where}: element type {name} is not supported (supported: float32/16/64, int8-64, uint8, bool)")
+        raise ModelError(f"{where}: element type {name} is not supported (supported: float32/16/64, int8-64, uint8/16, bool)")
     return ONNX_TO_NUMPY[elem_type]
 
 

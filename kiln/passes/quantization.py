@@ -50,8 +50,10 @@ def _scalar_params(node: Node | None) -> tuple[float, int] | None:
 
 
 def _output_quant(q: Node | None) -> dict | None:
-    """{y_scale, y_zero_point, y_dtype} of a per-tensor QuantizeLinear with constant parameters; None otherwise."""
-    params = _scalar_params(q) if q is not None and q.op_type == "QuantizeLinear" else None
+    """{y_scale, y_zero_point, y_dtype} of a per-tensor QuantizeLinear to INT8 with constant parameters; None
+    otherwise (a 16-bit one stays a QuantizeLinear: kiln's quantized layers write 8 bits)."""
+    is_int8 = q is not None and q.op_type == "QuantizeLinear" and str(q.outputs[0].dtype) in INT8_TYPES
+    params = _scalar_params(q) if is_int8 else None
     return None if params is None else {"y_scale": params[0], "y_zero_point": params[1],
                                         "y_dtype": str(q.outputs[0].dtype)}
 
@@ -119,6 +121,8 @@ def _blocker(dqx: Node | None, dqw: Node, op_type: str) -> str | None:
         return "the input is not dequantized from INT8 (no input scale): the layer stays FP32"
     if dqx.inputs[0].is_const:
         return "the dequantized input is a constant"
+    if str(dqx.inputs[0].dtype) not in INT8_TYPES:
+        return f"the input is dequantized from {dqx.inputs[0].dtype}: kiln's quantized kernels read 8-bit activations"
     px, pw = _params(dqx), _params(dqw)
     if px is None or px[0].size != 1:
         return "the input scale is not a constant per-tensor scale"
@@ -188,7 +192,8 @@ def fuse_quantized_add(g: Graph, plog: PassLog) -> None:
     """INT8 residual add: Q(act(DQ(a) + DQ(b))) with per-tensor scales becomes one INT8 ElementWise layer."""
     for add in [n for n in g.nodes if n.op_type == "Add" and n.domain in ("", "ai.onnx")]:
         dqs = [_dq(v) for v in add.inputs]
-        if any(d is None or _scalar_params(d) is None or d.inputs[0].is_const for d in dqs):
+        if any(d is None or _scalar_params(d) is None or d.inputs[0].is_const or
+               str(d.inputs[0].dtype) not in INT8_TYPES for d in dqs):
             continue
         nodes, act, nxt = [add], None, sole_consumer(g, add)
         if nxt is not None and activation_spec(g, nxt) is not None:

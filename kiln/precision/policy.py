@@ -86,7 +86,8 @@ def native_precision(op_type: str, output_dtypes: Iterable, input_dtypes: Iterab
     """The precision a layer's own types fix: INT8 for quantized ops and int8 outputs; FP16 where it reads float16
     (or, reading no float, writes it): a layer's arithmetic takes its inputs' type, so one reading float32 and
     writing float16 (a fused output Cast) computes in FP32; a Cast only converts (FP32); else FP32."""
-    if op_type in INT8_LAYERS or op_type in QDQ_OPS:
+    output_dtypes, input_dtypes = list(output_dtypes), list(input_dtypes)
+    if op_type in INT8_LAYERS or _eight_bit_qdq(op_type, [*output_dtypes, *input_dtypes]):
         return "INT8"
     dtypes = [np.dtype(d) for d in output_dtypes]
     if any(d in (np.dtype(np.int8), np.dtype(np.uint8)) for d in dtypes):
@@ -108,13 +109,23 @@ def named_precision(name: str, options: PrecisionOptions, origin: Iterable[str] 
                  if any(fnmatch.fnmatchcase(n, pattern) for n in names)), None)
 
 
+def _eight_bit_qdq(op_type: str, dtypes: list) -> bool:
+    """A Q/DQ op of an INT8 type: a 16-bit one (onnxruntime's QUInt16/QInt16 activations) is emulated in FP32, as
+    kiln has no 16-bit integer kernels (TensorRT has no such type)."""
+    sixteen = {np.dtype(np.int16), np.dtype(np.uint16)}
+    return op_type in QDQ_OPS and not any(d is not None and np.dtype(d) in sixteen for d in dtypes)
+
+
 def requested(name: str, op_type: str, output_dtypes: Iterable, options: PrecisionOptions,
-              origin: Iterable[str] = ()) -> str:
+              origin: Iterable[str] = (), input_dtypes: Iterable = ()) -> str:
     named = named_precision(name, options, origin)
     if named is not None:
         return named
-    if op_type in INT8_LAYERS or op_type in QDQ_OPS:
+    output_dtypes = list(output_dtypes)
+    if op_type in INT8_LAYERS or _eight_bit_qdq(op_type, [*output_dtypes, *input_dtypes]):
         return "INT8"
+    if op_type in QDQ_OPS:
+        return "FP32"   # 16-bit Q/DQ
     if options.best:
         return "BF16"   # INT8 only where the model's Q/DQ gives scales (above); BF16 beats FP16 where both are
     float_out = any(np.dtype(d).kind == "f" for d in output_dtypes)
@@ -188,7 +199,7 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
     for node in nodes:
         dtypes = [v.dtype for v in node.outputs if v is not None and v.dtype is not None]
         reads = [v.dtype for v in node.inputs if v is not None and v.dtype is not None]
-        want = requested(node.name, node.op_type, dtypes, options, node.origin)
+        want = requested(node.name, node.op_type, dtypes, options, node.origin, reads)
         native = native_precision(node.op_type, dtypes, reads)
         if want in REDUCED_FLOATS and node.name in tail and native == "FP32" and options.constraints == "none" \
                 and named_precision(node.name, options, node.origin) is None:

@@ -76,6 +76,13 @@ def saturation(dtype: str | None) -> tuple[int, int] | None:
     return (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) if dtype in INT8_C_TYPES else None
 
 
+def _quantize_bounds(dtype: str) -> tuple[int, int] | None:
+    """The range a Quantize step inside a program saturates to: an INT8 type's, or a 16-bit one's (a 16-bit Q/DQ
+    round trip between float steps: the tensor is never stored in 16 bits, `supports` declines those)."""
+    return saturation(dtype) or ((int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+                                 if dtype in ("int16", "uint16") else None)
+
+
 def quantize_steps(layer: LayerView) -> LayerView | None:
     """Each QuantizeLinear / DequantizeLinear step with one FP32 scale and INT8 zero point (constants) as kiln's
     Quantize (saturating to the zero point's type) / Dequantize step; None where a step has other parameters."""
@@ -93,7 +100,7 @@ def quantize_steps(layer: LayerView) -> LayerView | None:
                 (len(args) == 3 and (zp is None or zp.numel() != 1)) or attrs.get("block_size") or \
                 attrs.get("output_dtype"):
             return None
-        bounds = saturation("uint8" if zp is None else str(zp.dtype).removeprefix("torch."))
+        bounds = _quantize_bounds("uint8" if zp is None else str(zp.dtype).removeprefix("torch."))
         if bounds is None:
             return None
         params = [args[0], args[1], args[2] if len(args) == 3 else {"const": 0.0}]

@@ -62,6 +62,24 @@ def test_unnamed_unsupported_node_gets_trt_style_name():
 
 
 # ---------------------------------------------------------------- unreadable files
+def test_uint16_is_read_only_as_qdq_data_and_moved():
+    """16-bit Q/DQ models load (uint16 between QuantizeLinear, data movement and DequantizeLinear); any other reader of
+    a uint16 tensor is refused at import, naming the node (torch has no CPU arithmetic on uint16)."""
+    scale, zero = numpy_helper.from_array(np.float32(0.01), "s"), numpy_helper.from_array(np.uint16(300), "z")
+    qdq = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q"),
+           helper.make_node("Transpose", ["q"], ["t"], name="t", perm=[1, 0]),
+           helper.make_node("DequantizeLinear", ["t", "s", "z"], ["y"], name="dq")]
+    model = make_model(qdq, [vi("x", [2, 3])], [vi("y", [3, 2])], [scale, zero], opset=21)
+    model.ir_version = 10
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_allclose(kiln.build(model).run({"x": x})["y"], run_ort(model, {"x": x})[0], atol=1e-6)
+    summed = qdq[:2] + [helper.make_node("Add", ["t", "t"], ["y"], name="twice")]
+    bad = make_model(summed, [vi("x", [2, 3])], [vi("y", [3, 2], TensorProto.UINT16)], [scale, zero], opset=21)
+    with pytest.raises(ModelError, match=r"node 'twice' \(Add\) reads the uint16 tensor 't' as input 0: kiln reads "
+                                         r"uint16 only as Q/DQ data"):
+        kiln.build(bad)
+
+
 def test_truncated_onnx_file(tmp_path):
     path = tmp_path / "truncated.onnx"
     data = conv_model(1).SerializeToString()

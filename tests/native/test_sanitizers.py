@@ -52,7 +52,9 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, atten
     "tests/tactics/test_codegen_shaped.py::test_a_per_channel_program_keeps_the_callers_layout_for_any_batch",
     "tests/tactics/test_qgemm_c.py::test_quantized_conv_matches_its_formula_and_onednn",   # skipped without VNNI
     "tests/tactics/test_qgemm_c.py::test_quantized_linear_matches_its_formula_and_onednn",
-    "tests/tactics/test_qgemm_c.py::test_an_output_table_maps_each_stored_byte",
+    "tests/tactics/test_qgemm_tables.py::test_an_output_table_maps_each_stored_byte",
+    "tests/tactics/test_qgemm_tables.py::test_a_convolution_with_an_output_table_stores_each_mapped_byte",
+    "tests/tactics/test_qgemm_tables.py::test_an_output_table_after_onednns_call_maps_every_byte",
     "tests/tactics/test_qgemm_act.py::test_product_of_two_int8_activations_equals_its_formula",
     "tests/tactics/test_qgemm_amx.py::test_quantized_conv_equals_the_vnni_kernel",   # AMX emulated
     "tests/tactics/test_qgemm_amx.py::test_quantized_linear_equals_the_vnni_kernel",

@@ -80,13 +80,17 @@ def test_layers_without_a_per_tensor_int8_input_stay_float():
     y1 = b.node("Conv", [x, dq(b, int8_weight(b, "wq1", (2, 2, 1, 1)), "w1", 0.25)], "y1", X, name="conv1")
     per_channel = dq(b, xq, "xc", [0.5, 0.25], axis=1)
     y2 = b.node("Conv", [per_channel, dq(b, int8_weight(b, "wq2", (2, 2, 1, 1)), "w2", 0.25)], "y2", X, name="conv2")
-    g = b.graph(y1, y2)
+    wide = dq(b, b.input("x16", X, np.uint16), "x16f", 0.5)   # onnxruntime's QUInt16 activations
+    y3 = b.node("Conv", [wide, dq(b, int8_weight(b, "wq3", (2, 2, 1, 1)), "w3", 0.25)], "y3", X, name="conv3")
+    g = b.graph(y1, y2, y3)
     run = run_pass_unchanged(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
     assert run.not_fusing == [
         "QuantizeDoubleInputNodes: Not fusing x with conv1: the input is not dequantized from INT8 (no input scale): "
         "the layer stays FP32",
-        "QuantizeDoubleInputNodes: Not fusing xc with conv2: the input scale is not a constant per-tensor scale"]
-    assert (run.stat.matches, run.stat.rejections) == (0, 2)
+        "QuantizeDoubleInputNodes: Not fusing xc with conv2: the input scale is not a constant per-tensor scale",
+        "QuantizeDoubleInputNodes: Not fusing x16f with conv3: the input is dequantized from uint16: kiln's quantized "
+        "kernels read 8-bit activations"]
+    assert (run.stat.matches, run.stat.rejections) == (0, 3)
 
 
 def test_matmul_of_two_int8_activations_becomes_one_int8_product():

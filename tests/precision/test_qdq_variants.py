@@ -80,3 +80,29 @@ def test_int4_weights_in_contrib_qdq_run_on_the_int8_kernels(preprocessed):
     engine = built_and_compared(path)
     convs = [l for l in engine.plan.layers if l.op_type == "QConv"]
     assert len(engine.plan.layers) == 29 and len(convs) == 20 and all(l.precision == "INT8" for l in convs)
+
+
+@pytest.mark.parametrize("activations,weights", [("QUInt16", "QInt8"), ("QInt16", "QInt16")])
+def test_sixteen_bit_quantization_is_emulated_in_fp32_on_the_float_kernels(preprocessed, activations, weights,
+                                                                          tmp_path):
+    """16-bit activations (opset 21 Q/DQ; onnxruntime's A16W8 and A16W16 recipes): kiln has no 16-bit integer
+    kernels (TensorRT has no such type), so no quantized layer is formed: the convolutions run FP32 on dequantized
+    weights, each Q -> DQ round trip is one generated FP32 layer rounding to the 16-bit grid, and the Q/DQ layers
+    say FP32 (not INT8). The engine saves, loads and writes layer info with the uint16/int16 tensors."""
+    from onnxruntime.quantization import QuantType
+
+    path = quantized(preprocessed, activations, activation_type=getattr(QuantType, activations),
+                     weight_type=getattr(QuantType, weights))
+    engine = kiln.build(path, autotune=False, tactic_sources="-openvino,-onnxruntime")
+    layers = engine.plan.layers
+    assert not any(l.op_type.startswith("Q") and l.domain == "kiln" for l in layers)
+    assert sum(l.op_type == "Conv" and l.precision == "FP32" for l in layers) == 20
+    assert all(l.precision == "FP32" and l.requested_precision in ("FP32", "") for l in layers)   # "": reformats
+    round_trips = [l for l in layers if l.op_type == "PointWise"]
+    assert round_trips and all(l.tactic_name == "codegen.pointwise_c_simd" for l in round_trips)
+    engine.save(tmp_path / "e.kiln")
+    x = np.random.default_rng(5).standard_normal(SHAPE).astype(np.float32)
+    got, want = kiln.load(tmp_path / "e.kiln").run({"input": x})["output"], run_ort(path, {"input": x})[0]
+    assert cosine(got, want) >= 0.99999
+    stored = {d["Format/Datatype"] for layer in engine.layer_info("detailed")["Layers"] for d in layer["Outputs"]}
+    assert any(activations[1:].lower() in f for f in stored), stored   # "uint16"/"int16" tensors between layers
