@@ -163,27 +163,29 @@ def merge_duplicate_qdq(g: Graph, plog: PassLog) -> None:
                 g.replace_all_uses(dup.outputs[0], keep.outputs[0])
 
 
-SWAPPABLE = ("MaxPool", "Shuffle", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
+SWAPPABLE = ("MaxPool", "Shuffle", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather", "Expand",
+             "Tile")   # ops whose data input (0) only moves or is compared: a per-tensor Q/DQ commutes with them
 
 
 def swap_dq_q_around_movement(g: Graph, plog: PassLog) -> None:
     """VanillaSwapWithFollowingQ: DQ -> (max pooling or data movement) -> Q with equal scales runs the op on the
-    INT8 tensor itself (max and moves commute with a monotonic per-tensor quantization)."""
+    INT8 tensor itself (max and moves commute with a monotonic per-tensor quantization). A DQ read by several such
+    ops (YOLOv8's C2f splits its SiLU's output with two Slices, each quantized again) stays for its other readers
+    until none is left."""
     for op in [n for n in g.nodes if n.op_type in SWAPPABLE and n.domain in ("", "ai.onnx", "kiln")]:
         dq, q = _dq(op.inputs[0]), sole_consumer(g, op)
-        if dq is None or q is None or q.op_type != "QuantizeLinear" or len(dq.outputs[0].users) != 1:
+        if dq is None or q is None or q.op_type != "QuantizeLinear":
             continue
-        if not _same_params(dq, q) or _params(q)[0].size != 1 or g.is_output(dq.outputs[0]):
-            continue
-        if q.outputs[0].dtype != dq.inputs[0].dtype:
+        if not _same_params(dq, q) or _params(q)[0].size != 1 or q.outputs[0].dtype != dq.inputs[0].dtype:
             continue
         plog.running(op)
         plog.fusing(dq, op)
         plog.fusing(op, q)
         out = q.outputs[0]
         g.remove_node(q)
-        g.remove_node(dq)
         g.set_input(op, 0, dq.inputs[0])
+        if not dq.outputs[0].users and not g.is_output(dq.outputs[0]):
+            g.remove_node(dq)
         op.outputs[0].dtype = out.dtype
         g.replace_all_uses(out, op.outputs[0])
 

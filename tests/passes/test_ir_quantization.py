@@ -255,6 +255,25 @@ def test_max_pooling_between_equal_dq_and_q_runs_on_int8():
     assert run.stat.matches == 2
 
 
+def test_a_dq_read_by_several_moves_each_quantized_again_swaps_each_and_stays_for_a_float_reader():
+    """YOLOv8's C2f: one dequantized tensor split by two Slices, each quantized again at its scale; a third reader
+    (a float Relu here) keeps the DequantizeLinear, and a Slice quantized at another scale stays float."""
+    b = IRBuilder()
+    xq = b.input("xq", (1, 4, 2, 2), np.int8)
+    x = dq(b, xq, "x", 0.5)
+    halves = [b.node("Slice", [x, b.const(f"s{i}.starts", [2 * i]), b.const(f"s{i}.ends", [2 * i + 2]),
+                               b.const(f"s{i}.axes", [1])], f"h{i}", (1, 2, 2, 2), name=f"slice{i}") for i in range(3)]
+    g = b.graph(q(b, halves[0], "q0", 0.5), q(b, halves[1], "q1", 0.5), q(b, halves[2], "q2", 0.25),
+                b.node("Relu", [x], "r", (1, 4, 2, 2), name="relu"))
+
+    run = run_pass(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
+
+    assert [(n.name, n.inputs[0].name, str(n.outputs[0].dtype)) for n in g.nodes if n.op_type == "Slice"] == [
+        ("slice0", "xq", "int8"), ("slice1", "xq", "int8"), ("slice2", "x", "float32")]
+    assert [o.name for o in g.outputs] == ["h0", "h1", "q2", "r"] and run.stat.matches == 4   # 2 per swap
+    assert [n.name for n in g.nodes if n.op_type == "DequantizeLinear"] == ["x"]   # the Relu still reads it
+
+
 def test_pooling_between_different_scales_is_not_swapped():
     b = IRBuilder()
     xq = b.input("xq", (1, 2, 4, 4), np.int8)
