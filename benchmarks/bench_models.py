@@ -5,7 +5,7 @@
 Names: resnet18, resnet50 (tests/models/nets.py at 1x3x224x224), bert-base and minilm (HF BertModel at those
 shapes, batch 1, seq 128, 20 padded tokens), yolov8n (tests/models/detectors.py at 640x640), unet
 (tests/models/segmenters.py at 256x256); random weights, randomized BatchNorm statistics and biases. Suffixes:
-- `-int8`: onnxruntime's quantize_static (Q/DQ) for the ResNets, quantize_dynamic for the encoders;
+- `-int8`: onnxruntime's quantize_static (Q/DQ) for the ResNets and YOLOv8n, quantize_dynamic for the encoders;
 - `-int8dyn` (ResNets): quantize_dynamic (s8 weights, ConvInteger);
 - `-qdq` (encoders): quantize_static in Q/DQ format, as onnxruntime's BERT example does it;
 - `-qat` (ResNets): TensorRT-style QAT (tests/models/qat.py): symmetric s8 Q/DQ on each convolution's input and
@@ -36,13 +36,14 @@ def build_model(name: str, workdir: Path):
             return _resnet(base, suffix, workdir / f"{name}.onnx")
         if base in ("bert-base", "minilm") and suffix in ENCODER_SUFFIXES:
             return _encoder(base, suffix, workdir / f"{name}.onnx")
-        if name == "yolov8n":
+        if base == "yolov8n" and suffix in ("", "int8"):
             from tests.models import detectors
 
             model = detectors.make("yolov8")
             x = np.random.default_rng(0).random((1, 3, 640, 640)).astype(np.float32)
             detectors.export(model, _tensor(x), workdir / f"{name}.onnx", "legacy")
-            return model, {"images": x}, workdir / f"{name}.onnx"
+            path = quantize_qdq(workdir / f"{name}.onnx", x, "images") if suffix else workdir / f"{name}.onnx"
+            return model, {"images": x}, path
         if name == "unet":
             from tests.models.nets import export
             from tests.models.segmenters import make_unet
@@ -52,7 +53,7 @@ def build_model(name: str, workdir: Path):
             export(model, _tensor(x), workdir / f"{name}.onnx", "legacy")
             return model, {"input": x}, workdir / f"{name}.onnx"
     raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, bert-base, minilm, yolov8n, unet; -int8 after "
-                     "resnet18, resnet50, bert-base or minilm; -int8dyn or -qat after resnet18 or resnet50; -qdq "
+                     "resnet18, resnet50, bert-base, minilm or yolov8n; -int8dyn or -qat after resnet18 or resnet50; -qdq "
                      "after bert-base or minilm)")
 
 
@@ -123,14 +124,16 @@ def _calibration(batches: list[dict[str, np.ndarray]]):
     return Reader()
 
 
-def quantize_qdq(path: Path, x: np.ndarray) -> Path:
+def quantize_qdq(path: Path, x: np.ndarray, input_name: str = "input") -> Path:
     """onnxruntime's quantize_static in QDQ format: per-channel INT8 weights, unsigned INT8 activations,
-    calibrated on 8 random inputs. The FP32 model stays at `path` for the kiln-FP32 comparison."""
+    calibrated on 8 random inputs like `x` (uniform in [0, 1) where `x` is, as images are, else normal). The FP32
+    model stays at `path` for the kiln-FP32 comparison."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     rng = np.random.default_rng(1)
-    batches = [{"input": rng.standard_normal(x.shape).astype(np.float32)} for _ in range(CALIBRATION_BATCHES)]
+    draw = rng.random if x.min() >= 0 else rng.standard_normal
+    batches = [{input_name: draw(x.shape).astype(np.float32)} for _ in range(CALIBRATION_BATCHES)]
     pre, qdq = path.with_name(path.stem + "_pre.onnx"), path.with_name(path.stem + "_qdq.onnx")
     quant_pre_process(str(path), str(pre))
     quantize_static(str(pre), str(qdq), _calibration(batches), quant_format=QuantFormat.QDQ, per_channel=True,
