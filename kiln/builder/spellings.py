@@ -51,10 +51,26 @@ def build_options(options: dict) -> tuple[BuildOptions, int | None]:
     for name in ("disabled_passes", "tactic_sources"):
         if options.get(name) is not None:
             options[name] = frozenset(options[name])
+    _check_pass_names(options.get("disabled_passes") or ())
     precision = precision_options(options)
     if precision is not None:
         options["precision"] = precision
     return BuildOptions(**options), threads
+
+
+def _check_pass_names(names) -> None:
+    """A pass to disable that kiln does not run is a typo or an old name (TensorRT-style silence would build
+    with the pass on): a ModelError naming it, the nearest names and where the list is."""
+    import difflib
+
+    from kiln.passes import DEFAULT_PIPELINE
+
+    known = [p.name for p in DEFAULT_PIPELINE]
+    for name in sorted(set(names) - set(known)):
+        near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        raise ModelError(f"--disable-pass: kiln has no pass '{name}'{hint} (the passes: `kiln build MODEL -v` logs "
+                         "each one; docs/architecture.md lists them)")
 
 
 def _profile_spellings(options: dict) -> None:

@@ -5,7 +5,8 @@ as onnxruntime's transformers optimizer, its quantizers and Optimum's O1-O3 writ
 standard ops they stand for, as local functions are inlined. kiln's passes then fuse them again (attention,
 skip-layer-norm, GELU epilogues, dynamic INT8 products, Q/DQ) onto its own kernels in every precision; TensorRT's
 parser refuses these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer
-info and `kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings, packed mask formats) is refused with the reason."""
+info and `kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings,
+packed mask formats) is refused with the reason."""
 from __future__ import annotations
 
 import logging
@@ -393,8 +394,8 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
         u = _Unfolder(node, ranks, widths, shared,
                       lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared), weights)
         unfold(u)
-        if any(x not in ranks for x in node.input[:2] if x):
-            ranks.update(u.infer())
+        if unfold is not _standard_qdq and any(x not in ranks for x in node.input[:2] if x):
+            ranks.update(u.infer())   # (a Q/DQ needs no rank: inferring after each of thousands is quadratic)
         declared.update(_output_ranks(node, ranks))
         ranks.update(declared)
         nodes += u.nodes

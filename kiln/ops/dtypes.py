@@ -38,7 +38,7 @@ NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype("int64"): torch.int64,
     np.dtype("int32"): torch.int32,
     np.dtype("int16"): torch.int16,
-    np.dtype("uint16"): torch.uint16,   # torch's support is partial: kiln converts it and compares it only
+    np.dtype("uint16"): torch.uint16,   # torch's support is partial: kiln only moves it and converts it (Q/DQ)
     np.dtype("int8"): torch.int8,
     np.dtype("uint8"): torch.uint8,
     np.dtype("bool"): torch.bool,
@@ -52,7 +52,8 @@ def onnx_to_numpy(elem_type: int, where: str) -> np.dtype:
 
     if elem_type not in ONNX_TO_NUMPY:
         name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
-        raise ModelError(f"{where}: element type {name} is not supported (supported: float32/16/64, int8-64, uint8/16, bool)")
+        raise ModelError(f"{where}: element type {name} is not supported (supported: float32/16/64, int8-64, "
+                         "uint8/16, bool)")
     return ONNX_TO_NUMPY[elem_type]
 
 

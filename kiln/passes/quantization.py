@@ -163,8 +163,9 @@ def merge_duplicate_qdq(g: Graph, plog: PassLog) -> None:
                 g.replace_all_uses(dup.outputs[0], keep.outputs[0])
 
 
-SWAPPABLE = ("MaxPool", "Shuffle", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather", "Expand",
-             "Tile")   # ops whose data input (0) only moves or is compared: a per-tensor Q/DQ commutes with them
+# ops whose data input (0) only moves or is compared: a per-tensor Q/DQ commutes with them
+SWAPPABLE = ("MaxPool", "Shuffle", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather",
+             "Expand", "Tile")
 
 
 def swap_dq_q_around_movement(g: Graph, plog: PassLog) -> None:
@@ -176,8 +177,9 @@ def swap_dq_q_around_movement(g: Graph, plog: PassLog) -> None:
         dq, q = _dq(op.inputs[0]), sole_consumer(g, op)
         if dq is None or q is None or q.op_type != "QuantizeLinear":
             continue
-        if not _same_params(dq, q) or _params(q)[0].size != 1 or q.outputs[0].dtype != dq.inputs[0].dtype:
-            continue
+        if not _same_params(dq, q) or _params(q)[0].size != 1 or q.outputs[0].dtype != dq.inputs[0].dtype or \
+                str(q.outputs[0].dtype) not in INT8_TYPES or g.is_output(q.outputs[0]):
+            continue   # a network output keeps its name; a 16-bit tensor is not moved (kiln moves uint16 no further)
         plog.running(op)
         plog.fusing(dq, op)
         plog.fusing(op, q)

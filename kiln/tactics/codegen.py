@@ -69,18 +69,13 @@ def program_view(layer: LayerView) -> LayerView | None:
 
 
 Q_DQ = ("QuantizeLinear", "DequantizeLinear")
+QUANTIZE_STEP_TYPES = (*INT8_C_TYPES, "int16", "uint16")   # what a Quantize step inside a program rounds to
 
 
-def saturation(dtype: str | None) -> tuple[int, int] | None:
-    """The range QuantizeLinear saturates to for an INT8 type ("int8", "uint8"); None for any other."""
-    return (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) if dtype in INT8_C_TYPES else None
-
-
-def _quantize_bounds(dtype: str) -> tuple[int, int] | None:
-    """The range a Quantize step inside a program saturates to: an INT8 type's, or a 16-bit one's (a 16-bit Q/DQ
-    round trip between float steps: the tensor is never stored in 16 bits, `supports` declines those)."""
-    return saturation(dtype) or ((int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
-                                 if dtype in ("int16", "uint16") else None)
+def saturation(dtype: str | None, types=tuple(INT8_C_TYPES)) -> tuple[int, int] | None:
+    """The range QuantizeLinear saturates to for one of `types` (the INT8 types: "int8", "uint8"); None for any
+    other."""
+    return (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) if dtype in types else None
 
 
 def quantize_steps(layer: LayerView) -> LayerView | None:
@@ -100,7 +95,8 @@ def quantize_steps(layer: LayerView) -> LayerView | None:
                 (len(args) == 3 and (zp is None or zp.numel() != 1)) or attrs.get("block_size") or \
                 attrs.get("output_dtype"):
             return None
-        bounds = _quantize_bounds("uint8" if zp is None else str(zp.dtype).removeprefix("torch."))
+        # a 16-bit Q/DQ round trip between float steps rounds to its grid: such tensors are never stored (`supports`)
+        bounds = saturation("uint8" if zp is None else str(zp.dtype).removeprefix("torch."), QUANTIZE_STEP_TYPES)
         if bounds is None:
             return None
         params = [args[0], args[1], args[2] if len(args) == 3 else {"const": 0.0}]

@@ -53,15 +53,16 @@ def table_mapper(table: dict):
     torch's indexing. For kernels without such a post-op (oneDNN's)."""
     if not native.available():
         return lambda y: apply_table(y, table)
-    lookup, entries, dtype = native.library("quant").kiln_lookup_u8, torch.tensor(table["bytes"], dtype=torch.uint8), \
-        INT8_TORCH[table["dtype"]]
+    lookup, entries = native.library("quant").kiln_lookup_u8, torch.tensor(table["bytes"], dtype=torch.uint8)
+    return lambda y: looked_up(lookup, y, entries, INT8_TORCH[table["dtype"]])
 
-    def mapped(y: torch.Tensor, entries=entries) -> torch.Tensor:
-        y = y if dense_layout(y) else y.contiguous()
-        out = torch.empty_like(y, dtype=dtype)
-        lookup(y.data_ptr(), out.data_ptr(), y.numel(), entries.data_ptr())
-        return out
-    return mapped
+
+def looked_up(lookup, x: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """table[x] by kiln's C `lookup` (kiln_lookup_u8/f32) into a new tensor of `out_dtype`, `x`'s strides kept."""
+    x = x if dense_layout(x) else x.contiguous()
+    y = torch.empty_like(x, dtype=out_dtype)
+    lookup(x.data_ptr(), y.data_ptr(), x.numel(), table.data_ptr())
+    return y
 
 
 class LookupTableTactic:
@@ -87,9 +88,6 @@ class LookupTableTactic:
         lookup = lib.kiln_lookup_f32 if out_dtype == torch.float32 else lib.kiln_lookup_u8
 
         def run(xs, table=table):
-            x = xs[index] if dense_layout(xs[index]) else xs[index].contiguous()
-            y = torch.empty_like(x, dtype=out_dtype)   # the same strides: the layout is kept
-            lookup(x.data_ptr(), y.data_ptr(), x.numel(), table.data_ptr())
-            return [y]
+            return [looked_up(lookup, xs[index], table, out_dtype)]   # the same strides: the layout is kept
         run.table = table
         return run

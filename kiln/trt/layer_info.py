@@ -167,14 +167,15 @@ def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:
     has_bias = bias is not None and len(layer.args) > bias and layer.args[bias].kind == "weight"
     has_res = layer.op_type in ("Conv", "QConv", "DynamicQConv") and len(layer.args) > 3 and layer.args[3].kind == "tensor"
     act = _activation(a)
-    return _with_output_table(a, {"Kernel": kernel, "PaddingMode": _padding_mode(a), "PrePadding": pads[:n], "PostPadding": pads[n:],
-            "Stride": strides, "Dilation": dilations,
-            "OutMaps": int(layer.outputs[0].dims[1]), "Groups": int(a.get("group", 1)),
-            "Weights": _weight_info(plan, layer, weights),
-            "Bias": _weight_info(plan, layer, bias) if has_bias else {"Type": "Float", "Count": 0},
-            "HasBias": int(has_bias), "HasReLU": int(act == "RELU"), "HasSparseWeights": 0, "HasDynamicFilter": 0,
-            "HasDynamicBias": 0, "HasResidual": int(has_res), "ConvXAsActInputIdx": -1, "BiasAsActInputIdx": -1,
-            "ResAsActInputIdx": -1, "Activation": act})
+    d = {"Kernel": kernel, "PaddingMode": _padding_mode(a), "PrePadding": pads[:n], "PostPadding": pads[n:],
+         "Stride": strides, "Dilation": dilations,
+         "OutMaps": int(layer.outputs[0].dims[1]), "Groups": int(a.get("group", 1)),
+         "Weights": _weight_info(plan, layer, weights),
+         "Bias": _weight_info(plan, layer, bias) if has_bias else {"Type": "Float", "Count": 0},
+         "HasBias": int(has_bias), "HasReLU": int(act == "RELU"), "HasSparseWeights": 0, "HasDynamicFilter": 0,
+         "HasDynamicBias": 0, "HasResidual": int(has_res), "ConvXAsActInputIdx": -1, "BiasAsActInputIdx": -1,
+         "ResAsActInputIdx": -1, "Activation": act}
+    return _with_output_table(a, d)
 
 
 def _pooling(plan: Plan, layer: Layer) -> dict[str, Any]:

@@ -243,34 +243,38 @@ def test_max_pooling_between_equal_dq_and_q_runs_on_int8():
     b = IRBuilder()
     xq = b.input("xq", (1, 2, 4, 4), np.int8)
     p = b.node("MaxPool", [dq(b, xq, "x", 0.5)], "p", (1, 2, 2, 2), name="pool", kernel_shape=[2, 2])
-    g = b.graph(q(b, p, "y", 0.5))
+    g = b.graph(dq(b, q(b, p, "y", 0.5), "z", 0.5))
 
     run = run_pass(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
 
     assert str(g) == expected("""
         graph g(%xq: int8[1x2x4x4]):
           %p: int8[1x2x2x2] = MaxPool(%xq) kernel_shape=[2, 2]  # pool
-          return %p
+          %z: float32[1x2x2x2] = DequantizeLinear(%p, const %z.scale)  # z
+          return %z
         """)
     assert run.stat.matches == 2
 
 
 def test_a_dq_read_by_several_moves_each_quantized_again_swaps_each_and_stays_for_a_float_reader():
-    """YOLOv8's C2f: one dequantized tensor split by two Slices, each quantized again at its scale; a third reader
-    (a float Relu here) keeps the DequantizeLinear, and a Slice quantized at another scale stays float."""
+    """YOLOv8's C2f: one dequantized tensor split by Slices, each quantized again at its scale. Each such Slice runs
+    on the INT8 tensor; a third reader (a float Relu) keeps the DequantizeLinear; a Slice quantized at another scale
+    stays float, and so does one whose Q writes a network output (its name is the engine's output name)."""
     b = IRBuilder()
-    xq = b.input("xq", (1, 4, 2, 2), np.int8)
+    xq = b.input("xq", (1, 8, 2, 2), np.int8)
     x = dq(b, xq, "x", 0.5)
     halves = [b.node("Slice", [x, b.const(f"s{i}.starts", [2 * i]), b.const(f"s{i}.ends", [2 * i + 2]),
-                               b.const(f"s{i}.axes", [1])], f"h{i}", (1, 2, 2, 2), name=f"slice{i}") for i in range(3)]
-    g = b.graph(q(b, halves[0], "q0", 0.5), q(b, halves[1], "q1", 0.5), q(b, halves[2], "q2", 0.25),
-                b.node("Relu", [x], "r", (1, 4, 2, 2), name="relu"))
+                               b.const(f"s{i}.axes", [1])], f"h{i}", (1, 2, 2, 2), name=f"slice{i}") for i in range(4)]
+    quantized = [q(b, h, f"q{i}", 0.25 if i == 2 else 0.5) for i, h in enumerate(halves)]
+    read = [b.node("Neg", [v], f"n{i}", (1, 2, 2, 2), dtype=np.int8, name=f"neg{i}") for i, v in enumerate(quantized[:3])]
+    g = b.graph(*read, quantized[3], b.node("Relu", [x], "r", (1, 8, 2, 2), name="relu"))
 
     run = run_pass(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
 
     assert [(n.name, n.inputs[0].name, str(n.outputs[0].dtype)) for n in g.nodes if n.op_type == "Slice"] == [
-        ("slice0", "xq", "int8"), ("slice1", "xq", "int8"), ("slice2", "x", "float32")]
-    assert [o.name for o in g.outputs] == ["h0", "h1", "q2", "r"] and run.stat.matches == 4   # 2 per swap
+        ("slice0", "xq", "int8"), ("slice1", "xq", "int8"), ("slice2", "x", "float32"), ("slice3", "x", "float32")]
+    assert [n.inputs[0].name for n in g.nodes if n.op_type == "Neg"] == ["h0", "h1", "q2"]
+    assert [o.name for o in g.outputs] == ["n0", "n1", "n2", "q3", "r"] and run.stat.matches == 4   # 2 per swap
     assert [n.name for n in g.nodes if n.op_type == "DequantizeLinear"] == ["x"]   # the Relu still reads it
 
 

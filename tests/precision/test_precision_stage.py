@@ -91,14 +91,14 @@ def test_the_python_api_takes_the_cli_spellings(tmp_path):
 
     opts, threads = build_options({"bf16": True, "layer_precisions": "conv1:fp32,*:bf16", "shapes": "x:1x3x8x8",
                                    "calib": "data.npz", "calib_method": "minmax", "builder_optimization_level": 0,
-                                   "tactic_sources": "-openvino,-onnxruntime", "disable_pass": "FuseConvBias",
+                                   "tactic_sources": "-openvino,-onnxruntime", "disable_pass": "ConvReluFusion",
                                    "threads": 1, "precision_constraints": "prefer"})
     assert opts.precision == PrecisionOptions(bf16=True, layer_precisions={"conv1": "FP32", "*": "BF16"},
                                               constraints="prefer")
     assert (opts.input_shapes, opts.calibration, opts.calibration_method, opts.autotune) == \
         ({"x": (1, 3, 8, 8)}, "data.npz", "minmax", False)
     assert "openvino" not in opts.tactic_sources and "kiln" in opts.tactic_sources
-    assert opts.disabled_passes == frozenset({"FuseConvBias"}) and threads == 1
+    assert opts.disabled_passes == frozenset({"ConvReluFusion"}) and threads == 1
     assert build_options({"layer_precisions": {"conv1": "bf16"}})[0].precision.layer_precisions == {"conv1": "BF16"}
     before = torch.get_num_threads()
     try:
@@ -113,6 +113,9 @@ def test_unknown_or_doubled_build_options_are_clear_errors():
         kiln.build(conv_net(), bf_16=True)
     with pytest.raises(kiln.ModelError, match=r"build options 'calib' and 'calibration' are the same option"):
         kiln.build(conv_net(), calib="a.npz", calibration="b.npz")
+    # a pass kiln does not run (a typo, or QProductTableFusion's old name) would build with the pass on
+    with pytest.raises(kiln.ModelError, match=r"kiln has no pass 'QMatMulTableFusion'; did you mean .*QProductTableFusion"):
+        kiln.build(conv_net(), disable_pass="QMatMulTableFusion")
 
 
 def test_the_output_tail_is_the_arithmetic_after_the_last_matrix_layers():
