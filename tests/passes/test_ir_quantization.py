@@ -165,6 +165,28 @@ def test_int8_sum_without_a_following_q_stays_a_float_add():
                               "sum: it stays an FP32 add"]
 
 
+def test_sixteen_bit_sums_and_outputs_form_no_int8_layer():
+    """A sum of two uint16 tensors quantized to INT8 is no INT8 sum; an INT8 convolution whose output is quantized to
+    16 bits keeps a float output and the 16-bit QuantizeLinear after it (kiln's quantized layers write 8 bits)."""
+    b = IRBuilder()
+    a, c = b.input("a", (2, 4), np.uint16), b.input("c", (2, 4), np.uint16)
+    s = b.node("Add", [dq(b, a, "da", 0.5), dq(b, c, "dc", 0.25)], "s", (2, 4), name="add")
+    g = b.graph(q(b, s, "y", 0.5))
+    run = run_pass_unchanged(g, "QuantizedAddFusion", fuse_quantized_add)
+    assert run.stat.matches == 0
+
+    b = IRBuilder()
+    x = dq(b, b.input("xq", X, np.int8), "x", 0.5)
+    conv = b.node("Conv", [x, dq(b, int8_weight(b, "wq", (2, 2, 1, 1)), "w", 0.25)], "c", X, name="conv")
+    wide = b.node("QuantizeLinear", [conv, b.const("y.scale", 0.5), b.const("y.zero", 0, np.uint16)], "y", X,
+                  dtype=np.uint16)
+    g = b.graph(wide)
+    run_pass(g, "QuantizeDoubleInputNodes", fuse_quantized_layers)
+    layer = next(n for n in g.nodes if n.op_type == "QConv")
+    assert "y_scale" not in layer.attrs["quant"] and layer.outputs[0].dtype == np.float32
+    assert [n.op_type for n in g.nodes if n.outputs[0] is g.outputs[0]] == ["QuantizeLinear"]
+
+
 # ---------------------------------------------------------------- QuantizedSoftmaxFusion
 def scores_softmax(b: IRBuilder, axis=-1, y_scale=1 / 256, dq_scale=0.5):
     x = b.input("x", (2, 4, 8), np.int8)

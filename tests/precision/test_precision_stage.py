@@ -108,6 +108,20 @@ def test_the_python_api_takes_the_cli_spellings(tmp_path):
         torch.set_num_threads(before)
 
 
+def test_sixteen_bit_qdq_asks_for_and_is_given_fp32_and_eight_bit_int8():
+    """kiln emulates 16-bit quantization in FP32 (no 16-bit integer kernels; TensorRT has no such type): a Q/DQ of
+    uint16/int16 asks for FP32 and its own types fix FP32, whichever side the 16-bit tensor is on."""
+    from kiln.precision.policy import native_precision, requested
+
+    options = PrecisionOptions()
+    for op, out, reads in (("QuantizeLinear", ["uint16"], ["float32"]), ("DequantizeLinear", ["float32"], ["int16"])):
+        assert requested("q", op, out, options, (), reads) == "FP32"
+        assert native_precision(op, out, reads) == "FP32"
+    for op, out, reads in (("QuantizeLinear", ["uint8"], ["float32"]), ("DequantizeLinear", ["float32"], ["int8"])):
+        assert requested("q", op, out, options, (), reads) == "INT8"
+        assert native_precision(op, out, reads) == "INT8"
+
+
 def test_unknown_or_doubled_build_options_are_clear_errors():
     with pytest.raises(kiln.ModelError, match=r"unknown build option\(s\) bf_16; known: .*\bbf16\b.*\bcalib\b"):
         kiln.build(conv_net(), bf_16=True)

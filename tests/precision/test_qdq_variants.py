@@ -87,8 +87,8 @@ def test_sixteen_bit_quantization_is_emulated_in_fp32_on_the_float_kernels(prepr
                                                                           tmp_path):
     """16-bit activations (opset 21 Q/DQ; onnxruntime's A16W8 and A16W16 recipes): kiln has no 16-bit integer
     kernels (TensorRT has no such type), so no quantized layer is formed: the convolutions run FP32 on dequantized
-    weights, each Q -> DQ round trip is one generated FP32 layer rounding to the 16-bit grid, and the Q/DQ layers
-    say FP32 (not INT8); no 16-bit tensor is stored between layers (a max pooling between a 16-bit DQ and Q runs on
+    weights, each Q -> DQ round trip is one generated FP32 layer rounding to the 16-bit grid, every layer is FP32 (no
+    INT8 label), and no 16-bit tensor is stored between layers (a max pooling between a 16-bit DQ and Q runs on
     the floats). The engine saves and loads."""
     from onnxruntime.quantization import QuantType
 
