@@ -156,8 +156,12 @@ def _quantized(base: str):
 def apply_table(y: torch.Tensor, table: dict) -> torch.Tensor:
     """An INT8 tensor's bytes mapped through a 256-entry table of output bytes (kiln.passes.qproduct_table):
     {"bytes": [256 ints], "dtype": "uint8" | "int8"}, indexed by the raw byte (an s8 -1 reads entry 255)."""
-    mapped = torch.tensor(table["bytes"], dtype=torch.uint8)[y.view(torch.uint8).long()]
-    return mapped.view(INT8_TORCH[table["dtype"]])
+    return mapped_bytes(y, torch.tensor(table["bytes"], dtype=torch.uint8), INT8_TORCH[table["dtype"]])
+
+
+def mapped_bytes(y: torch.Tensor, entries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """entries[raw byte of y] (256 uint8 entries) viewed as `dtype`: torch's indexing, where no C lookup runs."""
+    return entries[y.view(torch.uint8).long()].view(dtype)
 
 
 def _dequantize_weight_once(attrs, consts: dict) -> dict:

@@ -20,9 +20,9 @@ from kiln.ir import Graph, Node
 from kiln.ops.fused import program_on_bytes
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import replace_nodes, sole_consumer
+from kiln.passes.quantization import INT8_TYPES
 from kiln.trt.vocab import fused_layer_name
 
-INT8 = ("uint8", "int8")
 PRODUCTS = ("QMatMul", "QGemm", "QConv")
 
 
@@ -48,7 +48,7 @@ def _blocker(mm: Node, chain: Node) -> str | None:
     """Why `chain` cannot be a table on `mm`'s output: the product's output or the chain's is not INT8, the chain
     reads another tensor or a constant of more than one value, or its output is not the product's shape."""
     y, out = mm.outputs[0], chain.outputs[0]
-    if "y_scale" not in mm.attrs.get("quant", {}) or str(y.dtype) not in INT8 or str(out.dtype) not in INT8:
+    if "y_scale" not in mm.attrs.get("quant", {}) or str(y.dtype) not in INT8_TYPES or str(out.dtype) not in INT8_TYPES:
         return "the product's output or the chain's is not INT8"
     if "out_table" in mm.attrs:
         return "the product already maps its output through a table"

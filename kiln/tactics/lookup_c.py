@@ -14,7 +14,7 @@ import torch
 
 from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
-from kiln.ops.fused import apply_table, program_on_bytes
+from kiln.ops.fused import mapped_bytes, program_on_bytes
 from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
 from kiln.tactics.quant_c import dense_layout
 
@@ -47,14 +47,18 @@ def lookup_table(layer: LayerView, index: int) -> torch.Tensor:
     return y.view(torch.uint8).clone() if want != torch.float32 else y.contiguous()
 
 
-def table_mapper(table: dict):
+def table_mapper(table: dict | None):
     """A function mapping an INT8 tensor's bytes through an output table ({"bytes", "dtype"}: kiln.passes.
     qproduct_table) into a new tensor of the same strides: kiln's lookup kernel where there is a C compiler, else
-    torch's indexing. For kernels without such a post-op (oneDNN's)."""
+    torch's indexing; the identity where there is no table. For kernels without such a post-op (oneDNN's). The
+    entries are made once, here, not per call."""
+    if table is None:
+        return lambda y: y
+    entries, dtype = torch.tensor(table["bytes"], dtype=torch.uint8), INT8_TORCH[table["dtype"]]
     if not native.available():
-        return lambda y: apply_table(y, table)
-    lookup, entries = native.library("quant").kiln_lookup_u8, torch.tensor(table["bytes"], dtype=torch.uint8)
-    return lambda y: looked_up(lookup, y, entries, INT8_TORCH[table["dtype"]])
+        return lambda y: mapped_bytes(y, entries, dtype)
+    lookup = native.library("quant").kiln_lookup_u8
+    return lambda y: looked_up(lookup, y, entries, dtype)
 
 
 def looked_up(lookup, x: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

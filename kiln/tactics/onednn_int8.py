@@ -130,8 +130,7 @@ class OneDnnInt8ConvTactic:
         unary, scalars, algorithm = fused_unary(a.get("activation")) or ("none", [], "")
         conv, last = torch.ops.onednn.qconv2d_pointwise, torch.channels_last
         geometry = (strides, padding, dilations, groups)
-        table = a.get("out_table")   # kiln.passes.qproduct_table: no such post-op, looked up after the call
-        mapped = (lambda y: y) if table is None else table_mapper(table)
+        mapped = table_mapper(a.get("out_table"))   # kiln.passes.qproduct_table: looked up after the call
 
         def padded(x):   # a quantized zero is the zero point: pad with it
             x = to_unsigned(x if x.is_contiguous(memory_format=last) else x.contiguous(memory_format=last))
@@ -200,8 +199,7 @@ class OneDnnInt8LinearTactic:
         y_scale, y_zp, y_dtype = _output(layer)
         unary, scalars, algorithm = fused_unary(layer.attrs.get("activation")) or ("none", [], "")
         linear = torch.ops.onednn.qlinear_pointwise
-        table = layer.attrs.get("out_table")   # kiln.passes.qproduct_table: no such post-op, looked up after the call
-        mapped = (lambda y: y) if table is None else table_mapper(table)
+        mapped = table_mapper(layer.attrs.get("out_table"))   # kiln.passes.qproduct_table: looked up after the call
 
         def run(xs):
             x = xs[0]

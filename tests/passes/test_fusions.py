@@ -233,7 +233,8 @@ def test_reshape_transpose_reshape_is_one_shuffle():
     assert layer.name == "r1 + t + r2"
     info = engine.layer_info("detailed")["Layers"][0]
     assert info["ParameterType"] == "Shuffle" and info["ZeroIsPlaceholder"] == 1   # 0 in a target copies the axis
-    assert info["Steps"] == layer.attrs["steps"] and info["FirstTranspose"] == [0, 1, 2]
+    assert (info["FirstTranspose"], info["Reshape"], info["SecondTranspose"]) == ([0, 1, 2], [2, 2, 3, 4], [0, 2, 1, 3])
+    assert info["Steps"] == [{"reshape": [2, 2, 3, 4]}, {"transpose": [0, 2, 1, 3]}, {"reshape": [2, 24]}]
 
 
 def test_noop_reshape_erased():
