@@ -48,17 +48,23 @@ def lookup_table(layer: LayerView, index: int) -> torch.Tensor:
 
 
 def table_mapper(table: dict | None):
-    """A function mapping an INT8 tensor's bytes through an output table ({"bytes", "dtype"}: kiln.passes.
-    qproduct_table) into a new tensor of the same strides: kiln's lookup kernel where there is a C compiler, else
-    torch's indexing; the identity where there is no table. For kernels without such a post-op (oneDNN's). The
-    entries are made once, here, not per call."""
+    """A function mapping the bytes of a kernel's fresh INT8 output through an output table ({"bytes", "dtype"}:
+    kiln.passes.qproduct_table), in place where it is dense (kiln's lookup kernel; else into a new tensor of the same
+    strides, as torch's indexing does where there is no C compiler); the identity where there is no table. For
+    kernels without such a post-op (oneDNN's). The entries are made once, here, not per call."""
     if table is None:
         return lambda y: y
     entries, dtype = torch.tensor(table["bytes"], dtype=torch.uint8), INT8_TORCH[table["dtype"]]
     if not native.available():
         return lambda y: mapped_bytes(y, entries, dtype)
     lookup = native.library("quant").kiln_lookup_u8
-    return lambda y: looked_up(lookup, y, entries, dtype)
+
+    def mapped(y: torch.Tensor) -> torch.Tensor:
+        if not dense_layout(y):
+            return looked_up(lookup, y, entries, dtype)
+        lookup(y.data_ptr(), y.data_ptr(), y.numel(), entries.data_ptr())   # each byte read before it is written
+        return y.view(dtype)
+    return mapped
 
 
 def looked_up(lookup, x: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.tactics.base import LayerView
 from kiln.tactics.qgemm_amx import (
     QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic, pack_amx_quads, pack_amx_segments,
     self_check_passes,
@@ -119,3 +120,30 @@ def test_zero_point_weights_and_products_rounded_before_their_bias_equal_the_vnn
     got = run(amx, view, [x, None, None])
     assert torch.equal(got, run(vnni, view, [x, None, None]))
     assert_spread(got)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["linear", "conv3x3", "conv1x1_residual"])
+def test_an_output_table_maps_the_same_bytes_as_the_vnni_kernel(kind, amx_int8_kernels):
+    """A product with an output table (kiln.passes.qproduct_table) stores table[byte] from the AMX kernels' shared
+    epilogue as from the VNNI kernels' (and the table changed the bytes: it is applied, once)."""
+    g = torch.Generator().manual_seed(11)
+    entries = torch.randperm(256, generator=g)
+    table = {"bytes": entries.tolist(), "dtype": "int8"}
+    if kind == "linear":
+        view, x = linear_case("QMatMul", (2, 40, 48), 0, ("uint8", 3, 0.02), ("uint8", 5, 0.05))
+        xs, vnni = [x, None, None], QLinearGemmTactic()
+    else:
+        kh, residual = (3, False) if kind == "conv3x3" else (1, True)
+        w = torch.randint(-127, 128, (40, 16, kh, kh), generator=g, dtype=torch.int8)
+        x = rand_q((1, 16, 10, 10), "uint8", g)
+        view = qconv_view(tuple(x.shape), w, quant(40, y=("uint8", 5, 0.05), r=(7, 0.03) if residual else None),
+                          (1,) * 4 if kh == 3 else (0,) * 4, residual=residual)
+        r = rand_q((1, 40, 10, 10), "uint8", g).contiguous(memory_format=torch.channels_last)
+        xs, vnni = [x, None, None] + ([r] if residual else []), QConvDirectTactic() if kh == 3 else QConvGemmTactic()
+    tabled = LayerView(**{**view.__dict__, "attrs": {**view.attrs, "out_table": table}, "output_dtypes": ("int8",)})
+    amx = amx_twin(vnni)
+    assert amx.supports(tabled)
+    plain, got = run(vnni, view, xs), run(amx, tabled, xs)
+    assert got.dtype == torch.int8 and torch.equal(got, run(vnni, tabled, xs))
+    assert torch.equal(got.view(torch.uint8), entries.to(torch.uint8)[plain.view(torch.uint8).long()])

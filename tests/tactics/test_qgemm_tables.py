@@ -84,8 +84,9 @@ def test_a_convolution_with_an_output_table_stores_each_mapped_byte(kh, residual
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_an_output_table_after_onednns_call_maps_every_byte(compiled, monkeypatch):
-    """oneDNN has no table post-op: its tactics look the bytes up after the call, with kiln's lookup kernel where
-    there is a C compiler, else torch's indexing; both keep the channels-last strides."""
+    """oneDNN has no table post-op: its tactics look the bytes up after the call, with kiln's lookup kernel in place
+    where there is a C compiler (the call's output is fresh), else by torch's indexing; both keep the channels-last
+    strides."""
     from kiln.tactics.lookup_c import table_mapper
 
     if compiled and not native.available():
@@ -93,9 +94,16 @@ def test_an_output_table_after_onednns_call_maps_every_byte(compiled, monkeypatc
     monkeypatch.setattr(native, "available", lambda: compiled)
     entries = torch.randperm(256, generator=torch.Generator().manual_seed(1))
     y = torch.arange(256, dtype=torch.uint8).repeat(40).reshape(2, 16, 20, 16).contiguous(memory_format=torch.channels_last)
+    want, address = entries.to(torch.uint8)[y.long()], y.data_ptr()
     got = table_mapper({"bytes": entries.tolist(), "dtype": "int8"})(y)
     assert got.dtype == torch.int8 and got.stride() == y.stride()
-    assert torch.equal(got.view(torch.uint8), entries.to(torch.uint8)[y.long()])
+    assert torch.equal(got.view(torch.uint8), want)
+    assert (got.data_ptr() == address) == compiled          # no second buffer for kiln's kernel
+    rows = torch.arange(256, dtype=torch.uint8).repeat(2, 2)
+    sliced, before = rows[:, :300], rows.clone()                  # not dense: looked up into a new tensor
+    assert torch.equal(table_mapper({"bytes": entries.tolist(), "dtype": "uint8"})(sliced),
+                       entries.to(torch.uint8)[before[:, :300].long()])
+    assert torch.equal(rows, before)
 
 
 @needs_vnni

@@ -76,11 +76,11 @@ DEQUANTIZE(kiln_dequantize_s8, int8_t)
 
 /* Table lookup over bytes (kiln.tactics.lookup_c): y[i] = table[x[i]] for a chain of elementwise ops whose only
    input per call is an INT8 tensor, evaluated once on all 256 byte values. With AVX512-VBMI one vpermi2b picks 64
-   bytes from 128 table entries; two of them cover the table's halves and the index's top bit chooses. */
+   bytes from 128 table entries; two of them cover the table's halves and the index's top bit chooses. y may be x
+   (a kernel's fresh output mapped in place): each byte is read before its own position is written. */
 #define LOOKUP_BLOCK 16384   /* bytes per OpenMP work unit */
 #define LOOKUP_PARALLEL_MIN 262144   /* a lookup moves ~64 bytes a cycle: smaller tensors stay on one thread */
-static void lookup_bytes(const uint8_t* restrict x, uint8_t* restrict y, int64_t begin, int64_t end,
-                         const uint8_t* restrict table) {
+static void lookup_bytes(const uint8_t* x, uint8_t* y, int64_t begin, int64_t end, const uint8_t* restrict table) {
   int64_t i = begin;
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
   const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 64);
@@ -97,7 +97,7 @@ static void lookup_bytes(const uint8_t* restrict x, uint8_t* restrict y, int64_t
 /* y = table[x] over `count` bytes by BLOCK (one block of y[i] = table[x[i]] per call), on the calling thread
    below MIN elements: a team of one costs 1-2 us. */
 #define LOOKUP(NAME, OUT, BLOCK_FN, MIN)                                                                     \
-  void NAME(const uint8_t* restrict x, OUT* restrict y, int64_t count, const OUT* restrict table) {        \
+  void NAME(const uint8_t* x, OUT* y, int64_t count, const OUT* restrict table) {                          \
     if (count < (MIN)) {                                                                                     \
       BLOCK_FN(x, y, 0, count, table);                                                                       \
       return;                                                                                                \
