@@ -1,7 +1,7 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
 Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization, and the INT8
-layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic
-quantization)."""
+layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm, QConcat from Q/DQ; DynamicQMatMul, DynamicQConv from
+dynamic quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -256,6 +256,15 @@ def quantized_layer_norm(attrs, xs):
     return [requantized(y, q)]
 
 
+def concat_with_tables(attrs, xs):
+    """Concat of INT8 tensors, each input with an entry in `in_tables` first mapped through that 256-entry table
+    (kiln.passes.qconcat_table: the requantizations to the Concat's scale)."""
+    parts = [x if t is None else mapped_bytes(x, torch.tensor(t["bytes"], dtype=torch.uint8), INT8_TORCH[t["dtype"]])
+             for x, t in zip(xs, attrs["in_tables"]) if x is not None]
+    return [torch.cat(parts, dim=attrs["axis"])]
+
+
+KILN_OPS["QConcat"] = OpDef("QConcat", OpKind.INJECTIVE, concat_with_tables)
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
 KILN_OPS["QSoftmax"] = OpDef("QSoftmax", OpKind.REDUCTION, quantized_softmax)
 KILN_OPS["QLayerNorm"] = OpDef("QLayerNorm", OpKind.REDUCTION, quantized_layer_norm)

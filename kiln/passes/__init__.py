@@ -14,6 +14,7 @@ from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
 from kiln.passes.qmatmul_steps import fuse_product_shuffles
+from kiln.passes.qconcat_table import fuse_concat_tables
 from kiln.passes.qproduct_table import fuse_product_tables
 from kiln.passes.qoperator import unfold_qoperators
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_norm, fuse_quantized_layers,
@@ -94,6 +95,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
     # A chain on one INT8 product's output (quantize_static's scores scaling, its GELU) as a table in its epilogue.
     Pass("QProductTableFusion", fuse_product_tables),
+    # Requantizations no product took (a Concat's inputs at other scales) as tables the Concat's copy applies.
+    Pass("QConcatTableFusion", fuse_concat_tables),
     Pass("DeadLayerRemoval", remove_dead_layers, "final dead-layer removal"),
 ]
 

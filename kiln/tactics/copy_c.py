@@ -3,11 +3,13 @@ copies, for every row of the axes before the axis, one contiguous chunk per inpu
 row-major tensors alike, so YOLO's channel splits and concatenations between channel-major convolutions copy
 straight, without torch's strided copies.
 
-`kiln.copy_rows` moves FP32; `kiln.copy_rows_bf16` moves tensors as a BF16 plan stores them, each input FP32 or bf16,
-each output in the type its readers take, converting as it copies (torch.cat converting as it copies was 10x
-slower than converting first, then concatenating). YOLOv8n's first C2f Concat (16+16+16 channels, 160 x 160, two
-inputs FP32, output bf16), 2 threads of a Zen 4: 0.19 ms through torch (convert, then concatenate), 0.08 ms here
-with hot caches; in the plan 0.21 -> 0.16 ms. All bf16: 0.10 -> 0.05 ms.
+`kiln.copy_rows` moves FP32 or INT8 bytes (a quantized detector's channel splits and concatenations between its
+INT8 convolutions; a QConcat's inputs each through its own table, kiln.passes.qconcat_table);
+`kiln.copy_rows_bf16` moves tensors as a BF16 plan stores them, each input FP32 or bf16, each output in the type its
+readers take, converting as it copies (torch.cat converting as it copies was 10x slower than converting first, then
+concatenating). YOLOv8n's first C2f Concat (16+16+16 channels, 160 x 160, two inputs FP32, output bf16), 2 threads
+of a Zen 4: 0.19 ms through torch (convert, then concatenate), 0.08 ms here with hot caches; in the plan 0.21 -> 0.16
+ms. All bf16: 0.10 -> 0.05 ms.
 
 Chunks are worked out once at load from the layer's static shapes (the batch is read per call), by running torch's
 reference kernel on a probe: the layer's axis holds 0, 1, 2, ..., every other axis is 1, so each output's values
@@ -22,6 +24,7 @@ import torch
 
 from kiln import native
 from kiln.ops import lookup
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
     batch_dynamic_only, storage_dtype
 from kiln.tactics.reference import MOVED_INPUTS, ReferenceTactic
@@ -33,9 +36,11 @@ LAYOUTS = ((LINEAR, torch.contiguous_format), (HWC, torch.channels_last))   # ro
 
 
 class CopyPart(ctypes.Structure):
-    """reformat.c's CopyPart: in each row, `count` elements from `src_at` (rows `src_step` apart) go to `dst_at`."""
+    """reformat.c's CopyPart: in each row, `count` elements of `src_size` bytes from `src_at` (rows `src_step`
+    apart) go to `dst_at`."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in ("src_step", "src_at", "count", "dst_at", "src_bf16")]
+    _fields_ = [(name, ctypes.c_int64) for name in ("src_step", "src_at", "count", "dst_at", "src_size")] + \
+        [("table", ctypes.c_void_p)]   # 256 bytes each INT8 byte is mapped through, or NULL
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ class Ranges:
     out_extents: tuple[int, ...]
 
 
+def copy_layer(layer: LayerView) -> bool:
+    """ONNX's Concat, Slice or Split, or kiln's QConcat (a Concat with tables on its inputs)."""
+    return (layer.op_type in COPY_OPS and layer.domain in ("", "ai.onnx")) or \
+        (layer.op_type == "QConcat" and layer.domain == "kiln")
+
+
+def concatenates(layer: LayerView) -> bool:
+    return layer.op_type in ("Concat", "QConcat")
+
+
 def layer_ranges(layer: LayerView) -> Ranges | None:
     """The layer as Ranges, or None where it is not one contiguous copy per output along one axis past the batch."""
     shapes = layer.input_shapes
@@ -57,7 +72,7 @@ def layer_ranges(layer: LayerView) -> Ranges | None:
     rank = len(shapes[0])
     if rank < 2:
         return None
-    if layer.op_type == "Concat":
+    if concatenates(layer):
         axis = layer.attrs.get("axis", 0)
         if not -rank <= axis < rank or any(len(s) != rank for s in shapes):
             return None
@@ -110,10 +125,12 @@ def _forward_unit_steps(layer: LayerView, rank: int) -> bool:
     return all(s == 1 for s in steps) and all(a % rank != 0 for a in axes)
 
 
-def copy_parts(ranges: Ranges, dims: tuple[int, ...], fmt: str,
-               bf16_inputs: tuple[bool, ...]) -> list[tuple[ctypes.Array, int, int]]:
+def copy_parts(ranges: Ranges, dims: tuple[int, ...], fmt: str, in_sizes: tuple[int, ...],
+               tables: tuple[int | None, ...] | None = None) -> list[tuple[ctypes.Array, int, int]]:
     """Per output: (its CopyParts, the output's row length in elements, rows per batch item), for tensors shaped
-    like `dims` (the first input's shape) in format `fmt`."""
+    like `dims` (the first input's shape) in format `fmt`; `tables` the address of each input's byte table or
+    None."""
+    tables = tables or (None,) * len(in_sizes)
     order = MEMORY_ORDER[fmt] if fmt == HWC else tuple(range(len(dims)))
     at = order.index(ranges.axis)
     inner = math.prod(dims[k] for k in order[at + 1:])
@@ -122,26 +139,33 @@ def copy_parts(ranges: Ranges, dims: tuple[int, ...], fmt: str,
     for o, extent in enumerate(ranges.out_extents):
         moves = [m for m in ranges.moves if m[0] == o]
         parts = (CopyPart * len(moves))(*(CopyPart(ranges.in_extents[i] * inner, start * inner, size * inner,
-                                                   offset * inner, int(bf16_inputs[i]))
+                                                   offset * inner, in_sizes[i], tables[i])
                                           for _, i, start, size, offset in moves))
         calls.append((parts, extent * inner, rows))
     return calls
 
 
+def copied_dtype(dtype: str | None) -> torch.dtype:
+    """The torch dtype a copy moves for a plan tensor's type: INT8 bytes as they are, floats as stored."""
+    return INT8_TORCH.get(dtype) or storage_dtype(dtype)
+
+
 class CopyRowsTactic:
-    """FP32 Concat, Slice and Split along an axis past the batch, in any layout their inputs come in."""
+    """FP32 or INT8 Concat, Slice and Split along an axis past the batch, in any layout their inputs come in (no
+    conversion between INT8 and floats: every tensor of the layer one of them)."""
 
     name = COPY_TACTIC
     source = "kiln"
     needs_c_compiler = True
     outputs_as_planned = True   # a Concat of one-channel inputs is NCHW and NHWC at once: the plan's record decides
-    stored_types = ("float32",)
+    stored_types = ("float32", "uint8", "int8")
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type not in COPY_OPS or layer.domain not in ("", "ai.onnx") or not layer.output_dtypes:
+        if not copy_layer(layer) or not layer.output_dtypes:
             return False
-        data = layer.input_dtypes if layer.op_type == "Concat" else layer.input_dtypes[:1]
-        if not all(d in self.stored_types for d in (*data, *layer.output_dtypes)):
+        data = layer.input_dtypes if concatenates(layer) else layer.input_dtypes[:1]
+        types = (*data, *layer.output_dtypes)
+        if not all(d in self.stored_types for d in types) or len({d in INT8_TORCH for d in types}) > 1:
             return False
         return layer_ranges(layer) is not None and native.available()
 
@@ -149,18 +173,21 @@ class CopyRowsTactic:
         return [ANY] * len(layer.input_shapes)
 
     def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        channel_major = HWC in input_formats[:len(layer.input_shapes) if layer.op_type == "Concat" else 1]
+        channel_major = HWC in input_formats[:len(layer.input_shapes) if concatenates(layer) else 1]
         return HWC if channel_major and len(layer.input_shapes[0]) == 4 else LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
         copy = native.library("reformat").kiln_copy_rows
         ranges = layer_ranges(layer)
-        n_data = len(layer.input_shapes) if layer.op_type == "Concat" else 1
-        in_types = [storage_dtype(d) for d in layer.input_dtypes[:n_data]]
-        out_types = [(t, int(t == torch.bfloat16)) for t in map(storage_dtype, layer.output_dtypes)]
-        bf16 = tuple(t == torch.bfloat16 for t in in_types)
+        n_data = len(layer.input_shapes) if concatenates(layer) else 1
+        in_types = [copied_dtype(d) for d in layer.input_dtypes[:n_data]]
+        out_types = [(t, t.itemsize) for t in map(copied_dtype, layer.output_dtypes)]
+        sizes = tuple(t.itemsize for t in in_types)
         layouts = LAYOUTS if len(layer.input_shapes[0]) == 4 else LAYOUTS[:1]
-        calls = {fmt: copy_parts(ranges, layer.input_shapes[0], fmt, bf16) for fmt, _ in layouts}
+        tables = [None if t is None else torch.tensor(t["bytes"], dtype=torch.uint8)
+                  for t in layer.attrs.get("in_tables") or [None] * n_data]
+        addresses = tuple(None if t is None else t.data_ptr() for t in tables)
+        calls = {fmt: copy_parts(ranges, layer.input_shapes[0], fmt, sizes, addresses) for fmt, _ in layouts}
         shapes = [tuple(ranges.out_extents[o] if k == ranges.axis else d for k, d in enumerate(layer.input_shapes[0]))
                   for o in range(len(out_types))]
         strides = {fmt: [torch.empty(s, device="meta", memory_format=mf).stride() for s in shapes]
@@ -196,12 +223,12 @@ class CopyRowsTactic:
                                  f"{[['N', *t] for t in tails]}")
             srcs = (ctypes.c_void_p * n_data)(*[x.data_ptr() for x in xs])
             outs = []
-            for (parts, row, rows), shape, stride, (dtype, to_bf16) in zip(calls[fmt], shapes, strides[fmt],
-                                                                         out_types):
+            for (parts, row, rows), shape, stride, (dtype, size) in zip(calls[fmt], shapes, strides[fmt], out_types):
                 y = torch.empty_strided((batch, *shape[1:]), stride, dtype=dtype)
-                copy(parts, len(parts), srcs, y.data_ptr(), row, to_bf16, batch * rows)
+                copy(parts, len(parts), srcs, y.data_ptr(), row, size, batch * rows)
                 outs.append(y)
             return outs
+        run.tables = tables   # the parts hold their addresses
         return run
 
 

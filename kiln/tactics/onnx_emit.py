@@ -205,6 +205,9 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         y = e.layer_norm([_qdq(e, "DequantizeLinear", x, q, "x")] + xs[2 if skip else 1:], norm,
                          len(view.input_shapes[0]))
         return _qdq(e, "QuantizeLinear", y, q, "y")
+    if view.domain == "kiln" and view.op_type == "QConcat":   # kiln.passes.qconcat_table
+        parts = [x if t is None else _emit_table(e, x, t) for x, t in zip(xs, a["in_tables"])]
+        return e.node("Concat", parts, {"axis": a["axis"]})
     if view.domain == "kiln" and view.op_type == "QSoftmax":
         q = a["quant"]
         p = e.node("Softmax", [_qdq(e, "DequantizeLinear", xs[0], q, "x")], {"axis": a.get("axis", -1)})
@@ -269,9 +272,12 @@ def _emit_quantized(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
     view = dataclasses.replace(view, attrs={k: v for k, v in without_steps(view.attrs).items() if k != "out_table"})
     operands = [_emit_steps(e, x, s) for x, s in zip(xs[:2], steps)]
     y = _emit_steps(e, _emit_quantized_product(e, view, operands + list(xs[2:])), steps[2])
-    if table is None:
-        return y
-    index = e.node("Cast", [y], {"to": onnx.TensorProto.INT32})   # an s8 byte < 0 reads from the end: its raw byte
+    return y if table is None else _emit_table(e, y, table)
+
+
+def _emit_table(e: Emitter, x: str, table: dict) -> str:
+    """An INT8 tensor's bytes mapped through a 256-entry table as a Gather of the table's bytes."""
+    index = e.node("Cast", [x], {"to": onnx.TensorProto.INT32})   # an s8 byte < 0 reads from the end: its raw byte
     entries = np.array(table["bytes"], np.uint8).view(table["dtype"])
     return e.node("Gather", [e.const(entries, table["dtype"]), index])
 
@@ -381,7 +387,7 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
 
 
 KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "QSoftmax", "QLayerNorm",
-                  "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
+                  "QConcat", "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

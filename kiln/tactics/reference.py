@@ -9,7 +9,7 @@ from kiln.ops.registry import host_value
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
 
 # Ops whose torch implementation is layout-transparent and cheap on channel-major tensors.
-LAYOUT_AGNOSTIC = {"PointWise", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Concat",
+LAYOUT_AGNOSTIC = {"PointWise", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Concat", "QConcat",
                    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin",
                    "BatchNormalization", "Conv", "Slice", "Split"}   # torch indexes logical axes in any layout
 

@@ -73,6 +73,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
                                      "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
                                      "QSoftmax": [QuantizedSoftmaxTactic()],
+                                     "QConcat": [CopyRowsTactic()],   # its inputs' tables applied as it copies
                                      "QLayerNorm": [QuantizedLayerNormTactic()],
                                      "QuantizeLinear": [QuantizeLinearTactic()],
                                      "DequantizeLinear": [QuantizeLinearTactic()],

@@ -58,7 +58,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
                    "Sigmoid", "Softplus", "Softsign", "Swish", "Tanh", "ThresholdedRelu", "QLinearLeakyRelu",
                    "QLinearSigmoid"),
     "Attention": ("Attention",),
-    "Concatenation": ("Concat", "QLinearConcat"),
+    "Concatenation": ("Concat", "QLinearConcat", "QConcat"),
     "Constant": ("Constant",),
     "Convolution": ("Conv", "ConvInteger", "QLinearConv", "QConv", "DynamicQConv"),
     "CumulativeSum": ("CumSum",),

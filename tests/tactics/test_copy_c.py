@@ -1,8 +1,9 @@
 """kiln's Concat, Slice and Split copies in C (kiln.tactics.copy_c): equal to torch's cat / slicing / split in both
-layouts, in every FP32/bf16 storage combination (bf16 rounding equal to torch's), for any channel count (vector
-tails), with a batch read per call; declined for strided, reversed or batch-cutting slices."""
+layouts, in every FP32/bf16 storage combination (bf16 rounding equal to torch's) and as INT8 bytes, for any channel
+count (vector tails), with a batch read per call; declined for strided, reversed or batch-cutting slices."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +76,22 @@ def test_fp32_concat_equals_torch_cat(shapes, axis, layout):
     check(CopyRowsTactic().prepare(layer)(xs)[0], torch.cat(xs, axis), layout)
 
 
+def int8_tensor(shape, dtype, layout, seed):
+    x = torch.randint(-128, 128, shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+    return x.contiguous(memory_format=LAST) if layout == "hwc" else x
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("shapes,axis,layout", CONCATS + [([(1, 3, 5, 5), (1, 5, 5, 5)], 1, "hwc")],
+                         ids=lambda c: str(c))
+def test_int8_concat_copies_bytes_as_torch_cat(shapes, axis, layout, dtype):
+    """A quantized detector's concatenations between INT8 convolutions: bytes copied, odd row lengths included."""
+    xs = [int8_tensor(s, dtype, layout, seed=i) for i, s in enumerate(shapes)]
+    layer = view("Concat", shapes, [dtype] * len(shapes), (dtype,), {"axis": axis})
+    assert CopyRowsTactic().supports(layer)
+    check(CopyRowsTactic().prepare(layer)(xs)[0], torch.cat(xs, axis), layout)
+
+
 def test_concat_of_mixed_layouts_is_channel_major():
     """An NCHW input beside NHWC ones is converted first; the output is channel-major, as output_format says."""
     shapes = [(1, 4, 5, 6), (1, 9, 5, 6)]
@@ -131,6 +148,16 @@ def test_slice_equals_torch_indexing(shape, starts, ends, axes, steps, index, x_
     x = tensor(shape, x_dtype, layout)
     got = tactic.prepare(layer)([x] + [None] * len(consts))[0]
     check(got, x[index].to(getattr(torch, y_dtype)), layout)
+
+
+@pytest.mark.parametrize("shape,starts,ends,axes,steps,index", SLICES, ids=range(len(SLICES)))
+def test_int8_slice_copies_bytes_as_torch_indexing(shape, starts, ends, axes, steps, index):
+    layout = "hwc" if len(shape) == 4 else "linear"
+    consts = {1: starts, 2: ends, 3: axes, **({4: steps} if steps else {})}
+    layer = view("Slice", [shape], ["uint8"], ("uint8",), consts=consts)
+    x = int8_tensor(shape, "uint8", layout, 3)
+    got = CopyRowsTactic().prepare(layer)([x] + [None] * len(consts))[0]
+    check(got, x[index], layout)
 
 
 @bf16_cpu
@@ -195,8 +222,10 @@ def test_rounding_to_bf16_is_torchs():
     view("Concat", [(2, 4), (3, 4)], ("float32",) * 2, ("float32",), {"axis": 0}),
     view("Concat", [(2, 4), (2, 4)], ("int64",) * 2, ("int64",), {"axis": 1}),
     view("Concat", [(2, 4), (2, 4)], ("bfloat16",) * 2, ("bfloat16",), {"axis": 1}),   # FP32 tactic: no bf16
+    view("Concat", [(2, 4), (2, 4)], ("uint8", "float32"), ("float32",), {"axis": 1}),   # bytes are not converted
+    view("Slice", [(1, 8, 4, 4)], ["int8"], ("float32",), consts={1: [1], 2: [3], 3: [1]}),
     view("Split", [(1, 8, 4)], ["float32"], ("float32",) * 2, {"axis": 0, "num_outputs": 2}),
-], ids=range(9))
+], ids=range(11))
 def test_declines_what_it_cannot_copy(layer):
     assert not CopyRowsTactic().supports(layer)
 
@@ -259,3 +288,31 @@ def test_yolov8_bf16_plan_copies_bf16_between_bf16_convolutions(yolo_onnx):
     got, want = engine.run({name: x})[engine.output_names[0]], run_ort(yolo_onnx, {name: x})[0]
     cosine = float((got * want).sum() / (np.linalg.norm(got) * np.linalg.norm(want)))
     assert cosine >= 0.999
+
+
+@pytest.mark.parametrize("layout", ["hwc", "linear"])
+def test_a_qconcat_maps_each_tabled_input_as_it_copies(layout):
+    """kiln.passes.qconcat_table: requantizations before an INT8 Concat become tables on its inputs; the copy maps
+    each tabled input's bytes (s8 bytes index by raw byte), equal to the reference op and to its ONNX form run by
+    onnxruntime (the form a region is handed)."""
+    import onnxruntime as ort
+
+    from kiln.ops import lookup
+    from kiln.tactics.onnx_emit import emit
+
+    shapes = [(1, 16, 5, 5), (1, 3, 5, 5), (1, 33, 5, 5)]
+    entries = [torch.randperm(256, generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    tables = [{"bytes": entries[0], "dtype": "int8"}, None, {"bytes": entries[1], "dtype": "int8"}]
+    xs = [int8_tensor(s, d, layout, seed=i) for i, (s, d) in enumerate(zip(shapes, ("uint8", "int8", "int8")))]
+    layer = LayerView("QConcat", "kiln", {"axis": 1, "in_tables": tables}, tuple(shapes), ("uint8", "int8", "int8"),
+                      {}, ("int8",), 17, ((), (), ()))
+    assert CopyRowsTactic().supports(layer)
+    got = CopyRowsTactic().prepare(layer)(xs)[0]
+    mapped = [x if t is None else torch.tensor(t["bytes"], dtype=torch.uint8)[x.view(torch.uint8).long()]
+              .view(torch.int8) for x, t in zip(xs, tables)]
+    check(got, torch.cat(mapped, 1), layout)
+    assert torch.equal(lookup("QConcat", "kiln").impl(layer.attrs, xs)[0], got)
+    model, _ = emit(layer, 17)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ran = session.run(None, {f"x{i}": x.contiguous().numpy() for i, x in enumerate(xs)})[0]
+    assert np.array_equal(ran, got.contiguous().numpy())

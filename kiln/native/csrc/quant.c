@@ -6,10 +6,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "lookup.h"
 #include "rounding.h"
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#endif
 
 #define BLOCK 4096   /* elements per OpenMP work unit */
 #define PARALLEL_MIN 32768   /* fewer elements run on the calling thread: waking the team costs more than they do */
@@ -74,25 +72,9 @@ QUANTIZE_TO_NHWC(kiln_quantize_nhwc_s8, int8_t, -128.0f, 127.0f)
 DEQUANTIZE(kiln_dequantize_u8, uint8_t)
 DEQUANTIZE(kiln_dequantize_s8, int8_t)
 
-/* Table lookup over bytes (kiln.tactics.lookup_c): y[i] = table[x[i]] for a chain of elementwise ops whose only
-   input per call is an INT8 tensor, evaluated once on all 256 byte values. With AVX512-VBMI one vpermi2b picks 64
-   bytes from 128 table entries; two of them cover the table's halves and the index's top bit chooses. y may be x
-   (a kernel's fresh output mapped in place): each byte is read before its own position is written. */
+/* Table lookups (lookup.h's lookup_bytes), shared among the threads above LOOKUP_PARALLEL_MIN. */
 #define LOOKUP_BLOCK 16384   /* bytes per OpenMP work unit */
 #define LOOKUP_PARALLEL_MIN 262144   /* a lookup moves ~64 bytes a cycle: smaller tensors stay on one thread */
-static void lookup_bytes(const uint8_t* x, uint8_t* y, int64_t begin, int64_t end, const uint8_t* restrict table) {
-  int64_t i = begin;
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-  const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 64);
-  const __m512i t2 = _mm512_loadu_si512(table + 128), t3 = _mm512_loadu_si512(table + 192);
-  for (; i + 64 <= end; i += 64) {
-    const __m512i index = _mm512_loadu_si512(x + i);
-    const __m512i low = _mm512_permutex2var_epi8(t0, index, t1), high = _mm512_permutex2var_epi8(t2, index, t3);
-    _mm512_storeu_si512(y + i, _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high));
-  }
-#endif
-  for (; i < end; ++i) y[i] = table[x[i]];
-}
 
 /* y = table[x] over `count` bytes by BLOCK (one block of y[i] = table[x[i]] per call), on the calling thread
    below MIN elements: a team of one costs 1-2 us. */

@@ -5,12 +5,14 @@
      edges element by element. Units are blocks of TB pixels, shared among the threads.
    - Row-chunk copies (kiln.tactics.copy_c): Concat, Slice and Split along one axis move, for every row of the
      axes before it (in memory order), one contiguous chunk per input; FP32 or bf16 on either side, rounded to
-     nearest even when narrowed. Units are blocks of up to RB rows, each row cut into segments of at most SEG
+     nearest even when narrowed, or INT8 bytes on both, each input's mapped through a 256-entry table of its own
+     where it has one (a requantization to the Concat's scale: kiln.passes.qconcat_table). Units are blocks of up to RB rows, each row cut into segments of at most SEG
      output elements where rows are long, so that a batch-1 Concat of long rows (a detector's [1, 144, 8400]
      head, or one row of 700,000 elements) still shares out evenly. */
 #include <stdint.h>
 #include <string.h>
 
+#include "lookup.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -116,10 +118,12 @@ void kiln_to_nchw(const void* restrict x, void* restrict y, int64_t n, int64_t c
 #define RB 64       /* rows per work unit, at most */
 #define SEG 16384   /* output elements per work unit, at most (rows of more are cut into segments) */
 
-/* One input's chunk: in each row, `count` elements from element `src_at` (rows `src_step` apart) go to element
-   `dst_at` of the output's row. */
+/* One input's chunk: in each row, `count` elements of `src_size` bytes (4: FP32, 2: bf16, 1: INT8) from element
+   `src_at` (rows `src_step` apart) go to element `dst_at` of the output's row; INT8 bytes through `table` (256
+   bytes) where it is not NULL. */
 typedef struct {
-  int64_t src_step, src_at, count, dst_at, src_bf16;
+  int64_t src_step, src_at, count, dst_at, src_size;
+  const uint8_t* table;
 } CopyPart;
 
 static inline void copy_bytes(char* restrict d, const char* restrict s, int64_t n) {
@@ -129,7 +133,8 @@ static inline void copy_bytes(char* restrict d, const char* restrict s, int64_t 
   if (i + 16 <= n) { memcpy(d + i, s + i, 16); i += 16; }
   if (i + 8 <= n) { memcpy(d + i, s + i, 8); i += 8; }
   if (i + 4 <= n) { memcpy(d + i, s + i, 4); i += 4; }
-  if (i + 2 <= n) memcpy(d + i, s + i, 2);
+  if (i + 2 <= n) { memcpy(d + i, s + i, 2); i += 2; }
+  if (i < n) d[i] = s[i];
 }
 
 /* The vector part ends at a multiple of VW computed up front: with `i + VW <= n` GCC (12, AVX2 targets) warned of
@@ -176,15 +181,20 @@ static inline void convert_row(char* restrict d, const char* restrict s, int64_t
     return;
 
 /* Part p's elements that land in output columns [c0, c1) of rows [r0, r1). */
-static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst_step, int dst_bf16, int64_t r0,
+static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst_step, int64_t out_size, int64_t r0,
                       int64_t r1, int64_t c0, int64_t c1) {
   const int64_t lo = p->dst_at > c0 ? p->dst_at : c0;
   const int64_t hi = p->dst_at + p->count < c1 ? p->dst_at + p->count : c1;
-  if (lo >= hi) return;
-  const int64_t in_size = p->src_bf16 ? 2 : 4, out_size = dst_bf16 ? 2 : 4, count = hi - lo;
+  const int64_t in_size = p->src_size, count = hi - lo, dst_bf16 = out_size == 2;
+  if (lo >= hi || (in_size != out_size && (in_size == 1 || out_size == 1))) return;   /* bytes are not converted */
   const int64_t s_step = p->src_step * in_size, d_step = dst_step * out_size;
   const char* s = (const char*)src + r0 * s_step + (p->src_at + lo - p->dst_at) * in_size;
   char* d = (char*)dst + r0 * d_step + lo * out_size;
+  if (p->table && in_size == 1) {
+    for (int64_t r = r0; r < r1; ++r, s += s_step, d += d_step)
+      lookup_bytes((const uint8_t*)s, (uint8_t*)d, 0, count, p->table);
+    return;
+  }
   if (in_size == out_size) {
     switch (count * in_size) {
       COPY_ROWS_OF(16) COPY_ROWS_OF(32) COPY_ROWS_OF(64) COPY_ROWS_OF(96) COPY_ROWS_OF(128) COPY_ROWS_OF(192)
@@ -202,9 +212,9 @@ static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst
 }
 
 /* For each of `rows` rows and each part: dst[row * dst_step + dst_at + j] = srcs[part][row * src_step + src_at + j],
-   j < count, converted between FP32 and bf16 where the two sides differ. */
+   j < count, elements of `dst_size` bytes, converted between FP32 and bf16 where the two sides differ. */
 void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* srcs, void* dst, int64_t dst_step,
-                    int64_t dst_bf16, int64_t rows) {
+                    int64_t dst_size, int64_t rows) {
   if (rows <= 0 || dst_step <= 0) return;   /* an empty output */
   const int64_t segments = (dst_step + SEG - 1) / SEG, width = (dst_step + segments - 1) / segments;
   const int64_t fit = SEG / dst_step, block = fit < 1 ? 1 : (fit > RB ? RB : fit);
@@ -215,7 +225,7 @@ void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* s
       const int64_t b = u / segments, c0 = u % segments * width, c1 = c0 + width < dst_step ? c0 + width : dst_step;
       const int64_t r0 = b * block, r1 = r0 + block < rows ? r0 + block : rows;
       for (int64_t k = 0; k < n_parts; ++k)
-        copy_part(&parts[k], srcs[k], dst, dst_step, (int)dst_bf16, r0, r1, c0, c1);
+        copy_part(&parts[k], srcs[k], dst, dst_step, dst_size, r0, r1, c0, c1);
     }
   });
 }
