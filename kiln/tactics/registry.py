@@ -23,7 +23,7 @@ from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTact
                                      OneDnnBf16DeconvTactic, OneDnnConv1dTactic, OneDnnConvTactic, OneDnnDeconv1dTactic,
                                      OneDnnDeconvTactic, OneDnnFp16Conv1dTactic, OneDnnFp16ConvTactic,
                                      OneDnnFp16Deconv1dTactic, OneDnnFp16DeconvTactic)
-from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
+from kiln.tactics.onednn_int8 import OneDnnInt8Conv1dTactic, OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
@@ -64,8 +64,8 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
                                      **{op: [GroupNormTactic(), GroupNormBf16Tactic(), GroupNormNhwcTactic(),
                                              GroupNormNhwcBf16Tactic()] for op in NORMS},
-                                     "QConv": [OneDnnInt8ConvTactic(), QConvGemmTactic(), QConvDirectTactic(),
-                                               QConvGemmAmxTactic(), QConvDirectAmxTactic()],
+                                     "QConv": [OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(),
+                                               QConvDirectTactic(), QConvGemmAmxTactic(), QConvDirectAmxTactic()],
                                      "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
                                      "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(),
                                                  QActMatMulTactic()],

@@ -90,6 +90,33 @@ def test_quantized_conv_matches_its_formula(case):
 
 
 @needs_int8
+@pytest.mark.parametrize("case", ["k3_pad", "stride2_asym_dilated", "grouped_relu", "residual"])
+def test_a_1d_quantized_conv_equals_the_reference(case):
+    """Whisper's and wav2vec2's INT8 front-end convolutions ([N, C, L]) on oneDNN's 2-D kernel over [N, C, 1, L]:
+    padding, stride, dilation, groups, ReLU and an INT8 residual carried to the added axis; row-major in and out."""
+    from kiln.tactics.onednn_int8 import OneDnnInt8Conv1dTactic
+
+    g = torch.Generator().manual_seed(4)
+    c, k, group = 16, 24, 4 if case == "grouped_relu" else 1
+    w = torch.randint(-127, 128, (k, c // group, 3), generator=g, dtype=torch.int8)
+    x = torch.randint(0, 256, (2, c, 37), generator=g, dtype=torch.uint8)
+    pads, stride, dilation = ((0, 2), 2, 2) if case == "stride2_asym_dilated" else ((1, 1), 1, 1)
+    out_len = (37 + sum(pads) - dilation * 2 - 1) // stride + 1
+    r = torch.randint(0, 256, (2, k, out_len), generator=g, dtype=torch.uint8) if case == "residual" else None
+    q = quant(w_scale=[0.003 + 0.0005 * i for i in range(k)], r=(0.03, 7) if r is not None else None)
+    view = conv_view(tuple(x.shape), w, pads, group=group, q=q, act="Relu" if case != "k3_pad" else None,
+                     residual=tuple(r.shape) if r is not None else None)
+    view = LayerView(**{**view.__dict__, "attrs": {**view.attrs, "strides": [stride], "dilations": [dilation],
+                                                   "kernel_shape": [3]}})
+    tactic = OneDnnInt8Conv1dTactic()
+    assert tactic.supports(view) and not OneDnnInt8ConvTactic().supports(view)
+    xs = [x, None, None] + ([r] if r is not None else [])
+    got = run(tactic, view, xs)
+    assert got.dtype == torch.uint8 and got.shape == (2, k, out_len) and got.is_contiguous()
+    close_quantized(got, run(ReferenceTactic(), view, xs))
+
+
+@needs_int8
 def test_int8_in_fp32_out_conv_writes_fp32():
     """The classic i8f32 convolution (no QuantizeLinear after it): dequantized exactly, no requantization."""
     g = torch.Generator().manual_seed(1)
