@@ -114,6 +114,10 @@ def compare(model: str | os.PathLike | onnx.ModelProto, engine, feeds: dict[str,
                                    min_cosine=min_cosine) for n in engine.output_names)
     layers = []
     for n, r in recorded.items():
+        if (r.value.dtype.kind == "f") != (reference[n].dtype.kind == "f"):   # a Q/DQ moved across the op writing n
+            skipped.append(SkippedTensor(n, r.layer, f"kiln holds it as {r.value.dtype}, the model as "
+                                                     f"{reference[n].dtype} (a Q/DQ moved across the op writing it)"))
+            continue
         t = compare_tensor(r.value, reference[n], n, r.layer, producers[n], rtol, atol, r.format, min_cosine)
         if t.note.startswith("shape") and n not in engine.output_names:   # kiln's own view of the tensor
             skipped.append(SkippedTensor(n, r.layer, f"{t.note}: kiln holds it in another shape"))

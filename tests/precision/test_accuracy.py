@@ -180,3 +180,25 @@ def test_compare_tensor_rules():
     nhwc = np.arange(24, dtype=np.float32).reshape(1, 2, 3, 4)
     assert compare_tensor(nhwc.transpose(0, 2, 3, 1), nhwc, "h", "L", "n", 1e-4, 0.0, layout="hwc").passed
     assert not compare_tensor(nhwc.transpose(0, 2, 3, 1), nhwc, "h", "L", "n", 1e-4, 0.0).passed
+
+
+def test_layerwise_skips_a_tensor_kiln_holds_as_int8_where_the_model_has_floats():
+    """VanillaSwapWithFollowingQ moves a DequantizeLinear past the Reshape writing `r`: kiln holds `r` as INT8
+    bytes, the model as floats. Compared as numbers they would "diverge" by the scale (a false first divergence);
+    the tensor is listed as skipped with the reason instead, and the engine passes."""
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"], name="q1"),
+             helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xd"], name="dq1"),
+             helper.make_node("Reshape", ["xd", "shape"], ["r"], name="reshape"),
+             helper.make_node("QuantizeLinear", ["r", "s", "zp"], ["rq"], name="q2"),
+             helper.make_node("DequantizeLinear", ["rq", "s", "zp"], ["y"], name="dq2")]
+    inits = [helper.make_tensor("s", TensorProto.FLOAT, [], [0.05]),
+             helper.make_tensor("zp", TensorProto.UINT8, [], [7]), helper.make_tensor("shape", TensorProto.INT64, [2], [6, 4])]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 4])], inits)
+    engine = kiln.build(model, autotune=False)
+    held = {d.name: d.dtype for layer in engine.plan.layers for d in layer.outputs}
+    assert held["r"] == "uint8"
+    report = compare(model, engine, layerwise=True)
+    assert report.passed and report.first_divergence is None and "r" not in [t.name for t in report.layers]
+    (skipped,) = [s for s in report.skipped if s.name == "r"]
+    assert "kiln holds it as uint8, the model as float32" in skipped.reason
