@@ -156,7 +156,18 @@ def _quantized(base: str):
 def apply_table(y: torch.Tensor, table: dict) -> torch.Tensor:
     """An INT8 tensor's bytes mapped through a 256-entry table of output bytes (kiln.passes.qproduct_table):
     {"bytes": [256 ints], "dtype": "uint8" | "int8"}, indexed by the raw byte (an s8 -1 reads entry 255)."""
-    return mapped_bytes(y, torch.tensor(table["bytes"], dtype=torch.uint8), INT8_TORCH[table["dtype"]])
+    return mapped_bytes(y, table_bytes(table), INT8_TORCH[table["dtype"]])
+
+
+def table_bytes(table: dict) -> torch.Tensor:
+    """A byte table's entries as 256 uint8 values; a table of another size or type (a damaged engine) is refused
+    here, before a kernel indexes past its end."""
+    entries = table.get("bytes") if isinstance(table, dict) else None
+    if not isinstance(entries, list) or len(entries) != 256 or table.get("dtype") not in INT8_TORCH:
+        raise ValueError(f"a byte table needs 256 entries and an INT8 type; this one has "
+                         f"{len(entries) if isinstance(entries, list) else 'no'} entries, type "
+                         f"{table.get('dtype') if isinstance(table, dict) else None}")
+    return torch.tensor(entries, dtype=torch.uint8)   # an entry outside 0..255 raises too
 
 
 def mapped_bytes(y: torch.Tensor, entries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -259,8 +270,7 @@ def quantized_layer_norm(attrs, xs):
 def concat_with_tables(attrs, xs):
     """Concat of INT8 tensors, each input with an entry in `in_tables` first mapped through that 256-entry table
     (kiln.passes.qconcat_table: the requantizations to the Concat's scale)."""
-    parts = [x if t is None else mapped_bytes(x, torch.tensor(t["bytes"], dtype=torch.uint8), INT8_TORCH[t["dtype"]])
-             for x, t in zip(xs, attrs["in_tables"]) if x is not None]
+    parts = [x if t is None else apply_table(x, t) for x, t in zip(xs, attrs["in_tables"]) if x is not None]
     return [torch.cat(parts, dim=attrs["axis"])]
 
 

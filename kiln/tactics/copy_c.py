@@ -25,6 +25,7 @@ import torch
 from kiln import native
 from kiln.ops import lookup
 from kiln.ops.dtypes import INT8_TORCH
+from kiln.ops.fused import table_bytes
 from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
     batch_dynamic_only, storage_dtype
 from kiln.tactics.reference import MOVED_INPUTS, ReferenceTactic
@@ -167,6 +168,9 @@ class CopyRowsTactic:
         types = (*data, *layer.output_dtypes)
         if not all(d in self.stored_types for d in types) or len({d in INT8_TORCH for d in types}) > 1:
             return False
+        tables = layer.attrs.get("in_tables") or [None] * len(data)
+        if data[0] in INT8_TORCH and {t["dtype"] if t else d for d, t in zip(data, tables)} != set(layer.output_dtypes):
+            return False   # bytes are copied as they are (or mapped to the output's type): u8 into s8 would be 128 off
         return layer_ranges(layer) is not None and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
@@ -184,8 +188,7 @@ class CopyRowsTactic:
         out_types = [(t, t.itemsize) for t in map(copied_dtype, layer.output_dtypes)]
         sizes = tuple(t.itemsize for t in in_types)
         layouts = LAYOUTS if len(layer.input_shapes[0]) == 4 else LAYOUTS[:1]
-        tables = [None if t is None else torch.tensor(t["bytes"], dtype=torch.uint8)
-                  for t in layer.attrs.get("in_tables") or [None] * n_data]
+        tables = [None if t is None else table_bytes(t) for t in layer.attrs.get("in_tables") or [None] * n_data]
         addresses = tuple(None if t is None else t.data_ptr() for t in tables)
         calls = {fmt: copy_parts(ranges, layer.input_shapes[0], fmt, sizes, addresses) for fmt, _ in layouts}
         shapes = [tuple(ranges.out_extents[o] if k == ranges.axis else d for k, d in enumerate(layer.input_shapes[0]))

@@ -14,7 +14,7 @@ import torch
 
 from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
-from kiln.ops.fused import mapped_bytes, program_on_bytes
+from kiln.ops.fused import mapped_bytes, program_on_bytes, table_bytes
 from kiln.tactics.base import ANY, LINEAR, Kernel, LayerView
 from kiln.tactics.quant_c import dense_layout
 
@@ -49,12 +49,12 @@ def lookup_table(layer: LayerView, index: int) -> torch.Tensor:
 
 def table_mapper(table: dict | None):
     """A function mapping the bytes of a kernel's fresh INT8 output through an output table ({"bytes", "dtype"}:
-    kiln.passes.qproduct_table), in place where it is dense (kiln's lookup kernel; else into a new tensor of the same
-    strides, as torch's indexing does where there is no C compiler); the identity where there is no table. For
+    kiln.passes.qproduct_table), in place where it is dense (kiln's lookup kernel; else into a new tensor, made
+    contiguous first, or by torch's indexing where there is no C compiler); the identity where there is no table. For
     kernels without such a post-op (oneDNN's). The entries are made once, here, not per call."""
     if table is None:
         return lambda y: y
-    entries, dtype = torch.tensor(table["bytes"], dtype=torch.uint8), INT8_TORCH[table["dtype"]]
+    entries, dtype = table_bytes(table), INT8_TORCH[table["dtype"]]
     if not native.available():
         return lambda y: mapped_bytes(y, entries, dtype)
     lookup = native.library("quant").kiln_lookup_u8

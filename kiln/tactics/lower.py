@@ -57,15 +57,13 @@ def extra_cost(ms: float) -> str:
     return f" + {ms:.2g} ms conversions, reformats and hand-overs" if ms else ""
 
 
-STORED_PRECISIONS = {"int8": "INT8", "uint8": "INT8"}
-
-
-def with_stored_precision(reformat: Layer) -> Layer:
-    """A Reformat computes nothing: one moving INT8 bytes (between INT8 convolutions) is labelled INT8, requested
-    as granted, not FP32. One moving bf16 keeps FP32: the accuracy budget takes every BF16 layer for a candidate to
+def with_stored_precision(layer: Layer) -> Layer:
+    """A Reformat computes nothing (and requests nothing): one moving INT8 bytes (between INT8 convolutions) is
+    granted INT8, not FP32. One moving bf16 keeps FP32: the accuracy budget takes every BF16 layer for a candidate to
     keep in FP32, and a Reformat, made at lowering, is none."""
-    precision = STORED_PRECISIONS.get(reformat.outputs[0].dtype, "FP32")
-    return dataclasses.replace(reformat, precision=precision, requested_precision=precision, precision_reason="")
+    if layer.op_type != "Reformat" or layer.outputs[0].dtype not in ("int8", "uint8"):
+        return layer
+    return dataclasses.replace(layer, precision="INT8")
 
 
 class Lowering:
@@ -99,8 +97,8 @@ class Lowering:
             self.lower_node(node)
             self.node_layers[node.name] = (start, len(self.layers))
         self.finish()
-        self.layers = [with_stored_precision(layer) if layer.op_type == "Reformat" else layer
-                       for layer in store_bf16(self.layers, {v.name for v in self.g.outputs})]
+        stored = store_bf16(self.layers, {v.name for v in self.g.outputs})
+        self.layers = [with_stored_precision(layer) for layer in stored]
         return self.layers, self.weights
 
     def weight(self, v: Value) -> Arg:

@@ -23,6 +23,7 @@ import torch
 
 from kiln import hardware, native
 from kiln.ops.dtypes import INT8_TORCH
+from kiln.ops.fused import table_bytes
 from kiln.ops.quantize import RANGES
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only, has_residual
 from kiln.tactics.conv_direct import conv_geometry
@@ -191,7 +192,7 @@ def output_table(layer: LayerView) -> torch.Tensor | None:
     table = layer.attrs.get("out_table")
     if table is None:
         return None
-    return torch.tensor(table["bytes"] + [0] * (TABLE_BYTES - 256), dtype=torch.uint8)
+    return torch.cat([table_bytes(table), torch.zeros(TABLE_BYTES - 256, dtype=torch.uint8)])
 
 
 def output_type(q: dict) -> str | None:

@@ -276,6 +276,18 @@ def _softmax(plan: Plan, layer: Layer) -> dict[str, Any]:
     return {"Axes": 1 << axis, "HasLog": int(layer.op_type == "LogSoftmax")}
 
 
+def _concatenation(plan: Plan, layer: Layer) -> dict[str, Any]:
+    """TensorRT's Axis; for a QConcat (kiln.passes.qconcat_table) kiln's `InputTables`: per input with one, the
+    bytes each of its bytes maps to as it is copied."""
+    rank = len(layer.outputs[0].dims)
+    d: dict[str, Any] = {"Axis": layer.attrs.get("axis", 0) % max(rank, 1)}
+    tables = layer.attrs.get("in_tables") or []
+    if any(tables):
+        d["InputTables"] = [{"Input": i, "Type": weight_type(t["dtype"]), "Count": len(t["bytes"]),
+                             "Values": t["bytes"]} for i, t in enumerate(tables) if t]
+    return d
+
+
 def _reformat(plan: Plan, layer: Layer) -> dict[str, Any]:
     if layer.op_type in ("QuantizeLinear", "DequantizeLinear"):   # an unfused Q/DQ, as trtexec reports it
         return {"Origin": "QDQ"}
@@ -289,7 +301,7 @@ def _generic(plan: Plan, layer: Layer) -> dict[str, Any]:
 
 
 PARAMETERS = {"Convolution": _conv, "Pooling": _pooling, "Shuffle": _shuffle, "MatrixMultiply": _matmul,
-              "PointWise": _pointwise, "SoftMax": _softmax, "Reformat": _reformat}
+              "PointWise": _pointwise, "SoftMax": _softmax, "Reformat": _reformat, "Concatenation": _concatenation}
 
 
 def dumps(info: dict[str, Any]) -> str:

@@ -191,8 +191,9 @@ def test_layerwise_skips_a_tensor_kiln_holds_as_int8_where_the_model_has_floats(
              helper.make_node("Reshape", ["xd", "shape"], ["r"], name="reshape"),
              helper.make_node("QuantizeLinear", ["r", "s", "zp"], ["rq"], name="q2"),
              helper.make_node("DequantizeLinear", ["rq", "s", "zp"], ["y"], name="dq2")]
-    inits = [helper.make_tensor("s", TensorProto.FLOAT, [], [0.05]),
-             helper.make_tensor("zp", TensorProto.UINT8, [], [7]), helper.make_tensor("shape", TensorProto.INT64, [2], [6, 4])]
+    tensor = helper.make_tensor
+    inits = [tensor("s", TensorProto.FLOAT, [], [0.05]), tensor("zp", TensorProto.UINT8, [], [7]),
+             tensor("shape", TensorProto.INT64, [2], [6, 4])]
     model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 4])], inits)
     engine = kiln.build(model, autotune=False)

@@ -128,7 +128,8 @@ def test_unknown_or_doubled_build_options_are_clear_errors():
     with pytest.raises(kiln.ModelError, match=r"build options 'calib' and 'calibration' are the same option"):
         kiln.build(conv_net(), calib="a.npz", calibration="b.npz")
     # a pass kiln does not run (a typo, or a pass's old name) would build with the pass on
-    with pytest.raises(kiln.ModelError, match=r"kiln has no pass 'QProductTableFusoin'; did you mean QProductTableFusion"):
+    with pytest.raises(kiln.ModelError,
+                       match=r"kiln has no pass 'QProductTableFusoin'; did you mean QProductTableFusion"):
         kiln.build(conv_net(), disable_pass="QProductTableFusoin")
     with pytest.raises(kiln.ModelError, match=r"kiln has no pass 'QMatMulTableFusion'; did you mean .*TableFusion"):
         kiln.build(conv_net(), disable_pass="QMatMulTableFusion")

@@ -257,11 +257,15 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
     assert len(concats) == 19 and all(l.outputs[0].dtype in ("uint8", "int8") for l in concats)
     tables = [t for l in concats if l.op_type == "QConcat" for t in l.attrs["in_tables"] if t is not None]
     assert len(tables) == 22 and all(l.tactic_name == "kiln.copy_rows" for l in concats)
+    qconcat = next(l for l in concats if l.op_type == "QConcat")
+    shown = next(d for d in engine.layer_info("detailed")["Layers"] if d["Name"] == qconcat.name)
+    assert shown["ParameterType"] == "Concatenation" and shown["Axis"] == 1
+    assert [t["Values"] for t in shown["InputTables"]] == [t["bytes"] for t in qconcat.attrs["in_tables"] if t]
     assert not [l for l in layers if l.op_type == "PointWise" and l.tactic_name == "kiln.lookup_table" and
                 l.outputs[0].dtype in ("uint8", "int8")]   # every INT8 requantization is some layer's table now
     assert "SplitQAcrossPrecedingFanIn: Fusing" in caplog.text
     moves = [(l.precision, l.requested_precision) for l in layers if l.op_type == "Reformat"]
-    assert moves and set(moves) == {("INT8", "INT8")}   # the detect head's layout copies move INT8 bytes
+    assert moves and set(moves) == {("INT8", "")}   # the detect head's layout copies move INT8 bytes, request nothing
     x = np.random.default_rng(9).random((1, 3, 64, 64)).astype(np.float32)
     got, want = engine.run({"images": x})["output0"], run_ort(str(tmp_path / "q.onnx"), {"images": x})[0]
     assert cosine(got, want) >= 0.999

@@ -224,8 +224,9 @@ def test_rounding_to_bf16_is_torchs():
     view("Concat", [(2, 4), (2, 4)], ("bfloat16",) * 2, ("bfloat16",), {"axis": 1}),   # FP32 tactic: no bf16
     view("Concat", [(2, 4), (2, 4)], ("uint8", "float32"), ("float32",), {"axis": 1}),   # bytes are not converted
     view("Slice", [(1, 8, 4, 4)], ["int8"], ("float32",), consts={1: [1], 2: [3], 3: [1]}),
+    view("Concat", [(2, 4), (2, 4)], ("uint8", "int8"), ("int8",), {"axis": 1}),   # u8 bytes are no s8 bytes
     view("Split", [(1, 8, 4)], ["float32"], ("float32",) * 2, {"axis": 0, "num_outputs": 2}),
-], ids=range(11))
+], ids=range(12))
 def test_declines_what_it_cannot_copy(layer):
     assert not CopyRowsTactic().supports(layer)
 
@@ -316,3 +317,12 @@ def test_a_qconcat_maps_each_tabled_input_as_it_copies(layout):
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     ran = session.run(None, {f"x{i}": x.contiguous().numpy() for i, x in enumerate(xs)})[0]
     assert np.array_equal(ran, got.contiguous().numpy())
+
+
+def test_a_damaged_table_is_refused_at_load():
+    """A saved QConcat whose table lost entries would have kiln's copy read past its end: refused when prepared."""
+    layer = LayerView("QConcat", "kiln", {"axis": 1, "in_tables": [{"bytes": list(range(255)), "dtype": "uint8"},
+                                                                   None]},
+                      ((1, 4, 3, 3), (1, 4, 3, 3)), ("uint8", "uint8"), {}, ("uint8",), 17, ((), ()))
+    with pytest.raises(ValueError, match="a byte table needs 256 entries and an INT8 type; this one has 255 entries"):
+        CopyRowsTactic().prepare(layer)

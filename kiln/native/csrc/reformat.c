@@ -6,9 +6,10 @@
    - Row-chunk copies (kiln.tactics.copy_c): Concat, Slice and Split along one axis move, for every row of the
      axes before it (in memory order), one contiguous chunk per input; FP32 or bf16 on either side, rounded to
      nearest even when narrowed, or INT8 bytes on both, each input's mapped through a 256-entry table of its own
-     where it has one (a requantization to the Concat's scale: kiln.passes.qconcat_table). Units are blocks of up to RB rows, each row cut into segments of at most SEG
-     output elements where rows are long, so that a batch-1 Concat of long rows (a detector's [1, 144, 8400]
-     head, or one row of 700,000 elements) still shares out evenly. */
+     where it has one (a requantization to the Concat's scale: kiln.passes.qconcat_table). Units are blocks of up
+     to RB rows, each row cut into segments of at most SEG output elements where rows are long, so that a batch-1
+     Concat of long rows (a detector's [1, 144, 8400] head, or one row of 700,000 elements) still shares out
+     evenly. */
 #include <stdint.h>
 #include <string.h>
 
@@ -212,7 +213,8 @@ static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst
 }
 
 /* For each of `rows` rows and each part: dst[row * dst_step + dst_at + j] = srcs[part][row * src_step + src_at + j],
-   j < count, elements of `dst_size` bytes, converted between FP32 and bf16 where the two sides differ. */
+   j < count, elements of `dst_size` bytes, converted between FP32 and bf16 where the two sides differ, INT8 bytes
+   mapped through the part's table where it has one. */
 void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* srcs, void* dst, int64_t dst_step,
                     int64_t dst_size, int64_t rows) {
   if (rows <= 0 || dst_step <= 0) return;   /* an empty output */
