@@ -220,3 +220,6 @@ def test_int8_kernels_decline_what_onednn_cannot_run(monkeypatch):
     for act in ("Gelu", "Sigmoid", "Tanh", "LeakyRelu"):
         assert not tactic.supports(conv_view((1, 8, 6, 6), w, act=act)), act
     assert tactic.supports(conv_view((1, 8, 6, 6), w, act="Swish"))
+    from kiln.tactics.onednn_int8 import OneDnnInt8Conv1dTactic
+
+    assert not OneDnnInt8Conv1dTactic().supports(conv_view((1, 8, 6, 6), w))   # 2-D: the tactic above takes it
