@@ -57,13 +57,11 @@ def extra_cost(ms: float) -> str:
     return f" + {ms:.2g} ms conversions, reformats and hand-overs" if ms else ""
 
 
-def with_stored_precision(layer: Layer) -> Layer:
+def reformat_precision(dtype: str) -> str:
     """A Reformat computes nothing (and requests nothing): one moving INT8 bytes (between INT8 convolutions) is
-    granted INT8, not FP32. One moving bf16 keeps FP32: the accuracy budget takes every BF16 layer for a candidate to
-    keep in FP32, and a Reformat, made at lowering, is none."""
-    if layer.op_type != "Reformat" or layer.outputs[0].dtype not in ("int8", "uint8"):
-        return layer
-    return dataclasses.replace(layer, precision="INT8")
+    granted INT8, not FP32. One moving floats says FP32, bf16 included (store_bf16 decides that later): the accuracy
+    budget takes every BF16 layer for a candidate to keep in FP32, and a Reformat, made at lowering, is none."""
+    return "INT8" if dtype in ("int8", "uint8") else "FP32"
 
 
 class Lowering:
@@ -97,8 +95,7 @@ class Lowering:
             self.lower_node(node)
             self.node_layers[node.name] = (start, len(self.layers))
         self.finish()
-        stored = store_bf16(self.layers, {v.name for v in self.g.outputs})
-        self.layers = [with_stored_precision(layer) for layer in stored]
+        self.layers = store_bf16(self.layers, {v.name for v in self.g.outputs})
         return self.layers, self.weights
 
     def weight(self, v: Value) -> Arg:
@@ -118,7 +115,8 @@ class Lowering:
         out = dataclasses.replace(d, name=new, format=target)
         tactic = NOOP_TACTIC if is_noop_reformat(d.dims) and not d.dynamic else REFORMAT_TACTIC
         self.layers.append(Layer(name, "Reformat", "kiln", (Arg("tensor", src),), (d,), (out,),
-                                 {"origin": "REFORMAT", "target_format": target}, tactic, tactic_value(tactic), "", ()))
+                                 {"origin": "REFORMAT", "target_format": target}, tactic, tactic_value(tactic), "", (),
+                                 reformat_precision(d.dtype)))
         self.formats[new], self.descs[new] = target, out
         return new
 

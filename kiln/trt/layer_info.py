@@ -240,8 +240,13 @@ def _with_output_table(attrs: dict, d: dict[str, Any]) -> dict[str, Any]:
     bytes each requantized output byte maps to."""
     table = attrs.get("out_table")
     if table:
-        d["OutputTable"] = {"Type": weight_type(table["dtype"]), "Count": len(table["bytes"]), "Values": table["bytes"]}
+        d["OutputTable"] = _table_info(table)
     return d
+
+
+def _table_info(table: dict) -> dict[str, Any]:
+    """A 256-entry byte table (kiln.passes.qproduct_table, qconcat_table) as layer info shows it."""
+    return {"Type": weight_type(table["dtype"]), "Count": len(table["bytes"]), "Values": table["bytes"]}
 
 
 STEPS_KEYS = {"a_steps": "A", "b_steps": "B", "out_steps": "Output"}   # kiln.ops.fused.PRODUCT_STEPS, as shown
@@ -283,8 +288,7 @@ def _concatenation(plan: Plan, layer: Layer) -> dict[str, Any]:
     d: dict[str, Any] = {"Axis": layer.attrs.get("axis", 0) % max(rank, 1)}
     tables = layer.attrs.get("in_tables") or []
     if any(tables):
-        d["InputTables"] = [{"Input": i, "Type": weight_type(t["dtype"]), "Count": len(t["bytes"]),
-                             "Values": t["bytes"]} for i, t in enumerate(tables) if t]
+        d["InputTables"] = [{"Input": i, **_table_info(t)} for i, t in enumerate(tables) if t]
     return d
 
 

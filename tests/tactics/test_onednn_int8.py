@@ -113,6 +113,14 @@ def test_a_1d_quantized_conv_equals_the_reference(case):
     xs = [x, None, None] + ([r] if r is not None else [])
     got = run(tactic, view, xs)
     assert got.dtype == torch.uint8 and got.shape == (2, k, out_len) and got.is_contiguous()
+    q = view.attrs["quant"]   # the formula: dequantize, conv1d, + dequantized residual, ReLU, requantize
+    wf = w.float() * torch.tensor(q["w_scale"]).view(-1, 1, 1)
+    y = F.conv1d(F.pad((x.float() - q["x_zero_point"]) * q["x_scale"], list(pads)), wf, view.const_inputs[2],
+                 stride, 0, dilation, group)
+    if r is not None:
+        y = y + (r.float() - q["r_zero_point"]) * q["r_scale"]
+    y = torch.relu(y) if case != "k3_pad" else y
+    close_quantized(got, torch.clamp(torch.round(y / q["y_scale"]) + q["y_zero_point"], 0, 255).to(torch.uint8))
     close_quantized(got, run(ReferenceTactic(), view, xs))
 
 

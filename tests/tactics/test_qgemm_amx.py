@@ -145,5 +145,7 @@ def test_an_output_table_maps_the_same_bytes_as_the_vnni_kernel(kind, amx_int8_k
     amx = amx_twin(vnni)
     assert amx.supports(tabled)
     plain, got = run(vnni, view, xs), run(amx, tabled, xs)
+    want = linear_formula(view, x) if kind == "linear" else conv_formula(view, x, r if kind != "conv3x3" else None)
+    assert_requantized_equal(plain, want)   # the bytes the table maps: the product's, by the formula
     assert got.dtype == torch.int8 and torch.equal(got, run(vnni, tabled, xs))
     assert torch.equal(got.view(torch.uint8), entries.to(torch.uint8)[plain.view(torch.uint8).long()])

@@ -11,17 +11,31 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+/* The table's four 64-byte quarters, loaded once per loop (or call) that maps bytes through it. */
+typedef struct {
+  __m512i q0, q1, q2, q3;
+} TableQuarters;
+
+static inline TableQuarters table_quarters(const uint8_t* table) {
+  return (TableQuarters){_mm512_loadu_si512(table), _mm512_loadu_si512(table + 64), _mm512_loadu_si512(table + 128),
+                         _mm512_loadu_si512(table + 192)};
+}
+
+/* 64 bytes mapped through the table: a vpermi2b per half of it, the index's top bit choosing between them (also
+   qgemm.c's epilogue, on 16 requantized bytes in the low lanes). */
+static inline __m512i mapped64(__m512i index, TableQuarters t) {
+  const __m512i low = _mm512_permutex2var_epi8(t.q0, index, t.q1), high = _mm512_permutex2var_epi8(t.q2, index, t.q3);
+  return _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high);
+}
+#endif
+
 static inline void lookup_bytes(const uint8_t* x, uint8_t* y, int64_t begin, int64_t end,
                                 const uint8_t* restrict table) {
   int64_t i = begin;
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-  const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 64);
-  const __m512i t2 = _mm512_loadu_si512(table + 128), t3 = _mm512_loadu_si512(table + 192);
-  for (; i + 64 <= end; i += 64) {
-    const __m512i index = _mm512_loadu_si512(x + i);
-    const __m512i low = _mm512_permutex2var_epi8(t0, index, t1), high = _mm512_permutex2var_epi8(t2, index, t3);
-    _mm512_storeu_si512(y + i, _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high));
-  }
+  const TableQuarters t = table_quarters(table);
+  for (; i + 64 <= end; i += 64) _mm512_storeu_si512(y + i, mapped64(_mm512_loadu_si512(x + i), t));
 #endif
   for (; i < end; ++i) y[i] = table[x[i]];
 }

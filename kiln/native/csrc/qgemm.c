@@ -28,6 +28,7 @@
 
 #include "activation.h"
 #include "gelu.h"
+#include "lookup.h"
 #include "window.h"
 #include "work_split.h"
 
@@ -143,14 +144,11 @@ static inline __m512i quantize16(__m512 x, float scale, int32_t zp, float lo, fl
   return _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(zp));
 }
 
-/* 16 bytes mapped through a 256-byte table: two vpermi2b (128 entries each) and a blend on the top bit with
-   AVX512-VBMI, else a gather of 4 bytes at each byte's offset (the table padded by 3), its low byte kept. */
+/* 16 bytes mapped through a 256-byte table: lookup.h's mapped64 with AVX512-VBMI, else a gather of 4 bytes at each
+   byte's offset (the table padded by 3), its low byte kept. */
 static inline __m128i mapped16(__m128i bytes, const uint8_t* table) {
-#if defined(__AVX512VBMI__)
-  const __m512i idx = _mm512_castsi128_si512(bytes);
-  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(table), idx, _mm512_loadu_si512(table + 64));
-  const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(table + 128), idx, _mm512_loadu_si512(table + 192));
-  return _mm512_castsi512_si128(_mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi));
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  return _mm512_castsi512_si128(mapped64(_mm512_castsi128_si512(bytes), table_quarters(table)));
 #else
   return _mm512_cvtepi32_epi8(_mm512_i32gather_epi32(_mm512_cvtepu8_epi32(bytes), (const void*)table, 1));
 #endif
