@@ -10,6 +10,7 @@ from kiln.passes.einsum import lower_einsum
 from kiln.passes.gelu import fuse_gelu
 from kiln.passes.gemm import fuse_matmul_bias, fuse_matmul_residual, gemm_between_reshapes
 from kiln.passes.manager import Pass, PassStat, run_passes
+from kiln.passes.matmul_scale import fold_batchnorm_into_matmul
 from kiln.passes.normalization import fuse_group_norm, fuse_layer_norm, fuse_rms_norm
 from kiln.passes.pointwise import fuse_pointwise, fuse_swish
 from kiln.passes.qdq_constants import fold_constant_dequantize, fold_weight_only_dequantize, swap_gather_dequantize
@@ -41,6 +42,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     # onnxruntime-optimized models: Reshape -> Gemm -> Reshape back to a MatMul, while the Reshapes (their targets
     # folded to constants) are not yet Shuffles, and before the fusions that extend the product.
     Pass("GemmToMatMul", gemm_between_reshapes),
+    # Linear -> BatchNorm1d folds through the Flatten/Reshape between them, which the shuffle passes then erase.
+    Pass("MatMulScaleFusion", fold_batchnorm_into_matmul),
     Pass("ShuffleShuffleFusion", fuse_shuffles),
     Pass("ShuffleMatMulSwap", move_shuffles_across_products),
     Pass("ShuffleErasure", erase_noop_shuffles, "shuffle fusions"),

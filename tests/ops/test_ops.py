@@ -101,6 +101,16 @@ def test_binary_broadcast(op, shapes):
     check([helper.make_node(op, ["a", "b"], ["y"])], {"a": a, "b": np.asarray(b, dtype=np.float32)})
 
 
+@pytest.mark.parametrize("base, exponent", [(((2, 3, 4), np.float32), np.float32(2)), (((2, 3), np.float32), [0.5]),
+                                             (((), np.float32), [3.0]), (((2, 3), np.int32), np.float32(3))],
+                         ids=["square", "sqrt-1elem", "0d-base-1d-exp", "int-base"])
+def test_pow_one_element_exponent(base, exponent):
+    """A one-element constant exponent runs torch's scalar path; shapes and the base's type follow ONNX."""
+    shape, dtype = base
+    x = (np.abs(rand(shape or (1,), 3)) * 4).reshape(shape).astype(dtype)
+    check([helper.make_node("Pow", ["x", "e"], ["y"])], {"x": x}, [init("e", np.asarray(exponent, np.float32))])
+
+
 def test_scalar_graph_input_and_output():
     check([helper.make_node("Mul", ["a", "b"], ["y"])], {"a": np.array(1.5, np.float32), "b": np.array(-2, np.float32)})
 

@@ -202,6 +202,37 @@ def test_gemm_relu_fuses():
     assert names(engine) == ["fc + relu"]
 
 
+BN8_INITS = [init("s", rand(8, 3)), init("bb", rand(8, 4)), init("m", rand(8, 5)), init("v", rand(8, 6, True))]
+
+
+def test_linear_flatten_batchnorm_reshape_folds_to_one_product():
+    """LeViT's MLPLayerWithBN (Linear -> flatten(0, 1) -> BatchNorm1d -> reshape back) and HardSwish after it: one
+    layer, where the BN and both reshapes were three more."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"], name="linear"),
+             helper.make_node("Flatten", ["mm"], ["flat"], name="flatten", axis=2),
+             helper.make_node("BatchNormalization", ["flat", "s", "bb", "m", "v"], ["bn"], name="bn"),
+             helper.make_node("Reshape", ["bn", "shape"], ["r"], name="reshape"),
+             helper.make_node("HardSwish", ["r"], ["y"], name="act")]
+    model = make_model(nodes, [vi("x", [1, 5, 6])], [vi("y", [1, 5, 8])],
+                       [init("W", rand((6, 8), 1)), init("shape", np.array([1, 5, 8], np.int64))] + BN8_INITS)
+    engine = build_and_check(model, {"x": rand((1, 5, 6), 2)})
+    assert names(engine) == ["linear + bn + act"]
+
+
+def test_gemm_batchnorm_folds_and_a_rank_3_batchnorm_stays(caplog):
+    """Gemm -> BatchNorm1d (an ArcFace embedding head) folds; a BN over a rank-3 product normalizes its rows."""
+    caplog.set_level(logging.DEBUG, logger="kiln.build")
+    nodes = [helper.make_node("Gemm", ["x", "W", "C"], ["g"], name="fc", transB=1, alpha=0.5, beta=2.0),
+             helper.make_node("BatchNormalization", ["g", "s", "bb", "m", "v"], ["y"], name="features"),
+             helper.make_node("MatMul", ["z", "W8"], ["mm"], name="mm"),
+             helper.make_node("BatchNormalization", ["mm", "s", "bb", "m", "v"], ["y2"], name="rows_bn")]
+    model = make_model(nodes, [vi("x", [3, 4]), vi("z", [1, 8, 4])], [vi("y", [3, 8]), vi("y2", [1, 8, 8])],
+                       [init("W", rand((8, 4), 1)), init("C", rand(8, 2)), init("W8", rand((4, 8), 9))] + BN8_INITS)
+    engine = build_and_check(model, {"x": rand((3, 4), 3), "z": rand((1, 8, 4), 4)})
+    assert names(engine)[0] == "fc + features" and "rows_bn" in names(engine)
+    assert "MatMulScaleFusion: Not fusing mm with rows_bn: rows_bn normalizes axis 1 of a rank-3 tensor" in caplog.text
+
+
 # ---------------------------------------------------------------- pointwise and shuffles
 def test_sigmoid_mul_becomes_pwn():
     nodes = [helper.make_node("Sigmoid", ["x"], ["s1"], name="sig"), helper.make_node("Mul", ["x", "s1"], ["y"], name="mul")]
