@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 import torch
@@ -90,3 +90,15 @@ def tactic_value(name: str) -> int:
     """A stable 64-bit identifier for a tactic name (TensorRT's TacticValue)."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
+
+def conv1d_as_2d(layer: LayerView) -> LayerView:
+    """A 1-D convolution layer as the 2-D one over [N, C, 1, L] it equals: a unit kernel row, no padding, stride or
+    dilation along the added axis."""
+    a = layer.attrs
+    pads, k = list(a.get("pads") or [0, 0]), layer.const_inputs[1].shape[-1] if 1 in layer.const_inputs else None
+    attrs = {**a, "pads": [0, pads[0], 0, pads[1]], "strides": [1, *a.get("strides", [1])],
+             "dilations": [1, *a.get("dilations", [1])], **({"kernel_shape": [1, k]} if k is not None else {})}
+    shapes = tuple(s if s is None or len(s) != 3 else (*s[:2], 1, s[2]) for s in layer.input_shapes)
+    dynamic = tuple(tuple(d + (d >= 2) for d in axes) for axes in layer.input_dynamic)
+    consts = {i: (t[:, :, None] if i == 1 else t) for i, t in layer.const_inputs.items()}
+    return replace(layer, attrs=attrs, input_shapes=shapes, input_dynamic=dynamic, const_inputs=consts)

@@ -15,7 +15,7 @@ import torch
 from kiln import hardware, native
 from kiln.tactics import gemm_c
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
-from kiln.tactics.conv_direct import DirectConvTactic
+from kiln.tactics.conv_direct import DirectConv1dTactic, DirectConvTactic
 from kiln.tactics.matmul_c import MatMulGemmTactic
 
 BF16_DOT_ISA = ("avx512_bf16",)
@@ -89,3 +89,9 @@ class DirectConvBf16Tactic(Bf16Gemm, DirectConvTactic):
 
     def supports(self, layer) -> bool:   # the C kernel's row table holds kernel heights up to 16
         return super().supports(layer) and layer.const_inputs[1].shape[2] <= 16
+
+
+class DirectConv1dBf16Tactic(Bf16Gemm, DirectConv1dTactic):
+    name = "kiln.conv1d_direct_gemm_bf16"
+    entry_point = "kiln_conv_bf16"
+    pack = staticmethod(pack_bf16_segments)

@@ -8,12 +8,13 @@ from kiln.tactics.base import LayerView, Tactic
 from kiln.tactics.codegen import SINGLE_OPS, CodegenPointWiseBf16Tactic, CodegenPointWiseTactic
 from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
-from kiln.tactics.conv_direct import DirectConvTactic
+from kiln.tactics.conv_direct import DirectConv1dTactic, DirectConvTactic
 from kiln.tactics.conv_planes import Conv1x1PlanesBf16Tactic, Conv1x1PlanesTactic
 from kiln.tactics.dqgemm_c import (DynamicQConvAmxTactic, DynamicQConvTactic, DynamicQLinearGemmAmxTactic,
                                     DynamicQLinearGemmTactic)
 from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
-from kiln.tactics.gemm_bf16 import Conv1x1GemmBf16Tactic, DirectConvBf16Tactic, MatMulGemmBf16Tactic
+from kiln.tactics.gemm_bf16 import (Conv1x1GemmBf16Tactic, DirectConv1dBf16Tactic, DirectConvBf16Tactic,
+                                   MatMulGemmBf16Tactic)
 from kiln.tactics.groupnorm_c import (NORMS, GroupNormBf16Tactic, GroupNormNhwcBf16Tactic, GroupNormNhwcTactic,
                                      GroupNormTactic)
 from kiln.tactics.layernorm_c import LayerNormBf16Tactic, LayerNormTactic, QuantizedLayerNormTactic
@@ -43,8 +44,9 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                               WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic(),
                                               Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
                                               DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(),
-                                              Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(), OneDnnConv1dTactic(),
-                                              OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()],
+                                              Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(),
+                                              OneDnnConv1dTactic(), DirectConv1dBf16Tactic(), OneDnnBf16Conv1dTactic(),
+                                              OneDnnFp16Conv1dTactic()],
                                      "ConvTranspose": [OneDnnDeconvTactic(), OneDnnBf16DeconvTactic(),
                                                        OneDnnFp16DeconvTactic(), OneDnnDeconv1dTactic(),
                                                        OneDnnBf16Deconv1dTactic(), OneDnnFp16Deconv1dTactic()],
