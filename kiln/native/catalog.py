@@ -93,7 +93,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("reformat", "reformat.c", (
         Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 4),   # x, y, n, c, hw, io (which sides are bf16)
         Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 4),
-        Function("kiln_copy_rows", (POINTER, I64, POINTER, POINTER, I64, I64, I64)))),
+        Function("kiln_copy_rows", (POINTER, I64, POINTER, POINTER, I64, I64, I64)),
+        Function("kiln_permute", (POINTER, POINTER, I64, POINTER, POINTER, I64)))),   # x, y, rank, dims, perm, size
     LibrarySpec("pointwise", None, (Function("kiln_pointwise", (POINTER,) * 3),),   # in, out, nest (or NULL)
                 rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),
     LibrarySpec("probe", "probe.c", (Function("kiln_probe", (ctypes.c_float,), ctypes.c_float),)),

@@ -36,6 +36,7 @@ from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemm
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import (InterpolateResizeBf16Tactic, InterpolateResizeTactic, NhwcResizeBf16Tactic,
                                    NhwcResizeTactic)
+from kiln.tactics.shuffle_c import PermuteCopyBf16Tactic, PermuteCopyTactic
 from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
@@ -83,8 +84,9 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                                    Bf16AttentionTactic()],
                                      **{op: [SoftmaxTactic(), SoftmaxBf16Tactic()] for op in SOFTMAX_OPS},
                                      **{op: [CodegenPointWiseBf16Tactic()] for op in SINGLE_OPS},
-                                     **{op: [Bf16ReferenceTactic()] + ([CopyRowsTactic(), CopyRowsBf16Tactic()]
-                                                                       if op in COPY_OPS else [])
+                                     **{op: ([PermuteCopyTactic(), PermuteCopyBf16Tactic()] if op == "Shuffle" else [])
+                                        + [Bf16ReferenceTactic()]
+                                        + ([CopyRowsTactic(), CopyRowsBf16Tactic()] if op in COPY_OPS else [])
                                         for op in BF16_OPS}}
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}

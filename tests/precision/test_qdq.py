@@ -265,7 +265,8 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
                 l.outputs[0].dtype in ("uint8", "int8")]   # every INT8 requantization is some layer's table now
     assert "SplitQAcrossPrecedingFanIn: Fusing" in caplog.text
     moves = [(l.precision, l.requested_precision) for l in layers if l.op_type == "Reformat"]
-    assert moves and set(moves) == {("INT8", "")}   # the detect head's layout copies move INT8 bytes, request nothing
+    assert set(moves) <= {("INT8", "")}   # layout copies move INT8 bytes, request nothing (the head's reshapes now
+    #                                       read its channel-major maps as they lie: none are left here)
     x = np.random.default_rng(9).random((1, 3, 64, 64)).astype(np.float32)
     got, want = engine.run({"images": x})["output0"], run_ort(str(tmp_path / "q.onnx"), {"images": x})[0]
     assert cosine(got, want) >= 0.999

@@ -231,3 +231,85 @@ void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* s
     }
   });
 }
+
+
+/* ------------------------------------------------------------------------------------------------ permutations */
+#define PERMUTE_MAX_RANK 8
+
+/* 1- and 8-byte tiles element by element (4- and 2-byte ones go through transpose_tile's register blocks, whose
+   lanes are moved bit for bit: a bf16 side is widened and cut back exactly, any 16-bit payload unchanged). */
+#define SCALAR_TILE(T)                                                                                             \
+  do {                                                                                                             \
+    const T* restrict s_ = (const T*)src;                                                                          \
+    T* restrict d_ = (T*)dst;                                                                                      \
+    for (int64_t j0 = 0; j0 < cols; j0 += ST)                                                                      \
+      for (int64_t i0 = 0; i0 < rows; i0 += ST) {   /* ST x ST blocks: both sides' lines stay in L1 */            \
+        const int64_t j1 = j0 + ST < cols ? j0 + ST : cols, i1 = i0 + ST < rows ? i0 + ST : rows;                  \
+        for (int64_t j = j0; j < j1; ++j)                                                                          \
+          for (int64_t i = i0; i < i1; ++i) d_[j * ld + i] = s_[i * ls + j];                                       \
+      }                                                                                                            \
+  } while (0)
+#define ST 32
+
+static void transpose_tile_bytes(const void* src, int64_t ls, void* dst, int64_t ld, int64_t rows, int64_t cols,
+                                 int64_t size) {
+  switch (size) {
+    case 4: transpose_tile(src, ls, dst, ld, rows, cols, 0, 0); break;
+    case 2: transpose_tile(src, ls, dst, ld, rows, cols, 1, 1); break;
+    case 1: SCALAR_TILE(uint8_t); break;
+    default: SCALAR_TILE(uint64_t);
+  }
+}
+
+/* dst = src with its axes permuted: src viewed as `rank` axes of `dims` (row-major), output axis i is input axis
+   perm[i]; elements of `size` bytes (1, 2, 4 or 8). The caller merges what moves together first (no size-1 axes,
+   no two input axes that stay neighbours). Where the innermost axis stays innermost each unit copies whole runs;
+   otherwise the input's innermost axis (a) and the output's (b) make a matrix per index of the other axes,
+   transposed TB rows of b at a time. */
+void kiln_permute(const void* restrict src, void* restrict dst, int64_t rank, const int64_t* dims,
+                  const int64_t* perm, int64_t size) {
+  if (rank < 1 || rank > PERMUTE_MAX_RANK) return;
+  int64_t in_stride[PERMUTE_MAX_RANK], out_stride[PERMUTE_MAX_RANK], others[PERMUTE_MAX_RANK], total = 1;
+  for (int64_t k = rank - 1; k >= 0; --k) { in_stride[k] = total; total *= dims[k]; }
+  for (int64_t i = rank - 1, s = 1; i >= 0; --i) { out_stride[perm[i]] = s; s *= dims[perm[i]]; }
+  const int64_t a = rank - 1, b = perm[rank - 1];
+  int64_t n_others = 0, outer = 1;
+  for (int64_t k = 0; k < rank; ++k)
+    if (k != a && k != b) { others[n_others++] = k; outer *= dims[k]; }
+  /* a unit: TB rows of b for one index of the other axes, or (runs) RB consecutive indices, stepped like an
+     odometer: decomposing each index into strides costs more than copying a short run */
+  const int64_t blocks = b == a ? 1 : (dims[b] + TB - 1) / TB, per_unit = b == a ? RB : 1;
+  const int64_t units = (outer + per_unit - 1) / per_unit * blocks;
+  MAYBE_PARALLEL(threads_pay(units, total * (b == a ? MACS_PER_COPIED : MACS_PER_ELEMENT)), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t first = u / blocks * per_unit, last = first + per_unit < outer ? first + per_unit : outer;
+      int64_t index[PERMUTE_MAX_RANK], rest = first, s_at = 0, d_at = 0;
+      for (int64_t m = n_others - 1; m >= 0; --m) {
+        const int64_t k = others[m];
+        index[m] = rest % dims[k];
+        rest /= dims[k];
+        s_at += index[m] * in_stride[k];
+        d_at += index[m] * out_stride[k];
+      }
+      for (int64_t o = first; o < last; ++o) {
+        if (b == a) {
+          copy_bytes((char*)dst + d_at * size, (const char*)src + s_at * size, dims[a] * size);
+        } else {
+          const int64_t b0 = u % blocks * TB, nb = dims[b] - b0 < TB ? dims[b] - b0 : TB;
+          transpose_tile_bytes((const char*)src + (s_at + b0 * in_stride[b]) * size, in_stride[b],
+                               (char*)dst + (d_at + b0) * size, out_stride[a], nb, dims[a], size);
+        }
+        for (int64_t m = n_others - 1; m >= 0; --m) {   /* the next index of the other axes */
+          const int64_t k = others[m];
+          s_at += in_stride[k];
+          d_at += out_stride[k];
+          if (++index[m] < dims[k]) break;
+          s_at -= dims[k] * in_stride[k];
+          d_at -= dims[k] * out_stride[k];
+          index[m] = 0;
+        }
+      }
+    }
+  });
+}
