@@ -88,7 +88,8 @@ def _div(a, b):
 def _pow(a, b):
     """A one-element exponent (x ** 2 in a decomposed norm) as a Python number: torch's scalar path squares a
     [128, 256] tensor in 5 us, its tensor-exponent path takes 85 us."""
-    if isinstance(b, torch.Tensor) and b.numel() == 1 and b.dim() <= a.dim() and not b.is_meta:
+    if isinstance(b, torch.Tensor) and b.numel() == 1 and b.dim() <= a.dim() and not b.is_meta and \
+            a.is_floating_point():   # integer bases: torch refuses negative integer exponents as scalars
         b = b.item()
     out = torch.pow(a, b)
     return out.to(a.dtype) if out.dtype != a.dtype else out

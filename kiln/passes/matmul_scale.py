@@ -116,7 +116,7 @@ def _folded_inputs(g: Graph, product: Node, add: Node | None, k: np.ndarray, shi
     if add is not None:
         c = next(v for v in add.inputs if v.is_const).const
         if c.size not in (1, n) or (c.ndim and c.size == n and c.shape[-1] != n) or \
-                c.ndim > len(add.outputs[0].shape or ()):
+                add.outputs[0].shape != product.outputs[0].shape:   # a constant that broadcasts the product up
             return f"{add.name} adds a constant that is not one value per column"
         bias = bias + c.astype(np.float64).reshape(-1)
     name = fused_name([product])[0]

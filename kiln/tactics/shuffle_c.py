@@ -166,8 +166,11 @@ class PermuteCopyTactic:
 
     def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
         """Channel-major where the output is then a view of the input's bytes (ConvNeXt's NHWC -> NCHW Transpose
-        before a convolution: no copy and no Reformat), else row-major."""
+        before a convolution: no copy and no Reformat), else row-major. Static shapes only: whether a view is one
+        can turn on a dynamic axis being 1, and the layout must hold at every size."""
         shape, steps = tuple(layer.input_shapes[0]), layer.attrs.get("steps", [])
+        if any(layer.input_dynamic):
+            return LINEAR
         channels_last = input_formats[0] == HWC and len(shape) == 4
         stored = (shape[0], *shape[2:], shape[1]) if channels_last else shape
         return HWC if _channel_major_view(stored, channels_last, steps) is not None else LINEAR
@@ -175,6 +178,7 @@ class PermuteCopyTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         permute = native.library("reformat").kiln_permute
         steps, out_type = list(layer.attrs.get("steps", [])), TORCH_TYPES[layer.output_dtypes[0]]
+        static = not any(layer.input_dynamic)   # channel-major views only then (output_format)
         plans: dict[tuple, tuple | None] = {}
         lock = threading.Lock()
 
@@ -184,7 +188,7 @@ class PermuteCopyTactic:
                     p = compose(shape, [TO_LOGICAL_NCHW] + steps if channels_last else steps)
                     arrays = None if p is None or not p.perm else \
                         ((ctypes.c_int64 * len(p.dims))(*p.dims), (ctypes.c_int64 * len(p.perm))(*p.perm))
-                    view = _channel_major_view(shape, channels_last, steps)
+                    view = _channel_major_view(shape, channels_last, steps) if static else None
                     plans[key] = None if p is None or len(p.dims) > MAX_RANK else (p, arrays, view)
                 return plans[key]
 

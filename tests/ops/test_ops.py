@@ -102,8 +102,9 @@ def test_binary_broadcast(op, shapes):
 
 
 @pytest.mark.parametrize("base, exponent", [(((2, 3, 4), np.float32), np.float32(2)), (((2, 3), np.float32), [0.5]),
-                                             (((), np.float32), [3.0]), (((2, 3), np.int32), np.float32(3))],
-                         ids=["square", "sqrt-1elem", "0d-base-1d-exp", "int-base"])
+                                             (((), np.float32), [3.0]), (((2, 3), np.int32), np.float32(3)),
+                                             (((2, 3), np.int32), np.float32(-1))],
+                         ids=["square", "sqrt-1elem", "0d-base-1d-exp", "int-base", "int-base-negative"])
 def test_pow_one_element_exponent(base, exponent):
     """A one-element constant exponent runs torch's scalar path; shapes and the base's type follow ONNX."""
     shape, dtype = base

@@ -132,3 +132,51 @@ def test_a_product_read_elsewhere_or_with_computed_weights_keeps_its_batchnorm()
     assert run.not_fusing == [
         "MatMulScaleFusion: Not fusing linear with bn: linear's output 'm' is a network output",
         "MatMulScaleFusion: Not fusing linear2 with bn2: linear2's weights are not a constant float matrix"]
+
+
+def _refused(build) -> list[str]:
+    b = IRBuilder()
+    g = b.graph(build(b))
+    return run_pass_unchanged(g, "MatMulScaleFusion", fold_batchnorm_into_matmul).not_fusing
+
+
+def test_refusals_name_what_blocks_the_fold():
+    def bn(b, x, shape, **attrs):
+        return b.node("BatchNormalization", [x] + bn_params(b), "y", shape, name="bn", epsilon=1.0, **attrs)
+
+    def training(b):
+        m = b.node("MatMul", [b.input("x", (4, 2)), b.const("w", W)], "m", (4, 3), name="linear")
+        return bn(b, m, (4, 3), training_mode=1)
+
+    def per_row_bias(b):
+        m = b.node("MatMul", [b.input("x", (3, 2)), b.const("w", W)], "m", (3, 3), name="linear")
+        return bn(b, b.node("Add", [m, b.const("c", [[1.0], [2.0], [3.0]])], "a", (3, 3), name="add"), (3, 3))
+
+    def broadcast_up(b):   # [3] + [1, 3] -> [1, 3]: folding would leave the product's [3]
+        m = b.node("MatMul", [b.input("x", (2,)), b.const("w", W)], "m", (3,), name="linear")
+        return bn(b, b.node("Add", [m, b.const("c", [[1.0, 2.0, 3.0]])], "a", (1, 3), name="add"), (1, 3))
+
+    def computed_bias(b):
+        gm = b.node("Gemm", [b.input("x", (4, 2)), b.const("w", W), b.input("c", (3,))], "gm", (4, 3), name="linear")
+        return bn(b, gm, (4, 3))
+
+    def with_activation(b):
+        m = b.node("MatMul", [b.input("x", (4, 2)), b.const("w", W)], "m", (4, 3), name="linear",
+                   activation={"op": "Relu", "attrs": {}})
+        return bn(b, m, (4, 3))
+
+    def dynamic_columns(b):
+        m = b.node("MatMul", [b.input("x", (1, 4, 2)), b.const("w", W)], "m", (1, 4, 3), name="linear")
+        f = b.shuffle(m, "f", (4, 3), [{"reshape": [4, -1]}], dyn_dims=(1,))
+        return bn(b, f, (4, 3))
+
+    assert _refused(training) == ["MatMulScaleFusion: Not fusing linear with bn: bn runs in training mode"]
+    for case in (per_row_bias, broadcast_up):
+        assert _refused(case) == ["MatMulScaleFusion: Not fusing linear with bn: add adds a constant that is not "
+                                  "one value per column"]
+    assert _refused(computed_bias) == ["MatMulScaleFusion: Not fusing linear with bn: linear's bias is computed at "
+                                       "run time"]
+    assert _refused(with_activation) == ["MatMulScaleFusion: Not fusing linear with bn: linear already has a fused "
+                                         "activation or residual"]
+    assert _refused(dynamic_columns) == ["MatMulScaleFusion: Not fusing linear with bn: f does not keep the "
+                                         "product's 3 columns as its last axis"]

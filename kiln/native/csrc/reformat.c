@@ -54,6 +54,10 @@ static inline __attribute__((always_inline)) void transpose_tile(const void* res
   uint16_t* restrict dh = (uint16_t*)dst;
 #define EDGE_COPY(D, S)                                                                                            \
   do {                                                                                                             \
+    if (sb && db) { /* 16 bits to 16 bits: moved as they are (int16, float16, bf16 NaN payloads) */               \
+      dh[D] = sh[S];                                                                                               \
+      break;                                                                                                       \
+    }                                                                                                              \
     const float v_ = sb ? bf16_widen(sh[S]) : sf[S];                                                               \
     if (db) dh[D] = bf16_narrow(v_);                                                                               \
     else df[D] = v_;                                                                                               \
