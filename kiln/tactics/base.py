@@ -102,3 +102,17 @@ def conv1d_as_2d(layer: LayerView) -> LayerView:
     dynamic = tuple(tuple(d + (d >= 2) for d in axes) for axes in layer.input_dynamic)
     consts = {i: (t[:, :, None] if i == 1 else t) for i, t in layer.const_inputs.items()}
     return replace(layer, attrs=attrs, input_shapes=shapes, input_dynamic=dynamic, const_inputs=consts)
+
+
+class RowMajor1d:
+    """Mixin: a 1-D convolution tactic on its 2-D parent, which sees the layer as conv1d_as_2d's [N, C, 1, L];
+    row-major in and out (the subclass's `prepare` moves the data between the two)."""
+
+    def supports(self, layer: LayerView) -> bool:
+        return len(layer.input_shapes[0] or ()) == 3 and super().supports(conv1d_as_2d(layer))
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [LINEAR] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return LINEAR

@@ -18,8 +18,8 @@ import torch
 
 from kiln import native
 from kiln.tactics import gemm_c
-from kiln.tactics.base import (HWC, LINEAR, Kernel, LayerView, batch_dynamic_only, conv1d_as_2d, has_residual,
-                               storage_dtype)
+from kiln.tactics.base import (HWC, LINEAR, Kernel, LayerView, RowMajor1d, batch_dynamic_only, conv1d_as_2d,
+                               has_residual, storage_dtype)
 from kiln.tactics.reformat import to_format
 
 DIRECT_TACTIC = "kiln.conv2d_direct_gemm_nhwc"
@@ -92,7 +92,7 @@ class DirectConvTactic:
         return run
 
 
-class DirectConv1dTactic(DirectConvTactic):
+class DirectConv1dTactic(RowMajor1d, DirectConvTactic):
     """A 1-D convolution (wav2vec2's feature encoder, Whisper's front end, TTS and speech models) on the direct
     kernel as the 2-D one over [N, C, 1, L]: row-major in and out, the input and residual made channel-major and the
     output made row-major inside the call by the C reformat kernels. wav2vec2's 512 -> 512, k3 s2 layer on 3199
@@ -102,17 +102,6 @@ class DirectConv1dTactic(DirectConvTactic):
 
     name = "kiln.conv1d_direct_gemm"
     leaves_1x1 = False   # the 1x1 GEMM tactic takes 2-D maps only
-
-    def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "Conv" or len(layer.input_shapes[0] or ()) != 3 or 1 not in layer.const_inputs:
-            return False
-        return super().supports(conv1d_as_2d(layer))
-
-    def input_formats(self, layer: LayerView) -> list[str]:
-        return [LINEAR] * len(layer.input_shapes)
-
-    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
         planar = super().prepare(conv1d_as_2d(layer))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kiln import hardware
 from kiln.ops.nn import _torch_pad
-from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, conv1d_as_2d, has_residual
+from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, RowMajor1d, conv1d_as_2d, has_residual
 from kiln.tactics.lookup_c import table_mapper
 from kiln.tactics.onednn_conv import _BINARY_UNARY, fused_unary
 
@@ -158,22 +158,11 @@ class OneDnnInt8ConvTactic:
 
 
 
-class OneDnnInt8Conv1dTactic(OneDnnInt8ConvTactic):
+class OneDnnInt8Conv1dTactic(RowMajor1d, OneDnnInt8ConvTactic):
     """A 1-D quantized convolution (Whisper's and wav2vec2's front ends) on the 2-D kernel: [N, C, L] viewed as
     [N, C, 1, L] (made channel-major for the call, the output copied back to row-major), weights [O, I/g, 1, K]."""
 
     name = "onednn.qconv1d_prepacked"
-
-    def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "QConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 3:
-            return False
-        return super().supports(conv1d_as_2d(layer))
-
-    def input_formats(self, layer: LayerView) -> list[str]:
-        return [LINEAR] * len(layer.input_shapes)
-
-    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
-        return LINEAR
 
     def prepare(self, layer: LayerView) -> Kernel:
         planar = super().prepare(conv1d_as_2d(layer))
