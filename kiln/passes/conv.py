@@ -6,7 +6,7 @@ import numpy as np
 from kiln.ir import Graph, Node, Value, same_shape, shape_at_points
 from kiln.ops.shape import pad_widths
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import (activation_spec, const_value, fused_name, is_op, replace_nodes, sole_consumer,
+from kiln.passes.patterns import (activation_spec, batchnorm_factors, const_value, fused_name, is_op, replace_nodes, sole_consumer,
                                   why_not_sole_consumer)
 
 
@@ -73,13 +73,11 @@ def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
         if "activation" in conv.attrs or len(conv.inputs) > 3:
             plog.not_fused(conv, bn, f"{conv.name} already has a fused activation or residual")
             continue
-        params = [v.const if v is not None and v.is_const else None for v in bn.inputs[1:5]]
-        bias = conv.inputs[2] if len(conv.inputs) > 2 else None
-        if any(p is None for p in params) or (bias is not None and not bias.is_const):
+        factors, bias = batchnorm_factors(bn), conv.inputs[2] if len(conv.inputs) > 2 else None
+        if factors is None or (bias is not None and not bias.is_const):
             plog.not_fused(conv, bn, "BatchNormalization parameters or the convolution's bias are not constant")
             continue
-        scale, shift, mean, var = (p.astype(np.float64) for p in params)
-        k = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
+        k, shift = factors
         name, origin = fused_name([conv, bn])
         attrs = dict(conv.attrs)
         folded = _folded_weights(g, conv, k, name, attrs)
@@ -88,7 +86,7 @@ def fold_batchnorm_into_conv(g: Graph, plog: PassLog) -> None:
             continue
         new_w, bias_dtype = folded
         b = bias.const if bias is not None else np.zeros(len(k))
-        new_b = g.add_const(f"{name}.bias", ((b.astype(np.float64) - mean) * k + shift).astype(bias_dtype))
+        new_b = g.add_const(f"{name}.bias", (b.astype(np.float64) * k + shift).astype(bias_dtype))
         plog.fusing(conv, bn)
         replace_nodes(g, [conv, bn], Node(name, conv.op_type, [conv.inputs[0], new_w, new_b], [bn.outputs[0]], attrs,
                                           conv.domain, origin))

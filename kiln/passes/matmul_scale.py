@@ -13,7 +13,8 @@ import numpy as np
 
 from kiln.ir import Graph, Node, Value
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import fused_name, is_op, is_shuffle, replace_nodes, sole_consumer, why_not_sole_consumer
+from kiln.passes.patterns import (batchnorm_factors, fused_name, is_op, is_shuffle, replace_nodes, sole_consumer,
+                                  why_not_sole_consumer)
 
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
@@ -26,10 +27,7 @@ def fold_batchnorm_into_matmul(g: Graph, plog: PassLog) -> None:
         product, add, movers = found
         plog.running(product)
         reason = _blocker(g, [product, add, *movers, bn], movers, bn)
-        k_shift = _bn_factors(bn) if reason is None else None
-        if reason is None and k_shift is None:
-            reason = "BatchNormalization parameters are not constant"
-        folded = _folded_inputs(g, product, add, *k_shift) if reason is None else reason
+        folded = reason or _folded_inputs(g, product, add, *batchnorm_factors(bn))
         if isinstance(folded, str):
             plog.not_fused(product, bn, folded)
             continue
@@ -56,10 +54,9 @@ def _product_before(bn: Node) -> tuple[Node, Node | None, list[Node]] | None:
                                                            all("reshape" in s for s in node.attrs["steps"]))):
         movers.insert(0, node)
         node = node.inputs[0].producer
-    add = node if is_op(node, "Add") and any(v is not None and v.is_const for v in node.inputs) else None
-    if add is not None:
-        node = next(v for v in add.inputs if not v.is_const).producer if not all(v.is_const for v in add.inputs) \
-            else None
+    add = None
+    if is_op(node, "Add") and sorted(v.is_const for v in node.inputs) == [False, True]:   # an activation + a constant
+        add, node = node, next(v for v in node.inputs if not v.is_const).producer
     return (node, add, movers) if is_op(node, ("MatMul", "Gemm")) else None
 
 
@@ -71,7 +68,10 @@ def _blocker(g: Graph, chain: list[Node | None], movers: list[Node], bn: Node) -
             return why_not_sole_consumer(g, node)
     x = bn.inputs[0]
     if x.shape is None or len(x.shape) != 2:
-        return f"{bn.name} normalizes axis 1 of a rank-{len(x.shape or ())} tensor, not the product's columns"
+        rank = "an unknown rank" if x.shape is None else f"a rank-{len(x.shape)} tensor"
+        return f"{bn.name} normalizes axis 1 of {rank}, not the product's columns"
+    if batchnorm_factors(bn) is None:
+        return "BatchNormalization parameters are not constant"
     if bn.attrs.get("training_mode", 0) or any(v.users or g.is_output(v) for v in bn.outputs[1:]):
         return f"{bn.name} runs in training mode"
     columns = chain[0].outputs[0]
@@ -83,16 +83,6 @@ def _blocker(g: Graph, chain: list[Node | None], movers: list[Node], bn: Node) -
     if "activation" in chain[0].attrs or len(chain[0].inputs) > 3:
         return f"{chain[0].name} already has a fused activation or residual"
     return None
-
-
-def _bn_factors(bn: Node) -> tuple[np.ndarray, np.ndarray] | None:
-    """(k, shift) with BN(y) = y * k + shift per channel; None where a parameter is computed at run time."""
-    params = [v.const if v is not None and v.is_const else None for v in bn.inputs[1:5]]
-    if any(p is None for p in params):
-        return None
-    scale, bias, mean, var = (p.astype(np.float64).reshape(-1) for p in params)
-    k = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
-    return k, bias - mean * k
 
 
 def _folded_inputs(g: Graph, product: Node, add: Node | None, k: np.ndarray, shift: np.ndarray

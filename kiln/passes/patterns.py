@@ -110,5 +110,16 @@ def scalar_const(v: Value | None, kinds: str = "f") -> float | None:
     return float(v.const.reshape(-1)[0])
 
 
+def batchnorm_factors(bn: Node) -> tuple[np.ndarray, np.ndarray] | None:
+    """(k, shift) per channel, in float64, with an inference BatchNormalization(y) = y * k + shift: k = scale /
+    sqrt(var + epsilon), shift = B - mean * k; None where a parameter is computed at run time."""
+    params = [v.const if v is not None and v.is_const else None for v in bn.inputs[1:5]]
+    if any(p is None for p in params):
+        return None
+    scale, bias, mean, var = (p.astype(np.float64).reshape(-1) for p in params)
+    k = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
+    return k, bias - mean * k
+
+
 def const_value(v: Value | None) -> np.ndarray | None:
     return None if v is None or not v.is_const else v.const

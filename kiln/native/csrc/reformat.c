@@ -239,6 +239,7 @@ void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* s
 
 /* ------------------------------------------------------------------------------------------------ permutations */
 #define PERMUTE_MAX_RANK 8
+#define ST 32   /* a scalar tile's block side */
 
 /* 1- and 8-byte tiles element by element (4- and 2-byte ones go through transpose_tile's register blocks, whose
    lanes are moved bit for bit: a bf16 side is widened and cut back exactly, any 16-bit payload unchanged). */
@@ -253,7 +254,6 @@ void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* s
           for (int64_t i = i0; i < i1; ++i) d_[j * ld + i] = s_[i * ls + j];                                       \
       }                                                                                                            \
   } while (0)
-#define ST 32
 
 static void transpose_tile_bytes(const void* src, int64_t ls, void* dst, int64_t ld, int64_t rows, int64_t cols,
                                  int64_t size) {
