@@ -32,7 +32,7 @@ ATTENTION_BF16_TACTIC = "kiln.attention_c_bf16"
 Q_BF16, K_BF16, V_BF16, OUT_BF16, NAN_TO_ZERO = 1, 2, 4, 8, 16   # attention.c's AttnCall.flags
 GEOMETRY_FIELDS = ("batch", "heads", "sq", "sk", "d", "dv", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s",
                    "v_b", "v_h", "v_s", "m_b", "m_h", "m_q", "m_k", "o_b", "o_h", "o_s",
-                   "q_at", "k_at", "v_at", "m_at")
+                   "q_at", "k_at", "v_at", "m_at", "kv_group")
 
 
 class AttnCall(ctypes.Structure):
@@ -45,15 +45,17 @@ class AttnCall(ctypes.Structure):
 
 @dataclass(frozen=True)
 class Operands:
-    """What the kernel reads: Q [B, H, Sq, D], K [B, H, Sk, D], V [B, H, Sk, Dv] with unit inner stride (stride 0
-    along broadcast axes), the FP32 mask expanded to [B, H, Sq, Sk] or None, and the shape of the attention output
-    before `out_steps` (the rank the layer's broadcasting gives it)."""
+    """What the kernel reads: Q [B, H, Sq, D], K [B, H / G, Sk, D], V [B, H / G, Sk, Dv] with unit inner stride
+    (stride 0 along broadcast axes; query head h reads K/V head h // G, G = `kv_group`), the FP32 mask expanded to
+    [B, H, Sq, Sk] or None, and the shape of the attention output before `out_steps` (the rank the layer's
+    broadcasting gives it)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     mask: torch.Tensor | None
     out_shape: tuple[int, ...]
+    kv_group: int = 1
 
 
 def _four_dims(t: torch.Tensor) -> torch.Tensor:
@@ -70,13 +72,14 @@ def operands(attrs: dict, xs: list) -> Operands | None:
     """The layer's inputs after their steps as the kernel reads them; None where it cannot (more than two leading
     axes, empty axes, shapes that do not broadcast)."""
     q = viewed_steps(xs[0], attrs.get("q_steps", []))
-    k = viewed_steps(xs[1], attrs.get("k_steps", [])).transpose(-1, -2)
-    v = viewed_steps(xs[2], attrs.get("v_steps", []))
+    (k, v), group = _kv_views(xs[1], attrs.get("k_steps", []), xs[2], attrs.get("v_steps", []))
+    k = k.transpose(-1, -2)
     mask = xs[3] if len(xs) > 3 else None
     if min(q.dim(), k.dim(), v.dim()) < 2 or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         return None
     sq, sk = q.shape[-2], k.shape[-2]
-    heads = [q.shape[:-2], k.shape[:-2], v.shape[:-2]] + ([mask.shape[:-2]] if mask is not None else [])
+    heads = [q.shape[:-2], _query_heads(k, group), _query_heads(v, group)] + \
+        ([mask.shape[:-2]] if mask is not None else [])
     try:
         lead = tuple(torch.broadcast_shapes(*heads))
         if mask is not None:
@@ -85,8 +88,38 @@ def operands(attrs: dict, xs: list) -> Operands | None:
         return None
     if len(lead) > 2 or 0 in (*lead, sq, sk, q.shape[-1], v.shape[-1]):
         return None
-    four = [_four_dims(_unit_inner(t.expand(*lead, *t.shape[-2:]))) for t in (q, k, v)]
-    return Operands(*four, None if mask is None else _four_dims(mask), (*lead, sq, v.shape[-1]))
+    kv_lead = (*lead[:-1], lead[-1] // group) if group > 1 else lead
+    four = [_four_dims(_unit_inner(t.expand(*shape, *t.shape[-2:]))) for t, shape in ((q, lead), (k, kv_lead),
+                                                                                       (v, kv_lead))]
+    return Operands(*four, None if mask is None else _four_dims(mask), (*lead, sq, v.shape[-1]), group)
+
+
+def _query_heads(t: torch.Tensor, group: int) -> torch.Size:
+    """The leading axes of a K or V operand as the query heads see them: its head axis times the group."""
+    return t.shape[:-2] if group == 1 else torch.Size((*t.shape[:-3], t.shape[-3] * group))
+
+
+def _kv_views(k: torch.Tensor, k_steps: list[dict], v: torch.Tensor, v_steps: list[dict]):
+    """((K, V), G): K and V after their steps, as views [.., H / G, S, D] with one head per group of G query heads
+    where the steps expand each K/V head across its group (grouped-query attention: a stride-0 axis merged into
+    the heads, which no view of [.., H, S, D] gives), else ((K, V) after the steps, 1)."""
+    grouped = [_grouped_view(x, steps) for x, steps in ((k, k_steps), (v, v_steps))]
+    if grouped[0] is not None and grouped[1] is not None and grouped[0][1] == grouped[1][1]:
+        return (grouped[0][0], grouped[1][0]), grouped[0][1]
+    return (viewed_steps(k, k_steps), viewed_steps(v, v_steps)), 1
+
+
+def _grouped_view(x: torch.Tensor, steps: list[dict]) -> tuple[torch.Tensor, int] | None:
+    if x.device.type == "meta" or not steps or x.numel() <= 1:
+        return None
+    key = (tuple(x.shape), tuple(x.stride()), json.dumps(steps))
+    if _strided_grid(*key) is not None:
+        return None
+    grid = _grouped_grid(*key)
+    if grid is None:
+        return None
+    shape, strides, first, group = grid
+    return x.as_strided(shape, strides, x.storage_offset() + first), group
 
 
 def viewed_steps(x: torch.Tensor, steps: list[dict]) -> torch.Tensor:
@@ -107,8 +140,39 @@ def _strided_grid(shape: tuple[int, ...], stride: tuple[int, ...], steps: str) -
     """(shape, strides, offset) of the view of a tensor of `shape` and `stride` that the steps (JSON) give, or None
     where they give no view of it: the steps run once on the tensor's element offsets, which must form a strided
     grid. Worked out once per geometry (a call with the same one finds it here)."""
+    offsets, span = _step_offsets(shape, stride, steps)
+    return _grid(offsets, span)
+
+
+@functools.lru_cache(maxsize=256)
+def _grouped_grid(shape: tuple[int, ...], stride: tuple[int, ...], steps: str) -> tuple | None:
+    """(shape, strides, offset, G) of the view [.., H / G, a, b] whose head j the steps' heads j*G .. j*G + G - 1
+    all repeat (the largest such G > 1), or None where the steps' result has no such groups."""
+    offsets, span = _step_offsets(shape, stride, steps)
+    if offsets.dim() < 3:
+        return None
+    heads = offsets.shape[-3]
+    for group in range(heads, 1, -1):
+        if heads % group:
+            continue
+        split = offsets.unflatten(-3, (heads // group, group))
+        first = split.select(-3, 0)
+        if torch.equal(split, first.unsqueeze(-3).expand_as(split)):
+            grid = _grid(first.contiguous(), span)
+            return None if grid is None else (*grid, group)
+    return None
+
+
+def _step_offsets(shape: tuple[int, ...], stride: tuple[int, ...], steps: str) -> tuple[torch.Tensor, int]:
+    """The element offsets (into a tensor of `shape` and `stride`) that the steps (JSON) place at each position of
+    their result, contiguous, and the span of offsets the tensor covers."""
     span = sum((n - 1) * st for n, st in zip(shape, stride)) + 1
-    offsets = apply_steps(torch.arange(span).as_strided(shape, stride), json.loads(steps)).contiguous()
+    return apply_steps(torch.arange(span).as_strided(shape, stride), json.loads(steps)).contiguous(), span
+
+
+def _grid(offsets: torch.Tensor, span: int) -> tuple | None:
+    """(shape, strides, offset) of the strided view of a span of elements that `offsets` name, or None where they
+    form no strided grid in it."""
     if offsets.numel() <= 1:
         return None
     first = int(offsets.reshape(-1)[0])
@@ -147,7 +211,7 @@ def _attn_call(ops: Operands, out4: torch.Tensor, offsets: tuple[int, ...], scal
     m = ops.mask.stride() if ops.mask is not None else (0, 0, 0, 0)
     batch, heads, sq, d = ops.q.shape
     values = (batch, heads, sq, ops.k.shape[2], d, ops.v.shape[3], *ops.q.stride()[:3], *ops.k.stride()[:3],
-              *ops.v.stride()[:3], *m, *out4.stride()[:3], *offsets)
+              *ops.v.stride()[:3], *m, *out4.stride()[:3], *offsets, ops.kv_group)
     return AttnCall(*values, scale, flags)
 
 

@@ -4,7 +4,7 @@
 
    A work unit is one (batch x head) and a block of query rows; OpenMP shares the units out with a static
    schedule. A unit packs its head's K into key panels [Sk/P][D][P] and V into column panels [Dv/P][Sk][P] (P =
-   PANEL, two vectors; zero padded; a thread keeps them for its next unit of the same head), then per 6-row tile:
+   PANEL, two vectors; zero padded; a thread keeps them while its next units read the same K and V), then per 6-row tile:
    the scores on a 6 x PANEL register tile (gemm.h's, in simd.h's vectors as wide as the CPU's), the softmax in
    FP32 (max-subtracted, in base 2), P·V on the same tile, and the output scaled by 1 / row sum as it is stored.
    The BF16 variant (AVX512-BF16) runs both products on vdpbf16ps (bf16 operand pairs, FP32 accumulation), packing K and V as bf16 pairs and
@@ -34,12 +34,15 @@
 
 /* A layer's geometry, fixed per input shape (kiln.tactics.attention_c.AttnCall mirrors it field by field):
    element strides of Q [batch][heads][sq][d], K [..][sk][d], V [..][sk][dv], the mask [..][sq][sk] and the
-   output [..][sq][dv]. */
+   output [..][sq][dv]. Grouped-query attention: query head h reads K and V head h / kv_group (k_h and v_h step
+   from one K/V head to the next), so an exported GQA's K and V, expanded across each group with stride 0, are read
+   in place and packed once per group. */
 typedef struct {
   int64_t batch, heads, sq, sk, d, dv;
   int64_t q_b, q_h, q_s, k_b, k_h, k_s, v_b, v_h, v_s;
   int64_t m_b, m_h, m_q, m_k, o_b, o_h, o_s;
   int64_t q_at, k_at, v_at, m_at;   /* bytes from each pointer passed to where its operand starts */
+  int64_t kv_group;                 /* query heads per K/V head (1: none shared) */
   float scale;
   int32_t flags;
 } AttnCall;
@@ -244,8 +247,8 @@ static void tile_f32(const AttnCall* c, Scratch* w, const void* q, const float* 
 typedef void (*PackFn)(const AttnCall*, const void*, const void*, Scratch*);
 typedef void (*TileFn)(const AttnCall*, Scratch*, const void*, const float*, void*, int64_t, int64_t);
 
-/* The work split: units of (batch x head, query-row block), static schedule; a thread packs a head's K and V once
-   for its consecutive units of that head. */
+/* The work split: units of (batch x head, query-row block), static schedule; a thread packs K and V once for its
+   consecutive units that read the same ones (a head's row blocks, a group's heads, heads broadcast one K). */
 static void run_units(const AttnCall* c, const void* q, const void* k, const void* v, const float* mask, void* out,
                       PackFn pack, TileFn compute) {
   const int64_t heads = c->batch * c->heads, tiles = (c->sq + MR - 1) / MR;
@@ -260,14 +263,15 @@ static void run_units(const AttnCall* c, const void* q, const void* k, const voi
   mask = mask ? (const float*)((const char*)mask + c->m_at) : 0;
   MAYBE_PARALLEL(threads_pay(heads * blocks, macs), {
     Scratch w = scratch_new(c);
-    int64_t packed = -1;
+    const char *packed_k = 0, *packed_v = 0;
     _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < heads * blocks; ++u) {
-      const int64_t bh = u / blocks, blk = u % blocks, b = bh / c->heads, h = bh % c->heads;
-      if (packed != bh) {
-        pack(c, (const char*)k + (b * c->k_b + h * c->k_h) * k_size,
-             (const char*)v + (b * c->v_b + h * c->v_h) * v_size, &w);
-        packed = bh;
+      const int64_t bh = u / blocks, blk = u % blocks, b = bh / c->heads, h = bh % c->heads, kvh = h / c->kv_group;
+      const char* kh = (const char*)k + (b * c->k_b + kvh * c->k_h) * k_size;
+      const char* vh = (const char*)v + (b * c->v_b + kvh * c->v_h) * v_size;
+      if (kh != packed_k || vh != packed_v) {
+        pack(c, kh, vh, &w);
+        packed_k = kh, packed_v = vh;
       }
       const int64_t base = tiles / blocks, extra = tiles % blocks;
       const int64_t first = blk * base + (blk < extra ? blk : extra), last = first + base + (blk < extra);
