@@ -131,7 +131,9 @@ def test_op_isnan():
 def _hf_architecture(name: str):
     """Tiny random-weight HF models whose attention differs from BERT's: RoBERTa (CumSum position ids), GPT-2
     (causal mask, Conv1D projections), T5 (no scaling; relative position bias plus padding mask), ViT (patch
-    conv). Returns (module taking positional inputs, example tensors, input names)."""
+    conv), LLaMA (grouped-query attention: 4 query heads on 2 K/V heads; rotary embeddings; a causal mask of the
+    float minimum, left-padded so that whole rows are masked). Returns (module taking positional inputs, example
+    tensors, input names)."""
     import torch
     import transformers as T
 
@@ -145,11 +147,14 @@ def _hf_architecture(name: str):
     else:
         cfg = {"roberta": lambda: T.RobertaConfig(**small, pad_token_id=1),
                "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=64),
-               "t5": lambda: T.T5Config(d_model=64, d_kv=16, num_layers=2, num_heads=4, d_ff=128, vocab_size=100)}[name]()
+               "t5": lambda: T.T5Config(d_model=64, d_kv=16, num_layers=2, num_heads=4, d_ff=128, vocab_size=100),
+               "llama": lambda: T.LlamaConfig(**small, num_key_value_heads=2)}[name]()
         model = T.T5EncoderModel(cfg) if name == "t5" else T.AutoModel.from_config(cfg)
         ids = torch.randint(2, 100, (2, 12))
         mask = torch.ones_like(ids)
         mask[1, 9:] = 0
+        if name == "llama":
+            mask[1] = torch.arange(12) >= 3   # left padding
         args, names = (ids, mask), ["input_ids", "attention_mask"]
     model.config._attn_implementation = "eager"
 
@@ -163,7 +168,7 @@ def _hf_architecture(name: str):
     return Positional().eval(), args, names
 
 
-@pytest.mark.parametrize("name", ["roberta", "gpt2", "t5", "vit"])
+@pytest.mark.parametrize("name", ["roberta", "gpt2", "t5", "vit", "llama"])
 def test_other_hf_attention_styles_fuse_and_match(name, tmp_path):
     pytest.importorskip("transformers")
     import warnings

@@ -161,6 +161,47 @@ def test_rows_whose_every_key_is_masked(nan_to_zero):
     torch.testing.assert_close(got[1, 2].reshape(2, 16), xs[2][1, 0], rtol=1e-6, atol=1e-6)   # only key 0 left
 
 
+FLOAT_MIN = torch.finfo(torch.float32).min
+
+
+def causal_mask(b: int, s: int, fill: float, padded: int = 0) -> torch.Tensor:
+    """A decoder's causal mask [B, 1, S, S] filled with `fill` above the diagonal; batch 1 left-padded by `padded`
+    keys (masked in every row, its first `padded` query rows masked throughout)."""
+    mask = torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), fill).repeat(b, 1, 1, 1)
+    if padded:
+        mask[1:, :, :, :padded] = fill
+    return mask
+
+
+@pytest.mark.parametrize("fill", [NEG_INF, FLOAT_MIN])
+def test_causal_masks_match_the_formula_with_their_dead_keys_skipped(fill):
+    """Causal masks with -inf and with the float minimum (HF's exports), 77 keys (tiles across the diagonal), batch 2
+    with left padding: the keys a tile's rows all mask are skipped, bit-for-bit harmless, so a NaN in V there is
+    never read; rows masked throughout are NaN (-inf) or uniform over V (the float minimum), as onnxruntime gives."""
+    layer = heads_layer(2, 3, 77, 77, 32, mask_shape=(2, 1, 77, 77))
+    xs = inputs(layer, seed=21)
+    xs[3] = causal_mask(2, 77, fill, padded=7)
+    want = expected(layer, xs)
+    got = AttentionTactic().prepare(layer)(xs)[0]
+    assert_matches(got, want, FP32_REL)
+    dead = got[1, :7]   # batch 1's padded query rows
+    if fill == NEG_INF:
+        assert bool(dead.isnan().all())
+    else:
+        torch.testing.assert_close(dead, xs[2][1].mean(0).reshape(1, -1).expand(7, -1), rtol=1e-5, atol=1e-5)
+    xs[2][0, 76, 0] = float("nan")   # key 76 is live for row 76 alone: only its row tile reads it
+    assert bool(AttentionTactic().prepare(layer)(xs)[0][0, :72].isfinite().all())
+
+
+@needs_bf16
+def test_bf16_causal_masks_skip_dead_keys():
+    layer = heads_layer(2, 2, 77, 77, 32, mask_shape=(2, 1, 77, 77))
+    xs = inputs(layer, seed=22)
+    xs[3] = causal_mask(2, 77, FLOAT_MIN, padded=5)
+    got = AttentionBf16Tactic().prepare(layer)(xs)[0]
+    assert_matches(got, expected(layer, xs, round_bf16=True), 2 ** -8)
+
+
 @pytest.mark.parametrize("q,k,v,out", [("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
                                        ("bfloat16", "float32", "bfloat16", "float32"),
                                        ("float32", "bfloat16", "float32", "bfloat16"),

@@ -12,6 +12,7 @@
 
    A row whose every key is masked with -inf gives NaN, as the ONNX graph does (Softmax over -inf), or 0 with
    ATTN_NAN_TO_ZERO (the NaN guard of SDPA's export, which turns every NaN of the output into 0). */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -51,12 +52,21 @@ static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to
 
 #define LOG2E 1.44269504088896341f
 
+/* A mask value in base 2, m * log2(e), kept at -FLT_MAX where a finite m (the float minimum HF's exports add)
+   overflows: a row masked with it throughout then stays uniform, as its softmax in FP32 is; -inf stays -inf. */
+static inline vf mask2(vf m) {
+  const vf x = m * LOG2E;
+  return v_select((vi)(x == -INFINITY) & (vi)(m != -INFINITY), (vf){0} - FLT_MAX, x);
+}
+
 /* VW raw scores of keys j.. in base 2: (raw * scale + the mask) * log2(e), `count` of them real (the rest, and all
    where count <= 0, -inf). */
 static inline vf scaled(vf raw, const float* restrict m, int64_t j, int64_t count, float scale2, int64_t m_k) {
-  if (count >= VW && (!m || m_k == 1)) return raw * scale2 + (m ? *(const vf*)(m + j) * LOG2E : (vf){0});
-  vf x;
-  for (int i = 0; i < VW; ++i) x[i] = i < count ? raw[i] * scale2 + (m ? m[(j + i) * m_k] * LOG2E : 0.0f) : -INFINITY;
+  if (count >= VW && (!m || m_k == 1)) return raw * scale2 + (m ? mask2(*(const vf*)(m + j)) : (vf){0});
+  vf x, mv = {0};
+  for (int i = 0; i < VW; ++i) mv[i] = m && i < count ? m[(j + i) * m_k] : 0.0f;
+  mv = mask2(mv);
+  for (int i = 0; i < VW; ++i) x[i] = i < count ? raw[i] * scale2 + mv[i] : -INFINITY;
   return x;
 }
 
@@ -219,8 +229,28 @@ static void product_tile(const float* const* restrict a, int64_t mr, int64_t k, 
   }
 }
 
-/* FP32 math on one tile of mr query rows from row r0: scores, softmax, P·V, stored. `q`, `mask` and `out` point
-   at this (batch, head). */
+#define DEAD_KEY -1e30f   /* a mask value at or below it (-inf, or the float minimum HF's exports add) kills its key */
+
+/* 1 + the last key that some row of a tile (mr mask rows from m, row stride m_q) keeps alive (mask > DEAD_KEY).
+   Past it every row's scores are at most ~-1e30 below a live key's, so exp gives exactly 0: they add nothing to the
+   softmax sums or P·V, and the products stop there. A causal mask's upper triangle, half of a decoder's prefill, is
+   skipped tile by tile. A row with no live key keeps every key (its softmax over -inf is NaN, over the float minimum
+   uniform), as do keys broadcast by stride. (A non-finite V value at a skipped key, NaN before, is not read.) */
+static int64_t live_keys(const float* m, int64_t mr, int64_t m_q, int64_t m_k, int64_t sk) {
+  if (!m || m_k != 1) return sk;
+  int64_t live = 0;
+  for (int64_t i = 0; i < (m_q ? mr : 1); ++i) {
+    const float* row = m + i * m_q;
+    int64_t j = sk;
+    while (j > 0 && row[j - 1] <= DEAD_KEY) --j;
+    if (j == 0) return sk;
+    live = j > live ? j : live;
+  }
+  return live;
+}
+
+/* FP32 math on one tile of mr query rows from row r0: scores, softmax, P·V over the live keys, stored. `q`,
+   `mask` and `out` point at this (batch, head). */
 static void tile_f32(const AttnCall* c, Scratch* w, const void* q, const float* mask, void* out, int64_t r0,
                      int64_t mr) {
   const float* rows[MR];
@@ -234,13 +264,15 @@ static void tile_f32(const AttnCall* c, Scratch* w, const void* q, const float* 
       rows[i] = (const float*)q + r * c->q_s;
     }
   }
-  for (int64_t nb = 0; nb < w->skp / PANEL; ++nb)
+  const float* m = mask ? mask + r0 * c->m_q : 0;
+  const int64_t n = live_keys(m, mr, c->m_q, c->m_k, c->sk);
+  for (int64_t nb = 0; nb < round_up(n, PANEL) / PANEL; ++nb)
     product_tile(rows, mr, c->d, (const float*)w->k + nb * c->d * PANEL, w->s + nb * PANEL, w->skp);
   float inv[MR];
-  softmax_rows(w->s, w->skp, mr, c->sk, c->scale, mask ? mask + r0 * c->m_q : 0, c->m_q, c->m_k, inv);
+  softmax_rows(w->s, w->skp, mr, n, c->scale, m, c->m_q, c->m_k, inv);
   for (int64_t i = 0; i < MR; ++i) rows[i] = w->s + (i < mr ? i : 0) * w->skp;
   for (int64_t nb = 0; nb < w->dvp / PANEL; ++nb)
-    product_tile(rows, mr, c->sk, (const float*)w->v + nb * c->sk * PANEL, w->o + nb * PANEL, w->dvp);
+    product_tile(rows, mr, n, (const float*)w->v + nb * c->sk * PANEL, w->o + nb * PANEL, w->dvp);
   for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
 }
 
@@ -431,14 +463,15 @@ static void tile_bf16(const AttnCall* c, Scratch* w, const void* q, const float*
   vf vmax[MR];
   for (int64_t i = 0; i < MR; ++i) vmax[i] = (vf){0} - INFINITY;
   const float* m = mask ? mask + r0 * c->m_q : 0;
-  for (int64_t nb = 0; nb < w->skp / PANEL; ++nb)
-    scores_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * PANEL, w->s, w->skp, nb * PANEL, c->sk,
+  const int64_t n = live_keys(m, mr, c->m_q, c->m_k, c->sk), n32 = round_up(n, PANEL);
+  for (int64_t nb = 0; nb < n32 / PANEL; ++nb)
+    scores_dp(rows, mr, w->dp, (const uint32_t*)w->k + nb * w->dp * PANEL, w->s, w->skp, nb * PANEL, n,
               c->scale * LOG2E, m, c->m_q, c->m_k, vmax);
   float inv[MR];
-  softmax_pairs(w->s, w->skp, mr, w->skp, vmax, pairs, pld, inv);   /* Q's pairs are spent: P's overwrite them */
+  softmax_pairs(w->s, w->skp, mr, n32, vmax, pairs, pld, inv);   /* Q's pairs are spent: P's overwrite them */
   for (int64_t i = 0; i < MR; ++i) rows[i] = pairs + (i < mr ? i : 0) * pld;
   for (int64_t nb = 0; nb < w->dvp / PANEL; ++nb)
-    values_dp(rows, mr, w->skq, (const uint32_t*)w->v + nb * w->skq * PANEL, w->o + nb * PANEL, w->dvp);
+    values_dp(rows, mr, (n + 1) / 2, (const uint32_t*)w->v + nb * w->skq * PANEL, w->o + nb * PANEL, w->dvp);
   for (int64_t i = 0; i < mr; ++i) store_out(w->o + i * w->dvp, inv[i], out, (r0 + i) * c->o_s, c->dv, c->flags);
 }
 
