@@ -66,6 +66,7 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_groupnorm_nhwc", (POINTER,) * 4 + (I64,) * 4 + (F64, I64, I64)))),
     LibrarySpec("conv_planes", "conv_planes.c", (   # the first argument: the layer's constants
         Function("kiln_conv_planes", (POINTER,) * 5 + (I64,)),)),   # ..., x, w, bias, y, batch
+    LibrarySpec("rotary", "rotary.c", (Function("kiln_rotary", (POINTER,) * 5),)),   # call, x, cos, sin, y
     LibrarySpec("softmax", "softmax.c", (
         Function("kiln_softmax", (POINTER,) * 2 + (I64,) * 4),   # x, y, outer, n, inner, io
         # x, y, rows, n, x scale, x zero point, y scale, y zero point, types (bit 0: x s8, bit 1: y s8)

@@ -1,7 +1,7 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
-Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization, and the INT8
-layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm, QConcat from Q/DQ; DynamicQMatMul, DynamicQConv from
-dynamic quantization)."""
+Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization,
+RotaryEmbedding, and the INT8 layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm, QConcat from Q/DQ;
+DynamicQMatMul, DynamicQConv from dynamic quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -50,6 +50,14 @@ def skip_layer_norm(attrs, xs):
     x = xs[0] + xs[1]
     axis = attrs.get("axis", -1) % x.dim()
     return [F.layer_norm(x, x.shape[axis:], xs[2], xs[3] if len(xs) > 3 else None, attrs.get("epsilon", 1e-5))]
+
+
+def rotary_embedding(attrs, xs):
+    """x * cos + rotate_half(x) * sin along the last axis, rotate_half(x) = [-x[..., D/2:], x[..., :D/2]] (the
+    half-split rotary embedding, kiln.passes.rotary); cos and sin D wide, broadcast to x."""
+    x, cos, sin = xs
+    half = x.shape[-1] // 2
+    return [x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin]
 
 
 def run_program(steps, xs):
@@ -283,3 +291,4 @@ KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_qua
 KILN_OPS["DynamicQConv"] = OpDef("DynamicQConv", OpKind.COMPLEX, dynamic_quantized_conv, (), _centre_weights_once)
 KILN_OPS["Attention"] = OpDef("Attention", OpKind.OPAQUE, attention)
 KILN_OPS["SkipLayerNormalization"] = OpDef("SkipLayerNormalization", OpKind.OPAQUE, skip_layer_norm)
+KILN_OPS["RotaryEmbedding"] = OpDef("RotaryEmbedding", OpKind.OPAQUE, rotary_embedding)

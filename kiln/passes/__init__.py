@@ -18,6 +18,7 @@ from kiln.passes.qmatmul_steps import fuse_product_shuffles
 from kiln.passes.qconcat_table import fuse_concat_tables
 from kiln.passes.qproduct_table import fuse_product_tables
 from kiln.passes.qoperator import unfold_qoperators
+from kiln.passes.rotary import fuse_rotary
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_norm, fuse_quantized_layers,
                                      fuse_quantized_residual, fuse_quantized_softmax, fuse_requantized_bias,
                                      merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
@@ -94,6 +95,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("QMatMulShuffleFusion", fuse_product_shuffles),
     # An INT8 LayerNorm (with the residual QAdd before it) once its scale and bias are FP32 constants.
     Pass("QuantizedLayerNormFusion", fuse_quantized_layer_norm),
+    # rotate_half's Slices/Neg/Concat and the Mul/Mul/Add around it, before pointwise fusion takes the arithmetic.
+    Pass("RotaryFusion", fuse_rotary),
     # Pointwise last: activations that a conv/gemm could absorb are gone; what remains chains up.
     Pass("PointWiseFusion", fuse_pointwise, "pointwise fusions"),
     # A chain on one INT8 product's output (quantize_static's scores scaling, its GELU) as a table in its epilogue.

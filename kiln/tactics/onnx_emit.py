@@ -194,6 +194,8 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         return _emit_steps(e, xs[0], a["steps"])
     if view.op_type == "Attention" and view.domain == "kiln":
         return _emit_attention(e, xs, a)
+    if view.op_type == "RotaryEmbedding" and view.domain == "kiln":
+        return _emit_rotary(e, xs, view.input_shapes[0][-1])
     if view.domain == "kiln" and view.op_type in QUANTIZED_BASE:
         return _emit_quantized(e, view, xs)
     if view.domain == "kiln" and view.op_type == "QAdd":
@@ -386,8 +388,18 @@ def _emit_attention(e: Emitter, xs: list[str | None], a: dict) -> str:
     return _emit_steps(e, out, a.get("out_steps", []))
 
 
-KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "QAdd", "QSoftmax", "QLayerNorm",
-                  "QConcat", "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
+def _emit_rotary(e: Emitter, xs: list[str | None], d: int) -> str:
+    """x * cos + Concat(-x[..., d/2:], x[..., :d/2]) * sin, as HF's rotate_half exports it."""
+    x, cos, sin = xs
+    last = e.const([-1], np.int64)
+    first = e.node("Slice", [x, e.const([0], np.int64), e.const([d // 2], np.int64), last])
+    second = e.node("Slice", [x, e.const([d // 2], np.int64), e.const([d], np.int64), last])
+    rotated = e.node("Concat", [e.node("Neg", [second]), first], {"axis": -1})
+    return e.node("Add", [e.node("Mul", [x, cos]), e.node("Mul", [rotated, sin])])
+
+
+KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "RotaryEmbedding", "QAdd", "QSoftmax",
+                  "QLayerNorm", "QConcat", "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

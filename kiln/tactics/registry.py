@@ -36,6 +36,7 @@ from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemm
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import (InterpolateResizeBf16Tactic, InterpolateResizeTactic, NhwcResizeBf16Tactic,
                                    NhwcResizeTactic)
+from kiln.tactics.rotary_c import RotaryBf16Tactic, RotaryTactic
 from kiln.tactics.shuffle_c import PermuteCopyBf16Tactic, PermuteCopyTactic
 from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
@@ -83,6 +84,7 @@ REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTac
                                      "Attention": [AttentionTactic(), AttentionBf16Tactic(),
                                                    Bf16AttentionTactic()],
                                      **{op: [SoftmaxTactic(), SoftmaxBf16Tactic()] for op in SOFTMAX_OPS},
+                                     "RotaryEmbedding": [RotaryTactic(), RotaryBf16Tactic()],
                                      **{op: [CodegenPointWiseBf16Tactic()] for op in SINGLE_OPS},
                                      **{op: ([PermuteCopyTactic(), PermuteCopyBf16Tactic()] if op == "Shuffle" else [])
                                         + [Bf16ReferenceTactic()]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kiln
+from kiln import native
 from tests.conftest import assert_close_to_ort, init, make_model, run_ort
 from tests.models import encoders
 
@@ -185,6 +186,9 @@ def test_other_hf_attention_styles_fuse_and_match(name, tmp_path):
     proto = onnx.load(str(path))
     engine = kiln.build(proto, autotune=False)
     assert sum(layer.op_type == "Attention" for layer in engine.plan.layers) == 2
+    if name == "llama":   # Q's and K's rotate_half embeddings, one layer each, on kiln's kernel
+        rotary = [layer.tactic_name for layer in engine.plan.layers if layer.op_type == "RotaryEmbedding"]
+        assert rotary == ["kiln.rotary"] * 4 or not native.available()
     feeds = {n: a.numpy() for n, a in zip(names, args)}
     assert_close_to_ort(engine.run(feeds)["out"], run_ort(proto, feeds)[0])
 

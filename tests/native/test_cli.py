@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LIBRARIES = ["gemm", "qgemm", "layernorm", "attention", "pool", "quant", "resize", "reformat", "softmax",
+LIBRARIES = ["gemm", "qgemm", "layernorm", "attention", "pool", "quant", "resize", "reformat", "rotary", "softmax",
              "conv_planes", "probe", "winograd F(2x2,3x3)", "winograd F(4x4,3x3)"]
 
 

@@ -30,6 +30,10 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, atten
     "tests/tactics/test_attention_c.py::test_fp32_matches_the_formula_for_odd_sizes",
     "tests/tactics/test_attention_c.py::test_fp32_math_reads_and_writes_bf16_as_the_plan_stores_it",
     "tests/tactics/test_attention_c.py::test_bf16_math_matches_the_formula_on_bf16_operands",   # skipped without BF16
+    "tests/tactics/test_attention_c.py::test_grouped_query_attention_reads_each_kv_head_in_place",
+    "tests/tactics/test_attention_c.py::test_causal_masks_match_the_formula_with_their_dead_keys_skipped",
+    "tests/tactics/test_rotary_c.py::test_fp32_matches_the_formula",
+    "tests/tactics/test_rotary_c.py::test_bf16_storage_computes_in_fp32_and_rounds_once",
     "tests/tactics/test_pool_c.py::test_maxpool_equals_onnxruntime",
     "tests/tactics/test_pool_c.py::test_global_pools_equal_torch",
     "tests/tactics/test_resize_c.py::test_matches_onnxruntime_exactly",
@@ -97,6 +101,6 @@ def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(comp
     assert done.returncode == 0, output[-4000:]
     assert "AddressSanitizer" not in output and "runtime error:" not in output, output[-4000:]
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "kernels-sanitized").glob("*.so"))
-    assert {"gemm", "winograd", "layernorm", "attention", "pool", "resize", "reformat", "pointwise"} <= set(built), \
-        built
+    libraries = {"gemm", "winograd", "layernorm", "attention", "pool", "resize", "reformat", "pointwise", "rotary"}
+    assert libraries <= set(built), built
     assert not (tmp_path / "kernels").exists()   # sanitized builds never mix with the normal ones

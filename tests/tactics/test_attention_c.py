@@ -293,7 +293,8 @@ def gqa_layer(b, hkv, group, s, d, dtype="float32"):
     expanded across each group of query heads (a stride-0 axis), then reshaped to [B, Hkv * G, S, D]."""
     h = hkv * group
     attrs = {"scale": d ** -0.5, "q_steps": [], "k_steps": [{"reshape": [b, h, s, d]}, {"transpose": [0, 1, 3, 2]}],
-             "v_steps": [{"reshape": [b, h, s, d]}], "out_steps": [{"transpose": [0, 2, 1, 3]}, {"reshape": [b, s, h * d]}]}
+             "v_steps": [{"reshape": [b, h, s, d]}],
+             "out_steps": [{"transpose": [0, 2, 1, 3]}, {"reshape": [b, s, h * d]}]}
     shapes = ((b, h, s, d), (b, hkv, group, s, d), (b, hkv, group, s, d), (1, 1, s, s))
     return LayerView("Attention", "kiln", attrs, shapes, (dtype,) * 3 + ("float32",), {}, (dtype,), 17, ((),) * 4)
 

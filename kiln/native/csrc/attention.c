@@ -4,8 +4,8 @@
 
    A work unit is one (batch x head) and a block of query rows; OpenMP shares the units out with a static
    schedule. A unit packs its head's K into key panels [Sk/P][D][P] and V into column panels [Dv/P][Sk][P] (P =
-   PANEL, two vectors; zero padded; a thread keeps them while its next units read the same K and V), then per 6-row tile:
-   the scores on a 6 x PANEL register tile (gemm.h's, in simd.h's vectors as wide as the CPU's), the softmax in
+   PANEL, two vectors; zero padded; a thread keeps them while its next units read the same K and V), then per 6-row
+   tile: the scores on a 6 x PANEL register tile (gemm.h's, in simd.h's vectors as wide as the CPU's), the softmax in
    FP32 (max-subtracted, in base 2), P·V on the same tile, and the output scaled by 1 / row sum as it is stored.
    The BF16 variant (AVX512-BF16) runs both products on vdpbf16ps (bf16 operand pairs, FP32 accumulation), packing K and V as bf16 pairs and
    rounding Q and P to bf16; the softmax and its row sums stay FP32.
