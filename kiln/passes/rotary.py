@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir import Graph, Node, Value
+from kiln.ir import Graph, Node, Value, same_extent, same_shape
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import const_value, fused_name, graph_order, is_op, other_input, replace_nodes, \
     sole_consumer
@@ -62,7 +62,7 @@ def _match(g: Graph, concat: Node) -> tuple[list[Node], Value, Value, Value] | s
     cos = other_input(mul_cos, x)
     if any(g.is_output(v) or any(u is not concat and u is not neg for u in v.users) for m in movers for v in m.outputs):
         return "a half of x is read outside it"
-    if not all(_fits(t, x) for t in (cos, sin)) or add.outputs[0].shape != x.shape:
+    if not all(_fits(t, x) for t in (cos, sin)) or not same_shape(add.outputs[0], x):
         return "cos and sin do not broadcast to x, D wide"
     return movers + [neg, concat, mul_sin, mul_cos, add], x, cos, sin
 
@@ -93,8 +93,10 @@ def _last_axis(axis: int, x: Value) -> bool:
 
 
 def _equal_split(split: Node, x: Value) -> bool:
-    sizes = const_value(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else \
-        split.attrs.get("split")
+    given = len(split.inputs) > 1 and split.inputs[1] is not None
+    sizes = const_value(split.inputs[1]) if given else split.attrs.get("split")
+    if given and sizes is None:
+        return False   # sizes computed at run time
     return sizes is None or [int(s) for s in np.asarray(sizes).reshape(-1)] == [x.shape[-1] // 2] * 2
 
 
@@ -102,8 +104,8 @@ def _slice_range(s: Node, x: Value) -> tuple[int, int] | None:
     """[start, end) of a Slice along x's last axis alone, step 1, clamped to it; None for anything else."""
     args = [const_value(v) if v is not None else None for v in s.inputs[1:5]] + [None] * (5 - len(s.inputs))
     starts, ends, axes, steps = args[:4]
-    if starts is None or ends is None or starts.size != 1 or (len(s.inputs) > 3 and s.inputs[3] is not None
-                                                               and axes is None):
+    computed = any(v is not None and not v.is_const for v in s.inputs[1:5])
+    if computed or starts is None or ends is None or starts.size != 1:
         return None
     rank, d = len(x.shape), x.shape[-1]
     axis = int(axes.reshape(-1)[0]) % rank if axes is not None else 0
@@ -115,7 +117,10 @@ def _slice_range(s: Node, x: Value) -> tuple[int, int] | None:
 
 
 def _fits(t: Value | None, x: Value) -> bool:
-    """`t` is D wide along its last axis and broadcasts to x's shape without enlarging it."""
+    """`t` is D wide along its last axis and broadcasts to x's shape without enlarging it, at every input shape (an
+    axis of 1 that is static, or one extent with x's)."""
     if t is None or t.shape is None or x.shape is None or len(t.shape) > len(x.shape) or not t.shape:
         return False
-    return t.shape[-1] == x.shape[-1] and all(a in (1, b) for a, b in zip(reversed(t.shape), reversed(x.shape)))
+    skip = len(x.shape) - len(t.shape)
+    return all((t.shape[i] == 1 and i not in t.dyn_dims) or same_extent(t, i, x, skip + i)
+               for i in range(len(t.shape))) and same_extent(t, len(t.shape) - 1, x, len(x.shape) - 1)

@@ -112,6 +112,8 @@ def _kv_views(k: torch.Tensor, k_steps: list[dict], v: torch.Tensor, v_steps: li
 
 
 def _grouped_view(x: torch.Tensor, steps: list[dict]) -> tuple[torch.Tensor, int] | None:
+    """(the view [.., H / G, a, b] of `x`, G) where the steps repeat each of its heads G times (and give no view
+    themselves), else None."""
     if x.device.type == "meta" or not steps or x.numel() <= 1:
         return None
     key = (tuple(x.shape), tuple(x.stride()), json.dumps(steps))
@@ -153,9 +155,9 @@ def _grouped_grid(shape: tuple[int, ...], stride: tuple[int, ...], steps: str) -
     offsets, span = _step_offsets(shape, stride, steps)
     if offsets.dim() < 3:
         return None
-    heads = offsets.shape[-3]
+    heads, firsts = offsets.shape[-3], offsets[..., 0, 0]   # each head's first offset: a cheap test first
     for group in range(heads, 1, -1):
-        if heads % group:
+        if heads % group or not bool((firsts.unflatten(-1, (heads // group, group)).diff(dim=-1) == 0).all()):
             continue
         split = offsets.unflatten(-3, (heads // group, group))
         first = split.select(-3, 0)

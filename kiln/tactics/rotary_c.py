@@ -35,6 +35,11 @@ def table_strides(t: torch.Tensor, x_shape: torch.Size) -> tuple[int, ...]:
 
 
 def rotary_call(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y_dtype: torch.dtype) -> RotaryCall:
+    """The C call for these inputs; a row width rotary.c cannot stage (odd, or over MAX_D) is refused here, whatever
+    the plan said."""
+    if x.shape[-1] % 2 or not 0 < x.shape[-1] <= MAX_D or x.dim() > LEAD + 1:
+        raise ValueError(f"{ROTARY_TACTIC}: x shaped {list(x.shape)}: rows must be even and at most {MAX_D} wide, "
+                         f"with at most {LEAD} leading axes")
     lead = (1,) * (LEAD - x.dim() + 1) + tuple(x.shape[:-1])
     io = (X_BF16 * (x.dtype == torch.bfloat16) | Y_BF16 * (y_dtype == torch.bfloat16)
           | COS_BF16 * (cos.dtype == torch.bfloat16) | SIN_BF16 * (sin.dtype == torch.bfloat16))

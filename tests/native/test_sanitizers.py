@@ -30,8 +30,8 @@ KERNEL_TESTS = [   # GEMM / 1x1 / direct convolution, Winograd, LayerNorm, atten
     "tests/tactics/test_attention_c.py::test_fp32_matches_the_formula_for_odd_sizes",
     "tests/tactics/test_attention_c.py::test_fp32_math_reads_and_writes_bf16_as_the_plan_stores_it",
     "tests/tactics/test_attention_c.py::test_bf16_math_matches_the_formula_on_bf16_operands",   # skipped without BF16
-    "tests/tactics/test_attention_c.py::test_grouped_query_attention_reads_each_kv_head_in_place",
-    "tests/tactics/test_attention_c.py::test_causal_masks_match_the_formula_with_their_dead_keys_skipped",
+    "tests/tactics/test_attention_decoder.py::test_grouped_query_attention_reads_each_kv_head_in_place",
+    "tests/tactics/test_attention_decoder.py::test_causal_masks_match_the_formula_with_their_dead_keys_skipped",
     "tests/tactics/test_rotary_c.py::test_fp32_matches_the_formula",
     "tests/tactics/test_rotary_c.py::test_bf16_storage_computes_in_fp32_and_rounds_once",
     "tests/tactics/test_pool_c.py::test_maxpool_equals_onnxruntime",

@@ -161,46 +161,6 @@ def test_rows_whose_every_key_is_masked(nan_to_zero):
     torch.testing.assert_close(got[1, 2].reshape(2, 16), xs[2][1, 0], rtol=1e-6, atol=1e-6)   # only key 0 left
 
 
-FLOAT_MIN = torch.finfo(torch.float32).min
-
-
-def causal_mask(b: int, s: int, fill: float, padded: int = 0) -> torch.Tensor:
-    """A decoder's causal mask [B, 1, S, S] filled with `fill` above the diagonal; batch 1 left-padded by `padded`
-    keys (masked in every row, its first `padded` query rows masked throughout)."""
-    mask = torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), fill).repeat(b, 1, 1, 1)
-    if padded:
-        mask[1:, :, :, :padded] = fill
-    return mask
-
-
-@pytest.mark.parametrize("fill", [NEG_INF, FLOAT_MIN])
-def test_causal_masks_match_the_formula_with_their_dead_keys_skipped(fill):
-    """Causal masks with -inf and with the float minimum (HF's exports), 77 keys (tiles across the diagonal), batch 2
-    with left padding: the keys a tile's rows all mask are skipped, bit-for-bit harmless, so a NaN in V there is
-    never read; rows masked throughout are NaN (-inf) or uniform over V (the float minimum), as onnxruntime gives."""
-    layer = heads_layer(2, 3, 77, 77, 32, mask_shape=(2, 1, 77, 77))
-    xs = inputs(layer, seed=21)
-    xs[3] = causal_mask(2, 77, fill, padded=7)
-    want = expected(layer, xs)
-    got = AttentionTactic().prepare(layer)(xs)[0]
-    assert_matches(got, want, FP32_REL)
-    dead = got[1, :7]   # batch 1's padded query rows
-    if fill == NEG_INF:
-        assert bool(dead.isnan().all())
-    else:
-        torch.testing.assert_close(dead, xs[2][1].mean(0).reshape(1, -1).expand(7, -1), rtol=1e-5, atol=1e-5)
-    xs[2][0, 76, 0] = float("nan")   # key 76 is live for row 76 alone: only its row tile reads it
-    assert bool(AttentionTactic().prepare(layer)(xs)[0][0, :72].isfinite().all())
-
-
-@needs_bf16
-def test_bf16_causal_masks_skip_dead_keys():
-    layer = heads_layer(2, 2, 77, 77, 32, mask_shape=(2, 1, 77, 77))
-    xs = inputs(layer, seed=22)
-    xs[3] = causal_mask(2, 77, FLOAT_MIN, padded=5)
-    got = AttentionBf16Tactic().prepare(layer)(xs)[0]
-    assert_matches(got, expected(layer, xs, round_bf16=True), 2 ** -8)
-
 
 @pytest.mark.parametrize("q,k,v,out", [("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
                                        ("bfloat16", "float32", "bfloat16", "float32"),
@@ -287,65 +247,6 @@ def test_steps_whose_result_is_no_view_are_copied():
     split = [{"reshape": [1, 6, 2, 4]}, {"transpose": [0, 2, 1, 3]}]   # the usual split: a view
     assert torch.equal(viewed_steps(x, split), x.reshape(1, 6, 2, 4).transpose(1, 2))
     assert viewed_steps(x, split).data_ptr() == x.data_ptr()
-
-def gqa_layer(b, hkv, group, s, d, dtype="float32"):
-    """LLaMA's, Mistral's and Qwen2's export of grouped-query attention: K and V [B, Hkv, S, D] unsqueezed and
-    expanded across each group of query heads (a stride-0 axis), then reshaped to [B, Hkv * G, S, D]."""
-    h = hkv * group
-    attrs = {"scale": d ** -0.5, "q_steps": [], "k_steps": [{"reshape": [b, h, s, d]}, {"transpose": [0, 1, 3, 2]}],
-             "v_steps": [{"reshape": [b, h, s, d]}],
-             "out_steps": [{"transpose": [0, 2, 1, 3]}, {"reshape": [b, s, h * d]}]}
-    shapes = ((b, h, s, d), (b, hkv, group, s, d), (b, hkv, group, s, d), (1, 1, s, s))
-    return LayerView("Attention", "kiln", attrs, shapes, (dtype,) * 3 + ("float32",), {}, (dtype,), 17, ((),) * 4)
-
-
-def gqa_inputs(layer: LayerView, seed: int):
-    """Q, K and V expanded by strides (as torch's Expand leaves them), and a causal mask."""
-    b, hkv, group, s, d = layer.input_shapes[1]
-    g = torch.Generator().manual_seed(seed)
-    dtype = torch.bfloat16 if layer.input_dtypes[0] == "bfloat16" else torch.float32
-    q = torch.randn(b, hkv * group, s, d, generator=g).to(dtype)
-    k, v = (torch.randn(b, hkv, 1, s, d, generator=g).to(dtype).expand(b, hkv, group, s, d) for _ in range(2))
-    mask = torch.full((s, s), NEG_INF).triu(1).reshape(1, 1, s, s)
-    want = formula(q, *(t.reshape(b, hkv * group, s, d) for t in (k, v)), mask, layer.attrs["scale"])
-    return [q, k, v, mask], want.transpose(1, 2).reshape(b, s, -1)
-
-
-@pytest.mark.parametrize("b,hkv,group,s,d", [(1, 4, 2, 128, 32), (2, 3, 4, 37, 20), (1, 1, 6, 9, 16)])
-def test_grouped_query_attention_reads_each_kv_head_in_place(b, hkv, group, s, d):
-    """Each K/V head is read where it lies, once per group of query heads (no copy of the expanded K and V; the
-    group in the call), 4 K/V heads of 2, odd sizes with batch 2, and one K/V head shared by all (multi-query)."""
-    layer = gqa_layer(b, hkv, group, s, d)
-    xs, want = gqa_inputs(layer, seed=group)
-    geo = call_geometry(layer.attrs, xs, torch.float32, 0)
-    assert geo.in_place
-    if hkv > 1:
-        assert geo.call.kv_group == group and (geo.call.k_h, geo.call.v_h) == (s * d, s * d)   # next K/V head
-    else:   # one K/V head for all: a head stride of 0 is a view already
-        assert geo.call.kv_group == 1 and (geo.call.k_h, geo.call.v_h) == (0, 0)
-    assert_matches(AttentionTactic().prepare(layer)(xs)[0], want, FP32_REL)
-
-
-def test_grouped_heads_that_are_not_expanded_alike_are_copied():
-    """K expanded across groups of 2, V across groups of 4: no one group fits both, so both are copied."""
-    layer = gqa_layer(1, 2, 2, 8, 16)
-    xs, _ = gqa_inputs(layer, seed=3)
-    v4 = torch.randn(1, 1, 1, 8, 16).expand(1, 1, 4, 8, 16)
-    layer = dataclasses.replace(layer, input_shapes=(*layer.input_shapes[:2], (1, 1, 4, 8, 16), (1, 1, 8, 8)))
-    geo = call_geometry(layer.attrs, [xs[0], xs[1], v4, xs[3]], torch.float32, 0)
-    assert not geo.in_place and geo.call.kv_group == 1
-    want = formula(xs[0], xs[1].reshape(1, 4, 8, 16), v4.reshape(1, 4, 8, 16), xs[3], layer.attrs["scale"])
-    got = AttentionTactic().prepare(layer)([xs[0], xs[1], v4, xs[3]])[0]
-    assert_matches(got, want.transpose(1, 2).reshape(1, 8, -1), FP32_REL)
-
-
-@needs_bf16
-def test_bf16_grouped_query_attention():
-    layer = gqa_layer(1, 4, 2, 40, 32, dtype="bfloat16")
-    xs, want = gqa_inputs(layer, seed=11)
-    got = AttentionBf16Tactic().prepare(layer)(xs)[0]
-    assert got.dtype == torch.bfloat16 and call_geometry(layer.attrs, xs, torch.bfloat16, 0).call.kv_group == 2
-    assert_matches(got, want, 2 ** -7)
 
 
 @pytest.mark.skipif(not hardware.has_any(("avx2",)), reason="this CPU has no AVX2")

@@ -71,12 +71,45 @@ def test_bf16_storage_computes_in_fp32_and_rounds_once(dtypes):
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
+def test_cos_and_sin_of_different_shapes_and_strides():
+    """cos per batch (left padding), sin one table for all with rows 32 apart: each read through its own strides."""
+    x = torch.randn(2, 3, 7, 16, generator=torch.Generator().manual_seed(35))
+    cos, _ = tables((2, 1, 7, 16), seed=36)
+    sin = tables((7, 32), seed=37)[1][:, :16]
+    got = RotaryTactic().prepare(layer(x.shape, cos.shape, sin.shape))([x, cos, sin])[0]
+    torch.testing.assert_close(got.double(), formula(x, cos, sin), rtol=1e-6, atol=1e-6)
+
+
+def test_tables_without_unit_inner_stride_and_a_second_call_with_other_strides():
+    """Column-major tables are made row-major first; the same kernel called again with tables of other strides (one
+    geometry per strides, not per shape) reads them right."""
+    x = torch.randn(1, 2, 7, 16, generator=torch.Generator().manual_seed(38))
+    kernel = RotaryTactic().prepare(layer(x.shape, (7, 16), (7, 16)))
+    cos, sin = (t.t().contiguous().t() for t in tables((7, 16), seed=39))
+    assert cos.stride(-1) != 1
+    torch.testing.assert_close(kernel([x, cos, sin])[0].double(), formula(x, cos, sin), rtol=1e-6, atol=1e-6)
+    cos, sin = tables((7, 16), seed=40)
+    torch.testing.assert_close(kernel([x, cos, sin])[0].double(), formula(x, cos, sin), rtol=1e-6, atol=1e-6)
+    wide = [t[:, :16] for t in tables((7, 32), seed=41)]   # same shape, rows 32 apart
+    torch.testing.assert_close(kernel([x, *wide])[0].double(), formula(x, *wide), rtol=1e-6, atol=1e-6)
+
+
+def test_a_row_wider_than_the_kernel_stages_is_refused_at_the_call():
+    view = layer((1, 4), (1, 4), (1, 4))
+    x = torch.ones(1, 2048)
+    with pytest.raises(ValueError, match=r"kiln.rotary: x shaped \[1, 2048\]: rows must be even and at most 1024"):
+        RotaryTactic().prepare(view)([x, torch.ones(1, 2048), torch.ones(1, 2048)])
+
+
 def test_declines_what_it_cannot_run():
     tactic = RotaryTactic()
     assert not tactic.supports(layer((1, 2, 3, 7), (3, 7), (3, 7)))          # odd width: no halves
     assert not tactic.supports(layer((1, 2, 3, 8), (3, 4), (3, 4)))          # half-wide tables (ONNX's caches)
     assert not tactic.supports(layer((1, 2, 3, 8), (3, 8), (3, 8), ("bfloat16",) * 4))   # FP32 only
     assert not tactic.supports(layer((1, 1, 2, 3, 2, 8), (2, 8), (2, 8)))    # more leading axes than it walks
+    assert not tactic.supports(layer((7, 8), (1, 7, 8), (1, 7, 8)))          # a table that would enlarge x
+    assert not tactic.supports(layer((1, 2, 2048), (2, 2048), (2, 2048)))    # wider than the kernel's rows
+    assert tactic.supports(layer((1, 2, 1024), (2, 1024), (2, 1024)))        # the widest it takes
     assert RotaryBf16Tactic().supports(layer((1, 2, 3, 8), (3, 8), (3, 8), ("bfloat16",) * 4)) == \
         RotaryBf16Tactic().supports(layer((1, 2, 3, 8), (3, 8), (3, 8)))    # offered where BF16 is, either storage
 

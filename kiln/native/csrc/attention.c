@@ -235,7 +235,8 @@ static void product_tile(const float* const* restrict a, int64_t mr, int64_t k, 
    Past it every row's scores are at most ~-1e30 below a live key's, so exp gives exactly 0: they add nothing to the
    softmax sums or P·V, and the products stop there. A causal mask's upper triangle, half of a decoder's prefill, is
    skipped tile by tile. A row with no live key keeps every key (its softmax over -inf is NaN, over the float minimum
-   uniform), as do keys broadcast by stride. (A non-finite V value at a skipped key, NaN before, is not read.) */
+   uniform), as do keys broadcast by stride. A non-finite V value at a skipped key (NaN through 0 x Inf in the ONNX
+   graph) is not read, so it no longer spreads, except at the key after an odd count in the BF16 path (pairs). */
 static int64_t live_keys(const float* m, int64_t mr, int64_t m_q, int64_t m_k, int64_t sk) {
   if (!m || m_k != 1) return sk;
   int64_t live = 0;
