@@ -7,8 +7,8 @@ copied first) — and the output is written straight into the layout the layer's
 accumulation (Q, K, V and P rounded to bf16) and keeps the softmax and its row sums in FP32. Both read Q, K, V and
 write the output in FP32 or bf16, as the plan stores them (kiln.tactics.storage). Grouped-query attention's K and
 V (each K/V head expanded across its group of query heads by stride 0, then reshaped to the query heads) are read
-in place, one head per group (`kv_group`). Each input geometry (shapes, strides, dtypes) is
-worked out once and cached, so a call costs its key, a dictionary lookup, one output allocation and the C call.
+in place, one head per group (`kv_group`). Each input geometry (shapes, strides, dtypes) is worked out once and
+cached, so a call costs its key, a dictionary lookup, one output allocation and the C call.
 
 BERT-base's layer (12 heads of 128 x 64, a 1x1x128x128 mask), 2 threads of a Zen 4: torch's SDPA 0.49 ms,
 kiln.attention_c 0.31 ms, kiln.attention_c_bf16 0.20 ms (docs/tactics.md). A call on a tiny layer costs ~4.7 µs.
