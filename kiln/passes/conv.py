@@ -6,8 +6,8 @@ import numpy as np
 from kiln.ir import Graph, Node, Value, same_shape, shape_at_points
 from kiln.ops.shape import pad_widths
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import (activation_spec, batchnorm_factors, const_value, fused_name, is_op, replace_nodes, sole_consumer,
-                                  why_not_sole_consumer)
+from kiln.passes.patterns import (activation_spec, batchnorm_factors, const_value, fused_name, is_op, replace_nodes,
+                                  sole_consumer, why_not_sole_consumer)
 
 
 def fold_pad_into_conv(g: Graph, plog: PassLog) -> None:

@@ -26,7 +26,8 @@ import torch
 from kiln import hardware, native
 from kiln.ops import lookup
 from kiln.ops.fused import apply_steps
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Kernel, LayerView, storage_dtype
+from kiln.tactics.base import (ANY, HWC, LINEAR, STORED_FLOATS, Kernel, LayerView, storage_dtype, stored_channel_major,
+                               unit_inner)
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA
 
 ATTENTION_TACTIC = "kiln.attention_c"
@@ -66,10 +67,6 @@ def _four_dims(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _unit_inner(t: torch.Tensor) -> torch.Tensor:
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
 def operands(attrs: dict, xs: list) -> Operands | None:
     """The layer's inputs after their steps as the kernel reads them; None where it cannot (more than two leading
     axes, empty axes, shapes that do not broadcast)."""
@@ -91,7 +88,7 @@ def operands(attrs: dict, xs: list) -> Operands | None:
     if len(lead) > 2 or 0 in (*lead, sq, sk, q.shape[-1], v.shape[-1]):
         return None
     kv_lead = (*lead[:-1], lead[-1] // group) if group > 1 else lead
-    four = [_four_dims(_unit_inner(t.expand(*shape, *t.shape[-2:]))) for t, shape in ((q, lead), (k, kv_lead),
+    four = [_four_dims(unit_inner(t.expand(*shape, *t.shape[-2:]))) for t, shape in ((q, lead), (k, kv_lead),
                                                                                        (v, kv_lead))]
     return Operands(*four, None if mask is None else _four_dims(mask), (*lead, sq, v.shape[-1]), group)
 
@@ -243,7 +240,8 @@ def call_geometry(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> 
         return CallGeometry(None, None, False, None, False)
     steps = attrs.get("out_steps", [])
     final = tuple(apply_steps(torch.empty(ops.out_shape, device="meta"), steps).shape)
-    layout = torch.channels_last if len(final) == 4 and any(_channel_major(x) for x in xs[:3]) else \
+    # a channel-major 4-D input (a VAE's attention between 1x1 convolutions): a channel-major output, no Reformat
+    layout = torch.channels_last if len(final) == 4 and any(stored_channel_major(x) for x in xs[:3]) else \
         torch.contiguous_format
     out4 = output_view(torch.empty(final, dtype=out_dtype, memory_format=layout), steps, ops.out_shape)
     direct = out4 is not None and out4.storage_offset() == 0
@@ -263,12 +261,6 @@ def call_geometry(attrs: dict, xs: list, out_dtype: torch.dtype, flags: int) -> 
         template = torch.empty((), dtype=out_dtype).expand(final if direct else ops.out_shape)
         new_output = functools.partial(torch.empty_like, template)
     return CallGeometry(call, ctypes.byref(call), in_place, new_output, direct)
-
-
-def _channel_major(x: torch.Tensor | None) -> bool:
-    """A 4-D input the plan stores channel-major (NHWC): the layer then writes a 4-D output so too (latent-diffusion
-    VAE attention between 1x1 convolutions reads and writes their layout, with no Reformat)."""
-    return x is not None and x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def input_addresses(xs: list) -> list[int]:

@@ -54,6 +54,17 @@ def storage_dtype(dtype: str | None) -> torch.dtype:
     return torch.bfloat16 if dtype == "bfloat16" else torch.float32
 
 
+def unit_inner(t: torch.Tensor) -> torch.Tensor:
+    """`t` with unit stride along its last axis, as C kernels reading rows in place need (a copy where it lacks it)."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def stored_channel_major(x: torch.Tensor | None) -> bool:
+    """A 4-D tensor stored channel-major (NHWC) and not also row-major."""
+    return x is not None and x.dim() == 4 and not x.is_contiguous() and \
+        x.is_contiguous(memory_format=torch.channels_last)
+
+
 def bf16_io(layer: LayerView) -> int:
     """The `io` bits kiln's C kernels take for storage types: 1 where the first input is stored bf16, 2 where the
     output is (else FP32); a kernel's own flags go above them."""

@@ -12,7 +12,7 @@ import math
 import torch
 
 from kiln import native
-from kiln.tactics.base import LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
+from kiln.tactics.base import LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype, unit_inner
 
 ROTARY_TACTIC = "kiln.rotary"
 X_BF16, Y_BF16, COS_BF16, SIN_BF16 = 1, 2, 4, 8   # rotary.c's RotaryCall.io
@@ -50,10 +50,6 @@ def rotary_call(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y_dtype: 
     return call
 
 
-def _unit_inner(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 class RotaryTactic:
     """FP32 in and out; row-major."""
 
@@ -87,7 +83,7 @@ class RotaryTactic:
         def run(xs):
             x, cos, sin = [consts.get(i, t) for i, t in enumerate(xs)] if consts else xs
             x = x if x.is_contiguous() else x.contiguous()
-            cos, sin = _unit_inner(cos), _unit_inner(sin)
+            cos, sin = unit_inner(cos), unit_inner(sin)
             key = (x.shape, x.dtype, cos.shape, cos.stride(), cos.dtype, sin.shape, sin.stride(), sin.dtype)
             found = calls.get(key)
             if found is None:

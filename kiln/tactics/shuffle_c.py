@@ -22,7 +22,7 @@ import torch
 from kiln import native
 from kiln.ops.dtypes import NUMPY_TO_TORCH
 from kiln.ops.fused import apply_steps
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView
+from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, stored_channel_major
 
 PERMUTE_TACTIC = "kiln.permute_copy"
 MAX_RANK = 8   # reformat.c's PERMUTE_MAX_RANK
@@ -194,7 +194,7 @@ class PermuteCopyTactic:
 
         def run(xs):
             x = xs[0] if xs[0].dtype == out_type else xs[0].to(out_type)
-            channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+            channels_last = stored_channel_major(x)
             base = x.permute(0, 2, 3, 1) if channels_last else x.contiguous()
             key = (tuple(base.shape), channels_last)
             found = plans[key] if key in plans else plan_for(key, tuple(base.shape), channels_last)

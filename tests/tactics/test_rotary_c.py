@@ -21,7 +21,17 @@ def layer(x, cos, sin, dtypes=("float32",) * 4, consts=None) -> LayerView:
 
 
 def formula(x, cos, sin) -> torch.Tensor:
-    return rotary_embedding({}, [x.double(), cos.double(), sin.double()])[0]
+    """HF's apply_rotary_pos_emb written out in float64: x * cos + rotate_half(x) * sin."""
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def test_kilns_reference_op_is_the_formula():
+    """The op's torch reference (what the reference tactic and regions' checks run) against the formula."""
+    x = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    cos, sin = (t.double() for t in tables((5, 8), seed=1))
+    torch.testing.assert_close(rotary_embedding({}, [x, cos, sin])[0], formula(x, cos, sin), rtol=0, atol=1e-15)
 
 
 def tables(shape, seed):

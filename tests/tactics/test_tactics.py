@@ -256,7 +256,8 @@ def test_kiln_plan_that_disagrees_with_onnxruntime_is_left_out(models, monkeypat
     from kiln.tactics.reference import ReferenceTactic
     from kiln.tactics.shuffle_c import PermuteCopyTactic
 
-    for cls in (ReferenceTactic, OneDnnConvTactic, OnnxRuntimeLayerTactic, PermuteCopyTactic):   # every per-layer kernel is off
+    # every per-layer kernel is off
+    for cls in (ReferenceTactic, OneDnnConvTactic, OnnxRuntimeLayerTactic, PermuteCopyTactic):
         def broken_prepare(self, layer, _prepare=cls.prepare):
             kernel = _prepare(self, layer)
             return lambda xs: [y * 0.5 if y.is_floating_point() else y for y in kernel(xs)]
