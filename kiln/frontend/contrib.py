@@ -1,12 +1,13 @@
 """onnxruntime's transformer contrib ops (com.microsoft Attention, QAttention, MultiHeadAttention,
 EmbedLayerNormalization, SkipLayerNormalization, SkipSimplifiedLayerNormalization, BiasGelu, FastGelu, Gelu, QuickGelu,
-BiasAdd, FusedMatMul, MatMulNBits, QuantizeLinear, DequantizeLinear, and ai.onnx-domain SimplifiedLayerNormalization),
-as onnxruntime's transformers optimizer, its quantizers and Optimum's O1-O3 write them, unfolded at import into the
-standard ops they stand for, as local functions are inlined. kiln's passes then fuse them again (attention,
+BiasAdd, FusedMatMul, MatMulNBits, RotaryEmbedding, QuantizeLinear, DequantizeLinear, and ai.onnx-domain
+SimplifiedLayerNormalization), as onnxruntime's transformers optimizer, its quantizers and Optimum's O1-O3 write them,
+and ONNX's own Attention, RotaryEmbedding (kiln.frontend.onnx_attention) and CastLike, unfolded at import into the
+standard ops they stand for, as local functions are inlined. kiln's passes then fuse them again (attention, rotary,
 skip-layer-norm, GELU epilogues, dynamic INT8 products, Q/DQ) onto its own kernels in every precision; TensorRT's
-parser refuses these models. Each node made keeps the contrib node as its origin (metadata UNFOLDED_KEY), so layer
-info and `kiln inspect --by-onnx` still name it. What is not unfolded (past/present state, rotary embeddings,
-packed mask formats) is refused with the reason."""
+parser refuses these models. Each node made keeps the unfolded node as its origin (metadata UNFOLDED_KEY), so layer
+info and `kiln inspect --by-onnx` still name it. What is not unfolded (onnxruntime's past/present state, packed mask
+formats) is refused with the reason."""
 from __future__ import annotations
 
 import logging
@@ -16,79 +17,18 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.errors import UnsupportedOpError
+from kiln.frontend.onnx_attention import unfold_onnx_attention, unfold_onnx_rotary
+from kiln.frontend.unfolder import UNFOLDED_KEY, Unfolder
 from kiln.frontend.weight_only import dequantize_nbits, nbits_shape_error
 
 log = logging.getLogger("kiln")
 MS = "com.microsoft"
-UNFOLDED_KEY = "kiln.unfolded_from"   # an unfolded node's metadata: the contrib node it came from
 DEFAULT_EPSILON = {"SkipLayerNormalization": 1e-12, "SkipSimplifiedLayerNormalization": 1e-12,
                    "EmbedLayerNormalization": 1e-12, "SimplifiedLayerNormalization": 1e-5}
 
 
-class _Unfolder:
-    """Writes the nodes and constants standing for one contrib node."""
-
-    def __init__(self, node: onnx.NodeProto, ranks: dict[str, int], widths: dict[str, int],
-                 shared: dict | None = None, infer=None, weights: dict[str, onnx.TensorProto] | None = None):
-        self.src, self.ranks, self.widths, self.weights = node, ranks, widths, weights or {}
-        self.infer = infer   # more ranks: shape inference through the contrib nodes unfolded so far
-        self.shared = {} if shared is None else shared   # values later nodes may reuse (a raw mask's bias)
-        self.name = node.name or f"{node.op_type}_{node.output[0]}"
-        self.nodes: list[onnx.NodeProto] = []
-        self.consts: list[onnx.TensorProto] = []
-        self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-    def input(self, i: int) -> str | None:
-        return self.src.input[i] if i < len(self.src.input) and self.src.input[i] else None
-
-    def output(self, i: int) -> str | None:
-        return self.src.output[i] if i < len(self.src.output) and self.src.output[i] else None
-
-    def constant(self, i: int, what: str) -> np.ndarray:
-        """Input `i`'s value, which must be an initializer."""
-        name = self.input(i)
-        if name not in self.weights:
-            self.refuse(f"its {what} '{name}' is not an initializer")
-        return numpy_helper.to_array(self.weights[name])
-
-    def refuse(self, detail: str):
-        raise UnsupportedOpError(self.name, self.src.op_type, self.src.domain, 1, detail)
-
-    def const(self, tag: str, value, dtype=np.float32) -> str:
-        name = f"{self.name}/{tag}"
-        self.consts.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], tag: str, out: str | list[str] | None = None, **attrs) -> str:
-        """One node (several outputs where `out` is a list; the first is returned), marked as unfolded from the
-        contrib node."""
-        outs = out if isinstance(out, list) else [out or f"{self.name}/{tag}:0"]
-        node = helper.make_node(op_type, inputs, outs, name=f"{self.name}/{tag}", **attrs)
-        node.metadata_props.add(key=UNFOLDED_KEY, value=self.name)
-        self.nodes.append(node)
-        return outs[0]
-
-    def rank(self, name: str, what: str) -> int:
-        if name not in self.ranks and self.infer is not None:
-            self.ranks.update(self.infer())
-        if name not in self.ranks:
-            self.refuse(f"the rank of its {what} '{name}' is not declared in the model; add it to value_info")
-        return self.ranks[name]
-
-    def unsqueeze(self, x: str, axes: list[int], tag: str) -> str:
-        return self.op("Unsqueeze", [x, self.const(f"{tag}_axes", axes, np.int64)], tag)
-
-    def seq_range(self, x: str, axis: int, tag: str) -> str:
-        """0 .. x.shape[axis] - 1 as int64."""
-        shape = self.op("Shape", [x], f"{tag}_shape")
-        length = self.op("Gather", [shape, self.const(f"{tag}_axis", axis, np.int64)], f"{tag}_length", axis=0)
-        return self.op("Range", [self.const(f"{tag}_start", 0, np.int64), length,
-                                 self.const(f"{tag}_step", 1, np.int64)], tag)
-
-
 # ---- activations ------------------------------------------------------------------------------------------------
-def _gelu(u: _Unfolder) -> None:
+def _gelu(u: Unfolder) -> None:
     x = u.input(0)
     if u.src.op_type in ("BiasGelu", "FastGelu") and u.input(1):
         x = u.op("Add", [x, u.input(1)], "bias")
@@ -96,23 +36,32 @@ def _gelu(u: _Unfolder) -> None:
     u.op("Gelu", [x], "gelu", u.output(0), approximate=approximate)
 
 
-def _quick_gelu(u: _Unfolder) -> None:
+def _quick_gelu(u: Unfolder) -> None:
     x = u.input(0)
     scaled = u.op("Mul", [x, u.const("alpha", float(u.attrs.get("alpha", 1.702)))], "scale")
     u.op("Mul", [x, u.op("Sigmoid", [scaled], "sigmoid")], "gate", u.output(0))
 
 
-def _standard_qdq(u: _Unfolder) -> None:
+def _standard_qdq(u: Unfolder) -> None:
     """com.microsoft QuantizeLinear/DequantizeLinear (what onnxruntime's quantizer writes for 4- and 16-bit types
     below opset 21): the standard op, which has the same inputs and `axis`."""
     u.op(u.src.op_type, list(u.src.input), "standard", u.output(0), **u.attrs)
 
 
-def _bias_add(u: _Unfolder) -> None:
+def _cast_like(u: Unfolder) -> None:
+    """CastLike (opset 15): a Cast to the element type of input 1, which shape inference knows."""
+    target = u.type_of(u.input(1))
+    if target is None or not target[0]:
+        u.refuse(f"the element type of its target '{u.input(1)}' is not known at import")
+    attrs = {"saturate": u.attrs["saturate"]} if "saturate" in u.attrs else {}
+    u.op("Cast", [u.input(0)], "cast", u.output(0), to=target[0], **attrs)
+
+
+def _bias_add(u: Unfolder) -> None:
     u.op("Add", [u.op("Add", [u.input(0), u.input(1)], "bias"), u.input(2)], "skip", u.output(0))
 
 
-def _fused_matmul(u: _Unfolder) -> None:
+def _fused_matmul(u: Unfolder) -> None:
     """FusedMatMul: alpha * op(A) @ op(B), op a transpose of the last two axes where transA/transB say."""
     if u.attrs.get("transBatchA", 0) or u.attrs.get("transBatchB", 0):
         u.refuse("transBatchA/transBatchB (a batch axis moved into the product) is not unfolded")
@@ -129,7 +78,7 @@ def _fused_matmul(u: _Unfolder) -> None:
         u.op("Mul", [product, u.const("alpha", alpha)], "alpha", u.output(0))
 
 
-def _matmul_nbits(u: _Unfolder) -> None:
+def _matmul_nbits(u: Unfolder) -> None:
     """MatMulNBits (weight-only quantized A @ Bᵀ, B packed [N, blocks, bytes]): the weights dequantized once, at
     import, to FP32 [K, N], a MatMul, then the bias."""
     k, n, block = (int(u.attrs[a]) for a in ("K", "N", "block_size"))
@@ -151,11 +100,11 @@ def _matmul_nbits(u: _Unfolder) -> None:
 
 
 # ---- normalizations ---------------------------------------------------------------------------------------------
-def _epsilon(u: _Unfolder) -> float:
+def _epsilon(u: Unfolder) -> float:
     return float(u.attrs.get("epsilon", DEFAULT_EPSILON[u.src.op_type]))
 
 
-def _skip_layer_norm(u: _Unfolder) -> None:
+def _skip_layer_norm(u: Unfolder) -> None:
     """(input + bias) + skip, then LayerNormalization (or RMSNormalization for the simplified form) over the last
     axis; output 3 is the sum. The bias is added first: it is the preceding dense layer's, which MatMulAddFusion
     then takes back (onnxruntime's optimizer moved it here), leaving Add + LayerNorm for SkipLayerNormFusion."""
@@ -175,14 +124,14 @@ def _skip_layer_norm(u: _Unfolder) -> None:
          epsilon=_epsilon(u))
 
 
-def _simplified_layer_norm(u: _Unfolder) -> None:
+def _simplified_layer_norm(u: Unfolder) -> None:
     if u.output(1):
         u.refuse("its inv_std_var output (a training output) is not unfolded")
     u.op("RMSNormalization", [u.input(0), u.input(1)], "norm", u.output(0), axis=int(u.attrs.get("axis", -1)),
          epsilon=_epsilon(u))
 
 
-def _embed_layer_norm(u: _Unfolder) -> None:
+def _embed_layer_norm(u: Unfolder) -> None:
     """Gather the word, position and segment embeddings, add, LayerNormalization; the mask index is the count of
     set mask elements per row (zeros without a mask)."""
     ids, segments, words, positions, segment_table = (u.input(i) for i in range(5))
@@ -206,7 +155,7 @@ def _embed_layer_norm(u: _Unfolder) -> None:
 
 
 # ---- attention --------------------------------------------------------------------------------------------------
-def _attention(u: _Unfolder) -> None:
+def _attention(u: Unfolder) -> None:
     """Merged Q/K/V projection, Split, heads, softmax(scale * Q Kᵀ + mask bias + attention_bias) V, heads merged:
     the form a BERT export has after kiln merges its projections, so AttentionFusion takes it whole."""
     _refuse_cache(u, ((4, "past state"), (6, "past_sequence_length")))
@@ -214,7 +163,7 @@ def _attention(u: _Unfolder) -> None:
     _attend_qkv(u, u.op("MatMul", [u.input(0), u.input(1)], "qkv"), sizes, u.input(3), u.input(5))
 
 
-def _quantized_attention(u: _Unfolder) -> None:
+def _quantized_attention(u: Unfolder) -> None:
     """QAttention (quantize_dynamic's Attention; its input quantized by a DynamicQuantizeLinear): the projection as
     quantize_dynamic writes a MatMul, MatMulInteger -> Cast -> Mul(input_scale * weight_scale), which
     DynamicQuantizeMatMulFusion makes one INT8 layer; then as Attention."""
@@ -228,7 +177,7 @@ def _quantized_attention(u: _Unfolder) -> None:
     _attend_qkv(u, qkv, sizes, u.input(5), None)
 
 
-def _refuse_cache(u: _Unfolder, past_inputs: tuple[tuple[int, str], ...]) -> None:
+def _refuse_cache(u: Unfolder, past_inputs: tuple[tuple[int, str], ...]) -> None:
     for i, what in past_inputs:
         if u.input(i):
             u.refuse(f"its {what} input (an incremental decoder's KV cache) is not unfolded")
@@ -238,7 +187,7 @@ def _refuse_cache(u: _Unfolder, past_inputs: tuple[tuple[int, str], ...]) -> Non
         u.refuse("do_rotary / past_present_share_buffer are not unfolded")
 
 
-def _qkv_sizes(u: _Unfolder) -> list[int]:
+def _qkv_sizes(u: Unfolder) -> list[int]:
     heads = int(u.attrs["num_heads"])
     sizes = [int(s) for s in u.attrs.get("qkv_hidden_sizes", [])]
     if not sizes:
@@ -249,7 +198,7 @@ def _qkv_sizes(u: _Unfolder) -> list[int]:
     return sizes
 
 
-def _attend_qkv(u: _Unfolder, qkv: str, sizes: list[int], mask: str | None, attention_bias: str | None) -> None:
+def _attend_qkv(u: Unfolder, qkv: str, sizes: list[int], mask: str | None, attention_bias: str | None) -> None:
     """Attention from the merged projection `qkv` [B,S,Dq+Dk+Dv] (its bias, input 2, added here)."""
     heads = int(u.attrs["num_heads"])
     if u.input(2):
@@ -264,7 +213,7 @@ def _attend_qkv(u: _Unfolder, qkv: str, sizes: list[int], mask: str | None, atte
     _attend(u, q, k, v, scale, _mask_bias(u, mask, u.input(0)), attention_bias)
 
 
-def _attend(u: _Unfolder, q: str, k: str, v: str, scale: float | str, mask_bias: str | None,
+def _attend(u: Unfolder, q: str, k: str, v: str, scale: float | str, mask_bias: str | None,
             attention_bias: str | None) -> None:
     """softmax(scale * Q Kᵀ + mask bias + attention_bias) V from heads Q [B,N,S,h], Kᵀ [B,N,h,L], V [B,N,L,hv],
     heads merged into output 0 [B,S,N*hv]."""
@@ -278,14 +227,14 @@ def _attend(u: _Unfolder, q: str, k: str, v: str, scale: float | str, mask_bias:
     u.op("Reshape", [context, u.const("merge", [0, 0, -1], np.int64)], "merge", u.output(0))
 
 
-def _weight_width(u: _Unfolder) -> int:
+def _weight_width(u: Unfolder) -> int:
     width = u.widths.get(u.input(1))
     if width is None or width % 3:
         u.refuse("without qkv_hidden_sizes its weights must be a constant whose width divides by three")
     return width
 
 
-def _mask_bias(u: _Unfolder, mask: str | None, keys: str) -> str | None:
+def _mask_bias(u: Unfolder, mask: str | None, keys: str) -> str | None:
     """The additive bias onnxruntime derives from a mask index (0 where attended, mask_filter_value where not) and
     from unidirectional, shaped to broadcast over [batch, heads, sequence, total]; `keys` is a [B, L, ...] tensor
     of the attended sequence."""
@@ -301,7 +250,7 @@ def _mask_bias(u: _Unfolder, mask: str | None, keys: str) -> str | None:
     return bias
 
 
-def _padding_bias(u: _Unfolder, mask: str, keys: str, filler: str, zero: str) -> str:
+def _padding_bias(u: Unfolder, mask: str, keys: str, filler: str, zero: str) -> str:
     rank = u.rank(mask, "mask_index")
     key = ("mask bias", mask, float(u.attrs.get("mask_filter_value", -10000.0)))
     if rank in (2, 3) and key in u.shared:   # every layer of a BERT reads the same raw mask: one bias for all
@@ -321,7 +270,7 @@ def _padding_bias(u: _Unfolder, mask: str, keys: str, filler: str, zero: str) ->
     return bias
 
 
-def _multi_head_attention(u: _Unfolder) -> None:
+def _multi_head_attention(u: Unfolder) -> None:
     """MultiHeadAttention on projected Q [B,S,D], K [B,L,D], V [B,L,Dv] (self- or cross-attention), their
     optional bias [D+D+Dv] added first, then as Attention does; sizes are read from the shapes (folded at build)."""
     for i, what in ((6, "past_key"), (7, "past_value"), (8, "past_sequence_length"), (9, "cache_indirection")):
@@ -364,7 +313,12 @@ UNFOLDINGS = {
     (MS, "EmbedLayerNormalization"): _embed_layer_norm, (MS, "Attention"): _attention,
     (MS, "QAttention"): _quantized_attention, (MS, "MultiHeadAttention"): _multi_head_attention,
     (MS, "QuantizeLinear"): _standard_qdq, (MS, "DequantizeLinear"): _standard_qdq,
+    ("", "CastLike"): _cast_like, ("", "Attention"): unfold_onnx_attention, ("", "RotaryEmbedding"): unfold_onnx_rotary,
+    (MS, "RotaryEmbedding"): unfold_onnx_rotary,
 }
+
+
+STANDARD_UNFOLDED = frozenset(op for domain, op in UNFOLDINGS if domain == "")   # ai.onnx ops kiln unfolds
 
 
 def _unfolding(node: onnx.NodeProto):
@@ -381,7 +335,8 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not any(imp.domain == MS for imp in out.opset_import):   # the optimizer's in-memory model lacks it
         out.opset_import.append(helper.make_opsetid(MS, 1))
     declared: dict[str, int] = {}   # the ranks of the contrib nodes' outputs, for inference past them
-    ranks = _known_ranks(out, out.graph.node, declared)
+    types: dict[str, tuple[int, tuple]] = {}   # element type and dims (int, dim_param or None) where inferred
+    ranks = _known_ranks(out, out.graph.node, declared, types)
     widths = {t.name: int(t.dims[-1]) for t in out.graph.initializer if t.dims}   # each initializer's last dim
     weights = {t.name: t for t in out.graph.initializer}
     nodes, counts, shared = [], {}, {}
@@ -391,8 +346,8 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(node)
             continue
         # a value after an earlier contrib node has no inferred rank until that node is unfolded
-        u = _Unfolder(node, ranks, widths, shared,
-                      lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared), weights)
+        u = Unfolder(node, ranks, widths, shared,
+                     lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared, types), weights, types)
         unfold(u)
         if unfold is not _standard_qdq and any(x not in ranks for x in node.input[:2] if x):
             ranks.update(u.infer())   # (a Q/DQ needs no rank: inferring after each of thousands is quadratic)
@@ -400,29 +355,37 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
         ranks.update(declared)
         nodes += u.nodes
         out.graph.initializer.extend(u.consts)
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        key = (MS if node.domain == MS else "", node.op_type)
+        counts[key] = counts.get(key, 0) + 1
     del out.graph.node[:]
     out.graph.node.extend(nodes)
-    for op_type, count in sorted(counts.items()):
-        log.info("ContribUnfolding: %d onnxruntime %s node(s) unfolded into standard ops", count, op_type)
+    for (domain, op_type), count in sorted(counts.items()):
+        source = "onnxruntime" if domain == MS else "ONNX"
+        log.info("ContribUnfolding: %d %s %s node(s) unfolded into standard ops", count, source, op_type)
     return out
 
 
-def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> dict[str, int]:
+def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int],
+                 types: dict[str, tuple[int, tuple]] | None = None) -> dict[str, int]:
     """Ranks of the values whose type the model with `nodes` declares (inputs, outputs, value_info, initializers,
     the `declared` outputs of contrib nodes already unfolded, and what ONNX shape inference finds from them) and
     EmbedLayerNormalization's 1-D mask index. Inference reads a skeleton of the model: large weights as typed
-    inputs."""
+    inputs. `types` gets each typed value's element type and dims."""
     ranks: dict[str, int] = {}
+    types = {} if types is None else types
     try:
         inferred = onnx.shape_inference.infer_shapes(_skeleton(proto, nodes, declared), strict_mode=False)
     except Exception:   # a malformed model fails later, with kiln's own message
         inferred = proto
     for info in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
-        if info.type.tensor_type.HasField("shape"):
-            ranks[info.name] = len(info.type.tensor_type.shape.dim)
+        tensor = info.type.tensor_type
+        if tensor.HasField("shape"):
+            ranks[info.name] = len(tensor.shape.dim)
+            types[info.name] = (tensor.elem_type, tuple(d.dim_value if d.HasField("dim_value") else
+                                                        d.dim_param or None for d in tensor.shape.dim))
     for init in proto.graph.initializer:
         ranks[init.name] = len(init.dims)
+        types[init.name] = (init.data_type, tuple(init.dims))
     for node in nodes:
         if node.op_type == "EmbedLayerNormalization" and len(node.output) > 1 and node.output[1]:
             ranks[node.output[1]] = 1
@@ -431,6 +394,8 @@ def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int]) -> dic
 
 def _output_ranks(node: onnx.NodeProto, ranks: dict[str, int]) -> dict[str, int]:
     """The ranks of a contrib node's outputs: [B,S,D] for attention and embeddings, the first input's otherwise."""
+    if node.op_type == "Attention" and node.domain != MS:   # ONNX's: Q's rank; present K/V and scores 4-D
+        return {name: 4 if i else ranks.get(node.input[0], 4) for i, name in enumerate(node.output) if name}
     if node.op_type in ("Attention", "QAttention", "MultiHeadAttention"):
         return {node.output[0]: 3}
     if node.op_type == "EmbedLayerNormalization":

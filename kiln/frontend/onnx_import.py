@@ -21,7 +21,7 @@ from kiln.preprocess.fold import FOLDED_KEY
 
 log = logging.getLogger("kiln")
 
-MIN_OPSET, UPGRADE_FROM, MAX_OPSET = 13, 7, 23
+MIN_OPSET, UPGRADE_FROM, MAX_OPSET = 13, 7, 25
 
 
 def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:

@@ -17,6 +17,7 @@ import onnx
 import pytest
 
 import kiln
+from kiln.frontend.contrib import STANDARD_UNFOLDED
 from kiln.ops import OPS
 
 ONNX_VERSION = "1.23.2"
@@ -42,7 +43,7 @@ def read_exclusions(path: Path) -> dict[str, str]:
 
 
 def supported_cases() -> dict[str, str]:
-    """Node case name -> the default-domain op it tests, for the ops kiln implements."""
+    """Node case name -> the default-domain op it tests, for the ops kiln implements (or unfolds at import)."""
     from onnx.backend.test.loader import load_model_tests
 
     with warnings.catch_warnings():   # building the cases overflows some casts on purpose
@@ -51,7 +52,7 @@ def supported_cases() -> dict[str, str]:
     tested = {c.name: c.model.graph.node[0].op_type for c in cases
               if len(c.model.graph.node) == 1 and c.model.graph.node[0].domain in ("", "ai.onnx")}
     ops = {c.name: tested.get(EXPANDED.sub("", c.name)) for c in cases}
-    return {name: op for name, op in ops.items() if op in OPS}
+    return {name: op for name, op in ops.items() if op in OPS or op in STANDARD_UNFOLDED}
 
 
 def backend_tests(names: list[str]) -> dict[str, Callable[[object], None]]:

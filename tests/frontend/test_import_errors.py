@@ -118,8 +118,8 @@ def test_valid_file_path_builds(tmp_path):
 # ---------------------------------------------------------------- opsets
 def test_opset_too_new():
     model = relu_model()
-    model.opset_import[0].version = 25
-    with pytest.raises(ModelError, match="opset 25 is newer"):
+    model.opset_import[0].version = 26
+    with pytest.raises(ModelError, match="opset 26 is newer"):
         kiln.build(model)
 
 
