@@ -155,3 +155,27 @@ def is_inf(attrs, xs):
     x = xs[0]
     pos, neg = attrs.get("detect_positive", 1), attrs.get("detect_negative", 1)
     return [(torch.isposinf(x) & bool(pos)) | (torch.isneginf(x) & bool(neg))]
+
+
+@register("TensorScatter", INJ)
+def tensor_scatter(attrs, xs):
+    """TensorScatter (opset 24): the KV cache `past` with `update` written along `axis` from each batch row's
+    write index (0 without write_indices; modulo the cache length in "circular" mode)."""
+    past, update = xs[0], xs[1]
+    axis = attrs.get("axis", -2) % past.dim()
+    mode = attrs.get("mode", "linear")
+    if axis == 0 or mode not in ("linear", "circular"):
+        raise ValueError(f"TensorScatter: axis {attrs.get('axis', -2)} / mode {mode!r} (axis must not be the batch "
+                         "axis; mode is linear or circular)")
+    if past.device.type == "meta" or update.device.type == "meta":
+        return [torch.empty_like(past, device="meta")]
+    batch, length, count = past.shape[0], past.shape[axis], update.shape[axis]
+    starts = xs[2].to(torch.int64) if len(xs) > 2 and xs[2] is not None else torch.zeros(batch, dtype=torch.int64)
+    positions = starts.reshape(batch, 1) + torch.arange(count, dtype=torch.int64)
+    if mode == "circular":
+        positions = positions % length
+    elif count and (int(positions.min()) < 0 or int(positions.max()) >= length):
+        raise ValueError(f"TensorScatter: write indices {starts.tolist()} + {count} updates run past the cache's "
+                         f"{length} positions (mode linear)")
+    shape = [batch] + [1] * (axis - 1) + [count] + [1] * (past.dim() - axis - 1)
+    return [past.scatter(axis, positions.reshape(shape).expand(update.shape), update)]

@@ -200,3 +200,31 @@ def test_cast_like_takes_the_element_type_of_its_second_input():
     got = kiln.build(model).run(feeds)["y"]
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, run_ort(model, feeds)[0])
+
+
+def static_cache_decode_model() -> onnx.ModelProto:
+    """One decode step on a static KV cache (opset 24): TensorScatter writes the new K/V at each row's position, and
+    Attention reads the cache up to nonpad_kv_seqlen."""
+    shapes = {"q": [B, 4, 1, D], "k": [B, 2, 1, D], "v": [B, 2, 1, D], "k_cache": [B, 2, 10, D],
+              "v_cache": [B, 2, 10, D]}
+    nodes = [helper.make_node("TensorScatter", ["k_cache", "k", "write_at"], ["k_present"], name="k_write"),
+             helper.make_node("TensorScatter", ["v_cache", "v", "write_at"], ["v_present"], name="v_write"),
+             helper.make_node("Attention", ["q", "k_present", "v_present", "", "", "", "lengths"], ["y"], name="attn",
+                              is_causal=1)]
+    inputs = [vi(n, TensorProto.FLOAT, s) for n, s in shapes.items()] + \
+        [vi("write_at", TensorProto.INT64, [B]), vi("lengths", TensorProto.INT64, [B])]
+    outputs = [vi(o, TensorProto.FLOAT, None) for o in ("y", "k_present", "v_present")]
+    return helper.make_model(helper.make_graph(nodes, "decode", inputs, outputs),
+                             opset_imports=[helper.make_opsetid("", 24)])
+
+
+def test_static_cache_decode_step_scatters_and_attends_up_to_the_lengths():
+    model = static_cache_decode_model()
+    feeds = {n: rand(s, i) for i, (n, s) in enumerate({"q": (B, 4, 1, D), "k": (B, 2, 1, D), "v": (B, 2, 1, D),
+                                                        "k_cache": (B, 2, 10, D), "v_cache": (B, 2, 10, D)}.items())}
+    feeds |= {"write_at": np.array([3, 6], np.int64), "lengths": np.array([4, 7], np.int64)}
+    engine = check(model, feeds)
+    assert len(attention_layers(engine)) == 1
+    feeds["write_at"] = np.array([3, 10], np.int64)
+    with pytest.raises(kiln.Error, match="layer 'k_write'.*run past the cache's 10 positions"):
+        engine.run(feeds)
