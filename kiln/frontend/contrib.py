@@ -335,11 +335,12 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not any(imp.domain == MS for imp in out.opset_import):   # the optimizer's in-memory model lacks it
         out.opset_import.append(helper.make_opsetid(MS, 1))
     declared: dict[str, int] = {}   # the ranks of the contrib nodes' outputs, for inference past them
-    types: dict[str, tuple[int, tuple]] = {}   # element type and dims (int, dim_param or None) where inferred
+    types: dict[str, tuple[int, tuple | None]] = {}   # element type and dims (int, dim_param or None) if inferred
     ranks = _known_ranks(out, out.graph.node, declared, types)
     widths = {t.name: int(t.dims[-1]) for t in out.graph.initializer if t.dims}   # each initializer's last dim
     weights = {t.name: t for t in out.graph.initializer}
-    nodes, counts, shared = [], {}, {}
+    nodes, counts, shared, prefixes = [], {}, {}, set()
+    opsets = {imp.domain or "": imp.version for imp in out.opset_import}
     for i, node in enumerate(out.graph.node):
         unfold = _unfolding(node)
         if unfold is None:
@@ -347,7 +348,8 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
             continue
         # a value after an earlier contrib node has no inferred rank until that node is unfolded
         u = Unfolder(node, ranks, widths, shared,
-                     lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared, types), weights, types)
+                     lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared, types), weights, types,
+                     opsets.get("" if node.domain == "ai.onnx" else node.domain, 1), _prefix(node, i, prefixes))
         unfold(u)
         if unfold is not _standard_qdq and any(x not in ranks for x in node.input[:2] if x):
             ranks.update(u.infer())   # (a Q/DQ needs no rank: inferring after each of thousands is quadratic)
@@ -365,8 +367,16 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def _prefix(node: onnx.NodeProto, index: int, taken: set[str]) -> str:
+    """The prefix of the names an unfolded node makes: its name, or with its index where ONNX names repeat."""
+    prefix = node.name or f"{node.op_type}_{node.output[0]}"
+    prefix = f"{prefix}_{index}" if prefix in taken else prefix
+    taken.add(prefix)
+    return prefix
+
+
 def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int],
-                 types: dict[str, tuple[int, tuple]] | None = None) -> dict[str, int]:
+                 types: dict[str, tuple[int, tuple | None]] | None = None) -> dict[str, int]:
     """Ranks of the values whose type the model with `nodes` declares (inputs, outputs, value_info, initializers,
     the `declared` outputs of contrib nodes already unfolded, and what ONNX shape inference finds from them) and
     EmbedLayerNormalization's 1-D mask index. Inference reads a skeleton of the model: large weights as typed
@@ -379,10 +389,12 @@ def _known_ranks(proto: onnx.ModelProto, nodes, declared: dict[str, int],
         inferred = proto
     for info in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
         tensor = info.type.tensor_type
+        dims = None
         if tensor.HasField("shape"):
             ranks[info.name] = len(tensor.shape.dim)
-            types[info.name] = (tensor.elem_type, tuple(d.dim_value if d.HasField("dim_value") else
-                                                        d.dim_param or None for d in tensor.shape.dim))
+            dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in tensor.shape.dim)
+        if tensor.elem_type:
+            types[info.name] = (tensor.elem_type, dims)
     for init in proto.graph.initializer:
         ranks[init.name] = len(init.dims)
         types[init.name] = (init.data_type, tuple(init.dims))

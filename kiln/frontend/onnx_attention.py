@@ -33,11 +33,13 @@ def unfold_onnx_attention(u: Unfolder) -> None:
     for i, x in ((1, k), (2, v)):
         if u.output(i):
             u.op("Identity", [x], f"present_{'kv'[i - 1]}_out", u.output(i))
-    k, v = _repeat_kv(u, q, k, q_heads, kv_heads), _repeat_kv(u, q, v, q_heads, kv_heads)
+    group = _group(u, q, k, q_heads, kv_heads)
+    if group:
+        k, v = _repeat_kv(u, k, "k", *group), _repeat_kv(u, v, "v", *group)
     scores = u.op("Mul", [u.op("MatMul", [q, u.op("Transpose", [k], "k_transposed", perm=[0, 1, 3, 2])], "scores"),
                           _scale(u, q, rank)], "scaled")
     stages = {0: scores}
-    if u.attrs.get("softcap", 0.0):
+    if u.attrs.get("softcap", 0.0) > 0:   # mode 0 reads the scores before it (the spec; onnx's reference after)
         cap = float(u.attrs["softcap"])
         capped = u.op("Tanh", [u.op("Mul", [scores, u.const("inv_softcap", 1.0 / cap)], "softcap_in")], "softcap_tanh")
         scores = u.op("Mul", [capped, u.const("softcap", cap)], "softcap")
@@ -47,7 +49,7 @@ def unfold_onnx_attention(u: Unfolder) -> None:
         scores = u.op("Add", [scores, bias], "bias_add")
     stages[2] = scores
     probs = u.op("Softmax", [scores], "softmax", axis=-1)
-    if bias and (u.input(3) or u.input(6)):   # a row masked throughout gives 0 (softmax over -inf alone is NaN)
+    if bias:   # a row masked throughout gives 0, as the spec says (a softmax over -inf alone is NaN)
         probs = u.op("Where", [u.op("IsNaN", [probs], "masked_row"), u.const("zero", 0.0), probs], "masked_zero")
     stages[3] = probs
     if u.output(3):
@@ -68,6 +70,8 @@ def _bnsh(u: Unfolder, x: str, part: str, rank: int) -> str:
         if u.rank(x, part.upper()) != 4:
             u.refuse(f"Q is 4-D but {part.upper()} is not")
         return x
+    if u.rank(x, part.upper()) != 3:
+        u.refuse(f"Q is 3-D but {part.upper()} is not")
     heads = int(u.attrs.get("q_num_heads" if part == "q" else "kv_num_heads", 0))
     if heads <= 0:
         u.refuse("3-D Q, K and V need the q_num_heads and kv_num_heads attributes")
@@ -85,30 +89,32 @@ def _head_counts(u: Unfolder, rank: int) -> tuple:
 def _dim(u: Unfolder, x: str, axis: int):
     """Axis `axis` of input `x` (int, dim_param or None) where shape inference knows it."""
     found = u.type_of(x)
-    return None if found is None or len(found[1]) <= axis else found[1][axis]
+    return None if found is None or found[1] is None or len(found[1]) <= axis else found[1][axis]
 
 
-def _repeat_kv(u: Unfolder, q: str, x: str, q_heads, kv_heads) -> str:
-    """K or V heads repeated for grouped-query attention (query head i reads K/V head i // group), as HF's
-    repeat_kv writes it: Unsqueeze, Expand, Reshape. Nothing where the head counts are known equal."""
+def _group(u: Unfolder, q: str, k: str, q_heads, kv_heads) -> tuple[str, str] | None:
+    """For grouped-query attention, (Expand's [1, 1, group, 1, 1], the Q head count [1]); None where the counts are
+    known equal. Constants where inference knows the counts, else computed from the shapes at build time."""
     if q_heads is not None and q_heads == kv_heads:
-        return x
+        return None
     if isinstance(q_heads, int) and isinstance(kv_heads, int):
         if q_heads % kv_heads:
             u.refuse(f"q heads {q_heads} are not a multiple of the kv heads {kv_heads}")
-        group = u.const(f"{x}_group", [1, 1, q_heads // kv_heads, 1, 1], np.int64)
-        heads = u.const(f"{x}_heads", [q_heads], np.int64)
-    else:   # counts known at build time only: the same nodes, sizes from the shapes
-        q_count, kv_count = (_shape_part(u, t, 1, 2, f"{t}_heads_count") for t in (q, x))
-        ones = u.const("ones", [1, 1], np.int64)
-        group = u.op("Concat", [ones, u.op("Div", [q_count, kv_count], f"{x}_group_n"), ones, u.const("one", [1],
-                                                                                               np.int64)],
-                     f"{x}_group", axis=0)
-        heads = q_count
-    expanded = u.op("Expand", [u.unsqueeze(x, [2], f"{x}_grouped"), group], f"{x}_expanded")
-    shape = u.op("Concat", [_shape_part(u, x, 0, 1, f"{x}_batch"), heads, _shape_part(u, x, 2, 4, f"{x}_sd")],
-                 f"{x}_repeated_shape", axis=0)
-    return u.op("Reshape", [expanded, shape], f"{x}_repeated")
+        return (u.const("group", [1, 1, q_heads // kv_heads, 1, 1], np.int64),
+                u.const("q_head_count", [q_heads], np.int64))
+    q_count, kv_count = _shape_part(u, q, 1, 2, "q_head_count"), _shape_part(u, k, 1, 2, "kv_head_count")
+    ones = u.const("ones", [1, 1], np.int64)
+    group = u.op("Concat", [ones, u.op("Div", [q_count, kv_count], "group_size"), ones], "group", axis=0)
+    return group, q_count
+
+
+def _repeat_kv(u: Unfolder, x: str, tag: str, group: str, heads: str) -> str:
+    """K or V heads repeated for grouped-query attention (query head i reads K/V head i // group), as HF's
+    repeat_kv writes it: Unsqueeze, Expand, Reshape."""
+    expanded = u.op("Expand", [u.unsqueeze(x, [2], f"{tag}_grouped"), group], f"{tag}_expanded")
+    shape = u.op("Concat", [_shape_part(u, x, 0, 1, f"{tag}_batch"), heads, _shape_part(u, x, 2, 4, f"{tag}_sd")],
+                 f"{tag}_repeated_shape", axis=0)
+    return u.op("Reshape", [expanded, shape], f"{tag}_repeated")
 
 
 def _shape_part(u: Unfolder, x: str, start: int, end: int, tag: str) -> str:
@@ -188,8 +194,8 @@ def _position_rules(u: Unfolder, q: str, k: str) -> str | None:
         offsets = u.op("Sub", [lengths, u.op("Squeeze", [_shape_part(u, q, 2, 3, "query_count")], "query_n")],
                        "nonpad_offsets")
         rows = u.op("Add", [rows, u.unsqueeze(offsets, [1, 2], "offset_column")], "query_absolute")
-    diff = u.op("Sub", [rows, cols], "distance")   # i + offset - j
     allowed = []
+    diff = u.op("Sub", [rows, cols], "distance") if causal or left >= 0 or right >= 0 else None   # i + offset - j
     if causal:
         allowed.append(u.op("GreaterOrEqual", [diff, u.const("zero_i", 0, np.int64)], "causal_ok"))
     if left >= 0:
@@ -217,16 +223,15 @@ def unfold_onnx_rotary(u: Unfolder) -> None:
     rank = u.rank(x, "input")
     if rank not in (3, 4):
         u.refuse(f"its input is {rank}-D; it takes 3-D [B,S,hidden] or 4-D [B,N,S,h]")
-    if rank == 3:
+    half = _half_width(u, cos)
+    rotary, head = 2 * half, _head_size(u, x, rank, ms, half)
+    if rank == 3:   # [B, S, N, h]; onnxruntime's num_heads 0 means heads of the rotary width
         heads = int(u.attrs.get("num_heads", 0))
-        if heads <= 0:
-            u.refuse("a 3-D input needs the num_heads attribute")
-        x = u.op("Reshape", [x, u.const("heads", [0, 0, heads, -1], np.int64)], "bsnh")
+        x = u.op("Reshape", [x, u.const("heads", [0, 0, heads, -1] if heads > 0 else [0, 0, -1, rotary], np.int64)],
+                 "bsnh")
     cos, sin = (_table(u, t, positions, ms, x, 1 if rank == 3 else 2, tag) for t, tag in ((cos, "cos"), (sin, "sin")))
     cos, sin = (u.unsqueeze(t, [2 if rank == 3 else 1], f"{tag}_heads") for t, tag in ((cos, "cos"), (sin, "sin")))
-    half = _half_width(u, u.input(2 if ms else 1))
-    rotary = 2 * half
-    whole = not u.attrs.get("rotary_embedding_dim") or _last_dim(u, x) == rotary
+    whole = not u.attrs.get("rotary_embedding_dim") or head == rotary
     part = x if whole else _slice(u, x, 0, rotary, "rotated_part")
     if int(u.attrs.get("interleaved", 0)):
         turned = _interleaved(u, part, cos, sin, half)
@@ -248,8 +253,9 @@ def _table(u: Unfolder, table: str, positions: str | None, ms: bool, x: str, seq
     position means start + 0..S-1), or as given (ONNX's, without position_ids)."""
     if positions is None:
         return table
-    if ms and u.rank(positions, "position_ids") == 1:
-        start = u.op("Cast", [positions], f"{tag}_start", to=TensorProto.INT64)
+    if ms and u.rank(positions, "position_ids") in (0, 1):
+        start = u.op("Reshape", [u.op("Cast", [positions], f"{tag}_start_int", to=TensorProto.INT64),
+                                 u.const(f"{tag}_one", [1], np.int64)], f"{tag}_start")
         steps = u.seq_range(x, seq_axis, f"{tag}_steps")
         positions = u.unsqueeze(u.op("Add", [steps, start], f"{tag}_positions"), [0], f"{tag}_position_row")
     return u.op("Gather", [table, positions], f"{tag}_gathered", axis=0)
@@ -266,9 +272,18 @@ def _half_width(u: Unfolder, cos_cache: str) -> int:
     return width
 
 
-def _last_dim(u: Unfolder, x: str) -> int | None:
-    found = u.type_of(x)
-    return None if found is None or not found[1] or not isinstance(found[1][-1], int) else found[1][-1]
+def _head_size(u: Unfolder, x: str, rank: int, ms: bool, half: int) -> int | None:
+    """The head size where inference knows it: 4-D X's last axis; for 3-D X, hidden / num_heads (onnxruntime's
+    num_heads 0, without rotary_embedding_dim: the rotary width)."""
+    width = _dim(u, x, rank - 1)
+    heads = int(u.attrs.get("num_heads", 0))
+    if rank == 3 and heads <= 0:
+        if not ms or u.attrs.get("rotary_embedding_dim"):
+            u.refuse("a 3-D input needs the num_heads attribute")
+        return 2 * half
+    if not isinstance(width, int):
+        return None
+    return width if rank == 4 else width // heads
 
 
 def _slice(u: Unfolder, x: str, start: int, end: int, tag: str, step: int = 1) -> str:

@@ -16,12 +16,14 @@ class Unfolder:
 
     def __init__(self, node: onnx.NodeProto, ranks: dict[str, int], widths: dict[str, int],
                  shared: dict | None = None, infer=None, weights: dict[str, onnx.TensorProto] | None = None,
-                 types: dict[str, tuple[int, tuple]] | None = None):
+                 types: dict[str, tuple[int, tuple | None]] | None = None, opset: int = 1, prefix: str | None = None):
         self.src, self.ranks, self.widths, self.weights = node, ranks, widths, weights or {}
         self.types = {} if types is None else types   # element type and dims where inference knows them
         self.infer = infer   # more ranks (and types): shape inference through the nodes unfolded so far
         self.shared = {} if shared is None else shared   # values later nodes may reuse (a raw mask's bias)
-        self.name = node.name or f"{node.op_type}_{node.output[0]}"
+        self.origin = node.name or f"{node.op_type}_{node.output[0]}"   # the node layer info names
+        self.name = prefix or self.origin   # the prefix of every name made (unique where node names repeat)
+        self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         self.consts: list[onnx.TensorProto] = []
         self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -40,7 +42,7 @@ class Unfolder:
         return numpy_helper.to_array(self.weights[name])
 
     def refuse(self, detail: str):
-        raise UnsupportedOpError(self.name, self.src.op_type, self.src.domain, 1, detail)
+        raise UnsupportedOpError(self.origin, self.src.op_type, self.src.domain, self.opset, detail)
 
     def const(self, tag: str, value, dtype=np.float32) -> str:
         name = f"{self.name}/{tag}"
@@ -49,10 +51,10 @@ class Unfolder:
 
     def op(self, op_type: str, inputs: list[str], tag: str, out: str | list[str] | None = None, **attrs) -> str:
         """One node (several outputs where `out` is a list; the first is returned), marked as unfolded from the
-        contrib node."""
+        unfolded node."""
         outs = out if isinstance(out, list) else [out or f"{self.name}/{tag}:0"]
         node = helper.make_node(op_type, inputs, outs, name=f"{self.name}/{tag}", **attrs)
-        node.metadata_props.add(key=UNFOLDED_KEY, value=self.name)
+        node.metadata_props.add(key=UNFOLDED_KEY, value=self.origin)
         self.nodes.append(node)
         return outs[0]
 
@@ -63,8 +65,9 @@ class Unfolder:
             self.refuse(f"the rank of its {what} '{name}' is not declared in the model; add it to value_info")
         return self.ranks[name]
 
-    def type_of(self, name: str) -> tuple[int, tuple] | None:
-        """(ONNX element type, dims: int, dim_param or None) of a value, where shape inference knows it."""
+    def type_of(self, name: str) -> tuple[int, tuple | None] | None:
+        """(ONNX element type, dims: int, dim_param or None each; None without a shape) of a value, where shape
+        inference knows it."""
         if name not in self.types and self.infer is not None:
             self.ranks.update(self.infer())
         return self.types.get(name)

@@ -167,9 +167,13 @@ def tensor_scatter(attrs, xs):
     if axis == 0 or mode not in ("linear", "circular"):
         raise ValueError(f"TensorScatter: axis {attrs.get('axis', -2)} / mode {mode!r} (axis must not be the batch "
                          "axis; mode is linear or circular)")
+    batch, length, count = past.shape[0], past.shape[axis], update.shape[axis]
+    if update.dim() != past.dim() or count > length or any(
+            a != b for i, (a, b) in enumerate(zip(past.shape, update.shape)) if i != axis):
+        raise ValueError(f"TensorScatter: update {list(update.shape)} does not fit the cache {list(past.shape)} "
+                         f"(equal but for axis {axis}, where it is at most as long)")
     if past.device.type == "meta" or update.device.type == "meta":
         return [torch.empty_like(past, device="meta")]
-    batch, length, count = past.shape[0], past.shape[axis], update.shape[axis]
     starts = xs[2].to(torch.int64) if len(xs) > 2 and xs[2] is not None else torch.zeros(batch, dtype=torch.int64)
     positions = starts.reshape(batch, 1) + torch.arange(count, dtype=torch.int64)
     if mode == "circular":

@@ -228,3 +228,67 @@ def test_static_cache_decode_step_scatters_and_attends_up_to_the_lengths():
     feeds["write_at"] = np.array([3, 10], np.int64)
     with pytest.raises(kiln.Error, match="layer 'k_write'.*run past the cache's 10 positions"):
         engine.run(feeds)
+
+
+def test_tensor_scatter_update_that_does_not_fit_is_refused_at_build():
+    node = helper.make_node("TensorScatter", ["cache", "update"], ["y"], name="write")
+    graph = helper.make_graph([node], "g", [vi("cache", TensorProto.FLOAT, [1, 2, 4, 3]),
+                                            vi("update", TensorProto.FLOAT, [1, 1, 2, 3])],
+                              [vi("y", TensorProto.FLOAT, None)])
+    with pytest.raises(kiln.Error, match=r"'write'.*update \[1, 1, 2, 3\] does not fit the cache \[1, 2, 4, 3\]"):
+        kiln.build(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]))
+
+
+def test_window_alone_can_mask_a_row_throughout_and_it_gives_zeros():
+    """left_window_size 0 with one key: queries past it see nothing (a bias but no mask input)."""
+    shapes = {"q": [1, 2, 4, D], "k": [1, 2, 1, D], "v": [1, 2, 1, D]}
+    model = attention_model(shapes, opset=25, left_window_size=0)
+    engine = check(model, feeds_for(shapes))
+    assert np.all(engine.run(feeds_for(shapes))["y"][:, :, 1:] == 0)
+
+
+def test_head_counts_known_only_at_build_time():
+    shapes = {"q": ["b", "hq", "s", D], "k": ["b", "hk", "s", D], "v": ["b", "hk", "s", D]}
+    check(attention_model(shapes, is_causal=1), {"q": rand((B, 4, 5, D), 1), "k": rand((B, 2, 5, D), 2),
+                                                 "v": rand((B, 2, 5, D), 3)})
+
+
+def test_grouped_keys_that_are_also_the_values():
+    node = helper.make_node("Attention", ["q", "k", "k"], ["y"], name="attn")
+    graph = helper.make_graph([node], "g", [vi("q", TensorProto.FLOAT, GQA["q"]), vi("k", TensorProto.FLOAT, GQA["k"])],
+                              [vi("y", TensorProto.FLOAT, None)])
+    check(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]),
+          {"q": rand(GQA["q"], 1), "k": rand(GQA["k"], 2)})
+
+
+def test_three_d_query_with_four_d_keys_is_refused_with_the_models_opset():
+    shapes = {"q": [B, S, 32], "k": [B, 4, S, D], "v": [B, 4, S, D]}
+    with pytest.raises(UnsupportedOpError, match=r"'attn'.*opset 23\): Q is 3-D but K is not"):
+        kiln.build(attention_model(shapes, q_num_heads=4, kv_num_heads=4))
+
+
+@pytest.mark.parametrize("position_shape, attrs", [([], {"num_heads": N}), ([1], {})],
+                         ids=["scalar-start", "num-heads-0"])
+def test_onnxruntime_rotary_scalar_start_and_heads_of_the_rotary_width(position_shape, attrs):
+    model = rotary_model([B, S, N * H], H // 2, position_shape, ms=True, **attrs)
+    check(model, {"x": rand((B, S, N * H), 1), "pos": np.array(2, np.int64).reshape(position_shape)})
+
+
+def test_two_unfolded_nodes_of_one_name_do_not_collide():
+    """ONNX does not require unique node names; the values each unfolding makes must still be distinct."""
+    angles = rand((12, H // 2), 5)
+    inits = [init("cos", np.cos(angles)), init("sin", np.sin(angles))]
+    nodes = [helper.make_node("RotaryEmbedding", [x, "cos", "sin", "pos"], [f"y{x}"], name="rope") for x in "ab"]
+    graph = helper.make_graph(nodes, "g", [vi("a", TensorProto.FLOAT, [B, N, S, H]),
+                                           vi("b", TensorProto.FLOAT, [B, N, S, H]),
+                                           vi("pos", TensorProto.INT64, [B, S])],
+                              [vi("ya", TensorProto.FLOAT, None), vi("yb", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    feeds = {"a": rand((B, N, S, H), 1), "b": rand((B, N, S, H), 2), "pos": POSITIONS}
+    engine = kiln.build(model, tactic_sources=OWN)
+    got = engine.run(feeds)
+    single = kiln.build(rotary_model([B, N, S, H], H // 2, [B, S]), tactic_sources=OWN)
+    for x in "ab":
+        np.testing.assert_allclose(got[f"y{x}"], single.run({"x": feeds[x], "pos": POSITIONS})["y"], rtol=0,
+                                   atol=1e-6)
+    assert all(l.origin == ("rope",) for l in engine.plan.layers if l.op_type == "RotaryEmbedding")
