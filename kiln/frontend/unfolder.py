@@ -50,8 +50,8 @@ class Unfolder:
         return name
 
     def op(self, op_type: str, inputs: list[str], tag: str, out: str | list[str] | None = None, **attrs) -> str:
-        """One node (several outputs where `out` is a list; the first is returned), marked as unfolded from the
-        unfolded node."""
+        """One node (several outputs where `out` is a list; the first is returned), marked with the node it
+        unfolds."""
         outs = out if isinstance(out, list) else [out or f"{self.name}/{tag}:0"]
         node = helper.make_node(op_type, inputs, outs, name=f"{self.name}/{tag}", **attrs)
         node.metadata_props.add(key=UNFOLDED_KEY, value=self.origin)

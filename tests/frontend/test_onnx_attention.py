@@ -292,3 +292,78 @@ def test_two_unfolded_nodes_of_one_name_do_not_collide():
         np.testing.assert_allclose(got[f"y{x}"], single.run({"x": feeds[x], "pos": POSITIONS})["y"], rtol=0,
                                    atol=1e-6)
     assert all(l.origin == ("rope",) for l in engine.plan.layers if l.op_type == "RotaryEmbedding")
+
+
+def check_against_reference(model, feeds):
+    """For forms onnxruntime refuses (a mask shorter than the keys): onnx's reference implementation."""
+    from onnx.reference import ReferenceEvaluator
+
+    engine = kiln.build(model, autotune=False, tactic_sources=OWN,
+                        input_shapes={k: v.shape for k, v in feeds.items()})
+    got = engine.run(feeds)
+    for out, want in zip(model.graph.output, ReferenceEvaluator(model).run(None, feeds)):
+        np.testing.assert_allclose(np.asarray(got[out.name]), want, rtol=1e-4, atol=1e-5)
+
+
+def test_mask_shorter_than_the_keys_is_padded_with_minus_inf():
+    shapes = {**BNSH, "mask": [B, 1, S, 4]}
+    check_against_reference(attention_model(shapes), {**feeds_for(shapes), "mask": rand((B, 1, S, 4), 9)})
+
+
+def test_mask_as_long_as_the_new_keys_is_padded_past_the_cache():
+    shapes = {**GQA, "past_k": [B, 2, 3, D], "past_v": [B, 2, 3, D], "mask": [B, 1, S, S]}
+    model = attention_model(shapes, outputs=("y", "present_k", "present_v"))
+    check_against_reference(model, {**feeds_for(shapes), "mask": rand((B, 1, S, S), 9)})
+
+
+def test_head_size_known_only_at_build_time_gives_the_default_scale():
+    shapes = {n: [B, 4, S, "d"] for n in "qkv"}
+    check(attention_model(shapes), {n: rand((B, 4, S, 16), i) for i, n in enumerate("qkv")})
+
+
+def test_right_window_without_causal_rule():
+    check(attention_model(BNSH, opset=25, right_window_size=1, left_window_size=2), feeds_for(BNSH))
+
+
+def test_chained_attention_and_rotary_after_attention():
+    """The ranks of an unfolded Attention's outputs feed the next unfolding (4-D in, 4-D out)."""
+    angles = rand((12, D // 2), 5)
+    nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y1"], name="a1"),
+             helper.make_node("Attention", ["y1", "k", "v"], ["y2"], name="a2"),
+             helper.make_node("RotaryEmbedding", ["y2", "cos", "sin", "pos"], ["y"], name="rope")]
+    graph = helper.make_graph(nodes, "g", [vi(n, TensorProto.FLOAT, s) for n, s in BNSH.items()] +
+                              [vi("pos", TensorProto.INT64, [B, S])], [vi("y", TensorProto.FLOAT, None)],
+                              [init("cos", np.cos(angles)), init("sin", np.sin(angles))])
+    engine = check(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]),
+                   {**feeds_for(BNSH), "pos": POSITIONS})
+    assert len(attention_layers(engine)) == 2
+
+
+def test_scaled_onnxruntime_rotary_is_refused():
+    with pytest.raises(UnsupportedOpError, match="a scale other than 1"):
+        kiln.build(rotary_model([B, S, N * H], H // 2, [B, S], ms=True, num_heads=N, scale=0.5))
+
+
+def test_circular_tensor_scatter_wraps_around_the_cache():
+    node = helper.make_node("TensorScatter", ["cache", "update", "write_at"], ["y"], name="write", mode="circular")
+    graph = helper.make_graph([node], "g", [vi("cache", TensorProto.FLOAT, [2, 3, 10, 4]),
+                                            vi("update", TensorProto.FLOAT, [2, 3, 2, 4]),
+                                            vi("write_at", TensorProto.INT64, [2])], [vi("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    feeds = {"cache": rand((2, 3, 10, 4), 1), "update": rand((2, 3, 2, 4), 2), "write_at": np.array([9, 3], np.int64)}
+    got = kiln.build(model, tactic_sources=OWN).run(feeds)["y"]
+    np.testing.assert_array_equal(got, run_ort(model, feeds)[0])
+    np.testing.assert_array_equal(got[0, :, [9, 0]], feeds["update"][0].transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("target", [TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL])
+def test_cast_like_to_other_types(target):
+    nodes = [helper.make_node("CastLike", ["x", "like"], ["y"], name="cast")]
+    graph = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [4]), vi("like", target, [1])],
+                              [vi("y", target, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    like = np.zeros(1, onnx.helper.tensor_dtype_to_np_dtype(target))
+    feeds = {"x": np.array([0.0, -2.2, 3.0, 40.5], np.float32), "like": like}
+    got = kiln.build(model).run(feeds)["y"]
+    assert got.dtype == like.dtype
+    np.testing.assert_array_equal(got, run_ort(model, feeds)[0])
