@@ -283,8 +283,7 @@ def _multi_head_attention(u: Unfolder) -> None:
                                                                       (value, "value"))):
         u.refuse("only 3-D query, key and value are unfolded (not packed QKV/KV or 4-D BNSH key/value)")
     heads = int(u.attrs["num_heads"])
-    widths = [u.op("Slice", [u.op("Shape", [x], f"{p}_shape"), u.const(f"{p}_w0", [2], np.int64),
-                             u.const(f"{p}_w1", [3], np.int64)], f"{p}_width") for p, x in zip("qv", (query, value))]
+    widths = [u.shape_part(x, 2, 3, f"{p}_width") for p, x in zip("qv", (query, value))]
     if u.input(3):
         sizes = u.op("Concat", [widths[0], widths[0], widths[1]], "bias_sizes", axis=0)
         u.op("Split", [u.input(3), sizes], "bias_split", [f"{u.name}/{p}_bias:0" for p in "qkv"], axis=0)

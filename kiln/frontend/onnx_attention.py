@@ -102,7 +102,7 @@ def _group(u: Unfolder, q: str, k: str, q_heads, kv_heads) -> tuple[str, str] | 
             u.refuse(f"q heads {q_heads} are not a multiple of the kv heads {kv_heads}")
         return (u.const("group", [1, 1, q_heads // kv_heads, 1, 1], np.int64),
                 u.const("q_head_count", [q_heads], np.int64))
-    q_count, kv_count = _shape_part(u, q, 1, 2, "q_head_count"), _shape_part(u, k, 1, 2, "kv_head_count")
+    q_count, kv_count = u.shape_part(q, 1, 2, "q_head_count"), u.shape_part(k, 1, 2, "kv_head_count")
     ones = u.const("ones", [1, 1], np.int64)
     group = u.op("Concat", [ones, u.op("Div", [q_count, kv_count], "group_size"), ones], "group", axis=0)
     return group, q_count
@@ -112,14 +112,9 @@ def _repeat_kv(u: Unfolder, x: str, tag: str, group: str, heads: str) -> str:
     """K or V heads repeated for grouped-query attention (query head i reads K/V head i // group), as HF's
     repeat_kv writes it: Unsqueeze, Expand, Reshape."""
     expanded = u.op("Expand", [u.unsqueeze(x, [2], f"{tag}_grouped"), group], f"{tag}_expanded")
-    shape = u.op("Concat", [_shape_part(u, x, 0, 1, f"{tag}_batch"), heads, _shape_part(u, x, 2, 4, f"{tag}_sd")],
+    shape = u.op("Concat", [u.shape_part(x, 0, 1, f"{tag}_batch"), heads, u.shape_part(x, 2, 4, f"{tag}_sd")],
                  f"{tag}_repeated_shape", axis=0)
     return u.op("Reshape", [expanded, shape], f"{tag}_repeated")
-
-
-def _shape_part(u: Unfolder, x: str, start: int, end: int, tag: str) -> str:
-    return u.op("Slice", [u.op("Shape", [x], f"{tag}_shape"), u.const(f"{tag}_start", [start], np.int64),
-                          u.const(f"{tag}_end", [end], np.int64)], tag)
 
 
 def _scale(u: Unfolder, q: str, rank: int) -> str:
@@ -129,7 +124,7 @@ def _scale(u: Unfolder, q: str, rank: int) -> str:
     width = _dim(u, u.input(0), rank - 1)
     if isinstance(width, int) and width > 0:
         return u.const("scale", 1.0 / float(np.sqrt(width // (int(u.attrs["q_num_heads"]) if rank == 3 else 1))))
-    head = u.op("Cast", [_shape_part(u, q, 3, 4, "head_size")], "head_float", to=FLOAT)
+    head = u.op("Cast", [u.shape_part(q, 3, 4, "head_size")], "head_float", to=FLOAT)
     return u.op("Reciprocal", [u.op("Sqrt", [head], "head_sqrt")], "scale_value")
 
 
@@ -159,8 +154,8 @@ def _mask_bias(u: Unfolder, mask: str, k: str) -> str:
         u.refuse(f"its attn_mask '{mask}' is {TensorProto.DataType.Name(elem)}; it takes bool or floating point")
     if dims and dims[-1] is not None and dims[-1] == _key_count(u):
         return mask   # as long as the keys: no padding
-    total = _shape_part(u, k, 2, 3, "total_keys")
-    short = u.op("Sub", [total, _shape_part(u, mask, -1, np.iinfo(np.int64).max, "mask_keys")], "mask_short")
+    total = u.shape_part(k, 2, 3, "total_keys")
+    short = u.op("Sub", [total, u.shape_part(mask, -1, np.iinfo(np.int64).max, "mask_keys")], "mask_short")
     zeros = u.const("pad_zeros", [0] * (2 * u.rank(u.input(3), "attn_mask") - 1), np.int64)
     pads = u.op("Concat", [zeros, short], "mask_pads", axis=0)
     return u.op("Pad", [mask, pads, u.const("pad_value", -np.inf)], "mask_padded", mode="constant")
@@ -175,6 +170,19 @@ def _key_count(u: Unfolder):
     return past + keys if isinstance(past, int) and isinstance(keys, int) else None
 
 
+def _query_positions(u: Unfolder, q: str, lengths: str | None) -> str:
+    """i + offset per query: [Sq, 1], offset by the past length, or [B, Sq, 1] by nonpad_kv_seqlen - Sq."""
+    rows = u.unsqueeze(u.seq_range(q, 2, "query_positions"), [1], "query_column")
+    if u.input(4):
+        past = u.op("Squeeze", [u.shape_part(u.input(4), 2, 3, "past_length")], "past")
+        return u.op("Add", [rows, past], "query_absolute")
+    if lengths is None:
+        return rows
+    offsets = u.op("Sub", [lengths, u.op("Squeeze", [u.shape_part(q, 2, 3, "query_count")], "query_n")],
+                   "nonpad_offsets")
+    return u.op("Add", [rows, u.unsqueeze(offsets, [1, 2], "offset_column")], "query_absolute")
+
+
 def _position_rules(u: Unfolder, q: str, k: str) -> str | None:
     """-inf where key j is past query i's causal frontier (j > i + offset) or outside its windows (i + offset - j
     over left_window_size or under -right_window_size), or at or past nonpad_kv_seqlen; offset is the past length,
@@ -184,18 +192,11 @@ def _position_rules(u: Unfolder, q: str, k: str) -> str | None:
     nonpad = u.input(6)
     if not (causal or left >= 0 or right >= 0 or nonpad):
         return None
-    rows = u.unsqueeze(u.seq_range(q, 2, "query_positions"), [1], "query_column")   # [Sq, 1]
     cols = u.unsqueeze(u.seq_range(k, 2, "key_positions"), [0], "key_row")           # [1, total]
-    if u.input(4):
-        rows = u.op("Add", [rows, u.op("Squeeze", [_shape_part(u, u.input(4), 2, 3, "past_length")], "past")],
-                    "query_absolute")
     lengths = u.op("Cast", [nonpad], "nonpad_lengths", to=TensorProto.INT64) if nonpad else None
-    if nonpad and not u.input(4):   # per batch: [B, Sq, 1]
-        offsets = u.op("Sub", [lengths, u.op("Squeeze", [_shape_part(u, q, 2, 3, "query_count")], "query_n")],
-                       "nonpad_offsets")
-        rows = u.op("Add", [rows, u.unsqueeze(offsets, [1, 2], "offset_column")], "query_absolute")
     allowed = []
-    diff = u.op("Sub", [rows, cols], "distance") if causal or left >= 0 or right >= 0 else None   # i + offset - j
+    if causal or left >= 0 or right >= 0:
+        diff = u.op("Sub", [_query_positions(u, q, lengths), cols], "distance")   # i + offset - j
     if causal:
         allowed.append(u.op("GreaterOrEqual", [diff, u.const("zero_i", 0, np.int64)], "causal_ok"))
     if left >= 0:
@@ -229,7 +230,9 @@ def unfold_onnx_rotary(u: Unfolder) -> None:
         heads = int(u.attrs.get("num_heads", 0))
         x = u.op("Reshape", [x, u.const("heads", [0, 0, heads, -1] if heads > 0 else [0, 0, -1, rotary], np.int64)],
                  "bsnh")
-    cos, sin = (_table(u, t, positions, ms, x, 1 if rank == 3 else 2, tag) for t, tag in ((cos, "cos"), (sin, "sin")))
+    positions = _positions(u, positions, ms, x, 1 if rank == 3 else 2)
+    cos, sin = (u.op("Gather", [t, positions], f"{tag}_gathered", axis=0) if positions else t
+                for t, tag in ((cos, "cos"), (sin, "sin")))   # [B, S, rotary/2]
     cos, sin = (u.unsqueeze(t, [2 if rank == 3 else 1], f"{tag}_heads") for t, tag in ((cos, "cos"), (sin, "sin")))
     whole = not u.attrs.get("rotary_embedding_dim") or head == rotary
     part = x if whole else _slice(u, x, 0, rotary, "rotated_part")
@@ -248,17 +251,15 @@ def unfold_onnx_rotary(u: Unfolder) -> None:
     u.op("Identity", [turned], "out", u.output(0))
 
 
-def _table(u: Unfolder, table: str, positions: str | None, ms: bool, x: str, seq_axis: int, tag: str) -> str:
-    """cos or sin as [B, S, rotary/2]: the cache gathered at position_ids (onnxruntime's: a 1-element start
-    position means start + 0..S-1), or as given (ONNX's, without position_ids)."""
-    if positions is None:
-        return table
-    if ms and u.rank(positions, "position_ids") in (0, 1):
-        start = u.op("Reshape", [u.op("Cast", [positions], f"{tag}_start_int", to=TensorProto.INT64),
-                                 u.const(f"{tag}_one", [1], np.int64)], f"{tag}_start")
-        steps = u.seq_range(x, seq_axis, f"{tag}_steps")
-        positions = u.unsqueeze(u.op("Add", [steps, start], f"{tag}_positions"), [0], f"{tag}_position_row")
-    return u.op("Gather", [table, positions], f"{tag}_gathered", axis=0)
+def _positions(u: Unfolder, positions: str | None, ms: bool, x: str, seq_axis: int) -> str | None:
+    """The positions the caches are gathered at: position_ids, or for onnxruntime's 0-D/1-element form a start
+    position, meaning start + 0..S-1; None without them (ONNX's caches then come per token already)."""
+    if positions is None or not (ms and u.rank(positions, "position_ids") in (0, 1)):
+        return positions
+    start = u.op("Reshape", [u.op("Cast", [positions], "start_int", to=TensorProto.INT64),
+                             u.const("one", [1], np.int64)], "start")
+    steps = u.seq_range(x, seq_axis, "steps")
+    return u.unsqueeze(u.op("Add", [steps, start], "positions"), [0], "position_row")
 
 
 def _half_width(u: Unfolder, cos_cache: str) -> int:

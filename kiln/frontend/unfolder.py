@@ -75,6 +75,11 @@ class Unfolder:
     def unsqueeze(self, x: str, axes: list[int], tag: str) -> str:
         return self.op("Unsqueeze", [x, self.const(f"{tag}_axes", axes, np.int64)], tag)
 
+    def shape_part(self, x: str, start: int, end: int, tag: str) -> str:
+        """x's dims start..end-1 as an int64 vector."""
+        return self.op("Slice", [self.op("Shape", [x], f"{tag}_shape"), self.const(f"{tag}_start", [start], np.int64),
+                                 self.const(f"{tag}_end", [end], np.int64)], tag)
+
     def seq_range(self, x: str, axis: int, tag: str) -> str:
         """0 .. x.shape[axis] - 1 as int64."""
         shape = self.op("Shape", [x], f"{tag}_shape")

@@ -285,13 +285,9 @@ def test_two_unfolded_nodes_of_one_name_do_not_collide():
                               [vi("ya", TensorProto.FLOAT, None), vi("yb", TensorProto.FLOAT, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     feeds = {"a": rand((B, N, S, H), 1), "b": rand((B, N, S, H), 2), "pos": POSITIONS}
+    check_against_reference(model, feeds)   # onnxruntime refuses repeated node names
     engine = kiln.build(model, tactic_sources=OWN)
-    got = engine.run(feeds)
-    single = kiln.build(rotary_model([B, N, S, H], H // 2, [B, S]), tactic_sources=OWN)
-    for x in "ab":
-        np.testing.assert_allclose(got[f"y{x}"], single.run({"x": feeds[x], "pos": POSITIONS})["y"], rtol=0,
-                                   atol=1e-6)
-    assert all(l.origin == ("rope",) for l in engine.plan.layers if l.op_type == "RotaryEmbedding")
+    assert [l.origin for l in engine.plan.layers if l.op_type == "RotaryEmbedding"] == [("rope",), ("rope",)]
 
 
 def check_against_reference(model, feeds):
