@@ -19,6 +19,7 @@ class Engine:
 
     def __init__(self, plan: Plan):
         self.plan = plan
+        self.threads = torch.get_num_threads()   # what kiln.build(threads=) or torch.set_num_threads asked for
         self._kernels = None
         self._lock = threading.Lock()
         self._default_context: ExecutionContext | None = None
@@ -48,7 +49,7 @@ class Engine:
 
     def create_execution_context(self, profile: int | None = None) -> ExecutionContext:
         """A context for one thread; `profile` pins an optimization profile (default: the first that fits)."""
-        return ExecutionContext(self.plan, self.kernels, profile)
+        return ExecutionContext(self.plan, self.kernels, profile, self.threads)
 
     def run(self, feeds: dict[str, np.ndarray], profiler=None) -> dict[str, np.ndarray]:
         if self._default_context is None:

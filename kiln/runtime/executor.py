@@ -30,8 +30,8 @@ def prepare_kernels(plan: Plan) -> list[Kernel]:
 class ExecutionContext:
     """Runs inferences. Each context owns its activations; share one engine across threads, one context each."""
 
-    def __init__(self, plan: Plan, kernels: list[Kernel], profile: int | None = None):
-        self.plan, self.kernels = plan, kernels
+    def __init__(self, plan: Plan, kernels: list[Kernel], profile: int | None = None, threads: int = 0):
+        self.plan, self.kernels, self.threads = plan, kernels, threads
         if profile is not None and not 0 <= profile < max(1, len(plan.profiles)):
             raise InputError(f"optimization profile {profile} does not exist; the engine has "
                              f"{max(1, len(plan.profiles))} (0..{max(1, len(plan.profiles)) - 1})")
@@ -65,9 +65,18 @@ class ExecutionContext:
                 ) -> dict[str, np.ndarray]:
         """Run one inference. `observe(name, tensor)`, if given, sees every tensor a layer produces."""
         env: dict[str, torch.Tensor] = self.check_inputs(feeds)
+        adopt_threads(self.threads)
         with torch.inference_mode():
             self.interpreter.run(env, observe, profiler)
         return {t.name: _to_numpy(env[t.name], t.dtype) for t in self.plan.outputs}
+
+
+def adopt_threads(threads: int) -> None:
+    """Give the calling thread the engine's thread count. OpenMP keeps it per thread: a thread other than the one
+    that set it starts at OpenMP's default, every core, and kiln's C kernels size their teams and split their sums
+    by it, so a serving thread would oversubscribe the cores and round differently from a serial run."""
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:

@@ -90,3 +90,27 @@ def test_contexts_share_weights():
     engine = kiln.build(cnn(), autotune=False)
     a, b = engine.create_execution_context(), engine.create_execution_context()
     assert a.kernels is b.kernels   # prepared (prepacked) once per engine; activations live per call
+
+
+def test_threads_take_the_engines_thread_count_not_openmps_default():
+    """A new thread starts at OpenMP's default team (every core; 16 here), not the count the engine was built
+    with (1): contexts running there adopt the engine's, so they split their sums as the serial runs do and give
+    the same bits, on a 2-core machine as on a 16-core one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import numpy as np, torch, kiln\n"
+            "torch.set_num_threads(1)\n"
+            "from tests.reliability.test_concurrency import cnn, hammer\n"
+            "engine = kiln.build(cnn(), autotune=False)\n"
+            "inputs = [{'x': np.random.default_rng(s).standard_normal((1, 3, 16, 16)).astype(np.float32)} "
+            "for s in range(5)]\n"
+            "print('mismatches', len(hammer(engine, inputs)))\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "16", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["mismatches", "0"], done.stdout
