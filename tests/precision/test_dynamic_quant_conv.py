@@ -248,8 +248,12 @@ def test_an_openvino_region_reports_the_fp32_it_ran_the_dynamic_convolutions_in(
         engine = kiln.build(path, tactic_sources="-onnxruntime")
         info = [l for l in engine.layer_info()["Layers"] if l["LayerType"] == "OpenVINOConvolution"]
         assert len(info) == 3 and {l["RequestedPrecision"] for l in info} == {"INT8"}, path
-        assert {(l["GrantedPrecision"], l.get("PrecisionReason", "")) for l in info} == \
-            {(want, "" if want == "INT8" else "the OpenVINO region ran it in FP32")}, path
+        granted, fp32 = {(l["GrantedPrecision"], l.get("PrecisionReason", "")) for l in info}, \
+            ("FP32", "the OpenVINO region ran it in FP32")
+        if want == "FP32":
+            assert granted == {fp32}, path
+        else:   # on an AMX Xeon OpenVINO ran one of the three in FP32 (its choice): reported as such
+            assert ("INT8", "") in granted and granted <= {("INT8", ""), fp32}, path
 
 
 def test_openvino_layer_names_with_commas_map_back_to_their_layers():

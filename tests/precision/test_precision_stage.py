@@ -28,7 +28,9 @@ def test_an_impossible_obey_request_fails_before_any_timing(make_model):
         kiln.build(make_model(), bf16=True, precision_constraints="obey", clock=ClockThatMustNotBeRead())
 
 
-def test_prefer_falls_back_with_the_reason_recorded_per_layer():
+def test_prefer_falls_back_with_the_reason_recorded_per_layer(monkeypatch):
+    isa = hardware.cpu_isa() - {"avx512_fp16"}
+    monkeypatch.setattr(hardware, "cpu_isa", lambda: isa)   # a CPU without FP16 arithmetic (AVX512-FP16 grants it)
     engine = kiln.build(conv_net(), fp16=True, precision_constraints="prefer", autotune=False)
     convs = [l for l in engine.plan.layers if l.op_type == "Conv"]
     assert convs and all(l.requested_precision == "FP16" and l.precision == "FP32" for l in convs)

@@ -225,13 +225,10 @@ void kiln_gemm_bf16(const GemmCall* g, const void* restrict a, void* c, const vo
       for (int64_t t = unit.first; t < unit.last; ++t) {
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         const uint32_t* rows[MR];
-        for (int64_t i = 0; i < MR; ++i) {
-          if (i < mr) {
-            rows[i] = as_bf16_pairs(at_elem(a, row_at(g, p, r0 + i), a_bf16), k, a_bf16, converted + i * kp);
-          } else {
-            rows[i] = rows[0];   /* a partial tile repeats its first row */
-          }
-        }
+        rows[0] = as_bf16_pairs(at_elem(a, row_at(g, p, r0), a_bf16), k, a_bf16, converted);
+        for (int64_t i = 1; i < MR; ++i)   /* a partial tile repeats its first row */
+          rows[i] = i < mr ? as_bf16_pairs(at_elem(a, row_at(g, p, r0 + i), a_bf16), k, a_bf16, converted + i * kp)
+                           : rows[0];
         const int64_t at = p * g->c_batch + r0 * n + nb * NR;
         tile_bf16(rows, 1, mr, kp, bp, (void*)at_elem(c, at, io & IO_C_BF16), n, cols, bias ? bias + nb * NR : 0,
                   at_elem(res, at, io & IO_RES_BF16), g->act, io);
