@@ -124,8 +124,7 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
     from kiln.errors import ModelError
 
     proto = load_model(model)
-    if not options.precision.strongly_typed:
-        proto = _weakly_typed(proto)
+    proto = _strongly_typed(proto) if options.precision.strongly_typed else _weakly_typed(proto)
     if not options.calibration:
         return proto, None
     from kiln.preprocess.calibration import calibrate
@@ -157,6 +156,18 @@ def _weakly_typed(proto: onnx.ModelProto) -> onnx.ModelProto:
         log.info("The model stores %s: built weakly typed, as TensorRT does (%s); --fp16/--bf16 allow reduced "
                  "precision per layer, --strongly-typed computes in the model's types", "/".join(widening.types),
                  widening.summary())
+    return proto
+
+
+def _strongly_typed(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` as it is, unless it computes in bfloat16: kiln's kernels take bfloat16 tensors between layers, not
+    as weights and constants in the model's own types, so such a model builds weakly typed only."""
+    from kiln.errors import ModelError
+    from kiln.preprocess.widen import widen_reduced_floats
+
+    if "bfloat16" in widen_reduced_floats(proto)[1].types:
+        raise ModelError("the model stores bfloat16: kiln builds it weakly typed only (drop --strongly-typed; add "
+                         "--bf16 to run its layers in BF16 where kiln has the kernels)")
     return proto
 
 

@@ -10,6 +10,7 @@ ONNX_TO_NUMPY: dict[int, np.dtype] = {
     TensorProto.FLOAT: np.dtype("float32"),
     TensorProto.DOUBLE: np.dtype("float64"),
     TensorProto.FLOAT16: np.dtype("float16"),
+    TensorProto.BFLOAT16: np.dtype("bfloat16"),   # ml_dtypes': bfloat16 models' inputs, outputs and weights
     TensorProto.INT64: np.dtype("int64"),
     TensorProto.INT32: np.dtype("int32"),
     TensorProto.INT16: np.dtype("int16"),
@@ -47,13 +48,35 @@ NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
 TORCH_TO_NUMPY = {t: n for n, t in NUMPY_TO_TORCH.items()}
 INT8_TORCH: dict[str, torch.dtype] = {"uint8": torch.uint8, "int8": torch.int8}   # kiln's INT8 layers' types by name
 
+BFLOAT16 = np.dtype("bfloat16")
+
+
+def is_float(dtype) -> bool:
+    """Whether a numpy dtype holds floats: numpy's own (kind "f") and ml_dtypes' bfloat16 (kind "V")."""
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype) == BFLOAT16
+
+
+def tensor_from_numpy(array: np.ndarray) -> torch.Tensor:
+    """torch.from_numpy, also for bfloat16 arrays (torch reads them through their 16-bit pattern)."""
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """Tensor.numpy(), also for bfloat16 tensors (an ml_dtypes bfloat16 array over the same bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
 def onnx_to_numpy(elem_type: int, where: str) -> np.dtype:
     from kiln.errors import ModelError
 
     if elem_type not in ONNX_TO_NUMPY:
         name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
-        raise ModelError(f"{where}: element type {name} is not supported (supported: float32/16/64, int8-64, "
-                         "uint8/16, bool)")
+        raise ModelError(f"{where}: element type {name} is not supported (supported: float32/16/64, bfloat16, "
+                         "int8-64, uint8/16, bool)")
     return ONNX_TO_NUMPY[elem_type]
 
 

@@ -23,7 +23,7 @@ from kiln.ir import Graph
 from kiln.precision.policy import REDUCED_FLOATS, PrecisionDecision
 from kiln.runtime.interpreter import Interpreter
 from kiln.runtime.prepare import TorchWeights, prepare_kernel
-from kiln.ops.dtypes import to_torch_dtype
+from kiln.ops.dtypes import is_float, to_torch_dtype
 from kiln.tactics.autotune import example_input
 from kiln.tactics.base import LINEAR
 from kiln.tactics.lower import Lowering
@@ -312,7 +312,7 @@ def random_input(v, seed: int = 0) -> torch.Tensor:
     (token ids into an embedding: Gather's indices) drawn from the table's range; other integers (masks,
     positions) ones."""
     generator = torch.Generator().manual_seed(seed)
-    if np.dtype(v.dtype).kind == "f":
+    if is_float(v.dtype):
         return torch.randn(v.shape, generator=generator).to(to_torch_dtype(np.dtype(v.dtype)))
     if np.dtype(v.dtype).kind != "i":
         return example_input(v.shape, str(v.dtype), LINEAR)

@@ -21,6 +21,7 @@ from kiln import hardware
 from kiln.errors import ModelError
 from kiln.ir import Graph, Node
 from kiln.ops import OpKind, lookup
+from kiln.ops.dtypes import is_float
 
 log = logging.getLogger("kiln.build")
 
@@ -94,7 +95,7 @@ def native_precision(op_type: str, output_dtypes: Iterable, input_dtypes: Iterab
         return "INT8"
     if op_type == "Cast":
         return "FP32"
-    floats_in = [np.dtype(d) for d in input_dtypes if d is not None and np.dtype(d).kind == "f"]
+    floats_in = [np.dtype(d) for d in input_dtypes if d is not None and is_float(d)]
     if any(d == np.float16 for d in floats_in or dtypes):
         return "FP16"
     return "FP32"
@@ -128,7 +129,7 @@ def requested(name: str, op_type: str, output_dtypes: Iterable, options: Precisi
         return "FP32"   # 16-bit Q/DQ
     if options.best:
         return "BF16"   # INT8 only where the model's Q/DQ gives scales (above); BF16 beats FP16 where both are
-    float_out = any(np.dtype(d).kind == "f" for d in output_dtypes)
+    float_out = any(is_float(d) for d in output_dtypes)
     if options.int8 and (op_type in INT8_CAPABLE or float_out):
         return "INT8"   # --int8 allows INT8 everywhere, as TensorRT's flag does; kiln says where it was not given
     if options.bf16 or options.fp16:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kiln.trt.layer_info import layer_info
+from kiln.ops.dtypes import is_float
 from kiln.plan.model import Plan
 from kiln.plan.serialize import load_plan, save_plan
 from kiln.runtime.executor import ExecutionContext, prepare_kernels
@@ -61,7 +62,7 @@ class Engine:
         Layers inside an external-library region are seen as one (its outputs)."""
         for name, value in feeds.items():
             arr = np.asarray(value)
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            if is_float(arr.dtype) and not np.isfinite(arr.astype(np.float32)).all():
                 return "(input)", name, int(np.isnan(arr).sum()), int(np.isinf(arr).sum())
         producer = {t.name: l.name for l in self.plan.layers for t in l.outputs}
         found: list = []
@@ -79,7 +80,7 @@ class Engine:
         feeds, bounds = {}, index_bounds(self.plan)
         for t in self.plan.inputs:
             dims = tuple((shapes or {}).get(t.name, t.dims))
-            if np.issubdtype(np.dtype(t.dtype), np.floating):
+            if is_float(t.dtype):
                 feeds[t.name] = rng.standard_normal(dims).astype(t.dtype)
             elif t.dtype == "bool":
                 feeds[t.name] = rng.integers(0, 2, dims).astype(bool)

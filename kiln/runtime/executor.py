@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from kiln.errors import EngineFormatError, Error, InputError
+from kiln.ops.dtypes import is_float, tensor_from_numpy, tensor_to_numpy
 from kiln.plan.model import Plan
 from kiln.runtime.interpreter import Interpreter, Kernel, Observer
 from kiln.runtime.prepare import TorchWeights, prepare_kernel
@@ -54,11 +55,11 @@ class ExecutionContext:
             arr = np.asarray(feeds[name])
             if arr.dtype != np.dtype(desc.dtype):
                 # float->float and int->int convert (numpy defaults to float64); anything else is an error
-                if arr.dtype.kind != np.dtype(desc.dtype).kind or arr.dtype.kind not in "fiu":
+                if _kind(arr.dtype) != _kind(desc.dtype) or _kind(arr.dtype) not in "fiu":
                     raise InputError(f"input '{name}': dtype {arr.dtype} cannot be used for the engine's "
                                      f"{desc.dtype}; convert it with .astype('{desc.dtype}')")
                 arr = arr.astype(desc.dtype)
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
+            tensors[name] = tensor_from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
         return tensors
 
     def execute(self, feeds: dict[str, np.ndarray], profiler=None, observe: Observer | None = None
@@ -79,8 +80,13 @@ def adopt_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def _kind(dtype) -> str:
+    """numpy's kind letter, with bfloat16 (ml_dtypes: "V") counted as a float."""
+    return "f" if is_float(dtype) else np.dtype(dtype).kind
+
+
 def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
-    arr = t.contiguous().numpy()
+    arr = tensor_to_numpy(t.contiguous())
     return arr if arr.dtype == np.dtype(dtype) else arr.astype(dtype)
 
 

@@ -1,6 +1,7 @@
 """The Open Inference Protocol's tensor datatypes ("FP32", "INT64", "BOOL", "BYTES", ...) and numpy's, both ways."""
 from __future__ import annotations
 
+import ml_dtypes  # noqa: F401  (np.dtype("bfloat16"))
 import numpy as np
 
 from kiln.errors import InputError
@@ -10,7 +11,7 @@ OIP_TO_NUMPY: dict[str, np.dtype] = {
     "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
     "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
     "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
-    "BYTES": np.dtype(object),
+    "BF16": np.dtype("bfloat16"), "BYTES": np.dtype(object),
 }
 NUMPY_TO_OIP: dict[np.dtype, str] = {dtype: name for name, dtype in OIP_TO_NUMPY.items()}
 

@@ -16,7 +16,8 @@ KILN_ONLY_ATTRS = {"activation", "padding_mode"}
 POOLS = ("MaxPool", "AveragePool")
 EXTERNAL_MIN_BYTES = 4096   # larger weights reach onnxruntime as external initializers: no protobuf copy
 ONNX_ELEM = {np.dtype(k): v for k, v in {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6,
-                                         "int64": 7, "bool": 9, "float16": 10, "float64": 11}.items()}
+                                         "int64": 7, "bool": 9, "float16": 10, "float64": 11,
+                                         "bfloat16": 16}.items()}   # ml_dtypes' (kiln.ops.dtypes registers it)
 
 
 def _attr(v: Any) -> Any:
@@ -443,6 +444,10 @@ def _emit_program(e: Emitter, xs: list[str | None], steps: list[dict]) -> str:
 
 
 def supports(view: LayerView) -> bool:
+    """Whether onnxruntime and OpenVINO can be handed this layer: ONNX ops of their domains, no bfloat16 tensor
+    (a bfloat16 model's boundary Casts: kiln feeds them numpy arrays, which have no bfloat16 of their own)."""
+    if "bfloat16" in (*view.input_dtypes, *view.output_dtypes):
+        return False
     if view.op_type == "AveragePool" and view.opset < 19 and any(d != 1 for d in view.attrs.get("dilations") or [1]):
         return False
     return view.domain in ("", "ai.onnx", "com.microsoft") or (view.domain == "kiln" and view.op_type in KILN_EMITTABLE)
