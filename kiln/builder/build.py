@@ -140,6 +140,9 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
                          "budget it feeds); add one of them, or drop --calib")
     if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in proto.graph.node):
         raise ModelError("the model already has Q/DQ nodes (explicit quantization); build it without --calib")
+    if _bfloat16_io(proto):
+        raise ModelError("--int8 --calib: calibration runs the model in onnxruntime, which takes no bfloat16 inputs "
+                         "from Python; calibrate the model's float32 export")
     proto = fold_batch_norms(proto)   # calibrated and quantized as folded, as TensorRT calibrates after fusions
     scales = calibrate(proto, options.calibration, options.calibration_method, options.calibration_cache)
     log.info("INT8 calibration (%s): %d activation scales from %s", options.calibration_method, len(scales),
@@ -154,18 +157,23 @@ def _weakly_typed(proto: onnx.ModelProto) -> onnx.ModelProto:
     proto, widening = widen_reduced_floats(proto)
     if widening.changed:
         log.info("The model stores %s: built weakly typed, as TensorRT does (%s); --fp16/--bf16 allow reduced "
-                 "precision per layer, --strongly-typed computes in the model's types", "/".join(widening.types),
-                 widening.summary())
+                 "precision per layer%s", "/".join(widening.types), widening.summary(),
+                 "" if "bfloat16" in widening.types else ", --strongly-typed computes in the model's types")
     return proto
+
+
+def _bfloat16_io(proto: onnx.ModelProto) -> bool:
+    return any(v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+               for v in (*proto.graph.input, *proto.graph.output))
 
 
 def _strongly_typed(proto: onnx.ModelProto) -> onnx.ModelProto:
     """`proto` as it is, unless it computes in bfloat16: kiln's kernels take bfloat16 tensors between layers, not
     as weights and constants in the model's own types, so such a model builds weakly typed only."""
     from kiln.errors import ModelError
-    from kiln.preprocess.widen import widen_reduced_floats
+    from kiln.preprocess.widen import stores_bfloat16
 
-    if "bfloat16" in widen_reduced_floats(proto)[1].types:
+    if stores_bfloat16(proto):
         raise ModelError("the model stores bfloat16: kiln builds it weakly typed only (drop --strongly-typed; add "
                          "--bf16 to run its layers in BF16 where kiln has the kernels)")
     return proto

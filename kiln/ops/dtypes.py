@@ -56,6 +56,12 @@ def is_float(dtype) -> bool:
     return np.dtype(dtype).kind == "f" or np.dtype(dtype) == BFLOAT16
 
 
+def raw_bfloat16(array: np.ndarray) -> np.ndarray:
+    """`array` as bfloat16 where it holds bfloat16's raw 2-byte pattern: np.savez writes ml_dtypes' bfloat16 as
+    void, so an .npz of bfloat16 arrays loads back as `|V2`. Any other array is returned as it is."""
+    return array.view(BFLOAT16) if array.dtype.kind == "V" and array.dtype.itemsize == 2 else array
+
+
 def tensor_from_numpy(array: np.ndarray) -> torch.Tensor:
     """torch.from_numpy, also for bfloat16 arrays (torch reads them through their 16-bit pattern)."""
     if array.dtype == BFLOAT16:

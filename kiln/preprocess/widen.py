@@ -4,7 +4,8 @@ Casts, constants and internal types are widened to float32 before import, so eve
 `--bf16`/`--best` allow a reduced precision, which the precision stage then grants per layer where kiln has a
 kernel (and the accuracy budget judges against the FP32 model). Inputs and outputs keep the model's types: a Cast
 after each reduced input and before each reduced output. `--strongly-typed` (trtexec's `--stronglyTyped`) skips
-this and computes in the model's own types, on the reference kernels where kiln has no FP16 one."""
+this and computes in the model's own types, on the reference kernels where kiln has no FP16 one (float16 models
+only: a bfloat16 one builds weakly typed only)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,24 +63,29 @@ class _Counts:
         self.casts = 0
 
 
-def _has_reduced(proto: onnx.ModelProto) -> bool:
+def stores_bfloat16(proto: onnx.ModelProto) -> bool:
+    """Whether the model holds bfloat16 anywhere (a scan: nothing is converted)."""
+    return _has_reduced(proto, (TensorProto.BFLOAT16,))
+
+
+def _has_reduced(proto: onnx.ModelProto, kinds=tuple(REDUCED)) -> bool:
     graphs = [proto.graph, *(_subgraphs(proto.graph))]
     for g in graphs:
-        if any(t.data_type in REDUCED for t in g.initializer):
+        if any(t.data_type in kinds for t in g.initializer):
             return True
         values = [*g.input, *g.output, *g.value_info]
-        if any(v.type.tensor_type.elem_type in REDUCED for v in values):
+        if any(v.type.tensor_type.elem_type in kinds for v in values):
             return True
-        if any(_node_reduced(n) for n in g.node):
+        if any(_node_reduced(n, kinds) for n in g.node):
             return True
-    return any(_node_reduced(n) for f in proto.functions for n in f.node)
+    return any(_node_reduced(n, kinds) for f in proto.functions for n in f.node)
 
 
-def _node_reduced(node: onnx.NodeProto) -> bool:
+def _node_reduced(node: onnx.NodeProto, kinds=tuple(REDUCED)) -> bool:
     for a in node.attribute:
-        if a.name == DTYPE_ATTRS.get(node.op_type) and a.i in REDUCED:
+        if a.name == DTYPE_ATTRS.get(node.op_type) and a.i in kinds:
             return True
-        if a.name == TENSOR_ATTRS.get(node.op_type) and a.t.data_type in REDUCED:
+        if a.name == TENSOR_ATTRS.get(node.op_type) and a.t.data_type in kinds:
             return True
     return False
 

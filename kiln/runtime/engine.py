@@ -12,7 +12,7 @@ from kiln.trt.layer_info import layer_info
 from kiln.ops.dtypes import is_float
 from kiln.plan.model import Plan
 from kiln.plan.serialize import load_plan, save_plan
-from kiln.runtime.executor import ExecutionContext, prepare_kernels
+from kiln.runtime.executor import ExecutionContext, engine_threads, prepare_kernels
 
 
 class Engine:
@@ -20,7 +20,8 @@ class Engine:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.threads = torch.get_num_threads()   # what kiln.build(threads=) or torch.set_num_threads asked for
+        self.threads = torch.get_num_threads()   # when built or loaded (kiln.build(threads=), --threads): every
+        # thread running it uses this count (docs/reliability.md); set it to change the engine's
         self._kernels = None
         self._lock = threading.Lock()
         self._default_context: ExecutionContext | None = None
@@ -29,7 +30,8 @@ class Engine:
     def kernels(self):
         with self._lock:
             if self._kernels is None:
-                self._kernels = prepare_kernels(self.plan)
+                with engine_threads(self.threads):   # onnxruntime/OpenVINO regions read it as they compile
+                    self._kernels = prepare_kernels(self.plan)
             return self._kernels
 
     @property

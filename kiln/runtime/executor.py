@@ -1,11 +1,13 @@
 """Executes a plan on CPU: kernels prepared once per engine (weights shared), state per execution context."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from kiln.errors import EngineFormatError, Error, InputError
-from kiln.ops.dtypes import is_float, tensor_from_numpy, tensor_to_numpy
+from kiln.ops.dtypes import is_float, raw_bfloat16, tensor_from_numpy, tensor_to_numpy
 from kiln.plan.model import Plan
 from kiln.runtime.interpreter import Interpreter, Kernel, Observer
 from kiln.runtime.prepare import TorchWeights, prepare_kernel
@@ -52,7 +54,7 @@ class ExecutionContext:
         check_shapes(self.plan, shapes, self.profile)
         tensors = {}
         for name, desc in expected.items():
-            arr = np.asarray(feeds[name])
+            arr = raw_bfloat16(np.asarray(feeds[name])) if desc.dtype == "bfloat16" else np.asarray(feeds[name])
             if arr.dtype != np.dtype(desc.dtype):
                 # float->float and int->int convert (numpy defaults to float64); anything else is an error
                 if _kind(arr.dtype) != _kind(desc.dtype) or _kind(arr.dtype) not in "fiu":
@@ -66,18 +68,26 @@ class ExecutionContext:
                 ) -> dict[str, np.ndarray]:
         """Run one inference. `observe(name, tensor)`, if given, sees every tensor a layer produces."""
         env: dict[str, torch.Tensor] = self.check_inputs(feeds)
-        adopt_threads(self.threads)
-        with torch.inference_mode():
+        with engine_threads(self.threads), torch.inference_mode():
             self.interpreter.run(env, observe, profiler)
         return {t.name: _to_numpy(env[t.name], t.dtype) for t in self.plan.outputs}
 
 
-def adopt_threads(threads: int) -> None:
-    """Give the calling thread the engine's thread count. OpenMP keeps it per thread: a thread other than the one
-    that set it starts at OpenMP's default, every core, and kiln's C kernels size their teams and split their sums
-    by it, so a serving thread would oversubscribe the cores and round differently from a serial run."""
-    if threads and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+@contextlib.contextmanager
+def engine_threads(threads: int):
+    """The calling thread runs with the engine's thread count for the block, and gets its own back after. OpenMP
+    keeps the count per thread: a thread other than the one that set it starts at OpenMP's default, every core,
+    and kiln's C kernels size their teams and split their sums by it, so a serving thread would oversubscribe the
+    cores and round differently from a serial run."""
+    before = torch.get_num_threads()
+    if not threads or before == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _kind(dtype) -> str:

@@ -16,8 +16,7 @@ KILN_ONLY_ATTRS = {"activation", "padding_mode"}
 POOLS = ("MaxPool", "AveragePool")
 EXTERNAL_MIN_BYTES = 4096   # larger weights reach onnxruntime as external initializers: no protobuf copy
 ONNX_ELEM = {np.dtype(k): v for k, v in {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6,
-                                         "int64": 7, "bool": 9, "float16": 10, "float64": 11,
-                                         "bfloat16": 16}.items()}   # ml_dtypes' (kiln.ops.dtypes registers it)
+                                         "int64": 7, "bool": 9, "float16": 10, "float64": 11}.items()}
 
 
 def _attr(v: Any) -> Any:

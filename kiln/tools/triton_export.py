@@ -21,7 +21,6 @@ TRITON_DATA_TYPES: dict[str, str] = {
     "bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
     "uint64": "TYPE_UINT64", "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32",
     "int64": "TYPE_INT64", "float16": "TYPE_FP16", "float32": "TYPE_FP32", "float64": "TYPE_FP64",
-    "bfloat16": "TYPE_BF16",
 }
 MODEL_VERSION = "1"
 ENGINE_FILE, MODEL_FILE, CONFIG_FILE = "model.kiln", "model.py", "config.pbtxt"

@@ -114,3 +114,19 @@ def test_threads_take_the_engines_thread_count_not_openmps_default():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["mismatches", "0"], done.stdout
+
+
+def test_a_run_uses_the_engines_thread_count_and_gives_the_callers_back():
+    import torch
+
+    before = torch.get_num_threads()
+    engine = kiln.build(cnn(), autotune=False, threads=1)
+    seen = []
+    try:
+        torch.set_num_threads(2)   # the caller's own count, changed after the build
+        context = engine.create_execution_context()
+        feeds = {"x": np.zeros((1, 3, 16, 16), np.float32)}
+        context.execute(feeds, observe=lambda *_: seen.append(torch.get_num_threads()))
+        assert engine.threads == 1 and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
