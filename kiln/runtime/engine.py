@@ -21,7 +21,7 @@ class Engine:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.threads = torch.get_num_threads()   # when built or loaded (kiln.build(threads=), --threads): every
-        # thread running it uses this count (docs/reliability.md); set it to change the engine's
+        # thread running it uses this count (docs/reliability.md); contexts created later take a new value
         self._kernels = None
         self._lock = threading.Lock()
         self._default_context: ExecutionContext | None = None
