@@ -129,6 +129,7 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
         return proto, None
     from kiln.preprocess.calibration import calibrate
     from kiln.preprocess.fold import fold_batch_norms
+    from kiln.preprocess.widen import bfloat16_io
 
     allowed = options.precision
     if not allowed.int8:
@@ -140,7 +141,7 @@ def preprocess(model: str | os.PathLike | onnx.ModelProto,
                          "budget it feeds); add one of them, or drop --calib")
     if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in proto.graph.node):
         raise ModelError("the model already has Q/DQ nodes (explicit quantization); build it without --calib")
-    if _bfloat16_io(proto):
+    if bfloat16_io(proto):
         raise ModelError("--int8 --calib: calibration runs the model in onnxruntime, which takes no bfloat16 inputs "
                          "from Python; calibrate the model's float32 export")
     proto = fold_batch_norms(proto)   # calibrated and quantized as folded, as TensorRT calibrates after fusions
@@ -160,11 +161,6 @@ def _weakly_typed(proto: onnx.ModelProto) -> onnx.ModelProto:
                  "precision per layer%s", "/".join(widening.types), widening.summary(),
                  "" if "bfloat16" in widening.types else ", --strongly-typed computes in the model's types")
     return proto
-
-
-def _bfloat16_io(proto: onnx.ModelProto) -> bool:
-    return any(v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
-               for v in (*proto.graph.input, *proto.graph.output))
 
 
 def _strongly_typed(proto: onnx.ModelProto) -> onnx.ModelProto:

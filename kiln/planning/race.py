@@ -18,6 +18,7 @@ from kiln.plan.model import Layer
 from kiln.planning.accuracy import AccuracyBudget, cosine, random_input
 from kiln.planning.regions import plan_runner, apply_regions, choose_regions, unapply_regions
 from kiln.precision.policy import INT8_LAYERS, QDQ_OPS, REDUCED_FLOATS
+from kiln.preprocess.widen import bfloat16_io
 from kiln.tactics.autotune import Autotuner, robust_ms
 from kiln.tactics.clock import elapsed_ms
 from kiln.tactics.lower import Lowering, lower, node_view
@@ -142,8 +143,7 @@ def onnxruntime_reference(proto: onnx.ModelProto):
     """A function running the ORIGINAL model in onnxruntime (the ground truth plans are checked against), or None."""
     from kiln.optional import require
 
-    io = (*proto.graph.input, *proto.graph.output)
-    if any(v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for v in io):
+    if bfloat16_io(proto):
         log.debug("No onnxruntime reference for plan checks: its Python API takes no bfloat16 arrays")
         return None
     try:

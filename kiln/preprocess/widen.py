@@ -63,6 +63,11 @@ class _Counts:
         self.casts = 0
 
 
+def bfloat16_io(proto: onnx.ModelProto) -> bool:
+    """Whether a graph input or output is bfloat16 (onnxruntime's Python API takes and gives no such arrays)."""
+    return any(v.type.tensor_type.elem_type == TensorProto.BFLOAT16 for v in (*proto.graph.input, *proto.graph.output))
+
+
 def stores_bfloat16(proto: onnx.ModelProto) -> bool:
     """Whether the model holds bfloat16 anywhere (a scan: nothing is converted)."""
     return _has_reduced(proto, (TensorProto.BFLOAT16,))

@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.trt.layer_info import layer_info
 from kiln.ops.dtypes import is_float
 from kiln.plan.model import Plan
 from kiln.plan.serialize import load_plan, save_plan
 from kiln.runtime.executor import ExecutionContext, engine_threads, prepare_kernels
+from kiln.trt.layer_info import layer_info
 
 
 class Engine:

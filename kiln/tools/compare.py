@@ -22,7 +22,6 @@ import torch
 
 from kiln import optional
 from kiln.errors import InputError, ModelError
-from kiln.ops.dtypes import tensor_to_numpy
 
 REPORT_KIND, REPORT_VERSION = "kiln-compare-report", 1
 PURPOSE = "kiln compare"   # its reference outputs come from onnxruntime
@@ -272,7 +271,7 @@ def _producers(proto: onnx.ModelProto) -> dict[str, str]:
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype in (torch.bfloat16,):
         t = t.float()
-    return tensor_to_numpy(t.contiguous()).copy()
+    return t.contiguous().numpy().copy()
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
