@@ -41,55 +41,74 @@ from kiln.tactics.shuffle_c import PermuteCopyBf16Tactic, PermuteCopyTactic
 from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
+def _merged(*tables: dict[str, list[Tactic]]) -> dict[str, list[Tactic]]:
+    """One candidate list per op type from several tables, an op's lists joined in table order (a spatial ReduceMean
+    is both a global pool and a value-moving op for the bf16 reference): a later table never hides an earlier one's
+    tactics, as repeated keys in one dict literal would."""
+    merged: dict[str, list[Tactic]] = {}
+    for table in tables:
+        for op, tactics in table.items():
+            merged.setdefault(op, []).extend(tactics)
+    return merged
+
+
 # Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
-REGISTRY: dict[str, list[Tactic]] = {"Conv": [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(),
-                                              WinogradConvTactic(4), WinogradConvTactic(2), OneDnnBf16ConvTactic(),
-                                              Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
-                                              DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(),
-                                              Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(),
-                                              OneDnnConv1dTactic(), DirectConv1dBf16Tactic(), OneDnnBf16Conv1dTactic(),
-                                              OneDnnFp16Conv1dTactic()],
-                                     "ConvTranspose": [OneDnnDeconvTactic(), OneDnnBf16DeconvTactic(),
-                                                       OneDnnFp16DeconvTactic(), OneDnnDeconv1dTactic(),
-                                                       OneDnnBf16Deconv1dTactic(), OneDnnFp16Deconv1dTactic()],
-                                     "Gemm": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                              MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()],
-                                     "MatMul": [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                                MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(),
-                                                OneDnnFp16LinearTactic()],
-                                     "PointWise": [LookupTableTactic(), CodegenPointWiseTactic(),
-                                                   CodegenPointWiseBf16Tactic()],
-                                     "BatchNormalization": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
-                                     **{op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
-                                     "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic(), InterpolateResizeTactic(),
-                                                InterpolateResizeBf16Tactic()],
-                                     **{op: [LayerNormTactic(), LayerNormBf16Tactic()]
-                                        for op in ("LayerNormalization", "RMSNormalization")},
-                                     "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
-                                     **{op: [GroupNormTactic(), GroupNormBf16Tactic(), GroupNormNhwcTactic(),
-                                             GroupNormNhwcBf16Tactic()] for op in NORMS},
-                                     "QConv": [OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(),
-                                               QConvDirectTactic(), QConvGemmAmxTactic(), QConvDirectAmxTactic()],
-                                     "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
-                                     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(),
-                                                 QActMatMulTactic()],
-                                     "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],
-                                     "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
-                                     "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
-                                     "QSoftmax": [QuantizedSoftmaxTactic()],
-                                     "QConcat": [CopyRowsTactic()],   # its inputs' tables applied as it copies
-                                     "QLayerNorm": [QuantizedLayerNormTactic()],
-                                     "QuantizeLinear": [QuantizeLinearTactic()],
-                                     "DequantizeLinear": [QuantizeLinearTactic()],
-                                     "Attention": [AttentionTactic(), AttentionBf16Tactic(),
-                                                   Bf16AttentionTactic()],
-                                     **{op: [SoftmaxTactic(), SoftmaxBf16Tactic()] for op in SOFTMAX_OPS},
-                                     "RotaryEmbedding": [RotaryTactic(), RotaryBf16Tactic()],
-                                     **{op: [CodegenPointWiseBf16Tactic()] for op in SINGLE_OPS},
-                                     **{op: ([PermuteCopyTactic(), PermuteCopyBf16Tactic()] if op == "Shuffle" else [])
-                                        + [Bf16ReferenceTactic()]
-                                        + ([CopyRowsTactic(), CopyRowsBf16Tactic()] if op in COPY_OPS else [])
-                                        for op in BF16_OPS}}
+CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(), WinogradConvTactic(4),
+                              WinogradConvTactic(2), OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
+                              DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(), DirectConvAmxTactic(), WinogradBf16Tactic(),
+                              OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(),
+                              DirectConv1dTactic(), OneDnnConv1dTactic(), DirectConv1dBf16Tactic(),
+                              OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()]
+PRODUCT_TACTICS: list[Tactic] = [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
+                                 MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()]
+LAYER_TACTICS: dict[str, list[Tactic]] = {
+    "Conv": CONV_TACTICS,
+    "ConvTranspose": [OneDnnDeconvTactic(), OneDnnBf16DeconvTactic(), OneDnnFp16DeconvTactic(), OneDnnDeconv1dTactic(),
+                      OneDnnBf16Deconv1dTactic(), OneDnnFp16Deconv1dTactic()],
+    "Gemm": PRODUCT_TACTICS,
+    "MatMul": PRODUCT_TACTICS,
+    "PointWise": [LookupTableTactic(), CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
+    "BatchNormalization": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
+    "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic(), InterpolateResizeTactic(), InterpolateResizeBf16Tactic()],
+    "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
+    "RMSNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
+    "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
+    "QConv": [OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(), QConvDirectTactic(),
+              QConvGemmAmxTactic(), QConvDirectAmxTactic()],
+    "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
+    "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(), QActMatMulTactic()],
+    "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],
+    "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
+    "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
+    "QSoftmax": [QuantizedSoftmaxTactic()],
+    "QConcat": [CopyRowsTactic()],   # its inputs' tables applied as it copies
+    "QLayerNorm": [QuantizedLayerNormTactic()],
+    "QuantizeLinear": [QuantizeLinearTactic()],
+    "DequantizeLinear": [QuantizeLinearTactic()],
+    "Attention": [AttentionTactic(), AttentionBf16Tactic(), Bf16AttentionTactic()],
+    "RotaryEmbedding": [RotaryTactic(), RotaryBf16Tactic()],
+}
+
+
+def _merged(*tables: dict[str, list[Tactic]]) -> dict[str, list[Tactic]]:
+    """One candidate list per op type, an op's lists joined in table order: an op in two tables (a spatial
+    ReduceMean is a global pool and also a bf16 reference op) keeps both tables' tactics, where repeated keys in
+    one dict literal would silently keep only the last."""
+    merged: dict[str, list[Tactic]] = {}
+    for table in tables:
+        for op, tactics in table.items():
+            merged.setdefault(op, []).extend(tactics)
+    return merged
+
+
+REGISTRY: dict[str, list[Tactic]] = _merged(
+    LAYER_TACTICS,
+    {op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
+    {op: [GroupNormTactic(), GroupNormBf16Tactic(), GroupNormNhwcTactic(), GroupNormNhwcBf16Tactic()] for op in NORMS},
+    {op: [SoftmaxTactic(), SoftmaxBf16Tactic()] for op in SOFTMAX_OPS},
+    {op: [CodegenPointWiseBf16Tactic()] for op in SINGLE_OPS},
+    {op: ([PermuteCopyTactic(), PermuteCopyBf16Tactic()] if op == "Shuffle" else []) + [Bf16ReferenceTactic()]
+     + ([CopyRowsTactic(), CopyRowsBf16Tactic()] if op in COPY_OPS else []) for op in BF16_OPS})
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
 ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")

@@ -243,3 +243,31 @@ def test_bf16_global_pools_accumulate_wide_and_round_once(op, x_dtype, y_dtype, 
     assert got.dtype == want.dtype and got.shape == (2, 100, 1, 1)
     assert torch.equal(got.float().nan_to_num(9.0), want.float().nan_to_num(9.0))
     assert bool(got[1, 7].isnan()) and int(got.float().isnan().sum()) == 1
+
+
+def test_a_dynamo_exported_global_average_runs_on_the_pool_kernel_in_an_engine():
+    """torch.onnx's dynamo exporter writes adaptive_avg_pool2d(x, 1) as ReduceMean with opset 18's axes input,
+    then Reshape and Gemm: the engine offers that ReduceMean the pool kernel (first in registry order, so chosen
+    without timing) as it does a GlobalAveragePool, and the result equals onnxruntime's."""
+    import kiln
+    from kiln.tactics.registry import REGISTRY
+    from tests.conftest import assert_close_to_ort, rand
+
+    for op in ("ReduceMean", "ReduceMax"):   # the pool tactics and the bf16 reference both stay candidates
+        assert [t.name for t in REGISTRY[op]] == ["kiln.pool2d_nhwc", "kiln.pool2d_nhwc_bf16", "torch.reference_bf16"]
+    init = lambda name, a: helper.make_tensor(name, TensorProto.FLOAT if a.dtype == np.float32 else TensorProto.INT64,
+                                              a.shape, a.reshape(-1).tolist())
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="node_conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="node_relu"),
+             helper.make_node("ReduceMean", ["r", "axes"], ["mean"], keepdims=1, name="node_mean"),
+             helper.make_node("Reshape", ["mean", "shape"], ["flat"], name="node_view"),
+             helper.make_node("Gemm", ["flat", "fc"], ["y"], transB=1, name="node_linear")]
+    inits = [init("w", rand((24, 8, 3, 3), 1) * 0.2), init("axes", np.array([-1, -2], np.int64)),
+             init("shape", np.array([1, 24], np.int64)), init("fc", rand((10, 24), 2))]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 14, 14])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], inits, opset=18)
+    engine = kiln.build(model, tactic_sources="kiln,torch", autotune=False)
+    chosen = {layer.name: layer.tactic_name for layer in engine.plan.layers}
+    assert chosen["node_mean"] == "kiln.pool2d_nhwc", chosen
+    feeds = {"x": rand((1, 8, 14, 14), 3)}
+    assert_close_to_ort(engine.run(feeds)["y"], run_ort(model, feeds)[0])
