@@ -186,6 +186,51 @@ store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out
   _mm_mask_storeu_epi8(out, mask, e->table ? mapped16(q, e->table) : q);
 }
 
+/* The common epilogue (INT8 output, no mid rounding, table or activation function; bias, clamp and an INT8
+   residual), with its per-column vectors and constants loaded once per tile or panel: store16 reloads every field
+   for every row, as its byte stores may alias them (15% of a K=64 1x1 convolution on Zen 4). The same steps in the
+   same order as store16, so the bytes are the same; a missing bias adds zeros, which no rounding can tell apart. */
+typedef struct {
+  __m512i comp[2], r_zp;
+  __m512 scale[2], bias[2], clamp_lo, clamp_hi, r_scale;
+  float y_scale, y_lo, y_hi;
+  int32_t y_zp, r_signed;
+} QPlain;
+
+static inline int plain_epilogue(const QEpilogue* e, const void* res) {
+  return e->out_kind != OUT_F32 && e->mid_kind == OUT_F32 && !e->table && e->act == 0 &&
+         (!res || e->r_kind != OUT_F32);
+}
+
+static inline QPlain plain_columns(const QEpilogue* e, int64_t col) {   /* col: a panel's first (32 padded) */
+  QPlain p;
+  for (int h = 0; h < 2; ++h) {
+    p.comp[h] = _mm512_loadu_si512(e->comp + col + 16 * h);
+    p.scale[h] = _mm512_loadu_ps(e->scale + col + 16 * h);
+    p.bias[h] = e->bias ? _mm512_loadu_ps(e->bias + col + 16 * h) : _mm512_setzero_ps();
+  }
+  p.clamp_lo = _mm512_set1_ps(e->clamp_lo);
+  p.clamp_hi = _mm512_set1_ps(e->clamp_hi);
+  p.r_scale = _mm512_set1_ps(e->r_scale);
+  p.r_zp = _mm512_set1_epi32(e->r_zp);
+  p.y_scale = e->y_scale, p.y_lo = e->y_lo, p.y_hi = e->y_hi, p.y_zp = e->y_zp, p.r_signed = e->r_kind == OUT_S8;
+  return p;
+}
+
+/* store16 for half h (columns 16h..16h+15 of the panel) under QPlain. */
+static inline __attribute__((always_inline)) void
+store16_plain(__m512i acc, const QPlain* p, int h, const uint8_t* res, uint8_t* out, __mmask16 mask) {
+  __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, p->comp[h])), p->scale[h]);
+  y = _mm512_add_ps(y, p->bias[h]);
+  if (res) {
+    const __m128i bytes = _mm_maskz_loadu_epi8(mask, res);
+    const __m512i r = p->r_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(r, p->r_zp)), p->r_scale, y);
+  }
+  y = _mm512_min_ps(_mm512_max_ps(y, p->clamp_lo), p->clamp_hi);
+  _mm_mask_storeu_epi8(out, mask, _mm512_cvtepi32_epi8(quantize16(y, p->y_scale, p->y_zp, p->y_lo, p->y_hi)));
+}
+
 static inline uint32_t quad(const uint8_t* p) {
   uint32_t v;
   memcpy(&v, p, sizeof v);
@@ -272,6 +317,15 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b
   }
   const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
   const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+  if (plain_epilogue(e, res)) {
+    const QPlain p = plain_columns(e, col0);
+    for (int i = 0; i < rows; ++i) {
+      const uint8_t* r = res ? res + i * ldr_bytes : 0;
+      store16_plain(acc[i][0], &p, 0, r, c + i * ldc_bytes, lo);
+      if (hi) store16_plain(acc[i][1], &p, 1, r ? r + 16 : 0, c + i * ldc_bytes + 16, hi);
+    }
+    return;
+  }
   for (int i = 0; i < rows; ++i) {
     uint8_t* row = c + i * ldc_bytes;
     const uint8_t* r = res ? res + i * ldr_bytes : 0;

@@ -47,6 +47,16 @@ static void qamx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const int8_t
     const int64_t cols = n - nb * NR < NR ? n - nb * NR : NR;
     const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+    if (plain_epilogue(e, res)) {   /* INT8 out, 1-byte residual: no element sizes to scale by */
+      const QPlain p = plain_columns(e, nb * NR);
+      for (int64_t i = 0; i < mr; ++i) {
+        const uint8_t* r = res ? res + i * ldc + nb * NR : 0;
+        store16_plain(_mm512_loadu_si512(out + i * NR), &p, 0, r, c + i * ldc + nb * NR, lo);
+        if (hi) store16_plain(_mm512_loadu_si512(out + i * NR + 16), &p, 1, r ? r + 16 : 0, c + i * ldc + nb * NR + 16,
+                              hi);
+      }
+      continue;
+    }
     for (int64_t i = 0; i < mr; ++i) {
       uint8_t* row = c + (i * ldc + nb * NR) * esize;
       const uint8_t* r = res ? res + (i * ldc + nb * NR) * res_size(e) : 0;
