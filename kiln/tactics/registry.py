@@ -41,32 +41,21 @@ from kiln.tactics.shuffle_c import PermuteCopyBf16Tactic, PermuteCopyTactic
 from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxBf16Tactic, SoftmaxTactic
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
-def _merged(*tables: dict[str, list[Tactic]]) -> dict[str, list[Tactic]]:
-    """One candidate list per op type from several tables, an op's lists joined in table order (a spatial ReduceMean
-    is both a global pool and a value-moving op for the bf16 reference): a later table never hides an earlier one's
-    tactics, as repeated keys in one dict literal would."""
-    merged: dict[str, list[Tactic]] = {}
-    for table in tables:
-        for op, tactics in table.items():
-            merged.setdefault(op, []).extend(tactics)
-    return merged
 
-
-# Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
-CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(), WinogradConvTactic(4),
-                              WinogradConvTactic(2), OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
-                              DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(), DirectConvAmxTactic(), WinogradBf16Tactic(),
-                              OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(),
-                              DirectConv1dTactic(), OneDnnConv1dTactic(), DirectConv1dBf16Tactic(),
-                              OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()]
-PRODUCT_TACTICS: list[Tactic] = [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                 MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()]
-LAYER_TACTICS: dict[str, list[Tactic]] = {
-    "Conv": CONV_TACTICS,
+_CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(), WinogradConvTactic(4),
+                               WinogradConvTactic(2), OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
+                               DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(), DirectConvAmxTactic(),
+                               WinogradBf16Tactic(), OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(),
+                               Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(), OneDnnConv1dTactic(),
+                               DirectConv1dBf16Tactic(), OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()]
+_PRODUCT_TACTICS: list[Tactic] = [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
+                                  MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()]
+_LAYER_TACTICS: dict[str, list[Tactic]] = {
+    "Conv": _CONV_TACTICS,
     "ConvTranspose": [OneDnnDeconvTactic(), OneDnnBf16DeconvTactic(), OneDnnFp16DeconvTactic(), OneDnnDeconv1dTactic(),
                       OneDnnBf16Deconv1dTactic(), OneDnnFp16Deconv1dTactic()],
-    "Gemm": PRODUCT_TACTICS,
-    "MatMul": PRODUCT_TACTICS,
+    "Gemm": _PRODUCT_TACTICS,
+    "MatMul": _PRODUCT_TACTICS,
     "PointWise": [LookupTableTactic(), CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
     "BatchNormalization": [CodegenPointWiseTactic(), CodegenPointWiseBf16Tactic()],
     "Resize": [NhwcResizeTactic(), NhwcResizeBf16Tactic(), InterpolateResizeTactic(), InterpolateResizeBf16Tactic()],
@@ -101,8 +90,9 @@ def _merged(*tables: dict[str, list[Tactic]]) -> dict[str, list[Tactic]]:
     return merged
 
 
+# Candidates per op type in preference order, then the generic ones every op may use. The autotuner times them.
 REGISTRY: dict[str, list[Tactic]] = _merged(
-    LAYER_TACTICS,
+    _LAYER_TACTICS,
     {op: [NhwcPoolTactic(), NhwcPoolBf16Tactic()] for op in POOL_OPS},
     {op: [GroupNormTactic(), GroupNormBf16Tactic(), GroupNormNhwcTactic(), GroupNormNhwcBf16Tactic()] for op in NORMS},
     {op: [SoftmaxTactic(), SoftmaxBf16Tactic()] for op in SOFTMAX_OPS},

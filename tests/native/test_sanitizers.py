@@ -85,9 +85,9 @@ def sanitizer_runtime(compiler: str) -> str:
 
 def sanitized_run(args: list[str], runtime: str, cache: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
-    # No fake stacks: libasan before LLVM's fix of August 2025 (llvm-project#152819; gcc 13's runtime turns them
-    # on by default, gcc 12's does not) places frames misaligned, and a 64-byte AVX-512 spill (vmovaps zmm) there
-    # faults where nothing is out of bounds. Heap, global and real-stack checks stay on.
+    # No use-after-return fake stacks: libasan before LLVM's fix of August 2025 (llvm-project#152819, relanded as
+    # #153142; gcc 13's runtime turns them on by default, gcc 12's does not) misaligns their frames, and a 64-byte
+    # aligned local stored with vmovaps zmm faults there where nothing is out of bounds. Other checks stay on.
     env.update(LD_PRELOAD=runtime, KILN_NATIVE_SANITIZE="1", KILN_CACHE_DIR=str(cache),
                ASAN_OPTIONS="detect_leaks=0:detect_stack_use_after_return=0", UBSAN_OPTIONS="print_stacktrace=1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

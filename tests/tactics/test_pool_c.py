@@ -251,12 +251,10 @@ def test_a_dynamo_exported_global_average_runs_on_the_pool_kernel_in_an_engine()
     without timing) as it does a GlobalAveragePool, and the result equals onnxruntime's."""
     import kiln
     from kiln.tactics.registry import REGISTRY
-    from tests.conftest import assert_close_to_ort, rand
+    from tests.conftest import assert_close_to_ort, init, rand
 
     for op in ("ReduceMean", "ReduceMax"):   # the pool tactics and the bf16 reference both stay candidates
         assert [t.name for t in REGISTRY[op]] == ["kiln.pool2d_nhwc", "kiln.pool2d_nhwc_bf16", "torch.reference_bf16"]
-    init = lambda name, a: helper.make_tensor(name, TensorProto.FLOAT if a.dtype == np.float32 else TensorProto.INT64,
-                                              a.shape, a.reshape(-1).tolist())
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="node_conv"),
              helper.make_node("Relu", ["c"], ["r"], name="node_relu"),
              helper.make_node("ReduceMean", ["r", "axes"], ["mean"], keepdims=1, name="node_mean"),

@@ -197,12 +197,15 @@ typedef struct {
   int32_t y_zp, r_signed;
 } QPlain;
 
+/* Whether store16_plain stores store16's bytes for `e` and a residual `res` (NULL: none). */
 static inline int plain_epilogue(const QEpilogue* e, const void* res) {
   return e->out_kind != OUT_F32 && e->mid_kind == OUT_F32 && !e->table && e->act == 0 &&
          (!res || e->r_kind != OUT_F32);
 }
 
-static inline QPlain plain_columns(const QEpilogue* e, int64_t col) {   /* col: a panel's first (32 padded) */
+/* A panel's column vectors from its first column `col` (the arrays are padded to whole panels) and the
+   epilogue's constants, broadcast once. */
+static inline QPlain plain_columns(const QEpilogue* e, int64_t col) {
   QPlain p;
   for (int h = 0; h < 2; ++h) {
     p.comp[h] = _mm512_loadu_si512(e->comp + col + 16 * h);
