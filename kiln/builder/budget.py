@@ -17,7 +17,7 @@ import torch
 
 from kiln.builder.options import BuildOptions
 from kiln.ir import Graph
-from kiln.ops.dtypes import raw_bfloat16, tensor_from_numpy
+from kiln.ops.dtypes import tensor_from_numpy
 from kiln.planning.accuracy import KEPT_FP32_REASON, AccuracyBudget, BudgetReport, keep_fp32, meet_budget, \
     plan_outputs, random_input
 from kiln.planning.int8_budget import Int8BudgetReport, Scored, fewest_kept_fp32, score_over_batches
@@ -160,7 +160,7 @@ def budget_batches(g: Graph, options: BuildOptions, count: int) -> list[dict[str
         ranks = {v.name: len(v.shape) for v in g.inputs if v.shape is not None}
         static = {v.name: v.shape[0] for v in g.inputs if v.shape and isinstance(v.shape[0], int)}
         batches = load_calibration_data(data, [v.name for v in g.inputs], ranks, static)[:count]
-        return [{name: tensor_from_numpy(np.ascontiguousarray(raw_bfloat16(array))) for name, array in batch.items()}
+        return [{name: tensor_from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
                 for batch in batches]
     log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
     return [{v.name: random_input(v, seed) for v in g.inputs} for seed in range(count)]

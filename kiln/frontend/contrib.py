@@ -51,7 +51,7 @@ def _standard_qdq(u: Unfolder) -> None:
 def _cast_like(u: Unfolder) -> None:
     """CastLike (opset 15): a Cast to the element type of input 1, which shape inference knows."""
     target = u.type_of(u.input(1))
-    if target is None or not target[0]:
+    if target is None:   # _known_ranks records known element types only
         u.refuse(f"the element type of its target '{u.input(1)}' is not known at import")
     attrs = {"saturate": u.attrs["saturate"]} if "saturate" in u.attrs else {}
     u.op("Cast", [u.input(0)], "cast", u.output(0), to=target[0], **attrs)
@@ -148,9 +148,7 @@ def _embed_layer_norm(u: Unfolder) -> None:
             counted = u.op("Cast", [u.input(7)], "mask_int", to=TensorProto.INT32)
             u.op("ReduceSum", [counted, u.const("mask_axes", [1], np.int64)], "mask_index", u.output(1), keepdims=0)
         else:
-            shape = u.op("Shape", [ids], "ids_shape")
-            batch = u.op("Slice", [shape, u.const("b0", [0], np.int64), u.const("b1", [1], np.int64)], "batch")
-            u.op("ConstantOfShape", [batch], "mask_index", u.output(1),
+            u.op("ConstantOfShape", [u.shape_part(ids, 0, 1, "batch")], "mask_index", u.output(1),
                  value=numpy_helper.from_array(np.zeros(1, np.int32)))
 
 

@@ -354,8 +354,8 @@ def _agree(got: list, want: list, rel: float = 1e-3, min_cosine: float | None = 
     round differently (one step moves a value by a whole scale), so float outputs need that cosine instead. An
     output stored in bfloat16 may also differ by one of its rounding steps per element (up to 2^-7 of it): two
     plans a millionth apart in FP32 round to neighbouring bfloat16 values."""
-    rounding = [2.0 ** -7 if a.dtype == torch.bfloat16 else 0.0 for a in got]
-    for k, (a, b) in enumerate(zip(got, want)):
+    for a, b in zip(got, want):
+        bf16 = a.dtype == torch.bfloat16
         a, b = a.double() if a.is_floating_point() else a, b.double() if b.is_floating_point() else b
         if a.shape != b.shape:
             return False
@@ -364,7 +364,7 @@ def _agree(got: list, want: list, rel: float = 1e-3, min_cosine: float | None = 
                 return False
         elif a.is_floating_point():
             scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-6)
-            if bool(((a - b).abs() > rel * scale + rounding[k] * b.abs()).any()):
+            if bool(((a - b).abs() > rel * scale + (2.0 ** -7 * b.abs() if bf16 else 0.0)).any()):
                 return False
         elif not torch.equal(a, b):
             return False

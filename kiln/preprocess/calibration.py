@@ -28,6 +28,7 @@ from onnx import helper, numpy_helper
 from kiln import optional
 from kiln.errors import ArtifactError, InputError, ModelError
 from kiln.fileio import atomic_write_text
+from kiln.ops.dtypes import raw_bfloat16
 
 METHODS = ("minmax", "entropy", "percentile")
 PURPOSE = "INT8 calibration from data (--int8 --calib DATA)"   # a .json calibration cache needs no onnxruntime
@@ -89,7 +90,7 @@ def load_calibration_data(path: str | os.PathLike, input_names: Iterable[str],
 def _read_npz(path: Path, names: list[str]) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
+            arrays = {k: raw_bfloat16(data[k]) for k in data.files}   # bfloat16 arrays come back as raw |V2
     except (OSError, ValueError, EOFError) as exc:
         raise InputError(f"{path}: cannot read calibration data ({exc}); expected an .npz with one array per "
                          "input name") from None

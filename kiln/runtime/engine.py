@@ -64,7 +64,7 @@ class Engine:
         Layers inside an external-library region are seen as one (its outputs)."""
         for name, value in feeds.items():
             arr = np.asarray(value)
-            if is_float(arr.dtype) and not np.isfinite(arr.astype(np.float32)).all():
+            if is_float(arr.dtype) and not np.isfinite(arr).all():   # ml_dtypes' bfloat16 has its own isfinite
                 return "(input)", name, int(np.isnan(arr).sum()), int(np.isinf(arr).sum())
         producer = {t.name: l.name for l in self.plan.layers for t in l.outputs}
         found: list = []

@@ -33,7 +33,7 @@ def prepare_kernels(plan: Plan) -> list[Kernel]:
 class ExecutionContext:
     """Runs inferences. Each context owns its activations; share one engine across threads, one context each."""
 
-    def __init__(self, plan: Plan, kernels: list[Kernel], profile: int | None = None, threads: int = 0):
+    def __init__(self, plan: Plan, kernels: list[Kernel], profile: int | None, threads: int):
         self.plan, self.kernels, self.threads = plan, kernels, threads
         if profile is not None and not 0 <= profile < max(1, len(plan.profiles)):
             raise InputError(f"optimization profile {profile} does not exist; the engine has "

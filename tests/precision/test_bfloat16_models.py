@@ -139,6 +139,7 @@ def test_bfloat16_arrays_cross_into_torch_and_back_bit_for_bit():
     a = np.array([1.5, -0.0078125, np.inf, 3.0e38], dtype=BF16)
     t = tensor_from_numpy(a)
     assert t.dtype == torch.bfloat16 and torch.equal(t.view(torch.int16), torch.from_numpy(a.view(np.int16)))
+    assert torch.equal(t.float(), torch.from_numpy(a.astype(np.float32)))   # torch's widening and ml_dtypes' agree
     back = tensor_to_numpy(t)
     assert back.dtype == BF16 and np.array_equal(back.view(np.int16), a.view(np.int16))
     assert tensor_from_numpy(np.ones(3, np.float32)).dtype == torch.float32

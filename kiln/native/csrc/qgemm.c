@@ -234,6 +234,14 @@ store16_plain(__m512i acc, const QPlain* p, int h, const uint8_t* res, uint8_t* 
   _mm_mask_storeu_epi8(out, mask, _mm512_cvtepi32_epi8(quantize16(y, p->y_scale, p->y_zp, p->y_lo, p->y_hi)));
 }
 
+/* One row of a panel under QPlain: its two halves of sums (the second stored only where `hi` has columns). */
+static inline __attribute__((always_inline)) void
+store32_plain(__m512i acc0, __m512i acc1, const QPlain* p, const uint8_t* res, uint8_t* out, __mmask16 lo,
+              __mmask16 hi) {
+  store16_plain(acc0, p, 0, res, out, lo);
+  if (hi) store16_plain(acc1, p, 1, res ? res + 16 : 0, out + 16, hi);
+}
+
 static inline uint32_t quad(const uint8_t* p) {
   uint32_t v;
   memcpy(&v, p, sizeof v);
@@ -322,11 +330,8 @@ qtile(const uint8_t* const* a, int64_t segs, int64_t k, const int8_t* restrict b
   const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
   if (plain_epilogue(e, res)) {
     const QPlain p = plain_columns(e, col0);
-    for (int i = 0; i < rows; ++i) {
-      const uint8_t* r = res ? res + i * ldr_bytes : 0;
-      store16_plain(acc[i][0], &p, 0, r, c + i * ldc_bytes, lo);
-      if (hi) store16_plain(acc[i][1], &p, 1, r ? r + 16 : 0, c + i * ldc_bytes + 16, hi);
-    }
+    for (int i = 0; i < rows; ++i)
+      store32_plain(acc[i][0], acc[i][1], &p, res ? res + i * ldr_bytes : 0, c + i * ldc_bytes, lo, hi);
     return;
   }
   for (int i = 0; i < rows; ++i) {

@@ -1,5 +1,5 @@
 /* kiln_qgemm and kiln_qconv on AMX-INT8 tiles (amx.h's blocking, `tdpbusd`), part of qgemm.c's VNNI section (it
-   uses that file's QGemmCall, QConvCall, store16, QPlain and store16_plain, out_size and res_size;
+   uses that file's QGemmCall, QConvCall, store16, QPlain and store32_plain, out_size and res_size;
    kiln.tactics.qgemm_amx is the Python side).
 
    A block of 32 rows is packed once as u8 quads, [32][kq] with kq a whole number of 16-quad tile steps (zero
@@ -50,12 +50,9 @@ static void qamx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const int8_t
     const __mmask16 hi = cols >= NR ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
     if (plain_epilogue(e, res)) {   /* INT8 out, 1-byte residual: no element sizes to scale by */
       const QPlain p = plain_columns(e, nb * NR);
-      for (int64_t i = 0; i < mr; ++i) {
-        uint8_t* row = c + i * ldc + nb * NR;
-        const uint8_t* r = res ? res + i * ldc + nb * NR : 0;
-        store16_plain(_mm512_loadu_si512(out + i * NR), &p, 0, r, row, lo);
-        if (hi) store16_plain(_mm512_loadu_si512(out + i * NR + 16), &p, 1, r ? r + 16 : 0, row + 16, hi);
-      }
+      for (int64_t i = 0; i < mr; ++i)
+        store32_plain(_mm512_loadu_si512(out + i * NR), _mm512_loadu_si512(out + i * NR + 16), &p,
+                      res ? res + i * ldc + nb * NR : 0, c + i * ldc + nb * NR, lo, hi);
       continue;
     }
     for (int64_t i = 0; i < mr; ++i) {
