@@ -202,11 +202,8 @@ def _attend_qkv(u: Unfolder, qkv: str, sizes: list[int], mask: str | None, atten
     if u.input(2):
         qkv = u.op("Add", [qkv, u.input(2)], "qkv_bias")
     u.op("Split", [qkv, u.const("split", sizes, np.int64)], "split", [f"{u.name}/{p}:0" for p in "qkv"], axis=-1)
-    q, k, v = (u.op("Reshape", [f"{u.name}/{p}:0", u.const(f"{p}_heads", [0, 0, heads, s // heads], np.int64)],
-                    f"{p}_heads") for p, s in zip("qkv", sizes))
-    q = u.op("Transpose", [q], "q_bnsh", perm=[0, 2, 1, 3])
-    k = u.op("Transpose", [k], "k_bnhs", perm=[0, 2, 3, 1])
-    v = u.op("Transpose", [v], "v_bnsh", perm=[0, 2, 1, 3])
+    q, k, v = (u.split_heads(f"{u.name}/{p}:0", p, heads, s // heads, keys_transposed=p == "k")
+               for p, s in zip("qkv", sizes))
     scale = float(u.attrs.get("scale", 1.0 / math.sqrt(sizes[0] // heads)))
     _attend(u, q, k, v, scale, _mask_bias(u, mask, u.input(0)), attention_bias)
 
@@ -221,12 +218,11 @@ def _attend(u: Unfolder, q: str, k: str, v: str, scale: float | str, mask_bias: 
         if bias:
             scores = u.op("Add", [scores, bias], tag)
     probs = u.op("Softmax", [scores], "softmax", axis=-1)
-    context = u.op("Transpose", [u.op("MatMul", [probs, v], "context")], "context_bsnh", perm=[0, 2, 1, 3])
-    u.op("Reshape", [context, u.const("merge", [0, 0, -1], np.int64)], "merge", u.output(0))
+    u.merge_heads(u.op("MatMul", [probs, v], "context"), u.output(0))
 
 
 def _weight_width(u: Unfolder) -> int:
-    width = u.widths.get(u.input(1))
+    width = u.weight_width(1)
     if width is None or width % 3:
         u.refuse("without qkv_hidden_sizes its weights must be a constant whose width divides by three")
     return width
@@ -287,17 +283,13 @@ def _multi_head_attention(u: Unfolder) -> None:
         u.op("Split", [u.input(3), sizes], "bias_split", [f"{u.name}/{p}_bias:0" for p in "qkv"], axis=0)
         query, key, value = (u.op("Add", [x, f"{u.name}/{p}_bias:0"], f"{p}_add_bias")
                              for p, x in zip("qkv", (query, key, value)))
-    q, k, v = (u.op("Reshape", [x, u.const(f"{p}_heads", [0, 0, heads, -1], np.int64)], f"{p}_heads")
-               for p, x in zip("qkv", (query, key, value)))
-    q = u.op("Transpose", [q], "q_bnsh", perm=[0, 2, 1, 3])
-    k = u.op("Transpose", [k], "k_bnhs", perm=[0, 2, 3, 1])
-    v = u.op("Transpose", [v], "v_bnsh", perm=[0, 2, 1, 3])
+    q, k, v = (u.split_heads(x, p, heads, keys_transposed=p == "k") for p, x in zip("qkv", (query, key, value)))
     if "scale" in u.attrs:
         scale = float(u.attrs["scale"])
     else:   # 1 / sqrt(D / num_heads)
         head = u.op("Div", [u.op("Cast", [widths[0]], "width_float", to=TensorProto.FLOAT),
                             u.const("num_heads", [float(heads)])], "head_size")
-        scale = u.op("Reciprocal", [u.op("Sqrt", [head], "head_sqrt")], "scale_value")
+        scale = u.inverse_sqrt(head, "scale")
     _attend(u, q, k, v, scale, _mask_bias(u, u.input(4), key), u.input(5))
 
 
@@ -334,7 +326,6 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
     declared: dict[str, int] = {}   # the ranks of the contrib nodes' outputs, for inference past them
     types: dict[str, tuple[int, tuple | None]] = {}   # element type and dims (int, dim_param or None) if inferred
     ranks = _known_ranks(out, out.graph.node, declared, types)
-    widths = {t.name: int(t.dims[-1]) for t in out.graph.initializer if t.dims}   # each initializer's last dim
     weights = {t.name: t for t in out.graph.initializer}
     nodes, counts, shared, prefixes = [], {}, {}, set()
     opsets = {imp.domain or "": imp.version for imp in out.opset_import}
@@ -344,9 +335,10 @@ def unfold_contrib_ops(proto: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(node)
             continue
         # a value after an earlier contrib node has no inferred rank until that node is unfolded
-        u = Unfolder(node, ranks, widths, shared,
-                     lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared, types), weights, types,
-                     opsets.get("" if node.domain == "ai.onnx" else node.domain, 1), _prefix(node, i, prefixes))
+        u = Unfolder(node, ranks=ranks, types=types, shared=shared, weights=weights,
+                     infer=lambda: _known_ranks(out, nodes + list(out.graph.node[i:]), declared, types),
+                     opset=opsets.get("" if node.domain == "ai.onnx" else node.domain, 1),
+                     prefix=_prefix(node, i, prefixes))
         unfold(u)
         if unfold is not _standard_qdq and any(x not in ranks for x in node.input[:2] if x):
             ranks.update(u.infer())   # (a Q/DQ needs no rank: inferring after each of thousands is quadratic)

@@ -60,8 +60,7 @@ def unfold_onnx_attention(u: Unfolder) -> None:
     out = u.op("MatMul", [probs, v], "context", u.output(0) if rank == 4 else None)
     if rank == 4:
         return
-    merged = u.op("Transpose", [out], "context_bsnh", perm=[0, 2, 1, 3])
-    u.op("Reshape", [merged, u.const("merge", [0, 0, -1], np.int64)], "merge", u.output(0))
+    u.merge_heads(out, u.output(0))
 
 
 def _bnsh(u: Unfolder, x: str, part: str, rank: int) -> str:
@@ -75,8 +74,7 @@ def _bnsh(u: Unfolder, x: str, part: str, rank: int) -> str:
     heads = int(u.attrs.get("q_num_heads" if part == "q" else "kv_num_heads", 0))
     if heads <= 0:
         u.refuse("3-D Q, K and V need the q_num_heads and kv_num_heads attributes")
-    split = u.op("Reshape", [x, u.const(f"{part}_heads", [0, 0, heads, -1], np.int64)], f"{part}_heads")
-    return u.op("Transpose", [split], f"{part}_bnsh", perm=[0, 2, 1, 3])
+    return u.split_heads(x, part, heads)
 
 
 def _head_counts(u: Unfolder, rank: int) -> tuple:
@@ -124,8 +122,7 @@ def _scale(u: Unfolder, q: str, rank: int) -> str:
     width = _dim(u, u.input(0), rank - 1)
     if isinstance(width, int) and width > 0:
         return u.const("scale", 1.0 / float(np.sqrt(width // (int(u.attrs["q_num_heads"]) if rank == 3 else 1))))
-    head = u.op("Cast", [u.shape_part(q, 3, 4, "head_size")], "head_float", to=FLOAT)
-    return u.op("Reciprocal", [u.op("Sqrt", [head], "head_sqrt")], "scale_value")
+    return u.inverse_sqrt(u.op("Cast", [u.shape_part(q, 3, 4, "head_size")], "head_float", to=FLOAT), "scale")
 
 
 def _bias(u: Unfolder, q: str, k: str) -> str | None:

@@ -14,15 +14,14 @@ UNFOLDED_KEY = "kiln.unfolded_from"   # an unfolded node's metadata: the node it
 class Unfolder:
     """Writes the nodes and constants standing for one unfolded node."""
 
-    def __init__(self, node: onnx.NodeProto, ranks: dict[str, int], widths: dict[str, int],
-                 shared: dict | None = None, infer=None, weights: dict[str, onnx.TensorProto] | None = None,
-                 types: dict[str, tuple[int, tuple | None]] | None = None, opset: int = 1, prefix: str | None = None):
-        self.src, self.ranks, self.widths, self.weights = node, ranks, widths, weights or {}
-        self.types = {} if types is None else types   # element type and dims where inference knows them
+    def __init__(self, node: onnx.NodeProto, *, ranks: dict[str, int], types: dict[str, tuple[int, tuple | None]],
+                 infer, weights: dict[str, onnx.TensorProto], shared: dict, opset: int, prefix: str):
+        self.src, self.ranks, self.weights = node, ranks, weights
+        self.types = types   # element type and dims where inference knows them
         self.infer = infer   # more ranks (and types): shape inference through the nodes unfolded so far
-        self.shared = {} if shared is None else shared   # values later nodes may reuse (a raw mask's bias)
+        self.shared = shared   # values later nodes may reuse (a raw mask's bias)
         self.origin = node.name or f"{node.op_type}_{node.output[0]}"   # the node layer info names
-        self.name = prefix or self.origin   # the prefix of every name made (unique where node names repeat)
+        self.name = prefix   # the prefix of every name made (unique where node names repeat)
         self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         self.consts: list[onnx.TensorProto] = []
@@ -33,6 +32,11 @@ class Unfolder:
 
     def output(self, i: int) -> str | None:
         return self.src.output[i] if i < len(self.src.output) and self.src.output[i] else None
+
+    def weight_width(self, i: int) -> int | None:
+        """The last dim of input `i` where it is an initializer."""
+        found = self.weights.get(self.input(i))
+        return int(found.dims[-1]) if found is not None and found.dims else None
 
     def constant(self, i: int, what: str) -> np.ndarray:
         """Input `i`'s value, which must be an initializer."""
@@ -79,6 +83,23 @@ class Unfolder:
         """x's dims start..end-1 as an int64 vector."""
         return self.op("Slice", [self.op("Shape", [x], f"{tag}_shape"), self.const(f"{tag}_start", [start], np.int64),
                                  self.const(f"{tag}_end", [end], np.int64)], tag)
+
+    def split_heads(self, x: str, part: str, heads: int, head_size: int = -1, keys_transposed: bool = False) -> str:
+        """[B,S,N*h] as heads: [B,N,S,h], or [B,N,h,S] for keys multiplied as they are (`keys_transposed`)."""
+        split = self.op("Reshape", [x, self.const(f"{part}_heads", [0, 0, heads, head_size], np.int64)],
+                        f"{part}_heads")
+        if keys_transposed:
+            return self.op("Transpose", [split], f"{part}_bnhs", perm=[0, 2, 3, 1])
+        return self.op("Transpose", [split], f"{part}_bnsh", perm=[0, 2, 1, 3])
+
+    def merge_heads(self, context: str, out: str | None) -> str:
+        """[B,N,S,h] heads back as [B,S,N*h], written to `out`."""
+        merged = self.op("Transpose", [context], "context_bsnh", perm=[0, 2, 1, 3])
+        return self.op("Reshape", [merged, self.const("merge", [0, 0, -1], np.int64)], "merge", out)
+
+    def inverse_sqrt(self, x: str, tag: str) -> str:
+        """1 / sqrt(x) (a head size computed at build time: attention's default scale)."""
+        return self.op("Reciprocal", [self.op("Sqrt", [x], f"{tag}_sqrt")], f"{tag}_value")
 
     def seq_range(self, x: str, axis: int, tag: str) -> str:
         """0 .. x.shape[axis] - 1 as int64."""
