@@ -80,7 +80,9 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_maxpool_s8", (POINTER,) * 2 + (I64,) * 14),
         Function("kiln_maxpool_bf16", (POINTER,) * 2 + (I64,) * 14),
         Function("kiln_avgpool", (POINTER,) * 2 + (I64,) * 3 + (POINTER, I64)),
-        Function("kiln_global_pool", (POINTER,) * 2 + (I64,) * 6))),
+        Function("kiln_global_pool", (POINTER,) * 2 + (I64,) * 6),
+        Function("kiln_avgpool_q8", (POINTER,) * 2 + (I64,) * 3 + (POINTER,) * 2),
+        Function("kiln_global_avgpool_q8", (POINTER,) * 2 + (I64,) * 3 + (POINTER,)))),
     LibrarySpec("quant", "quant.c", tuple(
         [Function(f"kiln_{op}_{t}", (POINTER, POINTER, I64, ctypes.c_float, I64))
          for op in ("quantize", "dequantize") for t in ("u8", "s8")]

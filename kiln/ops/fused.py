@@ -1,7 +1,7 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
 Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization,
-RotaryEmbedding, and the INT8 layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm, QConcat from Q/DQ;
-DynamicQMatMul, DynamicQConv from dynamic quantization)."""
+RotaryEmbedding, and the INT8 layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm, QConcat, QAveragePool
+from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -260,6 +260,17 @@ def quantized_softmax(attrs, xs):
     return [requantized(p, q)]
 
 
+def quantized_average_pool(attrs, xs):
+    """INT8 average pool (kiln.passes.qpool): dequantize, the average pool `pool` (AveragePool, GlobalAveragePool
+    or ReduceMean over H and W, with its attributes and inputs) in FP32, quantize with the output scale."""
+    from kiln.ops.quantize import dequantize
+
+    q = attrs["quant"]
+    pooled = OPS[attrs["pool"]].impl({k: v for k, v in attrs.items() if k not in ("pool", "quant")},
+                                     [dequantize(xs[0], q["x_scale"], q["x_zero_point"]), *xs[1:]])[0]
+    return [requantized(pooled, q)]
+
+
 def quantized_layer_norm(attrs, xs):
     """INT8 LayerNormalization over the axes from `axis`: dequantize, normalize in FP32, quantize with the output
     scale. With `skip_quant` the first two inputs are a residual sum's, added and quantized as that QAdd would
@@ -286,6 +297,7 @@ KILN_OPS["QConcat"] = OpDef("QConcat", OpKind.INJECTIVE, concat_with_tables)
 KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
 KILN_OPS["QSoftmax"] = OpDef("QSoftmax", OpKind.REDUCTION, quantized_softmax)
 KILN_OPS["QLayerNorm"] = OpDef("QLayerNorm", OpKind.REDUCTION, quantized_layer_norm)
+KILN_OPS["QAveragePool"] = OpDef("QAveragePool", OpKind.REDUCTION, quantized_average_pool, (1,))   # ReduceMean's axes
 KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul, (),
                                    _centre_weights_once)
 KILN_OPS["DynamicQConv"] = OpDef("DynamicQConv", OpKind.COMPLEX, dynamic_quantized_conv, (), _centre_weights_once)

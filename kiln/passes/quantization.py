@@ -163,9 +163,17 @@ def merge_duplicate_qdq(g: Graph, plog: PassLog) -> None:
                 g.replace_all_uses(dup.outputs[0], keep.outputs[0])
 
 
-# ops whose data input (0) only moves or is compared: a per-tensor Q/DQ commutes with them
+# ops whose data input (0) only moves or is compared: a per-tensor Q/DQ commutes with them (Resize: nearest only)
 SWAPPABLE = ("MaxPool", "Shuffle", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather",
-             "Expand", "Tile")
+             "Expand", "Tile", "Resize")
+
+
+def _moves_only(op: Node) -> bool:
+    """A SWAPPABLE op that only moves or compares its data input: a nearest Resize copies pixels, a linear or cubic
+    one interpolates (in INT8 it would round differently)."""
+    return op.op_type in SWAPPABLE and op.domain in ("", "ai.onnx", "kiln") and \
+        (op.op_type != "Resize" or (op.attrs.get("mode", "nearest") == "nearest" and
+                                    op.attrs.get("coordinate_transformation_mode") != "tf_crop_and_resize"))
 
 
 def swap_dq_q_around_movement(g: Graph, plog: PassLog) -> None:
@@ -173,7 +181,7 @@ def swap_dq_q_around_movement(g: Graph, plog: PassLog) -> None:
     INT8 tensor itself (max and moves commute with a monotonic per-tensor quantization). A DQ read by several such
     ops (YOLOv8's C2f splits its SiLU's output with two Slices, each quantized again) stays for its other readers
     until none is left."""
-    for op in [n for n in g.nodes if n.op_type in SWAPPABLE and n.domain in ("", "ai.onnx", "kiln")]:
+    for op in [n for n in g.nodes if _moves_only(n)]:
         dq, q = _dq(op.inputs[0]), sole_consumer(g, op)
         if dq is None or q is None or q.op_type != "QuantizeLinear":
             continue

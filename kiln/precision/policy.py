@@ -27,9 +27,10 @@ log = logging.getLogger("kiln.build")
 
 PRECISIONS = ("FP32", "FP16", "BF16", "INT8")
 CONSTRAINTS = ("none", "prefer", "obey")
-INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "QSoftmax", "QLayerNorm", "QConcat", "DynamicQMatMul",
-               "DynamicQConv", "QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QLinearAdd",
-               "QLinearMul", "QLinearGlobalAveragePool", "QLinearConcat", "QLinearSigmoid", "QLinearLeakyRelu")
+INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "QSoftmax", "QLayerNorm", "QConcat", "QAveragePool",
+               "DynamicQMatMul", "DynamicQConv", "QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger",
+               "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearConcat", "QLinearSigmoid",
+               "QLinearLeakyRelu")
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")
 INT8_CAPABLE = ("Conv", "MatMul", "Gemm")
 TYPE_NAMES = {"fp32": "FP32", "float": "FP32", "fp16": "FP16", "half": "FP16", "bf16": "BF16", "int8": "INT8"}

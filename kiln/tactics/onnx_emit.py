@@ -214,6 +214,11 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         q = a["quant"]
         p = e.node("Softmax", [_qdq(e, "DequantizeLinear", xs[0], q, "x")], {"axis": a.get("axis", -1)})
         return _qdq(e, "QuantizeLinear", p, q, "y")
+    if view.domain == "kiln" and view.op_type == "QAveragePool":   # kiln.passes.qpool
+        q, pool = a["quant"], a["pool"]
+        attrs = {k: v for k, v in a.items() if k not in ("pool", "quant")}
+        y = e.node(pool, [_qdq(e, "DequantizeLinear", xs[0], q, "x"), *xs[1:]], attrs)
+        return _qdq(e, "QuantizeLinear", y, q, "y")
     if view.domain == "kiln" and view.op_type in ("DynamicQMatMul", "DynamicQConv"):
         return _emit_dynamic_quantized(e, view, xs)
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
@@ -399,7 +404,7 @@ def _emit_rotary(e: Emitter, xs: list[str | None], d: int) -> str:
 
 
 KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "RotaryEmbedding", "QAdd", "QSoftmax",
-                  "QLayerNorm", "QConcat", "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
+                  "QLayerNorm", "QConcat", "QAveragePool", "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

@@ -1,7 +1,8 @@
 """Pooling on channel-major (NHWC) activations in C (kiln/native/csrc/pool.c): 2-D MaxPool (any kernel, stride,
 dilation, padding, ceil mode; FP32, u8, s8 or bf16) and AveragePool (the same windows, count_include_pad either way;
 FP32 or bf16), and GlobalAveragePool / GlobalMaxPool and ReduceMean / ReduceMax
-over the spatial axes (FP32 or bf16, either layout), vectorized over channels, OpenMP over output rows.
+over the spatial axes (FP32 or bf16, either layout), vectorized over channels, OpenMP over output rows; and the
+INT8 average pools of kiln.passes.qpool (channel-major, integer window sums, one rounding to the output scale).
 
 MaxPool and the global pools take their input in whatever layout the producer wrote, so choosing them never adds
 Reformat layers: a channel-major input runs the C loops, a channel-planar one (e.g. between INT8 layers) the global
@@ -19,11 +20,13 @@ import dataclasses
 import torch
 
 from kiln import native
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.nn import pool_output_size, reduce_axes
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, \
     bf16_io, storage_dtype
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
+QPOOL_TACTIC = "kiln.pool2d_nhwc_int8"
 MAXPOOL_TYPES = {"float32": ("kiln_maxpool", torch.float32), "uint8": ("kiln_maxpool_u8", torch.uint8),
                  "int8": ("kiln_maxpool_s8", torch.int8),
                  "bfloat16": ("kiln_maxpool_bf16", torch.bfloat16)}   # NhwcPoolBf16Tactic's
@@ -198,3 +201,65 @@ class NhwcPoolBf16Tactic(Bf16Storage, NhwcPoolTactic):
         kernel = super().prepare(typed)   # the kernel reads its output's type: the input is converted first
         dtype = storage_dtype(layer.output_dtypes[0])
         return lambda xs: kernel([xs[0].to(dtype), *xs[1:]])
+
+
+class QuantizedPoolTactic:
+    """kiln's QAveragePool (DequantizeLinear -> AveragePool / GlobalAveragePool / ReduceMean over H and W ->
+    QuantizeLinear, kiln.passes.qpool): INT8 in and out on channel-major maps, the taps' bytes summed in integers and
+    the mean rounded once to the output scale, as QuantizeLinear rounds. The batch is read per call."""
+
+    name = QPOOL_TACTIC
+    source = "kiln"
+    needs_c_compiler = True
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type != "QAveragePool" or layer.domain != "kiln" or len(layer.output_dtypes) != 1:
+            return False
+        x, q, pool = layer.input_shapes[0], layer.attrs.get("quant", {}), layer.attrs.get("pool")
+        if x is None or len(x) != 4 or q.get("x_dtype") not in INT8_TORCH or q.get("y_dtype") not in INT8_TORCH:
+            return False
+        if not batch_dynamic_only(layer):
+            return False
+        if pool == "AveragePool":
+            shaped = len(layer.attrs.get("kernel_shape") or ()) == 2 and \
+                layer.attrs.get("auto_pad", "NOTSET") in ("NOTSET", "", b"NOTSET")
+        else:
+            shaped = pool in GLOBAL_MEAN and global_pool(dataclasses.replace(layer, op_type=pool, domain=""))
+        return shaped and native.available()
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [HWC] + [ANY] * (len(layer.input_shapes) - 1)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return HWC
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        lib = native.library("pool")
+        q, last = layer.attrs["quant"], torch.channels_last
+        params = torch.tensor([float(q["x_scale"]) / float(q["y_scale"]), q["x_zero_point"], q["y_zero_point"],
+                               q["x_dtype"] == "int8", q["y_dtype"] == "int8"], dtype=torch.float64)
+        dtype = INT8_TORCH[q["y_dtype"]]
+        _, c, h, w = layer.input_shapes[0]
+        if layer.attrs["pool"] == "AveragePool":
+            win = Window.of(layer)
+            geometry = torch.tensor([win.h, win.w, c, win.kh, win.kw, win.sh, win.sw, win.dh, win.dw, win.pt, win.pl,
+                                     win.pb, win.pr, int(layer.attrs.get("count_include_pad", 0))], dtype=torch.int64)
+
+            def run(xs):
+                x = xs[0].contiguous(memory_format=last)
+                y = torch.empty((x.shape[0], c, win.oh, win.ow), dtype=dtype, memory_format=last)
+                lib.kiln_avgpool_q8(x.data_ptr(), y.data_ptr(), x.shape[0], win.oh, win.ow, geometry.data_ptr(),
+                                    params.data_ptr())
+                return [y]
+            run.constants = (geometry, params)   # read through raw pointers
+            return run
+        keep = layer.attrs["pool"] == "GlobalAveragePool" or bool(layer.attrs.get("keepdims", 1))
+
+        def run_global(xs):
+            x = xs[0].contiguous(memory_format=last)
+            n = x.shape[0]
+            y = torch.empty((n, c, 1, 1), dtype=dtype, memory_format=last) if keep else torch.empty((n, c), dtype=dtype)
+            lib.kiln_global_avgpool_q8(x.data_ptr(), y.data_ptr(), n, h * w, c, params.data_ptr())
+            return [y]
+        run_global.constants = (params,)
+        return run_global

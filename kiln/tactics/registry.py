@@ -28,7 +28,7 @@ from kiln.tactics.onednn_int8 import OneDnnInt8Conv1dTactic, OneDnnInt8ConvTacti
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
-from kiln.tactics.pool_c import POOL_OPS, NhwcPoolBf16Tactic, NhwcPoolTactic
+from kiln.tactics.pool_c import POOL_OPS, NhwcPoolBf16Tactic, NhwcPoolTactic, QuantizedPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
 from kiln.tactics.qgemm_act_c import QActMatMulTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
@@ -70,6 +70,7 @@ _LAYER_TACTICS: dict[str, list[Tactic]] = {
     "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
     "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
     "QSoftmax": [QuantizedSoftmaxTactic()],
+    "QAveragePool": [QuantizedPoolTactic()],
     "QConcat": [CopyRowsTactic()],   # its inputs' tables applied as it copies
     "QLayerNorm": [QuantizedLayerNormTactic()],
     "QuantizeLinear": [QuantizeLinearTactic()],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln import native
+from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.norm_resize import resize, resize_taps
 from kiln.ops.registry import host_value
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
@@ -42,16 +43,22 @@ def _tables(layer: LayerView) -> list[torch.Tensor] | None:
 
 
 class NhwcResizeTactic:
+    """Nearest Resize by copies of whole pixels: FP32, or INT8 bytes where the quantization pass moved a nearest
+    Resize's Q/DQ past it (a copy commutes with quantization, as MaxPool does)."""
+
     name = RESIZE_TACTIC
     source = "kiln"
     needs_c_compiler = True
-    stored_types = ("float32",)
+    stored_types = ("float32", "uint8", "int8")
 
     def supports(self, layer: LayerView) -> bool:
         if layer.op_type != "Resize" or layer.domain not in ("", "ai.onnx") or len(layer.output_dtypes) != 1:
             return False
         if layer.input_dtypes[0] not in self.stored_types or layer.output_dtypes[0] not in self.stored_types:
             return False
+        if layer.output_dtypes[0] != layer.input_dtypes[0] and INT8_TORCH.keys() & {*layer.input_dtypes[:1],
+                                                                                   *layer.output_dtypes}:
+            return False   # bytes are copied as they are
         if layer.input_dynamic and layer.input_dynamic[0]:
             return False
         return native.available() and self.tables_apply(layer)
@@ -71,7 +78,8 @@ class NhwcResizeTactic:
         rows, cols = _tables(layer)
         oh, ow = len(rows), len(cols)
         host = {i: host_value(layer.const_inputs.get(i)) for i in (1, 2, 3)}
-        last, dtype = torch.channels_last, storage_dtype(layer.output_dtypes[0])
+        last = torch.channels_last
+        dtype = INT8_TORCH.get(layer.output_dtypes[0]) or storage_dtype(layer.output_dtypes[0])
         pixel_bytes = c * dtype.itemsize
 
         def run(xs):

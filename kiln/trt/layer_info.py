@@ -179,8 +179,9 @@ def _conv(plan: Plan, layer: Layer) -> dict[str, Any]:
 
 
 def _pooling(plan: Plan, layer: Layer) -> dict[str, Any]:
-    a, op = layer.attrs, layer.op_type
-    if "Global" in op:   # GlobalAveragePool, GlobalMaxPool, com.microsoft QLinearGlobalAveragePool
+    a = layer.attrs
+    op = a.get("pool", layer.op_type)   # kiln's INT8 QAveragePool: the pool it runs
+    if "Global" in op or op == "ReduceMean":   # GlobalAveragePool, GlobalMaxPool, QLinearGlobalAveragePool
         window = list(layer.inputs[0].dims[2:])
         pads, strides = [0] * (2 * len(window)), [1] * len(window)
     else:

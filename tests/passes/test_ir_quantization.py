@@ -311,6 +311,37 @@ def test_pooling_between_different_scales_is_not_swapped():
     assert run.stat.matches == 0
 
 
+def _resize_between(mode: str, transform: str = "half_pixel"):
+    b = IRBuilder()
+    xq = b.input("xq", (1, 2, 2, 2), np.int8)
+    r = b.node("Resize", [dq(b, xq, "x", 0.5), b.const("roi", []), b.const("scales", [1, 1, 2, 2])], "r",
+               (1, 2, 4, 4), name="resize", mode=mode, coordinate_transformation_mode=transform)
+    return b.graph(dq(b, q(b, r, "y", 0.5), "z", 0.5))
+
+
+def test_a_nearest_resize_between_equal_dq_and_q_copies_int8_pixels():
+    g = _resize_between("nearest")
+
+    run = run_pass(g, "VanillaSwapWithFollowingQ", swap_dq_q_around_movement)
+
+    assert str(g) == expected("""
+        graph g(%xq: int8[1x2x2x2]):
+          %r: int8[1x2x4x4] = Resize(%xq, const %roi, const %scales) coordinate_transformation_mode='half_pixel' mode='nearest'  # resize
+          %z: float32[1x2x4x4] = DequantizeLinear(%r, const %z.scale)  # z
+          return %z
+        """)
+    assert run.stat.matches == 2
+
+
+def test_an_interpolating_or_extrapolating_resize_is_not_swapped():
+    """Linear and cubic Resize compute new values (rounded otherwise in INT8); tf_crop_and_resize fills pixels outside
+    the crop with extrapolation_value, a float, not the zero point's byte."""
+    for mode, transform in (("linear", "half_pixel"), ("cubic", "half_pixel"), ("nearest", "tf_crop_and_resize")):
+        run = run_pass_unchanged(_resize_between(mode, transform), "VanillaSwapWithFollowingQ",
+                                 swap_dq_q_around_movement)
+        assert run.stat.matches == 0, (mode, transform)
+
+
 def test_q_after_concat_moves_onto_its_inputs_and_cancels_an_equal_dq():
     b = IRBuilder()
     aq, f = b.input("aq", (2, 4), np.int8), b.input("f", (2, 4))

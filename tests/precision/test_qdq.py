@@ -70,10 +70,13 @@ def test_quantize_static_resnet_builds_int8_layers_and_matches_onnxruntime(qdq_r
     assert sum(l.op_type == "QAdd" for l in engine.plan.layers) == 0
     fused = [l for l in convs if len(l.inputs) == 2]
     assert len(fused) == 8 and all("/Add + " in l.name and "relu_1/Relu" in l.name for l in fused)
-    # 20 convs, the FC, maxpool on INT8 (Q/DQ swapped around it), pool + flatten and 4 Q/DQ left; copies between
-    # layouts (channel-major INT8 kernels where the CPU has VNNI) are not counted
+    # 20 convs, the FC, maxpool on INT8 (Q/DQ swapped around it), the INT8 global pool (its DQ and Q inside),
+    # flatten, the input's Q and the output's DQ; copies between layouts (channel-major INT8 kernels where the CPU
+    # has VNNI) are not counted
     computing = [l for l in engine.plan.layers if l.tactic_name not in ("kiln.reformat_copy", "kiln.noop")]
-    assert len(computing) == 28, [l.name for l in computing]
+    assert len(computing) == 26, [l.name for l in computing]
+    (pool,) = [l for l in engine.plan.layers if "GlobalAveragePool" in l.name]
+    assert (pool.op_type, pool.precision, pool.outputs[0].dtype) == ("QAveragePool", "INT8", "uint8")
     maxpool = next(l for l in engine.plan.layers if l.op_type == "MaxPool")
     assert maxpool.inputs[0].dtype == "uint8" and maxpool.outputs[0].dtype == "uint8"
     for line in ("QuantizeDoubleInputNodes: Fusing", "VanillaSwapWithFollowingQ: Fusing", "QuantizedAddFusion: Fusing",
@@ -171,7 +174,7 @@ def test_bf16_budget_of_a_plan_with_int8_layers_measures_only_what_bf16_adds(qdq
     """INT8 rounding, here the Q/DQ model's own, which kiln reproduces to onnxruntime's fused-against-unfused
     agreement (on a quantized BERT: cosine 0.992), is not BF16's harm: --bf16's budget compares with kiln's plan
     with every BF16 layer in FP32, not onnxruntime (on that BERT the build failed: "cannot be met even with every
-    layer in FP32")."""
+    layer in FP32"). The global pool is kept FP32 (QuantizedPoolFusion off) so that BF16 has a layer to take."""
     from kiln.builder import budget
 
     def refused(proto):
@@ -180,7 +183,8 @@ def test_bf16_budget_of_a_plan_with_int8_layers_measures_only_what_bf16_adds(qdq
         return run
     monkeypatch.setattr(budget, "onnxruntime_reference", refused)
     caplog.set_level(logging.INFO, logger="kiln.build")
-    engine = kiln.build(qdq_resnet, bf16=True, autotune=False, tactic_sources="-openvino,-onnxruntime")
+    engine = kiln.build(qdq_resnet, bf16=True, autotune=False, tactic_sources="-openvino,-onnxruntime",
+                        disabled_passes=["QuantizedPoolFusion"])
     bf16 = [l for l in engine.plan.layers if l.precision == "BF16"]
     assert bf16 and sum(l.precision == "INT8" for l in engine.plan.layers) >= 20
     assert "the plan's INT8 layers (the model's Q/DQ or --int8's calibration) are in the reference too" in caplog.text
@@ -209,14 +213,16 @@ def test_classic_int8_conv_with_fp32_output_is_warned_and_linted(tmp_path, caplo
 
 
 def test_fp16_request_is_recorded_with_its_reason_and_obey_fails(qdq_resnet, tmp_path):
-    engine = kiln.build(qdq_resnet, autotune=False, fp16=True)
+    """The global pool, kept FP32 (QuantizedPoolFusion off), is the float layer --fp16 asks for."""
+    engine = kiln.build(qdq_resnet, autotune=False, fp16=True, disabled_passes=["QuantizedPoolFusion"])
     pool = next(l for l in engine.layer_info()["Layers"] if "GlobalAveragePool" in l["Name"])
     assert pool["RequestedPrecision"] == "FP16" and pool["GrantedPrecision"] == "FP32"
     assert "FP16" in pool["PrecisionReason"]
     with pytest.raises(kiln.ModelError, match=r"layer '.*GlobalAveragePool' \(GlobalAveragePool\): --precision-"
                                               r"constraints obey asks for INT8, which kiln cannot give: no INT8 "
                                               r"kernel for GlobalAveragePool"):
-        kiln.build(qdq_resnet, autotune=False, layer_precisions={"*": "INT8"}, precision_constraints="obey")
+        kiln.build(qdq_resnet, autotune=False, layer_precisions={"*": "INT8"}, precision_constraints="obey",
+                   disabled_passes=["QuantizedPoolFusion"])
     saved = tmp_path / "e.kiln"
     engine.save(saved)
     again = kiln.load(saved).plan.layers
@@ -229,7 +235,8 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
     INT8), DQ -> Sigmoid -> Q -> DQ -> Mul -> Q chains become PointWise layers, and those on a convolution's output
     its output table (QProductTableFusion), and the C2f blocks' Slices of a dequantized SiLU, each quantized again,
     slice the INT8 tensor; the requantizations left before Concats become tables on their inputs, applied by the C
-    copy (QConcatTableFusion): 597 layers unfused -> 137, the same bytes as without the tables."""
+    copy (QConcatTableFusion); the neck's nearest upsamples copy INT8 pixels (VanillaSwapWithFollowingQ): 597 layers
+    unfused -> 131, the same bytes as without the tables."""
     from onnxruntime.quantization import QuantFormat, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -245,18 +252,20 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
     engine = kiln.build(str(tmp_path / "q.onnx"), autotune=False)
     layers = engine.plan.layers
     computing = [l for l in layers if l.tactic_name not in ("kiln.reformat_copy", "kiln.noop")]   # layout copies
-    assert sum(l.op_type == "QConv" for l in layers) == 64 and len(computing) == 137, len(computing)
+    assert sum(l.op_type == "QConv" for l in layers) == 64 and len(computing) == 131, len(computing)
+    assert [(l.tactic_name, l.precision, l.outputs[0].dtype) for l in layers if l.op_type == "Resize"] == \
+        [("kiln.resize_nearest_nhwc", "INT8", "int8")] * 2
     assert [l.outputs[0].dtype for l in layers if l.op_type == "Slice"] == ["int8"] * 18
     tabled = [l for l in layers if "out_table" in l.attrs]
-    assert len(tabled) == 59 and all(l.op_type == "QConv" and l.outputs[0].dtype in ("uint8", "int8") for l in tabled)
-    assert sum("/act/Sigmoid" in l.name for l in tabled) == 55   # SiLUs; the others requantize for a Concat
+    assert len(tabled) == 61 and all(l.op_type == "QConv" and l.outputs[0].dtype in ("uint8", "int8") for l in tabled)
+    assert sum("/act/Sigmoid" in l.name for l in tabled) == 57   # SiLUs; the others requantize for a Concat
     shown = next(d for d in engine.layer_info("detailed")["Layers"] if d["Name"] == tabled[0].name)
     assert shown["ParameterType"] == "Convolution" and shown["OutputTable"]["Count"] == 256
     assert shown["OutputTable"]["Values"] == tabled[0].attrs["out_table"]["bytes"]
     concats = [l for l in layers if l.op_type in ("Concat", "QConcat")]
     assert len(concats) == 19 and all(l.outputs[0].dtype in ("uint8", "int8") for l in concats)
     tables = [t for l in concats if l.op_type == "QConcat" for t in l.attrs["in_tables"] if t is not None]
-    assert len(tables) == 22 and all(l.tactic_name == "kiln.copy_rows" for l in concats)
+    assert len(tables) == 24 and all(l.tactic_name == "kiln.copy_rows" for l in concats)
     qconcat = next(l for l in concats if l.op_type == "QConcat")
     shown = next(d for d in engine.layer_info("detailed")["Layers"] if d["Name"] == qconcat.name)
     assert shown["ParameterType"] == "Concatenation" and shown["Axis"] == 1
@@ -272,7 +281,7 @@ def test_quantize_static_detector_concats_run_on_int8_and_silu_chains_fuse(tmp_p
     assert cosine(got, want) >= 0.999
     apart = kiln.build(str(tmp_path / "q.onnx"), autotune=False,
                        disabled_passes=["QProductTableFusion", "QConcatTableFusion"])
-    assert len(apart.plan.layers) == len(layers) + 59 + 22 and np.array_equal(apart.run({"images": x})["output0"], got)
+    assert len(apart.plan.layers) == len(layers) + 61 + 24 and np.array_equal(apart.run({"images": x})["output0"], got)
 
 
 class FakeQuantNet(torch.nn.Module):

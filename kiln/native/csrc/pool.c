@@ -1,7 +1,8 @@
 /* Pooling on channel-major (NHWC) activations (kiln.tactics.pool_c): 2-D MaxPool and AveragePool (any kernel,
    stride, dilation, padding) and GlobalAveragePool / GlobalMaxPool, vectorized over channels, OpenMP over output rows.
-   MaxPool also on u8/s8 and bf16 tensors; the global pools read and write FP32 or bf16, in either layout. NaN
-   propagates as in torch (a window holding NaN gives NaN); averages add FP32 sums of 32 pixels in double. */
+   MaxPool also on u8/s8 and bf16 tensors; the global pools read and write FP32 or bf16, in either layout; the
+   average pools also INT8 in and out (channel-major, integer sums). NaN propagates as in torch (a window holding
+   NaN gives NaN); FP32 averages add FP32 sums of 32 pixels in double. */
 #include <stdint.h>
 #include <math.h>
 
@@ -9,6 +10,7 @@
 
 #include "bf16.h"
 #include "parallel.h"
+#include "rounding.h"
 #define CB 64        /* channels per block of the global pools */
 #define GP_FLUSH 32  /* pixels a global average sums in FP32 before adding the sum in double */
 
@@ -54,38 +56,135 @@ void kiln_maxpool_bf16(const uint16_t* restrict x, uint16_t* restrict y, MAXPOOL
   MAXPOOL_BODY(uint16_t, 0xFF80u, BF16_MAX)   /* 0xFF80: -inf */
 }
 
+/* Runs the statements after AT for each tap of output pixel (b, oy, ox)'s window under kiln_avgpool's geometry g
+   that lies inside the image, AT naming its pixel's element offset; adds to `count` the taps that count (inside
+   the padded image with g[13], count_include_pad; inside the image without). */
+#define FOR_EACH_TAP(g, b, oy, ox, count, AT, ...)                                                          \
+  for (int64_t i_ = 0; i_ < (g)[3]; ++i_) {                                                                 \
+    const int64_t yy_ = (oy) * (g)[5] - (g)[9] + i_ * (g)[7];                                               \
+    if (yy_ >= (g)[0] + (g)[11]) break;   /* the ceil-mode overhang past the padding never counts */        \
+    for (int64_t j_ = 0; j_ < (g)[4]; ++j_) {                                                               \
+      const int64_t xx_ = (ox) * (g)[6] - (g)[10] + j_ * (g)[8];                                            \
+      if (xx_ >= (g)[1] + (g)[12]) break;                                                                   \
+      const int inside_ = yy_ >= 0 && yy_ < (g)[0] && xx_ >= 0 && xx_ < (g)[1];                             \
+      (count) += inside_ || (g)[13];                                                                        \
+      if (!inside_) continue;                                                                               \
+      const int64_t AT = (((b) * (g)[0] + yy_) * (g)[1] + xx_) * (g)[2];                                    \
+      __VA_ARGS__                                                                                           \
+    }                                                                                                       \
+  }
+
+/* INT8 average pools (kiln.passes.qpool's QAveragePool: DequantizeLinear -> AveragePool / GlobalAveragePool /
+   spatial ReduceMean -> QuantizeLinear, per-tensor): the taps' bytes summed in integers (exact), then one rounding:
+   the mean of the dequantized taps divided by the output scale, saturated and rounded half to even as QuantizeLinear
+   rounds (rounding.h). `q`: x_scale / y_scale, x_zero_point, y_zero_point, x signed, y signed. */
+static inline __attribute__((always_inline)) void store_levels(const int64_t* acc, int64_t cb, double centre,
+                                                              double scale, const double* q, void* y, int64_t at) {
+  const int y_signed = q[4] != 0.0;
+  const float zy = (float)q[2], lo = level_lo(y_signed, zy), hi = level_hi(y_signed, zy);
+  for (int64_t k = 0; k < cb; ++k) {
+    const float level = saturated_level((float)(((double)acc[k] - centre) * scale), zy, lo, hi);
+    if (y_signed) ((int8_t*)y)[at + k] = (int8_t)(int32_t)level;
+    else ((uint8_t*)y)[at + k] = (uint8_t)(int32_t)level;
+  }
+}
+
+/* Adds the cb bytes at x + at (s8 where `s8`) to acc. */
+static inline __attribute__((always_inline)) void add_bytes(int32_t* restrict acc, const void* x, int64_t at,
+                                                           int64_t cb, const int s8) {
+  if (s8) {
+    const int8_t* restrict src = (const int8_t*)x + at;
+    _Pragma("omp simd")
+    for (int64_t k = 0; k < cb; ++k) acc[k] += src[k];
+  } else {
+    const uint8_t* restrict src = (const uint8_t*)x + at;
+    _Pragma("omp simd")
+    for (int64_t k = 0; k < cb; ++k) acc[k] += src[k];
+  }
+}
+
+/* kiln_avgpool's window (same geometry) on INT8 bytes: padded taps that count add the zero point's value, 0. */
+static inline __attribute__((always_inline)) void avg_window_q8(const void* restrict x, void* restrict y,
+    int64_t at_out, int64_t b, int64_t oy, int64_t ox, int64_t c0, int64_t cb, const int64_t* g, const double* q,
+    const int s8) {
+  int32_t acc[CB];
+  int64_t sums[CB], count = 0, inside_count = 0;
+  for (int64_t k = 0; k < cb; ++k) acc[k] = 0;
+  FOR_EACH_TAP(g, b, oy, ox, count, at, {
+    ++inside_count;
+    add_bytes(acc, x, at + c0, cb, s8);
+  })
+  for (int64_t k = 0; k < cb; ++k) sums[k] = acc[k];
+  store_levels(sums, cb, (double)inside_count * q[1], count ? q[0] / (double)count : NAN, q, y, at_out);
+}
+
+/* 2-D AveragePool on channel-major INT8 tensors (kiln_avgpool's geometry), OpenMP over output rows. */
+void kiln_avgpool_q8(const void* restrict x, void* restrict y, int64_t n, int64_t oh, int64_t ow,
+                     const int64_t* restrict geometry, const double* restrict q) {
+  const int64_t c = geometry[2];
+  const int s8 = q[3] != 0.0;
+  MAYBE_PARALLEL(threads_pay(n * oh, n * oh * ow * c * geometry[3] * geometry[4]), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t line = 0; line < n * oh; ++line) {
+      const int64_t b = line / oh, oy = line % oh;
+      for (int64_t ox = 0; ox < ow; ++ox)
+        for (int64_t c0 = 0; c0 < c; c0 += CB) {
+          const int64_t cb = c - c0 < CB ? c - c0 : CB, at = (line * ow + ox) * c + c0;
+          if (s8) avg_window_q8(x, y, at, b, oy, ox, c0, cb, geometry, q, 1);
+          else avg_window_q8(x, y, at, b, oy, ox, c0, cb, geometry, q, 0);
+        }
+    }
+  });
+}
+
+#define Q8_FLUSH 65536   /* pixels summed in int32 before adding to int64: 65536 x 255 stays below 2^31 */
+
+/* The mean over the hw pixels of n channel-major INT8 images of c channels, y[b][ch] (GlobalAveragePool). */
+void kiln_global_avgpool_q8(const void* restrict x, void* restrict y, int64_t n, int64_t hw, int64_t c,
+                            const double* restrict q) {
+  const int64_t blocks = (c + CB - 1) / CB;
+  const int s8 = q[3] != 0.0;
+  MAYBE_PARALLEL(threads_pay(n * blocks, n * hw * c), {
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < n * blocks; ++t) {
+      const int64_t b = t / blocks, c0 = t % blocks * CB, cb = c - c0 < CB ? c - c0 : CB;
+      int64_t sums[CB];
+      int32_t run[CB];
+      for (int64_t k = 0; k < cb; ++k) sums[k] = 0;
+      for (int64_t p0 = 0; p0 < hw; p0 += Q8_FLUSH) {
+        const int64_t p1 = p0 + Q8_FLUSH < hw ? p0 + Q8_FLUSH : hw;
+        for (int64_t k = 0; k < cb; ++k) run[k] = 0;
+        for (int64_t p = p0; p < p1; ++p) {
+          if (s8) add_bytes(run, x, (b * hw + p) * c + c0, cb, 1);
+          else add_bytes(run, x, (b * hw + p) * c + c0, cb, 0);
+        }
+        for (int64_t k = 0; k < cb; ++k) sums[k] += run[k];
+      }
+      store_levels(sums, cb, (double)hw * q[1], hw ? q[0] / (double)hw : NAN, q, y, b * c + c0);
+    }
+  });
+}
+
 /* One output pixel's channels [c0, c0 + cb): the window's sum over the taps inside the image, times 1 / the count
    of taps that count (inside the padded image with `include_pad`, inside the image without). Inlined per storage
    combination so the conversions vectorize. */
 static inline __attribute__((always_inline)) void avg_window(
     const void* restrict x, void* restrict y, int64_t at_out, int64_t b, int64_t oy, int64_t ox, int64_t c0,
     int64_t cb, const int64_t* g, const int src_bf16, const int dst_bf16) {
-  const int64_t h = g[0], w = g[1], c = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], dh = g[7], dw = g[8];
-  const int64_t pt = g[9], pl = g[10], pb = g[11], pr = g[12], include_pad = g[13];
   float acc[CB];
   int64_t count = 0;
   for (int64_t k = 0; k < cb; ++k) acc[k] = 0.0f;
-  for (int64_t i = 0; i < kh; ++i) {
-    const int64_t yy = oy * sh - pt + i * dh;
-    if (yy >= h + pb) break;   /* the ceil-mode overhang past the padding never counts */
-    for (int64_t j = 0; j < kw; ++j) {
-      const int64_t xx = ox * sw - pl + j * dw;
-      if (xx >= w + pr) break;
-      const int inside = yy >= 0 && yy < h && xx >= 0 && xx < w;
-      count += inside || include_pad;
-      if (!inside) continue;
-      const int64_t at = ((b * h + yy) * w + xx) * c + c0;
-      if (src_bf16) {
-        const uint16_t* restrict src = (const uint16_t*)x + at;
-        _Pragma("omp simd")
-        for (int64_t k = 0; k < cb; ++k) acc[k] += bf16_widen(src[k]);
-      } else {
-        const float* restrict src = (const float*)x + at;
-        _Pragma("omp simd")
-        for (int64_t k = 0; k < cb; ++k) acc[k] += src[k];
-      }
+  FOR_EACH_TAP(g, b, oy, ox, count, at, {
+    if (src_bf16) {
+      const uint16_t* restrict src = (const uint16_t*)x + at + c0;
+      _Pragma("omp simd")
+      for (int64_t k = 0; k < cb; ++k) acc[k] += bf16_widen(src[k]);
+    } else {
+      const float* restrict src = (const float*)x + at + c0;
+      _Pragma("omp simd")
+      for (int64_t k = 0; k < cb; ++k) acc[k] += src[k];
     }
-  }
+  })
   const float scale = count ? 1.0f / (float)count : NAN;   /* no tap counts: 0/0, as the reference gives */
   if (dst_bf16) {
     uint16_t* restrict out = (uint16_t*)y + at_out;

@@ -1,0 +1,52 @@
+"""QuantizedPoolFusion: an average pool between per-tensor Q/DQ runs on INT8 tensors::
+
+    x (INT8) -> DequantizeLinear -> AveragePool | GlobalAveragePool | ReduceMean(H, W) -> QuantizeLinear -> y (INT8)
+    ==>  x -> QAveragePool -> y          (integer window sums, one rounding to the output scale)
+
+onnxruntime runs these as QLinearAveragePool / QLinearGlobalAveragePool and OpenVINO on INT8 too; left FP32, each
+is a dequantize, a float pool and a quantize (DenseNet's transitions, Inception's pooled branch, every squeeze-excite
+block's global average, a classifier's final pool). QOperator models' QLinear pools arrive here unfolded."""
+from __future__ import annotations
+
+from kiln.ir import Graph, Node
+from kiln.ops.nn import reduce_axes
+from kiln.passes.manager import PassLog
+from kiln.passes.patterns import remove_dead, replace_nodes
+from kiln.passes.quantization import _between_qdq, _dq_origins, _layer_name
+
+AVERAGE_POOLS = ("AveragePool", "GlobalAveragePool", "ReduceMean")
+
+
+def _blocker(node: Node) -> str | None:
+    """Why kiln's INT8 pool cannot take this average pool; None where it can."""
+    rank = len(node.inputs[0].shape or ())
+    if rank != 4:
+        return f"its input is {rank}-D: kiln's INT8 average pools take 4-D NCHW maps"
+    if node.op_type == "AveragePool":
+        if len(node.attrs.get("kernel_shape") or ()) != 2:
+            return "it is not a 2-D window"
+        if node.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", ""):
+            return f"auto_pad {node.attrs['auto_pad']} is not resolved to explicit pads"
+    if node.op_type == "ReduceMean":
+        given = node.inputs[1] if len(node.inputs) > 1 else None
+        if given is not None and not given.is_const:
+            return "its axes are computed at run time"
+        axes = reduce_axes(node.attrs, [None, None if given is None else given.const.reshape(-1).tolist()], rank)
+        if axes is None or sorted(axes) != [2, 3]:
+            return f"it averages axes {axes}, not the spatial axes (2, 3)"
+    return None
+
+
+def fuse_quantized_pools(g: Graph, plog: PassLog) -> None:
+    for pool in [n for n in g.nodes if n.op_type in AVERAGE_POOLS and n.domain in ("", "ai.onnx")]:
+        found = _between_qdq(g, pool, plog, _blocker(pool))
+        if found is None:
+            continue
+        dq, q, quant = found
+        plog.fusing(dq, pool)
+        plog.fusing(pool, q)
+        origin = _dq_origins(g, [dq], [pool, q]) + pool.origin + q.origin
+        attrs = {**pool.attrs, "pool": pool.op_type, "quant": quant}
+        replace_nodes(g, [pool, q], Node(_layer_name([pool, q]), "QAveragePool", [dq.inputs[0], *pool.inputs[1:]],
+                                         [q.outputs[0]], attrs, "kiln", origin))
+        remove_dead(g, [dq])
