@@ -69,9 +69,9 @@ def check(model, x: np.ndarray, window: dict | None, x_type, x_zp: int, y_type, 
 def test_window_average_pool_is_one_int8_layer(x_type, y_type, x_zp, y_zp, include_pad):
     pool = helper.make_node("AveragePool", ["xd"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
                             count_include_pad=include_pad)
-    model = pooled_model(pool, [2, 24, 9, 9], [2, 24, 5, 5], x_type, y_type, x_zp, y_zp)
+    model = pooled_model(pool, [2, 96, 9, 9], [2, 96, 5, 5], x_type, y_type, x_zp, y_zp)   # blocks of 64 and 32
     window = {"kernel_size": 3, "stride": 2, "padding": 1, "count_include_pad": bool(include_pad)}
-    engine = check(model, quantized_input((2, 24, 9, 9), 1), window, helper.tensor_dtype_to_np_dtype(x_type), x_zp,
+    engine = check(model, quantized_input((2, 96, 9, 9), 1), window, helper.tensor_dtype_to_np_dtype(x_type), x_zp,
                    helper.tensor_dtype_to_np_dtype(y_type), y_zp)
     assert [l.op_type for l in engine.plan.layers if l.op_type != "Reformat"] == \
         ["QuantizeLinear", "QAveragePool", "DequantizeLinear"]   # and the output's layout copy

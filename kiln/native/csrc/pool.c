@@ -78,14 +78,20 @@ void kiln_maxpool_bf16(const uint16_t* restrict x, uint16_t* restrict y, MAXPOOL
    spatial ReduceMean -> QuantizeLinear, per-tensor): the taps' bytes summed in integers (exact), then one rounding:
    the mean of the dequantized taps divided by the output scale, saturated and rounded half to even as QuantizeLinear
    rounds (rounding.h). `q`: x_scale / y_scale, x_zero_point, y_zero_point, x signed, y signed. */
-static inline __attribute__((always_inline)) void store_levels(const int64_t* acc, int64_t cb, double centre,
+static inline __attribute__((always_inline)) void store_levels(const double* restrict centred, int64_t cb,
                                                               double scale, const double* q, void* y, int64_t at) {
   const int y_signed = q[4] != 0.0;
   const float zy = (float)q[2], lo = level_lo(y_signed, zy), hi = level_hi(y_signed, zy);
-  for (int64_t k = 0; k < cb; ++k) {
-    const float level = saturated_level((float)(((double)acc[k] - centre) * scale), zy, lo, hi);
-    if (y_signed) ((int8_t*)y)[at + k] = (int8_t)(int32_t)level;
-    else ((uint8_t*)y)[at + k] = (uint8_t)(int32_t)level;
+  if (y_signed) {
+    int8_t* restrict out = (int8_t*)y + at;
+    _Pragma("omp simd")
+    for (int64_t k = 0; k < cb; ++k)
+      out[k] = (int8_t)(int32_t)saturated_level((float)(centred[k] * scale), zy, lo, hi);
+  } else {
+    uint8_t* restrict out = (uint8_t*)y + at;
+    _Pragma("omp simd")
+    for (int64_t k = 0; k < cb; ++k)
+      out[k] = (uint8_t)(int32_t)saturated_level((float)(centred[k] * scale), zy, lo, hi);
   }
 }
 
@@ -108,15 +114,22 @@ static inline __attribute__((always_inline)) void avg_window_q8(const void* rest
     int64_t at_out, int64_t b, int64_t oy, int64_t ox, int64_t c0, int64_t cb, const int64_t* g, const double* q,
     const int s8) {
   int32_t acc[CB];
-  int64_t sums[CB], count = 0, inside_count = 0;
+  double centred[CB];
+  int64_t count = 0, inside_count = 0;
   for (int64_t k = 0; k < cb; ++k) acc[k] = 0;
   FOR_EACH_TAP(g, b, oy, ox, count, at, {
     ++inside_count;
     add_bytes(acc, x, at + c0, cb, s8);
   })
-  for (int64_t k = 0; k < cb; ++k) sums[k] = acc[k];
-  store_levels(sums, cb, (double)inside_count * q[1], count ? q[0] / (double)count : NAN, q, y, at_out);
+  const double centre = (double)inside_count * q[1];
+  _Pragma("omp simd")
+  for (int64_t k = 0; k < cb; ++k) centred[k] = (double)acc[k] - centre;
+  store_levels(centred, cb, count ? q[0] / (double)count : NAN, q, y, at_out);
 }
+
+/* avg_window_q8 on `CHANNELS` channels, compiled for the input's signedness. */
+#define Q8_WINDOW(CHANNELS) (s8 ? avg_window_q8(x, y, at, b, oy, ox, c0, CHANNELS, geometry, q, 1) \
+                              : avg_window_q8(x, y, at, b, oy, ox, c0, CHANNELS, geometry, q, 0))
 
 /* 2-D AveragePool on channel-major INT8 tensors (kiln_avgpool's geometry), OpenMP over output rows. */
 void kiln_avgpool_q8(const void* restrict x, void* restrict y, int64_t n, int64_t oh, int64_t ow,
@@ -130,8 +143,9 @@ void kiln_avgpool_q8(const void* restrict x, void* restrict y, int64_t n, int64_
       for (int64_t ox = 0; ox < ow; ++ox)
         for (int64_t c0 = 0; c0 < c; c0 += CB) {
           const int64_t cb = c - c0 < CB ? c - c0 : CB, at = (line * ow + ox) * c + c0;
-          if (s8) avg_window_q8(x, y, at, b, oy, ox, c0, cb, geometry, q, 1);
-          else avg_window_q8(x, y, at, b, oy, ox, c0, cb, geometry, q, 0);
+          if (cb == CB) Q8_WINDOW(CB);   /* blocks of common widths with fixed trip counts: sums in registers */
+          else if (cb == 32) Q8_WINDOW(32);
+          else Q8_WINDOW(cb);
         }
     }
   });
@@ -160,7 +174,9 @@ void kiln_global_avgpool_q8(const void* restrict x, void* restrict y, int64_t n,
         }
         for (int64_t k = 0; k < cb; ++k) sums[k] += run[k];
       }
-      store_levels(sums, cb, (double)hw * q[1], hw ? q[0] / (double)hw : NAN, q, y, b * c + c0);
+      double centred[CB];
+      for (int64_t k = 0; k < cb; ++k) centred[k] = (double)sums[k] - (double)hw * q[1];
+      store_levels(centred, cb, hw ? q[0] / (double)hw : NAN, q, y, b * c + c0);
     }
   });
 }
