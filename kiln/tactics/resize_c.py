@@ -117,9 +117,11 @@ def _interpolation_tables(layer: LayerView) -> tuple[torch.Tensor, ...] | None:
 
 class InterpolateResizeTactic(NhwcResizeTactic):
     """Linear and cubic Resize: channel-major maps in C with the channels as the vector, row-major ones as N*C
-    one-channel maps; the output keeps the input's layout."""
+    one-channel maps; the output keeps the input's layout. FP32 only: an interpolation of INT8 bytes is not a copy
+    (its rounding and saturation are torch's reference kernel's)."""
 
     name = INTERPOLATE_TACTIC
+    stored_types = ("float32",)
 
     def tables_apply(self, layer: LayerView) -> bool:
         return _interpolation_tables(layer) is not None

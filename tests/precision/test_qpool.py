@@ -64,7 +64,9 @@ def check(model, x: np.ndarray, window: dict | None, x_type, x_zp: int, y_type, 
 
 
 @pytest.mark.parametrize("x_type, y_type, x_zp, y_zp", [(TensorProto.UINT8, TensorProto.UINT8, 37, 50),
-                                                        (TensorProto.INT8, TensorProto.INT8, -20, 5)])
+                                                        (TensorProto.INT8, TensorProto.INT8, -20, 5),
+                                                        (TensorProto.UINT8, TensorProto.INT8, 37, -9),
+                                                        (TensorProto.INT8, TensorProto.UINT8, -20, 120)])
 @pytest.mark.parametrize("include_pad", [0, 1])
 def test_window_average_pool_is_one_int8_layer(x_type, y_type, x_zp, y_zp, include_pad):
     pool = helper.make_node("AveragePool", ["xd"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
@@ -79,12 +81,14 @@ def test_window_average_pool_is_one_int8_layer(x_type, y_type, x_zp, y_zp, inclu
     assert (shown["ParameterType"], shown["PoolingType"], shown["GrantedPrecision"]) == ("Pooling", "AVERAGE", "INT8")
 
 
-@pytest.mark.parametrize("pool, y_shape", [
-    (helper.make_node("GlobalAveragePool", ["xd"], ["p"]), [1, 80, 1, 1]),
-    (helper.make_node("ReduceMean", ["xd", "axes"], ["p"], keepdims=0), [1, 80])], ids=["global", "reduce_mean"])
-def test_global_averages_over_more_pixels_than_an_int32_chunk_sum_exactly(pool, y_shape):
+@pytest.mark.parametrize("pool, y_shape, opset", [
+    (helper.make_node("GlobalAveragePool", ["xd"], ["p"]), [1, 80, 1, 1], 19),
+    (helper.make_node("ReduceMean", ["xd", "axes"], ["p"], keepdims=0), [1, 80], 19),
+    (helper.make_node("ReduceMean", ["xd"], ["p"], axes=[-2, -1]), [1, 80, 1, 1], 13)],
+    ids=["global", "reduce_mean", "reduce_mean_axes_attribute"])
+def test_global_averages_over_more_pixels_than_an_int32_chunk_sum_exactly(pool, y_shape, opset):
     """270 x 270 = 72,900 pixels: more than the 65,536 the kernel sums in int32 before carrying into int64."""
-    model = pooled_model(pool, [1, 80, 270, 270], y_shape, x_zp=37, y_zp=50)
+    model = pooled_model(pool, [1, 80, 270, 270], y_shape, x_zp=37, y_zp=50, opset=opset)
     check(model, quantized_input((1, 80, 270, 270), 2), None, np.uint8, 37, np.uint8, 50)
 
 

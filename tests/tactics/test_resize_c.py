@@ -96,6 +96,31 @@ def test_bf16_pixels_move_exactly(in_dtype, out_dtype):
     np.testing.assert_array_equal(got.float().numpy(), torch.from_numpy(want).to(getattr(torch, out_dtype)).float())
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_int8_pixels_move_exactly_and_only_a_nearest_resize_takes_them(dtype):
+    """INT8 bytes (a nearest Resize whose Q/DQ pair the quantization pass moved past it) are copied as they are, odd
+    channel counts too; the interpolating tactic declines INT8 (an interpolation of bytes rounds: torch's kernel),
+    and so does the nearest one where input and output types differ."""
+    from kiln.tactics.resize_c import InterpolateResizeTactic
+
+    attrs, scales = CASES[1][0], CASES[1][1]
+    base = view(attrs, scales, shape=(1, 13, 5, 6))
+    v = LayerView("Resize", "", attrs, base.input_shapes, (dtype,) + base.input_dtypes[1:], base.const_inputs,
+                  (dtype,), input_dynamic=base.input_dynamic)
+    assert NhwcResizeTactic().supports(v)
+    x = torch.randint(-128 if dtype == "int8" else 0, 128 if dtype == "int8" else 256, (1, 13, 5, 6),
+                      dtype=getattr(torch, dtype)).contiguous(memory_format=torch.channels_last)
+    got = NhwcResizeTactic().prepare(v)([x] + [host_value(v.const_inputs[i]) for i in (1, 2)])[0]
+    want = onnxruntime_resize(attrs, x.float().numpy(), scales)
+    assert got.dtype == getattr(torch, dtype) and got.is_contiguous(memory_format=torch.channels_last)
+    np.testing.assert_array_equal(got.float().numpy(), want)
+    linear = LayerView("Resize", "", {"mode": "linear"}, v.input_shapes, v.input_dtypes, v.const_inputs, (dtype,),
+                       input_dynamic=v.input_dynamic)
+    mixed = LayerView("Resize", "", attrs, v.input_shapes, v.input_dtypes, v.const_inputs, ("float32",),
+                      input_dynamic=v.input_dynamic)
+    assert not InterpolateResizeTactic().supports(linear) and not NhwcResizeTactic().supports(mixed)
+
+
 @pytest.mark.parametrize("attrs, scales", [({"mode": "linear"}, [1, 1, 2, 2]),
                                            ({"mode": "nearest", "coordinate_transformation_mode": "tf_crop_and_resize"},
                                             [1, 1, 2, 2]),

@@ -75,9 +75,10 @@ void kiln_maxpool_bf16(const uint16_t* restrict x, uint16_t* restrict y, MAXPOOL
   }
 
 /* INT8 average pools (kiln.passes.qpool's QAveragePool: DequantizeLinear -> AveragePool / GlobalAveragePool /
-   spatial ReduceMean -> QuantizeLinear, per-tensor): the taps' bytes summed in integers (exact), then one rounding:
-   the mean of the dequantized taps divided by the output scale, saturated and rounded half to even as QuantizeLinear
-   rounds (rounding.h). `q`: x_scale / y_scale, x_zero_point, y_zero_point, x signed, y signed. */
+   spatial ReduceMean -> QuantizeLinear, per-tensor): the taps' bytes summed in integers (exact); the mean of the
+   dequantized taps divided by the output scale, in double, then taken as a float (QuantizeLinear's input type),
+   saturated and rounded half to even as QuantizeLinear rounds (rounding.h). `q`: x_scale / y_scale, x_zero_point,
+   y_zero_point, x signed, y signed. */
 static inline __attribute__((always_inline)) void store_levels(const double* restrict centred, int64_t cb,
                                                               double scale, const double* q, void* y, int64_t at) {
   const int y_signed = q[4] != 0.0;
