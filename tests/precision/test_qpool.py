@@ -46,11 +46,12 @@ def quantized_input(shape, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-1.5, 4.0, shape).astype(np.float32)
 
 
-def check(model, x: np.ndarray, window: dict | None, x_type, x_zp: int, y_type, y_zp: int) -> kiln.Engine:
+def check(model, x: np.ndarray, window: dict | None, x_type, x_zp: int, y_type, y_zp: int,
+          threads: int = 1) -> kiln.Engine:
     """Builds `model` with --int8 on kiln's kernels: its pool is one INT8 layer whose output is the exact rounding of
     the mean of the quantized input (`window`: avg_pool2d's arguments; None: the global mean), at most one output
     step from onnxruntime's."""
-    engine = kiln.build(model, int8=True, tactic_sources=OWN, autotune=False)
+    engine = kiln.build(model, int8=True, tactic_sources=OWN, autotune=False, threads=threads)
     (pool,) = [l for l in engine.plan.layers if l.op_type == "QAveragePool"]
     assert (pool.tactic_name, pool.precision, pool.outputs[0].dtype) == \
         ("kiln.pool2d_nhwc_int8", "INT8", np.dtype(y_type).name)
@@ -87,9 +88,10 @@ def test_window_average_pool_is_one_int8_layer(x_type, y_type, x_zp, y_zp, inclu
     (helper.make_node("ReduceMean", ["xd"], ["p"], axes=[-2, -1]), [1, 80, 1, 1], 13)],
     ids=["global", "reduce_mean", "reduce_mean_axes_attribute"])
 def test_global_averages_over_more_pixels_than_an_int32_chunk_sum_exactly(pool, y_shape, opset):
-    """270 x 270 = 72,900 pixels: more than the 65,536 the kernel sums in int32 before carrying into int64."""
+    """270 x 270 = 72,900 pixels: more than the 65,536 the kernel sums in int32 before carrying into int64; 80
+    channels, a block of 64 and one of 16, each split into pixel segments among 4 threads."""
     model = pooled_model(pool, [1, 80, 270, 270], y_shape, x_zp=37, y_zp=50, opset=opset)
-    check(model, quantized_input((1, 80, 270, 270), 2), None, np.uint8, 37, np.uint8, 50)
+    check(model, quantized_input((1, 80, 270, 270), 2), None, np.uint8, 37, np.uint8, 50, threads=4)
 
 
 def test_qoperator_average_pools_fuse_too_and_an_onnxruntime_region_gets_the_qdq_form(monkeypatch):

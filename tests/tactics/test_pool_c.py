@@ -96,9 +96,12 @@ def test_bf16_average_pool_sums_in_fp32_and_rounds_once(x_dtype, y_dtype):
 
 
 @pytest.mark.parametrize("dtype,onnx_type", [("uint8", TensorProto.UINT8), ("int8", TensorProto.INT8)])
-@pytest.mark.parametrize("shape,attrs", [MAXPOOL_CASES[0], MAXPOOL_CASES[3]], ids=["stem", "dilated"])
+@pytest.mark.parametrize("shape,attrs", [MAXPOOL_CASES[0], MAXPOOL_CASES[3],
+                                         *(((2, c, 9, 8), MAXPOOL_CASES[1][1]) for c in (8, 16, 24, 32, 48))],
+                         ids=["stem", "dilated", *(f"c{c}" for c in (8, 16, 24, 32, 48))])
 def test_int8_maxpool_equals_onnxruntime(shape, attrs, dtype, onnx_type):
-    """Between INT8 layers a MaxPool runs on the quantized values (Q/DQ fusion swaps it with its Q)."""
+    """Between INT8 layers a MaxPool runs on the quantized values (Q/DQ fusion swaps it with its Q); the channel
+    counts compiled with constant widths too."""
     layer = view("MaxPool", shape, outputs=(dtype,), dtype=dtype, **attrs)
     assert NhwcPoolTactic().supports(layer)
     info = torch.iinfo(getattr(torch, dtype))
