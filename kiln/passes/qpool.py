@@ -11,8 +11,7 @@ from __future__ import annotations
 from kiln.ir import Graph, Node
 from kiln.ops.nn import reduce_axes
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import remove_dead, replace_nodes
-from kiln.passes.quantization import _between_qdq, _dq_origins, _layer_name
+from kiln.passes.quantization import replace_between_qdq
 
 AVERAGE_POOLS = ("AveragePool", "GlobalAveragePool", "ReduceMean")
 
@@ -39,14 +38,5 @@ def _blocker(node: Node) -> str | None:
 
 def fuse_quantized_pools(g: Graph, plog: PassLog) -> None:
     for pool in [n for n in g.nodes if n.op_type in AVERAGE_POOLS and n.domain in ("", "ai.onnx")]:
-        found = _between_qdq(g, pool, plog, _blocker(pool))
-        if found is None:
-            continue
-        dq, q, quant = found
-        plog.fusing(dq, pool)
-        plog.fusing(pool, q)
-        origin = _dq_origins(g, [dq], [pool, q]) + pool.origin + q.origin
-        attrs = {**pool.attrs, "pool": pool.op_type, "quant": quant}
-        replace_nodes(g, [pool, q], Node(_layer_name([pool, q]), "QAveragePool", [dq.inputs[0], *pool.inputs[1:]],
-                                         [q.outputs[0]], attrs, "kiln", origin))
-        remove_dead(g, [dq])
+        replace_between_qdq(g, plog, pool, _blocker(pool), "QAveragePool", {**pool.attrs, "pool": pool.op_type},
+                            tuple(pool.inputs[1:]))

@@ -250,16 +250,25 @@ def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
     for sm in [n for n in g.nodes if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
         rank = len(sm.inputs[0].shape or ())
         axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
-        found = _between_qdq(g, sm, plog, f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None)
-        if found is None:
-            continue
-        dq, q, quant = found
-        plog.fusing(dq, sm)
-        plog.fusing(sm, q)
-        origin = _dq_origins(g, [dq], [sm, q]) + sm.origin + q.origin
-        replace_nodes(g, [sm, q], Node(_layer_name([sm, q]), "QSoftmax", [dq.inputs[0]], [q.outputs[0]],
-                                       {"axis": axis, "quant": quant}, "kiln", origin))
-        remove_dead(g, [dq])
+        replace_between_qdq(g, plog, sm, f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None,
+                            "QSoftmax", {"axis": axis})
+
+
+def replace_between_qdq(g: Graph, plog: PassLog, node: Node, blocker: str | None, op_type: str, attrs: dict,
+                        more_inputs: tuple = ()) -> None:
+    """`node` between a per-tensor INT8 DequantizeLinear and QuantizeLinear (_between_qdq) as one kiln `op_type`
+    layer reading the INT8 tensor (then `more_inputs`), with `attrs` and the quantization; left as it is, with
+    the reason logged, where it is not."""
+    found = _between_qdq(g, node, plog, blocker)
+    if found is None:
+        return
+    dq, q, quant = found
+    plog.fusing(dq, node)
+    plog.fusing(node, q)
+    origin = _dq_origins(g, [dq], [node, q]) + node.origin + q.origin
+    replace_nodes(g, [node, q], Node(_layer_name([node, q]), op_type, [dq.inputs[0], *more_inputs], [q.outputs[0]],
+                                     {**attrs, "quant": quant}, "kiln", origin))
+    remove_dead(g, [dq])
 
 
 def _between_qdq(g: Graph, node: Node, plog: PassLog, blocker: str | None) -> tuple[Node, Node, dict] | None:
