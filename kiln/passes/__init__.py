@@ -18,10 +18,10 @@ from kiln.passes.qmatmul_steps import fuse_product_shuffles
 from kiln.passes.qconcat_table import fuse_concat_tables
 from kiln.passes.qproduct_table import fuse_product_tables
 from kiln.passes.qoperator import unfold_qoperators
-from kiln.passes.qpool import fuse_quantized_pools
+from kiln.passes.qpool import fuse_quantized_pools, fuse_quantized_softmax
 from kiln.passes.rotary import fuse_rotary
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_norm, fuse_quantized_layers,
-                                     fuse_quantized_residual, fuse_quantized_softmax, fuse_requantized_bias,
+                                     fuse_quantized_residual, fuse_requantized_bias,
                                      merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 from kiln.passes.shuffle_swap import move_shuffles_across_products

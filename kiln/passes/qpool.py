@@ -1,4 +1,5 @@
-"""QuantizedPoolFusion: an average pool between per-tensor Q/DQ runs on INT8 tensors::
+"""INT8-in, INT8-out layers for an op between a per-tensor DQ and Q: QuantizedSoftmaxFusion (below) and
+QuantizedPoolFusion, an average pool run on INT8 tensors::
 
     x (INT8) -> DequantizeLinear -> AveragePool | GlobalAveragePool | ReduceMean(H, W) -> QuantizeLinear -> y (INT8)
     ==>  x -> QAveragePool -> y          (integer window sums, one rounding to the output scale)
@@ -40,3 +41,17 @@ def fuse_quantized_pools(g: Graph, plog: PassLog) -> None:
     for pool in [n for n in g.nodes if n.op_type in AVERAGE_POOLS and n.domain in ("", "ai.onnx")]:
         replace_between_qdq(g, plog, pool, _blocker(pool), "QAveragePool", {**pool.attrs, "pool": pool.op_type},
                             tuple(pool.inputs[1:]))
+
+
+def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
+    """INT8 Softmax (TensorRT's int8 softmax inside its fused attention)::
+
+        x (INT8) -> DequantizeLinear -> Softmax(last axis) -> QuantizeLinear -> y (INT8)
+        ==>  x -> QSoftmax -> y          (FP32 inside, each probability quantized as the Q node would)
+
+    per-tensor scales only. The attention probabilities of a quantize_static model are read by P.V as INT8."""
+    for sm in [n for n in g.nodes if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
+        rank = len(sm.inputs[0].shape or ())
+        axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
+        replace_between_qdq(g, plog, sm, f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None,
+                            "QSoftmax", {"axis": axis})

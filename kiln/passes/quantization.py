@@ -240,20 +240,6 @@ def _int8_io_blocker(x_params: tuple | None, x_dtype: str, y_quant: dict | None)
     return None
 
 
-def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
-    """INT8 Softmax (TensorRT's int8 softmax inside its fused attention)::
-
-        x (INT8) -> DequantizeLinear -> Softmax(last axis) -> QuantizeLinear -> y (INT8)
-        ==>  x -> QSoftmax -> y          (FP32 inside, each probability quantized as the Q node would)
-
-    per-tensor scales only. The attention probabilities of a quantize_static model are read by P.V as INT8."""
-    for sm in [n for n in g.nodes if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
-        rank = len(sm.inputs[0].shape or ())
-        axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
-        replace_between_qdq(g, plog, sm, f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None,
-                            "QSoftmax", {"axis": axis})
-
-
 def replace_between_qdq(g: Graph, plog: PassLog, node: Node, blocker: str | None, op_type: str, attrs: dict,
                         more_inputs: tuple = ()) -> None:
     """`node` between a per-tensor INT8 DequantizeLinear and QuantizeLinear (_between_qdq) as one kiln `op_type`

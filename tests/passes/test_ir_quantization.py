@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.passes.qpool import fuse_quantized_softmax
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layers, fuse_quantized_residual,
-                                     fuse_quantized_softmax, fuse_requantized_bias, merge_duplicate_qdq,
+                                     fuse_requantized_bias, merge_duplicate_qdq,
                                      split_q_across_concat, swap_dq_q_around_movement)
 from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unchanged
 
