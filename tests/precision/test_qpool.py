@@ -82,16 +82,17 @@ def test_window_average_pool_is_one_int8_layer(x_type, y_type, x_zp, y_zp, inclu
     assert (shown["ParameterType"], shown["PoolingType"], shown["GrantedPrecision"]) == ("Pooling", "AVERAGE", "INT8")
 
 
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("pool, y_shape, opset", [
     (helper.make_node("GlobalAveragePool", ["xd"], ["p"]), [1, 80, 1, 1], 19),
     (helper.make_node("ReduceMean", ["xd", "axes"], ["p"], keepdims=0), [1, 80], 19),
     (helper.make_node("ReduceMean", ["xd"], ["p"], axes=[-2, -1]), [1, 80, 1, 1], 13)],
     ids=["global", "reduce_mean", "reduce_mean_axes_attribute"])
-def test_global_averages_over_more_pixels_than_an_int32_chunk_sum_exactly(pool, y_shape, opset):
-    """270 x 270 = 72,900 pixels: more than the 65,536 the kernel sums in int32 before carrying into int64; 80
-    channels, a block of 64 and one of 16, each split into pixel segments among 4 threads."""
+def test_global_averages_over_more_pixels_than_an_int32_chunk_sum_exactly(pool, y_shape, opset, threads):
+    """270 x 270 = 72,900 pixels: on one thread more than the 65,536 the kernel sums in int32 before carrying into
+    int64; 80 channels, a block of 64 and one of 16, on 4 threads each split into pixel segments."""
     model = pooled_model(pool, [1, 80, 270, 270], y_shape, x_zp=37, y_zp=50, opset=opset)
-    check(model, quantized_input((1, 80, 270, 270), 2), None, np.uint8, 37, np.uint8, 50, threads=4)
+    check(model, quantized_input((1, 80, 270, 270), 2), None, np.uint8, 37, np.uint8, 50, threads=threads)
 
 
 def test_qoperator_average_pools_fuse_too_and_an_onnxruntime_region_gets_the_qdq_form(monkeypatch):
@@ -112,3 +113,17 @@ def test_qoperator_average_pools_fuse_too_and_an_onnxruntime_region_gets_the_qdq
     region = kiln.build(model, int8=True, tactic_sources={"onnxruntime"}, avg_timing=1, min_timing=1)
     assert [l.op_type for l in region.plan.layers[0].inner] == ["QuantizeLinear", "QAveragePool", "DequantizeLinear"]
     np.testing.assert_array_equal(region.run({"x": x})["y"], run_ort(model, {"x": x})[0])
+
+
+def test_an_empty_batch_pools_to_an_empty_output():
+    """A dynamic batch of 0 reaches the global pool's kernel: nothing to sum, no division by the unit count."""
+    from kiln.tactics.base import LayerView
+    from kiln.tactics.pool_c import QuantizedPoolTactic
+
+    quant = {"x_scale": 0.5, "x_zero_point": 3, "x_dtype": "uint8", "y_scale": 0.25, "y_zero_point": 7,
+             "y_dtype": "uint8"}
+    layer = LayerView("QAveragePool", "kiln", {"pool": "GlobalAveragePool", "quant": quant}, ((2, 80, 5, 5),),
+                      ("uint8",), {}, ("uint8",), 19, ((0,),))
+    assert QuantizedPoolTactic().supports(layer)
+    x = torch.zeros((0, 80, 5, 5), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    assert QuantizedPoolTactic().prepare(layer)([x])[0].shape == (0, 80, 1, 1)

@@ -193,14 +193,16 @@ static inline __attribute__((always_inline)) void sum_pixels(int64_t* restrict s
    added per channel after. */
 void kiln_global_avgpool_q8(const void* restrict x, void* restrict y, int64_t n, int64_t hw, int64_t c,
                             const double* restrict q) {
+  if (n * c == 0) return;
   const int64_t blocks = (c + CB - 1) / CB, want = 2 * (int64_t)omp_get_max_threads();
-  int64_t segs = n * blocks >= want ? 1 : (want + n * blocks - 1) / (n * blocks);
+  const int parallel = threads_pay(2, n * hw * c);   /* one thread: one segment, no partial sums to add */
+  int64_t segs = !parallel || n * blocks >= want ? 1 : (want + n * blocks - 1) / (n * blocks);
   segs = segs < hw ? segs : (hw > 0 ? hw : 1);
   const int64_t per_seg = (hw + segs - 1) / segs;
   const int s8 = q[3] != 0.0;
   int64_t* part = malloc((size_t)(n * segs * c) * sizeof *part);
   if (!part) abort();
-  MAYBE_PARALLEL(threads_pay(n * blocks * segs, n * hw * c), {
+  MAYBE_PARALLEL(parallel && n * blocks * segs > 1, {
     _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < n * blocks * segs; ++t) {
       const int64_t s = t % segs, b = t / segs / blocks, c0 = t / segs % blocks * CB;
