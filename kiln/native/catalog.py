@@ -92,7 +92,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("resize", "resize.c", (
         Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),   # ..., pixel bytes, ...
         # x, y, n, h, w, c, oh, ow, row taps, rows, row weights, col taps, cols, col weights, io
-        Function("kiln_resize_taps", (POINTER,) * 2 + (I64,) * 7 + (POINTER,) * 2 + (I64,) + (POINTER,) * 2 + (I64,)))),
+        Function("kiln_resize_taps", (POINTER,) * 2 + (I64,) * 7 + (POINTER,) * 2 + (I64,) + (POINTER,) * 2 + (I64,)),
+        Function("kiln_resize_taps_q8", (POINTER,) * 2 + (I64,) * 7 + (POINTER,) * 2 + (I64,) + (POINTER,) * 3))),
     LibrarySpec("reformat", "reformat.c", (
         Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 4),   # x, y, n, c, hw, io (which sides are bf16)
         Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 4),

@@ -1,7 +1,7 @@
 """kiln's own layer ops (domain "kiln"): Shuffle (reshape/transpose steps), PointWise (fused programs),
 Attention (softmax(Q·Kᵀ·scale + mask)·V with the data movement around it), SkipLayerNormalization,
-RotaryEmbedding, and the INT8 layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm, QConcat, QAveragePool
-from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic quantization)."""
+RotaryEmbedding, and the INT8 layers (QConv, QMatMul, QGemm, QAdd, QSoftmax, QLayerNorm, QConcat, QAveragePool,
+QResize from Q/DQ; DynamicQMatMul, DynamicQConv from dynamic quantization)."""
 from __future__ import annotations
 
 import numpy as np
@@ -271,6 +271,16 @@ def quantized_average_pool(attrs, xs):
     return [requantized(pooled, q)]
 
 
+def quantized_resize(attrs, xs):
+    """INT8 linear or cubic Resize (kiln.passes.qpool): dequantize, Resize in FP32, quantize."""
+    from kiln.ops.quantize import dequantize
+
+    q = attrs["quant"]
+    resized = OPS["Resize"].impl({k: v for k, v in attrs.items() if k != "quant"},
+                                 [dequantize(xs[0], q["x_scale"], q["x_zero_point"]), *xs[1:]])[0]
+    return [requantized(resized, q)]
+
+
 def quantized_layer_norm(attrs, xs):
     """INT8 LayerNormalization over the axes from `axis`: dequantize, normalize in FP32, quantize with the output
     scale. With `skip_quant` the first two inputs are a residual sum's, added and quantized as that QAdd would
@@ -298,6 +308,7 @@ KILN_OPS["QAdd"] = OpDef("QAdd", OpKind.ELEMENTWISE, quantized_add)
 KILN_OPS["QSoftmax"] = OpDef("QSoftmax", OpKind.REDUCTION, quantized_softmax)
 KILN_OPS["QLayerNorm"] = OpDef("QLayerNorm", OpKind.REDUCTION, quantized_layer_norm)
 KILN_OPS["QAveragePool"] = OpDef("QAveragePool", OpKind.REDUCTION, quantized_average_pool, (1,))   # ReduceMean's axes
+KILN_OPS["QResize"] = OpDef("QResize", OpKind.INJECTIVE, quantized_resize, (1, 2, 3))   # roi, scales, sizes
 KILN_OPS["DynamicQMatMul"] = OpDef("DynamicQMatMul", OpKind.COMPLEX, dynamic_quantized_matmul, (),
                                    _centre_weights_once)
 KILN_OPS["DynamicQConv"] = OpDef("DynamicQConv", OpKind.COMPLEX, dynamic_quantized_conv, (), _centre_weights_once)

@@ -18,7 +18,7 @@ from kiln.passes.qmatmul_steps import fuse_product_shuffles
 from kiln.passes.qconcat_table import fuse_concat_tables
 from kiln.passes.qproduct_table import fuse_product_tables
 from kiln.passes.qoperator import unfold_qoperators
-from kiln.passes.qpool import fuse_quantized_pools, fuse_quantized_softmax
+from kiln.passes.qpool import fuse_quantized_pools, fuse_quantized_resizes, fuse_quantized_softmax
 from kiln.passes.rotary import fuse_rotary
 from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_norm, fuse_quantized_layers,
                                      fuse_quantized_residual, fuse_requantized_bias,
@@ -87,6 +87,7 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("QuantizedAddFusion", fuse_quantized_add),
     Pass("QuantizedSoftmaxFusion", fuse_quantized_softmax),
     Pass("QuantizedPoolFusion", fuse_quantized_pools),
+    Pass("QuantizedResizeFusion", fuse_quantized_resizes),
     Pass("QConvEltwiseSumFusion", fuse_quantized_residual, "vertical fusions"),
     # DequantizeLinear of constants no INT8 layer took: an embedding table gathered as INT8, the rest FP32 constants.
     Pass("GatherDequantizeSwap", swap_gather_dequantize),

@@ -1,5 +1,6 @@
-"""INT8-in, INT8-out layers for an op between a per-tensor DQ and Q: QuantizedSoftmaxFusion (below) and
-QuantizedPoolFusion, an average pool run on INT8 tensors::
+"""INT8-in, INT8-out layers for an op between a per-tensor DQ and Q: QuantizedSoftmaxFusion and
+QuantizedResizeFusion (a linear or cubic Resize: kiln's QResize; a nearest one only moves bytes and is swapped with
+its Q/DQ instead), both below, and QuantizedPoolFusion, an average pool run on INT8 tensors::
 
     x (INT8) -> DequantizeLinear -> AveragePool | GlobalAveragePool | ReduceMean(H, W) -> QuantizeLinear -> y (INT8)
     ==>  x -> QAveragePool -> y          (integer window sums, one rounding to the output scale)
@@ -55,3 +56,26 @@ def fuse_quantized_softmax(g: Graph, plog: PassLog) -> None:
         axis = sm.attrs.get("axis", -1 if g.opset >= 13 else 1) % max(rank, 1)
         replace_between_qdq(g, plog, sm, f"it normalizes axis {axis}, not the last" if axis != rank - 1 else None,
                             "QSoftmax", {"axis": axis})
+
+
+def _resize_blocker(node: Node) -> str | None:
+    """Why kiln's INT8 Resize cannot take this Resize; None where it can."""
+    rank = len(node.inputs[0].shape or ())
+    if rank != 4:
+        return f"its input is {rank}-D: kiln's INT8 Resize takes 4-D NCHW maps"
+    if node.attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        return "tf_crop_and_resize fills pixels outside the crop with a float"
+    if any(v is not None and not v.is_const for v in node.inputs[1:]):
+        return "its roi, scales or sizes are computed at run time"
+    return None
+
+
+def fuse_quantized_resizes(g: Graph, plog: PassLog) -> None:
+    """INT8 linear or cubic Resize (a segmentation head's or FPN's bilinear upsample in a quantize_static model)::
+
+        x (INT8) -> DequantizeLinear -> Resize(linear | cubic) -> QuantizeLinear -> y (INT8)
+        ==>  x -> QResize -> y          (FP32 sums of the centred taps, each output quantized as the Q node would)
+    """
+    for rz in [n for n in g.nodes if n.op_type == "Resize" and n.domain in ("", "ai.onnx")]:
+        if rz.attrs.get("mode", "nearest") in ("linear", "cubic"):
+            replace_between_qdq(g, plog, rz, _resize_blocker(rz), "QResize", dict(rz.attrs), tuple(rz.inputs[1:]))

@@ -27,7 +27,7 @@ log = logging.getLogger("kiln.build")
 
 PRECISIONS = ("FP32", "FP16", "BF16", "INT8")
 CONSTRAINTS = ("none", "prefer", "obey")
-INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "QSoftmax", "QLayerNorm", "QConcat", "QAveragePool",
+INT8_LAYERS = ("QConv", "QMatMul", "QGemm", "QAdd", "QSoftmax", "QLayerNorm", "QConcat", "QAveragePool", "QResize",
                "DynamicQMatMul", "DynamicQConv", "QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger",
                "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearConcat", "QLinearSigmoid",
                "QLinearLeakyRelu")

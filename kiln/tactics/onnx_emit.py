@@ -219,6 +219,11 @@ def emit_layer(e: Emitter, view: LayerView, xs: list[str | None]) -> str:
         attrs = {k: v for k, v in a.items() if k not in ("pool", "quant")}
         y = e.node(pool, [_qdq(e, "DequantizeLinear", xs[0], q, "x"), *xs[1:]], attrs)
         return _qdq(e, "QuantizeLinear", y, q, "y")
+    if view.domain == "kiln" and view.op_type == "QResize":   # kiln.passes.qpool
+        q = a["quant"]
+        y = e.node("Resize", [_qdq(e, "DequantizeLinear", xs[0], q, "x"), *xs[1:]],
+                   {k: v for k, v in a.items() if k != "quant"})
+        return _qdq(e, "QuantizeLinear", y, q, "y")
     if view.domain == "kiln" and view.op_type in ("DynamicQMatMul", "DynamicQConv"):
         return _emit_dynamic_quantized(e, view, xs)
     if view.op_type == "SkipLayerNormalization" and view.domain == "kiln":
@@ -404,7 +409,8 @@ def _emit_rotary(e: Emitter, xs: list[str | None], d: int) -> str:
 
 
 KILN_EMITTABLE = ("PointWise", "Shuffle", "Attention", "SkipLayerNormalization", "RotaryEmbedding", "QAdd", "QSoftmax",
-                  "QLayerNorm", "QConcat", "QAveragePool", "DynamicQMatMul", "DynamicQConv", *QUANTIZED_BASE)
+                  "QLayerNorm", "QConcat", "QAveragePool", "QResize", "DynamicQMatMul", "DynamicQConv",
+                  *QUANTIZED_BASE)
 
 
 def emit(view: LayerView, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

@@ -35,7 +35,7 @@ from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLi
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
 from kiln.tactics.reference import BF16_OPS, Bf16ReferenceTactic, ReferenceTactic
 from kiln.tactics.resize_c import (InterpolateResizeBf16Tactic, InterpolateResizeTactic, NhwcResizeBf16Tactic,
-                                   NhwcResizeTactic)
+                                   NhwcResizeTactic, QuantizedResizeTactic)
 from kiln.tactics.rotary_c import RotaryBf16Tactic, RotaryTactic
 from kiln.tactics.shuffle_c import PermuteCopyBf16Tactic, PermuteCopyTactic
 from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxBf16Tactic, SoftmaxTactic
@@ -71,6 +71,7 @@ _LAYER_TACTICS: dict[str, list[Tactic]] = {
     "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q
     "QSoftmax": [QuantizedSoftmaxTactic()],
     "QAveragePool": [QuantizedPoolTactic()],
+    "QResize": [QuantizedResizeTactic()],
     "QConcat": [CopyRowsTactic()],   # its inputs' tables applied as it copies
     "QLayerNorm": [QuantizedLayerNormTactic()],
     "QuantizeLinear": [QuantizeLinearTactic()],

@@ -157,3 +157,48 @@ class InterpolateResizeBf16Tactic(Bf16Storage, InterpolateResizeTactic):
     name = INTERPOLATE_TACTIC + "_bf16"
     stored_types = STORED_FLOATS
     bf16_inputs = frozenset({0})
+
+
+class QuantizedResizeTactic:
+    """kiln's QResize (DequantizeLinear -> linear or cubic Resize -> QuantizeLinear, kiln.passes.qpool) on
+    channel-major INT8 maps: the interpolation tables of kiln.resize_interpolate, the centred taps summed in FP32,
+    each output quantized as the Q node would."""
+
+    name = INTERPOLATE_TACTIC + "_int8"
+    source = "kiln"
+    needs_c_compiler = True
+
+    def supports(self, layer: LayerView) -> bool:
+        q = layer.attrs.get("quant", {})
+        if layer.op_type != "QResize" or layer.domain != "kiln" or len(layer.output_dtypes) != 1:
+            return False
+        if q.get("x_dtype") not in INT8_TORCH or q.get("y_dtype") not in INT8_TORCH:
+            return False
+        if any(layer.input_dynamic[i] for i in range(len(layer.input_dynamic))):
+            return False
+        return native.available() and _interpolation_tables(layer) is not None
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [HWC] + [ANY] * (len(layer.input_shapes) - 1)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return HWC
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        lib = native.library("resize")
+        n, c, h, w = layer.input_shapes[0]
+        q = layer.attrs["quant"]
+        tables = rows, row_weights, cols, col_weights = _interpolation_tables(layer)
+        params = torch.tensor([float(q["x_scale"]) / float(q["y_scale"]), q["x_zero_point"], q["y_zero_point"],
+                               q["x_dtype"] == "int8", q["y_dtype"] == "int8"], dtype=torch.float64)
+        oh, ow, dtype = rows.shape[0], cols.shape[0], INT8_TORCH[q["y_dtype"]]
+        pointers = (rows.shape[1], rows.data_ptr(), row_weights.data_ptr(), cols.shape[1], cols.data_ptr(),
+                    col_weights.data_ptr(), params.data_ptr())
+
+        def run(xs):
+            x = xs[0].contiguous(memory_format=torch.channels_last)
+            y = torch.empty((n, c, oh, ow), dtype=dtype, memory_format=torch.channels_last)
+            lib.kiln_resize_taps_q8(x.data_ptr(), y.data_ptr(), n, h, w, c, oh, ow, *pointers)
+            return [y]
+        run.constants = (*tables, params)   # read through raw pointers
+        return run

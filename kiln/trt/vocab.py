@@ -78,7 +78,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
                 "QAveragePool"),
     "Reduce": ("ReduceL2", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare"),
     "Reformat": ("DequantizeLinear", "DynamicQuantizeLinear", "QuantizeLinear", "Reformat"),
-    "Resize": ("Resize",),
+    "Resize": ("Resize", "QResize"),
     "Scale": ("BatchNormalization",),
     "Scatter": ("ScatterElements", "ScatterND"),
     "Select": ("Trilu",),

@@ -55,3 +55,24 @@ def test_averages_kiln_cannot_pool_in_int8_stay_float_with_the_reason():
         "QuantizedPoolFusion: Not fusing gap with its consumers: no per-tensor INT8 QuantizeLinear is its only "
         "reader: it stays FP32"]
     assert run.stat.matches == 0
+
+
+def test_linear_resize_becomes_int8_and_what_it_cannot_take_stays_float_with_the_reason():
+    from kiln.passes.qpool import fuse_quantized_resizes
+
+    b = IRBuilder()
+    xq = b.input("xq", X, np.int8)
+    scales = b.const("scales", [1, 1, 2, 2])
+    up = b.node("Resize", [dq(b, xq, "x", 0.5), None, scales], "u", (1, 2, 8, 8), name="up", mode="linear")
+    given = b.input("runtime_scales", (4,))
+    late = b.node("Resize", [dq(b, xq, "x2", 0.5), None, given], "l", (1, 2, 8, 8), name="late", mode="linear")
+    near = b.node("Resize", [dq(b, xq, "x3", 0.5), None, scales], "n", (1, 2, 8, 8), name="near", mode="nearest")
+    g = b.graph(q(b, up, "uq", 0.25), q(b, late, "lq", 0.25), q(b, near, "nq", 0.25))
+
+    run = run_pass(g, "QuantizedResizeFusion", fuse_quantized_resizes)
+
+    fused = next(n for n in g.nodes if n.op_type == "QResize")
+    assert fused.name == "up + uq" and fused.inputs[0].name == "xq" and fused.attrs["mode"] == "linear"
+    assert fused.attrs["quant"]["y_scale"] == 0.25 and [n.op_type for n in g.nodes].count("Resize") == 2
+    assert run.not_fusing == ["QuantizedResizeFusion: Not fusing late with lq: its roi, scales or sizes are computed "
+                              "at run time: it stays FP32"]

@@ -127,3 +127,34 @@ def test_an_empty_batch_pools_to_an_empty_output():
     assert QuantizedPoolTactic().supports(layer)
     x = torch.zeros((0, 80, 5, 5), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
     assert QuantizedPoolTactic().prepare(layer)([x])[0].shape == (0, 80, 1, 1)
+
+
+@pytest.mark.parametrize("mode, x_type, y_type", [("linear", TensorProto.UINT8, TensorProto.UINT8),
+                                                  ("cubic", TensorProto.INT8, TensorProto.UINT8)])
+def test_linear_and_cubic_resize_between_qdq_is_one_int8_layer(mode, x_type, y_type, monkeypatch):
+    """DQ -> Resize(linear | cubic) -> Q: one QResize on kiln.resize_interpolate_int8, each output within one step of
+    onnxruntime and of the FP32 chain it replaces (dequantize, resize, quantize: kiln's reference op), equal to it
+    almost everywhere (FP32 sums in another order); an onnxruntime region gets the Q/DQ form back."""
+    from kiln.ops.fused import quantized_resize
+
+    x_zp, y_zp = (37, -9) if x_type == TensorProto.UINT8 else (-20, -9)
+    y_zp = 50 if y_type == TensorProto.UINT8 else y_zp
+    node = helper.make_node("Resize", ["xd", "", "scales"], ["p"], mode=mode)
+    model = pooled_model(node, [2, 40, 7, 9], [2, 40, 14, 18], x_type, y_type, x_zp, y_zp)
+    model.graph.initializer.append(init("scales", np.array([1, 1, 2, 2], np.float32)))
+    x = quantized_input((2, 40, 7, 9), 4)
+    engine = kiln.build(model, int8=True, tactic_sources=OWN, autotune=False)
+    (layer,) = [l for l in engine.plan.layers if l.op_type == "QResize"]
+    assert (layer.tactic_name, layer.precision) == ("kiln.resize_interpolate_int8", "INT8")
+    got = engine.run({"x": x})["y"]
+    assert np.abs(got - run_ort(model, {"x": x})[0]).max() <= Y_SCALE * 1.001
+    x_np = helper.tensor_dtype_to_np_dtype(x_type)
+    levels = np.clip(np.round(x / np.float32(X_SCALE)) + x_zp, np.iinfo(x_np).min, np.iinfo(x_np).max).astype(x_np)
+    scales = torch.tensor([1, 1, 2, 2], dtype=torch.float32)
+    want = quantized_resize({"mode": mode, "quant": layer.attrs["quant"]}, [torch.from_numpy(levels), None, scales])[0]
+    steps = np.abs(np.round(got / np.float32(Y_SCALE)) + y_zp - want.numpy().astype(np.float64))
+    assert steps.max() <= 1 and (steps == 0).mean() >= 0.99
+    force_plan(monkeypatch, "onnxruntime")
+    region = kiln.build(model, int8=True, tactic_sources={"onnxruntime"}, avg_timing=1, min_timing=1)
+    assert "QResize" in [l.op_type for l in region.plan.layers[0].inner]
+    np.testing.assert_array_equal(region.run({"x": x})["y"], run_ort(model, {"x": x})[0])
