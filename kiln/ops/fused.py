@@ -260,25 +260,25 @@ def quantized_softmax(attrs, xs):
     return [requantized(p, q)]
 
 
-def quantized_average_pool(attrs, xs):
-    """INT8 average pool (kiln.passes.qpool): dequantize, the average pool `pool` (AveragePool, GlobalAveragePool
-    or ReduceMean over H and W, with its attributes and inputs) in FP32, quantize with the output scale."""
+def _between_qdq(op_type: str, attrs, xs, own_keys=("quant",)):
+    """Standard op `op_type` between its layer's DequantizeLinear and QuantizeLinear (kiln.passes.qpool): the INT8
+    input dequantized, the op in FP32 with the layer's attributes less `own_keys`, quantized at the output scale."""
     from kiln.ops.quantize import dequantize
 
     q = attrs["quant"]
-    pooled = OPS[attrs["pool"]].impl({k: v for k, v in attrs.items() if k not in ("pool", "quant")},
-                                     [dequantize(xs[0], q["x_scale"], q["x_zero_point"]), *xs[1:]])[0]
-    return [requantized(pooled, q)]
+    y = OPS[op_type].impl({k: v for k, v in attrs.items() if k not in own_keys},
+                          [dequantize(xs[0], q["x_scale"], q["x_zero_point"]), *xs[1:]])[0]
+    return [requantized(y, q)]
+
+
+def quantized_average_pool(attrs, xs):
+    """INT8 average pool: `pool` (AveragePool, GlobalAveragePool or ReduceMean over H and W) between Q/DQ."""
+    return _between_qdq(attrs["pool"], attrs, xs, ("pool", "quant"))
 
 
 def quantized_resize(attrs, xs):
-    """INT8 linear or cubic Resize (kiln.passes.qpool): dequantize, Resize in FP32, quantize."""
-    from kiln.ops.quantize import dequantize
-
-    q = attrs["quant"]
-    resized = OPS["Resize"].impl({k: v for k, v in attrs.items() if k != "quant"},
-                                 [dequantize(xs[0], q["x_scale"], q["x_zero_point"]), *xs[1:]])[0]
-    return [requantized(resized, q)]
+    """INT8 linear or cubic Resize between Q/DQ."""
+    return _between_qdq("Resize", attrs, xs)
 
 
 def quantized_layer_norm(attrs, xs):

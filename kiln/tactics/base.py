@@ -54,6 +54,14 @@ def storage_dtype(dtype: str | None) -> torch.dtype:
     return torch.bfloat16 if dtype == "bfloat16" else torch.float32
 
 
+def requantizing_params(quant: dict) -> torch.Tensor:
+    """An INT8-in, INT8-out C kernel's quantization (pool.c's and resize.c's `q`): x_scale / y_scale, x_zero_point,
+    y_zero_point, x signed, y signed, as float64."""
+    return torch.tensor([float(quant["x_scale"]) / float(quant["y_scale"]), quant["x_zero_point"],
+                         quant["y_zero_point"], quant["x_dtype"] == "int8", quant["y_dtype"] == "int8"],
+                        dtype=torch.float64)
+
+
 def unit_inner(t: torch.Tensor) -> torch.Tensor:
     """`t` with unit stride along its last axis, as C kernels reading rows in place need (a copy where it lacks it)."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()

@@ -23,7 +23,7 @@ from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.nn import pool_output_size, reduce_axes
 from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, \
-    bf16_io, storage_dtype
+    bf16_io, requantizing_params, storage_dtype
 
 POOL_TACTIC = "kiln.pool2d_nhwc"
 QPOOL_TACTIC = "kiln.pool2d_nhwc_int8"
@@ -236,8 +236,7 @@ class QuantizedPoolTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         lib = native.library("pool")
         q, last = layer.attrs["quant"], torch.channels_last
-        params = torch.tensor([float(q["x_scale"]) / float(q["y_scale"]), q["x_zero_point"], q["y_zero_point"],
-                               q["x_dtype"] == "int8", q["y_dtype"] == "int8"], dtype=torch.float64)
+        params = requantizing_params(q)
         dtype = INT8_TORCH[q["y_dtype"]]
         _, c, h, w = layer.input_shapes[0]
         if layer.attrs["pool"] == "AveragePool":

@@ -16,7 +16,8 @@ from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.norm_resize import resize, resize_taps
 from kiln.ops.registry import host_value
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, storage_dtype
+from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, requantizing_params, \
+    storage_dtype
 
 RESIZE_TACTIC = "kiln.resize_nearest_nhwc"
 INTERPOLATE_TACTIC = "kiln.resize_interpolate"
@@ -174,7 +175,7 @@ class QuantizedResizeTactic:
             return False
         if q.get("x_dtype") not in INT8_TORCH or q.get("y_dtype") not in INT8_TORCH:
             return False
-        if any(layer.input_dynamic[i] for i in range(len(layer.input_dynamic))):
+        if any(layer.input_dynamic):   # the tap tables are built for one input size
             return False
         return native.available() and _interpolation_tables(layer) is not None
 
@@ -189,8 +190,7 @@ class QuantizedResizeTactic:
         n, c, h, w = layer.input_shapes[0]
         q = layer.attrs["quant"]
         tables = rows, row_weights, cols, col_weights = _interpolation_tables(layer)
-        params = torch.tensor([float(q["x_scale"]) / float(q["y_scale"]), q["x_zero_point"], q["y_zero_point"],
-                               q["x_dtype"] == "int8", q["y_dtype"] == "int8"], dtype=torch.float64)
+        params = requantizing_params(q)
         oh, ow, dtype = rows.shape[0], cols.shape[0], INT8_TORCH[q["y_dtype"]]
         pointers = (rows.shape[1], rows.data_ptr(), row_weights.data_ptr(), cols.shape[1], cols.data_ptr(),
                     col_weights.data_ptr(), params.data_ptr())

@@ -133,10 +133,9 @@ def test_an_empty_batch_pools_to_an_empty_output():
                                                   ("cubic", TensorProto.INT8, TensorProto.UINT8)])
 def test_linear_and_cubic_resize_between_qdq_is_one_int8_layer(mode, x_type, y_type, monkeypatch):
     """DQ -> Resize(linear | cubic) -> Q: one QResize on kiln.resize_interpolate_int8, each output within one step of
-    onnxruntime and of the FP32 chain it replaces (dequantize, resize, quantize: kiln's reference op), equal to it
-    almost everywhere (FP32 sums in another order); an onnxruntime region gets the Q/DQ form back."""
-    from kiln.ops.fused import quantized_resize
-
+    onnxruntime and of the FP32 chain it replaces (dequantized, resized by torch's interpolate, which takes ONNX's
+    half_pixel rule and cubic coefficient -0.75, quantized), equal to it almost everywhere (FP32 sums in another
+    order); an onnxruntime region gets the Q/DQ form back."""
     x_zp, y_zp = (37, -9) if x_type == TensorProto.UINT8 else (-20, -9)
     y_zp = 50 if y_type == TensorProto.UINT8 else y_zp
     node = helper.make_node("Resize", ["xd", "", "scales"], ["p"], mode=mode)
@@ -150,9 +149,12 @@ def test_linear_and_cubic_resize_between_qdq_is_one_int8_layer(mode, x_type, y_t
     assert np.abs(got - run_ort(model, {"x": x})[0]).max() <= Y_SCALE * 1.001
     x_np = helper.tensor_dtype_to_np_dtype(x_type)
     levels = np.clip(np.round(x / np.float32(X_SCALE)) + x_zp, np.iinfo(x_np).min, np.iinfo(x_np).max).astype(x_np)
-    scales = torch.tensor([1, 1, 2, 2], dtype=torch.float32)
-    want = quantized_resize({"mode": mode, "quant": layer.attrs["quant"]}, [torch.from_numpy(levels), None, scales])[0]
-    steps = np.abs(np.round(got / np.float32(Y_SCALE)) + y_zp - want.numpy().astype(np.float64))
+    floats = torch.from_numpy((levels.astype(np.float32) - x_zp) * np.float32(X_SCALE))
+    torch_mode = "bilinear" if mode == "linear" else "bicubic"
+    resized = torch.nn.functional.interpolate(floats, scale_factor=2, mode=torch_mode, align_corners=False).numpy()
+    y_np = helper.tensor_dtype_to_np_dtype(y_type)
+    want = np.clip(np.round(resized / np.float32(Y_SCALE)) + y_zp, np.iinfo(y_np).min, np.iinfo(y_np).max)
+    steps = np.abs(np.round(got / np.float32(Y_SCALE)) + y_zp - want)
     assert steps.max() <= 1 and (steps == 0).mean() >= 0.99
     force_plan(monkeypatch, "onnxruntime")
     region = kiln.build(model, int8=True, tactic_sources={"onnxruntime"}, avg_timing=1, min_timing=1)

@@ -169,6 +169,8 @@ void kiln_avgpool_q8(const void* restrict x, void* restrict y, int64_t n, int64_
   });
 }
 
+#undef Q8_WINDOW
+
 #define Q8_FLUSH 65536   /* pixels summed in int32 before adding to int64: 65536 x 255 stays below 2^31 */
 
 /* Pixels [p0, p1) of one image's channels [c0, c0 + cb) (at x + c0, c bytes a pixel) summed into sums[cb]: int32
