@@ -43,6 +43,9 @@ from bench_models import QUANTIZED, build_model  # noqa: E402
 from cpu_info import cpu_line, lscpu_text, parse_cpu, present_isa  # noqa: E402  (benchmarks/, the script's folder)
 from record import RUNS_CSV, RunRow, append_rows, git_commit  # noqa: E402
 
+from kiln import optional  # noqa: E402
+from kiln.errors import MissingDependencyError  # noqa: E402
+
 WARMUP = 5
 
 
@@ -76,8 +79,7 @@ def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, wit
     sess = ort.InferenceSession(onnx_path, so, providers=["CPUExecutionProvider"])
     out["onnxruntime"] = lambda: sess.run(None, feeds)
     try:
-        import openvino as ov
-
+        ov = optional.require("openvino", "OpenVINO's rows")   # as kiln imports it: its telemetry declined
         compiled = ov.Core().compile_model(onnx_path, "CPU", {"INFERENCE_NUM_THREADS": threads,
                                                               "INFERENCE_PRECISION_HINT": "f32"})
         request = compiled.create_infer_request()
@@ -86,7 +88,7 @@ def peers(onnx_path: str, model, feeds: dict[str, np.ndarray], threads: int, wit
             default = ov.Core().compile_model(onnx_path, "CPU", {"INFERENCE_NUM_THREADS": threads})
             default_request = default.create_infer_request()
             out["openvino default"] = lambda: default_request.infer(feeds)
-    except ImportError:
+    except MissingDependencyError:
         pass
     except RuntimeError as e:   # OpenVINO 2026.4 fails on quantize_static BERT's Q/DQ attention scale, for one
         last = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)

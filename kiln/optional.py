@@ -19,9 +19,24 @@ def _import_onnxruntime() -> ModuleType:
 
 
 def _import_openvino() -> ModuleType:
+    _decline_openvino_telemetry()
     import openvino
 
     return openvino
+
+
+def _decline_openvino_telemetry() -> None:
+    """`import openvino` starts OpenVINO's usage telemetry (openvino_telemetry, through openvino.tools.ovc), which
+    counts a machine without a consent file as consenting and sends an import event to Google Analytics from a
+    process it forks off a sender thread. kiln's process declines it: a build tool should not send events, and a
+    fork while another thread held the dynamic loader's lock left that child blocked in dlopen and `kiln build`'s
+    exit waiting for it forever (seen on a fresh machine). Nothing is written to the user's consent file; other
+    OpenVINO tools keep their setting."""
+    try:
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    except ImportError:   # no telemetry package (or another layout of it): nothing to decline
+        return
+    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
 
 
 @dataclass(frozen=True)

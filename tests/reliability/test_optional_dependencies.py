@@ -185,3 +185,16 @@ def test_importing_every_kiln_module_loads_neither_library():
                   "print(sorted(n for n in sys.modules if n.split('.')[0] in ('onnxruntime', 'openvino')))")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_openvino_imported_through_kiln_sends_no_telemetry_and_writes_nothing_home(tmp_path):
+    """On a machine without OpenVINO's consent file, `import openvino` counts as consent: it writes ~/intel and
+    forks a process off a thread to send an event (a fork that once left `kiln build` waiting at exit forever).
+    Imported through kiln, telemetry is declined and the home folder is left alone."""
+    pytest.importorskip("openvino")
+    probe = ("from kiln import optional; optional.require('openvino', 'a test'); import openvino_telemetry as t; "
+             "print(t.Telemetry().consent)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(PACKAGE.parent)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "False" and not list(tmp_path.iterdir())
