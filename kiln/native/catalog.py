@@ -50,6 +50,7 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         *(Function(name, (POINTER,) * 6)   # call, x, y, residual (or NULL), colsum, w_scale
           for name in ("kiln_dqconv", "kiln_dqconv_amx")),
         Function("kiln_qgemm_act", (POINTER,) * 4 + (I64,) * 3),   # call, a, b, y, rows, x_zp, b_unsigned
+        Function("kiln_qdepthwise", (POINTER,) * 3),   # call, x, y
         Function("kiln_amx_int8_ready", (), I64))),
     LibrarySpec("winograd", "winograd.c", (
         Function("wino_fused",   # ..., scratch, threads, io (gemm.h's IO_* bits)

@@ -30,6 +30,7 @@ from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
 from kiln.tactics.pool_c import POOL_OPS, NhwcPoolBf16Tactic, NhwcPoolTactic, QuantizedPoolTactic
 from kiln.tactics.quant_c import QuantizeLinearTactic
+from kiln.tactics.qdepthwise_c import QDepthwiseConvTactic
 from kiln.tactics.qgemm_act_c import QActMatMulTactic
 from kiln.tactics.qgemm_amx import QConvDirectAmxTactic, QConvGemmAmxTactic, QLinearGemmAmxTactic
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic
@@ -63,7 +64,7 @@ _LAYER_TACTICS: dict[str, list[Tactic]] = {
     "RMSNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
     "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
     "QConv": [OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(), QConvDirectTactic(),
-              QConvGemmAmxTactic(), QConvDirectAmxTactic()],
+              QConvGemmAmxTactic(), QConvDirectAmxTactic(), QDepthwiseConvTactic()],
     "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(), QActMatMulTactic()],
     "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],

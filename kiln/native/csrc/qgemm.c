@@ -9,7 +9,8 @@
    w_zp[n] * (the row's byte sum) off: sum (x - x_zp)(w - w_zp) = acc - x_zp (colsum[n] - k w_zp[n]) - w_zp[n] sum x,
    the caller folding the middle term into comp. kiln_dqgemm and kiln_dqconv (qgemm_dynamic.h) quantize their FP32
    input first (dynamic quantization) and make the epilogue per call; kiln_qgemm_act (qgemm_act.h) multiplies two
-   activations, packing B and its compensation per call and image.
+   activations, packing B and its compensation per call and image; kiln_qdepthwise (qdepthwise.h) runs a depthwise
+   convolution through the same epilogue.
 
    Weights are packed once at load as [n/32 panels][k/4 quads][32][4] s8, k zero-padded to whole quads (a
    convolution pads each kernel row's segment of kw * c bytes); activations are read in place and a row's tail
@@ -505,3 +506,4 @@ void kiln_qgemm_act(const QGemmCall* g, const uint8_t* a, const uint8_t* b, void
 
 int64_t kiln_amx_int8_ready(void) { return 0; }
 #endif
+#include "qdepthwise.h"

@@ -1,0 +1,98 @@
+"""kiln's INT8 depthwise convolution in C (`kiln_qdepthwise`, kiln/native/csrc/qdepthwise.h): a QConv with one
+group per channel and one output channel each (MobileNet's and EfficientNet's 3x3 and 5x5 layers), NHWC, u8 or s8
+activations, symmetric s8 weights per tensor or per channel, any kernel size, stride, dilation and padding, the
+activations and requantization of every kiln INT8 layer (qgemm.c's epilogue).
+
+Why: the only other kernel for such a layer is oneDNN's through torch, whose ~50 µs of descriptor work a call
+(benchmarks/overhead.py) is more than a depthwise layer's whole compute at MobileNet's sizes; a quantize_static
+MobileNetV2 has 17 of them."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kiln import native
+from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only, has_residual
+from kiln.tactics.gemm_c import nhwc_kernel
+from kiln.tactics.onednn_int8 import _quant_supported
+from kiln.tactics.qgemm_c import I64, QUAD, VNNI_ISA, Epilogue, epilogue, fused_activation, output_dtype, per_batch, \
+    s8_weights, vnni_available
+
+LANES = 16                           # channels per vector of sums
+MAX_TAPS = 2**24 // (255 * 128)      # 514: taps a float sums exactly (qdepthwise.h)
+
+
+class DepthwiseCall(ctypes.Structure):
+    """qdepthwise.h's QDepthwiseCall: the layer's constants, built once at load."""
+
+    _fields_ = [("b", ctypes.c_void_p), ("q", ctypes.c_void_p), *((name, I64) for name in ("n", "h", "w", "c", "kh", "kw", "sh", "sw", "dh",
+                                                                    "dw", "pt", "pl", "oh", "ow")),
+                ("e", Epilogue)]
+
+
+def depthwise_geometry(layer: LayerView) -> tuple[int, ...]:
+    """(kh, kw, sh, sw, dh, dw, pad top, pad left, out h, out w)."""
+    _, _, h, w = layer.input_shapes[0]
+    kh, kw = layer.const_inputs[1].shape[2:]
+    sh, sw = layer.attrs.get("strides") or [1, 1]
+    dh, dw = layer.attrs.get("dilations") or [1, 1]
+    pt, pl, pb, pr = layer.attrs.get("pads") or [0, 0, 0, 0]
+    return kh, kw, sh, sw, dh, dw, pt, pl, (h + pt + pb - dh * (kh - 1) - 1) // sh + 1, \
+        (w + pl + pr - dw * (kw - 1) - 1) // sw + 1
+
+
+def pack_depthwise(taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """s8 weights [taps, c] as both of qdepthwise.h's layouts, channels padded to whole vectors with zeros: floats
+    [taps][c] and quads [taps / 4][c][4] (lane i of a quad row: channel i's four taps; the spare taps 0)."""
+    t, c = taps.shape
+    lanes, groups = -(-c // LANES) * LANES, -(-t // QUAD)
+    floats = torch.zeros((t, lanes), dtype=torch.float32)
+    floats[:, :c] = taps.float()
+    quads = torch.zeros((groups * QUAD, lanes), dtype=torch.int8)
+    quads[:t, :c] = taps
+    return floats, quads.view(groups, QUAD, lanes).permute(0, 2, 1).contiguous()
+
+
+class QDepthwiseConvTactic:
+    name = "kiln.qconv2d_depthwise_nhwc_int8"
+    source = "kiln"
+    needs_c_compiler = True
+    required_isa = VNNI_ISA
+
+    def supports(self, layer: LayerView) -> bool:
+        if layer.op_type != "QConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
+            return False
+        a, w, c = layer.attrs, layer.const_inputs.get(1), layer.input_shapes[0][1]
+        if w is None or w.dim() != 4 or a.get("group", 1) != c or w.shape[:2] != (c, 1) or has_residual(layer):
+            return False
+        if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer):
+            return False
+        if fused_activation(a.get("activation")) is None or not batch_dynamic_only(layer):
+            return False
+        if w.shape[2] * w.shape[3] > MAX_TAPS:
+            return False
+        *_, pt, pl, oh, ow = depthwise_geometry(layer)
+        return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and vnni_available()
+
+    def input_formats(self, layer: LayerView) -> list[str]:
+        return [HWC] * len(layer.input_shapes)
+
+    def output_format(self, layer: LayerView, input_formats: list[str]) -> str:
+        return HWC
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        conv = native.library("qgemm").kiln_qdepthwise
+        n, c, h, w = layer.input_shapes[0]
+        kh, kw, sh, sw, dh, dw, pt, pl, oh, ow = geometry = depthwise_geometry(layer)
+        taps = s8_weights(layer).reshape(c, kh * kw).t()            # [kh * kw, c]: the epilogue's [k, n]
+        weights, quads = pack_depthwise(taps)
+        e, kept = epilogue(layer, taps)
+        calls = per_batch(lambda batch: DepthwiseCall(weights.data_ptr(), quads.data_ptr(), batch, h, w, c, *geometry,
+                                                      e))
+
+        def launch(x, out, res):
+            conv(calls(x.shape[0]), x.data_ptr(), out.data_ptr())
+        run = nhwc_kernel(launch, (n, c, oh, ow), None, False, output_dtype(layer))
+        run.constants = (weights, quads, calls, kept)   # read through raw pointers
+        return run
