@@ -84,7 +84,7 @@ class QDepthwiseConvTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         conv = native.library("qgemm").kiln_qdepthwise
         n, c, h, w = layer.input_shapes[0]
-        kh, kw, sh, sw, dh, dw, pt, pl, oh, ow = geometry = depthwise_geometry(layer)
+        kh, kw, *_, oh, ow = geometry = depthwise_geometry(layer)
         taps = s8_weights(layer).reshape(c, kh * kw).t()            # [kh * kw, c]: the epilogue's [k, n]
         weights, quads = pack_depthwise(taps)
         e, kept = epilogue(layer, taps)

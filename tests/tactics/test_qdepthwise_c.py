@@ -3,8 +3,6 @@ oneDNN's INT8 kernel, which layers it takes, and a quantize_static MobileNetV2-s
 onnxruntime."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -15,8 +13,8 @@ from kiln.tactics.base import LayerView
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic
 from kiln.tactics.qdepthwise_c import MAX_TAPS, QDepthwiseConvTactic
 from tests.conftest import cosine, run_ort
-from tests.tactics.test_qgemm_c import TORCH, assert_requantized_equal, assert_spread, needs_vnni, quant, rand_q, \
-    requantize
+from tests.tactics.test_qgemm_c import TORCH, assert_requantized_equal, assert_spread, needs_vnni, quant, \
+    quantize_static_export, rand_q, requantize
 
 CLIP6 = {"op": "Clip", "attrs": {"min": 0.0, "max": 6.0}}
 
@@ -120,22 +118,9 @@ def test_only_one_channel_per_group_without_residual_or_weight_zero_points():
 
 @pytest.fixture(scope="module")
 def qdq_mobilenet(tmp_path_factory):
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from tests.models.nets import export
     from tests.models.zoo import make_zoo
-    from tests.precision.test_qdq import calibration_reader
 
-    folder = tmp_path_factory.mktemp("qdepthwise")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export(make_zoo("mobilenetv2").eval(), torch.rand(1, 3, 32, 32), folder / "fp32.onnx", "legacy")
-    quant_pre_process(str(folder / "fp32.onnx"), str(folder / "pre.onnx"))
-    quantize_static(str(folder / "pre.onnx"), str(folder / "qdq.onnx"), calibration_reader("input", (1, 3, 32, 32), 4),
-                    quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
-                    weight_type=QuantType.QInt8)
-    return str(folder / "qdq.onnx")
+    return quantize_static_export(make_zoo("mobilenetv2").eval(), tmp_path_factory.mktemp("qdepthwise"))
 
 
 @needs_vnni

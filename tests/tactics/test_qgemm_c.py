@@ -409,23 +409,28 @@ def resnet_like() -> nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def qdq_resnet_like(tmp_path_factory):
+def quantize_static_export(model, folder, shape=(1, 3, 32, 32)) -> str:
+    """`model` exported (legacy) and quantized by onnxruntime's quantize_static: QDQ, u8 activations, s8 weights per
+    channel, calibrated on 4 random batches; the Q/DQ model's path."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from tests.models.nets import export
     from tests.precision.test_qdq import calibration_reader
 
-    folder = tmp_path_factory.mktemp("qgemm")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export(resnet_like(), torch.randn(1, 3, 32, 32), folder / "fp32.onnx", "legacy")
+        export(model, torch.randn(*shape), folder / "fp32.onnx", "legacy")
     quant_pre_process(str(folder / "fp32.onnx"), str(folder / "pre.onnx"))
-    quantize_static(str(folder / "pre.onnx"), str(folder / "qdq.onnx"), calibration_reader("input", (1, 3, 32, 32), 4),
+    quantize_static(str(folder / "pre.onnx"), str(folder / "qdq.onnx"), calibration_reader("input", shape, 4),
                     quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
                     weight_type=QuantType.QInt8)
     return str(folder / "qdq.onnx")
+
+
+@pytest.fixture(scope="module")
+def qdq_resnet_like(tmp_path_factory):
+    return quantize_static_export(resnet_like(), tmp_path_factory.mktemp("qgemm"))
 
 
 @needs_vnni
