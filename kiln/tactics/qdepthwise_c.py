@@ -20,14 +20,16 @@ from kiln.tactics.qgemm_c import I64, QUAD, VNNI_ISA, Epilogue, epilogue, fused_
     s8_weights, vnni_available
 
 LANES = 16                           # channels per vector of sums
-MAX_TAPS = 2**24 // (255 * 128)      # 514: taps a float sums exactly (qdepthwise.h)
+# 514: taps a float sums exactly, within qdepthwise.h's per-call arrays (whole quads)
+MAX_TAPS = min(2**24 // (255 * 128), native.header_constant("qdepthwise.h", "DW_MAX_TAPS") // 4 * 4)
 
 
 class DepthwiseCall(ctypes.Structure):
     """qdepthwise.h's QDepthwiseCall: the layer's constants, built once at load."""
 
-    _fields_ = [("b", ctypes.c_void_p), ("q", ctypes.c_void_p), *((name, I64) for name in ("n", "h", "w", "c", "kh", "kw", "sh", "sw", "dh",
-                                                                    "dw", "pt", "pl", "oh", "ow")),
+    _fields_ = [("b", ctypes.c_void_p), ("q", ctypes.c_void_p),
+                *((name, I64) for name in ("n", "h", "w", "c", "kh", "kw", "sh", "sw", "dh", "dw", "pt", "pl", "oh",
+                                           "ow")),
                 ("e", Epilogue)]
 
 
@@ -55,18 +57,22 @@ def pack_depthwise(taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class QDepthwiseConvTactic:
+    """A depthwise QConv (group = input channels = output channels) without a fused residual: taps read in place."""
+
     name = "kiln.qconv2d_depthwise_nhwc_int8"
     source = "kiln"
     needs_c_compiler = True
     required_isa = VNNI_ISA
 
     def supports(self, layer: LayerView) -> bool:
+        """Symmetric s8 weights (the epilogue's weight zero-point term needs one row sum for all channels), at most
+        MAX_TAPS taps, an activation the epilogue has, explicit pads and a window inside the padded image."""
         if layer.op_type != "QConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
             return False
         a, w, c = layer.attrs, layer.const_inputs.get(1), layer.input_shapes[0][1]
         if w is None or w.dim() != 4 or a.get("group", 1) != c or w.shape[:2] != (c, 1) or has_residual(layer):
             return False
-        if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer):
+        if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer, mid=True):
             return False
         if fused_activation(a.get("activation")) is None or not batch_dynamic_only(layer):
             return False

@@ -33,11 +33,14 @@ def depthwise_formula(view, x):
     """Dequantize, pad with zeros, depthwise convolution in float64, activation, requantize."""
     q, a = view.attrs["quant"], view.attrs
     w = view.const_inputs[1].double() * torch.tensor(q["w_scale"], dtype=torch.float64).view(-1, 1, 1, 1)
-    xf = F.pad((x.double() - q["x_zero_point"]) * q["x_scale"], [a["pads"][1], a["pads"][3], a["pads"][0], a["pads"][2]])
+    pads = [a["pads"][1], a["pads"][3], a["pads"][0], a["pads"][2]]
+    xf = F.pad((x.double() - q["x_zero_point"]) * q["x_scale"], pads)
     y = F.conv2d(xf, w, view.const_inputs[2].double(), a["strides"], dilation=a["dilations"], groups=a["group"])
     spec = a.get("activation")
     if spec and spec["op"] == "Relu":
         y = torch.relu(y)
+    elif spec and spec["op"] == "Swish":
+        y = F.silu(y)
     elif spec:
         y = torch.clamp(y, spec["attrs"]["min"], spec["attrs"]["max"])
     return requantize(y.float(), q)
@@ -55,7 +58,10 @@ CASES = {
     "3x3_dilated_fp32_out": ((1, 70, 10, 10), 3, (2, 2, 2, 2), 1, 2, ("uint8", 200, 0.02), None, True, CLIP6),
     "3x3_960_channels": ((1, 960, 7, 7), 3, (1, 1, 1, 1), 1, 1, ("uint8", 3, 0.02), ("uint8", 5, 0.05), True, CLIP6),
     "7x7_no_pad": ((1, 40, 12, 12), 7, (0, 0, 0, 0), 1, 1, ("uint8", 60, 0.02), ("uint8", 128, 0.05), True, None),
+    "3x3_swish_s8_out": ((1, 48, 9, 9), 3, (1, 1, 1, 1), 1, 1, ("uint8", 10, 0.02), ("int8", -30, 0.02), True,
+                         {"op": "Swish", "attrs": {}}),   # store16's path: no QPlain for an activation function
 }
+NO_VBMI = ("3x3_relu6_u8", "5x5_s8_in_and_out_19_channels", "3x3_dilated_fp32_out", "3x3_swish_s8_out")
 
 
 @needs_vnni
@@ -84,6 +90,34 @@ def test_depthwise_matches_its_formula_and_onednn(case):
 
 
 @needs_vnni
+@pytest.mark.parametrize("case", NO_VBMI)
+def test_the_float_sums_without_vbmi_give_the_same_bytes(case, tmp_path, monkeypatch):
+    """qdepthwise.h without AVX512-VBMI (a Cascade Lake: VNNI, no VBMI) sums the taps as floats: compiled here with
+    VBMI turned off, it gives the formula's bytes as the vpdpbusd path does."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from kiln import native
+    from kiln.native.compiler import compile_unit
+    from kiln.tactics import qdepthwise_c
+
+    compile_unit(native.toolchain(), '#include "qgemm.c"\n', tmp_path / "novbmi.so", "novbmi.c", ("-mno-avx512vbmi",))
+    lib = ctypes.CDLL(str(tmp_path / "novbmi.so"))
+    lib.kiln_qdepthwise.argtypes = [ctypes.c_void_p] * 3
+    monkeypatch.setattr(qdepthwise_c, "native", SimpleNamespace(library=lambda name: lib))
+    x_shape, k, pads, stride, dilation, xq, yq, per_channel, act = CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    w = torch.randint(-128, 128, (x_shape[1], 1, k, k), generator=g, dtype=torch.int8)
+    x = rand_q(x_shape, xq[0], g).contiguous(memory_format=torch.channels_last)
+    view = depthwise_view(x_shape, w, quant(x_shape[1], xq, yq, per_channel), pads, (stride, stride), dilation, act)
+    got, want = QDepthwiseConvTactic().prepare(view)([x, None, None])[0], depthwise_formula(view, x)
+    if yq is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert_requantized_equal(got, want)
+
+
+@needs_vnni
 def test_a_zero_point_input_gives_the_bias_at_every_border():
     """An input equal to its zero point everywhere is zero, padded taps included: every output is the bias alone."""
     c, q = 20, quant(20, ("uint8", 77, 0.02), ("uint8", 100, 0.05))
@@ -95,6 +129,7 @@ def test_a_zero_point_input_gives_the_bias_at_every_border():
     assert torch.equal(got.float(), bias)
 
 
+@needs_vnni
 def test_only_one_channel_per_group_without_residual_or_weight_zero_points():
     g = torch.Generator().manual_seed(1)
     q = quant(8)
@@ -111,6 +146,7 @@ def test_only_one_channel_per_group_without_residual_or_weight_zero_points():
     huge = torch.zeros((8, 1, 23, 23), dtype=torch.int8)                       # 529 taps: a float sum could round
     assert 23 * 23 > MAX_TAPS and not tactic.supports(depthwise_view((1, 8, 30, 30), huge, q, pads))
     plain = depthwise_view(shape, w, q, pads)
+    assert tactic.supports(plain)                                               # the layer the others vary
     residual = LayerView("QConv", "kiln", plain.attrs, (*plain.input_shapes, shape), (*plain.input_dtypes, "uint8"),
                          plain.const_inputs, plain.output_dtypes)
     assert not tactic.supports(residual)

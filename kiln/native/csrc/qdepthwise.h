@@ -1,9 +1,11 @@
 /* kiln's INT8 depthwise convolution (kiln.tactics.qdepthwise_c), included by qgemm.c for its epilogue: one group
    per channel (MobileNet's and EfficientNet's 3x3 and 5x5 layers), NHWC u8/s8 in, s8 weights per channel, any
    kernel size, stride, dilation and padding. A GEMM has nothing to reuse here (each channel is its own 1-column
-   product), so the taps are summed across 16 channels a vector: each input byte (s8 with its top bit flipped, as
-   the GEMM reads it) times its channel's weight, as floats. The sums are exact: a product is at most 255 * 128,
-   and under 2^24 / (255 * 128) = 514 taps (the tactic's limit) no partial sum needs more than a float's 24 bits.
+   product), so 16 channels a vector run side by side, each input byte (s8 with its top bit flipped, as the GEMM
+   reads it) times its channel's weight. With AVX512-VBMI one byte permute turns four taps of 16 channels into
+   vpdpbusd's quads (int32 sums); without it the bytes are converted and summed as floats, exact as well: a product
+   is at most 255 * 128, and up to 2^24 / (255 * 128) = 514 taps (the tactic's limit) no partial sum needs more
+   than a float's 24 bits.
    Taps outside the image read the zero point's byte, as kiln_qconv's padded windows do, so the epilogue's column
    sums (x_zp * the taps' weight sum per channel) undo the zero point at the borders too; store16 then scales,
    adds the bias, clamps or applies the activation and requantizes, as for every INT8 layer. */
@@ -11,13 +13,13 @@
 /* The layer's constants (kiln.tactics.qdepthwise_c.DepthwiseCall). */
 typedef struct {
   const float* b;     /* weights as floats, [kh * kw][c rounded up to 16] (without AVX512-VBMI) */
-  const int8_t* q;    /* weights as s8 quads, [taps / 4][c rounded up to 16][4] (with AVX512-VBMI) */
+  const int8_t* q;    /* weights as s8 quads, [ceil(taps / 4)][c rounded up to 16][4] (with AVX512-VBMI) */
   int64_t n, h, w, c, kh, kw, sh, sw, dh, dw, pt, pl, oh, ow;
   QEpilogue e;
 } QDepthwiseCall;
 
 #define DW_BLOCK 64       /* channels per work unit: four vectors of sums */
-#define DW_MAX_TAPS 516   /* kiln.tactics.qdepthwise_c.MAX_TAPS (514) rounded up to whole quads */
+#define DW_MAX_TAPS 516   /* taps a call's arrays hold; kiln.tactics.qdepthwise_c.MAX_TAPS (514) stays within */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* 16 input bytes (the real channels of `mask`) as the floats the kernel multiplies: s8 read as u8 (`flip`). */
@@ -37,8 +39,9 @@ static inline __attribute__((always_inline)) void
 dw_row(const DwShape* d, const float* b, const QEpilogue* e, const uint8_t* image, int64_t oy, int64_t c0,
        const int vecs, const __mmask16* masks, __m128i flip, __m512 pad, uint8_t* row) {
   const int plain = plain_epilogue(e, 0);
-  QPlain halves[2];
-  if (plain) halves[0] = plain_columns(e, c0), halves[1] = plain_columns(e, c0 + 32);
+  QPlain halves[2];   /* the second only where the block has its columns: the arrays end at a whole 32 past c */
+  if (plain) halves[0] = plain_columns(e, c0);
+  if (plain && vecs > 2) halves[1] = plain_columns(e, c0 + 32);
   __m512 a0, a1, a2, a3;
 /* acc v += the taps' floats (X(v)) times the weights at wt, for the row's vectors */
 #define DW_TAP(X)                                                                                         \
@@ -101,8 +104,9 @@ dw_row_vnni(const DwShape* d, const int8_t* q, const QEpilogue* e, const uint8_t
             const int vecs, const __mmask16* masks, const int64_t* offsets, const uint8_t* pad, uint8_t* row) {
   const int64_t taps = d->kh * d->kw, groups = (taps + 3) / 4;
   const int plain = plain_epilogue(e, 0);
-  QPlain halves[2];
-  if (plain) halves[0] = plain_columns(e, c0), halves[1] = plain_columns(e, c0 + 32);
+  QPlain halves[2];   /* the second only where the block has its columns: the arrays end at a whole 32 past c */
+  if (plain) halves[0] = plain_columns(e, c0);
+  if (plain && vecs > 2) halves[1] = plain_columns(e, c0 + 32);
   const __m512i flip = _mm512_set1_epi8(e->signed_input ? (char)0x80 : 0);
   const __m512i transpose = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43,
                                             27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54,
@@ -127,9 +131,12 @@ dw_row_vnni(const DwShape* d, const int8_t* q, const QEpilogue* e, const uint8_t
     for (int64_t g = 0; g < groups; ++g, wq += d->cp * 4) {
       const uint8_t* const* p = src + 4 * g;
       a0 = _mm512_dpbusd_epi32(a0, dw_quads(p, 0, masks[0], transpose, flip), _mm512_loadu_si512(wq));
-      if (vecs > 1) a1 = _mm512_dpbusd_epi32(a1, dw_quads(p, 16, masks[1], transpose, flip), _mm512_loadu_si512(wq + 64));
-      if (vecs > 2) a2 = _mm512_dpbusd_epi32(a2, dw_quads(p, 32, masks[2], transpose, flip), _mm512_loadu_si512(wq + 128));
-      if (vecs > 3) a3 = _mm512_dpbusd_epi32(a3, dw_quads(p, 48, masks[3], transpose, flip), _mm512_loadu_si512(wq + 192));
+#define DW_QUADS(V, ACC) ACC = _mm512_dpbusd_epi32(ACC, dw_quads(p, 16 * (V), masks[V], transpose, flip), \
+                                                 _mm512_loadu_si512(wq + 64 * (V)))
+      if (vecs > 1) DW_QUADS(1, a1);
+      if (vecs > 2) DW_QUADS(2, a2);
+      if (vecs > 3) DW_QUADS(3, a3);
+#undef DW_QUADS
     }
     uint8_t* out = row + ox * d->c * d->esize;
     const __m512i acc[4] = {a0, a1, a2, a3};
