@@ -22,8 +22,9 @@ from cpu_info import cpu_line  # noqa: E402
 
 def tiny_layers():
     """(label, LayerView) pairs: a 1x1 convolution on 8 channels at 4x4 and an 8x8 linear on 1 row, in FP32 and
-    INT8 (u8 in and out, s8 weights per channel), a padded 3x3 INT8 convolution (kiln's direct kernel), an
-    attention layer of 2 heads, 4 tokens, head size 8, with a mask, a softmax over 8 channels and an Add."""
+    INT8 (u8 in and out, s8 weights per channel), a depthwise 3x3 FP32 convolution on the same map, a padded 3x3 INT8
+    convolution (kiln's direct kernel), an attention layer of 2 heads, 4 tokens, head size 8, with a mask, a softmax
+    over 8 channels and an Add."""
     import torch
 
     from kiln.tactics.base import LayerView
@@ -49,7 +50,11 @@ def tiny_layers():
                           ("float32",), 17, ((),) * 4)
     softmax = LayerView("Softmax", "", {"axis": 1}, ((1, 8, 4, 4),), ("float32",), {}, ("float32",), 17, ((),))
     add = LayerView("Add", "", {}, ((1, 8, 4, 4),) * 2, ("float32",) * 2, {}, ("float32",), 17, ((), ()))
-    return [("conv 1x1 8ch 4x4", conv), ("linear 1x8x8", linear), ("INT8 conv 1x1 8ch 4x4", qconv),
+    dw_attrs = {**conv_attrs, "kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "group": 8}
+    depthwise = LayerView("Conv", "", dw_attrs, ((1, 8, 4, 4), (8, 1, 3, 3), (8,)), ("float32",) * 3,
+                          {1: torch.randn(8, 1, 3, 3), 2: torch.randn(8)}, ("float32",), 17, ((), (), ()))
+    return [("conv 1x1 8ch 4x4", conv), ("depthwise 3x3 8ch 4x4", depthwise), ("linear 1x8x8", linear),
+            ("INT8 conv 1x1 8ch 4x4", qconv),
             ("INT8 conv 3x3 8ch 4x4", qconv3), ("INT8 linear 1x8x8", qgemm), ("attention 2x4x8", attention),
             ("softmax 8ch 4x4 axis 1", softmax), ("add 8ch 4x4", add)]
 

@@ -67,6 +67,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_groupnorm_nhwc", (POINTER,) * 4 + (I64,) * 4 + (F64, I64, I64)))),
     LibrarySpec("conv_planes", "conv_planes.c", (   # the first argument: the layer's constants
         Function("kiln_conv_planes", (POINTER,) * 5 + (I64,)),)),   # ..., x, w, bias, y, batch
+    LibrarySpec("depthwise", "depthwise.c", (   # the layer's constants, x, y, batch
+        Function("kiln_depthwise", (POINTER,) * 3 + (I64,)),)),
     LibrarySpec("rotary", "rotary.c", (Function("kiln_rotary", (POINTER,) * 5),)),   # call, x, cos, sin, y
     LibrarySpec("softmax", "softmax.c", (
         Function("kiln_softmax", (POINTER,) * 2 + (I64,) * 4),   # x, y, outer, n, inner, io

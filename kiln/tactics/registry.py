@@ -10,6 +10,7 @@ from kiln.tactics.conv1x1 import Conv1x1GemmTactic
 from kiln.tactics.copy_c import COPY_OPS, CopyRowsBf16Tactic, CopyRowsTactic
 from kiln.tactics.conv_direct import DirectConv1dTactic, DirectConvTactic
 from kiln.tactics.conv_planes import Conv1x1PlanesBf16Tactic, Conv1x1PlanesTactic
+from kiln.tactics.depthwise_c import DepthwiseConvBf16Tactic, DepthwiseConvTactic
 from kiln.tactics.dqgemm_c import (DynamicQConvAmxTactic, DynamicQConvTactic, DynamicQLinearGemmAmxTactic,
                                     DynamicQLinearGemmTactic)
 from kiln.tactics.gemm_amx import Conv1x1GemmAmxTactic, DirectConvAmxTactic, MatMulGemmAmxTactic
@@ -43,8 +44,9 @@ from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxB
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
 
-_CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), OneDnnConvTactic(), DirectConvTactic(), WinogradConvTactic(4),
-                               WinogradConvTactic(2), OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
+_CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), DepthwiseConvTactic(), OneDnnConvTactic(), DirectConvTactic(),
+                               WinogradConvTactic(4), WinogradConvTactic(2), DepthwiseConvBf16Tactic(),
+                               OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
                                DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(), DirectConvAmxTactic(),
                                WinogradBf16Tactic(), OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(),
                                Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(), OneDnnConv1dTactic(),

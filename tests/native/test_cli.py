@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = ["gemm", "qgemm", "layernorm", "attention", "pool", "quant", "resize", "reformat", "rotary", "softmax",
-             "conv_planes", "probe", "winograd F(2x2,3x3)", "winograd F(4x4,3x3)"]
+             "conv_planes", "depthwise", "probe", "winograd F(2x2,3x3)", "winograd F(4x4,3x3)"]
 
 
 def kiln(*args: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
