@@ -16,7 +16,7 @@ import torch
 from kiln import native
 from kiln.tactics.base import HWC, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, bf16_io, \
     has_residual, storage_dtype
-from kiln.tactics.gemm_c import ACT_SWISH
+from kiln.tactics.qgemm_c import ACT_SWISH, fused_activation
 
 ACT_HARDSWISH = native.header_constant("activation.h", "ACT_HARDSWISH")
 LANES = 16   # channels padded to whole vectors of the widest build (AVX-512); an AVX2 build reads half at a time
@@ -32,20 +32,27 @@ class DepthwiseCall(ctypes.Structure):
 
 
 def stored_activation(spec: dict | None) -> tuple[float, float, int] | None:
-    """(clamp low, clamp high, activation.h's ACT_* code) the kernel applies after the bias; None for an activation
-    it has not."""
-    if not spec:
-        return -math.inf, math.inf, 0
-    attrs = spec.get("attrs", {})
-    if spec["op"] == "Relu":
-        return 0.0, math.inf, 0
-    if spec["op"] == "Clip":
-        return float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf)), 0
-    if spec["op"] == "Swish" and attrs.get("alpha", 1.0) == 1.0:
-        return -math.inf, math.inf, ACT_SWISH
-    if spec["op"] == "HardSwish":
+    """(clamp low, clamp high, activation.h's ACT_* code) the kernel applies after the bias: the INT8 epilogue's
+    activations (qgemm_c.fused_activation) but GELU, and HardSwish; None for an activation it has not."""
+    if spec and spec["op"] == "HardSwish":
         return -math.inf, math.inf, ACT_HARDSWISH
-    return None
+    fused = fused_activation(spec)
+    return None if fused is None or fused[2] not in (0, ACT_SWISH) else fused
+
+
+def depthwise_shape(layer: LayerView) -> bool:
+    """Whether a 2-D convolution (Conv or QConv) has one input and one output channel per group, constant weights
+    [c, 1, kh, kw], no fused residual, explicit pads, a window inside the padded image, and inputs that vary along
+    the batch at most: the layers both depthwise kernels take."""
+    if len(layer.input_shapes[0] or ()) != 4:
+        return False
+    a, w, c = layer.attrs, layer.const_inputs.get(1), layer.input_shapes[0][1]
+    if w is None or w.dim() != 4 or a.get("group", 1) != c or tuple(w.shape[:2]) != (c, 1) or has_residual(layer):
+        return False
+    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not batch_dynamic_only(layer):
+        return False
+    *_, pt, pl, oh, ow = geometry(layer)
+    return oh >= 1 and ow >= 1 and min(pt, pl) >= 0
 
 
 def geometry(layer: LayerView) -> tuple[int, ...]:
@@ -80,19 +87,13 @@ class DepthwiseConvTactic:
     stored_types = ("float32",)
 
     def supports(self, layer: LayerView) -> bool:
-        if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or len(layer.input_shapes[0] or ()) != 4:
-            return False
-        a, w, c = layer.attrs, layer.const_inputs.get(1), layer.input_shapes[0][1]
-        if w is None or w.dim() != 4 or a.get("group", 1) != c or tuple(w.shape[:2]) != (c, 1) or has_residual(layer):
+        if layer.op_type != "Conv" or layer.domain not in ("", "ai.onnx") or not depthwise_shape(layer):
             return False
         if len(layer.input_shapes) > 2 and layer.input_shapes[2] is not None and 2 not in layer.const_inputs:
             return False
         if layer.input_dtypes[0] not in self.stored_types or layer.output_dtypes[0] not in self.stored_types:
             return False
-        if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or stored_activation(a.get("activation")) is None:
-            return False
-        *_, pt, pl, oh, ow = geometry(layer)
-        return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and batch_dynamic_only(layer) and native.available()
+        return stored_activation(layer.attrs.get("activation")) is not None and native.available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [HWC] * len(layer.input_shapes)

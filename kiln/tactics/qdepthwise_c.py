@@ -13,7 +13,8 @@ import ctypes
 import torch
 
 from kiln import native
-from kiln.tactics.base import HWC, Kernel, LayerView, batch_dynamic_only, has_residual
+from kiln.tactics.base import HWC, Kernel, LayerView
+from kiln.tactics.depthwise_c import depthwise_shape, geometry
 from kiln.tactics.gemm_c import nhwc_kernel
 from kiln.tactics.onednn_int8 import _quant_supported
 from kiln.tactics.qgemm_c import I64, QUAD, VNNI_ISA, Epilogue, epilogue, fused_activation, output_dtype, per_batch, \
@@ -31,17 +32,6 @@ class DepthwiseCall(ctypes.Structure):
                 *((name, I64) for name in ("n", "h", "w", "c", "kh", "kw", "sh", "sw", "dh", "dw", "pt", "pl", "oh",
                                            "ow")),
                 ("e", Epilogue)]
-
-
-def depthwise_geometry(layer: LayerView) -> tuple[int, ...]:
-    """(kh, kw, sh, sw, dh, dw, pad top, pad left, out h, out w)."""
-    _, _, h, w = layer.input_shapes[0]
-    kh, kw = layer.const_inputs[1].shape[2:]
-    sh, sw = layer.attrs.get("strides") or [1, 1]
-    dh, dw = layer.attrs.get("dilations") or [1, 1]
-    pt, pl, pb, pr = layer.attrs.get("pads") or [0, 0, 0, 0]
-    return kh, kw, sh, sw, dh, dw, pt, pl, (h + pt + pb - dh * (kh - 1) - 1) // sh + 1, \
-        (w + pl + pr - dw * (kw - 1) - 1) // sw + 1
 
 
 def pack_depthwise(taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,19 +57,12 @@ class QDepthwiseConvTactic:
     def supports(self, layer: LayerView) -> bool:
         """Symmetric s8 weights (the epilogue's weight zero-point term needs one row sum for all channels), at most
         MAX_TAPS taps, an activation the epilogue has, explicit pads and a window inside the padded image."""
-        if layer.op_type != "QConv" or layer.domain != "kiln" or len(layer.input_shapes[0] or ()) != 4:
+        if layer.op_type != "QConv" or layer.domain != "kiln" or not depthwise_shape(layer):
             return False
-        a, w, c = layer.attrs, layer.const_inputs.get(1), layer.input_shapes[0][1]
-        if w is None or w.dim() != 4 or a.get("group", 1) != c or w.shape[:2] != (c, 1) or has_residual(layer):
+        if not _quant_supported(layer, mid=True) or fused_activation(layer.attrs.get("activation")) is None:
             return False
-        if a.get("auto_pad", "NOTSET") not in ("NOTSET", "", b"NOTSET") or not _quant_supported(layer, mid=True):
-            return False
-        if fused_activation(a.get("activation")) is None or not batch_dynamic_only(layer):
-            return False
-        if w.shape[2] * w.shape[3] > MAX_TAPS:
-            return False
-        *_, pt, pl, oh, ow = depthwise_geometry(layer)
-        return oh >= 1 and ow >= 1 and min(pt, pl) >= 0 and vnni_available()
+        w = layer.const_inputs[1]
+        return w.shape[2] * w.shape[3] <= MAX_TAPS and vnni_available()
 
     def input_formats(self, layer: LayerView) -> list[str]:
         return [HWC] * len(layer.input_shapes)
@@ -90,11 +73,11 @@ class QDepthwiseConvTactic:
     def prepare(self, layer: LayerView) -> Kernel:
         conv = native.library("qgemm").kiln_qdepthwise
         n, c, h, w = layer.input_shapes[0]
-        kh, kw, *_, oh, ow = geometry = depthwise_geometry(layer)
+        kh, kw, *_, oh, ow = window = geometry(layer)
         taps = s8_weights(layer).reshape(c, kh * kw).t()            # [kh * kw, c]: the epilogue's [k, n]
         weights, quads = pack_depthwise(taps)
         e, kept = epilogue(layer, taps)
-        calls = per_batch(lambda batch: DepthwiseCall(weights.data_ptr(), quads.data_ptr(), batch, h, w, c, *geometry,
+        calls = per_batch(lambda batch: DepthwiseCall(weights.data_ptr(), quads.data_ptr(), batch, h, w, c, *window,
                                                       e))
 
         def launch(x, out, res):
