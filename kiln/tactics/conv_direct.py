@@ -1,7 +1,7 @@
 """Direct convolution on kiln's GEMM micro-kernel (kiln.tactics.gemm_c.kiln_conv): channel-major (NHWC)
 activations, any kernel size, stride and padding (dilation 1, one group). Each output pixel is a GEMM row whose
 window is read in place, one contiguous segment of kernel-width x channels per kernel row; bias, residual and
-ReLU or Swish are applied as the output is written, like the 1x1 tactic.
+the activation are applied as the output is written, like the 1x1 tactic.
 
 It competes with oneDNN for what Winograd and the 1x1 GEMM do not take: strided 3x3 layers, 7x7 maps, stems.
 Against oneDNN through torch a call costs ~4 µs instead of ~28 µs of descriptor set-up, which decides small
@@ -79,15 +79,15 @@ class DirectConvTactic:
         packed = self.pack(weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout).float())
         conv = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
+        spec = layer.attrs.get("activation")
         call = gemm_c.ConvCall(packed.data_ptr(), gemm_c.tensor_address(bias), h, w, c, kh, kw, sh, sw, pt, pl, oh, ow,
-                               gemm_c.activation_code(layer.attrs.get("activation")), cout, self.io_flags(layer))
+                               gemm_c.gemm_activation(spec) or gemm_c.Act(), cout, self.io_flags(layer))
         call_ptr = ctypes.addressof(call)
 
         def launch(x, out, res):
             conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0])
-        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"),
-                                 has_residual(layer),
-                                 storage_dtype(layer.output_dtypes[0]))
+        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), spec, has_residual(layer),
+                                 storage_dtype(layer.output_dtypes[0]), fused=gemm_c.gemm_activation(spec) is not None)
         run.constants = (packed, bias, call)   # read through raw pointers
         return run
 

@@ -3,7 +3,7 @@ bf16 operands and FP32 accumulation on AVX512-BF16's `vdpbf16ps`, for convolutio
 direct, window rows read in place) and linear layers under `--bf16`. The weights are rounded to bf16 once at load.
 The input, the output and the fused residual are each FP32 or bf16, as the plan stores them (kiln.tactics.storage):
 an FP32 input's rows are rounded as each tile starts, a bf16 one's read in place; the output is written with
-bias, residual and ReLU or Swish applied in FP32, rounded to bf16 where it is stored so.
+bias, residual and the activation applied in FP32, rounded to bf16 where it is stored so.
 
 Why kiln has its own beside oneDNN's: a oneDNN call through torch costs ~50 µs of descriptor work and casts
 (benchmarks/overhead.py), kiln's ~6 µs, and at BF16 speeds a ResNet-50 layer often computes in less than that.

@@ -7,7 +7,8 @@ as two straight vectors per step; A is read in place, one row per output pixel (
 `(r / row_width) * line_step + (r % row_width) * col_step`, which covers strided 1x1 convolutions without a
 copy). A 6 x 32 register tile (12 vector accumulators) is the micro-kernel; a partial tile of rows repeats its
 first row and stores only the real ones. The output may be the residual's own buffer (each element is read
-before it is written, by the same thread). Bias, residual and ReLU or Swish are applied as the tile is stored.
+before it is written, by the same thread). Bias, residual and the fused activation (`Act`: ReLU, Clip, Swish,
+GELU, HardSwish, HardSigmoid) are applied as the tile is stored.
 OpenMP shares (batch, column panel, row chunk) units out on torch's own thread pool, row chunks outermost where the
 weights fit in L2 (ROWS_OUTER_BYTES).
 
@@ -17,6 +18,7 @@ torch.bmm (MKL) reaches 120-190.
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -26,8 +28,9 @@ from kiln.ops.nn import apply_activation
 # The micro-kernel's register tile, defined once in kiln/native/csrc/gemm.h: weights are packed to match it.
 PANEL = native.header_constant("gemm.h", "NR")      # columns per packed weight panel: two 16-float vectors
 ROW_TILE = native.header_constant("gemm.h", "MR")   # rows per register tile
-ACT_RELU, ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH = (native.header_constant("activation.h", name) for name in
-                                                    ("ACT_RELU", "ACT_SWISH", "ACT_GELU_ERF", "ACT_GELU_TANH"))
+ACT_RELU, ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH, ACT_HARDSWISH, ACT_HARDSIGMOID = (
+    native.header_constant("activation.h", name) for name in
+    ("ACT_RELU", "ACT_SWISH", "ACT_GELU_ERF", "ACT_GELU_TANH", "ACT_HARDSWISH", "ACT_HARDSIGMOID"))
 
 
 def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
@@ -41,12 +44,14 @@ def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
 
 
 def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_residual: bool,
-                out_dtype: torch.dtype = torch.float32):
+                out_dtype: torch.dtype = torch.float32, fused: bool | None = None):
     """The kernel around a C launch `launch(x, out, residual)` that writes an NHWC output (of `out_dtype`, its
-    batch the input's) with bias, residual and ReLU or Swish applied as it stores (other activations run after
-    it). With a residual it carries `into_input` (kiln.runtime.donation): the variant writing over the residual's
-    dead buffer, each element read before it is overwritten."""
-    post = spec if spec and not activation_code(spec) else None
+    batch the input's) with bias, residual and the activation `spec` applied as it stores where `fused` (by
+    default: where activation_code has it); otherwise the activation runs after it. With a residual it carries
+    `into_input` (kiln.runtime.donation): the variant writing over the residual's dead buffer, each element read
+    before it is overwritten."""
+    fused = bool(activation_code(spec)) if fused is None else fused
+    post = spec if spec and not fused else None
     last = torch.channels_last
     _, c, h, w = out_shape
     strides = (h * w * c, 1, w * c, c)   # channel-major; torch.empty_strided costs ~0.6 µs less than memory_format
@@ -76,6 +81,31 @@ def no_io_flags(layer) -> int:
     return 0
 
 
+class Act(ctypes.Structure):
+    """gemm.h's Act: the fused activation its epilogue applies after the bias and residual, the sum clamped to
+    [lo, hi] where `clamp`, then `code` (activation.h; HardSigmoid reads alpha and beta). Act() applies nothing."""
+
+    _fields_ = [("code", ctypes.c_int32), ("clamp", ctypes.c_int32), ("lo", ctypes.c_float), ("hi", ctypes.c_float),
+                ("alpha", ctypes.c_float), ("beta", ctypes.c_float)]
+
+
+def gemm_activation(spec: dict | None) -> Act | None:
+    """The Act gemm.h's epilogue applies for a fused activation: none, ReLU, Clip (its bounds), Swish (alpha 1), GELU
+    (erf or tanh form), HardSwish, HardSigmoid (its alpha and beta); None for another (applied after the kernel)."""
+    if not spec:
+        return Act()
+    op, attrs = spec["op"], spec.get("attrs", {})
+    code = {"Relu": ACT_RELU, "Clip": 0, "HardSwish": ACT_HARDSWISH, "HardSigmoid": ACT_HARDSIGMOID}.get(op)
+    if op == "Swish" and attrs.get("alpha", 1.0) == 1.0:
+        code = ACT_SWISH
+    if op == "Gelu":
+        code = {"none": ACT_GELU_ERF, "tanh": ACT_GELU_TANH}.get(attrs.get("approximate", "none"))
+    if code is None:
+        return None
+    lo, hi = float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf))
+    return Act(code, op == "Clip", lo, hi, float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5)))
+
+
 _I64 = ctypes.c_int64
 ONE_LINE = 1 << 62   # a call structure's row_width for linear rows: all on one line, row r at r * col_step
 
@@ -86,16 +116,16 @@ class GemmCall(ctypes.Structure):
     p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step."""
 
     _fields_ = [("b", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                *((name, _I64) for name in ("a_batch", "row_width", "col_step", "line_step", "b_batch", "c_batch",
-                                            "act", "k", "n", "io"))]
+                *((name, _I64) for name in ("a_batch", "row_width", "col_step", "line_step", "b_batch", "c_batch")),
+                ("act", Act), *((name, _I64) for name in ("k", "n", "io"))]
 
 
 class ConvCall(ctypes.Structure):
     """gemm.c's ConvCall: a direct convolution's constants, built once at load."""
 
     _fields_ = [("b", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                *((name, _I64) for name in ("h", "w", "c", "kh", "kw", "sh", "sw", "pt", "pl", "oh", "ow", "act",
-                                            "cout", "io"))]
+                *((name, _I64) for name in ("h", "w", "c", "kh", "kw", "sh", "sw", "pt", "pl", "oh", "ow")),
+                ("act", Act), *((name, _I64) for name in ("cout", "io"))]
 
 
 def tensor_address(t: torch.Tensor | None) -> int | None:
@@ -104,21 +134,13 @@ def tensor_address(t: torch.Tensor | None) -> int | None:
 
 
 def activation_code(spec: dict | None) -> int:
-    """The C kernels' fused activation (activation.h): ReLU, Swish (alpha 1); 0 for none or one applied after the
-    kernel."""
+    """The fused activation of the C kernels with a code only (Winograd, group normalization; activation.h): ReLU,
+    Swish (alpha 1); 0 for none or one applied after the kernel. gemm.h's epilogue takes more (gemm_activation)."""
     if not spec:
         return 0
     if spec["op"] == "Relu":
         return ACT_RELU
     return ACT_SWISH if spec["op"] == "Swish" and spec.get("attrs", {}).get("alpha", 1.0) == 1.0 else 0
-
-
-def linear_activation_code(spec: dict | None) -> int:
-    """activation_code, and GELU (erf or tanh form) for linear layers, which gemm.h's epilogue also applies."""
-    if spec and spec["op"] == "Gelu":
-        form = spec.get("attrs", {}).get("approximate", "none")
-        return {"none": ACT_GELU_ERF, "tanh": ACT_GELU_TANH}.get(form, 0)
-    return activation_code(spec)
 
 
 def pack_weights(b: torch.Tensor) -> torch.Tensor:

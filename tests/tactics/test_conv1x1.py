@@ -157,7 +157,7 @@ def test_swish_in_the_store_matches_silu_over_the_whole_float_range():
         a = values[: values.numel() // n * n].reshape(-1, n)
         m = a.shape[0]
         c = torch.full((m, n), -1.0)
-        call = gemm_c.GemmCall(eye.data_ptr(), None, row_width=m, col_step=n, act=2, k=n, n=n)
+        call = gemm_c.GemmCall(eye.data_ptr(), None, row_width=m, col_step=n, act=gemm_c.Act(2), k=n, n=n)
         native.library("gemm").kiln_gemm(ctypes.addressof(call), a.data_ptr(), c.data_ptr(), None, 1, m)
         want = F.silu(a.double())
         finite = ~a.isnan()

@@ -12,7 +12,9 @@
 typedef struct {
   const void* b;       /* packed weights: FP32 panels, or bf16 pairs for the BF16 entry points */
   const float* bias;   /* padded to whole panels (pad_bias), or NULL */
-  int64_t a_batch, row_width, col_step, line_step, b_batch, c_batch, act, k, n, io;
+  int64_t a_batch, row_width, col_step, line_step, b_batch, c_batch;
+  Act act;
+  int64_t k, n, io;
 } GemmCall;
 
 /* A direct convolution's constants (kiln.tactics.gemm_c.ConvCall): input h x w x c, kernel kh x kw, strides, top
@@ -20,7 +22,9 @@ typedef struct {
 typedef struct {
   const void* b;
   const float* bias;
-  int64_t h, w, c, kh, kw, sh, sw, pt, pl, oh, ow, act, cout, io;
+  int64_t h, w, c, kh, kw, sh, sw, pt, pl, oh, ow;
+  Act act;
+  int64_t cout, io;
 } ConvCall;
 
 /* The element offset of row r of item p of A. */
@@ -45,7 +49,7 @@ void kiln_gemm(const GemmCall* g, const float* restrict a, float* c, const float
         const float* rows[MR];
         for (int64_t i = 0; i < MR; ++i) rows[i] = a + row_at(g, p, r0 + (i < mr ? i : 0));
         const int64_t at = p * g->c_batch + r0 * n + nb * NR;
-        tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, g->act);
+        tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, &g->act);
       }
     }
   });
@@ -81,7 +85,7 @@ void kiln_conv(const ConvCall* g, const float* restrict x, float* y, const float
                                               sizeof(float), 0);
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
-        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, g->act);
+        tile(rows, kh, mr, seg, bp, y + at, cout, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, &g->act);
       }
     }
     free(rows);
@@ -153,7 +157,7 @@ static inline void store_row32(void* p, int bf16, __mmask32 mask, v16 lo, v16 hi
 
 /* store_row with masked loads and stores, for outputs and residuals of either type: the epilogue in FP32, bias
    padded to whole panels (pad_bias). */
-static inline void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, const void* res, int64_t act,
+static inline void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, const void* res, const Act* act,
                                 int64_t cols, int64_t io) {
   const __mmask32 mask = cols_mask(cols);
   v16 r[2];
@@ -166,7 +170,7 @@ static inline void store_row_io(void* c, v16 lo, v16 hi, const float* restrict b
 /* Row i of a tile, its FP32 sums lo (columns 0-15) and hi (16-31), stored with the epilogue: output and residual
    elements of `io`'s types, row stride ldc elements, `cols` columns. */
 static inline void store_row_at(void* c, int64_t i, int64_t ldc, v16 lo, v16 hi, const float* restrict bias,
-                                const void* res, int64_t act, int64_t cols, int64_t io) {
+                                const void* res, const Act* act, int64_t cols, int64_t io) {
   const size_t c_size = io & IO_C_BF16 ? sizeof(uint16_t) : sizeof(float);
   const size_t r_size = io & IO_RES_BF16 ? sizeof(uint16_t) : sizeof(float);
   store_row_io((char*)c + i * ldc * c_size, lo, hi, bias, res ? (const char*)res + i * ldc * r_size : 0, act, cols, io);
@@ -174,7 +178,7 @@ static inline void store_row_at(void* c, int64_t i, int64_t ldc, v16 lo, v16 hi,
 
 /* `mr` rows of FP32 sums out[i][0..NR) stored as store_row_at stores one (the AMX kernels' epilogue). */
 static void store_block(const float* out, int64_t mr, void* c, int64_t ldc, int64_t cols, const float* restrict bias,
-                        const void* res, int64_t act, int64_t io) {
+                        const void* res, const Act* act, int64_t io) {
   for (int64_t i = 0; i < mr; ++i)
     store_row_at(c, i, ldc, *(const v16*)(out + i * NR), *(const v16*)(out + i * NR + 16), bias, res, act, cols, io);
 }
@@ -182,7 +186,7 @@ static void store_block(const float* out, int64_t mr, void* c, int64_t ldc, int6
 /* kiln's tile() in BF16: `segs` segments of `kp` bf16 pairs, segment s reading rows a[s * MR + i] and weights
    b + s * kp * NR; output and residual elements of `io`'s types, row stride ldc elements. */
 static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_t kp, const uint32_t* restrict b,
-                      void* c, int64_t ldc, int64_t cols, const float* restrict bias, const void* res, int64_t act,
+                      void* c, int64_t ldc, int64_t cols, const float* restrict bias, const void* res, const Act* act,
                       int64_t io) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -231,7 +235,7 @@ void kiln_gemm_bf16(const GemmCall* g, const void* restrict a, void* c, const vo
                            : rows[0];
         const int64_t at = p * g->c_batch + r0 * n + nb * NR;
         tile_bf16(rows, 1, mr, kp, bp, (void*)at_elem(c, at, io & IO_C_BF16), n, cols, bias ? bias + nb * NR : 0,
-                  at_elem(res, at, io & IO_RES_BF16), g->act, io);
+                  at_elem(res, at, io & IO_RES_BF16), &g->act, io);
       }
     }
     free(converted);
@@ -273,7 +277,7 @@ void kiln_conv_bf16(const ConvCall* g, const void* restrict x, void* y, const vo
         }
         const int64_t at = (p * m + r0) * cout + nb * NR;
         tile_bf16(rows, kh, mr, segp, bp, (void*)at_elem(y, at, io & IO_C_BF16), cout, cols,
-                  bias ? bias + nb * NR : 0, at_elem(res, at, io & IO_RES_BF16), g->act, io);
+                  bias ? bias + nb * NR : 0, at_elem(res, at, io & IO_RES_BF16), &g->act, io);
       }
     }
     free(converted);

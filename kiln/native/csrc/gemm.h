@@ -1,6 +1,6 @@
 /* kiln's float32 GEMM micro-kernel, shared by gemm.c and winograd.c: a 6 x 32 register tile (12 vector
-   accumulators) over weights packed into panels of 32 columns, [n/32][k][32], with bias, residual and ReLU or
-   Swish applied as the tile is stored. MR and NR are defined here only: kiln.tactics.gemm_c reads them from
+   accumulators) over weights packed into panels of 32 columns, [n/32][k][32], with bias, residual and the fused
+   activation (Act) applied as the tile is stored. MR and NR are defined here only: kiln.tactics.gemm_c reads them from
    this file to pack weights and size blocks. */
 #ifndef KILN_GEMM_H
 #define KILN_GEMM_H
@@ -76,17 +76,34 @@ static inline v16 v_gelu(v16 x, int tanh_form) {
   return x * 0.5f * (g + 1.0f);
 }
 
-static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, int64_t act) {
+/* A layer's fused activation (kiln.tactics.gemm_c.Act), applied after the bias and the residual: where `clamp`,
+   the sum clamped to [lo, hi] (a Clip's bounds), then `code` (activation.h; 0 none): ReLU, Swish, GELU, HardSwish,
+   or HardSigmoid with its alpha and beta. An all-zero Act, or none (NULL), applies nothing. */
+typedef struct {
+  int32_t code, clamp;
+  float lo, hi, alpha, beta;
+} Act;
+
+static inline v16 v_clamp(v16 v, v16 lo, v16 hi) {   /* NaN stays NaN, as in ONNX's Clip */
+  return v_select((v16i)(v < lo), lo, v_select((v16i)(v > hi), hi, v));
+}
+
+static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, const Act* act) {
   if (bias) v += *(const v16*)bias;
   if (res) v += *(const v16*)res;
-  if (act == ACT_RELU) v = (v16)((v16i)v & (v16i)(v > (v16){0}));
-  if (act == ACT_SWISH) v = v_swish(v);
-  if (act == ACT_GELU_ERF || act == ACT_GELU_TANH) v = v_gelu(v, act == ACT_GELU_TANH);
+  if (!act) return v;
+  const v16 zero = {0}, one = zero + 1.0f;
+  if (act->clamp) v = v_clamp(v, zero + act->lo, zero + act->hi);
+  if (act->code == ACT_RELU) v = (v16)((v16i)v & (v16i)(v > zero));
+  if (act->code == ACT_SWISH) v = v_swish(v);
+  if (act->code == ACT_GELU_ERF || act->code == ACT_GELU_TANH) v = v_gelu(v, act->code == ACT_GELU_TANH);
+  if (act->code == ACT_HARDSWISH) v = v * v_clamp(v * (1.0f / 6.0f) + 0.5f, zero, one);
+  if (act->code == ACT_HARDSIGMOID) v = v_clamp(v * act->alpha + act->beta, zero, one);
   return v;
 }
 
 static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, const float* res,
-                      int64_t act, int64_t cols) {
+                      const Act* act, int64_t cols) {
   if (cols == NR) {
     *(v16*)c = epilogue(lo, bias, res, act);
     *(v16*)(c + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? res + 16 : 0, act);
@@ -123,7 +140,7 @@ static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, cons
 /* Sums `segs` segments of `k` products into one register tile: segment s reads rows a[s * MR + i] and weights
    b + s * k * NR. A GEMM has one segment; a direct convolution one per kernel row. */
 static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64_t k, const float* restrict b,
-                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
+                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, const Act* act) {
   v16 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
   v16 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
   TILE_SUMS(v16, 0, 16)
@@ -139,7 +156,7 @@ static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
 static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64_t k, const float* restrict b,
-                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, int64_t act) {
+                 float* c, int64_t ldc, int64_t cols, const float* restrict bias, const float* res, const Act* act) {
   float acc[MR][NR] = {{0}};
   for (int64_t half = 0; half < (cols > 16 ? 2 : 1); ++half) {
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};

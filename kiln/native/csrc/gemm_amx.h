@@ -4,7 +4,7 @@
    A block of 32 rows is packed once as bf16 pairs, [32][kq] with kq a whole number of 16-pair tile steps (zeros
    past k; for a convolution each kernel row's window segment padded so, side by side), then multiplied by every
    panel of its unit's group. B is packed [n/32][kq][32] (kiln.tactics.gemm_amx.pack_amx_*). The 32 x 32 FP32
-   block is stored through gemm.c's epilogue (bias, residual, ReLU or Swish, bf16 or FP32). Units are (batch
+   block is stored through gemm.c's epilogue (bias, residual, activation; bf16 or FP32). Units are (batch
    item, row block, group of panels), with enough groups for two units per thread. */
 #include <omp.h>
 #include "amx.h"
@@ -26,7 +26,7 @@ static void pack_row(uint32_t* dst, const void* src, int64_t k, int src_bf16, in
 /* The packed block times the panels [nb0, nb1) of `b`, each 32 x 32 result stored into c (row stride ldc). */
 static void amx_panels(const uint32_t* pa, int64_t kq, int64_t mr, const uint32_t* b, int64_t nb0, int64_t nb1,
                        int64_t n, float* out, void* c, int64_t c_at, int64_t ldc, const float* bias, const void* res,
-                       int64_t act, int64_t io) {
+                       const Act* act, int64_t io) {
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     amx_block(pa, kq, mr > AMX_TILE_ROWS, b + nb * kq * NR, out, 0);
     const int64_t at = c_at + nb * NR, cols = n - nb * NR < NR ? n - nb * NR : NR;
@@ -54,7 +54,7 @@ void kiln_gemm_bf16_amx(const GemmCall* g, const void* restrict a, void* c, cons
         pack_row(pa + i * lda, row, k, a_bf16, kq);
       }
       amx_panels(pa, kq, t.mr, (const uint32_t*)g->b + t.p * g->b_batch, t.nb0, t.nb1, n, out, c,
-                 t.p * g->c_batch + t.r0 * n, n, g->bias, res, g->act, io);
+                 t.p * g->c_batch + t.r0 * n, n, g->bias, res, &g->act, io);
     }
     amx_worker_end(&worker);
   });
@@ -84,7 +84,7 @@ void kiln_conv_bf16_amx(const ConvCall* g, const void* restrict x, void* y, cons
           pack_row(pa + i * lda + s * segq, window_segment(image, h, w, c, kw, oy * sh - pt + s, x0, pad, elem, 0),
                    seg, a_bf16, segq);
       }
-      amx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, cout, out, y, (t.p * m + t.r0) * cout, cout, g->bias, res, g->act,
+      amx_panels(pa, kq, t.mr, g->b, t.nb0, t.nb1, cout, out, y, (t.p * m + t.r0) * cout, cout, g->bias, res, &g->act,
                  io);
     }
     amx_worker_end(&worker);
