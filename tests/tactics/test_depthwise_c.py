@@ -63,6 +63,8 @@ CASES = {
     "7x7_map_smaller_than_its_window": ((1, 33, 4, 5), (7, 7), (3, 3, 3, 3), (1, 1), (1, 1), RELU),
     "3x5_s2x1_no_pads": ((1, 24, 9, 30), (3, 5), (0, 0, 0, 0), (2, 1), (1, 1), None),
     "3x3_960_channels_7x7": ((1, 960, 7, 7), (3, 3), (1, 1, 1, 1), (1, 1), (1, 1), HARDSWISH),
+    "3x3_clip_min_over_max": ((1, 16, 6, 7), (3, 3), (1, 1, 1, 1), (1, 1), (1, 1),   # ONNX: every value is max
+                              {"op": "Clip", "attrs": {"min": 0.5, "max": -0.5}}),
 }
 
 

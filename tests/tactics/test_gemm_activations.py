@@ -25,6 +25,7 @@ SPECS = {
     "relu6": {"op": "Clip", "attrs": {"min": 0.0, "max": 6.0}},
     "clip": {"op": "Clip", "attrs": {"min": -0.5, "max": 0.75}},
     "clip-max-only": {"op": "Clip", "attrs": {"max": 1.0}},
+    "clip-inverted": {"op": "Clip", "attrs": {"min": 1.0, "max": -1.0}},   # min > max: every value is max
     "hardswish": {"op": "HardSwish", "attrs": {}},
     "hardsigmoid-torch": {"op": "HardSigmoid", "attrs": {"alpha": 1 / 6, "beta": 0.5}},
     "hardsigmoid-onnx": {"op": "HardSigmoid", "attrs": {}},                 # ONNX's defaults: alpha 0.2, beta 0.5
@@ -36,7 +37,7 @@ SPECS = {
 def formula(spec: dict, y: torch.Tensor) -> torch.Tensor:
     """What the activation computes, in float64, as ONNX defines it."""
     a = spec["attrs"]
-    return {"Clip": lambda: y.clamp(a.get("min", -torch.inf), a.get("max", torch.inf)),
+    return {"Clip": lambda: y.clamp_min(a.get("min", -torch.inf)).clamp_max(a.get("max", torch.inf)),
             "HardSwish": lambda: y * (y / 6 + 0.5).clamp(0, 1),
             "HardSigmoid": lambda: (a.get("alpha", 0.2) * y + a.get("beta", 0.5)).clamp(0, 1),
             "Relu": lambda: y.relu(),
@@ -46,7 +47,8 @@ def formula(spec: dict, y: torch.Tensor) -> torch.Tensor:
 def conv_layer(spec: dict, kernel: int, c=24, cout=40, hw=9, residual=True) -> LayerView:
     g = torch.Generator().manual_seed(kernel)
     pad = kernel // 2
-    consts = {1: torch.randn(cout, c, kernel, kernel, generator=g) * 2 / (c * kernel), 2: torch.randn(cout, generator=g)}
+    consts = {1: torch.randn(cout, c, kernel, kernel, generator=g) * 2 / (c * kernel),
+              2: torch.randn(cout, generator=g)}
     shapes = ((1, c, hw, hw), (cout, c, kernel, kernel), (cout,)) + (((1, cout, hw, hw),) if residual else ())
     attrs = {"kernel_shape": [kernel] * 2, "pads": [pad] * 4, "strides": [1, 1], "dilations": [1, 1], "group": 1,
              "activation": spec}

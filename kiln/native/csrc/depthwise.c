@@ -34,7 +34,8 @@ static inline vf v_hardswish(vf x) {
 
 static inline vf finish(vf v, const DepthwiseCall* g) {
   const vf lo = (vf){0} + g->lo, hi = (vf){0} + g->hi;
-  v = v_select((vi)(v < lo), lo, v_select((vi)(v > hi), hi, v));
+  v = v_select((vi)(v < lo), lo, v);   /* min(max(v, lo), hi), as ONNX's Clip: hi where lo > hi */
+  v = v_select((vi)(v > hi), hi, v);
   if (g->act == ACT_SWISH) return v_silu(v);
   if (g->act == ACT_HARDSWISH) return v_hardswish(v);
   return v;

@@ -157,7 +157,7 @@ static inline void store_row32(void* p, int bf16, __mmask32 mask, v16 lo, v16 hi
 
 /* store_row with masked loads and stores, for outputs and residuals of either type: the epilogue in FP32, bias
    padded to whole panels (pad_bias). */
-static inline void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, const void* res, const Act* act,
+static inline void store_row_io(void* c, v16 lo, v16 hi, const float* restrict bias, const void* res, const Act act,
                                 int64_t cols, int64_t io) {
   const __mmask32 mask = cols_mask(cols);
   v16 r[2];
@@ -170,7 +170,7 @@ static inline void store_row_io(void* c, v16 lo, v16 hi, const float* restrict b
 /* Row i of a tile, its FP32 sums lo (columns 0-15) and hi (16-31), stored with the epilogue: output and residual
    elements of `io`'s types, row stride ldc elements, `cols` columns. */
 static inline void store_row_at(void* c, int64_t i, int64_t ldc, v16 lo, v16 hi, const float* restrict bias,
-                                const void* res, const Act* act, int64_t cols, int64_t io) {
+                                const void* res, const Act act, int64_t cols, int64_t io) {
   const size_t c_size = io & IO_C_BF16 ? sizeof(uint16_t) : sizeof(float);
   const size_t r_size = io & IO_RES_BF16 ? sizeof(uint16_t) : sizeof(float);
   store_row_io((char*)c + i * ldc * c_size, lo, hi, bias, res ? (const char*)res + i * ldc * r_size : 0, act, cols, io);
@@ -179,8 +179,9 @@ static inline void store_row_at(void* c, int64_t i, int64_t ldc, v16 lo, v16 hi,
 /* `mr` rows of FP32 sums out[i][0..NR) stored as store_row_at stores one (the AMX kernels' epilogue). */
 static void store_block(const float* out, int64_t mr, void* c, int64_t ldc, int64_t cols, const float* restrict bias,
                         const void* res, const Act* act, int64_t io) {
+  const Act fused = as_act(act);
   for (int64_t i = 0; i < mr; ++i)
-    store_row_at(c, i, ldc, *(const v16*)(out + i * NR), *(const v16*)(out + i * NR + 16), bias, res, act, cols, io);
+    store_row_at(c, i, ldc, *(const v16*)(out + i * NR), *(const v16*)(out + i * NR + 16), bias, res, fused, cols, io);
 }
 
 /* kiln's tile() in BF16: `segs` segments of `kp` bf16 pairs, segment s reading rows a[s * MR + i] and weights
@@ -203,7 +204,8 @@ static void tile_bf16(const uint32_t* const* a, int64_t segs, int64_t mr, int64_
       }
     }
   }
-  for (int64_t i = 0; i < mr; ++i) store_row_at(c, i, ldc, (v16)acc[i][0], (v16)acc[i][1], bias, res, act, cols, io);
+  const Act fused = as_act(act);
+  for (int64_t i = 0; i < mr; ++i) store_row_at(c, i, ldc, (v16)acc[i][0], (v16)acc[i][1], bias, res, fused, cols, io);
 }
 
 /* Byte address of element `at` of a tensor whose elements are bf16 where `bf16`, else FP32. */

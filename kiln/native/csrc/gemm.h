@@ -78,32 +78,43 @@ static inline v16 v_gelu(v16 x, int tanh_form) {
 
 /* A layer's fused activation (kiln.tactics.gemm_c.Act), applied after the bias and the residual: where `clamp`,
    the sum clamped to [lo, hi] (a Clip's bounds), then `code` (activation.h; 0 none): ReLU, Swish, GELU, HardSwish,
-   or HardSigmoid with its alpha and beta. An all-zero Act, or none (NULL), applies nothing. */
+   or HardSigmoid with its alpha and beta. An all-zero Act, or none (NULL), applies nothing. The tile functions copy
+   it once (as_act) and pass it by value: read through a pointer, every store to the output (which may alias it)
+   would reload its fields. */
 typedef struct {
   int32_t code, clamp;
   float lo, hi, alpha, beta;
 } Act;
 
-static inline v16 v_clamp(v16 v, v16 lo, v16 hi) {   /* NaN stays NaN, as in ONNX's Clip */
-  return v_select((v16i)(v < lo), lo, v_select((v16i)(v > hi), hi, v));
+/* min(max(v, lo), hi), as ONNX's Clip: hi everywhere where lo > hi; NaN stays NaN */
+static inline v16 v_clamp(v16 v, v16 lo, v16 hi) {
+  v = v_select((v16i)(v < lo), lo, v);
+  return v_select((v16i)(v > hi), hi, v);
 }
 
-static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, const Act* act) {
+static inline Act as_act(const Act* act) {
+  const Act none = {0, 0, 0.0f, 0.0f, 0.0f, 0.0f};
+  return act ? *act : none;
+}
+
+static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, const Act act) {
   if (bias) v += *(const v16*)bias;
   if (res) v += *(const v16*)res;
-  if (!act) return v;
   const v16 zero = {0}, one = zero + 1.0f;
-  if (act->clamp) v = v_clamp(v, zero + act->lo, zero + act->hi);
-  if (act->code == ACT_RELU) v = (v16)((v16i)v & (v16i)(v > zero));
-  if (act->code == ACT_SWISH) v = v_swish(v);
-  if (act->code == ACT_GELU_ERF || act->code == ACT_GELU_TANH) v = v_gelu(v, act->code == ACT_GELU_TANH);
-  if (act->code == ACT_HARDSWISH) v = v * v_clamp(v * (1.0f / 6.0f) + 0.5f, zero, one);
-  if (act->code == ACT_HARDSIGMOID) v = v_clamp(v * act->alpha + act->beta, zero, one);
-  return v;
+  if (act.clamp) v = v_clamp(v, zero + act.lo, zero + act.hi);
+  switch (act.code) {
+    case ACT_RELU: return (v16)((v16i)v & (v16i)(v > zero));
+    case ACT_SWISH: return v_swish(v);
+    case ACT_GELU_ERF: return v_gelu(v, 0);
+    case ACT_GELU_TANH: return v_gelu(v, 1);
+    case ACT_HARDSWISH: return v * v_clamp(v * (1.0f / 6.0f) + 0.5f, zero, one);
+    case ACT_HARDSIGMOID: return v_clamp(v * act.alpha + act.beta, zero, one);
+    default: return v;
+  }
 }
 
-static void store_row(float* c, v16 lo, v16 hi, const float* restrict bias, const float* res,
-                      const Act* act, int64_t cols) {
+static inline __attribute__((always_inline)) void store_row(float* c, v16 lo, v16 hi, const float* restrict bias,
+                                                             const float* res, const Act act, int64_t cols) {
   if (cols == NR) {
     *(v16*)c = epilogue(lo, bias, res, act);
     *(v16*)(c + 16) = epilogue(hi, bias ? bias + 16 : 0, res ? res + 16 : 0, act);
@@ -145,8 +156,9 @@ static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64
   v16 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
   TILE_SUMS(v16, 0, 16)
   const v16 lo[MR] = {c00, c10, c20, c30, c40, c50}, hi[MR] = {c01, c11, c21, c31, c41, c51};
+  const Act fused = as_act(act);
   for (int64_t i = 0; i < mr; ++i)
-    store_row(c + i * ldc, lo[i], hi[i], bias, res ? res + i * ldc : 0, act, cols);
+    store_row(c + i * ldc, lo[i], hi[i], bias, res ? res + i * ldc : 0, fused, cols);
 }
 
 #else
@@ -165,11 +177,12 @@ static void tile(const float* const* restrict a, int64_t segs, int64_t mr, int64
     const v8 sums[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     for (int i = 0; i < MR; ++i) memcpy(&acc[i][half * 16], sums[i], sizeof sums[i]);
   }
+  const Act fused = as_act(act);
   for (int64_t i = 0; i < mr; ++i) {
     v16 lo, hi;
     memcpy(&lo, acc[i], sizeof lo);
     memcpy(&hi, acc[i] + 16, sizeof hi);
-    store_row(c + i * ldc, lo, hi, bias, res ? res + i * ldc : 0, act, cols);
+    store_row(c + i * ldc, lo, hi, bias, res ? res + i * ldc : 0, fused, cols);
   }
 }
 #endif
