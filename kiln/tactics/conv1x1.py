@@ -57,18 +57,19 @@ class Conv1x1GemmTactic:
         cout = weight.shape[0]
         sh, sw = layer.attrs.get("strides") or [1, 1]
         oh, ow = _output_hw(layer)
-        packed, spec = self.pack(weight.reshape(cout, c).t().float()), layer.attrs.get("activation")
+        packed = self.pack(weight.reshape(cout, c).t().float())
+        act = gemm_c.gemm_activation(layer.attrs.get("activation"))   # None: applied after the kernel
         gemm = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
         call = gemm_c.GemmCall(packed.data_ptr(), gemm_c.tensor_address(bias), a_batch=h * w * c, row_width=ow,
                                col_step=sw * c, line_step=sh * w * c, c_batch=oh * ow * cout,
-                               act=gemm_c.gemm_activation(spec) or gemm_c.Act(), k=c, n=cout,
+                               act=act or gemm_c.Act(), k=c, n=cout,
                                io=self.io_flags(layer))
         call_ptr, m = ctypes.addressof(call), oh * ow
 
         def launch(x, out, res):
             gemm(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0], m)
-        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), spec, has_residual(layer),
-                                 storage_dtype(layer.output_dtypes[0]), fused=gemm_c.gemm_activation(spec) is not None)
+        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"), has_residual(layer),
+                                 storage_dtype(layer.output_dtypes[0]), fused=act is not None)
         run.constants = (packed, bias, call)   # read through raw pointers
         return run

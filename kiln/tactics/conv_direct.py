@@ -79,15 +79,15 @@ class DirectConvTactic:
         packed = self.pack(weight.permute(2, 3, 1, 0).reshape(kh, kw * c, cout).float())
         conv = getattr(lib, self.entry_point)
         bias = gemm_c.pad_bias(layer.const_inputs.get(2), cout)
-        spec = layer.attrs.get("activation")
+        act = gemm_c.gemm_activation(layer.attrs.get("activation"))   # None: applied after the kernel
         call = gemm_c.ConvCall(packed.data_ptr(), gemm_c.tensor_address(bias), h, w, c, kh, kw, sh, sw, pt, pl, oh, ow,
-                               gemm_c.gemm_activation(spec) or gemm_c.Act(), cout, self.io_flags(layer))
+                               act or gemm_c.Act(), cout, self.io_flags(layer))
         call_ptr = ctypes.addressof(call)
 
         def launch(x, out, res):
             conv(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0])
-        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), spec, has_residual(layer),
-                                 storage_dtype(layer.output_dtypes[0]), fused=gemm_c.gemm_activation(spec) is not None)
+        run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"), has_residual(layer),
+                                 storage_dtype(layer.output_dtypes[0]), fused=act is not None)
         run.constants = (packed, bias, call)   # read through raw pointers
         return run
 
