@@ -103,7 +103,7 @@ static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, 
   const v16 zero = {0}, one = zero + 1.0f;
   if (act.clamp) v = v_clamp(v, zero + act.lo, zero + act.hi);
   switch (act.code) {
-    case ACT_RELU: return (v16)((v16i)v & (v16i)(v > zero));
+    case ACT_RELU: return v_select((v16i)(v < zero), zero, v);   /* NaN stays NaN, as ONNX's and torch's Relu */
     case ACT_SWISH: return v_swish(v);
     case ACT_GELU_ERF: return v_gelu(v, 0);
     case ACT_GELU_TANH: return v_gelu(v, 1);
