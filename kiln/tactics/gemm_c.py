@@ -8,7 +8,7 @@ as two straight vectors per step; A is read in place, one row per output pixel (
 copy). A 6 x 32 register tile (12 vector accumulators) is the micro-kernel; a partial tile of rows repeats its
 first row and stores only the real ones. The output may be the residual's own buffer (each element is read
 before it is written, by the same thread). Bias, residual and the fused activation (`Act`: ReLU, Clip, Swish,
-GELU, HardSwish, HardSigmoid) are applied as the tile is stored.
+GELU, HardSwish, HardSigmoid, Sigmoid, Tanh) are applied as the tile is stored.
 OpenMP shares (batch, column panel, row chunk) units out on torch's own thread pool, row chunks outermost where the
 weights fit in L2 (ROWS_OUTER_BYTES).
 
@@ -28,9 +28,10 @@ from kiln.ops.nn import apply_activation
 # The micro-kernel's register tile, defined once in kiln/native/csrc/gemm.h: weights are packed to match it.
 PANEL = native.header_constant("gemm.h", "NR")      # columns per packed weight panel: two 16-float vectors
 ROW_TILE = native.header_constant("gemm.h", "MR")   # rows per register tile
-ACT_RELU, ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH, ACT_HARDSWISH, ACT_HARDSIGMOID = (
+ACT_RELU, ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH, ACT_HARDSWISH, ACT_HARDSIGMOID, ACT_SIGMOID, ACT_TANH = (
     native.header_constant("activation.h", name) for name in
-    ("ACT_RELU", "ACT_SWISH", "ACT_GELU_ERF", "ACT_GELU_TANH", "ACT_HARDSWISH", "ACT_HARDSIGMOID"))
+    ("ACT_RELU", "ACT_SWISH", "ACT_GELU_ERF", "ACT_GELU_TANH", "ACT_HARDSWISH", "ACT_HARDSIGMOID", "ACT_SIGMOID",
+     "ACT_TANH"))
 
 
 def epilogue_inputs_fit(layer, out_shape: tuple[int, ...]) -> bool:
@@ -91,11 +92,13 @@ class Act(ctypes.Structure):
 
 def gemm_activation(spec: dict | None) -> Act | None:
     """The Act gemm.h's epilogue applies for a fused activation: none, ReLU, Clip (its bounds), Swish (alpha 1), GELU
-    (erf or tanh form), HardSwish, HardSigmoid (its alpha and beta); None for another (applied after the kernel)."""
+    (erf or tanh form), HardSwish, HardSigmoid (its alpha and beta), Sigmoid, Tanh; None for another (LeakyRelu,
+    Elu, Swish with another alpha...: applied after the kernel)."""
     if not spec:
         return Act()
     op, attrs = spec["op"], spec.get("attrs", {})
-    code = {"Relu": ACT_RELU, "Clip": 0, "HardSwish": ACT_HARDSWISH, "HardSigmoid": ACT_HARDSIGMOID}.get(op)
+    code = {"Relu": ACT_RELU, "Clip": 0, "HardSwish": ACT_HARDSWISH, "HardSigmoid": ACT_HARDSIGMOID,
+            "Sigmoid": ACT_SIGMOID, "Tanh": ACT_TANH}.get(op)
     if op == "Swish" and attrs.get("alpha", 1.0) == 1.0:
         code = ACT_SWISH
     if op == "Gelu":

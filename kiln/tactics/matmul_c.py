@@ -1,8 +1,8 @@
 """A MatMul or Gemm by a constant matrix as kiln's own GEMM (kiln.tactics.gemm_c): the activation's rows are the
 GEMM's rows, read in place; the weight is packed into 32-column panels once; bias, a residual of the output's shape
-(a pre-LN block's sum) and ReLU, Clip, Swish, GELU (erf or tanh form), HardSwish or HardSigmoid are applied as the
-output is written (gemm_c.gemm_activation). Other fused activations are left to oneDNN. Leading axes may be dynamic:
-rows are counted per call.
+(a pre-LN block's sum) and ReLU, Clip, Swish, GELU (erf or tanh form), HardSwish, HardSigmoid, Sigmoid or Tanh are
+applied as the output is written (gemm_c.gemm_activation). Other fused activations are left to oneDNN. Leading axes
+may be dynamic: rows are counted per call.
 
 Against oneDNN's inner product through torch the call is cheaper (~3 µs of set-up instead of ~15-25 µs inside
 ideep): 7.7 against 19.6 µs for a 7x33x45 product, 0.735 against 0.750 ms for 128x768x768 with hot caches. Inside

@@ -67,7 +67,7 @@ CASES = [  # c, cout, h, w, stride, batch, bias, residual, activation
     (3, 5, 7, 9, 1, 1, True, False, "Relu"),         # fewer rows than one register tile, one partial panel
     (40, 33, 13, 11, 1, 2, False, True, "Relu"),     # batch 2, no bias, 33 = a whole panel + 1 column
     (48, 80, 9, 7, 2, 3, True, True, None),          # odd maps with stride 2: per-image rows
-    (16, 24, 5, 5, 1, 1, True, False, "Sigmoid"),    # an activation applied after the kernel
+    (16, 24, 5, 5, 1, 1, True, False, "Sigmoid"),    # Sigmoid in the store (test_gemm_activations: the others)
     (48, 70, 9, 9, 1, 1, True, True, "Swish"),       # SiLU in the store (a partial panel takes the scalar path)
 ]
 

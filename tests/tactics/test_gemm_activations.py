@@ -31,6 +31,8 @@ SPECS = {
     "hardsigmoid-onnx": {"op": "HardSigmoid", "attrs": {}},                 # ONNX's defaults: alpha 0.2, beta 0.5
     "relu": {"op": "Relu", "attrs": {}},
     "gelu": {"op": "Gelu", "attrs": {}},
+    "sigmoid": {"op": "Sigmoid", "attrs": {}},
+    "tanh": {"op": "Tanh", "attrs": {}},
 }
 
 
@@ -41,7 +43,7 @@ def formula(spec: dict, y: torch.Tensor) -> torch.Tensor:
             "HardSwish": lambda: y * (y / 6 + 0.5).clamp(0, 1),
             "HardSigmoid": lambda: (a.get("alpha", 0.2) * y + a.get("beta", 0.5)).clamp(0, 1),
             "Relu": lambda: y.relu(),
-            "Gelu": lambda: F.gelu(y)}[spec["op"]]()
+            "Gelu": lambda: F.gelu(y), "Sigmoid": lambda: y.sigmoid(), "Tanh": lambda: y.tanh()}[spec["op"]]()
 
 
 def conv_layer(spec: dict, kernel: int, c=24, cout=40, hw=9, residual=True) -> LayerView:
@@ -114,7 +116,7 @@ BF16 = [(Conv1x1GemmBf16Tactic, Conv1x1GemmAmxTactic, 1), (DirectConvBf16Tactic,
 
 @pytest.mark.skipif(not hardware.has_any(BF16_DOT_ISA), reason="this CPU has no AVX512-BF16: kiln's BF16 GEMMs and "
                     "their AMX emulation are not compiled here")
-@pytest.mark.parametrize("name", ["relu6", "hardswish", "hardsigmoid-torch", "clip"])
+@pytest.mark.parametrize("name", ["relu6", "hardswish", "hardsigmoid-torch", "clip", "sigmoid", "tanh"])
 @pytest.mark.parametrize("kind", ["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("tactics", BF16, ids=["conv1x1", "direct3x3", "matmul"])
 def test_bf16_and_amx_gemms_apply_the_activation_as_they_store(tactics, kind, name, request, monkeypatch):
@@ -130,7 +132,7 @@ def test_bf16_and_amx_gemms_apply_the_activation_as_they_store(tactics, kind, na
     torch.testing.assert_close(got.double(), expected(layer, xs, rounded=True), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["clip", "relu6", "relu", "hardswish", "hardsigmoid-torch"])
+@pytest.mark.parametrize("name", ["clip", "relu6", "relu", "hardswish", "hardsigmoid-torch", "sigmoid", "tanh"])
 def test_nan_stays_nan_through_the_activation(name):
     """ONNX's Clip, Relu, HardSwish and HardSigmoid keep NaN (as torch's do, and Winograd's and the depthwise
     kernel's stores); before the Act the GEMM's ReLU turned it into 0."""
@@ -139,7 +141,7 @@ def test_nan_stays_nan_through_the_activation(name):
     assert out.isnan().all(), (name, out)
 
 
-@pytest.mark.parametrize("spec", [{"op": "Sigmoid", "attrs": {}}, {"op": "LeakyRelu", "attrs": {"alpha": 0.1}},
+@pytest.mark.parametrize("spec", [{"op": "Elu", "attrs": {"alpha": 1.0}}, {"op": "LeakyRelu", "attrs": {"alpha": 0.1}},
                                   {"op": "Swish", "attrs": {"alpha": 1.702}}], ids=lambda s: s["op"])
 def test_an_activation_the_store_has_not_runs_after_the_convolution(spec):
     assert gemm_c.gemm_activation(spec) is None
@@ -148,7 +150,7 @@ def test_an_activation_the_store_has_not_runs_after_the_convolution(spec):
     got = Conv1x1GemmTactic().prepare(layer)(xs)[0]
     y = F.conv2d(xs[0].double(), layer.const_inputs[1].double(), layer.const_inputs[2].double()) + xs[3].double()
     a = spec["attrs"]
-    want = {"Sigmoid": lambda: y.sigmoid(), "LeakyRelu": lambda: F.leaky_relu(y, a["alpha"]),
+    want = {"Elu": lambda: F.elu(y, a["alpha"]), "LeakyRelu": lambda: F.leaky_relu(y, a["alpha"]),
             "Swish": lambda: y * (a["alpha"] * y).sigmoid()}[spec["op"]]()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert not MatMulGemmTactic().supports(linear_layer(spec))   # the linear GEMM leaves such layers to others
@@ -160,7 +162,7 @@ def test_the_avx2_build_applies_the_same_activations(monkeypatch, tmp_path):
     from tests.tactics.avx2 import avx2_build
 
     avx2, built = avx2_build("gemm", tmp_path), native.library
-    for name in ("relu6", "hardswish", "hardsigmoid-onnx", "clip-max-only"):
+    for name in ("relu6", "hardswish", "hardsigmoid-onnx", "clip-max-only", "sigmoid", "tanh"):
         layer = linear_layer(SPECS[name])
         xs = inputs(layer)
         here = MatMulGemmTactic().prepare(layer)(xs)[0]

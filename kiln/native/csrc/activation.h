@@ -9,5 +9,7 @@
 #define ACT_GELU_TANH 4   /* GELU's tanh form (gelu.h) */
 #define ACT_HARDSWISH 5   /* x * clamp(x / 6 + 1/2, 0, 1): the depthwise kernel (depthwise.c), gemm.h */
 #define ACT_HARDSIGMOID 6 /* clamp(alpha x + beta, 0, 1): gemm.h (its Act carries alpha and beta) */
+#define ACT_SIGMOID 7     /* 1 / (1 + exp(-x)), Cephes' expf as in Swish: gemm.h */
+#define ACT_TANH 8        /* gelu.h's rational tanh: gemm.h */
 
 #endif /* KILN_ACTIVATION_H */

@@ -43,7 +43,8 @@ static inline float k_swish(float x) {
 
 static inline v16 v_select(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
 
-static inline v16 v_swish(v16 x) {
+/* 1 + exp(-x), the denominator of x * sigmoid(x) and of sigmoid(x) */
+static inline v16 v_one_plus_exp_neg(v16 x) {
   const v16 lo = (v16){0} - 87.0f, hi = (v16){0} + 87.0f, half = (v16){0} + 0.5f;
   v16 t = -x;
   t = v_select((v16i)(t < lo), lo, v_select((v16i)(t > hi), hi, t));
@@ -54,8 +55,12 @@ static inline v16 v_swish(v16 x) {
   p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
   const v16 scale = (v16)((ni + 127) << 23);
-  return x / (1.0f + (p * r * r + r + 1.0f) * scale);
+  return 1.0f + (p * r * r + r + 1.0f) * scale;
 }
+
+static inline v16 v_swish(v16 x) { return x / v_one_plus_exp_neg(x); }
+
+static inline v16 v_sigmoid(v16 x) { return 1.0f / v_one_plus_exp_neg(x); }
 
 /* gelu.h's odd rational polynomial p(x*x) * x / q(x*x); +-1 from the bound on (gelu.h). */
 static inline v16 v_rational(v16 x, float bound, const float* p, int np, const float* q, int nq) {
@@ -78,9 +83,9 @@ static inline v16 v_gelu(v16 x, int tanh_form) {
 
 /* A layer's fused activation (kiln.tactics.gemm_c.Act), applied after the bias and the residual: where `clamp`,
    the sum clamped to [lo, hi] (a Clip's bounds), then `code` (activation.h; 0 none): ReLU, Swish, GELU, HardSwish,
-   or HardSigmoid with its alpha and beta. An all-zero Act, or none (NULL), applies nothing. The tile functions copy
-   it once (as_act) and pass it by value: read through a pointer, every store to the output (which may alias it)
-   would reload its fields. */
+   HardSigmoid with its alpha and beta, Sigmoid or Tanh. An all-zero Act, or none (NULL), applies nothing. The tile
+   functions copy it once (as_act) and pass it by value: read through a pointer, every store to the output (which
+   may alias it) would reload its fields. */
 typedef struct {
   int32_t code, clamp;
   float lo, hi, alpha, beta;
@@ -109,6 +114,9 @@ static inline v16 epilogue(v16 v, const float* restrict bias, const float* res, 
     case ACT_GELU_TANH: return v_gelu(v, 1);
     case ACT_HARDSWISH: return v * v_clamp(v * (1.0f / 6.0f) + 0.5f, zero, one);
     case ACT_HARDSIGMOID: return v_clamp(v * act.alpha + act.beta, zero, one);
+    case ACT_SIGMOID: return v_sigmoid(v);
+    case ACT_TANH: return v_rational(v, GELU_TANH_BOUND, GELU_TANH_P, GELU_COUNT(GELU_TANH_P), GELU_TANH_Q,
+                                     GELU_COUNT(GELU_TANH_Q));
     default: return v;
   }
 }
