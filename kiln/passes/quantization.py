@@ -416,7 +416,7 @@ def fuse_requantized_bias(g: Graph, plog: PassLog) -> None:
 
     Only kiln's INT8 kernels round in the middle (oneDNN's post-ops cannot), so the pass takes what they run: a
     MatMul (a Gemm's or convolution's bias is its own input in quantize_static files) and the activations of
-    their epilogue (kiln.tactics.qgemm_c.fused_activation); with another activation after the bias it declines."""
+    their epilogue (kiln.tactics.gemm_c.fused_activation); with another activation after the bias it declines."""
     for layer in [n for n in g.nodes if n.op_type == "QMatMul" and n.domain == "kiln"]:
         q = layer.attrs["quant"]
         dq = sole_consumer(g, layer) if "y_scale" in q else None
@@ -454,7 +454,7 @@ def _requantized_bias_blocker(g: Graph, layer: Node, dq: Node, add: Node, bias: 
 
 
 def _epilogue_activation(spec: dict) -> bool:
-    """Whether kiln's INT8 kernels apply this activation after the bias (kiln.tactics.qgemm_c.fused_activation)."""
+    """Whether kiln's INT8 kernels apply this activation after the bias (kiln.tactics.gemm_c.fused_activation)."""
     attrs = spec.get("attrs", {})
     return spec["op"] in ("Relu", "Clip", "Gelu") or (spec["op"] == "Swish" and attrs.get("alpha", 1.0) == 1.0)
 

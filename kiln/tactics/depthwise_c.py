@@ -16,9 +16,8 @@ import torch
 from kiln import native
 from kiln.tactics.base import HWC, STORED_FLOATS, Bf16Storage, Kernel, LayerView, batch_dynamic_only, bf16_io, \
     has_residual, storage_dtype
-from kiln.tactics.qgemm_c import ACT_SWISH, fused_activation
+from kiln.tactics.gemm_c import ACT_HARDSWISH, ACT_SWISH, fused_activation
 
-ACT_HARDSWISH = native.header_constant("activation.h", "ACT_HARDSWISH")
 LANES = 16   # channels padded to whole vectors of the widest build (AVX-512); an AVX2 build reads half at a time
 
 
@@ -33,7 +32,7 @@ class DepthwiseCall(ctypes.Structure):
 
 def stored_activation(spec: dict | None) -> tuple[float, float, int] | None:
     """(clamp low, clamp high, activation.h's ACT_* code) the kernel applies after the bias: the INT8 epilogue's
-    activations (qgemm_c.fused_activation) but GELU, and HardSwish; None for an activation it has not."""
+    activations (gemm_c.fused_activation) but GELU, and HardSwish; None for an activation it has not."""
     if spec and spec["op"] == "HardSwish":
         return -math.inf, math.inf, ACT_HARDSWISH
     fused = fused_activation(spec)

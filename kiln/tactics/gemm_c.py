@@ -90,23 +90,41 @@ class Act(ctypes.Structure):
                 ("alpha", ctypes.c_float), ("beta", ctypes.c_float)]
 
 
-def gemm_activation(spec: dict | None) -> Act | None:
-    """The Act gemm.h's epilogue applies for a fused activation: none, ReLU, Clip (its bounds), Swish (alpha 1), GELU
-    (erf or tanh form), HardSwish, HardSigmoid (its alpha and beta), Sigmoid, Tanh; None for another (LeakyRelu,
-    Elu, Swish with another alpha...: applied after the kernel)."""
+def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
+    """(clamp low, clamp high, activation.h's ACT_* code) the kernel applies after the sum; None for an activation
+    it has not."""
     if not spec:
-        return Act()
-    op, attrs = spec["op"], spec.get("attrs", {})
-    code = {"Relu": ACT_RELU, "Clip": 0, "HardSwish": ACT_HARDSWISH, "HardSigmoid": ACT_HARDSIGMOID,
-            "Sigmoid": ACT_SIGMOID, "Tanh": ACT_TANH}.get(op)
-    if op == "Swish" and attrs.get("alpha", 1.0) == 1.0:
-        code = ACT_SWISH
-    if op == "Gelu":
-        code = {"none": ACT_GELU_ERF, "tanh": ACT_GELU_TANH}.get(attrs.get("approximate", "none"))
-    if code is None:
+        return -math.inf, math.inf, 0
+    attrs = spec.get("attrs", {})
+    if spec["op"] == "Relu":
+        return 0.0, math.inf, 0
+    if spec["op"] == "Clip":
+        return float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf)), 0
+    if spec["op"] == "Swish" and attrs.get("alpha", 1.0) == 1.0:
+        return -math.inf, math.inf, ACT_SWISH
+    if spec["op"] == "Gelu":
+        tanh = attrs.get("approximate", "none") in ("tanh", b"tanh")
+        return -math.inf, math.inf, ACT_GELU_TANH if tanh else ACT_GELU_ERF
+    return None
+
+
+_GEMM_ONLY = {"HardSwish": ACT_HARDSWISH, "HardSigmoid": ACT_HARDSIGMOID, "Sigmoid": ACT_SIGMOID, "Tanh": ACT_TANH}
+
+
+def gemm_activation(spec: dict | None) -> Act | None:
+    """The Act gemm.h's epilogue applies for a fused activation: fused_activation's clamp and code (the INT8
+    kernels' set: ReLU, Clip, Swish with alpha 1, GELU), and HardSwish, HardSigmoid (its alpha and beta), Sigmoid,
+    Tanh; None for another (LeakyRelu, Elu, ...: applied after the kernel)."""
+    if spec and spec["op"] in _GEMM_ONLY:
+        attrs = spec.get("attrs", {})
+        return Act(_GEMM_ONLY[spec["op"]], alpha=float(attrs.get("alpha", 0.2)), beta=float(attrs.get("beta", 0.5)))
+    fused = fused_activation(spec)
+    if fused is None:
         return None
-    lo, hi = float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf))
-    return Act(code, op == "Clip", lo, hi, float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5)))
+    lo, hi, code = fused
+    if (lo, hi, code) == (0.0, math.inf, 0):
+        return Act(ACT_RELU)   # one compare and blend a vector where the clamp takes two
+    return Act(code, lo > -math.inf or hi < math.inf, lo, hi)
 
 
 _I64 = ctypes.c_int64

@@ -27,7 +27,7 @@ from kiln.ops.fused import table_bytes
 from kiln.ops.quantize import RANGES
 from kiln.tactics.base import HWC, LINEAR, Kernel, LayerView, batch_dynamic_only, has_residual
 from kiln.tactics.conv_direct import conv_geometry
-from kiln.tactics.gemm_c import ONE_LINE, nhwc_kernel
+from kiln.tactics.gemm_c import ONE_LINE, fused_activation, nhwc_kernel
 from kiln.tactics.onednn_int8 import _channel_axis, _output, _quant_supported, _scales, linear_supported, \
     unsigned_input
 
@@ -86,26 +86,6 @@ def per_batch(make):
     return calls
 
 
-ACT_SWISH, ACT_GELU_ERF, ACT_GELU_TANH = (native.header_constant("activation.h", name)
-                                         for name in ("ACT_SWISH", "ACT_GELU_ERF", "ACT_GELU_TANH"))
-
-
-def fused_activation(spec: dict | None) -> tuple[float, float, int] | None:
-    """(clamp low, clamp high, activation.h's ACT_* code) the kernel applies after the sum; None for an activation
-    it has not."""
-    if not spec:
-        return -math.inf, math.inf, 0
-    attrs = spec.get("attrs", {})
-    if spec["op"] == "Relu":
-        return 0.0, math.inf, 0
-    if spec["op"] == "Clip":
-        return float(attrs.get("min", -math.inf)), float(attrs.get("max", math.inf)), 0
-    if spec["op"] == "Swish" and attrs.get("alpha", 1.0) == 1.0:
-        return -math.inf, math.inf, ACT_SWISH
-    if spec["op"] == "Gelu":
-        tanh = attrs.get("approximate", "none") in ("tanh", b"tanh")
-        return -math.inf, math.inf, ACT_GELU_TANH if tanh else ACT_GELU_ERF
-    return None
 
 
 def pack_quads(w: torch.Tensor, k_multiple: int = QUAD) -> torch.Tensor:
