@@ -93,14 +93,14 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
            for t in ("u8", "s8")]
         + [Function(f"kiln_lookup_{t}", (POINTER, POINTER, I64, POINTER)) for t in ("u8", "f32")])),   # x, y, n, table
     LibrarySpec("resize", "resize.c", (
-        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2),   # ..., pixel bytes, ...
+        Function("kiln_resize_nearest", (POINTER,) * 2 + (I64,) * 6 + (POINTER,) * 2 + (I64,)),   # ..., y_step
         # x, y, n, h, w, c, oh, ow, row taps, rows, row weights, col taps, cols, col weights, io
         Function("kiln_resize_taps", (POINTER,) * 2 + (I64,) * 7 + (POINTER,) * 2 + (I64,) + (POINTER,) * 2 + (I64,)),
         Function("kiln_resize_taps_q8", (POINTER,) * 2 + (I64,) * 7 + (POINTER,) * 2 + (I64,) + (POINTER,) * 3))),
     LibrarySpec("reformat", "reformat.c", (
         Function("kiln_to_nhwc", (POINTER,) * 2 + (I64,) * 4),   # x, y, n, c, hw, io (which sides are bf16)
         Function("kiln_to_nchw", (POINTER,) * 2 + (I64,) * 4),
-        Function("kiln_copy_rows", (POINTER, I64, POINTER, POINTER, I64, I64, I64)),
+        Function("kiln_copy_rows", (POINTER, I64, POINTER, POINTER, I64, I64, I64, I64)),
         Function("kiln_permute", (POINTER, POINTER, I64, POINTER, POINTER, I64)))),   # x, y, rank, dims, perm, size
     LibrarySpec("pointwise", None, (Function("kiln_pointwise", (POINTER,) * 3),),   # in, out, nest (or NULL)
                 rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),

@@ -16,6 +16,7 @@ from kiln.errors import Error
 from kiln.plan.liveness import free_lists
 from kiln.plan.model import Layer
 from kiln.runtime.donation import donation, sole_owner
+from kiln.runtime.elision import ConcatRest, IntoConcat, plan_elisions, rest_kernel, write_kernel
 from kiln.tactics.base import Kernel
 
 Observer = Callable[[str, torch.Tensor], None]
@@ -31,12 +32,15 @@ class Step:
     outputs: tuple[str, ...]
     free: tuple[str, ...]                    # tensors whose last reader this layer is
     in_place: tuple[int, Kernel] | None      # (input index, kernel writing over that dying input)
+    into_concat: IntoConcat | None = None    # writes its output into a Concat's output (kiln.runtime.elision)
+    concat_rest: ConcatRest | None = None    # a Concat some of whose inputs were written in place
 
 
 class Interpreter:
     """Runs `layers` on `kernels`. With `keep` (the tensors that must survive: engine inputs and outputs), every
     other tensor is released after its last reader and in-place kernels may take a dying input's buffer; with
-    `keep=None` every tensor stays in the environment (segment timing reads boundary tensors)."""
+    `keep=None` every tensor stays in the environment (segment timing reads boundary tensors). Concatenations are
+    elided (kiln.runtime.elision) only with `keep`."""
 
     def __init__(self, layers: Sequence[Layer], kernels: Sequence[Kernel], keep: Iterable[str] | None = None):
         keep = None if keep is None else set(keep)
@@ -45,6 +49,10 @@ class Interpreter:
             Step(layer, kernel, tuple((a.kind, a.name) for a in layer.args), tuple(t.name for t in layer.outputs),
                  tuple(free), donation(layer, free, keep, kernel) if keep is not None else None)
             for layer, kernel, free in zip(layers, kernels, frees))
+        into, rest = plan_elisions(layers, kernels, keep) if keep is not None else ({}, {})
+        self.steps = tuple(Step(s.layer, s.kernel, s.args, s.outputs, s.free,
+                                None if i in into else s.in_place, into.get(i), rest.get(i))
+                           for i, s in enumerate(self.steps))
 
     def run(self, env: dict[str, torch.Tensor], observe: Observer | None = None,
             profiler=None) -> dict[str, torch.Tensor]:
@@ -55,6 +63,10 @@ class Interpreter:
             kernel = step.kernel
             if step.in_place is not None and sole_owner(xs[step.in_place[0]], env):
                 kernel = step.in_place[1]
+            elif step.into_concat is not None:
+                kernel = write_kernel(step.into_concat, kernel, env)
+            elif step.concat_rest is not None:
+                kernel = rest_kernel(step.concat_rest, env)
             try:
                 results = kernel(xs) if profiler is None else _profiled(step.layer, kernel, xs, profiler)
             except Error:

@@ -30,6 +30,7 @@ from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf1
     batch_dynamic_only, storage_dtype
 from kiln.tactics.reference import MOVED_INPUTS, ReferenceTactic
 from kiln.tactics.reformat import to_format
+from kiln.tactics.views import row_step
 
 COPY_TACTIC = "kiln.copy_rows"
 COPY_OPS = ("Concat", "Slice", "Split")
@@ -216,7 +217,8 @@ class CopyRowsTactic:
 
         tails = [tuple(s[1:]) for s in layer.input_shapes[:n_data]]   # the chunks assume them: checked per call
 
-        def run(xs):
+        def sources(xs):
+            """The inputs' layout, their addresses (the caller keeps `xs` alive) and the batch."""
             fmt, xs = with_consts(xs[:n_data]) if consts[LINEAR] else in_one_layout(xs[:n_data])
             if any(x.dtype != t for x, t in zip(xs, in_types)):
                 xs = [x.to(t) for x, t in zip(xs, in_types)]
@@ -224,14 +226,31 @@ class CopyRowsTactic:
             if [x.shape[1:] for x in xs] != tails or any(x.shape[0] != batch for x in xs):
                 raise ValueError(f"{self.name}: inputs shaped {[list(x.shape) for x in xs]}, the plan's are "
                                  f"{[['N', *t] for t in tails]}")
-            srcs = (ctypes.c_void_p * n_data)(*[x.data_ptr() for x in xs])
+            return fmt, xs, (ctypes.c_void_p * n_data)(*[x.data_ptr() for x in xs]), batch
+
+        def run(xs):
+            fmt, xs, srcs, batch = sources(xs)
             outs = []
             for (parts, row, rows), shape, stride, (dtype, size) in zip(calls[fmt], shapes, strides[fmt], out_types):
                 y = torch.empty_strided((batch, *shape[1:]), stride, dtype=dtype)
-                copy(parts, len(parts), srcs, y.data_ptr(), row, size, batch * rows)
+                copy(parts, len(parts), srcs, y.data_ptr(), row, size, batch * rows, row)
                 outs.append(y)
             return outs
+
+        def write_into(xs, out):
+            """The one output straight into `out`, where it is this layout with wider rows (a Concat's slice)."""
+            fmt, xs, srcs, batch = sources(xs)
+            (parts, row, rows), (dtype, size) = calls[fmt][0], out_types[0]
+            order = MEMORY_ORDER[fmt] if fmt == HWC else tuple(range(len(shapes[0])))
+            fits = out.dtype == dtype and tuple(out.shape) == (batch, *shapes[0][1:])
+            step = row_step(out, order, order.index(ranges.axis)) if fits else None
+            if step is None:
+                out.copy_(run(xs)[0])
+                return
+            copy(parts, len(parts), srcs, out.data_ptr(), step, size, batch * rows, row)
         run.tables = tables   # the parts hold their addresses
+        if len(out_types) == 1:
+            run.write_into = write_into
         return run
 
 

@@ -46,7 +46,27 @@ class ReferenceTactic:
             for i in runtime_host:   # shape arithmetic that depends on dynamic input axes
                 args[i] = host_value(args[i])
             return impl(attrs, args)
+        out_fn = WRITES_INTO.get(layer.op_type) if layer.domain in ("", "ai.onnx") and not host else None
+        if out_fn is not None:
+            def write_into(xs, out):
+                """Elementwise arithmetic straight into `out` (a Concat's slice), where every operand is of its
+                type; anything else computed, then copied."""
+                args = [consts[i] if i in consts else xs[i] for i in range(n)]
+                same = all(isinstance(a, torch.Tensor) and a.dtype == out.dtype for a in args)
+                if same and out.is_floating_point() and (layer.op_type in EXACT or out.is_contiguous()):
+                    out_fn(*args, out=out)
+                else:
+                    out.copy_(run(xs)[0])
+            run.write_into = write_into
         return run
+
+
+# ONNX elementwise ops whose torch function writes into a given tensor with ONNX's semantics on float operands.
+# EXACT ones round correctly on any strides; torch's vectorized and strided loops of the others differ in the last
+# bit, so they write only into contiguous slices (a view gives what the plan without elision gives).
+EXACT = {"Add", "Sub", "Mul", "Div", "Neg", "Abs", "Sqrt"}
+WRITES_INTO = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div, "Sigmoid": torch.sigmoid,
+               "Tanh": torch.tanh, "Neg": torch.neg, "Abs": torch.abs, "Exp": torch.exp, "Sqrt": torch.sqrt}
 
 
 # Layers that only move data or pick among values: on bf16 tensors they compute exactly what they do on FP32 ones,
@@ -120,6 +140,8 @@ def as_planned(kernel: Kernel, output_formats: list[str]) -> Kernel:
     def run(xs):
         return [y.contiguous(memory_format=last) if want and isinstance(y, torch.Tensor) and y.dim() == 4 else y
                 for y, want in zip(kernel(xs), hwc)]
+    if hasattr(kernel, "write_into"):   # it writes into a view of any layout (kiln.runtime.elision)
+        run.write_into = kernel.write_into
     return run
 
 

@@ -16,8 +16,9 @@ from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.norm_resize import resize, resize_taps
 from kiln.ops.registry import host_value
-from kiln.tactics.base import ANY, HWC, LINEAR, STORED_FLOATS, Bf16Storage, Kernel, LayerView, requantizing_params, \
-    storage_dtype
+from kiln.tactics.base import ANY, HWC, LINEAR, MEMORY_ORDER, STORED_FLOATS, Bf16Storage, Kernel, LayerView, \
+    requantizing_params, storage_dtype
+from kiln.tactics.views import row_step
 
 RESIZE_TACTIC = "kiln.resize_nearest_nhwc"
 INTERPOLATE_TACTIC = "kiln.resize_interpolate"
@@ -83,15 +84,29 @@ class NhwcResizeTactic:
         dtype = INT8_TORCH.get(layer.output_dtypes[0]) or storage_dtype(layer.output_dtypes[0])
         pixel_bytes = c * dtype.itemsize
 
+        def into(x, y, step):
+            lib.kiln_resize_nearest(x.data_ptr(), y.data_ptr(), n, h, w, pixel_bytes, oh, ow, rows.data_ptr(),
+                                    cols.data_ptr(), step * dtype.itemsize)
+
         def run(xs):
             x = xs[0] if xs[0].dtype == dtype else xs[0].to(dtype)   # a move: converted once, before it
             if not x.is_contiguous(memory_format=last):   # row-major input: torch's kernel, same layout out
                 return resize(layer.attrs, [x, host[1], host[2], host[3]][:len(xs)])
             y = torch.empty((n, c, oh, ow), dtype=dtype, memory_format=last)
-            lib.kiln_resize_nearest(x.data_ptr(), y.data_ptr(), n, h, w, pixel_bytes, oh, ow, rows.data_ptr(),
-                                    cols.data_ptr())
+            into(x, y, c)
             return [y]
+
+        def write_into(xs, out):
+            """Pixels straight into `out` where it is channel-major with wider pixels (a Concat's channel slice)."""
+            x = xs[0] if xs[0].dtype == dtype else xs[0].to(dtype)
+            fits = x.is_contiguous(memory_format=last) and out.dtype == dtype and tuple(out.shape) == (n, c, oh, ow)
+            step = row_step(out, MEMORY_ORDER[HWC], 3) if fits else None
+            if step is None:
+                out.copy_(run(xs)[0])
+            else:
+                into(x, out, step)
         run.constants = (rows, cols)   # read through raw pointers
+        run.write_into = write_into
         return run
 
 

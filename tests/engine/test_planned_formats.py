@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import kiln
+from kiln.tactics.base import MEMORY_ORDER
 from kiln.tactics.reformat import is_noop_reformat
+from kiln.tactics.views import row_step
 from tests.models import detectors
 
 
@@ -18,16 +20,22 @@ def test_channel_major_tensors_are_laid_out_as_the_plan_says(autotune, tmp_path)
     engine = kiln.build(detectors.export(model, x, tmp_path / "yolo.onnx", "legacy"), autotune=autotune,
                         avg_timing=1, min_timing=1, tactic_sources=frozenset({"torch-onednn", "kiln", "codegen", "torch"}))
     claims = {t.name: t for layer in engine.plan.layers for t in layer.outputs}
-    checked, wrong = [], []
+    checked, wrong, slices = [], [], []
+    context = engine.create_execution_context()
+    into_concat = {s.outputs[0] for s in context.interpreter.steps if s.into_concat is not None}
 
     def observe(name, tensor):
         desc = claims.get(name)
         if desc is None or desc.format != "hwc" or tensor.dim() != 4 or is_noop_reformat(tuple(tensor.shape)):
             return
         checked.append(name)
-        if not tensor.is_contiguous(memory_format=torch.channels_last):
+        if name in into_concat:   # written into a Concat's output: channel-major, pixels as wide as the Concat's
+            slices.append(name)
+            if row_step(tensor, MEMORY_ORDER["hwc"], 3) is None:
+                wrong.append((name, tuple(tensor.stride())))
+        elif not tensor.is_contiguous(memory_format=torch.channels_last):
             wrong.append((name, tuple(tensor.stride())))
-    engine.create_execution_context().execute({"images": x.numpy()}, observe=observe)
+    context.execute({"images": x.numpy()}, observe=observe)
     concats = [n for n in checked if "Concat" in n]
-    assert len(checked) > 50 and concats, (len(checked), concats)
+    assert len(checked) > 50 and concats and slices, (len(checked), concats, slices)
     assert wrong == []

@@ -78,7 +78,7 @@ def test_the_avx2_build_transposes_and_copies_exactly(tmp_path):
             y = torch.empty(40, 2 * c, dtype=out_type)
             parts = (CopyPart * 2)(CopyPart(c, 0, c, 0, 4), CopyPart(c, 0, c, c, 2))
             srcs = (ctypes.c_void_p * 2)(a32.data_ptr(), b16.data_ptr())
-            lib.kiln_copy_rows(parts, 2, srcs, y.data_ptr(), 2 * c, out_type.itemsize, 40)
+            lib.kiln_copy_rows(parts, 2, srcs, y.data_ptr(), 2 * c, out_type.itemsize, 40, 2 * c)
             assert torch.equal(y, torch.cat([a32.to(out_type), b16.to(out_type)], 1))
 
 

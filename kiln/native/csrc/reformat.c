@@ -218,17 +218,18 @@ static void copy_part(const CopyPart* p, const void* src, void* dst, int64_t dst
 
 /* For each of `rows` rows and each part: dst[row * dst_step + dst_at + j] = srcs[part][row * src_step + src_at + j],
    j < count, elements of `dst_size` bytes, converted between FP32 and bf16 where the two sides differ, INT8 bytes
-   mapped through the part's table where it has one. */
+   mapped through the part's table where it has one. The parts fill columns [0, dst_cols) of each row: dst_cols is
+   dst_step for a whole output, less for a slice of a wider one (a Concat's input written in place). */
 void kiln_copy_rows(const CopyPart* parts, int64_t n_parts, const void* const* srcs, void* dst, int64_t dst_step,
-                    int64_t dst_size, int64_t rows) {
-  if (rows <= 0 || dst_step <= 0) return;   /* an empty output */
-  const int64_t segments = (dst_step + SEG - 1) / SEG, width = (dst_step + segments - 1) / segments;
-  const int64_t fit = SEG / dst_step, block = fit < 1 ? 1 : (fit > RB ? RB : fit);
+                    int64_t dst_size, int64_t rows, int64_t dst_cols) {
+  if (rows <= 0 || dst_cols <= 0) return;   /* an empty output */
+  const int64_t segments = (dst_cols + SEG - 1) / SEG, width = (dst_cols + segments - 1) / segments;
+  const int64_t fit = SEG / dst_cols, block = fit < 1 ? 1 : (fit > RB ? RB : fit);
   const int64_t blocks = (rows + block - 1) / block, units = blocks * segments;
-  MAYBE_PARALLEL(threads_pay(units, rows * dst_step * MACS_PER_COPIED), {
+  MAYBE_PARALLEL(threads_pay(units, rows * dst_cols * MACS_PER_COPIED), {
     _Pragma("omp for schedule(static)")
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t b = u / segments, c0 = u % segments * width, c1 = c0 + width < dst_step ? c0 + width : dst_step;
+      const int64_t b = u / segments, c0 = u % segments * width, c1 = c0 + width < dst_cols ? c0 + width : dst_cols;
       const int64_t r0 = b * block, r1 = r0 + block < rows ? r0 + block : rows;
       for (int64_t k = 0; k < n_parts; ++k)
         copy_part(&parts[k], srcs[k], dst, dst_step, dst_size, r0, r1, c0, c1);

@@ -10,15 +10,16 @@
 #include "parallel.h"
 #include "rounding.h"
 
-/* Any element type: each pixel's channels are `pixel_bytes` bytes (FP32 or bf16 maps alike). */
+/* Any element type: each pixel's channels are `pixel_bytes` bytes (FP32 or bf16 maps alike); output pixels are
+   `y_step` bytes apart (pixel_bytes, or a wider tensor's pixel where y is a channel slice of it). */
 void kiln_resize_nearest(const char* restrict x, char* restrict y, int64_t n, int64_t h, int64_t w,
                          int64_t pixel_bytes, int64_t oh, int64_t ow, const int64_t* restrict rows,
-                         const int64_t* restrict cols) {
+                         const int64_t* restrict cols, int64_t y_step) {
   #pragma omp parallel for schedule(static)
   for (int64_t line = 0; line < n * oh; ++line) {
     const char* restrict src = x + ((line / oh) * h + rows[line % oh]) * w * pixel_bytes;
-    char* restrict dst = y + line * ow * pixel_bytes;
-    for (int64_t ox = 0; ox < ow; ++ox) memcpy(dst + ox * pixel_bytes, src + cols[ox] * pixel_bytes, pixel_bytes);
+    char* restrict dst = y + line * ow * y_step;
+    for (int64_t ox = 0; ox < ow; ++ox) memcpy(dst + ox * y_step, src + cols[ox] * pixel_bytes, pixel_bytes);
   }
 }
 
