@@ -69,7 +69,10 @@ class Conv1x1GemmTactic:
 
         def launch(x, out, res):
             gemm(call_ptr, x.data_ptr(), out.data_ptr(), None if res is None else res.data_ptr(), x.shape[0], m)
+        out_dtype = storage_dtype(layer.output_dtypes[0])
         run = gemm_c.nhwc_kernel(launch, (n, cout, oh, ow), layer.attrs.get("activation"), has_residual(layer),
-                                 storage_dtype(layer.output_dtypes[0]), fused=act is not None)
+                                 out_dtype, fused=act is not None)
         run.constants = (packed, bias, call)   # read through raw pointers
+        if act is not None and not has_residual(layer):
+            run.write_into = gemm_c.write_into_slice(run, call, gemm, (cout, oh, ow), out_dtype)
         return run

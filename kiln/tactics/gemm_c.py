@@ -24,6 +24,8 @@ import torch
 
 from kiln import native
 from kiln.ops.nn import apply_activation
+from kiln.tactics.base import HWC, MEMORY_ORDER
+from kiln.tactics.views import row_step
 
 # The micro-kernel's register tile, defined once in kiln/native/csrc/gemm.h: weights are packed to match it.
 PANEL = native.header_constant("gemm.h", "NR")      # columns per packed weight panel: two 16-float vectors
@@ -75,6 +77,28 @@ def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_resid
     if has_residual:
         run.into_input = (3, run_into_residual)
     return run
+
+
+def write_into_slice(run, call: "GemmCall", gemm, out_chw: tuple[int, int, int], out_dtype: torch.dtype):
+    """`write_into` (kiln.runtime.elision) for an NHWC GEMM without residual or post-pass activation: output rows
+    `ldc` apart where `out` is a channel slice of a wider channel-major tensor (a copy of the call structure per row
+    step, made once); computed, then copied, otherwise."""
+    calls: dict[int, GemmCall] = {}
+    cout, oh, ow = out_chw
+
+    def write_into(xs, out):
+        x = xs[0].contiguous(memory_format=torch.channels_last)
+        fits = out.dtype == out_dtype and tuple(out.shape) == (x.shape[0], cout, oh, ow)
+        step = row_step(out, MEMORY_ORDER[HWC], 3) if fits else None
+        if step is None:
+            out.copy_(run(xs)[0])
+            return
+        if step not in calls:
+            wide = GemmCall.from_buffer_copy(call)
+            wide.ldc, wide.c_batch = step, oh * ow * step
+            calls[step] = wide
+        gemm(ctypes.addressof(calls[step]), x.data_ptr(), out.data_ptr(), None, x.shape[0], oh * ow)
+    return write_into
 
 
 def no_io_flags(layer) -> int:
@@ -138,7 +162,7 @@ class GemmCall(ctypes.Structure):
 
     _fields_ = [("b", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 *((name, _I64) for name in ("a_batch", "row_width", "col_step", "line_step", "b_batch", "c_batch")),
-                ("act", Act), *((name, _I64) for name in ("k", "n", "io"))]
+                ("act", Act), *((name, _I64) for name in ("k", "n", "io", "ldc"))]   # ldc 0: n
 
 
 class ConvCall(ctypes.Structure):

@@ -24,9 +24,11 @@ def _conv(name, src, dst, cin, cout, k, seed):
 
 def _yolo_like(batch, extra_output: str | None = None):
     """A C2f-like block: c1 = conv(x) split in two halves s0, s1; a = s1 + conv(s1); up = resize(maxpool(c1));
-    g = sigmoid(conv(s1)); y = conv(concat(s0, s1, a, up, g)). s1 has three readers; the others only the Concat."""
+    g = sigmoid(conv(s1)); k = conv1x1(x); y = conv(concat(s0, s1, a, up, g, k)). s1 has three readers; the others
+    only the Concat."""
     nodes, inits = [], []
-    for args in [("c1", "x", "c1", C, 2 * C, 1, 0), ("c2", "s1", "c2", C, C, 3, 1), ("c3", "cat", "y", 6 * C, C, 1, 2)]:
+    for args in [("c1", "x", "c1", C, 2 * C, 1, 0), ("c2", "s1", "c2", C, C, 3, 1), ("c3", "cat", "y", 7 * C, C, 1, 2),
+                 ("c4", "x", "k", C, C, 1, 3)]:
         node, w = _conv(*args)
         nodes.append(node)
         inits.append(w)
@@ -39,7 +41,7 @@ def _yolo_like(batch, extra_output: str | None = None):
               helper.make_node("MaxPool", ["c1"], ["m"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
               helper.make_node("Resize", ["m", "", "scales"], ["up"], name="up", mode="nearest"),
               helper.make_node("Sigmoid", ["c2"], ["g"], name="gate"),
-              helper.make_node("Concat", ["s0", "s1", "a", "up", "g"], ["cat"], name="concat", axis=1)]
+              helper.make_node("Concat", ["s0", "s1", "a", "up", "g", "k"], ["cat"], name="concat", axis=1)]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, C, 8, 8])]
     if extra_output:
         outputs.append(helper.make_tensor_value_info(extra_output, TensorProto.FLOAT, None))
@@ -68,7 +70,7 @@ def test_sole_reader_producers_write_into_the_concat(monkeypatch, extra_output):
     model = _yolo_like(1, extra_output)
     engine = kiln.build(model, tactic_sources=OWN, autotune=False)
     with_elision, without = _contexts(engine, monkeypatch)
-    producers = {_layer_of(engine, n) for n in ("slice0", "up", "gate", "add")}
+    producers = {_layer_of(engine, n) for n in ("slice0", "up", "gate", "add", "c4")}
     tactics = {l.name: l.tactic_name for l in engine.plan.layers}
     writers = {n for n in producers if n != _layer_of(engine, "gate") or tactics[n] == "torch.reference"}
     if extra_output:   # an engine output stays whole
@@ -81,7 +83,7 @@ def test_sole_reader_producers_write_into_the_concat(monkeypatch, extra_output):
     for name in got:
         np.testing.assert_array_equal(got[name], want[name])
     assert_close_to_ort(got["y"], run_ort(model, {"x": x})[0])
-    shared = {n for n in ("s0", "s1", "a", "up", "g") if storages[n] == storages["cat"]}
+    shared = {n for n in ("s0", "s1", "a", "up", "g", "k") if storages[n] == storages["cat"]}
     assert shared == {t.outputs[0].name for t in engine.plan.layers if t.name in writers}
 
 

@@ -171,3 +171,25 @@ def test_the_avx2_build_applies_the_same_activations(monkeypatch, tmp_path):
             there = MatMulGemmTactic().prepare(layer)(xs)[0]
         torch.testing.assert_close(there, here, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(here.double(), expected(layer, xs, rounded=False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "vdpbf16ps", "amx"])
+def test_conv1x1_writes_into_a_channel_slice_what_it_returns(kind, request):
+    """kiln.runtime.elision's write_into: the 1x1 GEMM stores rows `ldc` apart into a channel slice of a wider
+    channel-major tensor, the same bits it returns, and leaves the channels around the slice alone."""
+    if kind != "fp32" and not hardware.has_any(BF16_DOT_ISA):
+        pytest.skip("this CPU has no AVX512-BF16: kiln's BF16 GEMMs and their AMX emulation are not compiled here")
+    if kind == "amx":
+        request.getfixturevalue("amx_kernels")
+    tactic = {"fp32": Conv1x1GemmTactic, "vdpbf16ps": Conv1x1GemmBf16Tactic, "amx": Conv1x1GemmAmxTactic}[kind]()
+    layer = conv_layer(SPECS["hardswish"], 1, residual=False)
+    kernel = tactic.prepare(layer)
+    xs = inputs(layer)
+    want = kernel(xs)[0]
+    wide = torch.full((1, 40 + 24, 9, 9), 7.0, dtype=want.dtype).contiguous(memory_format=torch.channels_last)
+    kernel.write_into(xs, wide.narrow(1, 16, 40))
+    assert torch.equal(wide.narrow(1, 16, 40), want)
+    assert bool((wide.narrow(1, 0, 16) == 7).all()) and bool((wide.narrow(1, 56, 8) == 7).all())
+    row_major = torch.zeros(1, 80, 9, 9, dtype=want.dtype).narrow(1, 0, 40)   # not channel-major: copied
+    kernel.write_into(xs, row_major)
+    assert torch.equal(row_major, want)

@@ -8,14 +8,18 @@
 
 /* A GEMM layer's constants (kiln.tactics.gemm_c.GemmCall), built once at load: a call passes only its tensors,
    its batch and its row count, not a dozen integers for ctypes to convert (~1.2 us a call). Row r of item p
-   starts at a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step elements of A. */
+   starts at a + p * a_batch + (r / row_width) * line_step + (r % row_width) * col_step elements of A; row r of
+   item p of C at p * c_batch + r * ldc (ldc 0: n; wider where C is a slice of a Concat's output, which only a
+   layer without a residual writes: a residual is read at C's offsets). */
 typedef struct {
   const void* b;       /* packed weights: FP32 panels, or bf16 pairs for the BF16 entry points */
   const float* bias;   /* padded to whole panels (pad_bias), or NULL */
   int64_t a_batch, row_width, col_step, line_step, b_batch, c_batch;
   Act act;
-  int64_t k, n, io;
+  int64_t k, n, io, ldc;
 } GemmCall;
+
+static inline int64_t c_step(const GemmCall* g) { return g->ldc > 0 ? g->ldc : g->n; }
 
 /* A direct convolution's constants (kiln.tactics.gemm_c.ConvCall): input h x w x c, kernel kh x kw, strides, top
    and left padding, output oh x ow x cout. */
@@ -48,8 +52,8 @@ void kiln_gemm(const GemmCall* g, const float* restrict a, float* c, const float
         const int64_t r0 = t * MR, mr = m - r0 < MR ? m - r0 : MR;
         const float* rows[MR];
         for (int64_t i = 0; i < MR; ++i) rows[i] = a + row_at(g, p, r0 + (i < mr ? i : 0));
-        const int64_t at = p * g->c_batch + r0 * n + nb * NR;
-        tile(rows, 1, mr, k, bp, c + at, n, cols, bias ? bias + nb * NR : 0, res ? res + at : 0, &g->act);
+        const int64_t at = p * g->c_batch + r0 * c_step(g) + nb * NR;
+        tile(rows, 1, mr, k, bp, c + at, c_step(g), cols, bias ? bias + nb * NR : 0, res ? res + at : 0, &g->act);
       }
     }
   });
@@ -235,8 +239,9 @@ void kiln_gemm_bf16(const GemmCall* g, const void* restrict a, void* c, const vo
         for (int64_t i = 1; i < MR; ++i)   /* a partial tile repeats its first row */
           rows[i] = i < mr ? as_bf16_pairs(at_elem(a, row_at(g, p, r0 + i), a_bf16), k, a_bf16, converted + i * kp)
                            : rows[0];
-        const int64_t at = p * g->c_batch + r0 * n + nb * NR;
-        tile_bf16(rows, 1, mr, kp, bp, (void*)at_elem(c, at, io & IO_C_BF16), n, cols, bias ? bias + nb * NR : 0,
+        const int64_t at = p * g->c_batch + r0 * c_step(g) + nb * NR;
+        tile_bf16(rows, 1, mr, kp, bp, (void*)at_elem(c, at, io & IO_C_BF16), c_step(g), cols,
+                  bias ? bias + nb * NR : 0,
                   at_elem(res, at, io & IO_RES_BF16), &g->act, io);
       }
     }

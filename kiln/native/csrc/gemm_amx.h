@@ -54,7 +54,7 @@ void kiln_gemm_bf16_amx(const GemmCall* g, const void* restrict a, void* c, cons
         pack_row(pa + i * lda, row, k, a_bf16, kq);
       }
       amx_panels(pa, kq, t.mr, (const uint32_t*)g->b + t.p * g->b_batch, t.nb0, t.nb1, n, out, c,
-                 t.p * g->c_batch + t.r0 * n, n, g->bias, res, &g->act, io);
+                 t.p * g->c_batch + t.r0 * c_step(g), c_step(g), g->bias, res, &g->act, io);
     }
     amx_worker_end(&worker);
   });
