@@ -14,13 +14,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kiln.ops.dtypes import NUMPY_TO_TORCH
 from kiln.plan.model import Layer, TensorDesc
 from kiln.tactics.base import HWC, Kernel
-
-STORED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
-          "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class ConcatBuffer:
         if out is None:
             shape = (batch, *self.desc.dims[1:])
             channel_major = self.desc.format == HWC and len(shape) == 4
-            out = torch.empty(shape, dtype=STORED[self.desc.dtype],
+            out = torch.empty(shape, dtype=NUMPY_TO_TORCH[np.dtype(self.desc.dtype)],
                               memory_format=torch.channels_last if channel_major else torch.contiguous_format)
             env[self.name] = out
         return out
@@ -96,7 +95,7 @@ def _concat_buffer(layer: Layer) -> ConcatBuffer | None:
         return None
     out = layer.outputs[0]
     rank = len(out.dims)
-    if rank < 2 or out.dtype not in STORED or any(a.kind != "tensor" for a in layer.args):
+    if rank < 2 or np.dtype(out.dtype) not in NUMPY_TO_TORCH or any(a.kind != "tensor" for a in layer.args):
         return None
     axis = layer.attrs.get("axis", 0)
     if not -rank <= axis < rank or axis % rank == 0 or len(layer.inputs) != len(layer.args):

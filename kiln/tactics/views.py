@@ -2,12 +2,9 @@
 writes its own layout directly when the slice is that layout with wider rows, and through a copy otherwise."""
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-
-Compute = Callable[[list], list]
 
 
 def row_step(view: torch.Tensor, order: Sequence[int], at: int) -> int | None:
@@ -34,14 +31,3 @@ def row_step(view: torch.Tensor, order: Sequence[int], at: int) -> int | None:
     step = row if step is None else step
     return step if step >= row else None
 
-
-def copy_into(compute: Compute) -> Callable[[list, torch.Tensor], None]:
-    """`write_into` for a kernel that only allocates its output: compute, then copy into the view."""
-    def write_into(xs: list, out: torch.Tensor) -> None:
-        out.copy_(compute(xs)[0])
-    return write_into
-
-
-def rows_of(view: torch.Tensor, order: Sequence[int], at: int) -> int:
-    """How many rows (runs of axes order[at:]) the view holds."""
-    return math.prod(view.shape[k] for k in order[:at])
