@@ -12,6 +12,7 @@ and `build_info["stages_ms"]` records it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -34,7 +35,10 @@ from kiln.planning.int8_budget import Int8BudgetReport
 from kiln.planning.race import choose_plan, onnxruntime_reference
 from kiln.precision.policy import QDQ_OPS, PrecisionDecision, decide, output_tail
 from kiln.preprocess.calibration import quantize_with_qdq, sum_ranks
+from kiln.runtime.elision import concat_decisions, elision_log_lines
+from kiln.runtime.prepare import TorchWeights, prepare_kernel
 from kiln.tactics.autotune import Autotuner, TimingOptions, last_level_cache_bytes
+from kiln.tactics.base import Kernel
 from kiln.tactics.lower import Lowering, desc_of, node_view
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.registry import available_sources, offers
@@ -99,6 +103,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         inputs, outputs = tuple(desc_of(v) for v in g.inputs), tuple(desc_of(v) for v in g.outputs)
         memory = plan_memory(layers, inputs, outputs)
     log_engine_layers(layers)
+    log_concat_elisions(layers, weights, g.opset, {t.name for t in (*inputs, *outputs)})
     log.debug(log_lines.total_activation_memory(memory.total_bytes, memory.unshared_bytes))
     log.debug(log_lines.total_weights_memory(sum(w.nbytes for w in weights.values())))
     info = {
@@ -253,3 +258,18 @@ def log_engine_layers(layers: list[Layer]) -> None:
     for layer in layers:
         log.debug(log_lines.engine_layer(layer_type(layer), layer.name, layer.tactic_value, layer.inputs,
                                          layer.outputs))
+
+
+def log_concat_elisions(layers: list[Layer], weights: dict[str, np.ndarray], opset: int, keep: set[str]) -> None:
+    """The verbose log's account of the Concat inputs the engine writes in place and why the rest are copied
+    (kiln.runtime.elision), decided on the kernels a loaded engine prepares, as its execution contexts decide it.
+    Only producers of Concat inputs are prepared, and only in verbose builds."""
+    if not log.isEnabledFor(logging.DEBUG) or not any(layer.op_type == "Concat" for layer in layers):
+        return
+    torch_weights = TorchWeights(weights)
+
+    @functools.cache
+    def kernel_of(i: int) -> Kernel | None:   # regions write their outputs whole: no kernel needed to say so
+        return None if layers[i].inner else prepare_kernel(layers[i], torch_weights, weights, opset, cached=True)
+    for line in elision_log_lines(layers, concat_decisions(layers, kernel_of, keep)):
+        log.debug(line)

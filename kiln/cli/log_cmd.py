@@ -32,6 +32,12 @@ def run(args: argparse.Namespace) -> int:
     for name, count in sorted(parsed.pass_counts.items(), key=lambda x: -x[1]):
         console.info(f"  {name}: {count}")
     console.info(f"  tactic choices: {len(parsed.tactic_choices)}, timing lines: {len(parsed.timings)}")
+    concats = doc["concatenations"]
+    if any(concats.values()):
+        console.info(f"  concatenations eliminated: {len(concats['eliminated'])}, kept whole: {len(concats['kept'])}; "
+                     f"inputs written in place: {len(concats['retargeted'])}, copied: {len(concats['copied'])}")
+        for copy in concats["copied"]:
+            console.info(f"    copy {copy['tensor']} -> {copy['into']}: {copy['reason']}")
     for note in parsed.notes:
         console.info(f"  note: {note}")
     return 0

@@ -53,7 +53,20 @@ def log_json(log: BuildLog) -> dict[str, Any]:
             "pass_counts": log.pass_counts, "layer_trajectory": [list(x) for x in log.layer_trajectory],
             "tactic_choices": [dataclasses.asdict(c) for c in log.tactic_choices],
             "num_timings": len(log.timings), "memory": log.memory, "performance": log.performance,
-            "engine_layers": len(log.engine.layers) if log.engine else None, "notes": list(log.notes)}
+            "engine_layers": len(log.engine.layers) if log.engine else None,
+            "concatenations": concatenations_json(log), "notes": list(log.notes)}
+
+
+def concatenations_json(log: BuildLog) -> dict[str, Any]:
+    """What the log says of Concats: those eliminated (`Eliminating concatenation`), those kept whole with kiln's
+    reason, the inputs written in place (`Retargeting`), and every copy with its reason (`Generating copy`)."""
+    events = [e for e in log.events if e.pass_name == "concat removal"]
+    return {"eliminated": [e.subjects[0] for e in events if e.kind == "eliminating_concat"],
+            "kept": [{"layer": e.subjects[0], "reason": e.subjects[1]} for e in events
+                     if e.kind == "not_eliminating_concat"],
+            "retargeted": [{"tensor": e.subjects[0], "into": e.subjects[1]} for e in events if e.kind == "retargeting"],
+            "copied": [{"tensor": e.subjects[0], "into": e.subjects[1], "reason": e.subjects[2]} for e in events
+                       if e.kind == "generating_copy"]}
 
 
 def tuning_json(cache: TuningCache) -> dict[str, Any]:

@@ -11,7 +11,7 @@ producer runs; the batch of a dynamic-batch engine is read from that producer's 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 from kiln.ops.dtypes import NUMPY_TO_TORCH
 from kiln.plan.model import Layer, TensorDesc
 from kiln.tactics.base import HWC, Kernel
+from kiln.trt import build_log as log_lines
 
 
 @dataclass(frozen=True)
@@ -60,70 +61,157 @@ class ConcatRest:
     elided: tuple[str, ...]   # the producers' layer names, for the build log
 
 
+@dataclass(frozen=True)
+class ConcatInput:
+    """One input of a Concat as the plan runs it: written in place by its producer (`target`), or copied, and why."""
+
+    tensor: str
+    target: IntoConcat | None
+    copy_reason: str | None
+
+
+@dataclass(frozen=True)
+class ConcatDecision:
+    """What becomes of Concat layer `step`: its output `buffer` and each input's fate, or (`buffer` None) why
+    nothing of it can be elided."""
+
+    step: int
+    buffer: ConcatBuffer | None
+    blocked: str | None = None
+    inputs: tuple[ConcatInput, ...] = ()
+
+
 def plan_elisions(layers: Sequence[Layer], kernels: Sequence[Kernel],
                   keep: set[str]) -> tuple[dict[int, IntoConcat], dict[int, ConcatRest]]:
     """Per producer step, where it writes; per Concat step, what it still copies. `keep`: tensors that must stay
     whole (engine inputs and outputs, tensors a caller reads)."""
-    producer = {t.name: i for i, layer in enumerate(layers) for t in layer.outputs}
-    reads = Counter(a.name for layer in layers for a in layer.args if a.kind == "tensor")
     into: dict[int, IntoConcat] = {}
     rest: dict[int, ConcatRest] = {}
-    for j, layer in enumerate(layers):
-        buffer = _concat_buffer(layer)
-        if buffer is None:
+    producer = {t.name: i for i, layer in enumerate(layers) for t in layer.outputs}
+    for decision in concat_decisions(layers, kernels.__getitem__, keep):
+        if decision.buffer is None:
             continue
-        offset, copies, elided = 0, [], []
-        for i, (arg, desc) in enumerate(zip(layer.args, layer.inputs)):
-            size = desc.dims[buffer.axis]
-            p = producer.get(arg.name)
-            target = None if p is None else _target(layers[p], kernels[p], desc, buffer, offset, size)
-            if target is None or arg.name in keep or reads[arg.name] != 1 or p in into:
+        copies, elided, offset = [], [], 0
+        for i, (one, desc) in enumerate(zip(decision.inputs, layers[decision.step].inputs)):
+            size = desc.dims[decision.buffer.axis]
+            if one.target is None:
                 copies.append((i, offset, size))
             else:
-                into[p] = target
-                elided.append(layers[p].name)
+                into[producer[one.tensor]] = one.target
+                elided.append(layers[producer[one.tensor]].name)
             offset += size
         if elided:
-            rest[j] = ConcatRest(buffer, tuple(copies), tuple(elided))
+            rest[decision.step] = ConcatRest(decision.buffer, tuple(copies), tuple(elided))
     return into, rest
 
 
-def _concat_buffer(layer: Layer) -> ConcatBuffer | None:
-    """An ONNX Concat of activations along an axis past the batch, shapes static but for the batch, every input
-    stored as its output is."""
-    if layer.op_type != "Concat" or layer.domain not in ("", "ai.onnx") or len(layer.outputs) != 1:
-        return None
+def concat_decisions(layers: Sequence[Layer], kernel_of: Callable[[int], Kernel | None],
+                     keep: set[str]) -> list[ConcatDecision]:
+    """Every ONNX Concat's fate: which inputs their producers write in place, and why the others are copied.
+    `kernel_of(i)`: layer i's prepared kernel (None where it has none that could write into a view)."""
+    producer = {t.name: i for i, layer in enumerate(layers) for t in layer.outputs}
+    reads = Counter(a.name for layer in layers for a in layer.args if a.kind == "tensor")
+    taken: set[int] = set()
+    decisions = []
+    for j, layer in enumerate(layers):
+        if layer.op_type != "Concat" or layer.domain not in ("", "ai.onnx"):
+            continue
+        buffer = _concat_buffer(layer)
+        if isinstance(buffer, str):
+            decisions.append(ConcatDecision(j, None, buffer))
+            continue
+        offset, inputs = 0, []
+        for arg, desc in zip(layer.args, layer.inputs):
+            size = desc.dims[buffer.axis]
+            p = producer.get(arg.name)
+            verdict = _copy_reason(arg.name, p, reads[arg.name], keep, taken)
+            if verdict is None:
+                verdict = _target(layers[p], kernel_of(p), desc, buffer, offset, size)
+            if isinstance(verdict, IntoConcat):
+                taken.add(p)
+                inputs.append(ConcatInput(arg.name, verdict, None))
+            else:
+                inputs.append(ConcatInput(arg.name, None, verdict))
+            offset += size
+        decisions.append(ConcatDecision(j, buffer, None, tuple(inputs)))
+    return decisions
+
+
+def _copy_reason(name: str, producer: int | None, reads: int, keep: set[str], taken: set[int]) -> str | None:
+    """Why an input must be copied whatever its producer's kernel can do; None if nothing forbids writing it in
+    place."""
+    if producer is None:
+        return "it is an engine input"
+    if name in keep:
+        return "it is an engine output"
+    if reads != 1:
+        return "another layer reads it too" if reads == 2 else f"{reads - 1} other layers read it too"
+    if producer in taken:
+        return "its producer already writes into another concatenation"
+    return None
+
+
+def _concat_buffer(layer: Layer) -> ConcatBuffer | str:
+    """The output of an ONNX Concat of activations along an axis past the batch, shapes static but for the batch,
+    every input stored as its output is; else why not."""
+    if len(layer.outputs) != 1 or any(a.kind != "tensor" for a in layer.args) or len(layer.inputs) != len(layer.args):
+        return "it takes constants or makes several outputs"
     out = layer.outputs[0]
     rank = len(out.dims)
-    if rank < 2 or np.dtype(out.dtype) not in NUMPY_TO_TORCH or any(a.kind != "tensor" for a in layer.args):
-        return None
+    if rank < 2:
+        return "it joins vectors"
+    if np.dtype(out.dtype) not in NUMPY_TO_TORCH:
+        return f"kiln does not allocate {out.dtype} tensors in place"
     axis = layer.attrs.get("axis", 0)
-    if not -rank <= axis < rank or axis % rank == 0 or len(layer.inputs) != len(layer.args):
-        return None
+    if not -rank <= axis < rank or axis % rank == 0:
+        return "it concatenates along the batch axis"
     axis %= rank
     for desc in (out, *layer.inputs):
-        if set(desc.dynamic) - {0} or len(desc.dims) != rank or desc.dtype != out.dtype:
-            return None
+        if set(desc.dynamic) - {0} or len(desc.dims) != rank:
+            return f"the shape of {desc.name} varies past the batch axis"
+        if desc.dtype != out.dtype:
+            return f"{desc.name} is stored as {desc.dtype}, its output as {out.dtype}"
         if any(d != o for k, (d, o) in enumerate(zip(desc.dims, out.dims)) if k not in (0, axis)):
-            return None
+            return f"the shape of {desc.name} differs from the output's past the concatenated axis"
     return ConcatBuffer(out.name, out, axis)
 
 
-def _target(producer: Layer, kernel: Kernel, desc: TensorDesc, buffer: ConcatBuffer, offset: int,
-            size: int) -> IntoConcat | None:
+def _target(producer: Layer, kernel: Kernel | None, desc: TensorDesc, buffer: ConcatBuffer, offset: int,
+            size: int) -> IntoConcat | str:
     """Where `producer` would write `desc`: only a one-output layer whose kernel can write into a view, and whose
-    batch (dynamic-batch engines) its first input says."""
-    if getattr(kernel, "write_into", None) is None or len(producer.outputs) != 1:
-        return None
-    if producer.outputs[0].name != desc.name or getattr(kernel, "into_input", None) is not None:
-        return None
+    batch (dynamic-batch engines) its first input says; else why not."""
+    if len(producer.outputs) != 1:
+        return f"its producer {producer.name} makes {len(producer.outputs)} outputs"
+    if getattr(kernel, "write_into", None) is None:
+        return f"its producer {producer.name} ({producer.tactic_name}) cannot write into a strided slice"
+    if getattr(kernel, "into_input", None) is not None:
+        return f"its producer {producer.name} writes over its residual's buffer instead"
     if 0 not in buffer.desc.dynamic:
         return IntoConcat(buffer, offset, size, None)
     first = next((k for k, a in enumerate(producer.args) if a.kind == "tensor"), None)
     source = producer.inputs[0] if first is not None and producer.inputs else None   # inputs: the tensor args
     if source is None or 0 not in source.dynamic or 0 not in desc.dynamic or source.dims[0] != desc.dims[0]:
-        return None
+        return f"the batch of its producer {producer.name} is not read from its first input"
     return IntoConcat(buffer, offset, size, first)
+
+
+def elision_log_lines(layers: Sequence[Layer], decisions: Sequence[ConcatDecision]) -> list[str]:
+    """The build log's account of the decisions: TensorRT's "Eliminating concatenation" and "Generating copy ...
+    because ..." lines, a "Retargeting" line per input written in place, and why a Concat stays whole."""
+    lines = []
+    for decision in decisions:
+        layer = layers[decision.step]
+        if decision.blocked:
+            lines.append(log_lines.not_eliminating_concatenation(layer.name, decision.blocked))
+            continue
+        if any(one.target for one in decision.inputs):
+            lines.append(log_lines.eliminating_concatenation(layer.name))
+        else:
+            lines.append(log_lines.not_eliminating_concatenation(layer.name, "no input can be written in place"))
+        output = layer.outputs[0].name
+        lines += [log_lines.retargeting(one.tensor, output) if one.target else
+                  log_lines.generating_copy(one.tensor, output, one.copy_reason) for one in decision.inputs]
+    return lines
 
 
 def batch_of(target: IntoConcat, xs: list) -> int:

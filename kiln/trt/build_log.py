@@ -122,6 +122,27 @@ SWAPPING = re.compile(r"^Swapping (.+?) with (.+)$")
 DUPLICATE = re.compile(r"^Eliminating (.+) which duplicates \((\w+)\) (.+)$")
 SLICE = re.compile(r"^Eliminating slice (.+?) by retargeting (.+?) from (.+?) to (.+)$")
 CONCAT = re.compile(r"^Eliminating concatenation (.+)$")
+RETARGETING = re.compile(r"^Retargeting (.+?) to (.+)$")
+GENERATING_COPY = re.compile(r"^Generating copy for (.+?) to (.+?) because (.+?)\.?$")
+NOT_CONCAT = re.compile(r"^Not eliminating concatenation (.+?): (.+)$")   # kiln's: why a Concat stays whole
+
+
+def eliminating_concatenation(layer: str) -> str:
+    return f"Eliminating concatenation {layer}"
+
+
+def retargeting(tensor: str, target: str) -> str:
+    """A Concat input its producer writes straight into the Concat's output `target`."""
+    return f"Retargeting {tensor} to {target}"
+
+
+def generating_copy(tensor: str, target: str, reason: str) -> str:
+    return f"Generating copy for {tensor} to {target} because {reason}."
+
+
+def not_eliminating_concatenation(layer: str, reason: str) -> str:
+    return f"Not eliminating concatenation {layer}: {reason}"
+
 MERGING = re.compile(r"^Merging layers: (.+)$")
 SWAP_TYPE = re.compile(r"^(?:Swap|Convert) the layer type of (.+) from (\w+) to (\w+)$|"
                        r"^Convert layer type of (.+) from (\w+) to (\w+)$")

@@ -145,7 +145,10 @@ def _pass_line(st: _State, msg: str) -> bool:
     if m:
         return _event(st, st.current_pass, "swap_type", *[g for g in m.groups() if g is not None])
     for rx, name, kind in ((log_lines.SLICE, "slice removal", "eliminating_slice"),
-                           (log_lines.CONCAT, "concat removal", "eliminating_concat")):
+                           (log_lines.CONCAT, "concat removal", "eliminating_concat"),
+                           (log_lines.NOT_CONCAT, "concat removal", "not_eliminating_concat"),
+                           (log_lines.RETARGETING, "concat removal", "retargeting"),
+                           (log_lines.GENERATING_COPY, "concat removal", "generating_copy")):
         m = rx.match(msg)
         if m:
             return _event(st, name, kind, *m.groups())

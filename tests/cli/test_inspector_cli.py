@@ -99,6 +99,13 @@ def test_log_json_pass_counts():
     doc = json.loads(r.stdout)
     assert doc["layer_trajectory"][0] == ["Original", 755] and doc["pass_counts"]["ConvReluFusion"] == 3
     assert doc["engine_layers"] == 3
+    concats = doc["concatenations"]
+    assert concats["eliminated"] == ["/model/taskhead22/Concat_10", "/model/taskhead22/Concat_4"]
+    assert concats["kept"] == [] and len(concats["retargeted"]) == 4
+    assert concats["copied"] == [{"tensor": "/model/taskhead22/Div_1_output_0",
+                                  "into": "/model/taskhead22/Concat_10_output_0", "reason": "of stomping hazard"}]
+    text = kiln_cli("log", str(FIXTURES / "yolov8_qdq_trt8.4_verbose.excerpt.log"))
+    assert "concatenations eliminated: 2, kept whole: 0; inputs written in place: 4, copied: 1" in text.stdout
 
 
 def test_bad_artifacts_exit_2_with_a_hint(tmp_path):

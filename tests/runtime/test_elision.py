@@ -2,6 +2,8 @@
 output, and the results are exactly those of the plan run without elision (and onnxruntime's)."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 import kiln.runtime.interpreter as interpreter
 from kiln.tactics.views import row_step
+from kiln.trt.build_log_reader import parse_build_log
 from tests.conftest import assert_close_to_ort, make_model, run_ort
 
 C = 8
@@ -110,3 +113,43 @@ def test_row_step_reads_a_slice_of_a_wider_tensor():
     assert row_step(wide.narrow(1, 16, 16), (0, 1, 2, 3), 1) is None   # channel-major data is not row-major rows
     assert row_step(wide.narrow(3, 0, 3), hwc, 3) is None              # a column slice: rows are not evenly apart
     assert row_step(torch.empty(1, 16, 1, 1).narrow(1, 0, 8), hwc, 3) == 8   # one row: any step will do
+
+
+def _verbose_build(model, caplog, **options):
+    with caplog.at_level(logging.DEBUG, logger="kiln.build"):
+        engine = kiln.build(model, tactic_sources=OWN, autotune=False, **options)
+    return engine, [r.getMessage() for r in caplog.records if r.name == "kiln.build"]
+
+
+def test_build_log_names_each_concat_input_and_why_it_is_copied(caplog):
+    engine, lines = _verbose_build(_yolo_like(1, "a"), caplog)
+    start = lines.index("Eliminating concatenation " + _layer_of(engine, "concat"))
+    account = lines[start + 1:start + 7]
+    tactic = {l.name: l.tactic_name for l in engine.plan.layers}
+    gate = _layer_of(engine, "gate")
+    gate_line = "Retargeting g to cat" if tactic[gate] == "torch.reference" else \
+        f"Generating copy for g to cat because its producer {gate} ({tactic[gate]}) cannot write into a strided slice."
+    assert account == ["Retargeting s0 to cat",
+                       "Generating copy for s1 to cat because 2 other layers read it too.",
+                       "Generating copy for a to cat because it is an engine output.",
+                       "Retargeting up to cat", gate_line, "Retargeting k to cat"]
+    # the log says what execution contexts do
+    context = engine.create_execution_context()
+    written = {s.outputs[0] for s in context.interpreter.steps if s.into_concat is not None}
+    assert written == {line.split()[1] for line in account if line.startswith("Retargeting")}
+    events = parse_build_log("\n".join(f"[V] [kiln] {line}" for line in lines), "build.log").events
+    kinds = [e.kind for e in events if e.pass_name == "concat removal"]
+    assert kinds == ["eliminating_concat"] + ["retargeting" if a.startswith("Retargeting") else "generating_copy"
+                                              for a in account]
+
+
+def test_build_log_says_why_a_concat_stays_whole(caplog):
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Concat", ["r", "x"], ["cat"], name="batch_concat", axis=0),
+             helper.make_node("Sigmoid", ["cat"], ["y"], name="gate")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, C, 4, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, C, 4, 4])])
+    engine, lines = _verbose_build(model, caplog)
+    concat = _layer_of(engine, "batch_concat")
+    assert f"Not eliminating concatenation {concat}: it concatenates along the batch axis" in lines
+    assert not any(line.startswith(("Retargeting", "Generating copy")) for line in lines)

@@ -66,7 +66,12 @@ def _kinds(log):
 
 def test_yolo_events(yolo):
     assert _kinds(yolo) == {"running": 49, "fusing": 20, "removing": 15, "swapping": 4, "eliminating": 2,
-                            "swap_type": 5, "merging": 5, "eliminating_slice": 3, "eliminating_concat": 2}
+                            "swap_type": 5, "merging": 5, "eliminating_slice": 3, "eliminating_concat": 2,
+                            "retargeting": 4, "generating_copy": 1}
+    copy = next(e for e in yolo.events if e.kind == "generating_copy")
+    assert copy.pass_name == "concat removal"
+    assert copy.subjects == ("/model/taskhead22/Div_1_output_0", "/model/taskhead22/Concat_10_output_0",
+                             "of stomping hazard")
     fusing = [e for e in yolo.events if e.kind == "fusing"]
     assert fusing[0].pass_name == "ConstShuffleFusion"
     assert fusing[0].subjects == ("/model/taskhead22/Squeeze_output_0", "(Unnamed Layer* 635) [Shuffle]")
