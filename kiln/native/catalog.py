@@ -53,8 +53,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_qdepthwise", (POINTER,) * 3),   # call, x, y
         Function("kiln_amx_int8_ready", (), I64))),
     LibrarySpec("winograd", "winograd.c", (
-        Function("wino_fused",   # ..., scratch, threads, io (gemm.h's IO_* bits)
-                 (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64, I64)),),
+        Function("wino_fused",   # ..., scratch, threads, io (gemm.h's IO_* bits), the output's pixel step
+                 (POINTER, POINTER, I64, POINTER, POINTER, POINTER) + (I64,) * 14 + (POINTER, I64, I64, I64)),),
         rendered_by="the tile size M and the transforms (kiln.tactics.winograd_c.render)"),
     LibrarySpec("layernorm", "layernorm.c", (
         Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),

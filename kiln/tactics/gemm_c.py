@@ -79,11 +79,10 @@ def nhwc_kernel(launch, out_shape: tuple[int, ...], spec: dict | None, has_resid
     return run
 
 
-def write_into_slice(run, call: "GemmCall", gemm, out_chw: tuple[int, int, int], out_dtype: torch.dtype):
-    """`write_into` (kiln.runtime.elision) for an NHWC GEMM without residual or post-pass activation: output rows
-    `ldc` apart where `out` is a channel slice of a wider channel-major tensor (a copy of the call structure per row
-    step, made once); computed, then copied, otherwise."""
-    calls: dict[int, GemmCall] = {}
+def write_into_rows(run, launch_rows, out_chw: tuple[int, int, int], out_dtype: torch.dtype):
+    """`write_into` (kiln.runtime.elision) for an NHWC kernel without residual or post-pass activation:
+    `launch_rows(x, out, step)` writes output pixels `step` elements apart where `out` is a channel slice of a
+    wider channel-major tensor; computed, then copied, otherwise."""
     cout, oh, ow = out_chw
 
     def write_into(xs, out):
@@ -92,13 +91,24 @@ def write_into_slice(run, call: "GemmCall", gemm, out_chw: tuple[int, int, int],
         step = row_step(out, MEMORY_ORDER[HWC], 3) if fits else None
         if step is None:
             out.copy_(run(xs)[0])
-            return
+        else:
+            launch_rows(x, out, step)
+    return write_into
+
+
+def write_into_slice(run, call: "GemmCall", gemm, out_chw: tuple[int, int, int], out_dtype: torch.dtype):
+    """write_into_rows for a GEMM: output rows `ldc` apart, through a copy of the call structure per row step
+    (made once)."""
+    calls: dict[int, GemmCall] = {}
+    oh, ow = out_chw[1:]
+
+    def launch_rows(x, out, step):
         if step not in calls:
             wide = GemmCall.from_buffer_copy(call)
             wide.ldc, wide.c_batch = step, oh * ow * step
             calls[step] = wide
         gemm(ctypes.addressof(calls[step]), x.data_ptr(), out.data_ptr(), None, x.shape[0], oh * ow)
-    return write_into
+    return write_into_rows(run, launch_rows, out_chw, out_dtype)
 
 
 def no_io_flags(layer) -> int:

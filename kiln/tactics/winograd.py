@@ -204,16 +204,19 @@ def _compiled_kernel(g: _Geometry, u: torch.Tensor, lib, io: int, out_dtype: tor
     blockings = {g.n: fused_blocking(g, threads)}   # per batch size seen: a dynamic batch changes the tile count
     act = g.act
 
-    def launch(x, out, res):
+    def launch(x, out, res, pixel_step=g.cout):
         n = x.shape[0]
         blocking = blockings.get(n) or blockings.setdefault(n, fused_blocking(dataclasses.replace(g, n=n), threads))
         block, groups, per_thread = blocking
         lib.wino_fused(x.data_ptr(), packed.data_ptr(), panel_stride, out.data_ptr(), bias_ptr,
                        None if res is None else res.data_ptr(), act, n, g.h, g.w, g.c, g.cout,
                        g.pads[0], g.pads[1], g.out_h, g.out_w, g.tiles_h, g.tiles_w, block, groups,
-                       scratch(per_thread * threads).data_ptr(), threads, io)
+                       scratch(per_thread * threads).data_ptr(), threads, io, pixel_step)
     run = gemm_c.nhwc_kernel(launch, (g.n, g.cout, g.out_h, g.out_w), g.spec, g.has_residual, out_dtype)
     run.constants = (packed, g.bias)   # the C code reads them through raw pointers
+    if not g.has_residual and (act or not g.spec):   # into a Concat's channel slice (kiln.runtime.elision)
+        run.write_into = gemm_c.write_into_rows(run, lambda x, out, step: launch(x, out, None, step),
+                                                (g.cout, g.out_h, g.out_w), out_dtype)
     return run
 
 

@@ -252,3 +252,38 @@ def test_bf16_storage_winograd_is_offered_only_on_bf16_cpus(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_isa", lambda: frozenset({"avx2", "avx512f"}))
     assert not WinogradBf16Tactic().supports(view)
     assert not WinogradConvTactic(4).supports(view)   # the FP32 tactic reads FP32 only
+
+
+@pytest.mark.parametrize("kind", ["f2", "f4", "f4-bf16"])
+def test_writes_into_a_channel_slice_what_it_returns(kind):
+    """kiln.runtime.elision's write_into: output pixels a wider tensor's channels apart, the same bits the kernel
+    returns, the channels around the slice untouched; a fused residual or a post-pass activation offers none."""
+    if not native.available() or (kind == "f4-bf16" and not hardware.has_any(hardware.BF16_ISA)):
+        pytest.skip("needs a C compiler (and a CPU computing BF16 for the bf16-storage variant)")
+    g = torch.Generator().manual_seed(7)
+    c, cout, hw = 24, 40, 13                        # partial tiles, a partial column panel
+    weight, bias = torch.randn(cout, c, 3, 3, generator=g) * 0.2, torch.randn(cout, generator=g)
+    if kind == "f4-bf16":
+        view = _bf16_io_view(True, True, False, c, cout, hw, weight, bias)
+        view = dataclasses.replace(view, input_shapes=view.input_shapes[:3], input_dtypes=view.input_dtypes[:3])
+        tactic = WinogradBf16Tactic()
+    else:
+        view = conv_view(c, cout, hw, hw, activation="Swish")
+        view = dataclasses.replace(view, input_shapes=((2, c, hw, hw), *view.input_shapes[1:]),
+                                   const_inputs={1: weight, 2: bias})
+        tactic = WinogradConvTactic(int(kind[1]))
+    kernel = tactic.prepare(view)
+    x = torch.randn(2, c, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
+    xs = [x.bfloat16() if kind == "f4-bf16" else x, None, None]
+    want = kernel(xs)[0]
+    wide = torch.full((2, 16 + cout + 8, hw, hw), 7.0, dtype=want.dtype).contiguous(memory_format=torch.channels_last)
+    kernel.write_into(xs, wide.narrow(1, 16, cout))
+    assert torch.equal(wide.narrow(1, 16, cout), want)
+    assert bool((wide.narrow(1, 0, 16) == 7).all()) and bool((wide.narrow(1, 16 + cout, 8) == 7).all())
+    row_major = torch.zeros(2, 2 * cout, hw, hw, dtype=want.dtype).narrow(1, 0, cout)   # not channel-major: copied
+    kernel.write_into(xs, row_major)
+    assert torch.equal(row_major, want)
+    assert getattr(WinogradConvTactic(4).prepare(conv_view(c, cout, hw, hw, residual=True)), "write_into", None) \
+        is None
+    assert getattr(WinogradConvTactic(4).prepare(conv_view(c, cout, hw, hw, activation="Sigmoid")), "write_into",
+                   None) is None

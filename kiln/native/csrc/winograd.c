@@ -65,12 +65,13 @@ static inline void in_tile(const void* restrict x, float* restrict v, const int6
 }
 
 /* One tile's Aᵀ M A for output channels [c_begin, c_end), read from mm[p * plane + row * ldm + channel - m_c0],
-   with bias, residual and ReLU or Swish, cropped into the NHWC output. */
+   with bias, residual and ReLU or Swish, cropped into the NHWC output, whose pixels are `y_step` elements apart
+   (co, or a wider tensor's channels where y is a channel slice of it: a Concat's output). */
 static inline void out_tile(const float* restrict mm, const int64_t plane, const int64_t ldm, const int64_t row,
                             const int64_t m_c0, void* y, const float* restrict bias, const void* res,
                             const int64_t act, const int64_t b, const int64_t th, const int64_t tw,
                             const int64_t oh, const int64_t ow, const int64_t co, const int64_t c_begin,
-                            const int64_t c_end, const int64_t io) {
+                            const int64_t c_end, const int64_t io, const int64_t y_step) {
   for (int64_t c0 = c_begin; c0 < c_end; c0 += CB) {
     const int64_t cb = c_end - c0 < CB ? c_end - c0 : CB;
     float s[A][A][CB], q[M][A][CB], o[M][CB], row_out[CB];
@@ -95,7 +96,7 @@ static inline void out_tile(const float* restrict mm, const int64_t plane, const
       for (int j = 0; j < M; ++j) {
         const int64_t xx = tw * M + j;
         if (xx >= ow) break;
-        const int64_t at = ((b * oh + yy) * ow + xx) * co + c0;
+        const int64_t pixel = (b * oh + yy) * ow + xx, at = pixel * co + c0, y_at = pixel * y_step + c0;
         float* out = row_out;   /* then stored: the residual may be the output's own buffer (read first) */
         #pragma omp simd
         for (int64_t k = 0; k < cb; ++k) out[k] = o[j][k] + (bias ? bias[c0 + k] : 0.0f);
@@ -116,11 +117,11 @@ static inline void out_tile(const float* restrict mm, const int64_t plane, const
           for (; k < cb; ++k) out[k] = k_swish(out[k]);
         }
         if (io & IO_C_BF16) {
-          uint16_t* restrict dst = (uint16_t*)y + at;
+          uint16_t* restrict dst = (uint16_t*)y + y_at;
           #pragma omp simd
           for (int64_t k = 0; k < cb; ++k) dst[k] = bf16_narrow(out[k]);
         } else {
-          memcpy((float*)y + at, out, sizeof(float) * cb);
+          memcpy((float*)y + y_at, out, sizeof(float) * cb);
         }
       }
     }
@@ -133,7 +134,8 @@ void wino_fused(const void* restrict x, const float* restrict u, const int64_t p
                 const float* restrict bias, const void* res, const int64_t act, const int64_t n, const int64_t h,
                 const int64_t w, const int64_t c, const int64_t co, const int64_t pt, const int64_t pl,
                 const int64_t oh, const int64_t ow, const int64_t tiles_h, const int64_t tiles_w,
-                const int64_t block, const int64_t groups, float* scratch, const int64_t threads, const int64_t io) {
+                const int64_t block, const int64_t groups, float* scratch, const int64_t threads, const int64_t io,
+                const int64_t y_step) {
   const int64_t tiles = n * tiles_h * tiles_w, blocks = (tiles + block - 1) / block;
   const int64_t panels = (co + NR - 1) / NR, group_panels = (panels + groups - 1) / groups;
   const int64_t v_size = (int64_t)A * A * block * c, p_size = (int64_t)A * A * block * group_panels * NR;
@@ -163,7 +165,8 @@ void wino_fused(const void* restrict x, const float* restrict u, const int64_t p
       }
     for (int64_t r = 0; r < bt; ++r) {
       const int64_t t = t0 + r, b = t / (tiles_h * tiles_w), th = (t / tiles_w) % tiles_h, tw = t % tiles_w;
-      out_tile(prod, bt * ldp, ldp, r, c_begin, y, bias, res, act, b, th, tw, oh, ow, co, c_begin, c_end, io);
+      out_tile(prod, bt * ldp, ldp, r, c_begin, y, bias, res, act, b, th, tw, oh, ow, co, c_begin, c_end, io,
+               y_step);
     }
   }
 }
