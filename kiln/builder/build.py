@@ -270,6 +270,12 @@ def log_concat_elisions(layers: list[Layer], weights: dict[str, np.ndarray], ops
 
     @functools.cache
     def kernel_of(i: int) -> Kernel | None:   # regions write their outputs whole: no kernel needed to say so
-        return None if layers[i].inner else prepare_kernel(layers[i], torch_weights, weights, opset, cached=True)
+        if layers[i].inner:
+            return None
+        try:
+            return prepare_kernel(layers[i], torch_weights, weights, opset, cached=True)
+        except Exception as exc:   # a log line never fails a build; loading the engine will say what is wrong
+            log.debug("Cannot prepare %s to see whether it writes into a Concat: %s", layers[i].name, exc)
+            return None
     for line in elision_log_lines(layers, concat_decisions(layers, kernel_of, keep)):
         log.debug(line)
