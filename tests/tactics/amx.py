@@ -1,7 +1,7 @@
 """AMX kernels on any CPU with AVX-512 (BF16 / VNNI): where this CPU has AMX and Linux grants it, the real kernels
 run; elsewhere gemm.c or qgemm.c is compiled once per session with -DKILN_AMX_EMULATE (amx.h's tile operations in
 plain C) and stands in for kiln's library, so the AMX kernels' packing, addressing and epilogue are tested
-everywhere."""
+everywhere. Likewise qgemm.c built with each of its two requantization paths (`quantize_path`)."""
 from __future__ import annotations
 
 import ctypes
@@ -27,6 +27,32 @@ def emulated_amx_libraries(tmp_path_factory):
             built[name] = catalog.bind(ctypes.CDLL(str(target)), spec)
         return built[name]
     return library
+
+
+@pytest.fixture(scope="session")
+def built_with(tmp_path_factory):
+    """`built_with(name, flags)`: kiln's library `name` compiled with extra `flags`, bound as kiln binds its own
+    (built once per session and flag set)."""
+    folder, built = tmp_path_factory.mktemp("variants"), {}
+
+    def library(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+        if (name, flags) not in built:
+            spec = catalog.LIBRARIES[name]
+            target = folder / f"{name}_{len(built)}.so"
+            compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, spec.source, flags)
+            built[name, flags] = catalog.bind(ctypes.CDLL(str(target)), spec)
+        return built[name, flags]
+    return library
+
+
+@pytest.fixture(params=["-DKILN_QUANTIZE_DIVIDE", "-DKILN_QUANTIZE_RECIPROCAL"])
+def quantize_path(request, monkeypatch, built_with) -> str:
+    """kiln's INT8 kernels (qgemm.c) built to requantize by division, then by the correctly rounded reciprocal
+    product, whichever this CPU's build picks: both must give the division's bytes."""
+    lib = built_with("qgemm", (request.param,))
+    built = native.library
+    monkeypatch.setattr(native, "library", lambda n, generated="": lib if n == "qgemm" else built(n, generated))
+    return request.param
 
 
 def _stand_in(request, monkeypatch, name: str, module, usable: str) -> str:

@@ -19,6 +19,7 @@ from kiln.tactics import onnx_emit
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic, int8_available
 from kiln.tactics.qgemm_c import QLinearGemmTactic, vnni_available
 from tests.conftest import make_model, unfused_onnxruntime
+from tests.tactics.amx import built_with, quantize_path  # noqa: F401  (fixtures)
 from tests.tactics.test_qgemm_c import (RANGES, assert_requantized_equal, centred, int8_case, linear_case,
                                         needs_vnni, rand_q)
 
@@ -76,7 +77,7 @@ def mid_formula(view, x, mid_rounding=True, rounding=torch.round):
 
 @needs_vnni
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernels_round_the_product_before_its_bias_as_the_graph_does(case):
+def test_kernels_round_the_product_before_its_bias_as_the_graph_does(case, quantize_path):
     view, x, tactic = mid_case(case)
     assert tactic.supports(view)
     got = tactic.prepare(view)([x, None, None])[0]
@@ -104,7 +105,7 @@ def tie_case():
 
 
 @needs_vnni
-def test_kernels_round_exact_ties_to_even_at_both_roundings():
+def test_kernels_round_exact_ties_to_even_at_both_roundings(quantize_path):
     view, g = tie_case(), torch.Generator().manual_seed(8)
     x = rand_q(view.input_shapes[0], "uint8", g)
     sums = (x.double() - view.attrs["quant"]["x_zero_point"]) @ centred(view)
