@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.tactics.qgemm_c import vnni_available
 from tests.conftest import cosine, init, make_model, rand, run_ort
-from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
+from tests.tactics.amx import amx_int8_kernels, built_with, emulated_amx_libraries, quantize_path  # noqa: F401
 
 KILN_ONLY = "-openvino,-onnxruntime"
 KERNELS = {"kiln.dynamic_qmatmul_gemm_int8", "kiln.dynamic_qmatmul_gemm_amx_int8"}   # on AMX-INT8 CPUs the two race
@@ -123,15 +123,16 @@ def onnxruntime_chain(view, x) -> np.ndarray:
 
 
 @needs_vnni
-@pytest.mark.parametrize("case", ["zeros", "negative", "one_row", "nan"])
-def test_the_kernel_equals_onnxruntime_at_the_edges_of_the_range(case):
-    """An all-zero input (scale 1), an all-negative one (zero point 255), a single row, and a NaN, which neither
-    breaks the scale nor touches other rows: onnxruntime, given 0 in its place, gives the other rows exactly
-    (the range always holds 0)."""
+@pytest.mark.parametrize("case", ["zeros", "negative", "one_row", "nan", "wide", "boundaries"])
+def test_the_kernel_equals_onnxruntime_at_the_edges_of_the_range(case, quantize_path):
+    """An all-zero input (scale 1), an all-negative one (zero point 255), a single row, a NaN, which neither
+    breaks the scale nor touches other rows (onnxruntime, given 0 in its place, gives the other rows exactly: the
+    range always holds 0), 21,000 values, and values on and next to the rounding boundaries (n + 1/2) * scale:
+    with the input quantized by division and by the corrected reciprocal (tests/tactics/amx.py's quantize_path)."""
     from kiln.tactics.dqgemm_c import DynamicQLinearGemmTactic
 
-    view, (x, w, bias) = layer(1 if case == "one_row" else 5)
-    x = {"zeros": x * 0, "negative": -x.abs() - 0.1}.get(case, x)
+    view, (x, w, bias) = layer({"one_row": 1, "wide": 300, "boundaries": 30}.get(case, 5))
+    x = {"zeros": x * 0, "negative": -x.abs() - 0.1, "boundaries": boundary_values(x.shape)}.get(case, x)
     if case == "nan":
         x[2, 3] = 0.0
     want = onnxruntime_chain(view, x)
@@ -140,6 +141,25 @@ def test_the_kernel_equals_onnxruntime_at_the_edges_of_the_range(case):
     got = DynamicQLinearGemmTactic().prepare(view)([x, w, bias])[0].numpy()
     rows = [0, 1, 3, 4] if case == "nan" else slice(None)   # the NaN's row: its sum is undefined
     np.testing.assert_array_equal(got[rows], want[rows])
+
+
+def boundary_values(shape):
+    """A [rows, k] input ranging over [-1.3, 2.1] (scale (2.1 + 1.3) / 255) whose other values are the float32
+    nearest (n + 1/2) * scale and its neighbours one and two ulps either side: where x * (1 / scale) and x / scale
+    round to different integers."""
+    import torch
+
+    scale = (np.float32(2.1) - np.float32(-1.3)) / np.float32(255)
+    n = np.arange(-97, 157, dtype=np.float32)
+    centre = ((n + np.float32(0.5)) * scale).astype(np.float32)
+    spread = [centre]
+    up, down = centre, centre
+    for _ in range(2):
+        up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(-np.inf))
+        spread += [up, down]
+    flat = np.resize(np.concatenate(spread), shape[0] * shape[1]).astype(np.float32)
+    flat[0], flat[1] = np.float32(-1.3), np.float32(2.1)
+    return torch.from_numpy(flat.reshape(shape))
 
 
 @needs_vnni

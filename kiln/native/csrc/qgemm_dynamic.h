@@ -32,13 +32,15 @@ static float dynamic_quantize(const float* x, int64_t total, uint8_t* q, int32_t
   const float scale = x_hi == x_lo ? 1.0f : (x_hi - x_lo) / 255.0f, z = -x_lo / scale;
   const int32_t zp = (int32_t)nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
   const __m512 vs = _mm512_set1_ps(scale);
+  const float inv = reciprocal(scale), lo_q = (float)-zp, hi_q = 255.0f - (float)zp;   /* quotient16's clamp */
   const __m512i vz = _mm512_set1_epi32(zp), zero = _mm512_setzero_si512();
   MAYBE_PARALLEL(parallel, {
     _Pragma("omp for schedule(static)")
     for (int64_t b = 0; b < blocks; ++b) {   /* default MXCSR rounding: half to even */
       const int64_t i = b * 16;
       const __mmask16 mask = i + 16 <= total ? (__mmask16)0xFFFF : (__mmask16)((1u << (total - i)) - 1);
-      const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, x + i), vs);
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i);
+      const __m512 v = inv != 0.0f ? quotient16(xv, scale, inv, lo_q, hi_q) : _mm512_div_ps(xv, vs);
       const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), vz);
       _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtusepi32_epi8(_mm512_max_epi32(u, zero)));
     }
