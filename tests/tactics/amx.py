@@ -45,13 +45,18 @@ def built_with(tmp_path_factory):
     return library
 
 
+QUANTIZING_LIBRARIES = ("qgemm", "quant", "layernorm", "softmax")   # rounding.h's quotient: QuantizeLinear's x / s
+
+
 @pytest.fixture(params=["-DKILN_QUANTIZE_DIVIDE", "-DKILN_QUANTIZE_RECIPROCAL"])
 def quantize_path(request, monkeypatch, built_with) -> str:
-    """kiln's INT8 kernels (qgemm.c) built to requantize by division, then by the correctly rounded reciprocal
-    product, whichever this CPU's build picks: both must give the division's bytes."""
-    lib = built_with("qgemm", (request.param,))
+    """kiln's C kernels that quantize (QUANTIZING_LIBRARIES) built to divide by the scale, then to take the correctly
+    rounded reciprocal product, whichever this CPU's build picks: both must give the division's bytes."""
     built = native.library
-    monkeypatch.setattr(native, "library", lambda n, generated="": lib if n == "qgemm" else built(n, generated))
+
+    def library(name: str, generated: str = ""):
+        return built_with(name, (request.param,)) if name in QUANTIZING_LIBRARIES else built(name, generated)
+    monkeypatch.setattr(native, "library", library)
     return request.param
 
 

@@ -14,6 +14,7 @@ from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
 from kiln.tactics.layernorm_c import QLAYERNORM_TACTIC, QuantizedLayerNormTactic
 from tests.conftest import assert_int8_layer_matches_onnxruntime, make_model, torch_threads
+from tests.tactics.amx import built_with, quantize_path  # noqa: F401  (fixtures)
 from tests.tactics.test_qgemm_c import RANGES, TORCH, rand_q
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
@@ -90,7 +91,8 @@ def close(y: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("x_dtype,y_dtype", [("uint8", "uint8"), ("int8", "int8"), ("uint8", "int8"),
                                              ("int8", "uint8")])
 @pytest.mark.parametrize("shape,threads", [((3, 5, 77), 1), ((2, 64, 768), 2), ((2, 20000), 2)])
-def test_the_kernel_quantizes_the_layer_norm_of_the_dequantized_row(x_dtype, y_dtype, shape, threads):
+def test_the_kernel_quantizes_the_layer_norm_of_the_dequantized_row(x_dtype, y_dtype, shape, threads,
+                                                                  quantize_path):
     view = qlayernorm(shape, x_dtype, y_dtype)
     assert TACTIC.supports(view)
     x = random_codes(shape, x_dtype, 1)

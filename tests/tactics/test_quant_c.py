@@ -15,6 +15,7 @@ from kiln import native
 from kiln.tactics.base import HWC, LINEAR, LayerView
 from kiln.tactics.quant_c import QUANT_TACTIC, QuantizeLinearTactic
 from tests.conftest import run_ort
+from tests.tactics.amx import built_with, quantize_path  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: kiln's C kernels are not offered")
 TACTIC = QuantizeLinearTactic()
@@ -55,6 +56,24 @@ def test_quantize_and_dequantize_equal_onnxruntime(dtype, zero_point, shape):
     np.testing.assert_array_equal(back.numpy(), run_ort(q_model("DequantizeLinear", shape, dtype, scale,
                                                                  zero_point), {"x": want})[0])
     assert back.stride() == got.stride()   # dequantizing keeps the layout it is given
+
+
+@pytest.mark.parametrize("dtype, zero_point", [("uint8", 131), ("int8", -7)])
+def test_values_beside_every_rounding_boundary_quantize_as_onnxruntime(dtype, zero_point, quantize_path):
+    """x at the float32 nearest (n + 1/2) * scale and one and two ulps either side, for every level: where x / scale
+    and x * (1 / scale) round to different integers. Equal to onnxruntime by division and by the corrected
+    reciprocal (quantize_path)."""
+    scale = np.float32(0.0137)
+    n = np.arange(-300, 300, dtype=np.float32)
+    centre = ((n + np.float32(0.5)) * scale).astype(np.float32)
+    values, up, down = [centre], centre, centre
+    for _ in range(2):
+        up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(-np.inf))
+        values += [up, down]
+    x = np.concatenate(values + [np.array([np.inf, -np.inf], np.float32)])
+    got = TACTIC.prepare(view("QuantizeLinear", x.shape, dtype, float(scale), zero_point))([torch.from_numpy(x)])[0]
+    want = run_ort(q_model("QuantizeLinear", list(x.shape), dtype, float(scale), zero_point), {"x": x})[0]
+    np.testing.assert_array_equal(got.numpy(), want)
 
 
 def test_a_channels_last_input_quantizes_in_place_of_its_layout():

@@ -14,6 +14,7 @@ from kiln.tactics.base import LayerView
 from kiln.tactics.softmax_c import QSOFTMAX_TACTIC, QuantizedSoftmaxTactic
 from tests.conftest import assert_int8_layer_matches_onnxruntime, make_model, torch_threads, \
     unfused_onnxruntime
+from tests.tactics.amx import built_with, quantize_path  # noqa: F401  (fixtures)
 from tests.tactics.test_qgemm_c import RANGES, TORCH, rand_q
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler")
@@ -72,7 +73,7 @@ def test_quantized_probabilities_are_one_int8_layer_matching_onnxruntime():
     assert_int8_layer_matches_onnxruntime(attention_probabilities_model(), x, layer, np.int8, exact=0.99, spread=20)
 
 
-def test_ties_round_to_even_and_the_top_saturates():
+def test_ties_round_to_even_and_the_top_saturates(quantize_path):
     """Two equal inputs: p = 0.5 exactly, 0.5 / 1.0 rounds to 0 (half to even, not away); probabilities past the
     output range saturate at its top, exactly."""
     view = qsoftmax((5, 2), "uint8", "uint8", y_scale=1.0, y_zp=0)

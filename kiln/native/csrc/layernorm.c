@@ -124,9 +124,9 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
 #define Q8_INT(byte, s8) ((int32_t)((byte) ^ ((s8) ? 0x80 : 0)) - ((s8) ? 128 : 0))
 
 /* v / scale rounded half to even plus zp, saturated to [lo, hi] (the type's range less zp; NaN to lo), as a
-   float (rounding.h). */
-static inline float q8_level(float v, float scale, float zp, float lo, float hi) {
-  return saturated_level(v / scale, zp, lo, hi);
+   float (rounding.h; `inv`: quotient_reciprocal(scale)). */
+static inline float q8_level(float v, float scale, float inv, float zp, float lo, float hi) {
+  return saturated_level(quotient(v, scale, inv, lo, hi), zp, lo, hi);
 }
 
 /* row[k] = the k-th level of x less x's zero point (a small integer, exact in float); returns the row's sum and
@@ -143,7 +143,7 @@ static void level_row(const uint8_t* restrict a, const uint8_t* restrict b, cons
 #endif
   const int a8 = types & 1, b8 = types & 2;
   const float a_scale = q[0], a_zp = q[1], b_scale = q[2], b_zp = q[3], t_scale = q[4], t_zp = q[5];
-  const float t_lo = level_lo(types & 4, t_zp), t_hi = level_hi(types & 4, t_zp);
+  const float t_lo = level_lo(types & 4, t_zp), t_hi = level_hi(types & 4, t_zp), t_inv = quotient_reciprocal(t_scale);
   const int32_t x_zp = (int32_t)q[7];
   int64_t sum = 0, squares = 0;
   for (int64_t k0 = 0; k0 < n; k0 += Q8_BLOCK) {
@@ -161,7 +161,7 @@ static void level_row(const uint8_t* restrict a, const uint8_t* restrict b, cons
       #pragma omp simd reduction(+:s, s2)
       for (int64_t k = k0; k < k1; ++k) {
         const float total = ((float)Q8_INT(a[k], a8) - a_zp) * a_scale + ((float)Q8_INT(b[k], b8) - b_zp) * b_scale;
-        const int32_t d = (int32_t)q8_level(total, t_scale, t_zp, t_lo, t_hi) - x_zp;
+        const int32_t d = (int32_t)q8_level(total, t_scale, t_inv, t_zp, t_lo, t_hi) - x_zp;
         row[k] = (float)d;
         s += d;
         s2 += d * d;
@@ -182,14 +182,17 @@ static void quantized_row(const float* restrict row, const float* restrict gamma
                           int64_t n, float x_scale, float mean, float inv, const float* restrict q, int s8,
                           uint8_t* restrict out) {
   const float y_scale = q[8], y_zp = q[9], lo = level_lo(s8, y_zp), hi = level_hi(s8, y_zp);
+  const float y_inv = quotient_reciprocal(y_scale);
   if (beta) {
     #pragma omp simd
     for (int64_t k = 0; k < n; ++k)   /* s8 stored as its two's-complement byte */
-      out[k] = (uint8_t)(int32_t)q8_level((row[k] * x_scale - mean) * inv * gamma[k] + beta[k], y_scale, y_zp, lo, hi);
+      out[k] = (uint8_t)(int32_t)q8_level((row[k] * x_scale - mean) * inv * gamma[k] + beta[k], y_scale, y_inv,
+                                          y_zp, lo, hi);
   } else {
     #pragma omp simd
     for (int64_t k = 0; k < n; ++k)
-      out[k] = (uint8_t)(int32_t)q8_level((row[k] * x_scale - mean) * inv * gamma[k], y_scale, y_zp, lo, hi);
+      out[k] = (uint8_t)(int32_t)q8_level((row[k] * x_scale - mean) * inv * gamma[k], y_scale, y_inv, y_zp, lo,
+                                          hi);
   }
 }
 

@@ -30,6 +30,7 @@
 #include "activation.h"
 #include "gelu.h"
 #include "lookup.h"
+#include "rounding.h"
 #include "window.h"
 #include "work_split.h"
 
@@ -146,15 +147,7 @@ static inline __m512 v_gelu(__m512 x, int tanh_form) {   /* 0.5 x (1 + erf(x / s
    convolution's products per output vector, where this costs a multiply, two FMAs and a clamp; Zen 4 divides them
    in ~6, and there the division measured faster (an epilogue-shaped loop: 1.78 against 2.28 ns a vector). So AMD
    targets (-march=native names a znver) divide; -DKILN_QUANTIZE_RECIPROCAL or -DKILN_QUANTIZE_DIVIDE forces
-   either (the tests build both and compare their bytes). */
-#if defined(KILN_QUANTIZE_DIVIDE) || (!defined(KILN_QUANTIZE_RECIPROCAL) &&                                        \
-    (defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) ||                  \
-     defined(__znver5__)))
-#define QUANTIZE_BY_DIVISION 1
-#else
-#define QUANTIZE_BY_DIVISION 0
-#endif
-
+   either (rounding.h's QUANTIZE_BY_DIVISION; the tests build both and compare their bytes). */
 static inline __m512 quotient16(__m512 x, float scale, float inv, float lo, float hi) {
   const __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(inv)), _mm512_set1_ps(lo - 1.0f)),
                                  _mm512_set1_ps(hi + 1.0f));
@@ -162,19 +155,11 @@ static inline __m512 quotient16(__m512 x, float scale, float inv, float lo, floa
   return _mm512_fmadd_ps(r, _mm512_set1_ps(inv), q);
 }
 
-/* quantize16's `inv` for `scale`: 1 / scale where quotient16 stands in for the division (a normal scale with a
-   normal reciprocal: any quantization scale), else 0 (divide). */
-static inline float reciprocal(float scale) {
-  if (QUANTIZE_BY_DIVISION) return 0.0f;
-  const float inv = 1.0f / scale;
-  return isnormal(scale) && isnormal(inv) && scale > 0.0f ? inv : 0.0f;
-}
-
 /* ONNX QuantizeLinear of 16 floats as int32 lanes: x / scale clamped to [lo, hi] (the type's range less the zero
    point), rounded half to even (the default MXCSR rounding), plus the zero point. Clamping before rounding gives the
    same integer, as the bounds are integers; NaN takes the low bound (max_ps returns its second operand). The bounds
-   and `inv` (reciprocal(scale)) come precomputed: deriving the bounds here from the type and zero point cost 10% of
-   a K=32 GEMM. */
+   and `inv` (rounding.h's quotient_reciprocal) come precomputed: deriving the bounds here from the type and zero
+   point cost 10% of a K=32 GEMM. */
 static inline __m512i quantize16(__m512 x, float scale, float inv, int32_t zp, float lo, float hi) {
   const __m512 y = inv != 0.0f ? quotient16(x, scale, inv, lo, hi) : _mm512_div_ps(x, _mm512_set1_ps(scale));
   const __m512 t = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
@@ -199,7 +184,7 @@ store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out
   __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(e->comp + col)));
   y = _mm512_mul_ps(y, _mm512_loadu_ps(e->scale + col));
   if (e->mid_kind != OUT_F32) {   /* DequantizeLinear(QuantizeLinear(y)) at the mid scale, as the model had it */
-    const __m512i m = quantize16(y, e->mid_scale, reciprocal(e->mid_scale), e->mid_zp, e->mid_lo, e->mid_hi);
+    const __m512i m = quantize16(y, e->mid_scale, quotient_reciprocal(e->mid_scale), e->mid_zp, e->mid_lo, e->mid_hi);
     y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(m, _mm512_set1_epi32(e->mid_zp))),
                       _mm512_set1_ps(e->mid_scale));
   }
@@ -219,7 +204,8 @@ store16(__m512i acc, int64_t col, const QEpilogue* e, const void* res, void* out
     _mm512_mask_storeu_ps(out, mask, y);
     return;
   }
-  const __m128i q = _mm512_cvtepi32_epi8(quantize16(y, e->y_scale, reciprocal(e->y_scale), e->y_zp, e->y_lo, e->y_hi));
+  const float inv = quotient_reciprocal(e->y_scale);
+  const __m128i q = _mm512_cvtepi32_epi8(quantize16(y, e->y_scale, inv, e->y_zp, e->y_lo, e->y_hi));
   _mm_mask_storeu_epi8(out, mask, e->table ? mapped16(q, e->table) : q);
 }
 
@@ -253,7 +239,8 @@ static inline QPlain plain_columns(const QEpilogue* e, int64_t col) {
   p.clamp_hi = _mm512_set1_ps(e->clamp_hi);
   p.r_scale = _mm512_set1_ps(e->r_scale);
   p.r_zp = _mm512_set1_epi32(e->r_zp);
-  p.y_scale = e->y_scale, p.y_inv = reciprocal(e->y_scale), p.y_lo = e->y_lo, p.y_hi = e->y_hi, p.y_zp = e->y_zp;
+  p.y_scale = e->y_scale, p.y_inv = quotient_reciprocal(e->y_scale), p.y_lo = e->y_lo, p.y_hi = e->y_hi;
+  p.y_zp = e->y_zp;
   p.r_signed = e->r_kind == OUT_S8;
   return p;
 }

@@ -32,7 +32,7 @@ static float dynamic_quantize(const float* x, int64_t total, uint8_t* q, int32_t
   const float scale = x_hi == x_lo ? 1.0f : (x_hi - x_lo) / 255.0f, z = -x_lo / scale;
   const int32_t zp = (int32_t)nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
   const __m512 vs = _mm512_set1_ps(scale);
-  const float inv = reciprocal(scale), lo_q = (float)-zp, hi_q = 255.0f - (float)zp;   /* quotient16's clamp */
+  const float inv = quotient_reciprocal(scale), lo_q = (float)-zp, hi_q = 255.0f - (float)zp;   /* quotient16's clamp */
   const __m512i vz = _mm512_set1_epi32(zp), zero = _mm512_setzero_si512();
   MAYBE_PARALLEL(parallel, {
     _Pragma("omp for schedule(static)")

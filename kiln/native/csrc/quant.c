@@ -12,15 +12,16 @@
 #define BLOCK 4096   /* elements per OpenMP work unit */
 #define PARALLEL_MIN 32768   /* fewer elements run on the calling thread: waking the team costs more than they do */
 
-/* x / scale + zp, saturated to [lo, hi] and rounded half to even (rounding.h). */
-static inline float quantized(float x, float scale, float zp, float lo, float hi) {
-  return saturated_level(x / scale, zp, lo - zp, hi - zp);
+/* x / scale + zp, saturated to [lo, hi] and rounded half to even (rounding.h; `inv`: quotient_reciprocal). */
+static inline float quantized(float x, float scale, float inv, float zp, float lo, float hi) {
+  return saturated_level(quotient(x, scale, inv, lo - zp, hi - zp), zp, lo - zp, hi - zp);
 }
 
 /* One elementwise function over `count` elements, `y[i] = EXPR` (of x[i]), OpenMP over blocks of BLOCK. */
 #define ELEMENTWISE(NAME, IN, OUT, EXPR)                                                                     \
   void NAME(const IN* restrict x, OUT* restrict y, int64_t count, float scale, int64_t zero_point) {        \
-    const float zp = (float)zero_point;                                                                      \
+    const float zp = (float)zero_point, inv = quotient_reciprocal(scale);                                    \
+    (void)inv;                                                                                               \
     _Pragma("omp parallel for schedule(static) if(count >= PARALLEL_MIN)")                                   \
     for (int64_t b = 0; b < (count + BLOCK - 1) / BLOCK; ++b) {                                              \
       const int64_t end = (b + 1) * BLOCK < count ? (b + 1) * BLOCK : count;                                 \
@@ -28,7 +29,7 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
       for (int64_t i = b * BLOCK; i < end; ++i) y[i] = EXPR;                                                 \
     }                                                                                                        \
   }
-#define QUANTIZE(NAME, T, LO, HI) ELEMENTWISE(NAME, float, T, (T)(int32_t)quantized(x[i], scale, zp, LO, HI))
+#define QUANTIZE(NAME, T, LO, HI) ELEMENTWISE(NAME, float, T, (T)(int32_t)quantized(x[i], scale, inv, zp, LO, HI))
 #define DEQUANTIZE(NAME, T) ELEMENTWISE(NAME, T, float, ((float)x[i] - zp) * scale)
 
 /* NCHW float in, NHWC out: a run of PIXELS pixels is quantized plane by plane into a small buffer (vectorized),
@@ -37,7 +38,7 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
 #define QUANTIZE_TO_NHWC(NAME, T, LO, HI)                                                                    \
   void NAME(const float* restrict x, T* restrict y, int64_t n, int64_t c, int64_t hw, float scale,          \
             int64_t zero_point) {                                                                            \
-    const float zp = (float)zero_point;                                                                      \
+    const float zp = (float)zero_point, inv = quotient_reciprocal(scale);                                    \
     const int64_t runs = (hw + PIXELS - 1) / PIXELS;                                                         \
     _Pragma("omp parallel if(n * hw * c >= PARALLEL_MIN)")                                                   \
     {                                                                                                        \
@@ -49,7 +50,7 @@ static inline float quantized(float x, float scale, float zp, float lo, float hi
           const float* restrict src = x + (b * c + k) * hw + p0;                                             \
           T* restrict row = buf + k * PIXELS;                                                                \
           _Pragma("omp simd")                                                                                \
-          for (int64_t p = 0; p < len; ++p) row[p] = (T)(int32_t)quantized(src[p], scale, zp, LO, HI);      \
+          for (int64_t p = 0; p < len; ++p) row[p] = (T)(int32_t)quantized(src[p], scale, inv, zp, LO, HI); \
         }                                                                                                    \
         T* restrict dst = y + (b * hw + p0) * c;                                                             \
         if (c == 3) { /* images: the channel count known, the interleave unrolls */                         \

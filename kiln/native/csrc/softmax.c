@@ -181,14 +181,14 @@ void kiln_softmax(const void* x, void* y, int64_t outer, int64_t n, int64_t inne
 static void softmax_row_q8(const uint8_t* x, uint8_t* y, int64_t n, float x_scale, float x_zp, float y_scale,
                            float y_zp, int types) {
   float row[n + VW];
-  const float lo = level_lo(types & 2, y_zp), hi = level_hi(types & 2, y_zp);
+  const float lo = level_lo(types & 2, y_zp), hi = level_hi(types & 2, y_zp), y_inv = quotient_reciprocal(y_scale);
   if (types & 1)
     for (int64_t j = 0; j < n; ++j) row[j] = ((float)(int8_t)x[j] - x_zp) * x_scale;
   else
     for (int64_t j = 0; j < n; ++j) row[j] = ((float)x[j] - x_zp) * x_scale;
   softmax_row(row, row, 0, n, 0);   /* in place, FP32: each chunk is read before it is written */
   for (int64_t j = 0; j < n; ++j) {
-    const int32_t q = (int32_t)saturated_level(row[j] / y_scale, y_zp, lo, hi);
+    const int32_t q = (int32_t)saturated_level(quotient(row[j], y_scale, y_inv, lo, hi), y_zp, lo, hi);
     y[j] = (uint8_t)q;   /* s8 stored as its two's-complement byte */
   }
 }
