@@ -35,17 +35,18 @@ def built_with(tmp_path_factory):
     (built once per session and flag set)."""
     folder, built = tmp_path_factory.mktemp("variants"), {}
 
-    def library(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
-        if (name, flags) not in built:
+    def library(name: str, flags: tuple[str, ...], generated: str = "") -> ctypes.CDLL:
+        if (name, flags, generated) not in built:
             spec = catalog.LIBRARIES[name]
             target = folder / f"{name}_{len(built)}.so"
-            compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec), target, spec.source, flags)
-            built[name, flags] = catalog.bind(ctypes.CDLL(str(target)), spec)
-        return built[name, flags]
+            compiler.compile_unit(native.toolchain(), catalog.translation_unit(spec, generated), target,
+                                  spec.source or f"{name}.c", flags)
+            built[name, flags, generated] = catalog.bind(ctypes.CDLL(str(target)), spec)
+        return built[name, flags, generated]
     return library
 
 
-QUANTIZING_LIBRARIES = ("qgemm", "quant", "layernorm", "softmax")   # rounding.h's quotient: QuantizeLinear's x / s
+QUANTIZING_LIBRARIES = ("qgemm", "quant", "layernorm", "softmax", "pointwise")   # rounding.h's quotient: x / scale
 
 
 @pytest.fixture(params=["-DKILN_QUANTIZE_DIVIDE", "-DKILN_QUANTIZE_RECIPROCAL"])
@@ -55,7 +56,8 @@ def quantize_path(request, monkeypatch, built_with) -> str:
     built = native.library
 
     def library(name: str, generated: str = ""):
-        return built_with(name, (request.param,)) if name in QUANTIZING_LIBRARIES else built(name, generated)
+        return built_with(name, (request.param,), generated) if name in QUANTIZING_LIBRARIES else \
+            built(name, generated)
     monkeypatch.setattr(native, "library", library)
     return request.param
 

@@ -14,6 +14,7 @@ from kiln.tactics import codegen
 from kiln.tactics.base import LayerView
 from kiln.tactics.codegen import CodegenPointWiseBf16Tactic, CodegenPointWiseTactic, ShapedPointWise
 from tests.conftest import assert_close_to_ort, init, make_model, run_ort, unfused_onnxruntime
+from tests.tactics.amx import built_with, quantize_path  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(not codegen.available(), reason="no C compiler that builds OpenMP shared libraries")
 
@@ -93,7 +94,7 @@ def test_a_channel_major_call_whose_other_input_reads_otherwise_runs_torchs_kern
     assert compiled_calls(kernel) == {((2, 4, 3, 5), (4, 1, 1)): True, ((2, 4, 3, 5), (4, 3, 5)): False}
 
 
-def test_an_int8_sum_with_dynamic_dims_rounds_as_the_reference_op():
+def test_an_int8_sum_with_dynamic_dims_rounds_as_the_reference_op(quantize_path):
     quant = {"a_scale": 0.03, "a_zero_point": 120, "b_scale": 0.07, "b_zero_point": -5, "y_scale": 0.06,
              "y_zero_point": 10, "y_dtype": "uint8"}
     view = dynamic_view(None, [(1, 16, 40), (1, 16, 40)], [(0, 1), (0, 1)], dtypes=("uint8", "int8"), out="uint8",

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "bf16.h"   /* programs reading or writing bf16 tensors widen and round through it */
+#include "rounding.h"   /* QuantizeLinear's quotient: a division, or the corrected reciprocal product */
 
 #ifdef KILN_SIMD_LIBM
 #define DECL_SIMD _Pragma("omp declare simd notinbranch")
@@ -28,9 +29,10 @@ static inline float k_clip(float x, float lo, float hi) { return x < lo ? lo : (
 static inline float k_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 /* ONNX QuantizeLinear as a float: x / scale rounded half to even (the default rounding mode), plus the zero point,
    saturated to [lo, hi] (clamped before rounding: the same integer, as lo and hi are integers). NaN saturates to lo,
-   so the INT8 store after it always converts a number in range. */
+   so the INT8 store after it always converts a number in range. The quotient is rounding.h's: with the constant
+   scale a program bakes in, its reciprocal folds at compile time. */
 static inline float k_quantize(float x, float scale, float zp, float lo, float hi) {
-  const float v = x / scale;
+  const float v = quotient(x, scale, quotient_reciprocal(scale), lo - zp, hi - zp);
   return nearbyintf(v > lo - zp ? (v < hi - zp ? v : hi - zp) : lo - zp) + zp;
 }
 /* tanh and erf as rational polynomials in x*x (the approximations Eigen and MLAS use; gelu.h's coefficients, unrolled
