@@ -66,6 +66,7 @@ class ConcatInput:
     """One input of a Concat as the plan runs it: written in place by its producer (`target`), or copied, and why."""
 
     tensor: str
+    producer: int | None   # the step writing it; None: an engine input
     target: IntoConcat | None
     copy_reason: str | None
 
@@ -87,7 +88,6 @@ def plan_elisions(layers: Sequence[Layer], kernels: Sequence[Kernel],
     whole (engine inputs and outputs, tensors a caller reads)."""
     into: dict[int, IntoConcat] = {}
     rest: dict[int, ConcatRest] = {}
-    producer = {t.name: i for i, layer in enumerate(layers) for t in layer.outputs}
     for decision in concat_decisions(layers, kernels.__getitem__, keep):
         if decision.buffer is None:
             continue
@@ -97,8 +97,8 @@ def plan_elisions(layers: Sequence[Layer], kernels: Sequence[Kernel],
             if one.target is None:
                 copies.append((i, offset, size))
             else:
-                into[producer[one.tensor]] = one.target
-                elided.append(layers[producer[one.tensor]].name)
+                into[one.producer] = one.target
+                elided.append(layers[one.producer].name)
             offset += size
         if elided:
             rest[decision.step] = ConcatRest(decision.buffer, tuple(copies), tuple(elided))
@@ -111,7 +111,6 @@ def concat_decisions(layers: Sequence[Layer], kernel_of: Callable[[int], Kernel 
     `kernel_of(i)`: layer i's prepared kernel (None where it has none that could write into a view)."""
     producer = {t.name: i for i, layer in enumerate(layers) for t in layer.outputs}
     reads = Counter(a.name for layer in layers for a in layer.args if a.kind == "tensor")
-    taken: set[int] = set()
     decisions = []
     for j, layer in enumerate(layers):
         if layer.op_type != "Concat" or layer.domain not in ("", "ai.onnx"):
@@ -124,30 +123,25 @@ def concat_decisions(layers: Sequence[Layer], kernel_of: Callable[[int], Kernel 
         for arg, desc in zip(layer.args, layer.inputs):
             size = desc.dims[buffer.axis]
             p = producer.get(arg.name)
-            verdict = _copy_reason(arg.name, p, reads[arg.name], keep, taken)
+            verdict = _copy_reason(arg.name, p, reads[arg.name], keep)
             if verdict is None:
                 verdict = _target(layers[p], kernel_of(p), desc, buffer, offset, size)
-            if isinstance(verdict, IntoConcat):
-                taken.add(p)
-                inputs.append(ConcatInput(arg.name, verdict, None))
-            else:
-                inputs.append(ConcatInput(arg.name, None, verdict))
+            written = isinstance(verdict, IntoConcat)
+            inputs.append(ConcatInput(arg.name, p, verdict if written else None, None if written else verdict))
             offset += size
         decisions.append(ConcatDecision(j, buffer, None, tuple(inputs)))
     return decisions
 
 
-def _copy_reason(name: str, producer: int | None, reads: int, keep: set[str], taken: set[int]) -> str | None:
+def _copy_reason(name: str, producer: int | None, reads: int, keep: set[str]) -> str | None:
     """Why an input must be copied whatever its producer's kernel can do; None if nothing forbids writing it in
-    place."""
+    place (a one-output producer read once feeds no other Concat)."""
     if producer is None:
         return "it is an engine input"
     if name in keep:
         return "it is an engine output"
     if reads != 1:
         return "another layer reads it too" if reads == 2 else f"{reads - 1} other layers read it too"
-    if producer in taken:
-        return "its producer already writes into another concatenation"
     return None
 
 
