@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kiln.tactics import registry
-from kiln.tactics.base import storage_dtype
-from kiln.tactics.onednn_conv import bf16_available
+from kiln.tactics.base import has_residual, storage_dtype
+from kiln.tactics.onednn_conv import bf16_available, finisher, sums_in_compute_type
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnLinearTactic
 
 
@@ -30,11 +30,22 @@ class EmulatedBf16Linear(OneDnnLinearTactic):
 
     def prepare(self, layer):
         floats = tuple("float32" if d == "bfloat16" else d for d in layer.input_dtypes)
-        fp32 = super().prepare(dataclasses.replace(layer, input_dtypes=floats, output_dtypes=("float32",),
-                                                   const_inputs={i: to_bf16(t) for i, t in
-                                                                 layer.const_inputs.items()}))
+        fp32 = dataclasses.replace(layer, input_dtypes=floats, output_dtypes=("float32",),
+                                   const_inputs={i: to_bf16(t) for i, t in layer.const_inputs.items()})
+        if has_residual(layer) and not sums_in_compute_type(layer, torch.bfloat16):
+            return self.product_then_add(layer, fp32)
+        kernel = super().prepare(fp32)
         store = storage_dtype(layer.output_dtypes[0])
-        return lambda xs: [to_bf16(y).to(store) for y in fp32([to_bf16(x) for x in xs])]
+        return lambda xs: [to_bf16(y).to(store) for y in kernel([to_bf16(x) for x in xs])]
+
+    def product_then_add(self, layer, fp32):
+        """As the real kernel's residual_kernel where the sum would round what the plan keeps in FP32: the product
+        rounded to bf16 alone, the residual added in FP32, then the activation."""
+        product = super().prepare(dataclasses.replace(
+            fp32, input_shapes=fp32.input_shapes[:3], input_dtypes=fp32.input_dtypes[:3],
+            input_dynamic=fp32.input_dynamic[:3], attrs={k: v for k, v in fp32.attrs.items() if k != "activation"}))
+        finish = finisher(layer.attrs.get("activation"), layer.output_dtypes[0])
+        return lambda xs: finish(to_bf16(product([to_bf16(xs[0])])[0]) + xs[3].float())
 
 
 @pytest.fixture

@@ -36,6 +36,12 @@ def quantized(folder, name: str, **options) -> str:
     return path
 
 
+def computing(engine: kiln.Engine) -> list:
+    """The plan's layers less copies between layouts (CPUs without VNNI run INT8 convolutions channel-major, on
+    torch's reference kernel, and copy to and from them)."""
+    return [l for l in engine.plan.layers if l.tactic_name not in ("kiln.reformat_copy", "kiln.noop")]
+
+
 def built_and_compared(path: str) -> kiln.Engine:
     engine = kiln.build(path, int8=True, autotune=False, tactic_sources="-openvino,-onnxruntime")
     x = np.random.default_rng(5).standard_normal(SHAPE).astype(np.float32)
@@ -56,14 +62,14 @@ def test_symmetric_activations_put_each_relus_own_quantization_in_its_convolutio
     engine = built_and_compared(path)
     layers = engine.plan.layers
     convs = [l for l in layers if l.op_type == "QConv"]
-    assert len(layers) == 26 and len(convs) == 20
+    assert len(computing(engine)) == 26 and len(convs) == 20
     assert not [l for l in layers if l.op_type == "PointWise"]
     tabled = [l for l in convs if "out_table" in l.attrs]
     assert len(tabled) == 17 and all("Relu" in l.name and l.precision == "INT8" for l in tabled)
     apart = kiln.build(path, int8=True, autotune=False, tactic_sources="-openvino,-onnxruntime",
                        disabled_passes=["QProductTableFusion"])
     x = np.random.default_rng(6).standard_normal(SHAPE).astype(np.float32)
-    assert len(apart.plan.layers) == 43 and np.array_equal(apart.run({"input": x})["output"],
+    assert len(computing(apart)) == 43 and np.array_equal(apart.run({"input": x})["output"],
                                                            engine.run({"input": x})["output"])
 
 
@@ -79,7 +85,7 @@ def test_int4_weights_in_contrib_qdq_run_on_the_int8_kernels(preprocessed):
     assert any(t.data_type == onnx.TensorProto.INT4 for t in proto.graph.initializer)
     engine = built_and_compared(path)
     convs = [l for l in engine.plan.layers if l.op_type == "QConv"]
-    assert len(engine.plan.layers) == 26 and len(convs) == 20 and all(l.precision == "INT8" for l in convs)
+    assert len(computing(engine)) == 26 and len(convs) == 20 and all(l.precision == "INT8" for l in convs)
 
 
 @pytest.mark.parametrize("activations,weights", [("QUInt16", "QInt8"), ("QInt16", "QInt16")])
