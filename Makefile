@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: demo test install bench clean conformance fuzz proto
+.PHONY: demo test test-avx2 install bench clean conformance fuzz proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
+
+# the suite as on an AVX2-only CPU (no AVX-512/VNNI/AMX as kiln sees it; needs root for `unshare -m`)
+test-avx2: $(STAMP)
+	.ci/as-avx2 $(PY) -m pytest -n 2 tests
 
 # ONNX backend conformance (onnx==1.23.2 node tests for kiln's ops; also part of `make test`)
 conformance: $(STAMP)
