@@ -20,6 +20,7 @@ from kiln.tactics.gemm_amx import (
 )
 from kiln.tactics.gemm_bf16 import BF16_DOT_ISA, DirectConvBf16Tactic, pack_bf16_pairs
 from tests.precision.models import conv_net
+from tests.conftest import torch_threads
 from tests.tactics.amx import amx_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
 
 needs_bf16 = pytest.mark.skipif(not (hardware.has_any(BF16_DOT_ISA) and native.available()),
@@ -71,6 +72,23 @@ def test_bf16_storage_reads_and_writes_as_the_vdpbf16ps_kernel_does(dtypes, amx_
     w, bias = (view.const_inputs[i] for i in (1, 2))   # and the formula: bf16 operands, FP32 sums and epilogue
     want = torch.relu(F.conv2d(x.bfloat16().float(), w.bfloat16().float(), bias, padding=1) + r.float())
     torch.testing.assert_close(amx.float(), want.to(as_stored[dtypes[2]]).float(), rtol=8e-3, atol=2e-3)
+
+
+@needs_bf16
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("hw,cout", [(7, 160), (11, 96)])
+def test_every_work_split_across_threads_gives_the_one_thread_result(hw, cout, threads, amx_kernels):
+    """Few row blocks (7x7: 49 rows) are split by weight panels too (amx.h's amx_unit): on any thread count each
+    output is computed once, in the same order of sums, so the result equals one thread's exactly."""
+    view = conv_view(("float32", "float32", "float32"), hw=hw, cout=cout)
+    g = torch.Generator().manual_seed(hw)
+    x = torch.randn(1, 24, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
+    r = torch.randn(1, cout, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
+    kernel = DirectConvAmxTactic().prepare(view)
+    want = kernel([x, None, None, r])[0].clone()
+    with torch_threads(threads):
+        got = kernel([x, None, None, r])[0]
+    assert torch.equal(got, want) and want.abs().sum() > 0
 
 
 def test_not_offered_where_amx_is_missing(monkeypatch):

@@ -14,6 +14,7 @@ from kiln.tactics.qgemm_amx import (
     self_check_passes,
 )
 from kiln.tactics.qgemm_c import QConvDirectTactic, QConvGemmTactic, QLinearGemmTactic, pack_quads
+from tests.conftest import torch_threads
 from tests.tactics.amx import amx_int8_kernels, emulated_amx_libraries  # noqa: F401  (fixtures)
 from tests.tactics.test_qgemm_bias import CASES as MID_CASES, mid_case
 from tests.tactics.test_qgemm_c import (
@@ -55,6 +56,27 @@ def test_quantized_conv_equals_the_vnni_kernel(case, amx_int8_kernels):
     assert_spread(got)
     assert torch.equal(got, run(vnni, view, [x, None, None]))
     assert_requantized_equal(got, conv_formula(view, x))   # and the formula the VNNI kernel is held to
+
+
+@needs_vnni
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("kh,hw,cout", [(3, 7, 160), (1, 7, 96), (3, 5, 64), (1, 11, 130)])
+def test_every_work_split_across_threads_gives_the_vnni_kernels_bytes(kh, hw, cout, threads, amx_int8_kernels):
+    """Few row blocks (a 7x7 map: 49 rows, two blocks) are split by weight panels as well: each thread takes whole
+    panel groups across the blocks (amx.h's amx_unit). Every split covers each output once: the bytes equal the
+    VNNI kernel's on one thread."""
+    g = torch.Generator().manual_seed(kh * hw + cout)
+    x_shape = (1, 24, hw, hw)
+    w = torch.randint(-127, 128, (cout, 24, kh, kh), generator=g, dtype=torch.int8)
+    x = rand_q(x_shape, "uint8", g)
+    pads = (kh // 2,) * 4
+    view = qconv_view(x_shape, w, quant(cout, ("uint8", 3, 0.02), ("uint8", 5, 0.05), True), pads, (1, 1), None)
+    amx, vnni = (QConvGemmAmxTactic(), QConvGemmTactic()) if kh == 1 else (QConvDirectAmxTactic(), QConvDirectTactic())
+    want = run(vnni, view, [x, None, None])
+    with torch_threads(threads):
+        got = run(amx, view, [x, None, None])
+    assert_spread(got)
+    assert torch.equal(got, want)
 
 
 @needs_vnni
