@@ -79,7 +79,8 @@ def test_bf16_storage_reads_and_writes_as_the_vdpbf16ps_kernel_does(dtypes, amx_
 @pytest.mark.parametrize("hw,cout", [(7, 160), (11, 96)])
 def test_every_work_split_across_threads_gives_the_one_thread_result(hw, cout, threads, amx_kernels):
     """Few row blocks (7x7: 49 rows) are split by weight panels too (amx.h's amx_unit): on any thread count each
-    output is computed once, in the same order of sums, so the result equals one thread's exactly."""
+    output is computed once, in the same order of sums, so the result equals one thread's exactly, and both the
+    formula: bf16 operands, FP32 sums and epilogue."""
     view = conv_view(("float32", "float32", "float32"), hw=hw, cout=cout)
     g = torch.Generator().manual_seed(hw)
     x = torch.randn(1, 24, hw, hw, generator=g).contiguous(memory_format=torch.channels_last)
@@ -89,6 +90,9 @@ def test_every_work_split_across_threads_gives_the_one_thread_result(hw, cout, t
     with torch_threads(threads):
         got = kernel([x, None, None, r])[0]
     assert torch.equal(got, want) and want.abs().sum() > 0
+    w, bias = (view.const_inputs[i] for i in (1, 2))
+    formula = torch.relu(F.conv2d(x.bfloat16().float(), w.bfloat16().float(), bias, padding=1) + r)
+    torch.testing.assert_close(got, formula, rtol=8e-3, atol=2e-3)
 
 
 def test_not_offered_where_amx_is_missing(monkeypatch):

@@ -77,6 +77,7 @@ def test_every_work_split_across_threads_gives_the_vnni_kernels_bytes(kh, hw, co
         got = run(amx, view, [x, None, None])
     assert_spread(got)
     assert torch.equal(got, want)
+    assert_requantized_equal(got, conv_formula(view, x))   # and the formula both kernels are held to
 
 
 @needs_vnni
