@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,serve,serve-test,explorer]'
+	@$(PY) -m pip install --quiet -e '.[onednn]' || \
+	  echo "warning: could not install oneDNN's C API (kiln's 'onednn' tactic source is then not offered)"
 	@command -v dot >/dev/null || apt-get install -y -q graphviz >/dev/null 2>&1 || \
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1) || \
 	  echo "warning: could not install graphviz (kiln draw/report need 'dot'); its tests will be skipped"

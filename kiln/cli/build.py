@@ -98,7 +98,7 @@ def profile_options(args) -> dict:
 def add_tactic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tactic-sources", metavar="SPEC",
                    help="kernel sources: '+onnxruntime,-torch-onednn' edits the default set, 'torch' alone replaces it "
-                        "(sources: torch-onednn, kiln, codegen, torch, onnxruntime, openvino)")
+                        "(sources: onednn, torch-onednn, kiln, codegen, torch, onnxruntime, openvino)")
     p.add_argument("--timing-cache", metavar="F", help="read and update this timing cache file (JSON)")
     p.add_argument("--deterministic", action="store_true",
                    help="use only timings recorded in --timing-cache (same choices as the build that recorded them)")

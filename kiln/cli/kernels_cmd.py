@@ -47,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
 def _libraries() -> list[tuple[str, str, str]]:
     """(label, catalog name, rendered text) of every library kiln's tactics build, generated pointwise programs
     aside (one per program, built when a model needs it)."""
-    from kiln.native import LIBRARIES
+    from kiln.native import LIBRARIES, buildable
     from kiln.tactics.winograd import TILE_SIZES, rendered_source
 
-    fixed = [(name, name, "") for name, spec in LIBRARIES.items() if not spec.rendered_by]
+    fixed = [(name, name, "") for name, spec in LIBRARIES.items() if not spec.rendered_by and buildable(name)]
     return fixed + [(f"winograd F({m}x{m},3x3)", "winograd", rendered_source(m)) for m in TILE_SIZES]
 
 

@@ -10,6 +10,7 @@ engine built elsewhere runs such layers on torch's reference kernels (kiln.runti
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import threading
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import Error
-from kiln.native import cache
+from kiln.native import cache, external
 from kiln.native.catalog import LIBRARIES, LibrarySpec, bind, header_constant, translation_unit
 from kiln.native.compiler import CompileError, Toolchain, candidates, compiler_version, find_compiler
 
@@ -59,10 +60,10 @@ def library(name: str, generated: str = "") -> ctypes.CDLL | None:
     lib = _LOADED.get((name, generated))
     if lib is not None:
         return lib
-    tc = toolchain()
+    spec = LIBRARIES[name]
+    tc = toolchain_for(spec)
     if tc is None:
         return None
-    spec = LIBRARIES[name]
     with _LOCK:
         lib = _LOADED.get((name, generated))
         if lib is None:
@@ -70,6 +71,21 @@ def library(name: str, generated: str = "") -> ctypes.CDLL | None:
             path = cache.ensure(name, cache.cache_key(name, unit, tc), unit, tc)
             lib = _LOADED[(name, generated)] = bind(ctypes.CDLL(str(path)), spec)
     return lib
+
+
+def toolchain_for(spec: LibrarySpec) -> Toolchain | None:
+    """The toolchain plus the flags of the external library `spec` links (kiln.native.external), or None where
+    there is no C compiler or that library is not installed."""
+    tc = toolchain()
+    extra = external.build_flags(spec.needs) if tc is not None else None
+    if tc is None or extra is None:
+        return None
+    return tc if not spec.needs else dataclasses.replace(tc, flags=tc.flags + extra[0], libs=tc.libs + extra[1])
+
+
+def buildable(name: str) -> bool:
+    """Whether library `name` builds here: a C compiler, and the external library it links (if any)."""
+    return toolchain_for(LIBRARIES[name]) is not None
 
 
 @dataclass(frozen=True)
@@ -85,7 +101,11 @@ class LibraryState:
 
 def state(name: str, generated: str = "") -> LibraryState:
     """Where library `name` is cached for this toolchain and whether it is built and verified (no compile)."""
-    tc = require_toolchain()
+    require_toolchain()
+    tc = toolchain_for(LIBRARIES[name])
+    if tc is None:
+        raise Error(f"kernel library '{name}' links {LIBRARIES[name].needs}, which is not installed here "
+                    f"(pip install {external.ONEDNN_WHEELS})")
     unit = translation_unit(LIBRARIES[name], generated)
     key = cache.cache_key(name, unit, tc)
     path = cache.library_path(name, key)
@@ -121,11 +141,13 @@ def reset() -> None:
     """Forget this process's probe, cache folder and loaded libraries (tests that hide the compiler or move
     KILN_CACHE_DIR); libraries already mapped stay mapped."""
     toolchain.cache_clear()
+    external.onednn_prefix.cache_clear()
     cache.folder.cache_clear()
     with _LOCK:
         _LOADED.clear()
 
 
-__all__ = ["LIBRARIES", "CompileError", "LibrarySpec", "LibraryState", "Toolchain", "available", "header_constant",
+__all__ = ["LIBRARIES", "CompileError", "LibrarySpec", "LibraryState", "Toolchain", "available", "buildable",
+           "header_constant",
            "kernel_folder", "library", "remove_cached", "require_toolchain", "reset", "state", "toolchain",
            "verify_cache"]

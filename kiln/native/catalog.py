@@ -31,6 +31,7 @@ class LibrarySpec:
     source: str | None
     functions: tuple[Function, ...]
     rendered_by: str = ""
+    needs: str = ""   # an external C library it links (kiln.native.external); built only where that is installed
 
 
 LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
@@ -105,6 +106,10 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("pointwise", None, (Function("kiln_pointwise", (POINTER,) * 3),),   # in, out, nest (or NULL)
                 rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),
     LibrarySpec("probe", "probe.c", (Function("kiln_probe", (ctypes.c_float,), ctypes.c_float),)),
+    LibrarySpec("onednn", "onednn.c", (   # oneDNN primitives made once at load (kiln.tactics.onednn_prim)
+        Function("kiln_dnnl_conv_create", (POINTER, ctypes.c_char_p, I64), POINTER),   # call, error, its size
+        Function("kiln_dnnl_conv_run", (POINTER,) * 3, I64),   # handle, x, y -> oneDNN's status
+        Function("kiln_dnnl_conv_destroy", (POINTER,))), needs="onednn"),
 )}
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

@@ -26,6 +26,7 @@ from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTact
                                      OneDnnDeconvTactic, OneDnnFp16Conv1dTactic, OneDnnFp16ConvTactic,
                                      OneDnnFp16Deconv1dTactic, OneDnnFp16DeconvTactic)
 from kiln.tactics.onednn_int8 import OneDnnInt8Conv1dTactic, OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
+from kiln.tactics.onednn_prim import PrimitiveInt8ConvTactic
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
@@ -65,7 +66,7 @@ _LAYER_TACTICS: dict[str, list[Tactic]] = {
     "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
     "RMSNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
     "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
-    "QConv": [OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(), QConvDirectTactic(),
+    "QConv": [PrimitiveInt8ConvTactic(), OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(), QConvDirectTactic(),
               QConvGemmAmxTactic(), QConvDirectAmxTactic(), QDepthwiseConvTactic()],
     "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
     "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(), QActMatMulTactic()],
@@ -106,14 +107,14 @@ REGISTRY: dict[str, list[Tactic]] = _merged(
      + ([CopyRowsTactic(), CopyRowsBf16Tactic()] if op in COPY_OPS else []) for op in BF16_OPS})
 GENERIC: list[Tactic] = [ReferenceTactic(), OnnxRuntimeLayerTactic()]
 TACTICS_BY_NAME: dict[str, Tactic] = {t.name: t for t in [*GENERIC, *(t for ts in REGISTRY.values() for t in ts)]}
-ALL_SOURCES = ("torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")
+ALL_SOURCES = ("onednn", "torch-onednn", "kiln", "codegen", "torch", "onnxruntime", "openvino")
 
 
 def available_sources() -> frozenset[str]:
-    from kiln.tactics import codegen, openvino_source  # noqa: F811
+    from kiln.tactics import codegen, onednn_prim, openvino_source  # noqa: F811
 
     present = {"onnxruntime": onnxruntime_available(), "openvino": openvino_source.available(),
-               "codegen": codegen.available()}
+               "codegen": codegen.available(), "onednn": onednn_prim.available()}
     return frozenset(s for s in ALL_SOURCES if present.get(s, True))
 
 

@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kiln import native
+
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = ["gemm", "qgemm", "layernorm", "attention", "pool", "quant", "resize", "reformat", "rotary", "softmax",
              "conv_planes", "depthwise", "probe", "winograd F(2x2,3x3)", "winograd F(4x4,3x3)"]
+if native.buildable("onednn"):   # links oneDNN's C API: listed only where that is installed
+    LIBRARIES.append("onednn")
 
 
 def kiln(*args: str, cache: Path, **env: str) -> subprocess.CompletedProcess:

@@ -7,11 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from kiln.tactics.base import LayerView
+from kiln.tactics import onednn_prim
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic, int8_available
+from kiln.tactics.onednn_prim import PrimitiveInt8ConvTactic
 from kiln.tactics.reference import ReferenceTactic
 
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="this CPU has no VNNI or AMX-INT8: oneDNN's INT8 "
                                 "kernels are not offered (its vpmaddubsw path saturates)")
+
+
+@pytest.fixture(params=["torch", "primitive"])
+def conv_tactic(request):
+    """Both INT8 convolutions on oneDNN: through torch's ops, and kiln's own primitive (oneDNN's C API)."""
+    if request.param == "primitive" and not onednn_prim.available():
+        pytest.skip("oneDNN's C API (pip install onednn-cpu-gomp onednn-devel-cpu-gomp) is not installed here")
+    return OneDnnInt8ConvTactic() if request.param == "torch" else PrimitiveInt8ConvTactic()
 
 
 def quant(x_scale=0.02, x_zp=3, w_scale=(0.004,), y=(0.05, 5, "uint8"), r=None, x_dtype="uint8"):
@@ -68,7 +78,7 @@ def close_quantized(got: torch.Tensor, want: torch.Tensor):
 @needs_int8
 @pytest.mark.parametrize("case", ["3x3", "stride2_asym_pad", "depthwise", "relu", "int8_out", "1x1", "s8_in",
                                   "s8_in_asym_pad"])
-def test_quantized_conv_matches_its_formula(case):
+def test_quantized_conv_matches_its_formula(case, conv_tactic):
     g = torch.Generator().manual_seed(0)
     c, k = (16, 16) if case == "depthwise" else (24, 32)
     kh = 1 if case == "1x1" else 3
@@ -81,7 +91,7 @@ def test_quantized_conv_matches_its_formula(case):
               else (0.05, 5, "uint8"), x_dtype="int8" if signed else "uint8", x_zp=-2 if signed else 3)
     view = conv_view(tuple(x.shape), w, pads, 2 if case == "stride2_asym_pad" else 1, c if case == "depthwise" else 1,
                      q, act="Relu" if case == "relu" else None)
-    tactic = OneDnnInt8ConvTactic()
+    tactic = conv_tactic
     assert tactic.supports(view)
     got = run(tactic, view, [x, None, None])
     assert got.dtype == (torch.int8 if case in ("int8_out", "s8_in") else torch.uint8)
@@ -125,26 +135,26 @@ def test_a_1d_quantized_conv_equals_the_reference(case):
 
 
 @needs_int8
-def test_int8_in_fp32_out_conv_writes_fp32():
+def test_int8_in_fp32_out_conv_writes_fp32(conv_tactic):
     """The classic i8f32 convolution (no QuantizeLinear after it): dequantized exactly, no requantization."""
     g = torch.Generator().manual_seed(1)
     w = torch.randint(-127, 128, (12, 8, 3, 3), generator=g, dtype=torch.int8)
     x = torch.randint(0, 256, (1, 8, 9, 9), generator=g, dtype=torch.uint8)
     view = conv_view(tuple(x.shape), w, q=quant(w_scale=[0.002] * 12, y=None))
-    got = run(OneDnnInt8ConvTactic(), view, [x, None, None])
+    got = run(conv_tactic, view, [x, None, None])
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, formula(view, x), rtol=1e-4, atol=1e-4)
 
 
 @needs_int8
-def test_residual_sum_and_relu_fuse_into_the_conv_and_the_residual_buffer_may_be_reused():
+def test_residual_sum_and_relu_fuse_into_the_conv_and_the_residual_buffer_may_be_reused(conv_tactic):
     g = torch.Generator().manual_seed(2)
     w = torch.randint(-127, 128, (16, 16, 3, 3), generator=g, dtype=torch.int8)
     x = torch.randint(0, 256, (1, 16, 10, 10), generator=g, dtype=torch.uint8)
     r = torch.randint(0, 256, (1, 16, 10, 10), generator=g, dtype=torch.uint8)
     view = conv_view(tuple(x.shape), w, q=quant(w_scale=[0.003] * 16, r=(0.03, 7)), act="Relu",
                      residual=tuple(r.shape))
-    kernel = OneDnnInt8ConvTactic().prepare(view)
+    kernel = conv_tactic.prepare(view)
     want = formula(view, x, r)
     kept = r.clone()
     close_quantized(kernel([x, None, None, r])[0], want)
