@@ -123,6 +123,9 @@ def prepare_kernel(layer: Layer, weights: dict[str, torch.Tensor], np_weights: d
     elif tactic.source == "onnxruntime" and not onnxruntime_source.available():
         _warn_missing(layer.tactic_name, "onnxruntime")
         tactic = ReferenceTactic()
+    elif getattr(tactic, "needs_library", "") and not native.buildable(tactic.needs_library):
+        _warn_library(tactic.name, tactic.needs_library, tactic.library_fallback.name)
+        tactic = tactic.library_fallback   # e.g. oneDNN's primitive -> the same layer through torch's oneDNN ops
     view, widen, narrow = native_view(layer_view(layer, weights, opset), tactic)   # bf16 tensors it cannot read
     kernel = tactic.prepare(view)
     if isinstance(tactic, ReferenceTactic):
@@ -142,6 +145,13 @@ def _warn_missing(tactic_name: str, what: str) -> None:
 def _warn_fallback(tactic_name: str, isa: str, fallback_name: str) -> None:
     log.warning("%s needs %s, which this CPU lacks (an engine built on another machine): its layers run on %s, "
                 "in the same precision", tactic_name, isa, fallback_name)
+
+
+@lru_cache(maxsize=None)
+def _warn_library(tactic_name: str, library: str, fallback_name: str) -> None:
+    log.warning("%s links %s, which is not installed here (an engine built on another machine): its layers run on "
+                "%s, in the same precision; `pip install kiln[%s]` restores it", tactic_name, library, fallback_name,
+                library)
 
 
 def reference_region(layer: Layer, weights: dict[str, torch.Tensor], opset: int) -> Kernel:

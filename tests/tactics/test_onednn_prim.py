@@ -2,7 +2,7 @@
 load, run with two data pointers per call. A quantize_static ResNet-18 on that source alone matches onnxruntime
 and survives save/load; a second input shape gets a primitive of its own; calls from two threads give one
 thread's bytes; a configuration oneDNN refuses fails at prepare with oneDNN's reason; without oneDNN's C API the
-source is not offered. (Formula checks: test_onednn_int8.py runs its convolution cases on both oneDNN tactics.)"""
+source is not offered and an engine using it runs through torch's oneDNN ops, with one warning. (Formula checks: test_onednn_int8.py runs its convolution cases on both oneDNN tactics.)"""
 from __future__ import annotations
 
 import threading
@@ -42,6 +42,32 @@ def test_resnet18_on_the_onednn_source_alone_matches_onnxruntime_and_reloads(tmp
     engine.save(tmp_path / "r18.kiln")
     again = kiln.load(tmp_path / "r18.kiln").run({"input": x})["output"]
     np.testing.assert_array_equal(again, got)   # the primitives are made again at load, to the same bytes
+
+
+def conv_model(folder) -> str:
+    """x -> Q/DQ -> Conv(8->16, 3x3, weights Q/DQ per channel) + bias -> Q/DQ -> y: one INT8 convolution."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    rng = np.random.default_rng(0)
+    w = rng.integers(-100, 100, (16, 8, 3, 3)).astype(np.int8)
+    inits = [numpy_helper.from_array(w, "w_q"), numpy_helper.from_array(np.full(16, 0.01, np.float32), "w_s"),
+             numpy_helper.from_array(np.zeros(16, np.int8), "w_z"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b"),
+             numpy_helper.from_array(np.array(0.03, np.float32), "s"),
+             numpy_helper.from_array(np.array(128, np.uint8), "z"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "ys"),
+             numpy_helper.from_array(np.array(3, np.uint8), "yz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["wd"], axis=0),
+             helper.make_node("Conv", ["xd", "wd", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"]),
+             helper.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"])]
+    graph = helper.make_graph(nodes, "qconv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 12, 12])], inits)
+    path = str(folder / "qconv.onnx")
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
 
 
 def example(batch=1, seed=0):
@@ -89,9 +115,20 @@ def test_a_configuration_onednn_refuses_fails_at_prepare_with_its_reason():
         Primitive(lib, call)
 
 
-def test_without_onednns_c_api_the_source_is_not_offered(monkeypatch):
-    view, _ = example()
+def test_without_onednns_c_api_the_source_is_not_offered_and_its_engines_run_through_torch(monkeypatch, tmp_path,
+                                                                                             caplog):
+    view, x = example()
+    engine = kiln.build(conv_model(tmp_path), tactic_sources="onednn")   # alone: chosen by rule, not timing
+    assert "onednn.qconv2d_primitive" in {l.tactic_name for l in engine.plan.layers}
+    engine.save(tmp_path / "conv.kiln")
+    feeds = {"x": np.random.default_rng(3).standard_normal((1, 8, 12, 12)).astype(np.float32)}
+    want = engine.run(feeds)["y"]
     monkeypatch.setattr(external, "onednn_prefix", lambda: None)
+    with caplog.at_level("WARNING", logger="kiln"):
+        elsewhere = kiln.load(tmp_path / "conv.kiln").run(feeds)["y"]
+    assert "onednn.qconv2d_primitive links onednn, which is not installed here" in caplog.text
+    assert "its layers run on onednn.qconv2d_nhwc_prepacked, in the same precision" in caplog.text
+    np.testing.assert_allclose(elsewhere, want, atol=0.05 + 1e-6)   # within one output step (scale 0.05)
     assert not native.buildable("onednn") and not onednn_prim.available()
     assert "onednn" not in available_sources() and not PrimitiveInt8ConvTactic().supports(view)
     with pytest.raises(kiln.Error, match="tactic source 'onednn' is not available on this machine"):
