@@ -108,8 +108,9 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("probe", "probe.c", (Function("kiln_probe", (ctypes.c_float,), ctypes.c_float),)),
     LibrarySpec("onednn", "onednn.c", (   # oneDNN primitives made once at load (kiln.tactics.onednn_prim)
         Function("kiln_dnnl_conv_create", (POINTER, ctypes.c_char_p, I64), POINTER),   # call, error, its size
-        Function("kiln_dnnl_conv_run", (POINTER,) * 3, I64),   # handle, x, y -> oneDNN's status
-        Function("kiln_dnnl_conv_destroy", (POINTER,))), needs="onednn"),
+        Function("kiln_dnnl_matmul_create", (POINTER, ctypes.c_char_p, I64), POINTER),
+        Function("kiln_dnnl_run", (POINTER,) * 4, I64),   # handle, x, y, residual (or NULL) -> oneDNN's status
+        Function("kiln_dnnl_destroy", (POINTER,))), needs="onednn"),
 )}
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

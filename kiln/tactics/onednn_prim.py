@@ -21,9 +21,37 @@ from kiln.tactics.base import Kernel, LayerView, has_residual
 from kiln.tactics.lookup_c import table_mapper
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, _output, _scales
 
-TYPES = {"float32": 0, "uint8": 1, "int8": 2}   # onednn.c's T_*
-ACTIVATIONS = {None: 0, "Relu": 1, "Clip": 2, "HardSwish": 3, "Swish": 4}   # onednn.c's A_*
+TYPES = {"float32": 0, "uint8": 1, "int8": 2, "bfloat16": 3}   # onednn.h's T_*
+R_NONE, R_SUM, R_ADD = 0, 1, 2   # onednn.h's R_*: no residual, summed where the output is written, a binary add
 ERROR_BYTES = 512
+INF = float("inf")
+
+# kiln's fused activation -> (onednn.h's A_*, oneDNN's alpha and beta for it); the ONNX ones oneDNN has
+ELTWISE = {
+    "Relu": lambda a: (1, 0.0, 0.0),
+    "LeakyRelu": lambda a: (1, a.get("alpha", 0.01), 0.0),
+    "Clip": lambda a: (2, a.get("min", -INF), a.get("max", INF)),
+    "HardSwish": lambda a: (3, 1 / 6, 0.5),
+    "Swish": lambda a: (4, a.get("alpha", 1.0), 0.0),
+    "Sigmoid": lambda a: (5, 0.0, 0.0),
+    "Tanh": lambda a: (6, 0.0, 0.0),
+    "HardSigmoid": lambda a: (7, a.get("alpha", 0.2), a.get("beta", 0.5)),
+    "Elu": lambda a: (8, a.get("alpha", 1.0), 0.0),
+    "Softplus": lambda a: (9, 1.0, 0.0),   # oneDNN's soft_relu: log(1 + exp(alpha x)) / alpha
+    "Mish": lambda a: (10, 0.0, 0.0),
+    "Gelu": lambda a: (12 if a.get("approximate", "none") == "tanh" else 11, 0.0, 0.0),
+}
+
+
+def eltwise(spec: dict | None) -> tuple[int, float, float] | None:
+    """(onednn.h's A_*, alpha, beta) of a fused activation spec; (0, 0, 0) for none, None where oneDNN has none."""
+    if not spec:
+        return 0, 0.0, 0.0
+    make = ELTWISE.get(spec["op"])
+    if make is None:
+        return None
+    act, alpha, beta = make(spec.get("attrs", {}))
+    return act, float(alpha), float(beta)
 
 
 class ConvCall(ctypes.Structure):
@@ -31,9 +59,9 @@ class ConvCall(ctypes.Structure):
 
     _fields_ = [*((f, ctypes.c_int64) for f in ("n", "c", "h", "w", "cout", "kh", "kw", "sh", "sw", "pt", "pl", "pb",
                                                 "pr", "dh", "dw", "groups")),
-                *((f, ctypes.c_int32) for f in ("x_type", "y_type", "r_type", "act")),
-                *((f, ctypes.c_float) for f in ("act_lo", "act_hi", "x_scale", "y_scale", "r_scale")),
-                *((f, ctypes.c_int32) for f in ("x_zp", "y_zp", "r_zp", "pad_")),
+                *((f, ctypes.c_int32) for f in ("x_type", "w_type", "y_type", "r_type", "residual", "act")),
+                *((f, ctypes.c_float) for f in ("act_alpha", "act_beta", "x_scale", "y_scale", "r_scale")),
+                *((f, ctypes.c_int32) for f in ("x_zp", "y_zp", "r_zp")),
                 *((f, ctypes.c_void_p) for f in ("w_scale", "weights", "bias"))]
 
 
@@ -43,48 +71,118 @@ def available() -> bool:
 
 
 class Primitive:
-    """One convolution primitive and its packed weights (freed with this object)."""
+    """One primitive and its packed weights (freed with this object): `kind` "conv" or "matmul", made from `call`."""
 
-    def __init__(self, lib, call: ConvCall):
+    def __init__(self, lib, kind: str, call: ctypes.Structure):
         error = ctypes.create_string_buffer(ERROR_BYTES)
-        self.lib, self.handle = lib, lib.kiln_dnnl_conv_create(ctypes.byref(call), error, ERROR_BYTES)
+        create = getattr(lib, f"kiln_dnnl_{kind}_create")
+        self.lib, self.handle = lib, create(ctypes.byref(call), error, ERROR_BYTES)
         if not self.handle:
-            raise RuntimeError(f"oneDNN made no INT8 convolution for this layer: {error.value.decode() or 'no memory'}")
+            what = {"conv": "convolution", "matmul": "matrix product"}[kind]
+            raise RuntimeError(f"oneDNN made no {what} for this layer: {error.value.decode() or 'no memory'}")
 
     def __del__(self):
         if getattr(self, "handle", None):
-            self.lib.kiln_dnnl_conv_destroy(self.handle)
+            self.lib.kiln_dnnl_destroy(self.handle)
             self.handle = None
 
 
-def conv_call(layer: LayerView, shape: tuple[int, ...], consts: dict) -> ConvCall:
-    """The ConvCall of `layer` for an input of `shape` (NCHW dims); `consts` keeps the arrays it points at alive."""
-    a, q = layer.attrs, layer.attrs["quant"]
+def geometry(layer: LayerView, shape: tuple[int, ...]) -> list[int]:
+    """ConvCall's first fields, n to groups, for an input of `shape` (NCHW dims)."""
+    a, w = layer.attrs, layer.const_inputs[1]
+    return [*shape, w.shape[0], w.shape[2], w.shape[3], *a["strides"], *a["pads"], *a["dilations"], a.get("group", 1)]
+
+
+def residual_mode(layer: LayerView) -> tuple[int, int]:
+    """(onednn.h's R_*, the residual's T_*): summed where the output is written where it has the output's type,
+    else added from its own buffer."""
+    if not has_residual(layer):
+        return R_NONE, -1
+    r_type = layer.input_dtypes[3]
+    return (R_SUM if r_type == layer.output_dtypes[0] else R_ADD), TYPES[r_type]
+
+
+def int8_conv_call(layer: LayerView, shape: tuple[int, ...], consts: dict) -> ConvCall:
+    """The ConvCall of INT8 `layer` for an input of `shape`; `consts` keeps the arrays it points at alive."""
+    q = layer.attrs["quant"]
     w = consts.setdefault("w", layer.const_inputs[1].contiguous())
     scales = consts.setdefault("scales", _scales(layer)[0].contiguous())
     bias = layer.const_inputs.get(2)
     if bias is not None:
         bias = consts.setdefault("bias", bias.float().contiguous())
     y_scale, y_zp, _ = _output(layer)
-    spec = a.get("activation") or {}
-    pt, pl, pb, pr = a["pads"]
-    n, c, h, w_in = shape
-    return ConvCall(n, c, h, w_in, w.shape[0], w.shape[2], w.shape[3], *a["strides"], pt, pl, pb, pr,
-                    *a["dilations"], a.get("group", 1), TYPES[q["x_dtype"]],
+    return ConvCall(*geometry(layer, shape), TYPES[q["x_dtype"]], TYPES["int8"],
                     TYPES[q["y_dtype"]] if "y_scale" in q else 0,
-                    TYPES[layer.input_dtypes[3]] if has_residual(layer) else -1, ACTIVATIONS[spec.get("op")],
-                    float(spec.get("attrs", {}).get("min", float("-inf"))),
-                    float(spec.get("attrs", {}).get("max", float("inf"))), float(q["x_scale"]), y_scale,
-                    float(q.get("r_scale", 1.0)), int(q["x_zero_point"]), y_zp, int(q.get("r_zero_point", 0)), 0,
+                    TYPES[layer.input_dtypes[3]] if has_residual(layer) else -1, R_SUM if has_residual(layer) else 0,
+                    *eltwise(layer.attrs.get("activation")), float(q["x_scale"]), y_scale,
+                    float(q.get("r_scale", 1.0)), int(q["x_zero_point"]), y_zp, int(q.get("r_zero_point", 0)),
                     scales.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr())
 
 
-def output_shape(layer: LayerView, shape: tuple[int, ...]) -> tuple[int, ...]:
+def output_layout(layer: LayerView, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the output's shape, its channel-major strides) for an input of `shape` (NCHW dims)."""
     a, (kh, kw) = layer.attrs, layer.const_inputs[1].shape[2:]
     (sh, sw), (dh, dw), (pt, pl, pb, pr) = a["strides"], a["dilations"], a["pads"]
-    oh = (shape[2] + pt + pb - (kh - 1) * dh - 1) // sh + 1
-    ow = (shape[3] + pl + pr - (kw - 1) * dw - 1) // sw + 1
-    return shape[0], int(layer.const_inputs[1].shape[0]), oh, ow
+    h = (shape[2] + pt + pb - (kh - 1) * dh - 1) // sh + 1
+    w = (shape[3] + pl + pr - (kw - 1) * dw - 1) // sw + 1
+    c = int(layer.const_inputs[1].shape[0])
+    return (shape[0], c, h, w), (h * w * c, 1, w * c, c)
+
+
+def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torch.dtype,
+             x_dtype: torch.dtype | None = None, memory_format=torch.channels_last):
+    """execute(x, y=None, r=None) -> y: `layer`'s primitive (`kind`, Primitive's) on `x` (made `memory_format`
+    contiguous, cast to `x_dtype` where given) into `y` (a new tensor of `out_dtype` where None, laid out as
+    `out_layout(shape)` gives it, (shape, strides); holding the residual where it is summed in place), `r` a
+    residual read from its own buffer. A primitive per input shape, made on first sight (`make_call(shape, consts)`
+    gives its call structure), the layer's own now: packing and refusals happen at load."""
+    lib = native.library("onednn")
+    # per input shape: the primitive, its handle, and the output's shape and strides
+    by_shape: dict[tuple[int, ...], tuple[Primitive, int, tuple[int, ...], tuple[int, ...]]] = {}
+    lock = threading.Lock()   # one call at a time per primitive: its scratchpad is its own
+    run_c = lib.kiln_dnnl_run
+
+    def primitive(shape: tuple[int, ...]):
+        if shape not in by_shape:
+            consts: dict = {}   # alive until oneDNN has copied the weights, scales and bias in
+            made = Primitive(lib, kind, make_call(shape, consts))
+            by_shape[shape] = (made, made.handle, *out_layout(shape))
+        return by_shape[shape]
+
+    primitive(tuple(layer.input_shapes[0]))
+
+    def execute(x: torch.Tensor, y: torch.Tensor | None = None, r: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous(memory_format=memory_format) if x_dtype is None or x.dtype == x_dtype else \
+            x.to(x_dtype, memory_format=memory_format)   # (.to costs ~1 us even where it has nothing to do)
+        r = None if r is None else r.contiguous(memory_format=memory_format)
+        with lock:
+            _, handle, shape, strides = primitive(tuple(x.shape))
+            y = torch.empty_strided(shape, strides, dtype=out_dtype) if y is None else y
+            status = run_c(handle, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr())
+        if status:
+            raise RuntimeError(f"oneDNN's {kind} primitive failed (status {status})")
+        return y
+    return execute
+
+
+def summing_kernel(execute, finish, residual: int, memory_format=torch.channels_last) -> Kernel:
+    """The kernel around `execute` (executor's): the residual summed in place (`run.into_input`) or in a copy, or
+    added from its own buffer, then `finish`."""
+    last = memory_format
+    if residual == R_NONE:
+        return lambda xs: [finish(execute(xs[0]))]
+    if residual == R_ADD:
+        return lambda xs: [finish(execute(xs[0], None, xs[3]))]
+
+    def run_into_residual(xs):
+        """The residual as the sum post-op, accumulated in its own (dead) buffer."""
+        accum = xs[3] if xs[3].is_contiguous(memory_format=last) else xs[3].contiguous(memory_format=last)
+        return [finish(execute(xs[0], accum))]
+
+    def run(xs):
+        return run_into_residual([xs[0], None, None, xs[3].clone(memory_format=last)])
+    run.into_input = (3, run_into_residual)
+    return run
 
 
 class PrimitiveInt8ConvTactic(OneDnnInt8ConvTactic):
@@ -97,46 +195,10 @@ class PrimitiveInt8ConvTactic(OneDnnInt8ConvTactic):
         return super().supports(layer) and available()
 
     def prepare(self, layer: LayerView) -> Kernel:
-        lib, last = native.library("onednn"), torch.channels_last
         q = layer.attrs["quant"]
         out_dtype = {"uint8": torch.uint8, "int8": torch.int8}[q["y_dtype"]] if "y_scale" in q else torch.float32
-        # per input shape: the primitive, its handle, and the output's shape and channel-major strides
-        by_shape: dict[tuple[int, ...], tuple[Primitive, int, tuple[int, ...], tuple[int, ...]]] = {}
-        lock = threading.Lock()   # one call at a time per primitive: its scratchpad is its own
-        run_c = lib.kiln_dnnl_conv_run
-
-        def primitive(shape: tuple[int, ...]):
-            if shape not in by_shape:
-                consts: dict = {}   # alive until oneDNN has copied the weights, scales and bias in
-                conv, (n, c, h, w) = Primitive(lib, conv_call(layer, shape, consts)), output_shape(layer, shape)
-                by_shape[shape] = conv, conv.handle, (n, c, h, w), (h * w * c, 1, w * c, c)
-            return by_shape[shape]
-
-        primitive(tuple(layer.input_shapes[0]))   # made at load: packing and refusals happen here
-        table = layer.attrs.get("out_table")
-        mapped = table_mapper(table)
-
-        def execute(x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-            x = x.contiguous(memory_format=last)
-            with lock:
-                _, handle, shape, strides = primitive(tuple(x.shape))
-                y = torch.empty_strided(shape, strides, dtype=out_dtype) if y is None else y
-                status = run_c(handle, x.data_ptr(), y.data_ptr())
-            if status:
-                raise RuntimeError(f"oneDNN's INT8 convolution failed (status {status})")
-            return mapped(y) if table else y
-
-        if not has_residual(layer):
-            def run(xs):
-                return [execute(xs[0], None)]
-            return run
-
-        def run_into_residual(xs):
-            """The residual as the sum post-op, accumulated in its own (dead) INT8 buffer."""
-            accum = xs[3] if xs[3].is_contiguous(memory_format=last) else xs[3].contiguous(memory_format=last)
-            return [execute(xs[0], accum)]
-
-        def run(xs):
-            return run_into_residual([xs[0], None, None, xs[3].clone(memory_format=last)])
-        run.into_input = (3, run_into_residual)
-        return run
+        execute = executor(layer, "conv", lambda shape, consts: int8_conv_call(layer, shape, consts),
+                           lambda shape: output_layout(layer, shape), out_dtype)
+        # the INT8 residual is always summed: oneDNN's sum post-op reads u8 into s8 and back (one byte each)
+        return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")),
+                              R_SUM if has_residual(layer) else R_NONE)

@@ -27,6 +27,8 @@ from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTact
                                      OneDnnFp16Deconv1dTactic, OneDnnFp16DeconvTactic)
 from kiln.tactics.onednn_int8 import OneDnnInt8Conv1dTactic, OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
 from kiln.tactics.onednn_prim import PrimitiveInt8ConvTactic
+from kiln.tactics.onednn_prim_float import PrimitiveBf16ConvTactic, PrimitiveConvTactic
+from kiln.tactics.onednn_prim_linear import PrimitiveBf16LinearTactic, PrimitiveLinearTactic
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
@@ -45,15 +47,16 @@ from kiln.tactics.softmax_c import SOFTMAX_OPS, QuantizedSoftmaxTactic, SoftmaxB
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
 
-_CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), DepthwiseConvTactic(), OneDnnConvTactic(), DirectConvTactic(),
-                               WinogradConvTactic(4), WinogradConvTactic(2), DepthwiseConvBf16Tactic(),
-                               OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
+_CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), DepthwiseConvTactic(), PrimitiveConvTactic(), OneDnnConvTactic(),
+                               DirectConvTactic(), WinogradConvTactic(4), WinogradConvTactic(2),
+                               DepthwiseConvBf16Tactic(), PrimitiveBf16ConvTactic(), OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
                                DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(), DirectConvAmxTactic(),
                                WinogradBf16Tactic(), OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(),
                                Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(), OneDnnConv1dTactic(),
                                DirectConv1dBf16Tactic(), OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()]
-_PRODUCT_TACTICS: list[Tactic] = [OneDnnLinearTactic(), MatMulGemmTactic(), OneDnnBf16LinearTactic(),
-                                  MatMulGemmBf16Tactic(), MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()]
+_PRODUCT_TACTICS: list[Tactic] = [PrimitiveLinearTactic(), OneDnnLinearTactic(), MatMulGemmTactic(),
+                                  PrimitiveBf16LinearTactic(), OneDnnBf16LinearTactic(), MatMulGemmBf16Tactic(),
+                                  MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()]
 _LAYER_TACTICS: dict[str, list[Tactic]] = {
     "Conv": _CONV_TACTICS,
     "ConvTranspose": [OneDnnDeconvTactic(), OneDnnBf16DeconvTactic(), OneDnnFp16DeconvTactic(), OneDnnDeconv1dTactic(),

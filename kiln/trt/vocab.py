@@ -94,10 +94,12 @@ PARAMETER_TYPE = {op: kind for kind, ops in _KINDS.items() for op in ops}
 # TensorRT's "LayerType" names the runner: kiln names the kernel library (the tactic) and the layer kind.
 _RUNNERS = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution", "onednn.linear_prepacked": "OneDnnMatrixMultiply",
             "onednn.conv2d_nhwc_prepacked_bf16": "OneDnnConvolution", "onednn.conv1d_prepacked": "OneDnnConvolution",
-            "onednn.conv1d_prepacked_bf16": "OneDnnConvolution",
+            "onednn.conv1d_prepacked_bf16": "OneDnnConvolution", "onednn.conv2d_primitive": "OneDnnConvolution",
+            "onednn.conv2d_primitive_bf16": "OneDnnConvolution",
             **{f"onednn.deconv{rank}_prepacked{bf16}": "OneDnnDeconvolution"
                for rank in ("2d_nhwc", "1d") for bf16 in ("", "_bf16")},
-            "onednn.linear_prepacked_bf16": "OneDnnMatrixMultiply",
+            "onednn.linear_prepacked_bf16": "OneDnnMatrixMultiply", "onednn.linear_primitive": "OneDnnMatrixMultiply",
+            "onednn.linear_primitive_bf16": "OneDnnMatrixMultiply",
             "codegen.pointwise_c_simd": "PointWiseV2", "kiln.noop": "NoOp", "kiln.constant": "Constant"}
 _LIBRARY_RUNNERS = {"onnxruntime": "OnnxRuntime", "openvino": "OpenVINO"}   # external libraries, by tactic source
 WINOGRAD_TACTIC_PREFIX = "kiln.conv2d_winograd"

@@ -181,7 +181,7 @@ def test_a_dynamic_batch_runs_on_kilns_own_c_kernels(tmp_path):
         torch.onnx.export(make("resnet18"), (torch.randn(1, 3, 64, 64),), str(path), input_names=["x"],
                           output_names=["y"], dynamic_axes={"x": {0: "batch"}}, dynamo=False)
     profile = {"x": ((1, 3, 64, 64), (2, 3, 64, 64), (4, 3, 64, 64))}
-    engine = kiln.build(str(path), profiles=[profile], tactic_sources="-openvino,-onnxruntime,-torch-onednn",
+    engine = kiln.build(str(path), profiles=[profile], tactic_sources="-openvino,-onnxruntime,-torch-onednn,-onednn",
                         autotune=False)
     convs = [l for l in engine.plan.layers if l.op_type == "Conv"]
     pools = [l for l in engine.plan.layers if "Pool" in l.op_type]

@@ -66,7 +66,7 @@ def test_bf16_is_allowed_not_required_a_faster_fp32_kernel_keeps_the_layer_fp32(
     assert convs and all(l.precision == "FP32" and l.requested_precision == "BF16" for l in convs)
     # the FP32 kernel's time may carry the bf16/FP32 conversions its choice costs the BF16 neighbours
     timed = re.compile(r"the FP32 kernel \S+ timed faster \(1 ms( \+ [0-9.e-]+ ms conversions, reformats and "
-                       r"hand-overs)? against 2 ms for onednn.conv2d_nhwc_prepacked_bf16\)")
+                       r"hand-overs)? against 2 ms for onednn.conv2d_(primitive|nhwc_prepacked)_bf16\)")
     assert all(timed.fullmatch(l.precision_reason) for l in convs)
     monkeypatch.setattr(Autotuner, "_measure", lambda self, view, tactics, *a: {
         t.name: (0.5 if t.name.endswith("_bf16") else 1.0) for t in tactics})

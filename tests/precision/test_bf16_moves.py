@@ -19,7 +19,7 @@ from tests.conftest import cosine, init, make_model, rand, run_ort
 needs_bf16 = pytest.mark.skipif(not (hardware.has_any(BF16_DOT_ISA) and native.available()),
                                 reason="this CPU has no AVX512-BF16 (vdpbf16ps) or there is no C compiler: kiln's "
                                 "BF16 kernels, which read and write bf16 tensors, are not offered here")
-KILN_ONLY = "-openvino,-onnxruntime,-torch-onednn"
+KILN_ONLY = "-openvino,-onnxruntime,-torch-onednn,-onednn"
 MOVES = {"torch.reference_bf16", "kiln.copy_rows_bf16"}   # BF16 data movement: torch's, or kiln's C copy
 
 

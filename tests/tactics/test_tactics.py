@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.tactics import codegen
+from kiln.tactics import codegen, onednn_prim
 from kiln.tactics.registry import available_sources, parse_sources
 from tests.conftest import assert_close_to_ort, force_plan, run_ort
 from tests.models.test_zoo import export
@@ -27,7 +27,8 @@ def models(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("source", ["torch", "torch-onednn", "kiln", "codegen", "onnxruntime", "openvino"])
+@pytest.mark.parametrize("source", ["onednn", "torch", "torch-onednn", "kiln", "codegen", "onnxruntime",
+                                    "openvino"])
 @pytest.mark.parametrize("name", ["mobilenetv3", "inception", "unet"])
 def test_each_source_forced_alone_is_correct(models, name, source):
     if source not in available_sources():
@@ -37,7 +38,7 @@ def test_each_source_forced_alone_is_correct(models, name, source):
     used = {l.source for l in engine.plan.layers} - {""}   # built-in Reformat copies have no source
     assert used <= {source, "torch"}, used          # torch's reference kernels back what a source cannot run
     pointwise = any(l.op_type == "PointWise" for l in engine.plan.layers)
-    if source in ("torch-onednn", "kiln", "onnxruntime") or (source == "codegen" and pointwise):
+    if source in ("onednn", "torch-onednn", "kiln", "onnxruntime") or (source == "codegen" and pointwise):
         assert source in used                       # (OpenVINO runs only whole graphs, when they win the timing)
     feeds = {engine.input_names[0]: x}
     assert_close_to_ort(engine.run(feeds)[engine.output_names[0]], run_ort(proto, feeds)[0])
@@ -98,11 +99,13 @@ def test_disabling_the_optimization_level_takes_first_kernels_without_timing(mod
     assert "Computing costs" not in caplog.text
     convs = [l for l in engine.plan.layers if parameter_type(l) == "Convolution"]
     pointwise = [l for l in convs if tuple(l.attrs["kernel_shape"]) == (1, 1) and not any(l.attrs["pads"])]
-    # the registry's first candidate: kiln's GEMM for unpadded 1x1 convolutions (with a C compiler), else oneDNN
-    first_1x1 = "kiln.conv2d_1x1_gemm_nhwc" if codegen.available() else "onednn.conv2d_nhwc_prepacked"
+    # the registry's first candidate: kiln's GEMM for unpadded 1x1 convolutions (with a C compiler), else oneDNN's
+    # primitive (with oneDNN's C API), else oneDNN through torch
+    first_onednn = "onednn.conv2d_primitive" if onednn_prim.available() else "onednn.conv2d_nhwc_prepacked"
+    first_1x1 = "kiln.conv2d_1x1_gemm_nhwc" if codegen.available() else first_onednn
     assert pointwise and len(pointwise) < len(convs)
     assert all(l.tactic_name == first_1x1 for l in pointwise)
-    assert all(l.tactic_name == "onednn.conv2d_nhwc_prepacked" for l in convs if l not in pointwise)
+    assert all(l.tactic_name == first_onednn for l in convs if l not in pointwise)
 
 
 def test_region_layer_info_names_only_vs_detailed(models, monkeypatch, tmp_path):

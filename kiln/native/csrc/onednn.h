@@ -1,0 +1,288 @@
+/* What kiln's oneDNN primitives share (onednn.c): the handle a primitive runs from (its engine, stream, the
+   memory objects of every argument it passes, src, dst and a separate residual first), the reason a step failed,
+   post-ops from kiln's fused activations, and the call and teardown every primitive kind runs through. */
+#ifndef KILN_ONEDNN_H
+#define KILN_ONEDNN_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <oneapi/dnnl/dnnl.h>
+
+enum { T_F32 = 0, T_U8 = 1, T_S8 = 2, T_BF16 = 3 };   /* tensor types, as kiln.tactics.onednn_prim.TYPES */
+/* fused activations (kiln.tactics.onednn_prim.ACTIVATIONS), applied after the residual; alpha and beta are
+   oneDNN's for each algorithm */
+enum { A_NONE = 0, A_RELU, A_CLIP, A_HARDSWISH, A_SWISH, A_SIGMOID, A_TANH, A_HARDSIGMOID, A_ELU, A_SOFTPLUS,
+       A_MISH, A_GELU_ERF, A_GELU_TANH, A_COUNT };
+/* how a residual joins: accumulated where the output is written (oneDNN's sum post-op), or read from its own
+   buffer (a binary add: a residual of another type than the output) */
+enum { R_NONE = 0, R_SUM = 1, R_ADD = 2 };
+
+static const dnnl_data_type_t TYPES[] = {dnnl_f32, dnnl_u8, dnnl_s8, dnnl_bf16};
+
+#define MAX_ARGS 12
+
+void kiln_dnnl_destroy(void* handle);
+
+typedef struct {
+  dnnl_engine_t engine;
+  dnnl_stream_t stream;
+  dnnl_primitive_t primitive;
+  dnnl_memory_t mem[MAX_ARGS];   /* src, dst, [the residual when read from its own buffer], then constants */
+  dnnl_exec_arg_t args[MAX_ARGS];
+  int nargs;
+  int residual_arg;   /* the index of the separate residual in mem, or 0: none */
+} Handle;
+
+/* The reason a step failed: the oneDNN function's name (the call's text up to its parenthesis) and status. */
+static void failed(char* error, int64_t error_bytes, const char* call, dnnl_status_t status) {
+  const char* open = strchr(call, '(');
+  const char* why = status == dnnl_unimplemented ? "no kernel for this configuration"
+                    : status == dnnl_out_of_memory ? "out of memory" : "an error";
+  snprintf(error, (size_t)error_bytes, "%.*s: %s (status %d)", open ? (int)(open - call) : 64, call, why,
+           (int)status);
+}
+
+#define TRY(call)                                             \
+  do {                                                        \
+    const dnnl_status_t status_ = (call);                     \
+    if (status_ != dnnl_success) {                            \
+      failed(error, error_bytes, #call, status_);             \
+      goto fail;                                              \
+    }                                                         \
+  } while (0)
+
+/* Adds memory `m` as argument `arg` of the handle's call. */
+static void add_arg(Handle* h, int arg, dnnl_memory_t m) {
+  h->mem[h->nargs] = m;
+  h->args[h->nargs].arg = arg;
+  h->args[h->nargs].memory = m;
+  h->nargs++;
+}
+
+/* A 1-D f32 or s32 memory of `n` values, allocated by oneDNN and filled from `values`. */
+static dnnl_status_t vector(dnnl_engine_t engine, dnnl_data_type_t type, int64_t n, const void* values,
+                            dnnl_memory_t* m) {
+  dnnl_memory_desc_t md;
+  const dnnl_dims_t dims = {n};
+  dnnl_status_t s = dnnl_memory_desc_create_with_tag(&md, 1, dims, type, dnnl_a);
+  if (s != dnnl_success) return s;
+  s = dnnl_memory_create(m, md, engine, DNNL_MEMORY_ALLOCATE);
+  dnnl_memory_desc_destroy(md);
+  void* data = NULL;
+  if (s == dnnl_success) s = dnnl_memory_get_data_handle(*m, &data);
+  if (s == dnnl_success) memcpy(data, values, (size_t)n * 4);
+  return s;
+}
+
+static const dnnl_alg_kind_t ELTWISE[A_COUNT] = {
+    dnnl_alg_kind_undef, dnnl_eltwise_relu, dnnl_eltwise_clip_v2, dnnl_eltwise_hardswish, dnnl_eltwise_swish,
+    dnnl_eltwise_logistic, dnnl_eltwise_tanh, dnnl_eltwise_hardsigmoid, dnnl_eltwise_elu, dnnl_eltwise_soft_relu,
+    dnnl_eltwise_mish, dnnl_eltwise_gelu_erf, dnnl_eltwise_gelu_tanh};
+
+/* The post-ops of a fused epilogue: the residual (`residual`: R_*, of type `r_type`, scaled by r_scale less r_zp
+   as oneDNN's sum reads it; `r_md` its layout for a binary add), then the activation `act`. */
+static dnnl_status_t epilogue(dnnl_post_ops_t ops, int residual, int32_t r_type, float r_scale, int32_t r_zp,
+                              const_dnnl_memory_desc_t r_md, int32_t act, float alpha, float beta) {
+  dnnl_status_t s = dnnl_success;
+  if (act < 0 || act >= A_COUNT || (residual != R_NONE && (r_type < T_F32 || r_type > T_BF16)))
+    return dnnl_invalid_arguments;
+  if (residual == R_SUM) s = dnnl_post_ops_append_sum(ops, r_scale, r_zp, TYPES[r_type]);
+  if (residual == R_ADD) s = dnnl_post_ops_append_binary(ops, dnnl_binary_add, r_md);
+  if (s == dnnl_success && act != A_NONE) s = dnnl_post_ops_append_eltwise(ops, ELTWISE[act], alpha, beta);
+  return s;
+}
+
+/* What a primitive's attributes say: its quantization (INT8: scales and zero points, the weights' per output
+   channel on the axes `w_scale_mask` names) and its epilogue. */
+typedef struct {
+  int32_t quantized, w_scale_mask, y_type, residual, r_type, act;
+  float act_alpha, act_beta, r_scale;
+  int32_t r_zp;
+} AttrSpec;
+
+static dnnl_status_t attributes(const AttrSpec* a, const_dnnl_memory_desc_t r_md, dnnl_primitive_attr_t* attr) {
+  dnnl_status_t s = dnnl_primitive_attr_create(attr);
+  if (s == dnnl_success) s = dnnl_primitive_attr_set_scratchpad_mode(*attr, dnnl_scratchpad_mode_user);
+  if (s == dnnl_success && a->quantized) s = dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_SRC, 0);
+  if (s == dnnl_success && a->quantized)
+    s = dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_WEIGHTS, a->w_scale_mask);
+  if (s == dnnl_success && a->quantized) s = dnnl_primitive_attr_set_zero_points_mask(*attr, DNNL_ARG_SRC, 0);
+  if (s == dnnl_success && a->quantized && a->y_type != T_F32) {
+    s = dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_DST, 0);
+    if (s == dnnl_success) s = dnnl_primitive_attr_set_zero_points_mask(*attr, DNNL_ARG_DST, 0);
+  }
+  dnnl_post_ops_t ops;
+  if (s == dnnl_success) s = dnnl_post_ops_create(&ops);
+  if (s != dnnl_success) return s;
+  s = epilogue(ops, a->residual, a->r_type, a->r_scale, a->r_zp, r_md, a->act, a->act_alpha, a->act_beta);
+  if (s == dnnl_success) s = dnnl_primitive_attr_set_post_ops(*attr, ops);
+  dnnl_post_ops_destroy(ops);
+  return s;
+}
+
+/* The quantization parameters of an INT8 call: the source's scale and zero point, `w_scales` weight scales, and
+   the output's scale and zero point unless it is FP32. */
+typedef struct {
+  float x_scale;
+  int32_t x_zp;
+  int64_t w_scales;
+  const float* w_scale;
+  int32_t y_type;
+  float y_scale;
+  int32_t y_zp;
+} Quantization;
+
+/* `q` as arguments of the handle. */
+static dnnl_status_t quantization_args(Handle* h, const Quantization* q) {
+  dnnl_memory_t m;
+  dnnl_status_t s = vector(h->engine, dnnl_f32, 1, &q->x_scale, &m);
+  if (s != dnnl_success) return s;
+  add_arg(h, DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, m);
+  if ((s = vector(h->engine, dnnl_f32, q->w_scales, q->w_scale, &m)) != dnnl_success) return s;
+  add_arg(h, DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, m);
+  if ((s = vector(h->engine, dnnl_s32, 1, &q->x_zp, &m)) != dnnl_success) return s;
+  add_arg(h, DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, m);
+  if (q->y_type == T_F32) return s;
+  if ((s = vector(h->engine, dnnl_f32, 1, &q->y_scale, &m)) != dnnl_success) return s;
+  add_arg(h, DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, m);
+  if ((s = vector(h->engine, dnnl_s32, 1, &q->y_zp, &m)) != dnnl_success) return s;
+  add_arg(h, DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST, m);
+  return s;
+}
+
+/* Adds `weights` (laid out as `user_md`), reordered once into the layout `pd`'s kernel reads. */
+static dnnl_status_t packed_weights(Handle* h, const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t user_md,
+                                    const void* weights) {
+  dnnl_primitive_desc_t reorder_pd = NULL;
+  dnnl_primitive_t reorder = NULL;
+  dnnl_memory_t user = NULL, m = NULL;
+  const_dnnl_memory_desc_t packed_md = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+  dnnl_status_t s = dnnl_memory_create(&m, packed_md, h->engine, DNNL_MEMORY_ALLOCATE);
+  if (s != dnnl_success) return s;
+  add_arg(h, DNNL_ARG_WEIGHTS, m);
+  s = dnnl_memory_create(&user, user_md, h->engine, (void*)weights);
+  if (s == dnnl_success) s = dnnl_reorder_primitive_desc_create(&reorder_pd, user_md, h->engine, packed_md,
+                                                                h->engine, NULL);
+  if (s == dnnl_success) s = dnnl_primitive_create(&reorder, reorder_pd);
+  dnnl_exec_arg_t reorder_args[2] = {{DNNL_ARG_FROM, user}, {DNNL_ARG_TO, m}};
+  if (s == dnnl_success) s = dnnl_primitive_execute(reorder, h->stream, 2, reorder_args);
+  if (s == dnnl_success) s = dnnl_stream_wait(h->stream);
+  dnnl_primitive_destroy(reorder);
+  dnnl_primitive_desc_destroy(reorder_pd);
+  dnnl_memory_destroy(user);
+  return s;
+}
+
+/* The handle's engine and stream, its primitive from `pd`, and its src, dst and (for a binary add) residual
+   arguments, their data set per call. */
+static dnnl_status_t open_handle(Handle* h, const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src_md,
+                                 const_dnnl_memory_desc_t dst_md, const_dnnl_memory_desc_t r_md) {
+  dnnl_memory_t m;
+  dnnl_status_t s = dnnl_primitive_create(&h->primitive, pd);
+  if (s == dnnl_success && (s = dnnl_memory_create(&m, src_md, h->engine, DNNL_MEMORY_NONE)) == dnnl_success)
+    add_arg(h, DNNL_ARG_SRC, m);
+  if (s == dnnl_success && (s = dnnl_memory_create(&m, dst_md, h->engine, DNNL_MEMORY_NONE)) == dnnl_success)
+    add_arg(h, DNNL_ARG_DST, m);
+  if (s == dnnl_success && r_md && (s = dnnl_memory_create(&m, r_md, h->engine, DNNL_MEMORY_NONE)) == dnnl_success) {
+    h->residual_arg = h->nargs;
+    add_arg(h, DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, m);
+  }
+  return s;
+}
+
+/* The bias (`n` FP32 values in the shape `pd` gives it, or NULL: none) and the scratchpad `pd` asks for, the
+   handle's last arguments. */
+static dnnl_status_t close_handle(Handle* h, const_dnnl_primitive_desc_t pd, const float* bias, int64_t n) {
+  dnnl_memory_t m;
+  dnnl_status_t s = dnnl_success;
+  void* data = NULL;
+  if (bias) {
+    s = dnnl_memory_create(&m, dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 1), h->engine,
+                           DNNL_MEMORY_ALLOCATE);
+    if (s == dnnl_success) add_arg(h, DNNL_ARG_BIAS, m);
+    if (s == dnnl_success) s = dnnl_memory_get_data_handle(m, &data);
+    if (s == dnnl_success) memcpy(data, bias, (size_t)n * sizeof(float));
+  }
+  if (s == dnnl_success)
+    s = dnnl_memory_create(&m, dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0), h->engine,
+                           DNNL_MEMORY_ALLOCATE);
+  if (s == dnnl_success) add_arg(h, DNNL_ARG_SCRATCHPAD, m);
+  return s;
+}
+
+/* The descriptors a primitive is made from, released once it is made (or has failed). */
+typedef struct {
+  dnnl_memory_desc_t src, dst, residual, weights, user_weights, bias;
+  dnnl_primitive_attr_t attr;
+  dnnl_primitive_desc_t pd;
+} Making;
+
+static void made(Making* m) {
+  dnnl_primitive_desc_destroy(m->pd);
+  dnnl_primitive_attr_destroy(m->attr);
+  dnnl_memory_desc_t* mds[] = {&m->src, &m->dst, &m->residual, &m->weights, &m->user_weights, &m->bias};
+  for (size_t i = 0; i < sizeof(mds) / sizeof(mds[0]); ++i) dnnl_memory_desc_destroy(*mds[i]);
+}
+
+/* The handle's arguments once its primitive descriptor `d->pd` is made: src, dst and a separate residual (their
+   data set per call), `weights` packed, the quantization `q` (NULL: a floating-point call), the `n` bias values
+   (NULL: none), the scratchpad. */
+static dnnl_status_t fill_handle(Handle* h, const Making* d, const void* weights, const Quantization* q,
+                                 const float* bias, int64_t n) {
+  dnnl_status_t s = open_handle(h, d->pd, d->src, d->dst, d->residual);
+  if (s == dnnl_success) s = packed_weights(h, d->pd, d->user_weights, weights);
+  if (s == dnnl_success && q) s = quantization_args(h, q);
+  if (s == dnnl_success) s = close_handle(h, d->pd, bias, n);
+  return s;
+}
+
+/* The descriptors released; the handle, or NULL (freed) where making it failed. */
+static void* finished(Handle* h, Making* d, int ok) {
+  made(d);
+  if (ok) return h;
+  kiln_dnnl_destroy(h);
+  return NULL;
+}
+
+/* A new handle with its engine and stream for a call of these tensor types, or NULL with the reason in `error`. */
+static Handle* new_handle(int32_t x_type, int32_t w_type, int32_t y_type, char* error, int64_t error_bytes) {
+  Handle* h = NULL;
+  if (x_type < T_F32 || x_type > T_BF16 || y_type < T_F32 || y_type > T_BF16 || w_type < T_F32 || w_type > T_BF16) {
+    snprintf(error, (size_t)error_bytes, "a tensor type outside T_F32..T_BF16");
+    return NULL;
+  }
+  if (!(h = (Handle*)calloc(1, sizeof(Handle)))) return NULL;
+  TRY(dnnl_engine_create(&h->engine, dnnl_cpu, 0));
+  TRY(dnnl_stream_create(&h->stream, h->engine, dnnl_stream_default_flags));
+  return h;
+fail:
+  kiln_dnnl_destroy(h);
+  return NULL;
+}
+
+/* One call: x into y (holding the residual where it is summed in place); r, a residual read from its own buffer.
+   Returns 0, or oneDNN's status. */
+int64_t kiln_dnnl_run(void* handle, const void* x, void* y, const void* r) {
+  Handle* h = (Handle*)handle;
+  dnnl_status_t s = dnnl_memory_set_data_handle(h->mem[0], (void*)x);
+  if (s == dnnl_success) s = dnnl_memory_set_data_handle(h->mem[1], y);
+  if (s == dnnl_success && h->residual_arg) s = dnnl_memory_set_data_handle(h->mem[h->residual_arg], (void*)r);
+  if (s == dnnl_success) s = dnnl_primitive_execute(h->primitive, h->stream, h->nargs, h->args);
+  if (s == dnnl_success) s = dnnl_stream_wait(h->stream);
+  return (int64_t)s;
+}
+
+void kiln_dnnl_destroy(void* handle) {
+  Handle* h = (Handle*)handle;
+  if (!h) return;
+  for (int i = 0; i < h->nargs; ++i) dnnl_memory_destroy(h->mem[i]);
+  dnnl_primitive_destroy(h->primitive);
+  dnnl_stream_destroy(h->stream);
+  dnnl_engine_destroy(h->engine);
+  free(h);
+}
+
+#endif

@@ -1,0 +1,73 @@
+"""oneDNN matrix product by a constant matrix as a primitive of kiln's own (source "onednn"), in FP32 or BF16: a
+linear layer (Gemm, or MatMul by a constant 2-D matrix; kiln.tactics.onednn_linear.by_constant_matrix) on oneDNN's
+matmul (kiln/native/csrc/onednn.c), made once per input shape at load with the weights reordered into its kernel's
+layout, each call its data pointers and an execute. Bias, residual and every activation oneDNN has fused, as for
+kiln's convolution primitives (kiln.tactics.onednn_prim_float): BF16 reads bf16 rows (FP32 ones rounded as they are
+made), writes the output as the plan stores it, and adds a residual of another type than the output from its own
+buffer in FP32. torch's `_linear_pointwise` builds oneDNN's descriptors in every call."""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from kiln.tactics.base import Kernel, LayerView, storage_dtype
+from kiln.tactics.onednn_conv import Bf16Variant
+from kiln.tactics.onednn_linear import (OneDnnBf16LinearTactic, OneDnnLinearTactic, by_constant_matrix, linear_bias,
+                                        linear_weight)
+from kiln.tactics.onednn_prim import TYPES, available, eltwise, executor, residual_mode, summing_kernel
+
+
+class MatmulCall(ctypes.Structure):
+    """onednn.c's MatmulCall, field by field."""
+
+    _fields_ = [*((f, ctypes.c_int64) for f in ("m", "k", "n")),
+                *((f, ctypes.c_int32) for f in ("x_type", "w_type", "y_type", "r_type", "residual", "act")),
+                *((f, ctypes.c_float) for f in ("act_alpha", "act_beta", "x_scale", "y_scale", "r_scale")),
+                *((f, ctypes.c_int32) for f in ("x_zp", "y_zp", "r_zp", "w_scales")),
+                *((f, ctypes.c_void_p) for f in ("w_scale", "weights", "bias"))]
+
+
+def row_layout(n: int):
+    """out_layout for executor: rows of `n` columns, row-major, for an input of any leading shape."""
+    def layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        out = (*shape[:-1], n)
+        return out, tuple(math.prod(out[i + 1:]) for i in range(len(out)))
+    return layout
+
+
+class PrimitiveLinearTactic(OneDnnLinearTactic):
+    name = "onednn.linear_primitive"
+    source = "onednn"
+    needs_library = "onednn"   # loaded where oneDNN's C API is missing, the layer runs on the tactic below
+    library_fallback = OneDnnLinearTactic()
+    compute_type = "float32"
+
+    def supports(self, layer: LayerView) -> bool:
+        return by_constant_matrix(layer) and eltwise(layer.attrs.get("activation")) is not None and available()
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        compute = self.compute_type   # BF16 reads bf16 and writes what the plan stores; FP32 reads and writes FP32
+        y_type = layer.output_dtypes[0] if compute == "bfloat16" else "float32"
+        residual, r_type = residual_mode(layer)
+        act, alpha, beta = eltwise(layer.attrs.get("activation"))
+        w = linear_weight(layer).float().t().contiguous()   # [K, N]; rounded to bf16 by oneDNN's reorder
+        k, n = w.shape
+        bias = linear_bias(layer, n)[1]
+        bias = None if bias is None else bias.float().contiguous()
+
+        def make_call(shape: tuple[int, ...], consts: dict) -> MatmulCall:
+            return MatmulCall(math.prod(shape[:-1]), k, n, TYPES[compute], TYPES[compute], TYPES[y_type], r_type,
+                              residual, act, alpha, beta, 1.0, 1.0, 1.0, 0, 0, 0, 1, None, w.data_ptr(),
+                              None if bias is None else bias.data_ptr())
+
+        execute = executor(layer, "matmul", make_call, row_layout(n), storage_dtype(y_type), storage_dtype(compute),
+                           torch.contiguous_format)
+        return summing_kernel(execute, lambda y: y, residual, torch.contiguous_format)
+
+
+class PrimitiveBf16LinearTactic(Bf16Variant, PrimitiveLinearTactic):
+    name = "onednn.linear_primitive_bf16"
+    library_fallback = OneDnnBf16LinearTactic()
+    compute_type = "bfloat16"
