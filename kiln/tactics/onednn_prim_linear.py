@@ -4,7 +4,11 @@ matmul (kiln/native/csrc/onednn.c), made once per input shape at load with the w
 layout, each call its data pointers and an execute. Bias, residual and every activation oneDNN has fused, as for
 kiln's convolution primitives (kiln.tactics.onednn_prim_float): BF16 reads bf16 rows (FP32 ones rounded as they are
 made), writes the output as the plan stores it, and adds a residual of another type than the output from its own
-buffer in FP32. torch's `_linear_pointwise` builds oneDNN's descriptors in every call."""
+buffer in FP32. torch's `_linear_pointwise` builds oneDNN's descriptors in every call.
+
+The INT8 one (QGemm/QMatMul: u8 or s8 activations read as they are, s8 weights with a scale per output column,
+the FP32 bias, the requantization to u8/s8 or an FP32 output, an activation) takes the layers torch's
+`qlinear_pointwise` takes (kiln.tactics.onednn_int8), which also builds its descriptors per call."""
 from __future__ import annotations
 
 import ctypes
@@ -12,11 +16,14 @@ import math
 
 import torch
 
-from kiln.tactics.base import Kernel, LayerView, storage_dtype
+from kiln.tactics.base import Kernel, LayerView, has_residual, storage_dtype
+from kiln.tactics.lookup_c import table_mapper
 from kiln.tactics.onednn_conv import Bf16Variant
+from kiln.tactics.onednn_int8 import (OneDnnInt8LinearTactic, _channel_axis, _output, _scales, int8_available,
+                                      linear_supported)
 from kiln.tactics.onednn_linear import (OneDnnBf16LinearTactic, OneDnnLinearTactic, by_constant_matrix, linear_bias,
                                         linear_weight)
-from kiln.tactics.onednn_prim import TYPES, available, eltwise, executor, residual_mode, summing_kernel
+from kiln.tactics.onednn_prim import R_NONE, TYPES, available, eltwise, executor, residual_mode, summing_kernel
 
 
 class MatmulCall(ctypes.Structure):
@@ -71,3 +78,35 @@ class PrimitiveBf16LinearTactic(Bf16Variant, PrimitiveLinearTactic):
     name = "onednn.linear_primitive_bf16"
     library_fallback = OneDnnBf16LinearTactic()
     compute_type = "bfloat16"
+
+
+class PrimitiveInt8LinearTactic(OneDnnInt8LinearTactic):
+    name = "onednn.qlinear_primitive"
+    source = "onednn"
+    needs_library = "onednn"
+    library_fallback = OneDnnInt8LinearTactic()
+
+    def supports(self, layer: LayerView) -> bool:
+        return linear_supported(layer) and not has_residual(layer) and \
+            eltwise(layer.attrs.get("activation")) is not None and int8_available() and available()
+
+    def prepare(self, layer: LayerView) -> Kernel:
+        q = layer.attrs["quant"]
+        w = layer.const_inputs[1]
+        w = (w.t() if _channel_axis(layer) == 0 else w).contiguous()   # [K, N] s8
+        k, n = w.shape
+        scales = _scales(layer)[0].contiguous()
+        bias = layer.const_inputs.get(2)
+        bias = None if bias is None else bias.reshape(-1).float().contiguous()
+        y_scale, y_zp, _ = _output(layer)
+        y_type = TYPES[q["y_dtype"]] if "y_scale" in q else TYPES["float32"]
+        act, alpha, beta = eltwise(layer.attrs.get("activation"))
+
+        def make_call(shape: tuple[int, ...], consts: dict) -> MatmulCall:
+            return MatmulCall(math.prod(shape[:-1]), k, n, TYPES[q["x_dtype"]], TYPES["int8"], y_type, -1, R_NONE, act,
+                              alpha, beta, float(q["x_scale"]), y_scale, 1.0, int(q["x_zero_point"]), y_zp, 0, n,
+                              scales.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr())
+
+        out_dtype = {"uint8": torch.uint8, "int8": torch.int8}[q["y_dtype"]] if "y_scale" in q else torch.float32
+        execute = executor(layer, "matmul", make_call, row_layout(n), out_dtype, None, torch.contiguous_format)
+        return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")), R_NONE, torch.contiguous_format)

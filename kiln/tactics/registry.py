@@ -28,7 +28,8 @@ from kiln.tactics.onednn_conv import (OneDnnBf16Conv1dTactic, OneDnnBf16ConvTact
 from kiln.tactics.onednn_int8 import OneDnnInt8Conv1dTactic, OneDnnInt8ConvTactic, OneDnnInt8LinearTactic
 from kiln.tactics.onednn_prim import PrimitiveInt8ConvTactic
 from kiln.tactics.onednn_prim_float import PrimitiveBf16ConvTactic, PrimitiveConvTactic
-from kiln.tactics.onednn_prim_linear import PrimitiveBf16LinearTactic, PrimitiveLinearTactic
+from kiln.tactics.onednn_prim_linear import (PrimitiveBf16LinearTactic, PrimitiveInt8LinearTactic,
+                                             PrimitiveLinearTactic)
 from kiln.tactics.onednn_linear import OneDnnBf16LinearTactic, OneDnnFp16LinearTactic, OneDnnLinearTactic
 from kiln.tactics.onnxruntime_source import OnnxRuntimeLayerTactic
 from kiln.tactics.onnxruntime_source import available as onnxruntime_available
@@ -49,9 +50,9 @@ from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic
 
 _CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), DepthwiseConvTactic(), PrimitiveConvTactic(), OneDnnConvTactic(),
                                DirectConvTactic(), WinogradConvTactic(4), WinogradConvTactic(2),
-                               DepthwiseConvBf16Tactic(), PrimitiveBf16ConvTactic(), OneDnnBf16ConvTactic(), Conv1x1GemmBf16Tactic(),
-                               DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(), DirectConvAmxTactic(),
-                               WinogradBf16Tactic(), OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(),
+                               DepthwiseConvBf16Tactic(), PrimitiveBf16ConvTactic(), OneDnnBf16ConvTactic(),
+                               Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
+                               DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(),
                                Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(), OneDnnConv1dTactic(),
                                DirectConv1dBf16Tactic(), OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()]
 _PRODUCT_TACTICS: list[Tactic] = [PrimitiveLinearTactic(), OneDnnLinearTactic(), MatMulGemmTactic(),
@@ -69,10 +70,11 @@ _LAYER_TACTICS: dict[str, list[Tactic]] = {
     "LayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
     "RMSNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
     "SkipLayerNormalization": [LayerNormTactic(), LayerNormBf16Tactic()],
-    "QConv": [PrimitiveInt8ConvTactic(), OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(), QConvDirectTactic(),
-              QConvGemmAmxTactic(), QConvDirectAmxTactic(), QDepthwiseConvTactic()],
-    "QGemm": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
-    "QMatMul": [OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(), QActMatMulTactic()],
+    "QConv": [PrimitiveInt8ConvTactic(), OneDnnInt8ConvTactic(), OneDnnInt8Conv1dTactic(), QConvGemmTactic(),
+              QConvDirectTactic(), QConvGemmAmxTactic(), QConvDirectAmxTactic(), QDepthwiseConvTactic()],
+    "QGemm": [PrimitiveInt8LinearTactic(), OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic()],
+    "QMatMul": [PrimitiveInt8LinearTactic(), OneDnnInt8LinearTactic(), QLinearGemmTactic(), QLinearGemmAmxTactic(),
+                QActMatMulTactic()],
     "DynamicQMatMul": [DynamicQLinearGemmTactic(), DynamicQLinearGemmAmxTactic()],
     "DynamicQConv": [DynamicQConvTactic(), DynamicQConvAmxTactic()],
     "QAdd": [CodegenPointWiseTactic()],   # its program: DQ, DQ, Add, Q

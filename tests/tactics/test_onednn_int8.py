@@ -10,6 +10,7 @@ from kiln.tactics.base import LayerView
 from kiln.tactics import onednn_prim
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, OneDnnInt8LinearTactic, int8_available
 from kiln.tactics.onednn_prim import PrimitiveInt8ConvTactic
+from kiln.tactics.onednn_prim_linear import PrimitiveInt8LinearTactic
 from kiln.tactics.reference import ReferenceTactic
 
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="this CPU has no VNNI or AMX-INT8: oneDNN's INT8 "
@@ -179,15 +180,15 @@ def test_reference_kernel_sums_the_dequantized_residual_on_any_cpu():
     close_quantized(run(ReferenceTactic(), view, [x, None, None, r]), formula(view, x, r))
 
 
-def linear_view(op, x_shape, w, trans_b=0, y=(0.05, 5, "uint8"), bias=True):
+def linear_view(op, x_shape, w, trans_b=0, y=(0.05, 5, "uint8"), bias=True, x_dtype="uint8"):
     n = w.shape[0] if trans_b else w.shape[1]
-    q = quant(w_scale=[0.002 + 0.0001 * i for i in range(n)], y=y)
+    q = quant(w_scale=[0.002 + 0.0001 * i for i in range(n)], y=y, x_dtype=x_dtype, x_zp=0 if x_dtype == "int8" else 3)
     q["w_axis"] = 0 if trans_b else 1
     consts = {1: w, **({2: torch.linspace(-1, 1, n)} if bias else {})}
     attrs = {"quant": q, **({"transB": trans_b} if op == "QGemm" else {})}
     shapes = (x_shape, tuple(w.shape)) + (((n,),) if bias else ())
     out = y[2] if y else "float32"
-    return LayerView(op, "kiln", attrs, shapes, ("uint8", "int8") + (("float32",) if bias else ()), consts, (out,))
+    return LayerView(op, "kiln", attrs, shapes, (x_dtype, "int8") + (("float32",) if bias else ()), consts, (out,))
 
 
 def linear_formula(view, x):
@@ -199,21 +200,34 @@ def linear_formula(view, x):
         y = y + view.const_inputs[2]
     if "y_scale" not in q:
         return y
-    return torch.clamp(torch.round(y / q["y_scale"]) + q["y_zero_point"], 0, 255)
+    lo, hi = (0, 255) if q["y_dtype"] == "uint8" else (-128, 127)
+    return torch.clamp(torch.round(y / q["y_scale"]) + q["y_zero_point"], lo, hi)
+
+
+@pytest.fixture(params=["torch", "primitive"])
+def linear_tactic(request):
+    """Both INT8 linear kernels on oneDNN: through torch's ops, and kiln's own matmul primitive."""
+    if request.param == "primitive" and not onednn_prim.available():
+        pytest.skip("oneDNN's C API (pip install onednn-cpu-gomp onednn-devel-cpu-gomp) is not installed here")
+    return OneDnnInt8LinearTactic() if request.param == "torch" else PrimitiveInt8LinearTactic()
 
 
 @needs_int8
 @pytest.mark.parametrize("op,x_shape,trans_b,y", [("QGemm", (4, 64), 1, (0.05, 5, "uint8")),
                                                  ("QGemm", (1, 512), 0, (0.05, 5, "uint8")),
                                                  ("QMatMul", (1, 7, 48), 0, (0.05, 5, "uint8")),
-                                                 ("QMatMul", (2, 48), 0, None)])
-def test_quantized_linear_matches_its_formula(op, x_shape, trans_b, y):
+                                                 ("QMatMul", (2, 48), 0, None),
+                                                 ("QMatMul", (3, 5, 48), 0, (0.04, -3, "int8"))])
+@pytest.mark.parametrize("x_dtype", ["uint8", "int8"])
+def test_quantized_linear_matches_its_formula(op, x_shape, trans_b, y, x_dtype, linear_tactic):
     g = torch.Generator().manual_seed(4)
     k, n = x_shape[-1], 40
     w = torch.randint(-127, 128, (n, k) if trans_b else (k, n), generator=g, dtype=torch.int8)
-    x = torch.randint(0, 256, x_shape, generator=g, dtype=torch.uint8)
-    view = linear_view(op, x_shape, w, trans_b, y, bias=op == "QGemm")
-    tactic = OneDnnInt8LinearTactic()
+    signed = x_dtype == "int8"   # kiln's calibration writes symmetric s8 activations
+    x = torch.randint(-128 if signed else 0, 128 if signed else 256, x_shape, generator=g,
+                      dtype=torch.int8 if signed else torch.uint8)
+    view = linear_view(op, x_shape, w, trans_b, y, bias=op == "QGemm", x_dtype=x_dtype)
+    tactic = linear_tactic
     assert tactic.supports(view)
     got = run(tactic, view, [x, None, None])
     assert got.shape == (*x_shape[:-1], n)

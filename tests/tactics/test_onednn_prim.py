@@ -1,8 +1,10 @@
 """kiln's own oneDNN INT8 convolution primitive (source "onednn", oneDNN's C API): made once per input shape at
-load, run with two data pointers per call. A quantize_static ResNet-18 on that source alone matches onnxruntime
-and survives save/load; a second input shape gets a primitive of its own; calls from two threads give one
-thread's bytes; a configuration oneDNN refuses fails at prepare with oneDNN's reason; without oneDNN's C API the
-source is not offered and an engine using it runs through torch's oneDNN ops, with one warning. (Formula checks: test_onednn_int8.py runs its convolution cases on both oneDNN tactics.)"""
+load, run with two data pointers per call. A quantize_static ResNet-18 on that source alone (its classifier on
+the INT8 matmul primitive) matches onnxruntime and survives save/load; a second input shape gets a primitive of
+its own; calls from two threads give one thread's bytes; a configuration oneDNN refuses fails at prepare with
+oneDNN's reason; without oneDNN's C API the source is not offered and an engine using it runs through torch's
+oneDNN ops, with one warning. (Formula checks: test_onednn_int8.py runs its convolution and linear cases on both
+oneDNN tactics.)"""
 from __future__ import annotations
 
 import threading
@@ -36,6 +38,8 @@ def test_resnet18_on_the_onednn_source_alone_matches_onnxruntime_and_reloads(tmp
     assert len(convs) == 20 and {(l.tactic_name, l.source, l.precision) for l in convs} == \
         {("onednn.qconv2d_primitive", "onednn", "INT8")}
     assert sum(len(l.inputs) == 2 for l in convs) == 8   # the residual sums, fused as oneDNN's sum post-op
+    fc = [(l.op_type, l.tactic_name, l.precision) for l in engine.plan.layers if l.op_type in ("QGemm", "QMatMul")]
+    assert fc == [("QGemm", "onednn.qlinear_primitive", "INT8")]   # the classifier, on oneDNN's matmul
     x = np.random.default_rng(7).standard_normal((1, 3, 64, 64)).astype(np.float32)
     got, want = engine.run({"input": x})["output"], run_ort(qdq, {"input": x})[0]
     assert cosine(got, want) >= 0.999 and got.argmax() == want.argmax()

@@ -467,4 +467,5 @@ def test_registry_times_kilns_int8_kernels_after_onednns():
     assert [t.name for t in REGISTRY["QConv"]] == ["onednn.qconv2d_primitive", "onednn.qconv2d_nhwc_prepacked",
                                                    "onednn.qconv1d_prepacked",
                                                    *QTACTICS[:2], *amx[:2], "kiln.qconv2d_depthwise_nhwc_int8"]
-    assert [t.name for t in REGISTRY["QGemm"]] == ["onednn.qlinear_prepacked", QTACTICS[2], amx[2]]
+    assert [t.name for t in REGISTRY["QGemm"]] == ["onednn.qlinear_primitive", "onednn.qlinear_prepacked",
+                                                   QTACTICS[2], amx[2]]

@@ -66,6 +66,7 @@ void* kiln_dnnl_conv_create(const ConvCall* p, char* error, int64_t error_bytes)
                                                      dnnl_convolution_direct, d.src, d.weights, p->bias ? d.bias : NULL,
                                                      d.dst, strides, dilates, pad_l, pad_r, d.attr));
   const Quantization q = {p->x_scale, p->x_zp, p->cout, p->w_scale, p->y_type, p->y_scale, p->y_zp};
+  if (!optimized(d.pd, error, error_bytes)) goto fail;
   TRY(fill_handle(h, &d, p->weights, quantized ? &q : NULL, p->bias, p->cout));
   return finished(h, &d, 1);
 fail:
@@ -105,6 +106,7 @@ void* kiln_dnnl_matmul_create(const MatmulCall* p, char* error, int64_t error_by
   TRY(attributes(&spec, d.residual, &d.attr));
   TRY(dnnl_matmul_primitive_desc_create(&d.pd, h->engine, d.src, d.weights, p->bias ? d.bias : NULL, d.dst, d.attr));
   const Quantization q = {p->x_scale, p->x_zp, p->w_scales, p->w_scale, p->y_type, p->y_scale, p->y_zp};
+  if (!optimized(d.pd, error, error_bytes)) goto fail;
   TRY(fill_handle(h, &d, p->weights, quantized ? &q : NULL, p->bias, p->n));
   return finished(h, &d, 1);
 fail:

@@ -239,6 +239,16 @@ static dnnl_status_t fill_handle(Handle* h, const Making* d, const void* weights
   return s;
 }
 
+/* Whether `pd` runs one of oneDNN's optimized kernels; not where only its reference loops take the configuration
+   (slower than every other tactic: refused, with the reason in `error`). */
+static int optimized(const_dnnl_primitive_desc_t pd, char* error, int64_t error_bytes) {
+  const char* impl = NULL;
+  if (dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) != dnnl_success || !impl) return 1;
+  if (strncmp(impl, "ref", 3) != 0) return 1;
+  snprintf(error, (size_t)error_bytes, "oneDNN has only its reference kernel (%s) for this configuration", impl);
+  return 0;
+}
+
 /* The descriptors released; the handle, or NULL (freed) where making it failed. */
 static void* finished(Handle* h, Making* d, int ok) {
   made(d);
