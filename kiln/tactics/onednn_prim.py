@@ -1,12 +1,14 @@
-"""oneDNN INT8 convolution as a primitive of kiln's own (source "onednn"): made once per input shape at load,
-weights reordered into its kernel's layout then, each call only two data pointers and an execute
-(kiln/native/csrc/onednn.c on oneDNN's C API, from the `onednn-cpu-gomp` wheel). The same layers as torch's
-`qconv2d_pointwise` (kiln.tactics.onednn_int8): u8/s8 activations (s8 read as they are, no flip), s8 weights with
-a scale per output channel, FP32 bias, the INT8 residual as the sum post-op, ReLU/Clip/HardSwish/Swish, u8/s8 or
-FP32 out.
+"""oneDNN primitives of kiln's own (source "onednn"; kiln/native/csrc/onednn.c on oneDNN's C API, from the
+`onednn-cpu-gomp` wheel): what every one shares (the call structures' types and activations, the per-shape
+executor, the residual's kernel forms) and the INT8 convolution. A primitive is made once per input shape at
+load, its weights reordered into its kernel's layout then; a call sets its data pointers and executes. The INT8
+convolution takes the layers torch's `qconv2d_pointwise` takes (kiln.tactics.onednn_int8): u8/s8 activations (s8
+read as they are, no flip), s8 weights with a scale per output channel, FP32 bias, the INT8 residual as the sum
+post-op, ReLU/Clip/HardSwish/Swish, u8/s8 or FP32 out. The floating-point ones: kiln.tactics.onednn_prim_float
+and onednn_prim_linear.
 
-Why: torch builds oneDNN's descriptors inside every call (~30-40 us on Zen 4, item 8 of the precision issue asks
-for <= 5), and ResNet-50 runs 53 such layers in ~10 ms. Measured per call, Zen 4, 2 threads: a tiny 1x1
+Why: torch builds oneDNN's descriptors inside every call (~15-50 us on Zen 4; item 8 of the precision issue asks
+for <= 5), and ResNet-50 runs 53 such layers in ~10 ms. Measured per call, Zen 4, 2 threads: a tiny 1x1 INT8
 convolution 6.2 us here (2.6 of it the C call, the rest this module's Python) against 30 us through torch;
 ResNet-50's 3x3 64-channel layer at 56x56 0.28 against 0.35 ms."""
 from __future__ import annotations
