@@ -148,6 +148,5 @@ def reset() -> None:
 
 
 __all__ = ["LIBRARIES", "CompileError", "LibrarySpec", "LibraryState", "Toolchain", "available", "buildable",
-           "header_constant",
-           "kernel_folder", "library", "remove_cached", "require_toolchain", "reset", "state", "toolchain",
-           "verify_cache"]
+           "header_constant", "kernel_folder", "library", "remove_cached", "require_toolchain", "reset", "state",
+           "toolchain", "toolchain_for", "verify_cache"]

@@ -19,7 +19,9 @@ import threading
 import torch
 
 from kiln import native
-from kiln.tactics.base import Kernel, LayerView, has_residual
+from kiln.ops.dtypes import INT8_TORCH
+from kiln.tactics.base import Kernel, LayerView, has_residual, storage_dtype
+from kiln.tactics.gemm_c import tensor_address
 from kiln.tactics.lookup_c import table_mapper
 from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, _output, _scales
 
@@ -67,6 +69,14 @@ class ConvCall(ctypes.Structure):
                 *((f, ctypes.c_void_p) for f in ("w_scale", "weights", "bias"))]
 
 
+class OwnPrimitive:
+    """Mixin: a tactic on kiln's oneDNN shim (kiln/native/csrc/onednn.c); loaded where oneDNN's C API is missing,
+    its layers run on its `library_fallback`, the same layer through torch's oneDNN ops."""
+
+    source = "onednn"
+    needs_library = "onednn"
+
+
 def available() -> bool:
     """Whether oneDNN's C API is installed and kiln's shim over it builds here."""
     return native.buildable("onednn") and native.library("onednn") is not None
@@ -104,21 +114,20 @@ def residual_mode(layer: LayerView) -> tuple[int, int]:
     return (R_SUM if r_type == layer.output_dtypes[0] else R_ADD), TYPES[r_type]
 
 
-def int8_conv_call(layer: LayerView, shape: tuple[int, ...], consts: dict) -> ConvCall:
-    """The ConvCall of INT8 `layer` for an input of `shape`; `consts` keeps the arrays it points at alive."""
-    q = layer.attrs["quant"]
-    w = consts.setdefault("w", layer.const_inputs[1].contiguous())
-    scales = consts.setdefault("scales", _scales(layer)[0].contiguous())
-    bias = layer.const_inputs.get(2)
-    if bias is not None:
-        bias = consts.setdefault("bias", bias.float().contiguous())
-    y_scale, y_zp, _ = _output(layer)
-    return ConvCall(*geometry(layer, shape), TYPES[q["x_dtype"]], TYPES["int8"],
-                    TYPES[q["y_dtype"]] if "y_scale" in q else 0,
-                    TYPES[layer.input_dtypes[3]] if has_residual(layer) else -1, R_SUM if has_residual(layer) else 0,
-                    *eltwise(layer.attrs.get("activation")), float(q["x_scale"]), y_scale,
-                    float(q.get("r_scale", 1.0)), int(q["x_zero_point"]), y_zp, int(q.get("r_zero_point", 0)),
-                    scales.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr())
+def quantized_output(q: dict) -> tuple[int, torch.dtype]:
+    """(onednn.h's T_*, torch dtype) of an INT8 layer's output: requantized u8/s8, or FP32 without an output scale."""
+    return (TYPES[q["y_dtype"]], INT8_TORCH[q["y_dtype"]]) if "y_scale" in q else (TYPES["float32"], torch.float32)
+
+
+def float_fields(layer: LayerView, compute_dtype: torch.dtype) -> tuple[list, torch.dtype, torch.dtype, int]:
+    """(a floating-point call structure's fields x_type to r_zp, the dtype it reads, the dtype it writes, its R_*)
+    for `layer` computing in `compute_dtype`: BF16 reads bf16 and writes what the plan stores, FP32 both FP32."""
+    compute = "bfloat16" if compute_dtype == torch.bfloat16 else "float32"
+    y_type = layer.output_dtypes[0] if compute == "bfloat16" else "float32"
+    residual, r_type = residual_mode(layer)
+    fields = [TYPES[compute], TYPES[compute], TYPES[y_type], r_type, residual, *eltwise(layer.attrs.get("activation")),
+              1.0, 1.0, 1.0, 0, 0, 0]   # scales and zero points: INT8 only
+    return fields, storage_dtype(compute), storage_dtype(y_type), residual
 
 
 def output_layout(layer: LayerView, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -136,8 +145,9 @@ def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torc
     """execute(x, y=None, r=None) -> y: `layer`'s primitive (`kind`, Primitive's) on `x` (made `memory_format`
     contiguous, cast to `x_dtype` where given) into `y` (a new tensor of `out_dtype` where None, laid out as
     `out_layout(shape)` gives it, (shape, strides); holding the residual where it is summed in place), `r` a
-    residual read from its own buffer. A primitive per input shape, made on first sight (`make_call(shape, consts)`
-    gives its call structure), the layer's own now: packing and refusals happen at load."""
+    residual read from its own buffer. A primitive per input shape, made on first sight (`make_call(shape)` gives
+    its call structure, pointing at arrays the caller keeps alive), the layer's own now: packing and refusals
+    happen at load."""
     lib = native.library("onednn")
     # per input shape: the primitive, its handle, and the output's shape and strides
     by_shape: dict[tuple[int, ...], tuple[Primitive, int, tuple[int, ...], tuple[int, ...]]] = {}
@@ -146,8 +156,7 @@ def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torc
 
     def primitive(shape: tuple[int, ...]):
         if shape not in by_shape:
-            consts: dict = {}   # alive until oneDNN has copied the weights, scales and bias in
-            made = Primitive(lib, kind, make_call(shape, consts))
+            made = Primitive(lib, kind, make_call(shape))
             by_shape[shape] = (made, made.handle, *out_layout(shape))
         return by_shape[shape]
 
@@ -187,10 +196,8 @@ def summing_kernel(execute, finish, residual: int, memory_format=torch.channels_
     return run
 
 
-class PrimitiveInt8ConvTactic(OneDnnInt8ConvTactic):
+class PrimitiveInt8ConvTactic(OwnPrimitive, OneDnnInt8ConvTactic):
     name = "onednn.qconv2d_primitive"
-    source = "onednn"
-    needs_library = "onednn"   # loaded where oneDNN's C API is missing, the layer runs on the tactic below
     library_fallback = OneDnnInt8ConvTactic()
 
     def supports(self, layer: LayerView) -> bool:
@@ -198,9 +205,21 @@ class PrimitiveInt8ConvTactic(OneDnnInt8ConvTactic):
 
     def prepare(self, layer: LayerView) -> Kernel:
         q = layer.attrs["quant"]
-        out_dtype = {"uint8": torch.uint8, "int8": torch.int8}[q["y_dtype"]] if "y_scale" in q else torch.float32
-        execute = executor(layer, "conv", lambda shape, consts: int8_conv_call(layer, shape, consts),
-                           lambda shape: output_layout(layer, shape), out_dtype)
+        w, scales = layer.const_inputs[1].contiguous(), _scales(layer)[0].contiguous()
+        bias = layer.const_inputs.get(2)
+        bias = None if bias is None else bias.float().contiguous()
+        y_scale, y_zp, _ = _output(layer)
+        y_type, out_dtype = quantized_output(q)
         # the INT8 residual is always summed: oneDNN's sum post-op reads u8 into s8 and back (one byte each)
-        return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")),
-                              R_SUM if has_residual(layer) else R_NONE)
+        residual = R_SUM if has_residual(layer) else R_NONE
+        r_type = TYPES[layer.input_dtypes[3]] if residual else -1
+        act = eltwise(layer.attrs.get("activation"))
+
+        def make_call(shape: tuple[int, ...]) -> ConvCall:
+            return ConvCall(*geometry(layer, shape), TYPES[q["x_dtype"]], TYPES["int8"], y_type, r_type, residual,
+                            *act, float(q["x_scale"]), y_scale, float(q.get("r_scale", 1.0)), int(q["x_zero_point"]),
+                            y_zp, int(q.get("r_zero_point", 0)), scales.data_ptr(), w.data_ptr(),
+                            tensor_address(bias))
+
+        execute = executor(layer, "conv", make_call, lambda shape: output_layout(layer, shape), out_dtype)
+        return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")), residual)

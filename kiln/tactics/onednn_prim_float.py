@@ -11,20 +11,16 @@ output as the plan stores it, FP32 or bf16 (kiln.tactics.storage); the residual 
 it has the output's type (accumulated in its dead buffer: `into_input`), else as a binary add."""
 from __future__ import annotations
 
-import torch
-
-from kiln.tactics.base import Kernel, LayerView, storage_dtype
+from kiln.tactics.base import Kernel, LayerView
+from kiln.tactics.gemm_c import tensor_address
 from kiln.tactics.onednn_conv import Bf16Variant, OneDnnBf16ConvTactic, OneDnnConvTactic
-from kiln.tactics.onednn_prim import (TYPES, ConvCall, available, eltwise, executor, geometry, output_layout,
-                                      residual_mode, summing_kernel)
+from kiln.tactics.onednn_prim import (ConvCall, OwnPrimitive, available, eltwise, executor, float_fields, geometry,
+                                      output_layout, summing_kernel)
 
 
-class PrimitiveConvTactic(OneDnnConvTactic):
+class PrimitiveConvTactic(OwnPrimitive, OneDnnConvTactic):
     name = "onednn.conv2d_primitive"
-    source = "onednn"
-    needs_library = "onednn"   # loaded where oneDNN's C API is missing, the layer runs on the tactic below
     library_fallback = OneDnnConvTactic()
-    compute_type = "float32"
 
     def supports(self, layer: LayerView) -> bool:
         shapes = layer.input_shapes
@@ -33,25 +29,18 @@ class PrimitiveConvTactic(OneDnnConvTactic):
                 and available())
 
     def prepare(self, layer: LayerView) -> Kernel:
-        compute = self.compute_type   # BF16 reads bf16 and writes what the plan stores; FP32 reads and writes FP32
-        y_type = layer.output_dtypes[0] if compute == "bfloat16" else "float32"
-        residual, r_type = residual_mode(layer)
-        act, alpha, beta = eltwise(layer.attrs.get("activation"))
+        fields, x_dtype, y_dtype, residual = float_fields(layer, self.compute_dtype)
         w = layer.const_inputs[1].float().contiguous()   # rounded to bf16 by oneDNN's reorder into its layout
         bias = layer.const_inputs.get(2)
         bias = None if bias is None else bias.float().contiguous()
 
-        def make_call(shape: tuple[int, ...], consts: dict) -> ConvCall:
-            return ConvCall(*geometry(layer, shape), TYPES[compute], TYPES[compute], TYPES[y_type], r_type, residual,
-                            act, alpha, beta, 1.0, 1.0, 1.0, 0, 0, 0, None, w.data_ptr(),
-                            None if bias is None else bias.data_ptr())
+        def make_call(shape: tuple[int, ...]) -> ConvCall:
+            return ConvCall(*geometry(layer, shape), *fields, None, w.data_ptr(), tensor_address(bias))
 
-        execute = executor(layer, "conv", make_call, lambda shape: output_layout(layer, shape), storage_dtype(y_type),
-                           storage_dtype(compute))
+        execute = executor(layer, "conv", make_call, lambda shape: output_layout(layer, shape), y_dtype, x_dtype)
         return summing_kernel(execute, lambda y: y, residual)
 
 
 class PrimitiveBf16ConvTactic(Bf16Variant, PrimitiveConvTactic):
     name = "onednn.conv2d_primitive_bf16"
     library_fallback = OneDnnBf16ConvTactic()
-    compute_type = "bfloat16"

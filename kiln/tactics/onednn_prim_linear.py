@@ -16,14 +16,16 @@ import math
 
 import torch
 
-from kiln.tactics.base import Kernel, LayerView, has_residual, storage_dtype
+from kiln.tactics.base import Kernel, LayerView, has_residual
+from kiln.tactics.gemm_c import tensor_address
 from kiln.tactics.lookup_c import table_mapper
 from kiln.tactics.onednn_conv import Bf16Variant
 from kiln.tactics.onednn_int8 import (OneDnnInt8LinearTactic, _channel_axis, _output, _scales, int8_available,
                                       linear_supported)
 from kiln.tactics.onednn_linear import (OneDnnBf16LinearTactic, OneDnnLinearTactic, by_constant_matrix, linear_bias,
                                         linear_weight)
-from kiln.tactics.onednn_prim import R_NONE, TYPES, available, eltwise, executor, residual_mode, summing_kernel
+from kiln.tactics.onednn_prim import (R_NONE, TYPES, OwnPrimitive, available, eltwise, executor, float_fields,
+                                      quantized_output, summing_kernel)
 
 
 class MatmulCall(ctypes.Structure):
@@ -44,46 +46,34 @@ def row_layout(n: int):
     return layout
 
 
-class PrimitiveLinearTactic(OneDnnLinearTactic):
+class PrimitiveLinearTactic(OwnPrimitive, OneDnnLinearTactic):
     name = "onednn.linear_primitive"
-    source = "onednn"
-    needs_library = "onednn"   # loaded where oneDNN's C API is missing, the layer runs on the tactic below
     library_fallback = OneDnnLinearTactic()
-    compute_type = "float32"
 
     def supports(self, layer: LayerView) -> bool:
         return by_constant_matrix(layer) and eltwise(layer.attrs.get("activation")) is not None and available()
 
     def prepare(self, layer: LayerView) -> Kernel:
-        compute = self.compute_type   # BF16 reads bf16 and writes what the plan stores; FP32 reads and writes FP32
-        y_type = layer.output_dtypes[0] if compute == "bfloat16" else "float32"
-        residual, r_type = residual_mode(layer)
-        act, alpha, beta = eltwise(layer.attrs.get("activation"))
+        fields, x_dtype, y_dtype, residual = float_fields(layer, self.compute_dtype)
         w = linear_weight(layer).float().t().contiguous()   # [K, N]; rounded to bf16 by oneDNN's reorder
         k, n = w.shape
         bias = linear_bias(layer, n)[1]
         bias = None if bias is None else bias.float().contiguous()
 
-        def make_call(shape: tuple[int, ...], consts: dict) -> MatmulCall:
-            return MatmulCall(math.prod(shape[:-1]), k, n, TYPES[compute], TYPES[compute], TYPES[y_type], r_type,
-                              residual, act, alpha, beta, 1.0, 1.0, 1.0, 0, 0, 0, 1, None, w.data_ptr(),
-                              None if bias is None else bias.data_ptr())
+        def make_call(shape: tuple[int, ...]) -> MatmulCall:
+            return MatmulCall(math.prod(shape[:-1]), k, n, *fields, 1, None, w.data_ptr(), tensor_address(bias))
 
-        execute = executor(layer, "matmul", make_call, row_layout(n), storage_dtype(y_type), storage_dtype(compute),
-                           torch.contiguous_format)
+        execute = executor(layer, "matmul", make_call, row_layout(n), y_dtype, x_dtype, torch.contiguous_format)
         return summing_kernel(execute, lambda y: y, residual, torch.contiguous_format)
 
 
 class PrimitiveBf16LinearTactic(Bf16Variant, PrimitiveLinearTactic):
     name = "onednn.linear_primitive_bf16"
     library_fallback = OneDnnBf16LinearTactic()
-    compute_type = "bfloat16"
 
 
-class PrimitiveInt8LinearTactic(OneDnnInt8LinearTactic):
+class PrimitiveInt8LinearTactic(OwnPrimitive, OneDnnInt8LinearTactic):
     name = "onednn.qlinear_primitive"
-    source = "onednn"
-    needs_library = "onednn"
     library_fallback = OneDnnInt8LinearTactic()
 
     def supports(self, layer: LayerView) -> bool:
@@ -99,14 +89,13 @@ class PrimitiveInt8LinearTactic(OneDnnInt8LinearTactic):
         bias = layer.const_inputs.get(2)
         bias = None if bias is None else bias.reshape(-1).float().contiguous()
         y_scale, y_zp, _ = _output(layer)
-        y_type = TYPES[q["y_dtype"]] if "y_scale" in q else TYPES["float32"]
-        act, alpha, beta = eltwise(layer.attrs.get("activation"))
+        y_type, out_dtype = quantized_output(q)
+        act = eltwise(layer.attrs.get("activation"))
 
-        def make_call(shape: tuple[int, ...], consts: dict) -> MatmulCall:
-            return MatmulCall(math.prod(shape[:-1]), k, n, TYPES[q["x_dtype"]], TYPES["int8"], y_type, -1, R_NONE, act,
-                              alpha, beta, float(q["x_scale"]), y_scale, 1.0, int(q["x_zero_point"]), y_zp, 0, n,
-                              scales.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr())
+        def make_call(shape: tuple[int, ...]) -> MatmulCall:
+            return MatmulCall(math.prod(shape[:-1]), k, n, TYPES[q["x_dtype"]], TYPES["int8"], y_type, -1, R_NONE,
+                              *act, float(q["x_scale"]), y_scale, 1.0, int(q["x_zero_point"]), y_zp, 0, n,
+                              scales.data_ptr(), w.data_ptr(), tensor_address(bias))
 
-        out_dtype = {"uint8": torch.uint8, "int8": torch.int8}[q["y_dtype"]] if "y_scale" in q else torch.float32
         execute = executor(layer, "matmul", make_call, row_layout(n), out_dtype, None, torch.contiguous_format)
         return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")), R_NONE, torch.contiguous_format)

@@ -52,9 +52,10 @@ _CONV_TACTICS: list[Tactic] = [Conv1x1GemmTactic(), DepthwiseConvTactic(), Primi
                                DirectConvTactic(), WinogradConvTactic(4), WinogradConvTactic(2),
                                DepthwiseConvBf16Tactic(), PrimitiveBf16ConvTactic(), OneDnnBf16ConvTactic(),
                                Conv1x1GemmBf16Tactic(), DirectConvBf16Tactic(), Conv1x1GemmAmxTactic(),
-                               DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(), Conv1x1PlanesTactic(),
-                               Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(), OneDnnConv1dTactic(),
-                               DirectConv1dBf16Tactic(), OneDnnBf16Conv1dTactic(), OneDnnFp16Conv1dTactic()]
+                               DirectConvAmxTactic(), WinogradBf16Tactic(), OneDnnFp16ConvTactic(),
+                               Conv1x1PlanesTactic(), Conv1x1PlanesBf16Tactic(), DirectConv1dTactic(),
+                               OneDnnConv1dTactic(), DirectConv1dBf16Tactic(), OneDnnBf16Conv1dTactic(),
+                               OneDnnFp16Conv1dTactic()]
 _PRODUCT_TACTICS: list[Tactic] = [PrimitiveLinearTactic(), OneDnnLinearTactic(), MatMulGemmTactic(),
                                   PrimitiveBf16LinearTactic(), OneDnnBf16LinearTactic(), MatMulGemmBf16Tactic(),
                                   MatMulGemmAmxTactic(), OneDnnFp16LinearTactic()]

@@ -92,14 +92,12 @@ _KINDS: dict[str, tuple[str, ...]] = {
 }
 PARAMETER_TYPE = {op: kind for kind, ops in _KINDS.items() for op in ops}
 # TensorRT's "LayerType" names the runner: kiln names the kernel library (the tactic) and the layer kind.
-_RUNNERS = {"onednn.conv2d_nhwc_prepacked": "OneDnnConvolution", "onednn.linear_prepacked": "OneDnnMatrixMultiply",
-            "onednn.conv2d_nhwc_prepacked_bf16": "OneDnnConvolution", "onednn.conv1d_prepacked": "OneDnnConvolution",
-            "onednn.conv1d_prepacked_bf16": "OneDnnConvolution", "onednn.conv2d_primitive": "OneDnnConvolution",
-            "onednn.conv2d_primitive_bf16": "OneDnnConvolution",
+_RUNNERS = {**{f"onednn.{kernel}{bf16}": "OneDnnConvolution" for bf16 in ("", "_bf16")
+               for kernel in ("conv2d_nhwc_prepacked", "conv1d_prepacked", "conv2d_primitive")},
             **{f"onednn.deconv{rank}_prepacked{bf16}": "OneDnnDeconvolution"
                for rank in ("2d_nhwc", "1d") for bf16 in ("", "_bf16")},
-            "onednn.linear_prepacked_bf16": "OneDnnMatrixMultiply", "onednn.linear_primitive": "OneDnnMatrixMultiply",
-            "onednn.linear_primitive_bf16": "OneDnnMatrixMultiply",
+            **{f"onednn.linear_{kind}{bf16}": "OneDnnMatrixMultiply" for kind in ("prepacked", "primitive")
+               for bf16 in ("", "_bf16")},
             "codegen.pointwise_c_simd": "PointWiseV2", "kiln.noop": "NoOp", "kiln.constant": "Constant"}
 _LIBRARY_RUNNERS = {"onnxruntime": "OnnxRuntime", "openvino": "OpenVINO"}   # external libraries, by tactic source
 WINOGRAD_TACTIC_PREFIX = "kiln.conv2d_winograd"

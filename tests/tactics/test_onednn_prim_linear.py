@@ -81,7 +81,9 @@ def test_a_residual_is_summed_in_place_before_the_activation():
     got = into([x, None, None, accum])[0]
     assert index == 3 and got.data_ptr() == accum.data_ptr()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    live = r.clone()
     torch.testing.assert_close(kernel([x, None, None, r])[0], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(r, live)   # the plain call sums into a copy: the live residual is left alone
 
 
 def test_another_row_count_gets_a_primitive_of_its_own():

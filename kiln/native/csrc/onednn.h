@@ -12,7 +12,7 @@
 #include <oneapi/dnnl/dnnl.h>
 
 enum { T_F32 = 0, T_U8 = 1, T_S8 = 2, T_BF16 = 3 };   /* tensor types, as kiln.tactics.onednn_prim.TYPES */
-/* fused activations (kiln.tactics.onednn_prim.ACTIVATIONS), applied after the residual; alpha and beta are
+/* fused activations (kiln.tactics.onednn_prim.ELTWISE), applied after the residual; alpha and beta are
    oneDNN's for each algorithm */
 enum { A_NONE = 0, A_RELU, A_CLIP, A_HARDSWISH, A_SWISH, A_SIGMOID, A_TANH, A_HARDSIGMOID, A_ELU, A_SOFTPLUS,
        A_MISH, A_GELU_ERF, A_GELU_TANH, A_COUNT };
@@ -176,8 +176,8 @@ static dnnl_status_t packed_weights(Handle* h, const_dnnl_primitive_desc_t pd, c
   return s;
 }
 
-/* The handle's engine and stream, its primitive from `pd`, and its src, dst and (for a binary add) residual
-   arguments, their data set per call. */
+/* The handle's primitive from `pd`, and its src, dst and (for a binary add) residual arguments, their data set
+   per call. */
 static dnnl_status_t open_handle(Handle* h, const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src_md,
                                  const_dnnl_memory_desc_t dst_md, const_dnnl_memory_desc_t r_md) {
   dnnl_memory_t m;
