@@ -107,9 +107,12 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
                 rendered_by="the whole loop nest, including pointwise.h (kiln.tactics.pointwise_c.generate)"),
     LibrarySpec("probe", "probe.c", (Function("kiln_probe", (ctypes.c_float,), ctypes.c_float),)),
     LibrarySpec("onednn", "onednn.c", (   # oneDNN primitives made once at load (kiln.tactics.onednn_prim)
-        Function("kiln_dnnl_conv_create", (POINTER, ctypes.c_char_p, I64), POINTER),   # call, error, its size
-        Function("kiln_dnnl_matmul_create", (POINTER, ctypes.c_char_p, I64), POINTER),
+        # call, a handle whose packed weights to share (or NULL), error, its size
+        Function("kiln_dnnl_conv_create", (POINTER, POINTER, ctypes.c_char_p, I64), POINTER),
+        Function("kiln_dnnl_matmul_create", (POINTER, POINTER, ctypes.c_char_p, I64), POINTER),
+        Function("kiln_dnnl_shares_weights", (POINTER,), I64),
         Function("kiln_dnnl_run", (POINTER,) * 4, I64),   # handle, x, y, residual (or NULL) -> oneDNN's status
+        Function("kiln_dnnl_run_rows", (POINTER, I64, POINTER, POINTER, POINTER), I64),   # handle, rows, x, y, r
         Function("kiln_dnnl_destroy", (POINTER,))), needs="onednn"),
 )}
 

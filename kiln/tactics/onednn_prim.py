@@ -14,7 +14,9 @@ ResNet-50's 3x3 64-channel layer at 56x56 0.28 against 0.35 ms."""
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -28,6 +30,9 @@ from kiln.tactics.onednn_int8 import OneDnnInt8ConvTactic, _output, _scales
 TYPES = {"float32": 0, "uint8": 1, "int8": 2, "bfloat16": 3}   # onednn.h's T_*
 R_NONE, R_SUM, R_ADD = 0, 1, 2   # onednn.h's R_*: no residual, summed where the output is written, a binary add
 ERROR_BYTES = 512
+# per layer, the input shapes whose primitives stay made: a dynamic engine sees one per batch size or sequence
+# length, each with its JIT-compiled kernel and scratchpad; one made again costs ~0.1-1 ms (no weights reordered)
+SHAPES_KEPT = 16
 INF = float("inf")
 
 # kiln's fused activation -> (onednn.h's A_*, oneDNN's alpha and beta for it); the ONNX ones oneDNN has
@@ -83,12 +88,15 @@ def available() -> bool:
 
 
 class Primitive:
-    """One primitive and its packed weights (freed with this object): `kind` "conv" or "matmul", made from `call`."""
+    """One primitive and its packed weights (freed with this object): `kind` "conv" or "matmul", made from `call`;
+    reading `share`'s packed weights (another Primitive of the same layer, kept alive by this one) where its kernel
+    wants their layout, else a copy of its own."""
 
-    def __init__(self, lib, kind: str, call: ctypes.Structure):
+    def __init__(self, lib, kind: str, call: ctypes.Structure, share: "Primitive | None" = None):
         error = ctypes.create_string_buffer(ERROR_BYTES)
         create = getattr(lib, f"kiln_dnnl_{kind}_create")
-        self.lib, self.handle = lib, create(ctypes.byref(call), error, ERROR_BYTES)
+        self.lib, self.handle = lib, create(ctypes.byref(call), share and share.handle, error, ERROR_BYTES)
+        self.weights_owner = share if self.handle and lib.kiln_dnnl_shares_weights(self.handle) else None
         if not self.handle:
             what = {"conv": "convolution", "matmul": "matrix product"}[kind]
             raise RuntimeError(f"oneDNN made no {what} for this layer: {error.value.decode() or 'no memory'}")
@@ -141,35 +149,55 @@ def output_layout(layer: LayerView, shape: tuple[int, ...]) -> tuple[tuple[int, 
 
 
 def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torch.dtype,
-             x_dtype: torch.dtype | None = None, memory_format=torch.channels_last):
+             x_dtype: torch.dtype | None = None, memory_format=torch.channels_last, any_rows: bool = False):
     """execute(x, y=None, r=None) -> y: `layer`'s primitive (`kind`, Primitive's) on `x` (made `memory_format`
     contiguous, cast to `x_dtype` where given) into `y` (a new tensor of `out_dtype` where None, laid out as
     `out_layout(shape)` gives it, (shape, strides); holding the residual where it is summed in place), `r` a
-    residual read from its own buffer. A primitive per input shape, made on first sight (`make_call(shape)` gives
-    its call structure, pointing at arrays the caller keeps alive), the layer's own now: packing and refusals
-    happen at load."""
+    residual read from its own buffer. A primitive per input shape (`make_call(shape, any_rows)` gives its call
+    structure, pointing at arrays the caller keeps alive): the layer's planned shape's made now, so packing and
+    refusals happen at load; another shape's (a dynamic engine) on first sight, reading the first one's packed
+    weights. Of a convolution the SHAPES_KEPT last used are kept; a matrix product whose rows vary (`any_rows`)
+    keeps the first SHAPES_KEPT shapes' and runs every other on one product made for any number of rows (oneDNN's
+    kernel for a known count is 1.1-1.6x faster, but made again for each new count: ~0.5 ms)."""
     lib = native.library("onednn")
-    # per input shape: the primitive, its handle, and the output's shape and strides
-    by_shape: dict[tuple[int, ...], tuple[Primitive, int, tuple[int, ...], tuple[int, ...]]] = {}
+    # per input shape, least recently used first: the primitive, its handle, the rows it is run on (any_rows), and
+    # the output's shape and strides
+    by_shape: OrderedDict[tuple[int, ...], tuple[Primitive, int, int, tuple[int, ...], tuple[int, ...]]] = \
+        OrderedDict()
     lock = threading.Lock()   # one call at a time per primitive: its scratchpad is its own
-    run_c = lib.kiln_dnnl_run
+    run_c = lib.kiln_dnnl_run_rows
+    planned = tuple(layer.input_shapes[0])
+    first = Primitive(lib, kind, make_call(planned, False))   # kept: it owns the packed weights the others read
+    rows_free: list[Primitive | None] = []   # the product made for any number of rows once needed (None: refused)
 
     def primitive(shape: tuple[int, ...]):
-        if shape not in by_shape:
-            made = Primitive(lib, kind, make_call(shape))
-            by_shape[shape] = (made, made.handle, *out_layout(shape))
-        return by_shape[shape]
+        made = by_shape.get(shape)
+        if made is not None:
+            by_shape.move_to_end(shape)
+            return made
+        if any_rows and len(by_shape) >= SHAPES_KEPT and not rows_free:
+            try:
+                rows_free.append(Primitive(lib, kind, make_call(shape, True), first))
+            except RuntimeError:   # no kernel for any number of rows: shapes replace each other instead
+                rows_free.append(None)
+        if rows_free and rows_free[0] is not None:
+            return (rows_free[0], rows_free[0].handle, math.prod(shape[:-1]), *out_layout(shape))
+        prim = first if shape == planned else Primitive(lib, kind, make_call(shape, False), first)
+        by_shape[shape] = made = (prim, prim.handle, math.prod(shape[:-1]), *out_layout(shape))
+        if len(by_shape) > SHAPES_KEPT:
+            by_shape.popitem(last=False)
+        return made
 
-    primitive(tuple(layer.input_shapes[0]))
+    primitive(planned)
 
     def execute(x: torch.Tensor, y: torch.Tensor | None = None, r: torch.Tensor | None = None) -> torch.Tensor:
         x = x.contiguous(memory_format=memory_format) if x_dtype is None or x.dtype == x_dtype else \
             x.to(x_dtype, memory_format=memory_format)   # (.to costs ~1 us even where it has nothing to do)
         r = None if r is None else r.contiguous(memory_format=memory_format)
         with lock:
-            _, handle, shape, strides = primitive(tuple(x.shape))
+            _, handle, rows, shape, strides = primitive(tuple(x.shape))
             y = torch.empty_strided(shape, strides, dtype=out_dtype) if y is None else y
-            status = run_c(handle, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr())
+            status = run_c(handle, rows, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr())
         if status:
             raise RuntimeError(f"oneDNN's {kind} primitive failed (status {status})")
         return y
@@ -215,7 +243,7 @@ class PrimitiveInt8ConvTactic(OwnPrimitive, OneDnnInt8ConvTactic):
         r_type = TYPES[layer.input_dtypes[3]] if residual else -1
         act = eltwise(layer.attrs.get("activation"))
 
-        def make_call(shape: tuple[int, ...]) -> ConvCall:
+        def make_call(shape: tuple[int, ...], _any_rows: bool) -> ConvCall:
             return ConvCall(*geometry(layer, shape), TYPES[q["x_dtype"]], TYPES["int8"], y_type, r_type, residual,
                             *act, float(q["x_scale"]), y_scale, float(q.get("r_scale", 1.0)), int(q["x_zero_point"]),
                             y_zp, int(q.get("r_zero_point", 0)), scales.data_ptr(), w.data_ptr(),

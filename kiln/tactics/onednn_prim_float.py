@@ -34,7 +34,7 @@ class PrimitiveConvTactic(OwnPrimitive, OneDnnConvTactic):
         bias = layer.const_inputs.get(2)
         bias = None if bias is None else bias.float().contiguous()
 
-        def make_call(shape: tuple[int, ...]) -> ConvCall:
+        def make_call(shape: tuple[int, ...], _any_rows: bool) -> ConvCall:
             return ConvCall(*geometry(layer, shape), *fields, None, w.data_ptr(), tensor_address(bias))
 
         execute = executor(layer, "conv", make_call, lambda shape: output_layout(layer, shape), y_dtype, x_dtype)

@@ -34,7 +34,7 @@ class MatmulCall(ctypes.Structure):
     _fields_ = [*((f, ctypes.c_int64) for f in ("m", "k", "n")),
                 *((f, ctypes.c_int32) for f in ("x_type", "w_type", "y_type", "r_type", "residual", "act")),
                 *((f, ctypes.c_float) for f in ("act_alpha", "act_beta", "x_scale", "y_scale", "r_scale")),
-                *((f, ctypes.c_int32) for f in ("x_zp", "y_zp", "r_zp", "w_scales")),
+                *((f, ctypes.c_int32) for f in ("x_zp", "y_zp", "r_zp", "w_scales", "any_rows")),
                 *((f, ctypes.c_void_p) for f in ("w_scale", "weights", "bias"))]
 
 
@@ -44,6 +44,15 @@ def row_layout(n: int):
         out = (*shape[:-1], n)
         return out, tuple(math.prod(out[i + 1:]) for i in range(len(out)))
     return layout
+
+
+def rows_vary(layer: LayerView) -> bool:
+    """Whether the rows of a linear layer's input vary with the engine's input shapes (a leading axis is dynamic):
+    then a product made for any number of rows serves the counts past the first few (kiln.tactics.onednn_prim's
+    executor)."""
+    dynamic = layer.input_dynamic[0] if layer.input_dynamic else ()
+    rank = len(layer.input_shapes[0])
+    return any(axis % rank != rank - 1 for axis in dynamic)
 
 
 class PrimitiveLinearTactic(OwnPrimitive, OneDnnLinearTactic):
@@ -60,10 +69,12 @@ class PrimitiveLinearTactic(OwnPrimitive, OneDnnLinearTactic):
         bias = linear_bias(layer, n)[1]
         bias = None if bias is None else bias.float().contiguous()
 
-        def make_call(shape: tuple[int, ...]) -> MatmulCall:
-            return MatmulCall(math.prod(shape[:-1]), k, n, *fields, 1, None, w.data_ptr(), tensor_address(bias))
+        def make_call(shape: tuple[int, ...], any_rows: bool) -> MatmulCall:
+            return MatmulCall(math.prod(shape[:-1]), k, n, *fields, 1, any_rows, None, w.data_ptr(),
+                              tensor_address(bias))
 
-        execute = executor(layer, "matmul", make_call, row_layout(n), y_dtype, x_dtype, torch.contiguous_format)
+        execute = executor(layer, "matmul", make_call, row_layout(n), y_dtype, x_dtype, torch.contiguous_format,
+                           rows_vary(layer))
         return summing_kernel(execute, lambda y: y, residual, torch.contiguous_format)
 
 
@@ -92,10 +103,11 @@ class PrimitiveInt8LinearTactic(OwnPrimitive, OneDnnInt8LinearTactic):
         y_type, out_dtype = quantized_output(q)
         act = eltwise(layer.attrs.get("activation"))
 
-        def make_call(shape: tuple[int, ...]) -> MatmulCall:
+        def make_call(shape: tuple[int, ...], any_rows: bool) -> MatmulCall:
             return MatmulCall(math.prod(shape[:-1]), k, n, TYPES[q["x_dtype"]], TYPES["int8"], y_type, -1, R_NONE,
                               *act, float(q["x_scale"]), y_scale, 1.0, int(q["x_zero_point"]), y_zp, 0, n,
-                              scales.data_ptr(), w.data_ptr(), tensor_address(bias))
+                              any_rows, scales.data_ptr(), w.data_ptr(), tensor_address(bias))
 
-        execute = executor(layer, "matmul", make_call, row_layout(n), out_dtype, None, torch.contiguous_format)
+        execute = executor(layer, "matmul", make_call, row_layout(n), out_dtype, None, torch.contiguous_format,
+                           rows_vary(layer))
         return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")), R_NONE, torch.contiguous_format)

@@ -35,8 +35,9 @@ static AttrSpec conv_attr(const ConvCall* p) {
   return a;
 }
 
-/* The handle for one convolution, or NULL with the reason in `error`. */
-void* kiln_dnnl_conv_create(const ConvCall* p, char* error, int64_t error_bytes) {
+/* The handle for one convolution, or NULL with the reason in `error`; `share`: a handle of the same layer whose
+   packed weights it reads where its kernel wants their layout (NULL: none). */
+void* kiln_dnnl_conv_create(const ConvCall* p, const void* share, char* error, int64_t error_bytes) {
   Handle* h = new_handle(p->x_type, p->w_type, p->y_type, error, error_bytes);
   Making d = {0};
   if (!h) return NULL;
@@ -67,7 +68,7 @@ void* kiln_dnnl_conv_create(const ConvCall* p, char* error, int64_t error_bytes)
                                                      d.dst, strides, dilates, pad_l, pad_r, d.attr));
   const Quantization q = {p->x_scale, p->x_zp, p->cout, p->w_scale, p->y_type, p->y_scale, p->y_zp};
   if (!optimized(d.pd, error, error_bytes)) goto fail;
-  TRY(fill_handle(h, &d, p->weights, quantized ? &q : NULL, p->bias, p->cout));
+  TRY(fill_handle(h, &d, p->weights, (const Handle*)share, quantized ? &q : NULL, p->bias, p->cout));
   return finished(h, &d, 1);
 fail:
   return finished(h, &d, 0);
@@ -83,23 +84,33 @@ typedef struct {
   float x_scale, y_scale, r_scale;          /* INT8 only */
   int32_t x_zp, y_zp, r_zp;
   int32_t w_scales;                         /* INT8: n (a scale per column) or 1 */
+  int32_t any_rows;                         /* 1: made for any number of rows (m only the first bound) */
   const float* w_scale;
   const void* weights;                      /* [k][n]: s8 for INT8, else f32 */
   const float* bias;                        /* n, or NULL */
 } MatmulCall;
 
-/* The handle for one matrix product, or NULL with the reason in `error`. */
-void* kiln_dnnl_matmul_create(const MatmulCall* p, char* error, int64_t error_bytes) {
+/* The handle for one matrix product, or NULL with the reason in `error`; `share` as for a convolution. */
+void* kiln_dnnl_matmul_create(const MatmulCall* p, const void* share, char* error, int64_t error_bytes) {
   Handle* h = new_handle(p->x_type, p->w_type, p->y_type, error, error_bytes);
   Making d = {0};
   if (!h) return NULL;
   const int quantized = p->w_type == T_S8;
-  const dnnl_dims_t src_dims = {p->m, p->k}, w_dims = {p->k, p->n}, dst_dims = {p->m, p->n}, b_dims = {1, p->n};
+  const int64_t rows = p->any_rows ? DNNL_RUNTIME_DIM_VAL : p->m;
+  const dnnl_dims_t src_dims = {rows, p->k}, w_dims = {p->k, p->n}, dst_dims = {rows, p->n}, b_dims = {1, p->n};
+  const dnnl_dims_t bound_src = {p->m, p->k}, bound_dst = {p->m, p->n};
   const AttrSpec spec = {quantized, p->w_scales > 1 ? 2 : 0, p->y_type, p->residual, p->r_type, p->act,
                          p->act_alpha, p->act_beta, p->r_scale, p->r_zp};
   TRY(dnnl_memory_desc_create_with_tag(&d.src, 2, src_dims, TYPES[p->x_type], dnnl_ab));
   TRY(dnnl_memory_desc_create_with_tag(&d.dst, 2, dst_dims, TYPES[p->y_type], dnnl_ab));
   if (p->residual == R_ADD) TRY(dnnl_memory_desc_create_with_tag(&d.residual, 2, dst_dims, TYPES[p->r_type], dnnl_ab));
+  if (p->any_rows) {
+    h->rows = p->m;
+    TRY(dnnl_memory_desc_create_with_tag(&d.bound_src, 2, bound_src, TYPES[p->x_type], dnnl_ab));
+    TRY(dnnl_memory_desc_create_with_tag(&d.bound_dst, 2, bound_dst, TYPES[p->y_type], dnnl_ab));
+    if (p->residual == R_ADD)
+      TRY(dnnl_memory_desc_create_with_tag(&d.bound_residual, 2, bound_dst, TYPES[p->r_type], dnnl_ab));
+  }
   TRY(dnnl_memory_desc_create_with_tag(&d.weights, 2, w_dims, TYPES[p->w_type], dnnl_format_tag_any));
   TRY(dnnl_memory_desc_create_with_tag(&d.user_weights, 2, w_dims, quantized ? dnnl_s8 : dnnl_f32, dnnl_ab));
   TRY(dnnl_memory_desc_create_with_tag(&d.bias, 2, b_dims, dnnl_f32, dnnl_ab));
@@ -107,7 +118,7 @@ void* kiln_dnnl_matmul_create(const MatmulCall* p, char* error, int64_t error_by
   TRY(dnnl_matmul_primitive_desc_create(&d.pd, h->engine, d.src, d.weights, p->bias ? d.bias : NULL, d.dst, d.attr));
   const Quantization q = {p->x_scale, p->x_zp, p->w_scales, p->w_scale, p->y_type, p->y_scale, p->y_zp};
   if (!optimized(d.pd, error, error_bytes)) goto fail;
-  TRY(fill_handle(h, &d, p->weights, quantized ? &q : NULL, p->bias, p->n));
+  TRY(fill_handle(h, &d, p->weights, (const Handle*)share, quantized ? &q : NULL, p->bias, p->n));
   return finished(h, &d, 1);
 fail:
   return finished(h, &d, 0);

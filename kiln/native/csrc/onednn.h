@@ -34,6 +34,9 @@ typedef struct {
   dnnl_exec_arg_t args[MAX_ARGS];
   int nargs;
   int residual_arg;   /* the index of the separate residual in mem, or 0: none */
+  int weights_arg;    /* the index of the packed weights in mem (never 0: src comes first) */
+  int shares_weights; /* its weights are another handle's packed ones, not its own copy */
+  int64_t rows;       /* a product made for any number of rows: those src and dst are bound to now; else 0 */
 } Handle;
 
 /* The reason a step failed: the oneDNN function's name (the call's text up to its parenthesis) and status. */
@@ -153,15 +156,36 @@ static dnnl_status_t quantization_args(Handle* h, const Quantization* q) {
   return s;
 }
 
-/* Adds `weights` (laid out as `user_md`), reordered once into the layout `pd`'s kernel reads. */
+/* Adds the weights `share` (another handle of the same layer, or NULL) packed where `pd`'s kernel reads that same
+   layout (oneDNN's layouts seldom depend on the input's shape: one copy serves every shape of a dynamic engine). */
+static int shared_weights(Handle* h, const_dnnl_memory_desc_t packed_md, const Handle* share, dnnl_status_t* s) {
+  const_dnnl_memory_desc_t share_md = NULL;
+  void* data = NULL;
+  dnnl_memory_t m = NULL;
+  if (!share || !share->weights_arg) return 0;
+  if (dnnl_memory_get_memory_desc(share->mem[share->weights_arg], &share_md) != dnnl_success ||
+      !dnnl_memory_desc_equal(share_md, packed_md) ||
+      dnnl_memory_get_data_handle(share->mem[share->weights_arg], &data) != dnnl_success)
+    return 0;
+  if ((*s = dnnl_memory_create(&m, packed_md, h->engine, data)) != dnnl_success) return 1;
+  h->weights_arg = h->nargs;
+  h->shares_weights = 1;
+  add_arg(h, DNNL_ARG_WEIGHTS, m);
+  return 1;
+}
+
+/* Adds `weights` (laid out as `user_md`) as `pd`'s kernel reads them: `share`'s packed copy where it has that
+   layout, else reordered once into a copy of its own. */
 static dnnl_status_t packed_weights(Handle* h, const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t user_md,
-                                    const void* weights) {
+                                    const void* weights, const Handle* share) {
   dnnl_primitive_desc_t reorder_pd = NULL;
   dnnl_primitive_t reorder = NULL;
   dnnl_memory_t user = NULL, m = NULL;
   const_dnnl_memory_desc_t packed_md = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
-  dnnl_status_t s = dnnl_memory_create(&m, packed_md, h->engine, DNNL_MEMORY_ALLOCATE);
-  if (s != dnnl_success) return s;
+  dnnl_status_t s = dnnl_success;
+  if (shared_weights(h, packed_md, share, &s)) return s;
+  if ((s = dnnl_memory_create(&m, packed_md, h->engine, DNNL_MEMORY_ALLOCATE)) != dnnl_success) return s;
+  h->weights_arg = h->nargs;
   add_arg(h, DNNL_ARG_WEIGHTS, m);
   s = dnnl_memory_create(&user, user_md, h->engine, (void*)weights);
   if (s == dnnl_success) s = dnnl_reorder_primitive_desc_create(&reorder_pd, user_md, h->engine, packed_md,
@@ -213,9 +237,10 @@ static dnnl_status_t close_handle(Handle* h, const_dnnl_primitive_desc_t pd, con
   return s;
 }
 
-/* The descriptors a primitive is made from, released once it is made (or has failed). */
+/* The descriptors a primitive is made from, released once it is made (or has failed); `bound_*`: src, dst and
+   residual with the rows a product made for any number of rows is first bound to (else NULL: src, dst, residual). */
 typedef struct {
-  dnnl_memory_desc_t src, dst, residual, weights, user_weights, bias;
+  dnnl_memory_desc_t src, dst, residual, weights, user_weights, bias, bound_src, bound_dst, bound_residual;
   dnnl_primitive_attr_t attr;
   dnnl_primitive_desc_t pd;
 } Making;
@@ -223,17 +248,19 @@ typedef struct {
 static void made(Making* m) {
   dnnl_primitive_desc_destroy(m->pd);
   dnnl_primitive_attr_destroy(m->attr);
-  dnnl_memory_desc_t* mds[] = {&m->src, &m->dst, &m->residual, &m->weights, &m->user_weights, &m->bias};
+  dnnl_memory_desc_t* mds[] = {&m->src, &m->dst, &m->residual, &m->weights, &m->user_weights, &m->bias,
+                               &m->bound_src, &m->bound_dst, &m->bound_residual};
   for (size_t i = 0; i < sizeof(mds) / sizeof(mds[0]); ++i) dnnl_memory_desc_destroy(*mds[i]);
 }
 
 /* The handle's arguments once its primitive descriptor `d->pd` is made: src, dst and a separate residual (their
-   data set per call), `weights` packed, the quantization `q` (NULL: a floating-point call), the `n` bias values
-   (NULL: none), the scratchpad. */
-static dnnl_status_t fill_handle(Handle* h, const Making* d, const void* weights, const Quantization* q,
-                                 const float* bias, int64_t n) {
-  dnnl_status_t s = open_handle(h, d->pd, d->src, d->dst, d->residual);
-  if (s == dnnl_success) s = packed_weights(h, d->pd, d->user_weights, weights);
+   data set per call), `weights` packed (or `share`'s: packed_weights), the quantization `q` (NULL: a
+   floating-point call), the `n` bias values (NULL: none), the scratchpad. */
+static dnnl_status_t fill_handle(Handle* h, const Making* d, const void* weights, const Handle* share,
+                                 const Quantization* q, const float* bias, int64_t n) {
+  dnnl_status_t s = d->bound_src ? open_handle(h, d->pd, d->bound_src, d->bound_dst, d->bound_residual)
+                                   : open_handle(h, d->pd, d->src, d->dst, d->residual);
+  if (s == dnnl_success) s = packed_weights(h, d->pd, d->user_weights, weights, share);
   if (s == dnnl_success && q) s = quantization_args(h, q);
   if (s == dnnl_success) s = close_handle(h, d->pd, bias, n);
   return s;
@@ -284,6 +311,44 @@ int64_t kiln_dnnl_run(void* handle, const void* x, void* y, const void* r) {
   if (s == dnnl_success) s = dnnl_stream_wait(h->stream);
   return (int64_t)s;
 }
+
+/* Memory `i` of the handle (src, dst or the separate residual: 2-D, row-major) bound to `rows` rows. */
+static dnnl_status_t rebind(Handle* h, int i, int64_t rows) {
+  const_dnnl_memory_desc_t md = NULL;
+  const dnnl_dims_t* dims = NULL;
+  dnnl_data_type_t type = dnnl_data_type_undef;
+  dnnl_memory_desc_t bound = NULL;
+  dnnl_memory_t m = NULL;
+  dnnl_status_t s = dnnl_memory_get_memory_desc(h->mem[i], &md);
+  if (s == dnnl_success) s = dnnl_memory_desc_query(md, dnnl_query_dims, &dims);
+  if (s == dnnl_success) s = dnnl_memory_desc_query(md, dnnl_query_data_type, &type);
+  const dnnl_dims_t shape = {rows, dims ? (*dims)[1] : 0};
+  if (s == dnnl_success) s = dnnl_memory_desc_create_with_tag(&bound, 2, shape, type, dnnl_ab);
+  if (s == dnnl_success) s = dnnl_memory_create(&m, bound, h->engine, DNNL_MEMORY_NONE);
+  dnnl_memory_desc_destroy(bound);
+  if (s != dnnl_success) return s;
+  dnnl_memory_destroy(h->mem[i]);
+  h->mem[i] = h->args[i].memory = m;
+  return s;
+}
+
+/* kiln_dnnl_run on `rows` rows where the handle is a product made for any number of rows (else `rows` unread). */
+int64_t kiln_dnnl_run_rows(void* handle, int64_t rows, const void* x, void* y, const void* r) {
+  Handle* h = (Handle*)handle;
+  dnnl_status_t s = dnnl_success;
+  if (h->rows && rows < 1) return (int64_t)dnnl_invalid_arguments;
+  if (h->rows && rows != h->rows) {
+    s = rebind(h, 0, rows);
+    if (s == dnnl_success) s = rebind(h, 1, rows);
+    if (s == dnnl_success && h->residual_arg) s = rebind(h, h->residual_arg, rows);
+    h->rows = s == dnnl_success ? rows : -1;   /* -1: rebind again next call */
+    if (s != dnnl_success) return (int64_t)s;
+  }
+  return kiln_dnnl_run(handle, x, y, r);
+}
+
+/* 1 where the handle reads another handle's packed weights (that one must outlive it), 0 where it owns its own. */
+int64_t kiln_dnnl_shares_weights(const void* handle) { return ((const Handle*)handle)->shares_weights; }
 
 void kiln_dnnl_destroy(void* handle) {
   Handle* h = (Handle*)handle;
