@@ -38,7 +38,7 @@ def few_shapes_kept(monkeypatch):
 
 def live_primitives() -> dict[int, Primitive]:
     gc.collect()
-    return {id(o): o for o in gc.get_objects() if type(o) is Primitive}
+    return {id(o): o for o in gc.get_objects() if isinstance(type(o), type) and issubclass(type(o), Primitive)}
 
 
 def made_since(before: dict[int, Primitive]) -> list[Primitive]:
@@ -66,21 +66,35 @@ def test_convolution_shapes_share_the_packed_weights_and_only_the_last_used_are_
     assert sum(p.weights_owner is None for p in made) <= 2   # the first's copy, and 7x7's where its layout differs
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("tactic", [PrimitiveLinearTactic(), pytest.param(PrimitiveBf16LinearTactic(), marks=(
     pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16: oneDNN's BF16 matmul is not "
                        "offered")))], ids=["fp32", "bf16"])
-def test_linear_rows_past_the_kept_counts_run_on_one_product_for_any_row_count(tactic):
-    view = dynamic(linear_view((2, 8, 48), 48, 40, activation={"op": "Gelu", "attrs": {}}), (0, 1))
+def test_linear_rows_past_the_kept_counts_run_on_one_product_for_any_row_count(tactic, residual, monkeypatch):
+    """The residual summed where the output is written, in the output's type (bf16 here for BF16)."""
+    any_rows_made = []
+
+    class Recording(Primitive):
+        def __init__(self, lib, kind, call, share=None):
+            super().__init__(lib, kind, call, share)
+            any_rows_made.extend([call.m] if call.any_rows else [])
+
+    monkeypatch.setattr(onednn_prim, "Primitive", Recording)
+    dtypes = ("bfloat16",) * 3 if tactic.compute_dtype == torch.bfloat16 else ("float32",) * 3
+    view = dynamic(linear_view((2, 8, 48), 48, 40, activation={"op": "Gelu", "attrs": {}}, residual=residual,
+                               dtypes=dtypes), (0, 1))
     assert rows_vary(view)
     before = live_primitives()
     kernel = tactic.prepare(view)
     g = torch.Generator().manual_seed(1)
     for seq in [8, 1, 5, 3, 9, 17, 2, 64, 5, 1]:   # 16 rows planned; 2 and 10 fill the kept shapes
-        x = torch.randn(2, seq, 48, generator=g)
-        got = kernel([x, None, None])[0]
+        x = torch.randn(2, seq, 48, generator=g).to(getattr(torch, dtypes[0]))
+        r = torch.randn(2, seq, 40, generator=g).to(x.dtype) if residual else None
+        got = kernel([x, None, None] + ([r] if residual else []))[0]
         assert got.shape == (2, seq, 40)
-        want = linear_formula_float(view, x, rounded=tactic.compute_dtype == torch.bfloat16)
+        want = linear_formula_float(view, x, r, rounded=tactic.compute_dtype == torch.bfloat16)
         torch.testing.assert_close(got.float(), want, rtol=1e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    assert any_rows_made == [6]   # made once, at the first count past the kept ones (seq 3)
     made = made_since(before)
     assert len(made) == KEPT + 1   # the kept row counts' (the planned one among them) and the any-rows product
     # copies of the weights: the first's, and the any-rows product's where its kernel wants another layout

@@ -86,13 +86,16 @@ static const dnnl_alg_kind_t ELTWISE[A_COUNT] = {
     dnnl_eltwise_mish, dnnl_eltwise_gelu_erf, dnnl_eltwise_gelu_tanh};
 
 /* The post-ops of a fused epilogue: the residual (`residual`: R_*, of type `r_type`, scaled by r_scale less r_zp
-   as oneDNN's sum reads it; `r_md` its layout for a binary add), then the activation `act`. */
-static dnnl_status_t epilogue(dnnl_post_ops_t ops, int residual, int32_t r_type, float r_scale, int32_t r_zp,
-                              const_dnnl_memory_desc_t r_md, int32_t act, float alpha, float beta) {
+   as oneDNN's sum reads it; `r_md` its layout for a binary add), then the activation `act`. A sum of the output's
+   own type (`y_type`) leaves its type unset, "the destination's": oneDNN's bf16 matmul for any number of rows
+   takes only that form (an explicit bf16 fell to ref:any, Zen 4). */
+static dnnl_status_t epilogue(dnnl_post_ops_t ops, int residual, int32_t r_type, int32_t y_type, float r_scale,
+                              int32_t r_zp, const_dnnl_memory_desc_t r_md, int32_t act, float alpha, float beta) {
   dnnl_status_t s = dnnl_success;
   if (act < 0 || act >= A_COUNT || (residual != R_NONE && (r_type < T_F32 || r_type > T_BF16)))
     return dnnl_invalid_arguments;
-  if (residual == R_SUM) s = dnnl_post_ops_append_sum(ops, r_scale, r_zp, TYPES[r_type]);
+  if (residual == R_SUM)
+    s = dnnl_post_ops_append_sum(ops, r_scale, r_zp, r_type == y_type ? dnnl_data_type_undef : TYPES[r_type]);
   if (residual == R_ADD) s = dnnl_post_ops_append_binary(ops, dnnl_binary_add, r_md);
   if (s == dnnl_success && act != A_NONE) s = dnnl_post_ops_append_eltwise(ops, ELTWISE[act], alpha, beta);
   return s;
@@ -120,7 +123,8 @@ static dnnl_status_t attributes(const AttrSpec* a, const_dnnl_memory_desc_t r_md
   dnnl_post_ops_t ops;
   if (s == dnnl_success) s = dnnl_post_ops_create(&ops);
   if (s != dnnl_success) return s;
-  s = epilogue(ops, a->residual, a->r_type, a->r_scale, a->r_zp, r_md, a->act, a->act_alpha, a->act_beta);
+  s = epilogue(ops, a->residual, a->r_type, a->y_type, a->r_scale, a->r_zp, r_md, a->act, a->act_alpha,
+               a->act_beta);
   if (s == dnnl_success) s = dnnl_primitive_attr_set_post_ops(*attr, ops);
   dnnl_post_ops_destroy(ops);
   return s;
