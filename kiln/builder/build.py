@@ -27,6 +27,7 @@ from kiln.builder.options import BuildOptions
 from kiln.builder.progress import ProgressReporter
 from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
+from kiln.ops.dtypes import is_float
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.plan.model import Layer, Plan
 from kiln.planning.memory import plan_memory
@@ -239,14 +240,19 @@ def finish_openvino_regions(layers: list[Layer], weights: dict[str, np.ndarray],
     return finished
 
 
-def with_runtime_precisions(region: Layer, ran: dict[str, str]) -> Layer:
-    """The region with each inner layer granted the precision OpenVINO ran it in (FP32 where unknown). Quantize and
-    dequantize layers keep theirs: OpenVINO's FakeQuantize reports its FP32 input, not the INT8 it writes."""
+def with_runtime_precisions(region: Layer, ran: dict[str, frozenset[str]]) -> Layer:
+    """The region with each inner layer granted the lowest precision OpenVINO ran its ops in (FP32 where unknown).
+    Quantize and dequantize layers keep theirs: OpenVINO's FakeQuantize reports its FP32 input, not the INT8 it
+    writes. So do layers writing no float tensor. OpenVINO's u8/i8 counts as INT8 only for a layer that asked for
+    INT8: elsewhere it is a mask's boolean type (a BERT's attention-mask And and Where read "INT8" in a --bf16
+    build)."""
+    order = ("INT8", "FP16", "BF16", "FP32")
 
     def one(inner: Layer) -> Layer:
-        if inner.op_type in QDQ_OPS:
+        if inner.op_type in QDQ_OPS or not any(is_float(t.dtype) for t in inner.outputs):
             return inner
-        got = ran.get(inner.name, "FP32")
+        counted = ran.get(inner.name, frozenset()) - (set() if inner.requested_precision == "INT8" else {"INT8"})
+        got = min(counted or {"FP32"}, key=order.index)
         why = "" if got == inner.requested_precision else f"the OpenVINO region ran it in {got}"
         return dataclasses.replace(inner, precision=got, precision_reason=why)
     return dataclasses.replace(region, inner=tuple(one(i) for i in region.inner))

@@ -138,9 +138,13 @@ def requested(name: str, op_type: str, output_dtypes: Iterable, options: Precisi
     return "FP32"
 
 
-def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
+def reason(op_type: str, want: str, got: str, support: dict[str, bool],
+           output_dtypes: Iterable = ("float32",)) -> str:
     if want == got:
         return ""
+    output_dtypes = [d for d in output_dtypes if d is not None]
+    if want in REDUCED_FLOATS and output_dtypes and not any(is_float(d) for d in output_dtypes):
+        return f"{NO_FLOATS} ({', '.join(sorted(set(map(str, output_dtypes))))})"
     if want in ("FP16", "BF16"):
         why = f"this CPU has no native {want} arithmetic" if not support.get(want) else \
             f"kiln has no {want} kernel for {op_type}"
@@ -155,6 +159,7 @@ def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
 
 
 REDUCED_FLOATS = ("BF16", "FP16")
+NO_FLOATS = "it writes no floating-point tensor: no reduced precision applies"
 KernelOffers = Callable[[Node, str], bool]   # (node, precision) -> does an enabled tactic compute it so?
 OUTPUT_TAIL = ("it computes the network's output after its last matrix layer, where BF16/FP16 saves little and "
                "rounds the result (a detector's box arithmetic to ~2 px at 640); it runs in FP32 (--layer-precisions "
@@ -209,9 +214,9 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, native, OUTPUT_TAIL)
             continue
         got = want if want != native and native == "FP32" and kernel_offers(node, want) else native
-        why = reason(node.op_type, want, got, support)
+        why = reason(node.op_type, want, got, support, dtypes)
         if why:
-            if options.constraints == "obey" and want != "FP32":
+            if options.constraints == "obey" and want != "FP32" and not why.startswith(NO_FLOATS):
                 raise ModelError(f"layer '{node.name}' ({node.op_type}): --precision-constraints obey asks for "
                                  f"{want}, which kiln cannot give: {why}")
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, got, why)

@@ -100,10 +100,11 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
 _RUNTIME_PRECISION = {"bf16": "BF16", "f16": "FP16", "i8": "INT8", "u8": "INT8", "f32": "FP32"}
 
 
-def runtime_precisions(compiled) -> dict[str, str]:
-    """Per inner layer of a region (the emitter names a layer's ONNX nodes "<layer>|<k>"), the precision its
-    compute ran in, from OpenVINO's execution graph (`runtimePrecision` of the ops its nodes became): the lowest
-    float precision among them, so a convolution run in bf16 reads BF16 even where a reorder stayed f32."""
+def runtime_precisions(compiled) -> dict[str, frozenset[str]]:
+    """Per inner layer of a region (the emitter names a layer's ONNX nodes "<layer>|<k>"), the precisions the ops
+    its nodes became ran in, from OpenVINO's execution graph (`runtimePrecision`); kiln.builder.build's
+    with_runtime_precisions grants the lowest that counts, so a convolution run in bf16 reads BF16 even where a
+    reorder stayed f32."""
     found: dict[str, set[str]] = {}
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
@@ -115,8 +116,7 @@ def runtime_precisions(compiled) -> dict[str, str]:
         for layer in _emitted_layers(info["originalLayersNames"].astype(str)):
             if precision:
                 found.setdefault(layer, set()).add(precision)
-    order = ("INT8", "FP16", "BF16", "FP32")
-    return {layer: min(kinds, key=order.index) for layer, kinds in found.items()}
+    return {layer: frozenset(kinds) for layer, kinds in found.items()}
 
 
 def _emitted_layers(original_names: str) -> list[str]:

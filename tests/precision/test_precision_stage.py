@@ -2,6 +2,8 @@
 reduced precision selects the tactics that compute in it, and the timing cache keeps precisions apart."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,43 @@ def test_decide_grants_a_reduced_precision_only_where_a_kernel_offers_it():
     asked.clear()
     plain = decide(g.nodes, PrecisionOptions(), offers)
     assert plain == {"mm": PrecisionDecision("FP32", "FP32", "")} and asked == []   # native requests ask nothing
+
+
+def test_a_layer_writing_no_float_tensor_is_not_a_reduced_precision_request_obey_fails():
+    """A mask's Greater writes bool: BF16 does not apply to it, so it is granted FP32 with that reason and `obey`
+    does not fail on it (before: "kiln has no BF16 kernel for Greater", and every BERT with a mask failed)."""
+    b = IRBuilder()
+    x = b.input("x", (4, 8))
+    mm = b.node("MatMul", [x, b.const("w", np.ones((8, 8)))], "y", (4, 8), name="mm")
+    mask = b.node("Greater", [x, b.const("zero", np.zeros(()))], "mask", (4, 8), dtype=np.bool_, name="mask")
+    g = b.graph(mm, mask)
+    options = PrecisionOptions(bf16=True, constraints="obey")
+    got = decide(g.nodes, options, lambda n, p: n.op_type == "MatMul", support={"BF16": True, "FP16": False})
+    assert got["mm"] == PrecisionDecision("BF16", "BF16", "")
+    assert got["mask"] == PrecisionDecision("BF16", "FP32", "it writes no floating-point tensor: no reduced "
+                                                             "precision applies (bool)")
+
+
+def test_an_openvino_region_counts_int8_only_where_a_layer_asked_for_it():
+    """OpenVINO reports a mask's And as u8 and a Where reading one as u8 too: not INT8 arithmetic in a --bf16
+    build. A quantized convolution's i8 is."""
+    from kiln.builder.build import with_runtime_precisions
+    from kiln.plan.model import Layer, TensorDesc
+
+    def layer(name, op_type, dtype, requested, precision="FP32", reason=""):
+        return Layer(name, op_type, "", (), (), (TensorDesc(name, (4,), dtype),), {}, "x", 0, "openvino", (name,),
+                     precision, (), requested, reason)
+    inner = (layer("and", "And", "bool", "BF16", reason="it writes no floating-point tensor: no reduced precision "
+                   "applies (bool)"),
+             layer("where", "Where", "float32", "BF16"), layer("conv", "Conv", "float32", "BF16"),
+             layer("qconv", "QConv", "uint8", "INT8", "INT8"), layer("ln", "LayerNormalization", "float32", "BF16"))
+    region = dataclasses.replace(layer("{ForeignNode[and...ln]}", "ForeignNode", "float32", "BF16"), inner=inner)
+    ran = {"and": frozenset({"INT8"}), "where": frozenset({"INT8", "FP32"}), "conv": frozenset({"BF16", "FP32"}),
+           "qconv": frozenset({"INT8", "FP32"})}
+    got = {i.name: (i.precision, i.precision_reason) for i in with_runtime_precisions(region, ran).inner}
+    assert got == {"and": ("FP32", "it writes no floating-point tensor: no reduced precision applies (bool)"),
+                   "where": ("FP32", "the OpenVINO region ran it in FP32"), "conv": ("BF16", ""),
+                   "qconv": ("INT8", ""), "ln": ("FP32", "the OpenVINO region ran it in FP32")}
 
 
 class Bf16Tactic:
