@@ -1,7 +1,8 @@
 """oneDNN primitives of kiln's own (source "onednn"; kiln/native/csrc/onednn.c on oneDNN's C API, from the
 `onednn-cpu-gomp` wheel): what every one shares (the call structures' types and activations, the per-shape
-executor, the residual's kernel forms) and the INT8 convolution. A primitive is made once per input shape at
-load, its weights reordered into its kernel's layout then; a call sets its data pointers and executes. The INT8
+executor, the residual's kernel forms) and the INT8 convolution. A primitive is made at load for the planned input
+shape, its weights reordered into its kernel's layout then (a dynamic engine's other shapes get theirs on first
+sight, reading those weights: ShapePrimitives); a call sets its data pointers and executes. The INT8
 convolution takes the layers torch's `qconv2d_pointwise` takes (kiln.tactics.onednn_int8): u8/s8 activations (s8
 read as they are, no flip), s8 weights with a scale per output channel, FP32 bias, the INT8 residual as the sum
 post-op, ReLU/Clip/HardSwish/Swish, u8/s8 or FP32 out. The floating-point ones: kiln.tactics.onednn_prim_float
@@ -148,54 +149,61 @@ def output_layout(layer: LayerView, shape: tuple[int, ...]) -> tuple[tuple[int, 
     return (shape[0], c, h, w), (h * w * c, 1, w * c, c)
 
 
-def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torch.dtype,
-             x_dtype: torch.dtype | None = None, memory_format=torch.channels_last, any_rows: bool = False):
-    """execute(x, y=None, r=None) -> y: `layer`'s primitive (`kind`, Primitive's) on `x` (made `memory_format`
-    contiguous, cast to `x_dtype` where given) into `y` (a new tensor of `out_dtype` where None, laid out as
-    `out_layout(shape)` gives it, (shape, strides); holding the residual where it is summed in place), `r` a
-    residual read from its own buffer. A primitive per input shape (`make_call(shape, any_rows)` gives its call
-    structure, pointing at arrays the caller keeps alive): the layer's planned shape's made now, so packing and
-    refusals happen at load; another shape's (a dynamic engine) on first sight, reading the first one's packed
-    weights. Of a convolution the SHAPES_KEPT last used are kept; a matrix product whose rows vary (`any_rows`)
-    keeps the first SHAPES_KEPT shapes' and runs every other on one product made for any number of rows (oneDNN's
-    kernel for a known count is 1.1-1.6x faster, but made again for each new count: ~0.5 ms)."""
-    lib = native.library("onednn")
-    # per input shape, least recently used first: the primitive, its handle, the rows it is run on (any_rows), and
-    # the output's shape and strides
-    by_shape: OrderedDict[tuple[int, ...], tuple[Primitive, int, int, tuple[int, ...], tuple[int, ...]]] = \
-        OrderedDict()
-    lock = threading.Lock()   # one call at a time per primitive: its scratchpad is its own
-    run_c = lib.kiln_dnnl_run_rows
-    planned = tuple(layer.input_shapes[0])
-    first = Primitive(lib, kind, make_call(planned, False))   # kept: it owns the packed weights the others read
-    rows_free: list[Primitive | None] = []   # the product made for any number of rows once needed (None: refused)
+class ShapePrimitives:
+    """One layer's primitives by input shape (`make_call(shape, any_rows)` gives a call structure, pointing at
+    arrays the caller keeps alive): the planned shape's made at once, so packing and refusals happen at load;
+    another shape's (a dynamic engine) on first sight, reading the first one's packed weights. Of a convolution the
+    SHAPES_KEPT last used are kept; a matrix product whose rows vary (`any_rows`) keeps the first SHAPES_KEPT
+    shapes' and runs every other on one product made for any number of rows (oneDNN's kernel for a known count is
+    1.1-1.6x faster, but made again for each new count: ~0.5 ms). Not thread-safe: the executor serializes."""
 
-    def primitive(shape: tuple[int, ...]):
-        made = by_shape.get(shape)
+    def __init__(self, lib, kind: str, make_call, out_layout, planned: tuple[int, ...], any_rows: bool):
+        self.lib, self.kind, self.make_call, self.out_layout, self.any_rows = lib, kind, make_call, out_layout, any_rows
+        self.planned = planned
+        self.first = Primitive(lib, kind, make_call(planned, False))   # kept: its packed weights are the others'
+        self.rows_free: list[Primitive | None] = []   # the any-rows product once needed (None: oneDNN refused it)
+        # per input shape, least recently used first: the primitive, its handle, the rows it runs on, and the
+        # output's shape and strides
+        self.by_shape: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self.get(planned)
+
+    def get(self, shape: tuple[int, ...]) -> tuple[Primitive, int, int, tuple[int, ...], tuple[int, ...]]:
+        made = self.by_shape.get(shape)
         if made is not None:
-            by_shape.move_to_end(shape)
+            self.by_shape.move_to_end(shape)
             return made
-        if any_rows and len(by_shape) >= SHAPES_KEPT and not rows_free:
+        if self.any_rows and len(self.by_shape) >= SHAPES_KEPT and not self.rows_free:
             try:
-                rows_free.append(Primitive(lib, kind, make_call(shape, True), first))
+                self.rows_free.append(Primitive(self.lib, self.kind, self.make_call(shape, True), self.first))
             except RuntimeError:   # no kernel for any number of rows: shapes replace each other instead
-                rows_free.append(None)
-        if rows_free and rows_free[0] is not None:
-            return (rows_free[0], rows_free[0].handle, math.prod(shape[:-1]), *out_layout(shape))
-        prim = first if shape == planned else Primitive(lib, kind, make_call(shape, False), first)
-        by_shape[shape] = made = (prim, prim.handle, math.prod(shape[:-1]), *out_layout(shape))
-        if len(by_shape) > SHAPES_KEPT:
-            by_shape.popitem(last=False)
+                self.rows_free.append(None)
+        if self.rows_free and self.rows_free[0] is not None:
+            return (self.rows_free[0], self.rows_free[0].handle, math.prod(shape[:-1]), *self.out_layout(shape))
+        prim = self.first if shape == self.planned else \
+            Primitive(self.lib, self.kind, self.make_call(shape, False), self.first)
+        self.by_shape[shape] = made = (prim, prim.handle, math.prod(shape[:-1]), *self.out_layout(shape))
+        if len(self.by_shape) > SHAPES_KEPT:
+            self.by_shape.popitem(last=False)
         return made
 
-    primitive(planned)
+
+def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torch.dtype,
+             x_dtype: torch.dtype | None = None, memory_format=torch.channels_last, any_rows: bool = False):
+    """execute(x, y=None, r=None) -> y: `layer`'s primitive (`kind`, Primitive's; one per input shape,
+    ShapePrimitives' with `make_call` and `any_rows`) on `x` (made `memory_format` contiguous, cast to `x_dtype`
+    where given) into `y` (a new tensor of `out_dtype` where None, laid out as `out_layout(shape)` gives it,
+    (shape, strides); holding the residual where it is summed in place), `r` a residual read from its own buffer."""
+    lib = native.library("onednn")
+    primitives = ShapePrimitives(lib, kind, make_call, out_layout, tuple(layer.input_shapes[0]), any_rows)
+    lock = threading.Lock()   # one call at a time per primitive: its scratchpad is its own
+    run_c = lib.kiln_dnnl_run_rows
 
     def execute(x: torch.Tensor, y: torch.Tensor | None = None, r: torch.Tensor | None = None) -> torch.Tensor:
         x = x.contiguous(memory_format=memory_format) if x_dtype is None or x.dtype == x_dtype else \
             x.to(x_dtype, memory_format=memory_format)   # (.to costs ~1 us even where it has nothing to do)
         r = None if r is None else r.contiguous(memory_format=memory_format)
         with lock:
-            _, handle, rows, shape, strides = primitive(tuple(x.shape))
+            _, handle, rows, shape, strides = primitives.get(tuple(x.shape))
             y = torch.empty_strided(shape, strides, dtype=out_dtype) if y is None else y
             status = run_c(handle, rows, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr())
         if status:
