@@ -15,11 +15,13 @@ from kiln.tactics import onednn_prim
 from kiln.tactics.base import LayerView
 from kiln.tactics.onednn_conv import bf16_available
 from kiln.tactics.onednn_int8 import int8_available
-from kiln.tactics.onednn_prim import Primitive
+from kiln.tactics.onednn_prim import Primitive, PrimitiveInt8ConvTactic
 from kiln.tactics.onednn_prim_float import PrimitiveConvTactic
 from kiln.tactics.onednn_prim_linear import PrimitiveBf16LinearTactic, PrimitiveInt8LinearTactic, \
     PrimitiveLinearTactic, rows_vary
 from tests.tactics.test_onednn_int8 import close_quantized, linear_formula
+from tests.tactics.test_onednn_int8 import conv_view as int8_conv_view
+from tests.tactics.test_onednn_int8 import formula as int8_conv_formula
 from tests.tactics.test_onednn_int8 import linear_view as int8_linear_view
 from tests.tactics.test_onednn_prim_float import conv_view
 from tests.tactics.test_onednn_prim_float import formula as conv_formula
@@ -118,6 +120,22 @@ def test_int8_linear_rows_past_the_kept_counts_match_the_formula():
         got = kernel([x, None, None])[0]
         assert got.shape == (1, seq, 40)
         close_quantized(got, linear_formula(view, x))
+
+
+@pytest.mark.skipif(not int8_available(), reason="this CPU has neither VNNI nor AMX-INT8: kiln offers no oneDNN "
+                    "INT8 kernel")
+def test_int8_convolution_shapes_read_the_first_ones_weights_and_compensation():
+    """oneDNN packs an INT8 convolution's zero-point compensation with its weights: a shape reading the first one's
+    packed weights reads that too (a padded 3x3 with a source zero point, batch and size varying)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-127, 128, (16, 8, 3, 3), generator=g, dtype=torch.int8)
+    view = dynamic(int8_conv_view((1, 8, 10, 10), w, act="Relu"), (0, 2, 3))
+    before = live_primitives()
+    kernel = PrimitiveInt8ConvTactic().prepare(view)
+    for shape in [(1, 8, 10, 10), (2, 8, 10, 10), (1, 8, 17, 6), (3, 8, 9, 9), (1, 8, 10, 10)]:
+        x = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        close_quantized(kernel([x, None, None])[0], int8_conv_formula(view, x))
+    assert sum(p.weights_owner is None for p in made_since(before)) <= 2
 
 
 def test_a_product_refused_for_any_row_count_falls_back_to_shapes_replacing_each_other(monkeypatch):
