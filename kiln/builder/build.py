@@ -27,7 +27,6 @@ from kiln.builder.options import BuildOptions
 from kiln.builder.progress import ProgressReporter
 from kiln.frontend import import_onnx, load_model
 from kiln.ir import Graph, Node
-from kiln.ops.dtypes import is_float
 from kiln.passes import DEFAULT_PIPELINE, run_passes
 from kiln.plan.model import Layer, Plan
 from kiln.planning.memory import plan_memory
@@ -243,13 +242,12 @@ def finish_openvino_regions(layers: list[Layer], weights: dict[str, np.ndarray],
 def with_runtime_precisions(region: Layer, ran: dict[str, frozenset[str]]) -> Layer:
     """The region with each inner layer granted the lowest precision OpenVINO ran its ops in (FP32 where unknown).
     Quantize and dequantize layers keep theirs: OpenVINO's FakeQuantize reports its FP32 input, not the INT8 it
-    writes. So do layers writing no float tensor. OpenVINO's u8/i8 counts as INT8 only for a layer that asked for
-    INT8: elsewhere it is a mask's boolean type (a BERT's attention-mask And and Where read "INT8" in a --bf16
-    build)."""
+    writes. OpenVINO's u8/i8 counts as INT8 only for a layer that asked for INT8: elsewhere it is a mask's boolean
+    type (a BERT's attention-mask And and Where read "INT8" in a --bf16 build)."""
     order = ("INT8", "FP16", "BF16", "FP32")
 
     def one(inner: Layer) -> Layer:
-        if inner.op_type in QDQ_OPS or not any(is_float(t.dtype) for t in inner.outputs):
+        if inner.op_type in QDQ_OPS:
             return inner
         counted = ran.get(inner.name, frozenset()) - (set() if inner.requested_precision == "INT8" else {"INT8"})
         got = min(counted or {"FP32"}, key=order.index)

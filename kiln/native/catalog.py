@@ -111,8 +111,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_dnnl_conv_create", (POINTER, POINTER, ctypes.c_char_p, I64), POINTER),
         Function("kiln_dnnl_matmul_create", (POINTER, POINTER, ctypes.c_char_p, I64), POINTER),
         Function("kiln_dnnl_shares_weights", (POINTER,), I64),
-        Function("kiln_dnnl_run", (POINTER,) * 4, I64),   # handle, x, y, residual (or NULL) -> oneDNN's status
-        Function("kiln_dnnl_run_rows", (POINTER, I64, POINTER, POINTER, POINTER), I64),   # handle, rows, x, y, r
+        # handle, rows (a product made for any number of rows), x, y, residual (or NULL) -> oneDNN's status
+        Function("kiln_dnnl_run", (POINTER, I64, POINTER, POINTER, POINTER), I64),
         Function("kiln_dnnl_destroy", (POINTER,))), needs="onednn"),
 )}
 

@@ -123,28 +123,27 @@ def requested(name: str, op_type: str, output_dtypes: Iterable, options: Precisi
     named = named_precision(name, options, origin)
     if named is not None:
         return named
-    output_dtypes = list(output_dtypes)
+    output_dtypes, input_dtypes = list(output_dtypes), list(input_dtypes)
     if op_type in INT8_LAYERS or _eight_bit_qdq(op_type, [*output_dtypes, *input_dtypes]):
         return "INT8"
     if op_type in QDQ_OPS:
         return "FP32"   # 16-bit Q/DQ
-    if options.best:
-        return "BF16"   # INT8 only where the model's Q/DQ gives scales (above); BF16 beats FP16 where both are
     float_out = any(is_float(d) for d in output_dtypes)
+    # a layer that reads and writes no float (a mask's Cast to bool, And, Expand) has nothing to compute in BF16/FP16
+    floats = float_out or any(d is not None and is_float(d) for d in input_dtypes)
+    if options.best:
+        # INT8 only where the model's Q/DQ gives scales (above); BF16 beats FP16 where both are
+        return "BF16" if floats else "FP32"
     if options.int8 and (op_type in INT8_CAPABLE or float_out):
         return "INT8"   # --int8 allows INT8 everywhere, as TensorRT's flag does; kiln says where it was not given
-    if options.bf16 or options.fp16:
+    if (options.bf16 or options.fp16) and floats:
         return "BF16" if options.bf16 and not options.fp16 else "FP16"
     return "FP32"
 
 
-def reason(op_type: str, want: str, got: str, support: dict[str, bool],
-           output_dtypes: Iterable = ("float32",)) -> str:
+def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
     if want == got:
         return ""
-    output_dtypes = [d for d in output_dtypes if d is not None]
-    if want in REDUCED_FLOATS and output_dtypes and not any(is_float(d) for d in output_dtypes):
-        return f"{NO_FLOATS} ({', '.join(sorted(set(map(str, output_dtypes))))})"
     if want in ("FP16", "BF16"):
         why = f"this CPU has no native {want} arithmetic" if not support.get(want) else \
             f"kiln has no {want} kernel for {op_type}"
@@ -159,7 +158,6 @@ def reason(op_type: str, want: str, got: str, support: dict[str, bool],
 
 
 REDUCED_FLOATS = ("BF16", "FP16")
-NO_FLOATS = "it writes no floating-point tensor: no reduced precision applies"
 KernelOffers = Callable[[Node, str], bool]   # (node, precision) -> does an enabled tactic compute it so?
 OUTPUT_TAIL = ("it computes the network's output after its last matrix layer, where BF16/FP16 saves little and "
                "rounds the result (a detector's box arithmetic to ~2 px at 640); it runs in FP32 (--layer-precisions "
@@ -214,9 +212,9 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, native, OUTPUT_TAIL)
             continue
         got = want if want != native and native == "FP32" and kernel_offers(node, want) else native
-        why = reason(node.op_type, want, got, support, dtypes)
+        why = reason(node.op_type, want, got, support)
         if why:
-            if options.constraints == "obey" and want != "FP32" and not why.startswith(NO_FLOATS):
+            if options.constraints == "obey" and want != "FP32":
                 raise ModelError(f"layer '{node.name}' ({node.op_type}): --precision-constraints obey asks for "
                                  f"{want}, which kiln cannot give: {why}")
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, got, why)

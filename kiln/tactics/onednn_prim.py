@@ -196,7 +196,7 @@ def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torc
     lib = native.library("onednn")
     primitives = ShapePrimitives(lib, kind, make_call, out_layout, tuple(layer.input_shapes[0]), any_rows)
     lock = threading.Lock()   # one call at a time per primitive: its scratchpad is its own
-    run_c = lib.kiln_dnnl_run_rows
+    run_c = lib.kiln_dnnl_run
 
     def execute(x: torch.Tensor, y: torch.Tensor | None = None, r: torch.Tensor | None = None) -> torch.Tensor:
         x = x.contiguous(memory_format=memory_format) if x_dtype is None or x.dtype == x_dtype else \

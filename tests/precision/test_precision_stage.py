@@ -56,19 +56,24 @@ def test_decide_grants_a_reduced_precision_only_where_a_kernel_offers_it():
     assert plain == {"mm": PrecisionDecision("FP32", "FP32", "")} and asked == []   # native requests ask nothing
 
 
-def test_a_layer_writing_no_float_tensor_is_not_a_reduced_precision_request_obey_fails():
-    """A mask's Greater writes bool: BF16 does not apply to it, so it is granted FP32 with that reason and `obey`
-    does not fail on it (before: "kiln has no BF16 kernel for Greater", and every BERT with a mask failed)."""
+def test_a_layer_reading_and_writing_no_float_asks_for_no_reduced_precision_and_obey_passes():
+    """A mask's Cast to bool and its Not compute no float: --bf16 asks nothing of them (before: BF16 requested,
+    "kiln has no BF16 kernel for Cast", and `obey` failed on every masked BERT). A Greater reading floats still asks."""
     b = IRBuilder()
-    x = b.input("x", (4, 8))
+    x, ids = b.input("x", (4, 8)), b.input("ids", (4, 8), dtype=np.int64)
     mm = b.node("MatMul", [x, b.const("w", np.ones((8, 8)))], "y", (4, 8), name="mm")
-    mask = b.node("Greater", [x, b.const("zero", np.zeros(()))], "mask", (4, 8), dtype=np.bool_, name="mask")
-    g = b.graph(mm, mask)
-    options = PrecisionOptions(bf16=True, constraints="obey")
-    got = decide(g.nodes, options, lambda n, p: n.op_type == "MatMul", support={"BF16": True, "FP16": False})
-    assert got["mm"] == PrecisionDecision("BF16", "BF16", "")
-    assert got["mask"] == PrecisionDecision("BF16", "FP32", "it writes no floating-point tensor: no reduced "
-                                                             "precision applies (bool)")
+    cast = b.node("Cast", [ids], "as_bool", (4, 8), dtype=np.bool_, name="cast", to=9)
+    mask = b.node("Not", [cast], "mask", (4, 8), name="mask")
+    above = b.node("Greater", [x, b.const("zero", np.zeros(()))], "above", (4, 8), dtype=np.bool_, name="above")
+    g = b.graph(mm, mask, above)
+    support = {"BF16": True, "FP16": False}
+    got = decide([n for n in g.nodes if n.name != "above"], PrecisionOptions(bf16=True, constraints="obey"),
+                 lambda n, p: n.op_type == "MatMul", support=support)
+    assert got == {"mm": PrecisionDecision("BF16", "BF16", ""), "cast": PrecisionDecision("FP32", "FP32", ""),
+                   "mask": PrecisionDecision("FP32", "FP32", "")}
+    best = decide(g.nodes, PrecisionOptions(best=True), lambda n, p: n.op_type == "MatMul", support=support)
+    assert {n: d.requested for n, d in best.items()} == {"mm": "BF16", "cast": "FP32", "mask": "FP32",
+                                                         "above": "BF16"}
 
 
 def test_an_openvino_region_counts_int8_only_where_a_layer_asked_for_it():
@@ -80,15 +85,13 @@ def test_an_openvino_region_counts_int8_only_where_a_layer_asked_for_it():
     def layer(name, op_type, dtype, requested, precision="FP32", reason=""):
         return Layer(name, op_type, "", (), (), (TensorDesc(name, (4,), dtype),), {}, "x", 0, "openvino", (name,),
                      precision, (), requested, reason)
-    inner = (layer("and", "And", "bool", "BF16", reason="it writes no floating-point tensor: no reduced precision "
-                   "applies (bool)"),
-             layer("where", "Where", "float32", "BF16"), layer("conv", "Conv", "float32", "BF16"),
+    inner = (layer("and", "And", "bool", "FP32"), layer("where", "Where", "float32", "BF16"), layer("conv", "Conv", "float32", "BF16"),
              layer("qconv", "QConv", "uint8", "INT8", "INT8"), layer("ln", "LayerNormalization", "float32", "BF16"))
     region = dataclasses.replace(layer("{ForeignNode[and...ln]}", "ForeignNode", "float32", "BF16"), inner=inner)
     ran = {"and": frozenset({"INT8"}), "where": frozenset({"INT8", "FP32"}), "conv": frozenset({"BF16", "FP32"}),
            "qconv": frozenset({"INT8", "FP32"})}
     got = {i.name: (i.precision, i.precision_reason) for i in with_runtime_precisions(region, ran).inner}
-    assert got == {"and": ("FP32", "it writes no floating-point tensor: no reduced precision applies (bool)"),
+    assert got == {"and": ("FP32", ""),
                    "where": ("FP32", "the OpenVINO region ran it in FP32"), "conv": ("BF16", ""),
                    "qconv": ("INT8", ""), "ln": ("FP32", "the OpenVINO region ran it in FP32")}
 

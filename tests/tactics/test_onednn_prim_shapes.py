@@ -103,7 +103,7 @@ def test_linear_rows_past_the_kept_counts_run_on_one_product_for_any_row_count(t
     assert sum(p.weights_owner is None for p in made) <= 2
 
 
-def test_a_static_linear_layer_never_makes_the_any_rows_product():
+def test_rows_vary_only_where_a_leading_axis_is_dynamic():
     view = linear_view((16, 48), 48, 40)
     assert not rows_vary(view) and rows_vary(dynamic(view, (0,))) and not rows_vary(dynamic(view, (1,)))
 

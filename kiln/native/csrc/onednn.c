@@ -5,7 +5,8 @@
    is written, or a binary add reading its own buffer) and an activation as post-ops; and a matrix product by a
    constant matrix (a linear layer) with the same types and epilogue. kiln_dnnl_conv_create and
    kiln_dnnl_matmul_create make the primitive for one input shape and reorder the weights into the layout its
-   kernel reads (done once, at load); kiln_dnnl_run (onednn.h) sets the data pointers and executes. torch's oneDNN
+   kernel reads (done once, at load; another shape's may read them); kiln_dnnl_run (onednn.h) sets the data
+   pointers and executes. torch's oneDNN
    ops build their descriptors inside every call (~15-50 us each on Zen 4); this costs ~3 us.
 
    Links oneDNN's C API (libdnnl.so.3 from the `onednn-cpu-gomp` wheel, its headers from `onednn-devel-cpu-gomp`):
@@ -67,9 +68,7 @@ void* kiln_dnnl_conv_create(const ConvCall* p, const void* share, char* error, i
                                                      dnnl_convolution_direct, d.src, d.weights, p->bias ? d.bias : NULL,
                                                      d.dst, strides, dilates, pad_l, pad_r, d.attr));
   const Quantization q = {p->x_scale, p->x_zp, p->cout, p->w_scale, p->y_type, p->y_scale, p->y_zp};
-  if (!optimized(d.pd, error, error_bytes)) goto fail;
-  TRY(fill_handle(h, &d, p->weights, (const Handle*)share, quantized ? &q : NULL, p->bias, p->cout));
-  return finished(h, &d, 1);
+  return completed(h, &d, p->weights, share, quantized ? &q : NULL, p->bias, p->cout, error, error_bytes);
 fail:
   return finished(h, &d, 0);
 }
@@ -117,9 +116,7 @@ void* kiln_dnnl_matmul_create(const MatmulCall* p, const void* share, char* erro
   TRY(attributes(&spec, d.residual, &d.attr));
   TRY(dnnl_matmul_primitive_desc_create(&d.pd, h->engine, d.src, d.weights, p->bias ? d.bias : NULL, d.dst, d.attr));
   const Quantization q = {p->x_scale, p->x_zp, p->w_scales, p->w_scale, p->y_type, p->y_scale, p->y_zp};
-  if (!optimized(d.pd, error, error_bytes)) goto fail;
-  TRY(fill_handle(h, &d, p->weights, (const Handle*)share, quantized ? &q : NULL, p->bias, p->n));
-  return finished(h, &d, 1);
+  return completed(h, &d, p->weights, share, quantized ? &q : NULL, p->bias, p->n, error, error_bytes);
 fail:
   return finished(h, &d, 0);
 }

@@ -288,6 +288,16 @@ static void* finished(Handle* h, Making* d, int ok) {
   return NULL;
 }
 
+/* The handle once `d->pd` is made (finished: NULL, freed, with the reason in `error`, where oneDNN offers only its
+   reference kernel or an argument cannot be made); fill_handle's arguments. */
+static void* completed(Handle* h, Making* d, const void* weights, const void* share, const Quantization* q,
+                       const float* bias, int64_t n, char* error, int64_t error_bytes) {
+  if (!optimized(d->pd, error, error_bytes)) return finished(h, d, 0);
+  const dnnl_status_t s = fill_handle(h, d, weights, (const Handle*)share, q, bias, n);
+  if (s != dnnl_success) failed(error, error_bytes, "fill_handle()", s);
+  return finished(h, d, s == dnnl_success);
+}
+
 /* A new handle with its engine and stream for a call of these tensor types, or NULL with the reason in `error`. */
 static Handle* new_handle(int32_t x_type, int32_t w_type, int32_t y_type, char* error, int64_t error_bytes) {
   Handle* h = NULL;
@@ -304,16 +314,14 @@ fail:
   return NULL;
 }
 
-/* One call: x into y (holding the residual where it is summed in place); r, a residual read from its own buffer.
-   Returns 0, or oneDNN's status. */
-int64_t kiln_dnnl_run(void* handle, const void* x, void* y, const void* r) {
-  Handle* h = (Handle*)handle;
+/* Sets the data pointers and executes (kiln_dnnl_run). */
+static dnnl_status_t execute(Handle* h, const void* x, void* y, const void* r) {
   dnnl_status_t s = dnnl_memory_set_data_handle(h->mem[0], (void*)x);
   if (s == dnnl_success) s = dnnl_memory_set_data_handle(h->mem[1], y);
   if (s == dnnl_success && h->residual_arg) s = dnnl_memory_set_data_handle(h->mem[h->residual_arg], (void*)r);
   if (s == dnnl_success) s = dnnl_primitive_execute(h->primitive, h->stream, h->nargs, h->args);
   if (s == dnnl_success) s = dnnl_stream_wait(h->stream);
-  return (int64_t)s;
+  return s;
 }
 
 /* Memory `i` of the handle (src, dst or the separate residual: 2-D, row-major) bound to `rows` rows. */
@@ -336,8 +344,9 @@ static dnnl_status_t rebind(Handle* h, int i, int64_t rows) {
   return s;
 }
 
-/* kiln_dnnl_run on `rows` rows where the handle is a product made for any number of rows (else `rows` unread). */
-int64_t kiln_dnnl_run_rows(void* handle, int64_t rows, const void* x, void* y, const void* r) {
+/* One call: x into y (holding the residual where it is summed in place); r, a residual read from its own buffer;
+   `rows`: the rows of a product made for any number of rows (else unread). Returns 0, or oneDNN's status. */
+int64_t kiln_dnnl_run(void* handle, int64_t rows, const void* x, void* y, const void* r) {
   Handle* h = (Handle*)handle;
   dnnl_status_t s = dnnl_success;
   if (h->rows && rows < 1) return (int64_t)dnnl_invalid_arguments;
@@ -348,7 +357,7 @@ int64_t kiln_dnnl_run_rows(void* handle, int64_t rows, const void* x, void* y, c
     h->rows = s == dnnl_success ? rows : -1;   /* -1: rebind again next call */
     if (s != dnnl_success) return (int64_t)s;
   }
-  return kiln_dnnl_run(handle, x, y, r);
+  return (int64_t)execute(h, x, y, r);
 }
 
 /* 1 where the handle reads another handle's packed weights (that one must outlive it), 0 where it owns its own. */
