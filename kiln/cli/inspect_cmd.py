@@ -1,5 +1,4 @@
 """kiln inspect FILE: layers, types, precisions, tactics and memory of a kiln engine or of TensorRT's own
-<<<<<<< HEAD
 artifacts (layer info JSON of TensorRT 7-11, one-line dumps in logs, profiles); for a TensorRT 11.1 tuning cache
 (--tuningCacheFile), every build route tried and the best one; --json for scripts. `--by onnx` lists the ONNX
 nodes instead: the layer each one lives in, its precision and type, and its share of the layer's time."""
