@@ -196,6 +196,20 @@ def test_overhead_prints_the_cpu_first_then_every_tactic_of_the_tiny_layers(caps
     assert all(float(row[-1]) > 0 for row in rows)
 
 
+def test_overhead_times_a_bf16_tactic_as_a_bf16_plan_feeds_it():
+    """The `bf16 io` rows: a BF16 tactic's activation and output as bfloat16 (its weights as they were); an FP32
+    tactic gets no such row."""
+    import overhead
+
+    from kiln.tactics.registry import TACTICS_BY_NAME
+
+    conv = dict(overhead.tiny_layers())["conv 1x1 8ch 4x4"]
+    stored = overhead.stored_bf16(conv, TACTICS_BY_NAME["onednn.conv2d_primitive_bf16"])
+    assert stored.input_dtypes == ("bfloat16", "float32", "float32") and stored.output_dtypes == ("bfloat16",)
+    assert stored.const_inputs is conv.const_inputs
+    assert overhead.stored_bf16(conv, TACTICS_BY_NAME["onednn.conv2d_primitive"]) is None
+
+
 def test_serve_load_smoke(tmp_path, capsys):
     """benchmarks/serve_load.py end to end on the serving tests' tiny conv net: a real `kiln serve` per setting,
     tritonclient.grpc.aio clients, every response checked against Engine.run (one setting: each costs a server

@@ -165,13 +165,25 @@ class ShapePrimitives:
         # per input shape, least recently used first: the primitive, its handle, the rows it runs on, and the
         # output's shape and strides
         self.by_shape: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self.last: tuple = ((), None)   # the last call's (shape, entry): a run of one shape skips the LRU's upkeep
         self.get(planned)
 
     def get(self, shape: tuple[int, ...]) -> tuple[Primitive, int, int, tuple[int, ...], tuple[int, ...]]:
+        last_shape, made = self.last
+        if shape == last_shape:
+            return made
         made = self.by_shape.get(shape)
         if made is not None:
             self.by_shape.move_to_end(shape)
+            self.last = (shape, made)
             return made
+        made = self._new(shape)
+        self.last = (shape, made)
+        return made
+
+    def _new(self, shape: tuple[int, ...]) -> tuple[Primitive, int, int, tuple[int, ...], tuple[int, ...]]:
+        """The entry of a shape first seen (or evicted since): the any-rows product's past SHAPES_KEPT row counts,
+        else a primitive of its own, kept and the least recently used dropped past SHAPES_KEPT."""
         if self.any_rows and len(self.by_shape) >= SHAPES_KEPT and not self.rows_free:
             try:
                 self.rows_free.append(Primitive(self.lib, self.kind, self.make_call(shape, True), self.first))
@@ -203,7 +215,7 @@ def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torc
             x.to(x_dtype, memory_format=memory_format)   # (.to costs ~1 us even where it has nothing to do)
         r = None if r is None else r.contiguous(memory_format=memory_format)
         with lock:
-            _, handle, rows, shape, strides = primitives.get(tuple(x.shape))
+            _, handle, rows, shape, strides = primitives.get(x.shape)   # torch.Size: a tuple, hashed as one
             y = torch.empty_strided(shape, strides, dtype=out_dtype) if y is None else y
             status = run_c(handle, rows, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr())
         if status:
@@ -212,10 +224,19 @@ def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torc
     return execute
 
 
+def out_mapper(layer: LayerView):
+    """An INT8 layer's output table as a `finish` for summing_kernel (lookup_c.table_mapper), None without one."""
+    table = layer.attrs.get("out_table")
+    return None if table is None else table_mapper(table)
+
+
 def summing_kernel(execute, finish, residual: int, memory_format=torch.channels_last) -> Kernel:
     """The kernel around `execute` (executor's): the residual summed in place (`run.into_input`) or in a copy, or
-    added from its own buffer, then `finish`."""
+    added from its own buffer, then `finish` (None: nothing)."""
     last = memory_format
+    if residual == R_NONE and finish is None:
+        return lambda xs: [execute(xs[0])]
+    finish = finish or (lambda y: y)
     if residual == R_NONE:
         return lambda xs: [finish(execute(xs[0]))]
     if residual == R_ADD:
@@ -258,4 +279,4 @@ class PrimitiveInt8ConvTactic(OwnPrimitive, OneDnnInt8ConvTactic):
                             tensor_address(bias))
 
         execute = executor(layer, "conv", make_call, lambda shape: output_layout(layer, shape), out_dtype)
-        return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")), residual)
+        return summing_kernel(execute, out_mapper(layer), residual)

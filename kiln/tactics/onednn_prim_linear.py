@@ -18,14 +18,13 @@ import torch
 
 from kiln.tactics.base import Kernel, LayerView, has_residual
 from kiln.tactics.gemm_c import tensor_address
-from kiln.tactics.lookup_c import table_mapper
 from kiln.tactics.onednn_conv import Bf16Variant
 from kiln.tactics.onednn_int8 import (OneDnnInt8LinearTactic, _channel_axis, _output, _scales, int8_available,
                                       linear_supported)
 from kiln.tactics.onednn_linear import (OneDnnBf16LinearTactic, OneDnnLinearTactic, by_constant_matrix, linear_bias,
                                         linear_weight)
 from kiln.tactics.onednn_prim import (R_NONE, TYPES, OwnPrimitive, available, eltwise, executor, float_fields,
-                                      quantized_output, summing_kernel)
+                                      out_mapper, quantized_output, summing_kernel)
 
 
 class MatmulCall(ctypes.Structure):
@@ -75,7 +74,7 @@ class PrimitiveLinearTactic(OwnPrimitive, OneDnnLinearTactic):
 
         execute = executor(layer, "matmul", make_call, row_layout(n), y_dtype, x_dtype, torch.contiguous_format,
                            rows_vary(layer))
-        return summing_kernel(execute, lambda y: y, residual, torch.contiguous_format)
+        return summing_kernel(execute, None, residual, torch.contiguous_format)
 
 
 class PrimitiveBf16LinearTactic(Bf16Variant, PrimitiveLinearTactic):
@@ -110,4 +109,4 @@ class PrimitiveInt8LinearTactic(OwnPrimitive, OneDnnInt8LinearTactic):
 
         execute = executor(layer, "matmul", make_call, row_layout(n), out_dtype, None, torch.contiguous_format,
                            rows_vary(layer))
-        return summing_kernel(execute, table_mapper(layer.attrs.get("out_table")), R_NONE, torch.contiguous_format)
+        return summing_kernel(execute, out_mapper(layer), R_NONE, torch.contiguous_format)
