@@ -208,14 +208,16 @@ def decide_precisions(g: Graph, sources: frozenset[str], options: BuildOptions) 
 
 
 def autotuner(g: Graph, cache: TimingCache, options: BuildOptions) -> Autotuner | None:
-    """The autotuner for this graph (None when timing is off): cold-cache timing when the weights outgrow the
-    last-level cache."""
+    """The autotuner for this graph (None when timing is off): cold-cache timing when the weights fill more than
+    half the last-level cache. Activations, the other cores' work and the cache's own replacement share it: a
+    quantize_static ResNet-50 (24.4 MiB of weights, 32 MiB cache, Zen 4) ran its 3x3 512-channel layers at
+    0.40-0.66 ms in the plan, 0.25-0.29 timed alone with hot caches, 0.40-0.54 timed cold."""
     if not options.autotune:
         return None
     weight_bytes, cache_bytes = sum(v.const.nbytes for v in g.values.values() if v.is_const), last_level_cache_bytes()
-    cold = weight_bytes > cache_bytes
-    log.info("Timing tactics with %s caches: %.1f MiB of weights %s the %.0f MiB last-level cache", "cold" if cold
-             else "hot", weight_bytes / 2**20, "exceed" if cold else "fit in", cache_bytes / 2**20)
+    cold = weight_bytes > cache_bytes // 2
+    log.info("Timing tactics with %s caches: %.1f MiB of weights %s half the %.0f MiB last-level cache",
+             "cold" if cold else "hot", weight_bytes / 2**20, "exceed" if cold else "fit in", cache_bytes / 2**20)
     return Autotuner(cache, TimingOptions(options.avg_timing, options.min_timing), cold, options.costs, options.clock)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -273,3 +274,22 @@ def test_a_layer_whose_every_tactic_fails_is_a_model_error():
     with pytest.raises(ModelError, match="every tactic for layer 'conv' failed on this CPU"):
         Autotuner(TimingCache({"device": "test"}), TimingOptions(avg_timing=1, min_timing=1)).choose(
             "conv", VIEW, [FailingTactic("fp16", "prepare")], [LINEAR], {})
+
+
+@pytest.mark.parametrize("cache_mib, cold", [(64, False), (32, True), (8, True)])
+def test_weights_filling_half_the_last_level_cache_are_timed_cold(cache_mib, cold, monkeypatch):
+    """16 MiB and a byte of weights: hot against a 64 MiB cache, cold against 32 MiB (activations, the other cores
+    and replacement share it: a 24.4 MiB INT8 ResNet-50 ran its layers in the plan as cold timing predicted) and
+    against 8 MiB."""
+    from kiln.builder import build
+    from kiln.builder.options import BuildOptions
+    from tests.passes.ir_builder import IRBuilder
+
+    b = IRBuilder()
+    x = b.input("x", (1, (4 << 20) + 1))
+    w = b.const("w", np.ones((4 << 20) + 1, dtype=np.float32))
+    g = b.graph(b.node("Add", [x, w], "y", (1, (4 << 20) + 1)))
+    monkeypatch.setattr(build, "last_level_cache_bytes", lambda: cache_mib << 20)
+    cache = TimingCache({"device": "test"})
+    assert (build.autotuner(g, cache, BuildOptions()).evictor is not None) == cold
+    assert build.autotuner(g, cache, BuildOptions(autotune=False)) is None
