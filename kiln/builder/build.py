@@ -42,6 +42,7 @@ from kiln.tactics.base import Kernel
 from kiln.tactics.lower import Lowering, desc_of, node_view
 from kiln.tactics.openvino_source import OPENVINO_REGION_TACTIC
 from kiln.tactics.registry import available_sources, offers
+from kiln.tactics.storage import log_storage
 from kiln.tactics.timing_cache import TimingCache, device_description
 from kiln.trt import build_log as log_lines
 from kiln.trt.vocab import layer_type
@@ -100,6 +101,7 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
                                       budget)
         cache.save()
         layers = finish_openvino_regions(layers, weights, g.opset)
+        log_storage(layers, {name for name, v in g.values.items() if v.dtype == np.float32})
         inputs, outputs = tuple(desc_of(v) for v in g.inputs), tuple(desc_of(v) for v in g.outputs)
         memory = plan_memory(layers, inputs, outputs)
     log_engine_layers(layers)

@@ -86,12 +86,20 @@ def store_bf16(layers: list[Layer], engine_outputs: set[str]) -> list[Layer]:
     chosen = bf16_tensors(layers, engine_outputs)
     if not chosen:
         return layers
-    log.info("Storage: %d tensors between BF16 kernels stored in BF16 (conversions fused into their kernels)",
-             len(chosen))
+    log.debug("Storage: %d tensors between BF16 kernels stored in BF16", len(chosen))
 
     def stored(descs: tuple[TensorDesc, ...]) -> tuple[TensorDesc, ...]:
         return tuple(dataclasses.replace(d, dtype=BF16) if d.name in chosen else d for d in descs)
     return [dataclasses.replace(layer, inputs=stored(layer.inputs), outputs=stored(layer.outputs)) for layer in layers]
+
+
+def log_storage(layers: list[Layer], float32_names: set[str]) -> None:
+    """One line for the plan built: how many of the model's FP32 tensors (`float32_names`) it stores in bf16.
+    store_bf16 runs for every trial lowering too (the accuracy budget's, the plan race's), so it logs at debug."""
+    stored = {t.name for layer in layers for t in layer.outputs if t.dtype == BF16 and t.name in float32_names}
+    if stored:
+        log.info("Storage: %d tensors between BF16 kernels stored in BF16 (conversions fused into their kernels)",
+                 len(stored))
 
 
 @dataclass(frozen=True)

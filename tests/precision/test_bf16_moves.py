@@ -250,3 +250,19 @@ def test_topk_and_argmax_pick_bf16_values_and_return_int64_indices():
     assert got["idx"].dtype == np.int64 and (np.take_along_axis(a, got["idx"], -1) >= kth - np.abs(kth) / 64).all()
     assert np.allclose(np.take_along_axis(a, got["best"], -1)[:, 0], a.max(-1), rtol=1 / 64)   # keepdims: [4, 1]
     assert cosine(got["y"], run_ort(model, {"x": x})[0]) > 0.999
+
+
+@needs_bf16
+def test_the_build_log_counts_bf16_storage_once_for_the_plan_built(caplog):
+    """The accuracy budget lowers the model again per trial and each lowering decides storage (at debug); the
+    info line is the plan's own, once, and counts the model's FP32 tensors it stores in bf16."""
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="kiln.build"):
+        engine = kiln.build(c2f_block(), bf16=True, tactic_sources=KILN_ONLY, accuracy="l2:0.0015")
+    storage = [r for r in caplog.records if r.getMessage().startswith("Storage: ")]
+    assert len([r for r in storage if r.levelno == logging.DEBUG]) >= 2   # trials, each deciding its own storage
+    stored = {t.name for layer in engine.plan.layers for t in layer.outputs if t.dtype == "bfloat16"}
+    info = [r.getMessage() for r in storage if r.levelno == logging.INFO]
+    assert info == ([f"Storage: {len(stored)} tensors between BF16 kernels stored in BF16 (conversions fused into "
+                     "their kernels)"] if stored else [])
