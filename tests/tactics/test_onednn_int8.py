@@ -78,8 +78,10 @@ def close_quantized(got: torch.Tensor, want: torch.Tensor):
 
 @needs_int8
 @pytest.mark.parametrize("case", ["3x3", "stride2_asym_pad", "depthwise", "relu", "int8_out", "1x1", "s8_in",
-                                  "s8_in_asym_pad"])
+                                  "s8_in_asym_pad", "zero_points_0", "zero_points_0_relu"])
 def test_quantized_conv_matches_its_formula(case, conv_tactic):
+    """Zero points of 0 (a ReLU's u8 output, quantize_static's usual case) are no oneDNN attribute at all in the
+    primitive: its kernels take a slower compensating path for any source zero point."""
     g = torch.Generator().manual_seed(0)
     c, k = (16, 16) if case == "depthwise" else (24, 32)
     kh = 1 if case == "1x1" else 3
@@ -89,9 +91,10 @@ def test_quantized_conv_matches_its_formula(case, conv_tactic):
                       dtype=torch.int8 if signed else torch.uint8)
     pads = {"stride2_asym_pad": (0, 1, 1, 2), "s8_in_asym_pad": (0, 1, 1, 2), "1x1": (0, 0, 0, 0)}.get(case, (1,) * 4)
     q = quant(w_scale=[0.003 + 0.0005 * i for i in range(k)], y=(0.04, -3, "int8") if case in ("int8_out", "s8_in")
-              else (0.05, 5, "uint8"), x_dtype="int8" if signed else "uint8", x_zp=-2 if signed else 3)
+              else (0.05, 0 if case.startswith("zero_points") else 5, "uint8"), x_dtype="int8" if signed else "uint8",
+              x_zp=-2 if signed else 0 if case.startswith("zero_points") else 3)
     view = conv_view(tuple(x.shape), w, pads, 2 if case == "stride2_asym_pad" else 1, c if case == "depthwise" else 1,
-                     q, act="Relu" if case == "relu" else None)
+                     q, act="Relu" if case.endswith("relu") else None)
     tactic = conv_tactic
     assert tactic.supports(view)
     got = run(tactic, view, [x, None, None])
@@ -217,7 +220,8 @@ def linear_tactic(request):
                                                  ("QGemm", (1, 512), 0, (0.05, 5, "uint8")),
                                                  ("QMatMul", (1, 7, 48), 0, (0.05, 5, "uint8")),
                                                  ("QMatMul", (2, 48), 0, None),
-                                                 ("QMatMul", (3, 5, 48), 0, (0.04, -3, "int8"))])
+                                                 ("QMatMul", (3, 5, 48), 0, (0.04, -3, "int8")),
+                                                 ("QGemm", (4, 64), 1, (0.05, 0, "uint8"))])
 @pytest.mark.parametrize("x_dtype", ["uint8", "int8"])
 def test_quantized_linear_matches_its_formula(op, x_shape, trans_b, y, x_dtype, linear_tactic):
     g = torch.Generator().manual_seed(4)

@@ -32,7 +32,7 @@ typedef struct {
 static AttrSpec conv_attr(const ConvCall* p) {
   /* INT8 weights: a scale per output channel, axis 0 (oihw) or axes 0 and 1 (goihw) */
   const AttrSpec a = {p->w_type == T_S8, p->groups > 1 ? 3 : 1, p->y_type, p->residual, p->r_type, p->act,
-                      p->act_alpha, p->act_beta, p->r_scale, p->r_zp};
+                      p->act_alpha, p->act_beta, p->r_scale, p->r_zp, p->x_zp, p->y_zp};
   return a;
 }
 
@@ -99,7 +99,7 @@ void* kiln_dnnl_matmul_create(const MatmulCall* p, const void* share, char* erro
   const dnnl_dims_t src_dims = {rows, p->k}, w_dims = {p->k, p->n}, dst_dims = {rows, p->n}, b_dims = {1, p->n};
   const dnnl_dims_t bound_src = {p->m, p->k}, bound_dst = {p->m, p->n};
   const AttrSpec spec = {quantized, p->w_scales > 1 ? 2 : 0, p->y_type, p->residual, p->r_type, p->act,
-                         p->act_alpha, p->act_beta, p->r_scale, p->r_zp};
+                         p->act_alpha, p->act_beta, p->r_scale, p->r_zp, p->x_zp, p->y_zp};
   TRY(dnnl_memory_desc_create_with_tag(&d.src, 2, src_dims, TYPES[p->x_type], dnnl_ab));
   TRY(dnnl_memory_desc_create_with_tag(&d.dst, 2, dst_dims, TYPES[p->y_type], dnnl_ab));
   if (p->residual == R_ADD) TRY(dnnl_memory_desc_create_with_tag(&d.residual, 2, dst_dims, TYPES[p->r_type], dnnl_ab));

@@ -102,11 +102,13 @@ static dnnl_status_t epilogue(dnnl_post_ops_t ops, int residual, int32_t r_type,
 }
 
 /* What a primitive's attributes say: its quantization (INT8: scales and zero points, the weights' per output
-   channel on the axes `w_scale_mask` names) and its epilogue. */
+   channel on the axes `w_scale_mask` names) and its epilogue. A zero point of 0 is left out, not set to 0: with a
+   source zero point oneDNN 3.2's brgemm convolutions take their compensating path whatever its value (ResNet-50's
+   3x3 512-channel layer at 7x7, Zen 4, 2 threads: 0.30 against 0.21 ms; at 14x14 x 256, 0.28 against 0.25). */
 typedef struct {
   int32_t quantized, w_scale_mask, y_type, residual, r_type, act;
   float act_alpha, act_beta, r_scale;
-  int32_t r_zp;
+  int32_t r_zp, x_zp, y_zp;
 } AttrSpec;
 
 static dnnl_status_t attributes(const AttrSpec* a, const_dnnl_memory_desc_t r_md, dnnl_primitive_attr_t* attr) {
@@ -115,10 +117,11 @@ static dnnl_status_t attributes(const AttrSpec* a, const_dnnl_memory_desc_t r_md
   if (s == dnnl_success && a->quantized) s = dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_SRC, 0);
   if (s == dnnl_success && a->quantized)
     s = dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_WEIGHTS, a->w_scale_mask);
-  if (s == dnnl_success && a->quantized) s = dnnl_primitive_attr_set_zero_points_mask(*attr, DNNL_ARG_SRC, 0);
+  if (s == dnnl_success && a->quantized && a->x_zp)
+    s = dnnl_primitive_attr_set_zero_points_mask(*attr, DNNL_ARG_SRC, 0);
   if (s == dnnl_success && a->quantized && a->y_type != T_F32) {
     s = dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_DST, 0);
-    if (s == dnnl_success) s = dnnl_primitive_attr_set_zero_points_mask(*attr, DNNL_ARG_DST, 0);
+    if (s == dnnl_success && a->y_zp) s = dnnl_primitive_attr_set_zero_points_mask(*attr, DNNL_ARG_DST, 0);
   }
   dnnl_post_ops_t ops;
   if (s == dnnl_success) s = dnnl_post_ops_create(&ops);
@@ -150,11 +153,14 @@ static dnnl_status_t quantization_args(Handle* h, const Quantization* q) {
   add_arg(h, DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, m);
   if ((s = vector(h->engine, dnnl_f32, q->w_scales, q->w_scale, &m)) != dnnl_success) return s;
   add_arg(h, DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, m);
-  if ((s = vector(h->engine, dnnl_s32, 1, &q->x_zp, &m)) != dnnl_success) return s;
-  add_arg(h, DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, m);
+  if (q->x_zp) {   /* a zero point of 0 is not an attribute (AttrSpec) */
+    if ((s = vector(h->engine, dnnl_s32, 1, &q->x_zp, &m)) != dnnl_success) return s;
+    add_arg(h, DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, m);
+  }
   if (q->y_type == T_F32) return s;
   if ((s = vector(h->engine, dnnl_f32, 1, &q->y_scale, &m)) != dnnl_success) return s;
   add_arg(h, DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, m);
+  if (!q->y_zp) return s;
   if ((s = vector(h->engine, dnnl_s32, 1, &q->y_zp, &m)) != dnnl_success) return s;
   add_arg(h, DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST, m);
   return s;
