@@ -5,6 +5,7 @@ from kiln.passes.attention import fuse_attention, fuse_skip_layer_norm, merge_ma
 from kiln.passes.cleanup import fold_constants, merge_common_subexpressions, remove_dead_layers, remove_identities
 from kiln.passes.conv import (fold_batchnorm_into_conv, fold_pad_into_conv, fuse_activation, fuse_gemm_activation,
                               fuse_norm_activation, fuse_residual_add)
+from kiln.passes.conv_split import split_sliced_convs
 from kiln.passes.dynamic_quant import fuse_dynamic_quantized_conv, fuse_dynamic_quantized_matmul
 from kiln.passes.einsum import lower_einsum
 from kiln.passes.gelu import fuse_gelu
@@ -67,6 +68,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("SwishFusion", fuse_swish),
     Pass("ConvReluFusion", fuse_activation),
     Pass("NormActFusion", fuse_norm_activation),
+    # YOLO's C2f/C3 chunks: a convolution read only through channel slices computes each slice as its own output.
+    Pass("ConvSliceSplit", split_sliced_convs),
     # Dynamic quantization's chain becomes one INT8 product first, which then takes its bias and merges as MatMuls do.
     Pass("DynamicQuantizeMatMulFusion", fuse_dynamic_quantized_matmul),
     Pass("MatMulAddFusion", fuse_matmul_bias),
