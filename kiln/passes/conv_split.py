@@ -12,6 +12,7 @@ from kiln.passes.manager import PassLog
 from kiln.passes.patterns import const_value, fused_name, is_op, replace_nodes
 
 Range = tuple[int, int]
+MAX_PIECES = 4   # each piece reads the whole input again and is one more call: C2f/C3 chunk in two
 
 
 def split_sliced_convs(g: Graph, plog: PassLog) -> None:
@@ -55,6 +56,8 @@ def _pieces(g: Graph, conv: Node, readers: list[Node]) -> tuple[dict, str | None
             return {}, f"{reader.name} does not take constant, unit-step channel ranges"
         pieces[reader.name] = list(zip(reader.outputs, ranges))
     spans = sorted(r for values in pieces.values() for _, r in values)
+    if len(spans) > MAX_PIECES:
+        return {}, f"{conv.name}'s output is read in {len(spans)} slices: each would read the whole input again"
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return {}, f"the slices of {conv.name}'s output overlap: its channels would be computed twice"
     return pieces, None

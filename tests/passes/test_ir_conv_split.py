@@ -68,6 +68,8 @@ def test_a_split_gives_one_convolution_per_output_and_unread_channels_are_not_co
     ({"ranges": ((0, 5), (4, 8))}, "the slices of y's output overlap: its channels would be computed twice"),
     ({"steps": 2, "ranges": ((0, 8),)}, "s0 does not take constant, unit-step channel ranges"),
     ({"group": 2}, "y is grouped, adds a residual or has computed weights"),
+    ({"ranges": tuple((i, i + 1) for i in range(5))}, "y's output is read in 5 slices: each would read the whole "
+                                                      "input again"),
 ])
 def test_near_misses_say_why(kwargs, reason):
     g = sliced_conv(**kwargs)
