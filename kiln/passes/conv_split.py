@@ -64,7 +64,8 @@ def _pieces(g: Graph, conv: Node, readers: list[Node]) -> tuple[dict, str | None
 
 
 def _slice_range(node: Node, shape: tuple[int, ...]) -> Range | None:
-    """The channel range [begin, end) a Slice takes of a 4-D tensor, if it takes every other axis whole."""
+    """The channel range [begin, end) a Slice takes of a 4-D tensor, if it slices the channel axis alone (bounds on
+    another axis could not be told whole from the probe shape where that axis is dynamic)."""
     if len(node.inputs) > 1:
         starts, ends = const_value(node.inputs[1]), const_value(node.inputs[2])
         axes = const_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
@@ -80,15 +81,11 @@ def _slice_range(node: Node, shape: tuple[int, ...]) -> Range | None:
     axes = np.arange(len(starts)) if axes is None else np.asarray(axes).reshape(-1) % 4
     if steps is not None and np.any(np.asarray(steps) != 1):
         return None
-    channels = (0, shape[1])
-    for axis, start, end in zip(axes.tolist(), starts.tolist(), ends.tolist()):
-        dim = shape[axis]
-        begin, stop = (min(max(v + dim if v < 0 else v, 0), dim) for v in (start, end))
-        if axis == 1:
-            channels = (begin, stop)
-        elif (begin, stop) != (0, dim):
-            return None
-    return channels if channels[0] < channels[1] else None
+    if axes.tolist() != [1] or len(starts) != 1 or len(ends) != 1:
+        return None
+    dim = shape[1]
+    begin, stop = (min(max(v + dim if v < 0 else v, 0), dim) for v in (int(starts[0]), int(ends[0])))
+    return (begin, stop) if begin < stop else None
 
 
 def _split_ranges(node: Node, channels: int) -> list[Range] | None:

@@ -15,7 +15,7 @@ from tests.passes.ir_builder import IRBuilder, expected, run_pass, run_pass_unch
 CONV = {"kernel_shape": [1, 1], "strides": [1, 1], "dilations": [1, 1], "group": 1, "pads": [0, 0, 0, 0]}
 
 
-def sliced_conv(ranges=((0, 4), (4, 8)), split=False, group=1, extra_reader=None, steps=None):
+def sliced_conv(ranges=((0, 4), (4, 8)), split=False, group=1, extra_reader=None, steps=None, axes=(1,)):
     """x [1,3,5,5] -> 1x1 Conv (8 channels, SiLU fused) -> Slices of `ranges` (or one Split), names = outputs."""
     b = IRBuilder()
     x = b.input("x", (1, 3, 5, 5) if group == 1 else (1, 8, 5, 5))
@@ -26,8 +26,9 @@ def sliced_conv(ranges=((0, 4), (4, 8)), split=False, group=1, extra_reader=None
         outs = b.multi("Split", [y, b.const("sizes", [r[1] - r[0] for r in ranges], np.int64)],
                        [(f"s{i}", (1, r[1] - r[0], 5, 5)) for i, r in enumerate(ranges)], name="split", axis=1)
     else:
-        outs = [b.node("Slice", [y, b.const(f"st{i}", [r[0]], np.int64), b.const(f"en{i}", [r[1]], np.int64),
-                                 b.const(f"ax{i}", [1], np.int64),
+        outs = [b.node("Slice", [y, b.const(f"st{i}", [r[0]] + [0] * (len(axes) - 1), np.int64),
+                                 b.const(f"en{i}", [r[1]] + [5] * (len(axes) - 1), np.int64),
+                                 b.const(f"ax{i}", list(axes), np.int64),
                                  *([b.const(f"sp{i}", [steps], np.int64)] if steps else [])],
                        f"s{i}", (1, r[1] - r[0], 5, 5)) for i, r in enumerate(ranges)]
     if extra_reader:
@@ -68,6 +69,7 @@ def test_a_split_gives_one_convolution_per_output_and_unread_channels_are_not_co
     ({"ranges": ((0, 5), (4, 8))}, "the slices of y's output overlap: its channels would be computed twice"),
     ({"steps": 2, "ranges": ((0, 8),)}, "s0 does not take constant, unit-step channel ranges"),
     ({"group": 2}, "y is grouped, adds a residual or has computed weights"),
+    ({"axes": (1, 2)}, "s0 does not take constant, unit-step channel ranges"),   # H whole only at the probe shape
     ({"ranges": tuple((i, i + 1) for i in range(5))}, "y's output is read in 5 slices: each would read the whole "
                                                       "input again"),
 ])
