@@ -255,11 +255,12 @@ def test_topk_and_argmax_pick_bf16_values_and_return_int64_indices():
 @needs_bf16
 def test_the_build_log_counts_bf16_storage_once_for_the_plan_built(caplog):
     """The accuracy budget lowers the model again per trial and each lowering decides storage (at debug); the
-    info line is the plan's own, once, and counts the model's FP32 tensors it stores in bf16."""
+    info line is the plan's own, once, and counts the model's FP32 tensors it stores in bf16. Autotune off: timed,
+    FP32 kernels can win every layer of this small block on a loaded machine, and then nothing is stored bf16."""
     import logging
 
     with caplog.at_level(logging.DEBUG, logger="kiln.build"):
-        engine = kiln.build(c2f_block(), bf16=True, tactic_sources=KILN_ONLY, accuracy="l2:0.0015")
+        engine = kiln.build(c2f_block(), bf16=True, tactic_sources=KILN_ONLY, autotune=False, accuracy="l2:0.0015")
     storage = [r for r in caplog.records if r.getMessage().startswith("Storage: ")]
     assert len([r for r in storage if r.levelno == logging.DEBUG]) >= 2   # trials, each deciding its own storage
     stored = {t.name for layer in engine.plan.layers for t in layer.outputs if t.dtype == "bfloat16"}
