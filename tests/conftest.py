@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import numpy as np
 import pytest
@@ -9,6 +10,18 @@ import torch
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def kiln_logger_restored():
+    """Each test gets the 'kiln' logger back as it found it. A CLI command run in-process
+    (kiln.cli.console.setup_logging) gives it a handler on that test's captured stdout and stops propagation; in
+    one full run a later test of the same worker then logged to the closed capture ("I/O operation on closed
+    file") and its caplog saw none of kiln.build's records."""
+    logger = logging.getLogger("kiln")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
 
 
 @contextlib.contextmanager
