@@ -111,8 +111,9 @@ class Autotuner:
     def __init__(self, cache: TimingCache, options: TimingOptions = TimingOptions(), cold_weights: bool = False,
                  costs: CostPolicy = DEFAULT_COSTS, clock: Clock = WALL_CLOCK):
         """`cold_weights`: time each run after evicting the caches (`CacheEvictor`), for models whose weights
-        fill more than half the last-level cache (kiln.builder.build.autotuner); such timings are cached apart from hot ones. `costs`: the margins and
-        hand-over costs choices add; `clock`: what every measurement reads (segment and plan timing too)."""
+        fill more than half the last-level cache (kiln.builder.build.autotuner); such timings are cached apart from
+        hot ones. `costs`: the margins and hand-over costs choices add; `clock`: what every measurement reads
+        (segment and plan timing too)."""
         self.cache, self.options, self.costs, self.clock = cache, options, costs, clock
         self.evictor = CacheEvictor() if cold_weights else None
         self.current = ""   # the layer being tuned, for messages

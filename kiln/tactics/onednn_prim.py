@@ -169,17 +169,14 @@ class ShapePrimitives:
         self.get(planned)
 
     def get(self, shape: tuple[int, ...]) -> tuple[Primitive, int, int, tuple[int, ...], tuple[int, ...]]:
-        last_shape, made = self.last
-        if shape == last_shape:
-            return made
-        made = self.by_shape.get(shape)
-        if made is not None:
-            self.by_shape.move_to_end(shape)
+        if shape != self.last[0]:
+            made = self.by_shape.get(shape)
+            if made is None:
+                made = self._new(shape)
+            else:
+                self.by_shape.move_to_end(shape)
             self.last = (shape, made)
-            return made
-        made = self._new(shape)
-        self.last = (shape, made)
-        return made
+        return self.last[1]
 
     def _new(self, shape: tuple[int, ...]) -> tuple[Primitive, int, int, tuple[int, ...], tuple[int, ...]]:
         """The entry of a shape first seen (or evicted since): the any-rows product's past SHAPES_KEPT row counts,
@@ -234,11 +231,9 @@ def summing_kernel(execute, finish, residual: int, memory_format=torch.channels_
     """The kernel around `execute` (executor's): the residual summed in place (`run.into_input`) or in a copy, or
     added from its own buffer, then `finish` (None: nothing)."""
     last = memory_format
-    if residual == R_NONE and finish is None:
-        return lambda xs: [execute(xs[0])]
-    finish = finish or (lambda y: y)
     if residual == R_NONE:
-        return lambda xs: [finish(execute(xs[0]))]
+        return (lambda xs: [execute(xs[0])]) if finish is None else (lambda xs: [finish(execute(xs[0]))])
+    finish = finish or (lambda y: y)
     if residual == R_ADD:
         return lambda xs: [finish(execute(xs[0], None, xs[3]))]
 

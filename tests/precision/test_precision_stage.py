@@ -85,8 +85,9 @@ def test_an_openvino_region_counts_int8_only_where_a_layer_asked_for_it():
     def layer(name, op_type, dtype, requested, precision="FP32", reason=""):
         return Layer(name, op_type, "", (), (), (TensorDesc(name, (4,), dtype),), {}, "x", 0, "openvino", (name,),
                      precision, (), requested, reason)
-    inner = (layer("and", "And", "bool", "FP32"), layer("where", "Where", "float32", "BF16"), layer("conv", "Conv", "float32", "BF16"),
-             layer("qconv", "QConv", "uint8", "INT8", "INT8"), layer("ln", "LayerNormalization", "float32", "BF16"))
+    inner = (layer("and", "And", "bool", "FP32"), layer("where", "Where", "float32", "BF16"),
+             layer("conv", "Conv", "float32", "BF16"), layer("qconv", "QConv", "uint8", "INT8", "INT8"),
+             layer("ln", "LayerNormalization", "float32", "BF16"))
     region = dataclasses.replace(layer("{ForeignNode[and...ln]}", "ForeignNode", "float32", "BF16"), inner=inner)
     ran = {"and": frozenset({"INT8"}), "where": frozenset({"INT8", "FP32"}), "conv": frozenset({"BF16", "FP32"}),
            "qconv": frozenset({"INT8", "FP32"})}
