@@ -236,11 +236,21 @@ def finish_openvino_regions(layers: list[Layer], weights: dict[str, np.ndarray],
             try:
                 kernel = prepare_region(layer, weights, opset, cached=True, library="openvino")
                 if layer.attrs.get("precision") == "bf16" or any(i.requested_precision == "INT8" for i in layer.inner):
-                    layer = with_runtime_precisions(layer, kernel.runtime_precisions())
+                    names = frozenset(i.name for i in layer.inner)
+                    layer = with_runtime_precisions(layer, kernel.runtime_precisions(names))
+                    log_region_grants(layer)
             except Exception as exc:   # the build already ran this region; a cache it cannot write is not an error
                 log.debug("OpenVINO model cache not warmed for %s: %s", layer.name, exc)
         finished.append(layer)
     return finished
+
+
+def log_region_grants(region: Layer) -> None:
+    """The policy's "requested, granted" line for each inner layer the region ran in another precision."""
+    for inner in region.inner:
+        if inner.precision != inner.requested_precision and inner.precision_reason:
+            log.info("Layer %s: requested %s, granted %s: %s", inner.name, inner.requested_precision,
+                     inner.precision, inner.precision_reason)
 
 
 def with_runtime_precisions(region: Layer, ran: dict[str, frozenset[str]]) -> Layer:

@@ -93,33 +93,46 @@ def region_kernel(model: onnx.ModelProto, external: dict[str, np.ndarray], input
         result = request.infer({name: np.ascontiguousarray(x.numpy()) for name, x in zip(input_names, acts)},
                                share_inputs=True)   # the arrays outlive the call: no copy into OpenVINO's tensors
         return [torch.from_numpy(np.array(result[o])) for o in outputs]   # copy: OpenVINO reuses its buffers
-    kernel.runtime_precisions = lambda: runtime_precisions(compiled)
+    kernel.runtime_precisions = lambda layer_names: runtime_precisions(compiled, layer_names)
     return kernel
 
 
 _RUNTIME_PRECISION = {"bf16": "BF16", "f16": "FP16", "i8": "INT8", "u8": "INT8", "f32": "FP32"}
+# the execution graph's op types that do a layer's arithmetic: where a layer's nodes became one of these, its
+# precision is theirs (a convolution OpenVINO ran in f32 stays FP32 though the residual add fused into it ran u8)
+_COMPUTE_TYPES = frozenset({"Convolution", "GroupConvolution", "Deconvolution", "FullyConnected", "MatMul",
+                            "ScaledDotProductAttention"})
 
 
-def runtime_precisions(compiled) -> dict[str, frozenset[str]]:
-    """Per inner layer of a region (the emitter names a layer's ONNX nodes "<layer>|<k>"), the precisions the ops
-    its nodes became ran in, from OpenVINO's execution graph (`runtimePrecision`); kiln.builder.build's
-    with_runtime_precisions grants the lowest that counts, so a convolution run in bf16 reads BF16 even where a
-    reorder stayed f32."""
-    found: dict[str, set[str]] = {}
+def runtime_precisions(compiled, layer_names: frozenset[str]) -> dict[str, frozenset[str]]:
+    """Per inner layer of a region (`layer_names`; the emitter names a layer's ONNX nodes "<layer>|<k>"), the
+    precisions the ops its nodes became ran in, from OpenVINO's execution graph (`runtimePrecision`): its compute
+    ops' where it has any, else all of its ops'. kiln.builder.build's with_runtime_precisions grants the lowest that
+    counts, so a convolution run in bf16 reads BF16 even where a reorder stayed f32."""
+    found: dict[str, dict[bool, set[str]]] = {}
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
         if "originalLayersNames" not in info or "runtimePrecision" not in info:
             continue
-        if info["layerType"].astype(str) in ("Input", "Output", "Const", "Reorder"):
-            continue
+        op_type = info["layerType"].astype(str)
         precision = _RUNTIME_PRECISION.get(info["runtimePrecision"].astype(str))
-        for layer in _emitted_layers(info["originalLayersNames"].astype(str)):
-            if precision:
-                found.setdefault(layer, set()).add(precision)
-    return {layer: frozenset(kinds) for layer, kinds in found.items()}
+        if op_type in ("Input", "Output", "Const", "Reorder") or precision is None:
+            continue
+        for layer in _emitted_layers(info["originalLayersNames"].astype(str), layer_names):
+            found.setdefault(layer, {}).setdefault(op_type in _COMPUTE_TYPES, set()).add(precision)
+    return {layer: frozenset(kinds.get(True) or kinds[False]) for layer, kinds in found.items()}
 
 
-def _emitted_layers(original_names: str) -> list[str]:
-    """The kiln layers in OpenVINO's comma-joined `originalLayersNames`: each emitted node is "<layer>|<k>", and a
-    layer's own name may hold commas (`PWN(a, b)`)."""
-    return re.findall(r"(.+?)\|\d+(?:,|$)", original_names)
+def _emitted_layers(original_names: str, layer_names: frozenset[str]) -> list[str]:
+    """The kiln layers named in OpenVINO's comma-joined `originalLayersNames`: each emitted node is "<layer>|<k>",
+    where OpenVINO may append its own suffix ("<layer>|<k>/WithoutBiases") and put names of its own between them,
+    and a layer's own name may hold commas (`PWN(a, b)`), so each "|<k>" is read back to the longest known name
+    ending there."""
+    found = []
+    for marker in re.finditer(r"\|\d+", original_names):
+        before = original_names[:marker.start()]
+        starts = (0, *(comma.end() for comma in re.finditer(",", before)))
+        name = next((before[start:] for start in starts if before[start:] in layer_names), None)
+        if name is not None:
+            found.append(name)
+    return found

@@ -257,10 +257,3 @@ def test_an_openvino_region_reports_the_fp32_it_ran_the_dynamic_convolutions_in(
             assert ("INT8", "") in granted and granted <= {("INT8", ""), fp32}, path
         else:
             assert granted == {("INT8", "")}, path
-
-
-def test_openvino_layer_names_with_commas_map_back_to_their_layers():
-    from kiln.tactics.openvino_source import _emitted_layers
-
-    assert _emitted_layers("PWN(/Add, /Relu_1)|0,PWN(/Add, /Relu_1)|1,conv + bn|12") == [
-        "PWN(/Add, /Relu_1)", "PWN(/Add, /Relu_1)", "conv + bn"]
