@@ -26,6 +26,7 @@ from kiln.passes.quantization import (fuse_quantized_add, fuse_quantized_layer_n
                                      merge_duplicate_qdq, split_q_across_concat, swap_dq_q_around_movement)
 from kiln.passes.shuffle import erase_noop_shuffles, fuse_shuffles
 from kiln.passes.shuffle_swap import move_shuffles_across_products
+from kiln.passes.weight_sign import recenter_unsigned_weights
 
 DEFAULT_PIPELINE: list[Pass] = [
     Pass("DeadLayerRemoval", remove_dead_layers, "dead-layer removal"),
@@ -33,6 +34,8 @@ DEFAULT_PIPELINE: list[Pass] = [
     Pass("IdentityRemoval", remove_identities, "identity removal"),
     # QOperator INT8 (QLinearConv ...) becomes Q/DQ before folding, which leaves DQ(INT8 weights) for the Q/DQ fusions.
     Pass("QOperatorUnfolding", unfold_qoperators, "QOperator unfolding"),
+    # u8 weights that fit a signed byte (zero point 128) become s8 before any INT8 fusion reads their type.
+    Pass("UnsignedWeightRecentering", recenter_unsigned_weights),
     # Einsum products become MatMuls before folding, which then transposes constant weights once.
     Pass("EinsumToMatMul", lower_einsum),
     # Weight-only quantized products run in FP32: their weights become constants that folding and fusions see.
