@@ -29,9 +29,11 @@ class CostPolicy:
     plan_margin: float = field(default=0.03, metadata={"reason": (
         "a mixed plan must beat one whole onnxruntime region by this much when whole plans are timed: torch and "
         "onnxruntime handing over cores make a mix's timing less trustworthy")})
-    own_plan_margin: float = field(default=0.03, metadata={"reason": (
+    own_plan_margin: float = field(default=0.01, metadata={"reason": (
         "an external library's whole-graph region must beat kiln's own plan by this much: within it the two tie "
-        "under timing noise, and kiln's plan is the one whose layers can be inspected, profiled and fused")})
+        "under timing noise, and kiln's plan is the one whose layers can be inspected, profiled and fused. At 3% "
+        "an INT8 ResNet-50 build kept kiln's plan 1.9% behind OpenVINO's region in the race, and 5.8% behind in "
+        "the benchmark")})
     prune_ratio: float = field(default=1.15, metadata={"reason": (
         "a whole plan this much slower than the best in its fastest of the first two timing rounds is not timed "
         "further")})
