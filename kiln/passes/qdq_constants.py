@@ -31,7 +31,7 @@ def fold_weight_only_dequantize(g: Graph, plog: PassLog) -> None:
     """WeightOnlyDequantizeFolding: a DequantizeLinear of a constant whose every use, through movement ops, is
     the weight of a product whose data input is not dequantized becomes an FP32 constant."""
     for dq in [n for n in g.nodes if _constant_dequantize(n)]:
-        products = _weight_uses(dq)
+        products = weight_uses(dq)
         if not products or g.is_output(dq.outputs[0]):
             continue
         if any(_through_movement(p.inputs[0]) is not None for p in products):
@@ -49,7 +49,7 @@ def _fold(g: Graph, dq: Node, plog: PassLog) -> None:
     plog.removing(dq)
 
 
-def _weight_uses(dq: Node) -> list[Node]:
+def weight_uses(dq: Node) -> list[Node]:
     """The products reading `dq`'s output as their weight (input 1), through single-input movement ops; empty
     when any use is something else."""
     products, frontier = [], [dq.outputs[0]]

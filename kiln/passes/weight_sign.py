@@ -1,14 +1,15 @@
 """UnsignedWeightRecentering: unsigned INT8 weights whose values, less their zero point, all fit a signed byte
 become signed weights with zero point 0, the same numbers:
 
-    DQ(W_uint8, scale, zp_uint8)                     ==>  DQ(W - zp as int8, scale, 0 as int8)
+    DQ(W_uint8, scale, zp_uint8) ─► product weight   ==>  DQ(W - zp as int8, scale, 0 as int8)
     ConvInteger / MatMulInteger(x, W_uint8, ., zp)   ==>  (x, W - zp as int8, ., 0 as int8)
 
 onnxruntime's quantize_static with u8 weights (`weight_type=QuantType.QUInt8`, symmetric: zero point 128) and
 QOperator models quantized that way then run on the kernels for signed weights: oneDNN's INT8 primitives take s8
 weights only, and u8 ones fell to kiln's C kernels or torch's reference (a u8-weight MobileNetV2 ran 1.37 ms against
 0.20 ms with s8 weights, Zen 4). A zero point other than 128 with the full u8 range does not fit and is left as
-it is, as are block-quantized weights."""
+it is, as are block-quantized weights and constants read by anything but a product's weight input (through
+movement ops), which keep the type the fusions around them expect."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from kiln.ir import Graph, Node
 from kiln.passes.manager import PassLog
 from kiln.passes.patterns import is_op
+from kiln.passes.qdq_constants import weight_uses
 
 INTEGER_PRODUCTS = {"ConvInteger": (1, 3), "MatMulInteger": (1, 3)}   # op -> (weight input, its zero point)
 
@@ -23,7 +25,7 @@ INTEGER_PRODUCTS = {"ConvInteger": (1, 3), "MatMulInteger": (1, 3)}   # op -> (w
 def recenter_unsigned_weights(g: Graph, plog: PassLog) -> None:
     """UnsignedWeightRecentering (the module's docstring)."""
     for node in list(g.nodes):
-        if is_op(node, "DequantizeLinear") and "block_size" not in node.attrs:
+        if is_op(node, "DequantizeLinear") and "block_size" not in node.attrs and weight_uses(node):
             weight, zero_point = 0, 2
             axis = node.attrs.get("axis", 1)
         elif is_op(node, tuple(INTEGER_PRODUCTS)):

@@ -114,3 +114,13 @@ def test_a_quantize_static_model_with_u8_weights_runs_on_the_signed_weight_primi
     got, want = engine.run(x)["y"], run_ort(str(path), x)[0]
     step = float(want.max() - want.min()) / 255   # the output's u8 grid: a rounding apart at most
     np.testing.assert_allclose(got, want, atol=1.01 * step)
+
+
+def test_a_constant_no_product_weighs_with_stays_unsigned():
+    """DQ(u8 constant) added to an activation (a bias-like table): not a product's weight, left as written."""
+    b = IRBuilder()
+    x = b.input("x", (2, 3))
+    c = b.node("DequantizeLinear", [b.const("w", WEIGHTS, np.uint8), b.const("s", 0.5), b.const("zp", 128, np.uint8)],
+               "c", (2, 3), dtype=np.float32, name="dq")
+    g = b.graph(b.node("Add", [x, c], "y", (2, 3)))
+    run_pass_unchanged(g, "UnsignedWeightRecentering", recenter_unsigned_weights)
