@@ -65,4 +65,3 @@ def _broadcast(zp: np.ndarray, ndim: int, axis: int) -> np.ndarray:
     shape = [1] * ndim
     shape[axis % ndim] = zp.size
     return zp.astype(np.int16).reshape(shape)
-
