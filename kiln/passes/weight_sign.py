@@ -44,6 +44,8 @@ def _recenter(g: Graph, node: Node, weight: int, zero_point: int, axis: int, plo
     if zp is not None and not zp.is_const:
         return
     zp_values = np.zeros((), np.uint8) if zp is None else zp.const
+    if zp_values.size != 1 and (w.const.ndim == 0 or zp_values.size != w.const.shape[axis % w.const.ndim]):
+        return   # zero points that do not match the weights' axis: the op's own checks say what is wrong
     centred = w.const.astype(np.int16) - _broadcast(zp_values, w.const.ndim, axis)
     plog.running(node)
     if centred.min() < -128 or centred.max() > 127:

@@ -62,6 +62,11 @@ def test_a_zero_point_off_128_over_the_full_range_stays_unsigned():
                in line for line in run.lines), run.lines
 
 
+def test_zero_points_that_do_not_match_the_axis_are_left_to_the_op():
+    """Three zero points for two rows: not this pass's to judge (no crash, nothing rewritten)."""
+    run_pass_unchanged(dequantized_weights([128, 128, 128]), "UnsignedWeightRecentering", recenter_unsigned_weights)
+
+
 def test_conv_integer_weights_recentre_along_output_channels():
     """quantize_dynamic's ConvInteger(x_u8, W_u8, x_zp, W_zp) with W's zero point 128 per output channel."""
     b = IRBuilder()
