@@ -9,7 +9,7 @@ import numpy as np
 
 from kiln.ir import Graph, Node
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import const_value, fused_name, is_op, replace_nodes
+from kiln.passes.patterns import fused_name, is_op, replace_nodes, slice_range, split_ranges
 
 Range = tuple[int, int]
 MAX_PIECES = 4   # each piece reads the whole input again and is one more call: C2f/C3 chunk in two
@@ -50,8 +50,9 @@ def _pieces(g: Graph, conv: Node, readers: list[Node]) -> tuple[dict, str | None
     for reader in readers:
         if reader.inputs[0] is not out or any(v is out for v in reader.inputs[1:]):
             return {}, f"{reader.name} reads {conv.name}'s output other than as the data it slices"
-        ranges = _split_ranges(reader, out.shape[1]) if reader.op_type == "Split" else \
-            [_slice_range(reader, out.shape)]
+        channels = out.shape[1]   # a Slice of the channel axis alone: bounds on a dynamic axis would be unknown
+        ranges = split_ranges(reader, 1, 4, channels) if reader.op_type == "Split" else \
+            [slice_range(reader, 1, 4, channels)]
         if ranges is None or None in ranges:
             return {}, f"{reader.name} does not take constant, unit-step channel ranges"
         pieces[reader.name] = list(zip(reader.outputs, ranges))
@@ -61,49 +62,6 @@ def _pieces(g: Graph, conv: Node, readers: list[Node]) -> tuple[dict, str | None
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return {}, f"the slices of {conv.name}'s output overlap: its channels would be computed twice"
     return pieces, None
-
-
-def _slice_range(node: Node, shape: tuple[int, ...]) -> Range | None:
-    """The channel range [begin, end) a Slice takes of a 4-D tensor, if it slices the channel axis alone (bounds on
-    another axis could not be told whole from the probe shape where that axis is dynamic)."""
-    if len(node.inputs) > 1:
-        starts, ends = const_value(node.inputs[1]), const_value(node.inputs[2])
-        axes = const_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-        steps = const_value(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-        if len(node.inputs) > 3 and node.inputs[3] is not None and axes is None or \
-                len(node.inputs) > 4 and node.inputs[4] is not None and steps is None:
-            return None
-    else:   # opset < 10: attributes
-        starts, ends, axes, steps = node.attrs.get("starts"), node.attrs.get("ends"), node.attrs.get("axes"), None
-    if starts is None or ends is None:
-        return None
-    starts, ends = np.asarray(starts).reshape(-1), np.asarray(ends).reshape(-1)
-    axes = np.arange(len(starts)) if axes is None else np.asarray(axes).reshape(-1) % 4
-    if steps is not None and np.any(np.asarray(steps) != 1):
-        return None
-    if axes.tolist() != [1] or len(starts) != 1 or len(ends) != 1:
-        return None
-    dim = shape[1]
-    begin, stop = (min(max(v + dim if v < 0 else v, 0), dim) for v in (int(starts[0]), int(ends[0])))
-    return (begin, stop) if begin < stop else None
-
-
-def _split_ranges(node: Node, channels: int) -> list[Range] | None:
-    """The channel ranges of a Split along axis 1: its sizes (input or attribute), or equal parts."""
-    if node.attrs.get("axis", 0) % 4 != 1:
-        return None
-    sizes = const_value(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else \
-        node.attrs.get("split")
-    count = len(node.outputs)
-    if sizes is None:
-        if channels % count:
-            return None
-        sizes = [channels // count] * count
-    sizes = np.asarray(sizes).reshape(-1).tolist()
-    if len(sizes) != count or sum(sizes) != channels or min(sizes) <= 0:
-        return None
-    bounds = np.cumsum([0, *sizes]).tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _conv_for(g: Graph, conv: Node, reader: Node, value, channels: Range, index: int | None) -> Node:

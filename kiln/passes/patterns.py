@@ -123,3 +123,46 @@ def batchnorm_factors(bn: Node) -> tuple[np.ndarray, np.ndarray] | None:
 
 def const_value(v: Value | None) -> np.ndarray | None:
     return None if v is None or not v.is_const else v.const
+
+
+def slice_range(node: Node, axis: int, rank: int, dim: int) -> tuple[int, int] | None:
+    """[begin, end) a Slice takes of axis `axis` (of `dim` elements, in a rank-`rank` tensor), clamped to it, where
+    it slices that axis alone with step 1 and constant bounds (its inputs, or opset < 10's attributes); None for
+    anything else or an empty range."""
+    if len(node.inputs) > 1:
+        parts = node.inputs[1:5]
+        if any(v is not None and not v.is_const for v in parts):
+            return None
+        starts, ends, axes, steps = [const_value(v) for v in parts] + [None] * (4 - len(parts))
+    else:
+        starts, ends, axes, steps = node.attrs.get("starts"), node.attrs.get("ends"), node.attrs.get("axes"), None
+    if starts is None or ends is None:
+        return None
+    starts, ends = np.asarray(starts).reshape(-1), np.asarray(ends).reshape(-1)
+    axes = np.arange(len(starts)) if axes is None else np.asarray(axes).reshape(-1) % rank
+    if axes.tolist() != [axis] or len(ends) != 1 or (steps is not None and np.any(np.asarray(steps) != 1)):
+        return None
+    begin, end = (min(max(v + dim if v < 0 else v, 0), dim) for v in (int(starts[0]), int(ends[0])))
+    return (begin, end) if begin < end else None
+
+
+def split_ranges(node: Node, axis: int, rank: int, dim: int) -> list[tuple[int, int]] | None:
+    """The [begin, end) ranges a Split along `axis` (of `dim` elements, in a rank-`rank` tensor) gives its outputs:
+    its constant sizes (input or attribute), or equal parts; None where it splits another axis, its sizes are
+    computed, or they do not add up."""
+    if node.attrs.get("axis", 0) % rank != axis:
+        return None
+    given = len(node.inputs) > 1 and node.inputs[1] is not None
+    sizes = const_value(node.inputs[1]) if given else node.attrs.get("split")
+    if given and sizes is None:
+        return None   # sizes computed at run time
+    count = len(node.outputs)
+    if sizes is None:
+        if dim % count:
+            return None
+        sizes = [dim // count] * count
+    sizes = np.asarray(sizes).reshape(-1).tolist()
+    if len(sizes) != count or sum(sizes) != dim or min(sizes) <= 0:
+        return None
+    bounds = np.cumsum([0, *sizes]).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))

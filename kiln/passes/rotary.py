@@ -11,12 +11,10 @@ halves of cos are equal). The result must have x's shape. Anything else, or a va
 with the reason."""
 from __future__ import annotations
 
-import numpy as np
-
 from kiln.ir import Graph, Node, Value, same_extent, same_shape
 from kiln.passes.manager import PassLog
-from kiln.passes.patterns import const_value, fused_name, graph_order, is_op, other_input, replace_nodes, \
-    sole_consumer
+from kiln.passes.patterns import fused_name, graph_order, is_op, other_input, replace_nodes, slice_range, \
+    sole_consumer, split_ranges
 
 
 def fuse_rotary(g: Graph, plog: PassLog) -> None:
@@ -73,16 +71,17 @@ def _halves(second: Value, first: Value) -> tuple[Value, list[Node]] | None:
     a, b = first.producer, second.producer
     if is_op(a, "Split") and a is b and len(a.outputs) == 2 and a.outputs[0] is first and a.outputs[1] is second:
         x = a.inputs[0]
-        if _last_axis(a.attrs.get("axis", 0), x) and _equal_split(a, x):
-            return x, [a]
-        return None
+        if not _last_axis(a.attrs.get("axis", 0), x):
+            return None
+        d, last = x.shape[-1], len(x.shape) - 1
+        return (x, [a]) if split_ranges(a, last, last + 1, d) == [(0, d // 2), (d // 2, d)] else None
     if not (is_op(a, "Slice") and is_op(b, "Slice")) or a.inputs[0] is not b.inputs[0]:
         return None
     x = a.inputs[0]
     if x.shape is None or x.shape[-1] % 2 or (len(x.shape) - 1) in x.dyn_dims:
         return None
-    d = x.shape[-1]
-    if _slice_range(a, x) == (0, d // 2) and _slice_range(b, x) == (d // 2, d):
+    d, last = x.shape[-1], len(x.shape) - 1
+    if slice_range(a, last, last + 1, d) == (0, d // 2) and slice_range(b, last, last + 1, d) == (d // 2, d):
         return x, [a, b]
     return None
 
@@ -90,30 +89,6 @@ def _halves(second: Value, first: Value) -> tuple[Value, list[Node]] | None:
 def _last_axis(axis: int, x: Value) -> bool:
     return x.shape is not None and len(x.shape) > 0 and axis % len(x.shape) == len(x.shape) - 1 and \
         (len(x.shape) - 1) not in x.dyn_dims and x.shape[-1] % 2 == 0
-
-
-def _equal_split(split: Node, x: Value) -> bool:
-    given = len(split.inputs) > 1 and split.inputs[1] is not None
-    sizes = const_value(split.inputs[1]) if given else split.attrs.get("split")
-    if given and sizes is None:
-        return False   # sizes computed at run time
-    return sizes is None or [int(s) for s in np.asarray(sizes).reshape(-1)] == [x.shape[-1] // 2] * 2
-
-
-def _slice_range(s: Node, x: Value) -> tuple[int, int] | None:
-    """[start, end) of a Slice along x's last axis alone, step 1, clamped to it; None for anything else."""
-    args = [const_value(v) if v is not None else None for v in s.inputs[1:5]] + [None] * (5 - len(s.inputs))
-    starts, ends, axes, steps = args[:4]
-    computed = any(v is not None and not v.is_const for v in s.inputs[1:5])
-    if computed or starts is None or ends is None or starts.size != 1:
-        return None
-    rank, d = len(x.shape), x.shape[-1]
-    axis = int(axes.reshape(-1)[0]) % rank if axes is not None else 0
-    if axis != rank - 1 or (steps is not None and int(steps.reshape(-1)[0]) != 1):
-        return None
-    start, end = (int(v.reshape(-1)[0]) for v in (starts, ends))
-    start, end = (v + d if v < 0 else v for v in (start, end))
-    return min(max(start, 0), d), min(max(end, 0), d)
 
 
 def _fits(t: Value | None, x: Value) -> bool:

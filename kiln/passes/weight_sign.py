@@ -44,9 +44,10 @@ def _recenter(g: Graph, node: Node, weight: int, zero_point: int, axis: int, plo
     if zp is not None and not zp.is_const:
         return
     zp_values = np.zeros((), np.uint8) if zp is None else zp.const
-    if zp_values.size != 1 and (w.const.ndim == 0 or zp_values.size != w.const.shape[axis % w.const.ndim]):
+    offsets = _broadcast(zp_values, w.const.shape, axis)
+    if offsets is None:
         return   # zero points that do not match the weights' axis: the op's own checks say what is wrong
-    centred = w.const.astype(np.int16) - _broadcast(zp_values, w.const.ndim, axis)
+    centred = w.const.astype(np.int16) - offsets
     plog.running(node)
     if centred.min() < -128 or centred.max() > 127:
         plog.note(f"not recentering {node.name}: its u8 weights less their zero point span "
@@ -60,10 +61,13 @@ def _recenter(g: Graph, node: Node, weight: int, zero_point: int, axis: int, plo
     plog.lowering(node, "signed INT8 weights (zero point 0)")
 
 
-def _broadcast(zp: np.ndarray, ndim: int, axis: int) -> np.ndarray:
-    """A per-tensor or per-axis zero point shaped to broadcast against the weights."""
+def _broadcast(zp: np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray | None:
+    """A per-tensor or per-axis zero point shaped to broadcast against weights of `shape`; None where its count is
+    not the axis' extent."""
     if zp.size == 1:
         return zp.astype(np.int16).reshape(())
-    shape = [1] * ndim
-    shape[axis % ndim] = zp.size
-    return zp.astype(np.int16).reshape(shape)
+    if not shape or zp.size != shape[axis % len(shape)]:
+        return None
+    view = [1] * len(shape)
+    view[axis % len(shape)] = zp.size
+    return zp.astype(np.int16).reshape(view)

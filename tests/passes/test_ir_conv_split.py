@@ -79,6 +79,17 @@ def test_near_misses_say_why(kwargs, reason):
     assert run.not_fusing == [f"ConvSliceSplit: Not fusing y with s0: {reason}"]
 
 
+def test_a_split_whose_sizes_are_computed_stays():
+    """Split sizes known only at run time (an input here) are not taken for equal halves."""
+    b = IRBuilder()
+    x, sizes = b.input("x", (1, 3, 5, 5)), b.input("sizes", (2,), np.int64)
+    y = b.node("Conv", [x, b.const("w", np.ones((8, 3, 1, 1)))], "y", (1, 8, 5, 5), **CONV)
+    g = b.graph(*b.multi("Split", [y, sizes], [("s0", (1, 4, 5, 5)), ("s1", (1, 4, 5, 5))], name="split", axis=1))
+    run = run_pass_unchanged(g, "ConvSliceSplit", split_sliced_convs)
+    assert run.not_fusing == ["ConvSliceSplit: Not fusing y with split: split does not take constant, unit-step "
+                              "channel ranges"]
+
+
 def test_a_convolution_also_read_whole_stays():
     g = sliced_conv(extra_reader="Relu")
     run = run_pass_unchanged(g, "ConvSliceSplit", split_sliced_convs)
