@@ -1,5 +1,6 @@
 """The one interpreter of a plan: runs planned layers on their prepared kernels in plan order, wiring arguments,
-handing a dying input's buffer to an in-place kernel, and releasing each tensor after its last reader.
+handing a dying input's buffer to an in-place kernel, and releasing each tensor after its last reader; a run of
+layers on kiln's oneDNN primitives goes to C as one call (kiln.runtime.chains).
 
 Execution contexts, the builder's whole-plan and segment timing, `kiln compare --layerwise` and regions run on
 reference kernels all run plans through it, so the plan that is timed is the plan that runs (torch.fx's
@@ -15,6 +16,7 @@ import torch
 from kiln.errors import Error
 from kiln.plan.liveness import free_lists
 from kiln.plan.model import Layer
+from kiln.runtime.chains import Chain, find_chains
 from kiln.runtime.donation import donation, sole_owner
 from kiln.runtime.elision import ConcatRest, IntoConcat, plan_elisions, rest_kernel, write_kernel
 from kiln.tactics.base import Kernel
@@ -53,34 +55,52 @@ class Interpreter:
         self.steps = tuple(Step(s.layer, s.kernel, s.args, s.outputs, s.free,
                                 None if i in into else s.in_place, into.get(i), rest.get(i))
                            for i, s in enumerate(self.steps))
+        # what an inference runs: the steps, each run of oneDNN primitive layers as one Chain (only with `keep`:
+        # a chain's inner tensors never reach the environment)
+        chains = {c.start: c for c in find_chains(self.steps, keep)} if keep is not None else {}
+        self.program: tuple[Step | Chain, ...] = tuple(
+            chains.get(i, s) for i, s in enumerate(self.steps)
+            if not any(c.start < i < c.stop for c in chains.values()))
 
     def run(self, env: dict[str, torch.Tensor], observe: Observer | None = None,
             profiler=None) -> dict[str, torch.Tensor]:
         """Run every step on `env` (tensor name -> tensor, updated in place and returned). `observe(name, tensor)`
-        sees each tensor as it is produced; `profiler.record(layer name, ms)` gets each layer's time."""
+        sees each tensor as it is produced; `profiler.record(layer name, ms)` gets each layer's time (both run
+        every layer on its own kernel: no chains)."""
+        if observe is None and profiler is None:
+            for item in self.program:
+                if type(item) is Chain:
+                    item.run(env)
+                else:
+                    _run_step(item, env, None, None)
+            return env
         for step in self.steps:
-            xs = [env[n] if kind == "tensor" else None for kind, n in step.args]
-            kernel = step.kernel
-            if step.in_place is not None and sole_owner(xs[step.in_place[0]], env):
-                kernel = step.in_place[1]
-            elif step.into_concat is not None:
-                kernel = write_kernel(step.into_concat, kernel, env)
-            elif step.concat_rest is not None:
-                kernel = rest_kernel(step.concat_rest, env)
-            try:
-                results = kernel(xs) if profiler is None else _profiled(step.layer, kernel, xs, profiler)
-            except Error:
-                raise
-            except Exception as exc:   # a damaged engine or a library failure: name the layer
-                raise Error(f"layer '{step.layer.name}' ({step.layer.op_type}) failed: "
-                            f"{type(exc).__name__}: {exc}") from None
-            for name, value in zip(step.outputs, results):
-                env[name] = value
-                if observe is not None:   # a tensor stored in bf16 is seen as the FP32 values it holds
-                    observe(name, value.float() if value.dtype == torch.bfloat16 else value)
-            for name in step.free:
-                env.pop(name, None)
+            _run_step(step, env, observe, profiler)
         return env
+
+
+def _run_step(step: Step, env: dict[str, torch.Tensor], observe: Observer | None, profiler) -> None:
+    xs = [env[n] if kind == "tensor" else None for kind, n in step.args]
+    kernel = step.kernel
+    if step.in_place is not None and sole_owner(xs[step.in_place[0]], env):
+        kernel = step.in_place[1]
+    elif step.into_concat is not None:
+        kernel = write_kernel(step.into_concat, kernel, env)
+    elif step.concat_rest is not None:
+        kernel = rest_kernel(step.concat_rest, env)
+    try:
+        results = kernel(xs) if profiler is None else _profiled(step.layer, kernel, xs, profiler)
+    except Error:
+        raise
+    except Exception as exc:   # a damaged engine or a library failure: name the layer
+        raise Error(f"layer '{step.layer.name}' ({step.layer.op_type}) failed: "
+                    f"{type(exc).__name__}: {exc}") from None
+    for name, value in zip(step.outputs, results):
+        env[name] = value
+        if observe is not None:   # a tensor stored in bf16 is seen as the FP32 values it holds
+            observe(name, value.float() if value.dtype == torch.bfloat16 else value)
+    for name in step.free:
+        env.pop(name, None)
 
 
 def _profiled(layer: Layer, kernel: Kernel, xs: list, profiler) -> list:

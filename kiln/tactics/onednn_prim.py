@@ -18,6 +18,7 @@ import ctypes
 import math
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -196,6 +197,20 @@ class ShapePrimitives:
         return made
 
 
+@dataclass(frozen=True)
+class ChainLink:
+    """A primitive kernel as kiln.runtime.chains runs it inside a run of such layers, all in one C call: its
+    primitives by input shape, the lock its calls hold, the dtype it reads (None: its input's, as it is) in
+    `memory_format`, the dtype it writes, and how its residual (argument 3) joins: R_*."""
+
+    primitives: ShapePrimitives
+    lock: threading.Lock
+    x_dtype: torch.dtype | None
+    out_dtype: torch.dtype
+    memory_format: torch.memory_format
+    residual: int = R_NONE
+
+
 def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torch.dtype,
              x_dtype: torch.dtype | None = None, memory_format=torch.channels_last, any_rows: bool = False):
     """execute(x, y=None, r=None) -> y: `layer`'s primitive (`kind`, Primitive's; one per input shape,
@@ -218,6 +233,7 @@ def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torc
         if status:
             raise RuntimeError(f"oneDNN's {kind} primitive failed (status {status})")
         return y
+    execute.chain_link = ChainLink(primitives, lock, x_dtype, out_dtype, memory_format)
     return execute
 
 
@@ -229,7 +245,14 @@ def out_mapper(layer: LayerView):
 
 def summing_kernel(execute, finish, residual: int, memory_format=torch.channels_last) -> Kernel:
     """The kernel around `execute` (executor's): the residual summed in place (`run.into_input`) or in a copy, or
-    added from its own buffer, then `finish` (None: nothing)."""
+    added from its own buffer, then `finish` (None: nothing). Without `finish` it carries its ChainLink."""
+    kernel = _summing(execute, finish, residual, memory_format)
+    if finish is None:
+        kernel.chain_link = replace(execute.chain_link, residual=residual)
+    return kernel
+
+
+def _summing(execute, finish, residual: int, memory_format) -> Kernel:
     last = memory_format
     if residual == R_NONE:
         return (lambda xs: [execute(xs[0])]) if finish is None else (lambda xs: [finish(execute(xs[0]))])

@@ -366,6 +366,27 @@ int64_t kiln_dnnl_run(void* handle, int64_t rows, const void* x, void* y, const 
   return (int64_t)execute(h, x, y, r);
 }
 
+/* Calls run in order as one (kiln.runtime.chains): call i runs handles[i] with the five values calls[5i..5i+4]:
+   its rows (kiln_dnnl_run's), the slots of x, y and the residual (-1: none) in `slots`, the buffers' addresses,
+   and the bytes of the residual copied into y before the call (0: y holds it already, or it is read from its own
+   buffer by a binary add). Returns 0, or oneDNN's status with the failing call's index in *failed. */
+int64_t kiln_dnnl_run_chain(int64_t n, void* const* handles, const int64_t* calls, void* const* slots,
+                            int64_t* failed) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* c = calls + 5 * i;
+    const Handle* h = (const Handle*)handles[i];
+    void* y = slots[c[2]];
+    const void* r = c[3] < 0 ? NULL : slots[c[3]];
+    if (c[4] > 0) memcpy(y, r, (size_t)c[4]);
+    const int64_t s = kiln_dnnl_run(handles[i], c[0], slots[c[1]], y, h->residual_arg ? r : NULL);
+    if (s) {
+      *failed = i;
+      return s;
+    }
+  }
+  return 0;
+}
+
 /* 1 where the handle reads another handle's packed weights (that one must outlive it), 0 where it owns its own. */
 int64_t kiln_dnnl_shares_weights(const void* handle) { return ((const Handle*)handle)->shares_weights; }
 
