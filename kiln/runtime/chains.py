@@ -49,21 +49,30 @@ class Chain:
         self.start, self.stop, self.calls, self.outputs = start, stop, calls, outputs
         self.frees, self.alias, self.donated = frees, alias, donated
         self.runs: OrderedDict[tuple, ChainRun] = OrderedDict()
+        self.last: tuple = ((), None)   # the last inference's (input shapes, run): a static engine's every one
         locks = {id(c.link.lock): c.link.lock for c in calls}
         self.locks = tuple(locks[k] for k in sorted(locks))   # taken in one order: no deadlock
+        # the tensors it reads from before it: (name, the dtype its first reader takes or None, that reader's layout)
+        produced, reads = set(), {}
+        for c in calls:
+            for name, dtype in ((c.x, c.link.x_dtype), (c.residual, None)):
+                if name is not None and name not in produced and name not in reads:
+                    reads[name] = (name, dtype, c.link.memory_format)
+            produced.add(c.y)
+        self.reads = tuple(reads.values())
 
     def run(self, env: dict[str, torch.Tensor]) -> None:
         """One inference of the chain on `env` (read, updated with its outputs, its dead tensors dropped)."""
-        inputs = self._inputs(env)
-        key = tuple(t.shape for t in inputs.values())
+        inputs = []
+        for name, dtype, fmt in self.reads:
+            t = env[name]
+            inputs.append(t.contiguous(memory_format=fmt) if dtype is None or t.dtype == dtype else
+                          t.to(dtype, memory_format=fmt))
+        key = tuple(t.shape for t in inputs)
         for lock in self.locks:
             lock.acquire()
         try:
-            made = self.runs.get(key)
-            if made is None:
-                made = self.runs[key] = ChainRun(self, {n: t.shape for n, t in inputs.items()})
-                if len(self.runs) > RUNS_KEPT:
-                    self.runs.popitem(last=False)
+            made = self.last[1] if key == self.last[0] else self._made(key)
             made.execute(env, inputs)
         finally:
             for lock in self.locks:
@@ -71,20 +80,17 @@ class Chain:
         for name in self.frees:
             env.pop(name, None)
 
-    def _inputs(self, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The tensors it reads from before it, in the dtype and layout their first reader takes."""
-        inputs: dict[str, torch.Tensor] = {}
-        produced = set()
-        for call in self.calls:
-            link = call.link
-            for name, dtype in ((call.x, link.x_dtype), (call.residual, None)):
-                if name is None or name in produced or name in inputs:
-                    continue
-                t = env[name]
-                inputs[name] = t.contiguous(memory_format=link.memory_format) if dtype is None or t.dtype == dtype \
-                    else t.to(dtype, memory_format=link.memory_format)
-            produced.add(call.y)
-        return inputs
+    def _made(self, key: tuple) -> ChainRun:
+        """The run for these input shapes: kept, or made (the least recently used dropped past RUNS_KEPT)."""
+        made = self.runs.get(key)
+        if made is None:
+            made = self.runs[key] = ChainRun(self, {read[0]: shape for read, shape in zip(self.reads, key)})
+            if len(self.runs) > RUNS_KEPT:
+                self.runs.popitem(last=False)
+        else:
+            self.runs.move_to_end(key)
+        self.last = (key, made)
+        return made
 
 
 class ChainRun:
@@ -105,9 +111,16 @@ class ChainRun:
         self.primitives = [e[0] for e in entries]   # kept alive: a shape's primitive may leave its layer's cache
         self.shapes = shapes
         self._slots(chain, input_shapes)
-        # the donated calls whose output is made per inference: (index, residual, the output's buffer, bytes)
-        self.donations = [(i, c.residual, self._root(c.y), self._bytes(c.y)) for i, c in enumerate(chain.calls)
-                          if i in chain.donated and self._root(c.y) in self.fresh_roots]
+        fresh = [root for root, *_ in self.fresh]
+        read = [name for name, _, _ in chain.reads]
+        # the donated calls whose output is made per inference: (call, its residual's index in the reads and
+        # name, its output's index in `fresh`, the bytes copied when the residual cannot be taken)
+        self.donations = [(i, read.index(c.residual), c.residual, fresh.index(self._root(c.y)), self._bytes(c.y))
+                          for i, c in enumerate(chain.calls) if i in chain.donated and self._root(c.y) in fresh]
+        # the tensors read after the chain: (name, index in `fresh`, the dtype it is viewed as, or None: its own)
+        self.outputs = [(name, fresh.index(self._root(name)),
+                         None if self.shapes[name][2] == self.shapes[self._root(name)][2] else self.shapes[name][2])
+                        for name in chain.outputs]
         n = len(chain.calls)
         self.handles = (ctypes.c_void_p * n)(*(e[1] for e in entries))
         self.calls = (ctypes.c_int64 * (FIELDS * n))()
@@ -115,6 +128,7 @@ class ChainRun:
             self.calls[FIELDS * i:FIELDS * i + FIELDS] = [entries[i][2], *self._call_fields(call)]
         self.failed = ctypes.c_int64(-1)
         self.run_c = native.library("onednn").kiln_dnnl_run_chain
+        self.c_args = (n, *(ctypes.addressof(a) for a in (self.handles, self.calls, self.slots, self.failed)))
 
     def _root(self, name: str) -> str:
         while name in self.chain.alias:
@@ -125,13 +139,13 @@ class ChainRun:
         """A slot per input and per buffer (an alias shares its residual's); workspace offsets for the buffers no
         one reads after the chain."""
         roots = {y: self._root(y) for y in self.shapes}
-        self.fresh_roots = fresh_roots = {roots[y] for y in self.shapes if y in chain.outputs}
+        fresh_roots = {roots[y] for y in self.shapes if y in chain.outputs}
         self.slot = {name: i for i, name in enumerate(input_shapes)}
         for root in dict.fromkeys(roots.values()):
             self.slot[root] = len(self.slot)
         self.slot.update({y: self.slot[r] for y, r in roots.items()})
         self.fresh = [(root, self.slot[root], *self.shapes[root]) for root in dict.fromkeys(roots.values())
-                      if root in fresh_roots]
+                      if root in fresh_roots]   # (buffer, slot, shape, strides, dtype): made per inference
         index = {call.y: i for i, call in enumerate(chain.calls)}
         last = {}
         for i, call in enumerate(chain.calls):
@@ -160,31 +174,29 @@ class ChainRun:
         copied = residual == R_SUM and r_slot != self.slot[call.y]
         return [self.slot[call.x], self.slot[call.y], r_slot, self._bytes(call.y) if copied else 0]
 
-    def execute(self, env: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    def execute(self, env: dict[str, torch.Tensor], inputs: list[torch.Tensor]) -> None:
         slots, calls = self.slots, self.calls
-        for name, t in inputs.items():
-            slots[self.slot[name]] = t.data_ptr()
+        for k, t in enumerate(inputs):   # the reads' slots come first
+            slots[k] = t.data_ptr()
         donors = {}
-        for i, residual, root, copied in self.donations:   # a residual no one else holds: the output takes its
-            r = inputs[residual]                           # buffer, uncopied
-            donate = r is not env[residual] or sole_owner(r, env)
+        for i, k, name, j, copied in self.donations:   # a residual no one else holds: the output takes its buffer
+            r = inputs[k]
+            donate = r is not env[name] or sole_owner(r, env)
             if donate:
-                donors[root] = r
+                donors[j] = r
             calls[FIELDS * i + 4] = 0 if donate else copied
-        made = {}
-        for root, slot, shape, strides, dtype in self.fresh:
-            t = donors.get(root)
-            made[root] = t if t is not None else torch.empty_strided(shape, strides, dtype=dtype)
-            slots[slot] = made[root].data_ptr()
-        status = self.run_c(len(self.chain.calls), self.handles, calls, slots, ctypes.byref(self.failed))
+        made = []
+        for j, (_, slot, shape, strides, dtype) in enumerate(self.fresh):
+            t = donors.get(j) if donors else None
+            made.append(torch.empty_strided(shape, strides, dtype=dtype) if t is None else t)
+            slots[slot] = made[j].data_ptr()
+        status = self.run_c(*self.c_args)
         if status:
             call = self.chain.calls[self.failed.value]
             raise Error(f"layer '{call.layer}' ({call.op_type}) failed: RuntimeError: oneDNN's primitive failed "
                         f"(status {status})")
-        for name in self.chain.outputs:
-            t = made[self._root(name)]
-            dtype = self.shapes[name][2]
-            env[name] = t if t.dtype == dtype else t.view(dtype)
+        for name, j, dtype in self.outputs:
+            env[name] = made[j] if dtype is None else made[j].view(dtype)
 
 
 def find_chains(steps: Sequence, keep: set[str]) -> list[Chain]:

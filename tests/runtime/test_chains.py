@@ -5,6 +5,7 @@ chain are new per inference; a dynamic engine gets buffers per input shape; a la
 chain; contexts on two threads do not share buffers; a failing call names its layer."""
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -200,7 +201,7 @@ def test_a_failing_call_names_its_layer():
     [run] = chain.runs.values()
 
     def fails_at_second(n, handles, calls, slots, failed):
-        failed._obj.value = 1
+        ctypes.c_int64.from_address(failed).value = 1
         return 5
 
     run.run_c = fails_at_second
