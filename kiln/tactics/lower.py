@@ -69,14 +69,17 @@ class Lowering:
 
     def __init__(self, g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
                  precisions: dict[str, PrecisionDecision] | None = None, strict_precision: bool = True,
-                 pinned: dict[str, str] | None = None):
+                 pinned: dict[str, str] | None = None, prefer_source: str | None = None):
         """`strict_precision` (--precision-constraints prefer/obey): a layer granted a reduced precision runs one
         of its kernels; otherwise (TensorRT's default) the precision is allowed, not required, and its kernels
         race the native precision's, the winner deciding the layer's granted precision. `pinned`: node -> the
         tactic an earlier lowering picked (`picked`), kept wherever it is still a candidate (the accuracy budget's
-        trials change only the layers they keep in FP32, not the kernels a new timing round would pick)."""
+        trials change only the layers they keep in FP32, not the kernels a new timing round would pick).
+        `prefer_source`: where a tactic of that source can run a layer, only that source's race (the plan race's
+        candidate of kiln's oneDNN primitives wherever they apply)."""
         self.g, self.sources, self.tuner, self.precisions = g, sources, tuner, dict(precisions or {})
         self.strict_precision, self.pinned = strict_precision, dict(pinned or {})
+        self.prefer_source = prefer_source
         self.picked: dict[str, str] = {}
         self.node_layers: dict[str, tuple[int, int]] = {}   # node -> its layers' [start, end) in `layers`
         self.layers: list[Layer] = []
@@ -144,6 +147,7 @@ class Lowering:
         found = candidates(view, self.sources, reduced)
         if reduced and not self.strict_precision:   # allowed, not required: the native kernels race too
             found += [t for t in candidates(view, self.sources) if t not in found]
+        found = [t for t in found if t.source == self.prefer_source] or found
         if self.tuner is None or len(found) == 1 or runtime_shape_inputs(node):
             return found[0]   # shape arithmetic on dynamic axes: random timing inputs would be meaningless
         pinned = next((t for t in found if t.name == self.pinned.get(node.name)), None)
@@ -267,7 +271,7 @@ class Lowering:
 
 
 def lower(g: Graph, sources: frozenset[str] | None, tuner: Autotuner | None = None,
-          precisions: dict[str, PrecisionDecision] | None = None,
-          strict_precision: bool = True) -> tuple[list[Layer], dict[str, np.ndarray]]:
+          precisions: dict[str, PrecisionDecision] | None = None, strict_precision: bool = True,
+          prefer_source: str | None = None) -> tuple[list[Layer], dict[str, np.ndarray]]:
     """The graph's layers and weights (see `Lowering`)."""
-    return Lowering(g, sources, tuner, precisions, strict_precision).run()
+    return Lowering(g, sources, tuner, precisions, strict_precision, prefer_source=prefer_source).run()
