@@ -23,7 +23,7 @@ from kiln.tactics.onednn_prim import R_NONE, R_SUM, ChainLink
 
 MIN_LAYERS = 2
 RUNS_KEPT = 4   # per chain, the input shapes whose buffers stay made (a dynamic engine's)
-FIELDS = 5      # per call in kiln_dnnl_run_chain: rows, x slot, y slot, residual slot, bytes copied
+FIELDS = 7      # per call in kiln_dnnl_run_chain: rows, x slot, y slot, residual slot, bytes copied, table, y bytes
 
 
 @dataclass(frozen=True)
@@ -167,12 +167,15 @@ class ChainRun:
         return extent * dtype.itemsize
 
     def _call_fields(self, call: ChainCall) -> list[int]:
-        """x slot, y slot, residual slot (-1: none), bytes copied: a residual summed in place is copied into the
-        output first unless it is the output's own buffer (an alias; a donated one is decided per inference)."""
+        """x slot, y slot, residual slot (-1: none), bytes copied (a residual summed in place is copied into the
+        output first unless it is the output's own buffer: an alias; a donated one is decided per inference), the
+        output table's address (0: none) and the output's bytes."""
         residual = call.link.residual
         r_slot = -1 if residual == R_NONE else self.slot[call.residual]
         copied = residual == R_SUM and r_slot != self.slot[call.y]
-        return [self.slot[call.x], self.slot[call.y], r_slot, self._bytes(call.y) if copied else 0]
+        table = call.link.table
+        return [self.slot[call.x], self.slot[call.y], r_slot, self._bytes(call.y) if copied else 0,
+                0 if table is None else table.data_ptr(), self._bytes(call.y)]
 
     def execute(self, env: dict[str, torch.Tensor], inputs: list[torch.Tensor]) -> None:
         slots, calls = self.slots, self.calls

@@ -24,6 +24,7 @@ import torch
 
 from kiln import native
 from kiln.ops.dtypes import INT8_TORCH
+from kiln.ops.fused import table_bytes
 from kiln.tactics.base import Kernel, LayerView, has_residual, storage_dtype
 from kiln.tactics.gemm_c import tensor_address
 from kiln.tactics.lookup_c import table_mapper
@@ -201,7 +202,8 @@ class ShapePrimitives:
 class ChainLink:
     """A primitive kernel as kiln.runtime.chains runs it inside a run of such layers, all in one C call: its
     primitives by input shape, the lock its calls hold, the dtype it reads (None: its input's, as it is) in
-    `memory_format`, the dtype it writes, and how its residual (argument 3) joins: R_*."""
+    `memory_format`, the dtype it writes, how its residual (argument 3) joins (R_*), and an INT8 output's table
+    (256 bytes its output is mapped through in place, then read as `out_dtype`; None: none)."""
 
     primitives: ShapePrimitives
     lock: threading.Lock
@@ -209,6 +211,7 @@ class ChainLink:
     out_dtype: torch.dtype
     memory_format: torch.memory_format
     residual: int = R_NONE
+    table: torch.Tensor | None = None
 
 
 def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torch.dtype,
@@ -237,18 +240,15 @@ def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torc
     return execute
 
 
-def out_mapper(layer: LayerView):
-    """An INT8 layer's output table as a `finish` for summing_kernel (lookup_c.table_mapper), None without one."""
-    table = layer.attrs.get("out_table")
-    return None if table is None else table_mapper(table)
-
-
-def summing_kernel(execute, finish, residual: int, memory_format=torch.channels_last) -> Kernel:
+def summing_kernel(execute, table: dict | None, residual: int, memory_format=torch.channels_last) -> Kernel:
     """The kernel around `execute` (executor's): the residual summed in place (`run.into_input`) or in a copy, or
-    added from its own buffer, then `finish` (None: nothing). Without `finish` it carries its ChainLink."""
-    kernel = _summing(execute, finish, residual, memory_format)
-    if finish is None:
-        kernel.chain_link = replace(execute.chain_link, residual=residual)
+    added from its own buffer, then the INT8 output mapped through `table` (a layer's "out_table"; None: none). It
+    carries its ChainLink."""
+    kernel = _summing(execute, None if table is None else table_mapper(table), residual, memory_format)
+    link = replace(execute.chain_link, residual=residual)
+    if table is not None:
+        link = replace(link, out_dtype=INT8_TORCH[table["dtype"]], table=table_bytes(table))
+    kernel.chain_link = link
     return kernel
 
 
@@ -297,4 +297,4 @@ class PrimitiveInt8ConvTactic(OwnPrimitive, OneDnnInt8ConvTactic):
                             tensor_address(bias))
 
         execute = executor(layer, "conv", make_call, lambda shape: output_layout(layer, shape), out_dtype)
-        return summing_kernel(execute, out_mapper(layer), residual)
+        return summing_kernel(execute, layer.attrs.get("out_table"), residual)

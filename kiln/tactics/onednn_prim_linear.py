@@ -24,7 +24,7 @@ from kiln.tactics.onednn_int8 import (OneDnnInt8LinearTactic, _channel_axis, _ou
 from kiln.tactics.onednn_linear import (OneDnnBf16LinearTactic, OneDnnLinearTactic, by_constant_matrix, linear_bias,
                                         linear_weight)
 from kiln.tactics.onednn_prim import (R_NONE, TYPES, OwnPrimitive, available, eltwise, executor, float_fields,
-                                      out_mapper, quantized_output, summing_kernel)
+                                      quantized_output, summing_kernel)
 
 
 class MatmulCall(ctypes.Structure):
@@ -109,4 +109,4 @@ class PrimitiveInt8LinearTactic(OwnPrimitive, OneDnnInt8LinearTactic):
 
         execute = executor(layer, "matmul", make_call, row_layout(n), out_dtype, None, torch.contiguous_format,
                            rows_vary(layer))
-        return summing_kernel(execute, out_mapper(layer), R_NONE, torch.contiguous_format)
+        return summing_kernel(execute, layer.attrs.get("out_table"), R_NONE, torch.contiguous_format)

@@ -207,3 +207,42 @@ def test_a_failing_call_names_its_layer():
     run.run_c = fails_at_second
     with pytest.raises(Error, match=r"layer 'conv_b' \(Conv\) failed: .*status 5"):
         context.execute({"x": x})
+
+
+def qdq_silu_convs(layers=3):
+    """x -> Q/DQ -> [Conv (s8 weights) -> Q/DQ -> SiLU -> Q/DQ] x layers: each SiLU becomes its convolution's
+    output table (kiln.passes.qproduct_table)."""
+    def qdq(src, dst, scale, zero_point, tag):
+        inits.extend([init(f"{tag}_s", np.float32(scale)), init(f"{tag}_zp", np.uint8(zero_point))])
+        nodes.extend([helper.make_node("QuantizeLinear", [src, f"{tag}_s", f"{tag}_zp"], [f"{tag}_q"]),
+                      helper.make_node("DequantizeLinear", [f"{tag}_q", f"{tag}_s", f"{tag}_zp"], [dst])])
+    nodes, inits = [], []
+    qdq("x", "t0", 0.05, 128, "in")
+    for i in range(layers):
+        w = np.clip(np.rint(rand((C, C, 3, 3), i) * 20), -127, 127).astype(np.int8)
+        inits.extend([init(f"w{i}", w), init(f"w{i}_s", np.float32(0.01)), init(f"w{i}_zp", np.int8(0))])
+        nodes.extend([helper.make_node("DequantizeLinear", [f"w{i}", f"w{i}_s", f"w{i}_zp"], [f"wd{i}"]),
+                      helper.make_node("Conv", [f"t{i}", f"wd{i}"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1])])
+        qdq(f"c{i}", f"cd{i}", 0.05, 128, f"c{i}")
+        nodes.extend([helper.make_node("Sigmoid", [f"cd{i}"], [f"sg{i}"]),
+                      helper.make_node("Mul", [f"cd{i}", f"sg{i}"], [f"m{i}"])])
+        qdq(f"m{i}", f"t{i + 1}", 0.03, 10, f"m{i}")
+    dims = [1, C, 6, 6]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                      [helper.make_tensor_value_info(f"t{layers}", TensorProto.FLOAT, dims)], inits)
+
+
+def test_int8_output_tables_are_mapped_inside_the_chain():
+    onnx_model = qdq_silu_convs()
+    engine = kiln.build(onnx_model, tactic_sources="onednn,kiln", autotune=False)
+    x = rand((1, C, 6, 6), 11)
+    chained, one_by_one, context = run_both_ways(engine, {"x": x})
+    [chain] = chains(context)
+    tabled = [c for c in chain.calls if c.link.table is not None]
+    # the last SiLU ends in FP32 (the model's output): a lookup layer of its own after the chain
+    assert len(chain.calls) == 3 and len(tabled) == 2, [(l.name, l.tactic_name) for l in engine.plan.layers]
+    np.testing.assert_array_equal(chained[engine.output_names[0]], one_by_one[engine.output_names[0]])
+    expected = run_ort(onnx_model, {"x": x})[0]
+    got = chained[engine.output_names[0]]
+    off = np.abs(got - expected)   # rounding differences carried through three quantized layers: rare, small
+    assert off.max() <= 2 * 0.03 + 1e-6 and np.mean(off > 1e-6) <= 0.05

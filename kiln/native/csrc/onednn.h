@@ -11,6 +11,8 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
+#include "lookup.h"
+
 enum { T_F32 = 0, T_U8 = 1, T_S8 = 2, T_BF16 = 3 };   /* tensor types, as kiln.tactics.onednn_prim.TYPES */
 /* fused activations (kiln.tactics.onednn_prim.ELTWISE), applied after the residual; alpha and beta are
    oneDNN's for each algorithm */
@@ -366,14 +368,17 @@ int64_t kiln_dnnl_run(void* handle, int64_t rows, const void* x, void* y, const 
   return (int64_t)execute(h, x, y, r);
 }
 
-/* Calls run in order as one (kiln.runtime.chains): call i runs handles[i] with the five values calls[5i..5i+4]:
-   its rows (kiln_dnnl_run's), the slots of x, y and the residual (-1: none) in `slots`, the buffers' addresses,
-   and the bytes of the residual copied into y before the call (0: y holds it already, or it is read from its own
-   buffer by a binary add). Returns 0, or oneDNN's status with the failing call's index in *failed. */
+enum { CHAIN_FIELDS = 7 };   /* per call in kiln_dnnl_run_chain, as kiln.runtime.chains.FIELDS */
+
+/* Calls run in order as one (kiln.runtime.chains): call i runs handles[i] with the values calls[7i..7i+6]: its
+   rows (kiln_dnnl_run's), the slots of x, y and the residual (-1: none) in `slots`, the buffers' addresses, the
+   bytes of the residual copied into y before the call (0: y holds it already, or it is read from its own buffer by
+   a binary add), and the address of a 256-byte table y's bytes are then mapped through in place (0: none) with
+   y's size in bytes. Returns 0, or oneDNN's status with the failing call's index in *failed. */
 int64_t kiln_dnnl_run_chain(int64_t n, void* const* handles, const int64_t* calls, void* const* slots,
                             int64_t* failed) {
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t* c = calls + 5 * i;
+    const int64_t* c = calls + CHAIN_FIELDS * i;
     const Handle* h = (const Handle*)handles[i];
     void* y = slots[c[2]];
     const void* r = c[3] < 0 ? NULL : slots[c[3]];
@@ -383,6 +388,7 @@ int64_t kiln_dnnl_run_chain(int64_t n, void* const* handles, const int64_t* call
       *failed = i;
       return s;
     }
+    if (c[5]) lookup_bytes_shared((const uint8_t*)y, (uint8_t*)y, c[6], (const uint8_t*)(intptr_t)c[5]);
   }
   return 0;
 }

@@ -73,9 +73,7 @@ QUANTIZE_TO_NHWC(kiln_quantize_nhwc_s8, int8_t, -128.0f, 127.0f)
 DEQUANTIZE(kiln_dequantize_u8, uint8_t)
 DEQUANTIZE(kiln_dequantize_s8, int8_t)
 
-/* Table lookups (lookup.h's lookup_bytes), shared among the threads above LOOKUP_PARALLEL_MIN. */
-#define LOOKUP_BLOCK 16384   /* bytes per OpenMP work unit */
-#define LOOKUP_PARALLEL_MIN 262144   /* a lookup moves ~64 bytes a cycle: smaller tensors stay on one thread */
+/* Table lookups (lookup.h's lookup_bytes), shared among the threads above LOOKUP_PARALLEL_MIN (lookup.h). */
 
 /* y = table[x] over `count` bytes by BLOCK (one block of y[i] = table[x[i]] per call), on the calling thread
    below MIN elements: a team of one costs 1-2 us. */
@@ -95,5 +93,7 @@ static void lookup_floats(const uint8_t* restrict x, float* restrict y, int64_t 
   for (int64_t i = begin; i < end; ++i) y[i] = table[x[i]];
 }
 
-LOOKUP(kiln_lookup_u8, uint8_t, lookup_bytes, LOOKUP_PARALLEL_MIN)
+void kiln_lookup_u8(const uint8_t* x, uint8_t* y, int64_t count, const uint8_t* restrict table) {
+  lookup_bytes_shared(x, y, count, table);
+}
 LOOKUP(kiln_lookup_f32, float, lookup_floats, LOOKUP_PARALLEL_MIN / 4)   /* four bytes written per byte read */
