@@ -19,6 +19,7 @@ from kiln import native
 from kiln.errors import Error
 from kiln.plan.liveness import place
 from kiln.runtime.donation import sole_owner
+from kiln.tactics.base import storage_dtype
 from kiln.tactics.onednn_prim import R_NONE, R_SUM, ChainLink
 
 MIN_LAYERS = 2
@@ -227,7 +228,8 @@ def _link(step) -> ChainLink | None:
 
 def _chainable(step, before: Sequence) -> bool:
     """Whether `step` may follow the chain `before`: a primitive reading its input in the dtype a chained producer
-    writes it in, and each tensor in the layout its chained producer and every other reader in the chain take."""
+    writes it in, each tensor in the layout its chained producer and every other reader in the chain take, and no
+    tensor read both converted (a chain input cast to a primitive's dtype) and as it is (a residual)."""
     link = _link(step)
     if link is None or step.args[0][0] != "tensor" or (link.residual != R_NONE and len(step.args) < 4):
         return False
@@ -239,7 +241,16 @@ def _chainable(step, before: Sequence) -> bool:
         touched = {prior.outputs[0], prior.args[0][1], *(a[1] for a in prior.args[3:4] if a[0] == "tensor")}
         if {x, residual} & touched and prior_link.memory_format != link.memory_format:
             return False
+        prior_residual = prior.args[3][1] if prior_link.residual != R_NONE else None
+        if (_converts(step) and x == prior_residual) or (_converts(prior) and residual == prior.args[0][1]):
+            return False
     return True
+
+
+def _converts(step) -> bool:
+    """Whether the step's primitive casts its input from the type the plan stores it in."""
+    x_dtype = _link(step).x_dtype
+    return x_dtype is not None and storage_dtype(step.layer.inputs[0].dtype) != x_dtype
 
 
 def _chain(steps: Sequence, start: int, stop: int, keep: set[str]) -> Chain:

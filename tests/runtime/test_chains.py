@@ -246,3 +246,25 @@ def test_int8_output_tables_are_mapped_inside_the_chain():
     got = chained[engine.output_names[0]]
     off = np.abs(got - expected)   # rounding differences carried through three quantized layers: rare, small
     assert off.max() <= 2 * 0.03 + 1e-6 and np.mean(off > 1e-6) <= 0.05
+
+
+def test_a_tensor_read_both_cast_and_as_it_is_ends_the_chain():
+    """A chain input the first primitive casts to bf16 and a later one adds as its FP32 residual would need two
+    buffers: the chain ends before the second reader (where no cast happens, one buffer serves both)."""
+    import torch
+    from types import SimpleNamespace as Fake
+
+    from kiln.runtime.chains import find_chains
+    from kiln.tactics.onednn_prim import R_ADD, R_NONE, ChainLink
+
+    def step(x, y, stored, residual=None):
+        link = ChainLink(None, threading.Lock(), torch.bfloat16, torch.bfloat16, torch.channels_last,
+                         R_ADD if residual else R_NONE)
+        args = (("tensor", x), ("weight", f"{y}_w"), ("none", "")) + ((("tensor", residual),) if residual else ())
+        return Fake(kernel=Fake(chain_link=link), into_concat=None, concat_rest=None, outputs=(y,), args=args,
+                    free=(), in_place=None, layer=Fake(name=y, op_type="Conv", inputs=(Fake(dtype=stored),)))
+
+    cast = [step("x", "a", "float32"), step("a", "b", "bfloat16", residual="x")]
+    assert find_chains(cast, set()) == []
+    stored_bf16 = [step("x", "a", "bfloat16"), step("a", "b", "bfloat16", residual="x")]
+    assert [(c.start, c.stop) for c in find_chains(stored_bf16, set())] == [(0, 2)]
