@@ -113,7 +113,8 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
         Function("kiln_dnnl_shares_weights", (POINTER,), I64),
         # handle, rows (a product made for any number of rows), x, y, residual (or NULL) -> oneDNN's status
         Function("kiln_dnnl_run", (POINTER, I64, POINTER, POINTER, POINTER), I64),
-        # calls, handles, (rows, x, y, residual, bytes copied) per call, slots, the failing call -> status
+        # calls, handles, (rows, x, y, residual, bytes copied, table, y bytes) per call, slots, the failing call
+        # -> status
         Function("kiln_dnnl_run_chain", (I64, POINTER, POINTER, POINTER, POINTER), I64),
         Function("kiln_dnnl_destroy", (POINTER,))), needs="onednn"),
 )}

@@ -31,8 +31,8 @@ from kiln.trt import build_log as log_lines
 
 log = logging.getLogger("kiln.build")
 
-OWN_PLANS = ("kiln", "kiln-direct", "kiln-onednn")   # plans of kiln's own kernels: per-layer choices, without
-# Winograd, oneDNN's primitives wherever they apply
+# plans of kiln's own kernels: the per-layer choices, without Winograd, oneDNN's primitives wherever they apply
+OWN_PLANS = ("kiln", "kiln-direct", "kiln-onednn")
 PRIMITIVES_SOURCE = "onednn"
 INT8_OPS = frozenset(INT8_LAYERS + QDQ_OPS)
 DYNAMIC_QUANT_OPS = ("DynamicQuantizeLinear", "DynamicQMatMul", "DynamicQConv")

@@ -58,9 +58,12 @@ class Interpreter:
         # what an inference runs: the steps, each run of oneDNN primitive layers as one Chain (only with `keep`:
         # a chain's inner tensors never reach the environment)
         chains = {c.start: c for c in find_chains(self.steps, keep)} if keep is not None else {}
-        self.program: tuple[Step | Chain, ...] = tuple(
-            chains.get(i, s) for i, s in enumerate(self.steps)
-            if not any(c.start < i < c.stop for c in chains.values()))
+        program, i = [], 0
+        while i < len(self.steps):
+            chain = chains.get(i)
+            program.append(chain or self.steps[i])
+            i = chain.stop if chain else i + 1
+        self.program: tuple[Step | Chain, ...] = tuple(program)
 
     def run(self, env: dict[str, torch.Tensor], observe: Observer | None = None,
             profiler=None) -> dict[str, torch.Tensor]:

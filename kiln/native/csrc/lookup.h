@@ -43,16 +43,20 @@ static inline void lookup_bytes(const uint8_t* x, uint8_t* y, int64_t begin, int
 #define LOOKUP_BLOCK 16384   /* bytes per OpenMP work unit */
 #define LOOKUP_PARALLEL_MIN 262144   /* a lookup moves ~64 bytes a cycle: smaller tensors stay on one thread */
 
-/* y = table[x] over `count` bytes, OpenMP over blocks of LOOKUP_BLOCK; on the calling thread below
-   LOOKUP_PARALLEL_MIN (a team of one costs 1-2 us). */
-static inline void lookup_bytes_shared(const uint8_t* x, uint8_t* y, int64_t count, const uint8_t* restrict table) {
-  if (count < LOOKUP_PARALLEL_MIN) {
-    lookup_bytes(x, y, 0, count, table);
-    return;
+/* `SPEC void NAME(x, y, count, table)`: y = table[x] over `count` bytes by BLOCK_FN (one block of
+   y[i] = table[x[i]] per call), OpenMP over blocks of LOOKUP_BLOCK; on the calling thread below MIN elements (a
+   team of one costs 1-2 us). */
+#define LOOKUP(SPEC, NAME, OUT, BLOCK_FN, MIN)                                                               \
+  SPEC void NAME(const uint8_t* x, OUT* y, int64_t count, const OUT* restrict table) {                     \
+    if (count < (MIN)) {                                                                                     \
+      BLOCK_FN(x, y, 0, count, table);                                                                       \
+      return;                                                                                                \
+    }                                                                                                        \
+    _Pragma("omp parallel for schedule(static)")                                                             \
+    for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)                                  \
+      BLOCK_FN(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table); \
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)
-    lookup_bytes(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table);
-}
+
+LOOKUP(static inline, lookup_bytes_shared, uint8_t, lookup_bytes, LOOKUP_PARALLEL_MIN)
 
 #endif

@@ -73,27 +73,11 @@ QUANTIZE_TO_NHWC(kiln_quantize_nhwc_s8, int8_t, -128.0f, 127.0f)
 DEQUANTIZE(kiln_dequantize_u8, uint8_t)
 DEQUANTIZE(kiln_dequantize_s8, int8_t)
 
-/* Table lookups (lookup.h's lookup_bytes), shared among the threads above LOOKUP_PARALLEL_MIN (lookup.h). */
-
-/* y = table[x] over `count` bytes by BLOCK (one block of y[i] = table[x[i]] per call), on the calling thread
-   below MIN elements: a team of one costs 1-2 us. */
-#define LOOKUP(NAME, OUT, BLOCK_FN, MIN)                                                                     \
-  void NAME(const uint8_t* x, OUT* y, int64_t count, const OUT* restrict table) {                          \
-    if (count < (MIN)) {                                                                                     \
-      BLOCK_FN(x, y, 0, count, table);                                                                       \
-      return;                                                                                                \
-    }                                                                                                        \
-    _Pragma("omp parallel for schedule(static)")                                                             \
-    for (int64_t b = 0; b < (count + LOOKUP_BLOCK - 1) / LOOKUP_BLOCK; ++b)                                  \
-      BLOCK_FN(x, y, b * LOOKUP_BLOCK, (b + 1) * LOOKUP_BLOCK < count ? (b + 1) * LOOKUP_BLOCK : count, table); \
-  }
-
+/* Table lookups (lookup.h's LOOKUP over its lookup_bytes, and over floats here). */
 static void lookup_floats(const uint8_t* restrict x, float* restrict y, int64_t begin, int64_t end,
                           const float* restrict table) {
   for (int64_t i = begin; i < end; ++i) y[i] = table[x[i]];
 }
 
-void kiln_lookup_u8(const uint8_t* x, uint8_t* y, int64_t count, const uint8_t* restrict table) {
-  lookup_bytes_shared(x, y, count, table);
-}
-LOOKUP(kiln_lookup_f32, float, lookup_floats, LOOKUP_PARALLEL_MIN / 4)   /* four bytes written per byte read */
+LOOKUP(, kiln_lookup_u8, uint8_t, lookup_bytes, LOOKUP_PARALLEL_MIN)
+LOOKUP(, kiln_lookup_f32, float, lookup_floats, LOOKUP_PARALLEL_MIN / 4)   /* four bytes written per byte read */
