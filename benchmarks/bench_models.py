@@ -26,22 +26,23 @@ CALIBRATION_BATCHES = 8
 VOCAB = 30522   # BERT's word pieces
 
 
-def build_model(name: str, workdir: Path):
-    """(torch model, feeds by input name, ONNX path) for one benchmark model; see the module docstring."""
+def build_model(name: str, workdir: Path, exporter: str = "legacy"):
+    """(torch model, feeds by input name, ONNX path) for one benchmark model; see the module docstring.
+    `exporter`: "legacy" (TorchScript, opset 17) or "dynamo" (torch.export, torch's default opset)."""
     base = "bert-base" if name.startswith("bert-base") else name.partition("-")[0]
     suffix = name.removeprefix(base).removeprefix("-")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if base in ("resnet18", "resnet50") and suffix in RESNET_SUFFIXES:
-            return _resnet(base, suffix, workdir / f"{name}.onnx")
+            return _resnet(base, suffix, workdir / f"{name}.onnx", exporter)
         if base in ("bert-base", "minilm") and suffix in ENCODER_SUFFIXES:
-            return _encoder(base, suffix, workdir / f"{name}.onnx")
+            return _encoder(base, suffix, workdir / f"{name}.onnx", exporter)
         if base == "yolov8n" and suffix in ("", "int8"):
             from tests.models import detectors
 
             model = detectors.make("yolov8")
             x = np.random.default_rng(0).random((1, 3, 640, 640)).astype(np.float32)
-            detectors.export(model, _tensor(x), workdir / f"{name}.onnx", "legacy")
+            detectors.export(model, _tensor(x), workdir / f"{name}.onnx", exporter)
             path = quantize_qdq(workdir / f"{name}.onnx", x, "images") if suffix else workdir / f"{name}.onnx"
             return model, {"images": x}, path
         if name == "unet":
@@ -50,7 +51,7 @@ def build_model(name: str, workdir: Path):
 
             model = make_unet()
             x = np.random.default_rng(0).standard_normal((1, 3, 256, 256)).astype(np.float32)
-            export(model, _tensor(x), workdir / f"{name}.onnx", "legacy")
+            export(model, _tensor(x), workdir / f"{name}.onnx", exporter)
             return model, {"input": x}, workdir / f"{name}.onnx"
     raise SystemExit(f"unknown model '{name}' (resnet18, resnet50, bert-base, minilm, yolov8n, unet; -int8 after "
                      "resnet18, resnet50, bert-base, minilm or yolov8n; -int8dyn or -qat after resnet18 or resnet50; -qdq "
@@ -63,14 +64,14 @@ def _tensor(x: np.ndarray):
     return torch.from_numpy(x)
 
 
-def _resnet(base: str, suffix: str, path: Path):
+def _resnet(base: str, suffix: str, path: Path, exporter: str):
     import onnx
 
     from tests.models.nets import export, make
 
     model = make(base, seed=0)
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    export(model, _tensor(x), path, "legacy")
+    export(model, _tensor(x), path, exporter)
     feeds = {"input": x}
     if suffix == "int8":
         return model, feeds, quantize_qdq(path, x)
@@ -81,7 +82,7 @@ def _resnet(base: str, suffix: str, path: Path):
     return model, feeds, path
 
 
-def _encoder(base: str, suffix: str, path: Path):
+def _encoder(base: str, suffix: str, path: Path, exporter: str):
     from tests.models import encoders
 
     shape = dict(layers=12, hidden=768, heads=12, intermediate=3072) if base == "bert-base" else \
@@ -89,7 +90,7 @@ def _encoder(base: str, suffix: str, path: Path):
     model = encoders.make_bert(**shape, vocab=VOCAB, max_positions=512)
     feeds = encoders.inputs(model, batch=1, seq=128)
     feeds["attention_mask"][0, 108:] = 0
-    exported = encoders.export(model, feeds, path, "legacy")
+    exported = encoders.export(model, feeds, path, exporter)
     if suffix == "int8":
         return model, feeds, quantize_dynamically(exported, path)
     if suffix == "qdq":

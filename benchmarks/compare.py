@@ -6,9 +6,9 @@ and torch.compile (with --compile; its first call takes minutes).
 
 Networks are built from torch code (tests/models/: ResNet-18/50 at 224x224, a BERT-base-shaped HF BertModel at
 seq 128, a YOLOv8n-shaped detector at 640x640; random weights, randomized BatchNorm statistics) and exported with
-the legacy exporter to a temporary folder. Every engine gets 5 warm-up runs; then timed blocks of
---runs inferences rotate through the engines --rounds times (the order shifting by one engine per round, an
-untimed inference opening each block), so drift hits all alike; medians are over all timed runs.
+the legacy exporter (--exporter dynamo: torch.export's) to a temporary folder. Every engine gets 5 warm-up runs;
+then timed blocks of --runs inferences rotate through the engines --rounds times (the order shifting by one engine
+per round, an untimed inference opening each block), so drift hits all alike; medians are over all timed runs.
 Reported: median ms per engine, kiln's ratio to onnxruntime and to the best peer, kiln's build time
 (cold timing cache) and load time, and kiln's ratio to the compute lower bound (FLOPs / the best fp32 throughput
 measured at start-up on this machine with the same threads: a 1024^3 matrix product or a 3x3 oneDNN convolution).
@@ -163,7 +163,7 @@ def bench(name: str, workdir: Path, args) -> dict:
     from kiln.trt.vocab import layer_type
 
     torch.set_num_threads(args.threads)
-    model, feeds, path = build_model(name, workdir)
+    model, feeds, path = build_model(name, workdir, args.exporter)
     t0 = time.perf_counter()
     engine = kiln.build(str(path), bf16=args.precision == "bf16")
     build_s = time.perf_counter() - t0
@@ -265,6 +265,9 @@ def main(argv=None) -> int:
     p.add_argument("--precision", choices=["fp32", "bf16", "int8"], default="fp32",
                    help="bf16: kiln built with --bf16 beside OpenVINO's default and f32, onnxruntime FP32; cosines to "
                         "onnxruntime's FP32 outputs printed")
+    p.add_argument("--exporter", choices=["legacy", "dynamo"], default="legacy",
+                   help="how the networks are exported: torch.onnx's TorchScript exporter at opset 17 (default) or "
+                        "torch.export's (dynamo=True) at torch's default opset")
     p.add_argument("--no-record", action="store_true", help="do not append this run to the results CSV")
     p.add_argument("--results-csv", type=Path, default=RUNS_CSV, help=f"where to append the rows (default {RUNS_CSV})")
     p.add_argument("--run-id", default=None, help="run id in the CSV (default: the UTC start time)")
@@ -305,7 +308,8 @@ def main(argv=None) -> int:
               f"{m['kiln'] / m['onnxruntime']:>10.3f}{m['kiln'] / best:>11.3f}{m['kiln'] / max(r['bound_ms'], 1e-9):>12.2f}"
               f"{r['build_s']:>9.1f}{r['load_s']:>8.2f}")
     if not args.no_record:
-        rows = run_rows(results, run_id, cpu_text, args.threads, git_commit(ROOT), args.note)
+        note = args.note if args.exporter == "legacy" else "; ".join(filter(None, [args.note, "dynamo export"]))
+        rows = run_rows(results, run_id, cpu_text, args.threads, git_commit(ROOT), note)
         append_rows(rows, args.results_csv)
         print(f"\nrecorded run {run_id} ({len(rows)} row(s)) in {args.results_csv}")
     return 0

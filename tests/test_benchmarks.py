@@ -162,9 +162,13 @@ def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch, pr
         quantize_static(str(path), str(tmp_path / "tiny_qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
                         per_channel=True)
     model_path = tmp_path / "tiny_qdq.onnx" if precision == "int8" else path
-    monkeypatch.setattr(compare, "build_model", lambda name, workdir: (model, {"input": x.numpy()}, model_path))
-    args = argparse.Namespace(threads=1, compile=False, rounds=1, runs=1, peak_gflops=100.0, precision=precision)
+    exporters = []
+    monkeypatch.setattr(compare, "build_model", lambda name, workdir, exporter: (exporters.append(exporter), model,
+                                                                                {"input": x.numpy()}, model_path)[1:])
+    args = argparse.Namespace(threads=1, compile=False, rounds=1, runs=1, peak_gflops=100.0, precision=precision,
+                              exporter="dynamo")
     result = compare.bench("tiny", tmp_path, args)
+    assert exporters == ["dynamo"]   # --exporter reaches the export
     peers = {"onnxruntime"} if precision == "int8" else {"onnxruntime", "torch eager"}   # torch runs FP32 only
     assert result["name"] == "tiny" and {"kiln"} | peers <= set(result["medians"])
     if precision != "fp32":   # kiln's own kernels beside kiln with every source; cosines to the FP32 network
