@@ -5,6 +5,7 @@ plan on representative inputs against the FP32 model (onnxruntime, else kiln's a
 with INT8 layers against itself with those layers in FP32."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -27,7 +28,12 @@ from kiln.tactics.lower import Lowering
 
 log = logging.getLogger("kiln.build")
 INT8_BUDGET_BATCHES = 4   # calibration batches the INT8 budget is scored on
-FLOAT_BUDGET_BATCHES = 2  # batches a BF16/FP16 plan must each meet the budget on (random ones differ by seed)
+FLOAT_BUDGET_BATCHES = 2  # --calib batches a BF16/FP16 plan must each meet the budget on
+RANDOM_BUDGET_BATCHES = 4   # random batches (each its own seed) it must meet it on without --calib
+# Without --calib a fifth of the allowed error is held in reserve. The plans a dynamo-exported BERT-base got under
+# cos:0.999 scored 0.99914-0.99931 on two random batches, then 0.99879-0.99950 on the benchmark's inputs (ids of
+# another draw, 20 padded tokens): one output is 768 values, and its cosine moves with the input.
+RANDOM_INPUT_RESERVE = 0.2
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ def within_accuracy_budget(g: Graph, proto: onnx.ModelProto, lowered: Lowering, 
         again = Lowering(g, lowered.sources, lowered.tuner, decisions, lowered.strict_precision, lowered.picked)
         again.run()
         return again
-    batches = budget_batches(g, options, FLOAT_BUDGET_BATCHES)
+    batches = budget_batches(g, options, FLOAT_BUDGET_BATCHES, RANDOM_BUDGET_BATCHES, budget)
     int8 = any(l.precision == "INT8" for l in lowered.layers)
     check = None if int8 else onnxruntime_reference(proto)
     references = [check(b) for b in batches] if check is not None else None
@@ -149,18 +155,32 @@ def kept_in_fp32(decisions: dict[str, PrecisionDecision], g: Graph,
     return out
 
 
-def budget_batches(g: Graph, options: BuildOptions, count: int) -> list[dict[str, torch.Tensor]]:
-    """Representative inputs for the accuracy budget: the first `count` batches of --calib data (.npz or a folder),
-    else `count` batches of random values, each from its own seed (with a warning: real data judges accuracy
-    better)."""
+def representative_data(options: BuildOptions) -> bool:
+    """Whether --calib gives data the accuracy budget can be checked on (else it is checked on random inputs)."""
     data = str(options.calibration or "")
-    if data.endswith(".npz") or (data and os.path.isdir(data)):
+    return data.endswith(".npz") or (bool(data) and os.path.isdir(data))
+
+
+def held_in_reserve(budget: AccuracyBudget, options: BuildOptions) -> AccuracyBudget:
+    """`budget` as the build checks it: with RANDOM_INPUT_RESERVE of its error held back where the inputs it is
+    checked on are random."""
+    return budget if representative_data(options) else dataclasses.replace(budget, reserve=RANDOM_INPUT_RESERVE)
+
+
+def budget_batches(g: Graph, options: BuildOptions, count: int, random_count: int | None = None,
+                   budget: AccuracyBudget | None = None) -> list[dict[str, torch.Tensor]]:
+    """Representative inputs for the accuracy budget: the first `count` batches of --calib data (.npz or a folder),
+    else `random_count` (default `count`) batches of random values, each from its own seed, with a warning (real
+    data judges accuracy better) that says how `budget` is checked on them."""
+    if representative_data(options):
         from kiln.preprocess.calibration import load_calibration_data
 
         ranks = {v.name: len(v.shape) for v in g.inputs if v.shape is not None}
         static = {v.name: v.shape[0] for v in g.inputs if v.shape and isinstance(v.shape[0], int)}
-        batches = load_calibration_data(data, [v.name for v in g.inputs], ranks, static)[:count]
+        batches = load_calibration_data(str(options.calibration), [v.name for v in g.inputs], ranks, static)[:count]
         return [{name: tensor_from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
                 for batch in batches]
-    log.warning("Accuracy budget checked on random inputs: give representative data with --calib DATA.npz")
-    return [{v.name: random_input(v, seed) for v in g.inputs} for seed in range(count)]
+    held = f" as {budget.checked_text()}, {budget.reserve:.0%} of its error in reserve" \
+        if budget is not None and budget.reserve else ""
+    log.warning("Accuracy budget checked on random inputs%s: give representative data with --calib DATA.npz", held)
+    return [{v.name: random_input(v, seed) for v in g.inputs} for seed in range(random_count or count)]

@@ -22,7 +22,8 @@ import numpy as np
 import onnx
 import torch
 
-from kiln.builder.budget import Lowered, holding_logs, kept_in_fp32, within_accuracy_budget, within_int8_budget
+from kiln.builder.budget import Lowered, held_in_reserve, holding_logs, kept_in_fp32, within_accuracy_budget, \
+    within_int8_budget
 from kiln.builder.options import BuildOptions
 from kiln.builder.progress import ProgressReporter
 from kiln.frontend import import_onnx, load_model
@@ -83,8 +84,9 @@ def build_plan(model: str | os.PathLike | onnx.ModelProto, options: BuildOptions
         lowered = Lowering(g, sources, tuner, precisions, options.precision.constraints != "none")
         lowered.on_node = progress.node
         lowered.run()
-        budget = None if options.accuracy == "off" else \
+        stated = None if options.accuracy == "off" else \
             AccuracyBudget.parse(options.accuracy or DEFAULT_BUDGET, options.atol, options.rtol)
+        budget = stated and held_in_reserve(stated, options)
         int8_report = None
         if scales is not None and budget is not None and options.accuracy is not None:   # explicit for INT8
             def lower_excluding(excluded: frozenset[str]) -> Lowered:

@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     report = debug_precision(args.model, **tactic_options(args), **precision_options(args))
     _table(report)
-    console.info(f"Budget {report.budget}: all reduced {report.score_all_reduced:.8g}, final {report.score_final:.8g}")
+    held = f" (checked as {report.checked_as})" if report.checked_as not in ("", report.budget) else ""
+    console.info(f"Budget {report.budget}{held}: all reduced {report.score_all_reduced:.8g}, "
+                 f"final {report.score_final:.8g}")
     nodes = report.keep_fp32_nodes
     console.info(f"{len(nodes)} ONNX node(s) must stay in FP32" + (":" if nodes else ""))
     for node in nodes:

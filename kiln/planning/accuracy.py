@@ -50,12 +50,15 @@ def cosine(got: torch.Tensor, want: torch.Tensor) -> float:
 @dataclass(frozen=True)
 class AccuracyBudget:
     """`metric:threshold`: cos (cosine >= t), l2 (||a-b|| / ||b|| <= t), l1 (mean|a-b| / mean|b| <= t),
-    linf (max|a-b| <= t), l0 (fraction of elements off by more than atol + rtol*|b| <= t); every output must pass."""
+    linf (max|a-b| <= t), l0 (fraction of elements off by more than atol + rtol*|b| <= t); every output must pass.
+    `reserve`: the fraction of the allowed error (1 - t for cos, t otherwise) held back, so that a plan checked on
+    inputs that are not the user's data (random ones) still meets `t` on data that strain it more."""
 
     metric: str
     threshold: float
     atol: float = 1e-5
     rtol: float = 1e-3
+    reserve: float = 0.0
 
     @classmethod
     def parse(cls, spec: str, atol: float = 1e-5, rtol: float = 1e-3) -> "AccuracyBudget":
@@ -72,6 +75,21 @@ class AccuracyBudget:
     def text(self) -> str:
         return f"{self.metric}:{self.threshold:.10g}"
 
+    def limit(self) -> float:
+        """The threshold scores are held to: the stated one, less the reserve."""
+        if self.metric == "cos":
+            return 1.0 - (1.0 - self.threshold) * (1.0 - self.reserve) if self.threshold < 1 else self.threshold
+        return self.threshold * (1.0 - self.reserve)
+
+    def checked_text(self) -> str:
+        """The budget as it is checked: 'cos:0.9992' for cos:0.999 with a fifth in reserve."""
+        return f"{self.metric}:{self.limit():.10g}"
+
+    def words(self) -> str:
+        """'cos:0.999', or 'cos:0.999 (checked as cos:0.9992)' where part of it is held in reserve."""
+        checked = self.checked_text()
+        return self.text() + (f" (checked as {checked})" if checked != self.text() else "")
+
     def score(self, got: torch.Tensor, want: torch.Tensor) -> float:
         if self.metric == "cos":
             return cosine(got, want)
@@ -85,7 +103,7 @@ class AccuracyBudget:
         return float(((a - b).abs() > self.atol + self.rtol * b.abs()).double().mean()) if a.numel() else 0.0
 
     def met(self, score: float) -> bool:
-        return score >= self.threshold if self.metric == "cos" else score <= self.threshold
+        return score >= self.limit() if self.metric == "cos" else score <= self.limit()
 
     def worst(self, scores: list[float]) -> float:
         return min(scores) if self.metric == "cos" else max(scores)
@@ -106,9 +124,11 @@ class BudgetReport:
     score_alone_fp32: dict[str, float]
     origins: dict[str, tuple[str, ...]] = field(default_factory=dict)   # reduced layer -> its ONNX nodes
     granted: dict[str, str] = field(default_factory=dict)   # reduced layer -> its precision in kiln's plan
+    checked_as: str = ""   # the budget less its reserve (random inputs), as scores were held to it
 
     def to_dict(self) -> dict:
-        return {"budget": self.budget, "score_before": self.score_before, "score_after": self.score_after,
+        return {"budget": self.budget, "checked_as": self.checked_as,
+                "score_before": self.score_before, "score_after": self.score_after,
                 "reduced_layers": list(self.reduced_layers), "kept_fp32": list(self.kept_fp32),
                 "score_alone_reduced": dict(self.score_alone_reduced),
                 "score_alone_fp32": dict(self.score_alone_fp32),
@@ -128,12 +148,12 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
     reduced = [l.name for l in lowered.layers if l.precision in REDUCED_FLOATS]
     score = evaluate(g, lowered, budget, batches, references)
     if not reduced or budget.met(score):
-        log.info("Accuracy budget %s met: %s %.8g with %d reduced-precision layers", budget.text(), budget.metric,
+        log.info("Accuracy budget %s met: %s %.8g with %d reduced-precision layers", budget.words(), budget.metric,
                  score, len(reduced))
         return lowered, BudgetReport(budget.text(), score, score, tuple(reduced), (), {}, {},
-                                     *_described(lowered, reduced))
+                                     *_described(lowered, reduced), checked_as=budget.checked_text())
     if obey:
-        raise ModelError(f"the plan misses the accuracy budget {budget.text()} ({budget.metric} {score:.6g}) and "
+        raise ModelError(f"the plan misses the accuracy budget {budget.words()} ({budget.metric} {score:.6g}) and "
                          "--precision-constraints obey forbids keeping layers in FP32; relax the budget or the "
                          "constraints")
     every = every or relower(keep_fp32(lowered.precisions, reduced))
@@ -143,14 +163,14 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
     found, fp32_alone = fewest_kept(g, lowered, relower, budget, batches, references, ranked), {}
     if found is None:
         every_score = evaluate(g, every, budget, batches, references)
-        raise ModelError(f"the accuracy budget {budget.text()} cannot be met even with every layer in FP32 "
+        raise ModelError(f"the accuracy budget {budget.words()} cannot be met even with every layer in FP32 "
                          f"({budget.metric} {every_score:.6g} against the FP32 reference): relax it")
     if found[0] > max(2, len(reduced) // 8):
         # Reduced precision's harm is not additive (errors cancel or compound downstream), so the layers that hurt
         # most alone may not be the ones whose return to FP32 helps most. Re-lowering with each layer alone in FP32
         # measures that, at a re-lowering per layer.
         log.info("Accuracy budget %s: %s of %d layers needed when ranked by harm alone; measuring each layer "
-                 "re-lowered alone in FP32", budget.text(), found[0], len(reduced))
+                 "re-lowered alone in FP32", budget.words(), found[0], len(reduced))
         fp32_alone = fp32_alone_scores(g, lowered, relower, budget, batches, references, ranked)
         by_gain = sorted(fp32_alone, key=fp32_alone.get, reverse=budget.metric == "cos")   # best score first
         again = fewest_kept(g, lowered, relower, budget, batches, references,
@@ -159,9 +179,9 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
             found = again
     _, best, kept = found
     log.info("Accuracy budget %s: %d of %d reduced-precision layers kept in FP32 (%s %.8g -> %.8g): %s",
-             budget.text(), len(kept), len(reduced), budget.metric, score, best[1], ", ".join(kept))
+             budget.words(), len(kept), len(reduced), budget.metric, score, best[1], ", ".join(kept))
     return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), alone, fp32_alone,
-                                 *_described(best[0], reduced))
+                                 *_described(best[0], reduced), checked_as=budget.checked_text())
 
 
 def _described(lowered: Lowering, names: list[str]) -> tuple[dict, dict]:

@@ -31,6 +31,7 @@ class PrecisionReport:
     score_all_reduced: float
     score_final: float
     verdicts: tuple[NodeVerdict, ...]
+    checked_as: str = ""   # the budget as scores were held to it (less its reserve on random inputs)
 
     @property
     def keep_fp32_nodes(self) -> tuple[str, ...]:
@@ -38,6 +39,7 @@ class PrecisionReport:
 
     def to_dict(self) -> dict:
         return {"kind": "kiln-debug-precision", "version": 1, "budget": self.budget,
+                "checked_as": self.checked_as or self.budget,
                 "score_all_reduced": self.score_all_reduced, "score_final": self.score_final,
                 "keep_fp32_onnx_nodes": list(self.keep_fp32_nodes),
                 "layers": [{"layer": v.layer, "onnx_nodes": list(v.onnx_nodes), "keep_fp32": v.keep_fp32,
@@ -81,7 +83,8 @@ def debug_precision(model: str | os.PathLike | onnx.ModelProto, **build_options)
                                  report["score_alone_reduced"].get(name), report["score_alone_fp32"].get(name),
                                  report["granted"].get(name, ""))
                      for name in ranked)
-    return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts)
+    return PrecisionReport(report["budget"], report["score_before"], report["score_after"], verdicts,
+                           report.get("checked_as", ""))
 
 
 def _int8_report(layers, report: dict) -> PrecisionReport:

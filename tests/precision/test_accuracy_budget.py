@@ -54,7 +54,8 @@ def test_a_tight_budget_keeps_only_the_sensitive_layer_in_fp32(caplog, bf16_kern
     assert (layers["big"].precision, layers["small + sum"].precision) == ("FP32", "BF16")
     assert layers["big"].requested_precision == "BF16" and layers["big"].precision_reason.startswith("accuracy budget")
     assert relative_l2(tight, model) < 5e-4
-    assert "Accuracy budget l2:0.0005: 1 of 2 reduced-precision layers kept in FP32" in caplog.text
+    assert "Accuracy budget l2:0.0005 (checked as l2:0.0004): 1 of 2 reduced-precision layers kept in FP32" \
+        in caplog.text
     info = {l["Name"]: l for l in tight.layer_info()["Layers"]}
     assert info["big"]["GrantedPrecision"] == "FP32" and "accuracy budget" in info["big"]["PrecisionReason"]
 
@@ -94,6 +95,35 @@ def test_the_budget_is_judged_on_calib_data_when_given(caplog, bf16_kernels, tmp
         kiln.build(two_branch(), autotune=False, calibration=str(data))
 
 
+def test_random_inputs_hold_a_fifth_of_the_budget_in_reserve(caplog, bf16_kernels, tmp_path):
+    """Random inputs are not the user's data: without --calib the plan must meet the budget with 20% of the allowed
+    error to spare. The BF16 plan scores l2 0.0029 on either: under l2:0.0033 random inputs hold it to 0.00264 and
+    keep `big` in FP32; --calib data hold it to the budget itself, and nothing is kept."""
+    caplog.set_level(logging.INFO, logger="kiln.build")
+    engine = kiln.build(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0033", autotune=False)
+    assert {l.name: l.precision for l in engine.plan.layers if l.op_type == "MatMul"} == {"big": "FP32",
+                                                                                          "small + sum": "BF16"}
+    assert "Accuracy budget checked on random inputs as l2:0.00264, 20% of its error in reserve" in caplog.text
+    assert engine.plan.build_info["accuracy_budget"]["budget"] == "l2:0.0033"
+    assert engine.plan.build_info["accuracy_budget"]["checked_as"] == "l2:0.00264"
+    rng = np.random.default_rng(5)
+    data = tmp_path / "data.npz"
+    np.savez(data, **{n: rng.standard_normal((16, 64)).astype(np.float32) for n in ("x1", "x2")})
+    engine = kiln.build(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0033",
+                        autotune=False, calibration=str(data))
+    assert {l.name: l.precision for l in engine.plan.layers if l.op_type == "MatMul"} == {"big": "BF16",
+                                                                                          "small + sum": "BF16"}
+    assert engine.plan.build_info["accuracy_budget"]["checked_as"] == "l2:0.0033"
+
+
+def test_the_reserve_scales_the_allowed_error():
+    assert AccuracyBudget("cos", 0.999, reserve=0.2).limit() == pytest.approx(0.9992)
+    assert AccuracyBudget("l2", 0.0005, reserve=0.2).limit() == pytest.approx(0.0004)
+    assert AccuracyBudget("cos", 1.5, reserve=0.2).checked_text() == "cos:1.5"   # unreachable stays as stated
+    assert AccuracyBudget("cos", 0.999, reserve=0.2).words() == "cos:0.999 (checked as cos:0.9992)"
+    assert AccuracyBudget("linf", 0.01).words() == "linf:0.01"
+
+
 def test_every_budget_batch_must_meet_the_budget(bf16_kernels, tmp_path):
     """Two calibration batches, one where only the small branch's error counts and one where the big branch's
     does: each must meet the budget, so both products are kept in FP32 (the first batch alone keeps `small` only,
@@ -115,7 +145,7 @@ def test_every_budget_batch_must_meet_the_budget(bf16_kernels, tmp_path):
 def test_the_default_budget_with_bf16_is_cosine_0_999(caplog, bf16_kernels):
     caplog.set_level(logging.INFO, logger="kiln.build")
     kiln.build(two_branch(), bf16=True, precision_constraints="prefer", autotune=False)
-    assert "Accuracy budget cos:0.999 met: cos 0.99" in caplog.text
+    assert "Accuracy budget cos:0.999 (checked as cos:0.9992) met: cos 0.99" in caplog.text
     caplog.clear()
     kiln.build(two_branch(), bf16=True, precision_constraints="prefer", autotune=False, accuracy="off")
     assert "Accuracy budget" not in caplog.text
@@ -167,7 +197,7 @@ def test_debug_precision_names_the_onnx_nodes_to_keep_in_fp32(tmp_path):
 
     report = debug_precision(two_branch(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
                              autotune=False)
-    assert report.keep_fp32_nodes == ("big",) and report.budget == "l2:0.0005"
+    assert report.keep_fp32_nodes == ("big",) and (report.budget, report.checked_as) == ("l2:0.0005", "l2:0.0004")
     assert [(v.layer, v.keep_fp32, v.granted) for v in report.verdicts] == [("big", True, "FP32"),
                                                                             ("small + sum", False, "BF16")]
     assert report.score_final <= 0.0005 < report.score_all_reduced
@@ -182,6 +212,8 @@ def test_debug_precision_names_the_onnx_nodes_to_keep_in_fp32(tmp_path):
     assert lines[at + 1] == "big"
     doc = json.loads(out.read_text())
     assert (doc["kind"], doc["version"], doc["keep_fp32_onnx_nodes"]) == ("kiln-debug-precision", 1, ["big"])
+    assert (doc["budget"], doc["checked_as"]) == ("l2:0.0005", "l2:0.0004")   # random inputs: a fifth in reserve
+    assert "Budget l2:0.0005 (checked as l2:0.0004): all reduced" in done.stdout + done.stderr
     assert {l["layer"]: l["keep_fp32"] for l in doc["layers"]} == {"big": True, "small + sum": False}
     alone = {l["layer"]: l["score_alone_reduced"] for l in doc["layers"]}
     # alone in BF16, the big branch costs what the whole plan did; the small one with the sum (its FP32 residual
@@ -336,7 +368,7 @@ def test_when_the_harm_alone_misleads_each_layer_is_measured_relowered(caplog, b
     assert kept == ["big"]
     assert "measuring each layer re-lowered alone in FP32" in caplog.text
     kept = f"1 of {reduced_count(bf16_kernels, 17)} reduced-precision layers kept in FP32"
-    assert f"Accuracy budget l2:0.0005: {kept}" in caplog.text
+    assert f"Accuracy budget l2:0.0005 (checked as l2:0.0004): {kept}" in caplog.text
 
 
 def test_the_exact_ranking_stops_at_its_time_limit(caplog, bf16_kernels, monkeypatch):
