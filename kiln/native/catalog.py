@@ -60,6 +60,7 @@ LIBRARIES: dict[str, LibrarySpec] = {spec.name: spec for spec in (
     LibrarySpec("layernorm", "layernorm.c", (
         Function("kiln_layernorm", (POINTER,) * 5 + (I64,) * 2 + (F64,)),
         Function("kiln_layernorm_bf16", (POINTER,) * 5 + (I64,) * 2 + (F64, I64)),
+        Function("kiln_layernorm_bf16_call", (POINTER,) * 4),   # params, x, skip, y: as a chain calls it
         # a, b (the residual, or NULL), gamma, beta, y, rows, n, eps, scales and zero points, types
         Function("kiln_layernorm_q8", (POINTER,) * 5 + (I64,) * 2 + (F64, POINTER, I64)),
         # x, gamma, beta, y, rows, n, groups, hw, eps, act, io

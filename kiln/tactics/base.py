@@ -79,6 +79,24 @@ def bf16_io(layer: LayerView) -> int:
     return int(layer.input_dtypes[0] == "bfloat16") | 2 * int(layer.output_dtypes[0] == "bfloat16")
 
 
+@dataclass(frozen=True)
+class CallLink:
+    """A C kernel of kiln's own as kiln.runtime.chains runs it inside a run of oneDNN primitives (onednn.h's
+    ChainFn: params, x, a second input or NULL, y): its function's address, `bind(x shape)` -> (its int64
+    parameters for that shape, the output's shape and strides), whether it reads a second input (argument 1), the
+    dtype it writes. It reads its inputs as the plan stores them, row-major."""
+
+    function: int
+    bind: Callable[[torch.Size], tuple[torch.Tensor, tuple, tuple]]
+    second: bool
+    out_dtype: torch.dtype
+    lock: Any
+    memory_format: torch.memory_format = torch.contiguous_format
+    x_dtype: None = None   # as stored: no cast on the way in
+    residual: int = 0      # nothing summed in place (onednn_prim's R_NONE)
+    table: None = None
+
+
 class Bf16Storage:
     """Mixin for a tactic granted BF16 that computes in FP32 (or only moves data) and reads and writes tensors as a
     BF16 plan stores them, widening bf16 as it loads and rounding its output as it stores. Like every BF16 tactic it

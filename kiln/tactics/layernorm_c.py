@@ -11,12 +11,16 @@ Dynamic leading axes are fine (rows are counted per call); the normalized size, 
 """
 from __future__ import annotations
 
+import ctypes
+import struct
+import threading
+
 import torch
 
 from kiln import hardware, native
 from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.fused import quantized_layer_norm
-from kiln.tactics.base import LINEAR, STORED_FLOATS, Kernel, LayerView, bf16_io, storage_dtype
+from kiln.tactics.base import LINEAR, STORED_FLOATS, CallLink, Kernel, LayerView, bf16_io, storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
 QLAYERNORM_TACTIC = "kiln.layernorm_rows_int8"
@@ -132,6 +136,18 @@ def stored_rows_kernel(layer: LayerView) -> Kernel:
                                 None if beta is None else beta.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, io)
         return [y]
     run.constants = (gamma, beta)
+    fixed = [gamma.data_ptr(), 0 if beta is None else beta.data_ptr()]
+    eps_bits = struct.unpack("<q", struct.pack("<d", eps))[0]
+
+    def bind(shape: torch.Size):   # the same call with its parameters made once per input shape
+        params = torch.tensor([*fixed, shape.numel() // n, n, eps_bits, io], dtype=torch.int64)
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.insert(0, step)
+            step *= max(d, 1)
+        return params, tuple(shape), tuple(strides)
+    function = ctypes.cast(lib.kiln_layernorm_bf16_call, ctypes.c_void_p).value
+    run.chain_link = CallLink(function, bind, first == 2, out_dtype, threading.Lock())
     return run
 
 

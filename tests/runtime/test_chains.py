@@ -17,6 +17,7 @@ from kiln.errors import Error
 from kiln.runtime.chains import FIELDS, Chain
 from kiln.runtime.interpreter import _run_step
 from kiln.tactics import onednn_prim
+from kiln.tactics.onednn_conv import bf16_available
 from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
 
 pytestmark = pytest.mark.skipif(not onednn_prim.available(), reason="oneDNN's C API is not installed here")
@@ -268,3 +269,29 @@ def test_a_tensor_read_both_cast_and_as_it_is_ends_the_chain():
     assert find_chains(cast, set()) == []
     stored_bf16 = [step("x", "a", "bfloat16"), step("a", "b", "bfloat16", residual="x")]
     assert [(c.start, c.stop) for c in find_chains(stored_bf16, set())] == [(0, 2)]
+
+
+@pytest.mark.skipif(not bf16_available(), reason="this CPU has no native BF16 arithmetic: no BF16 LayerNorm")
+def test_a_layernorm_of_kiln_joins_the_chain_of_its_linear_layers():
+    """kiln's BF16 LayerNorm (a C kernel with a CallLink) runs inside the chain of the linear layers around it,
+    reading its residual as the plan stores it: the chain covers all four layers, and gives the bytes of the
+    layers run one by one (a second run too: its parameters are made once per input shape)."""
+    h = helper.make_node
+    nodes = [h("MatMul", ["x", "w0"], ["a0"], name="fc0"), h("MatMul", ["a0", "w1"], ["a"], name="fc1"),
+             h("Add", ["a", "a0"], ["s"], name="res"), h("LayerNormalization", ["s", "g", "b"], ["n"], name="ln"),
+             h("MatMul", ["n", "w2"], ["y"], name="fc2")]
+    inits = [init(f"w{k}", rand((64, 64), k) * 0.1) for k in range(3)] + \
+        [init("g", rand((64,), 3) + 1), init("b", rand((64,), 4))]
+    info = helper.make_tensor_value_info
+    model = make_model(nodes, [info("x", TensorProto.FLOAT, [1, 16, 64])], [info("y", TensorProto.FLOAT, [1, 16, 64])],
+                       inits)
+    engine = kiln.build(model, bf16=True, tactic_sources="onednn,kiln", accuracy="off", autotune=False)
+    assert [l.tactic_name for l in engine.plan.layers] == ["onednn.linear_primitive_bf16"] * 2 + \
+        ["kiln.layernorm_rows_bf16", "onednn.linear_primitive_bf16"]
+    feeds = {"x": rand((1, 16, 64), 5)}
+    chained, one_by_one, context = run_both_ways(engine, feeds)
+    assert [[c.layer for c in chain.calls] for chain in chains(context)] == [["fc0", "fc1", "res + ln", "fc2"]]
+    np.testing.assert_array_equal(chained["y"], one_by_one["y"])
+    np.testing.assert_array_equal(context.execute(feeds)["y"], one_by_one["y"])
+    got, want = chained["y"].astype(np.float64).ravel(), run_ort(model, feeds)[0].astype(np.float64).ravel()
+    assert got @ want / (np.linalg.norm(got) * np.linalg.norm(want)) > 0.999

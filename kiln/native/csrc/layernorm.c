@@ -112,6 +112,14 @@ void kiln_layernorm_bf16(const void* x, const void* skip, const float* restrict 
   }
 }
 
+/* kiln_layernorm_bf16 as a chain calls it (kiln.runtime.chains, onednn.h's ChainFn): p holds the scale's and the
+   bias's addresses (0: none), the rows, the normalized size, epsilon's bits and `io`. */
+void kiln_layernorm_bf16_call(const int64_t* p, const void* x, const void* skip, void* y) {
+  double eps;
+  memcpy(&eps, &p[4], sizeof eps);
+  kiln_layernorm_bf16(x, skip, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], y, p[2], p[3], eps, p[5]);
+}
+
 /* INT8 LayerNorm (kiln's QLayerNorm): DequantizeLinear -> LayerNormalization -> QuantizeLinear per row, u8 or s8
    in and out. With `b`, the post-LN residual sum comes first, as its QuantizeLinear left it: a and b dequantized and
    added, the sum rounded to INT8 with its own scale, then dequantized with x's. `q` holds the scale and zero point

@@ -370,11 +370,17 @@ int64_t kiln_dnnl_run(void* handle, int64_t rows, const void* x, void* y, const 
 
 enum { CHAIN_FIELDS = 7 };   /* per call in kiln_dnnl_run_chain, as kiln.runtime.chains.FIELDS */
 
-/* Calls run in order as one (kiln.runtime.chains): call i runs handles[i] with the values calls[7i..7i+6]: its
-   rows (kiln_dnnl_run's), the slots of x, y and the residual (-1: none) in `slots`, the buffers' addresses, the
-   bytes of the residual copied into y before the call (0: y holds it already, or it is read from its own buffer by
-   a binary add), and the address of a 256-byte table y's bytes are then mapped through in place (0: none) with
-   y's size in bytes. Returns 0, or oneDNN's status with the failing call's index in *failed. */
+/* A kernel of kiln's own in a chain (kiln.tactics.base.CallLink): its parameters for the input shapes, its input,
+   its second input (NULL: none) and its output. */
+typedef void (*ChainFn)(const int64_t* params, const void* x, const void* x2, void* y);
+
+/* Calls run in order as one (kiln.runtime.chains). Call i with a handle runs that primitive with the values
+   calls[7i..7i+6]: its rows (kiln_dnnl_run's), the slots of x, y and the residual (-1: none) in `slots`, the
+   buffers' addresses, the bytes of the residual copied into y before the call (0: y holds it already, or it is
+   read from its own buffer by a binary add), and the address of a 256-byte table y's bytes are then mapped
+   through in place (0: none) with y's size in bytes. Call i without one (NULL) runs the ChainFn at calls[7i] on
+   the slots of x, y and x2 (-1: none) with the parameters at calls[7i+5]. Returns 0, or oneDNN's status with the
+   failing call's index in *failed. */
 int64_t kiln_dnnl_run_chain(int64_t n, void* const* handles, const int64_t* calls, void* const* slots,
                             int64_t* failed) {
   for (int64_t i = 0; i < n; ++i) {
@@ -382,6 +388,10 @@ int64_t kiln_dnnl_run_chain(int64_t n, void* const* handles, const int64_t* call
     const Handle* h = (const Handle*)handles[i];
     void* y = slots[c[2]];
     const void* r = c[3] < 0 ? NULL : slots[c[3]];
+    if (!h) {
+      ((ChainFn)(intptr_t)c[0])((const int64_t*)(intptr_t)c[5], slots[c[1]], r, y);
+      continue;
+    }
     if (c[4] > 0) memcpy(y, r, (size_t)c[4]);
     const int64_t s = kiln_dnnl_run(handles[i], c[0], slots[c[1]], y, h->residual_arg ? r : NULL);
     if (s) {
