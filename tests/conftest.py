@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +23,15 @@ def kiln_logger_restored():
     handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
     yield
     logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
+
+
+def on_threads(worker, count: int) -> None:
+    """worker(0) .. worker(count - 1), each on a thread of its own, all started before any is joined."""
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @contextlib.contextmanager

@@ -244,21 +244,14 @@ def _link(step) -> ChainLink | CallLink | None:
     return link
 
 
-def _second_at(link: ChainLink | CallLink) -> int | None:
-    """The argument a chained kernel reads besides its input: a primitive's residual (3), a C kernel's second
-    input (1); None where it reads none."""
-    if isinstance(link, CallLink):
-        return 1 if link.second else None
-    return 3 if link.residual != R_NONE else None
-
-
 def _second(step) -> str | None:
-    at = _second_at(_link(step))
+    """The tensor a chained step reads besides its input (a primitive's residual, a C kernel's second input)."""
+    at = _link(step).second_at
     return None if at is None else step.args[at][1]
 
 
 def _reads_tensors(step) -> bool:
-    at = _second_at(_link(step))
+    at = _link(step).second_at
     return step.args[0][0] == "tensor" and (at is None or (len(step.args) > at and step.args[at][0] == "tensor"))
 
 

@@ -1,6 +1,6 @@
 """The one interpreter of a plan: runs planned layers on their prepared kernels in plan order, wiring arguments,
 handing a dying input's buffer to an in-place kernel, and releasing each tensor after its last reader; a run of
-layers on kiln's oneDNN primitives goes to C as one call (kiln.runtime.chains).
+layers on kiln's oneDNN primitives (and the C kernels that join them) goes to C as one call (kiln.runtime.chains).
 
 Execution contexts, the builder's whole-plan and segment timing, `kiln compare --layerwise` and regions run on
 reference kernels all run plans through it, so the plan that is timed is the plan that runs (torch.fx's
@@ -55,8 +55,8 @@ class Interpreter:
         self.steps = tuple(Step(s.layer, s.kernel, s.args, s.outputs, s.free,
                                 None if i in into else s.in_place, into.get(i), rest.get(i))
                            for i, s in enumerate(self.steps))
-        # what an inference runs: the steps, each run of oneDNN primitive layers as one Chain (only with `keep`:
-        # a chain's inner tensors never reach the environment)
+        # what an inference runs: the steps, each run of chainable layers (kiln.runtime.chains) as one Chain (only
+        # with `keep`: a chain's inner tensors never reach the environment)
         chains = {c.start: c for c in find_chains(self.steps, keep)} if keep is not None else {}
         program, i = [], 0
         while i < len(self.steps):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
@@ -73,6 +74,11 @@ def stored_channel_major(x: torch.Tensor | None) -> bool:
         x.is_contiguous(memory_format=torch.channels_last)
 
 
+def row_major_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of `shape`, in elements."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
 def bf16_io(layer: LayerView) -> int:
     """The `io` bits kiln's C kernels take for storage types: 1 where the first input is stored bf16, 2 where the
     output is (else FP32); a kernel's own flags go above them."""
@@ -95,6 +101,11 @@ class CallLink:
     x_dtype: None = None   # as stored: no cast on the way in
     residual: int = 0      # nothing summed in place (onednn_prim's R_NONE)
     table: None = None
+
+    @property
+    def second_at(self) -> int | None:
+        """The argument it reads besides its input: argument 1, where it reads one."""
+        return 1 if self.second else None
 
 
 class Bf16Storage:

@@ -20,7 +20,8 @@ import torch
 from kiln import hardware, native
 from kiln.ops.dtypes import INT8_TORCH
 from kiln.ops.fused import quantized_layer_norm
-from kiln.tactics.base import LINEAR, STORED_FLOATS, CallLink, Kernel, LayerView, bf16_io, storage_dtype
+from kiln.tactics.base import LINEAR, STORED_FLOATS, CallLink, Kernel, LayerView, bf16_io, row_major_strides, \
+    storage_dtype
 
 LAYERNORM_TACTIC = "kiln.layernorm_rows"
 QLAYERNORM_TACTIC = "kiln.layernorm_rows_int8"
@@ -141,11 +142,7 @@ def stored_rows_kernel(layer: LayerView) -> Kernel:
 
     def bind(shape: torch.Size):   # the same call with its parameters made once per input shape
         params = torch.tensor([*fixed, shape.numel() // n, n, eps_bits, io], dtype=torch.int64)
-        strides, step = [], 1
-        for d in reversed(shape):
-            strides.insert(0, step)
-            step *= max(d, 1)
-        return params, tuple(shape), tuple(strides)
+        return params, tuple(shape), row_major_strides(shape)
     function = ctypes.cast(lib.kiln_layernorm_bf16_call, ctypes.c_void_p).value
     run.chain_link = CallLink(function, bind, first == 2, out_dtype, threading.Lock())
     return run

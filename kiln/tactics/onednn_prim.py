@@ -213,6 +213,11 @@ class ChainLink:
     residual: int = R_NONE
     table: torch.Tensor | None = None
 
+    @property
+    def second_at(self) -> int | None:
+        """The argument it reads besides its input: the residual (3), where it has one."""
+        return None if self.residual == R_NONE else 3
+
 
 def executor(layer: LayerView, kind: str, make_call, out_layout, out_dtype: torch.dtype,
              x_dtype: torch.dtype | None = None, memory_format=torch.channels_last, any_rows: bool = False):

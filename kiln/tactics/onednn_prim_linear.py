@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kiln.tactics.base import Kernel, LayerView, has_residual
+from kiln.tactics.base import Kernel, LayerView, has_residual, row_major_strides
 from kiln.tactics.gemm_c import tensor_address
 from kiln.tactics.onednn_conv import Bf16Variant
 from kiln.tactics.onednn_int8 import (OneDnnInt8LinearTactic, _channel_axis, _output, _scales, int8_available,
@@ -41,7 +41,7 @@ def row_layout(n: int):
     """out_layout for executor: rows of `n` columns, row-major, for an input of any leading shape."""
     def layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         out = (*shape[:-1], n)
-        return out, tuple(math.prod(out[i + 1:]) for i in range(len(out)))
+        return out, row_major_strides(out)
     return layout
 
 

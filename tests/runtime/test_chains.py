@@ -18,7 +18,7 @@ from kiln.runtime.chains import FIELDS, Chain
 from kiln.runtime.interpreter import _run_step
 from kiln.tactics import onednn_prim
 from kiln.tactics.onednn_conv import bf16_available
-from tests.conftest import assert_close_to_ort, init, make_model, rand, run_ort
+from tests.conftest import assert_close_to_ort, init, make_model, on_threads, rand, run_ort
 
 pytestmark = pytest.mark.skipif(not onednn_prim.available(), reason="oneDNN's C API is not installed here")
 C = 8
@@ -181,11 +181,7 @@ def test_contexts_on_two_threads_have_buffers_of_their_own():
         except Exception as exc:   # reported below: an assertion in a thread would not fail the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=serve, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_threads(serve, 2)
     assert not errors
     for k in range(2):
         assert len(results[k]) == 50

@@ -7,7 +7,6 @@ oneDNN ops, with one warning. (Formula checks: test_onednn_int8.py runs its conv
 oneDNN tactics.)"""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from kiln.tactics import onednn_prim
 from kiln.tactics.onednn_int8 import int8_available
 from kiln.tactics.onednn_prim import ConvCall, Primitive, PrimitiveInt8ConvTactic
 from kiln.tactics.registry import available_sources, parse_sources
-from tests.conftest import cosine, run_ort
+from tests.conftest import cosine, on_threads, run_ort
 from tests.precision.test_qdq import quantized_resnet18
 from tests.tactics.test_onednn_int8 import close_quantized, conv_view, formula, quant
 
@@ -103,11 +102,7 @@ def test_calls_from_two_threads_give_one_threads_bytes():
         for _ in range(40):
             if not torch.equal(kernel([inputs[i], None, None])[0], alone[i]):
                 mismatches.append(i)
-    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_threads(hammer, 2)
     assert not mismatches
 
 

@@ -3,7 +3,6 @@ are declined, threads do not share scratch state, and whole models forced onto i
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from kiln import hardware, native
 from kiln.tactics.base import LayerView
 from kiln.tactics.winograd import WinogradBf16Tactic, WinogradConvTactic, transform_weights
+from tests.conftest import on_threads
 from tests.tactics.forced import build_forced_onto
 from kiln.trt.vocab import layer_type
 
@@ -176,11 +176,7 @@ def test_threads_do_not_share_scratch_state():
 
     def work(i):
         results[i] = [kernel(inputs[i])[0].clone() for _ in range(20)]
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_threads(work, 4)
     for i in range(4):
         for got in results[i]:
             assert torch.equal(got, serial[i])
