@@ -3,9 +3,9 @@ FP32 reference (onnxruntime on the original model) on representative inputs; whe
 fewest layers are kept in FP32 to meet it. Layers are ranked by the harm each does alone (the FP32 plan's score
 with only that layer's tensors rounded to its reduced type), then the number kept is searched (doubling, then
 bisecting: `fewest_that_pass`); where that needs many, each layer is re-lowered alone in FP32 and ranked by what
-that buys. Each kept layer is granted FP32 with the reason "accuracy budget" and the log says which, and by how
-much. No anchor (TensorRT, onnxruntime, OpenVINO) does this automatically; Polygraphy's `debug precision` does it
-by hand."""
+that buys. Last, each kept layer is tried back in reduced precision, the costliest first (`trimmed`). Each kept
+layer is granted FP32 with the reason "accuracy budget" and the log says which, and by how much. No anchor
+(TensorRT, onnxruntime, OpenVINO) does this automatically; Polygraphy's `debug precision` does it by hand."""
 from __future__ import annotations
 
 import logging
@@ -33,6 +33,7 @@ T = TypeVar("T")
 Batch = dict[str, torch.Tensor]
 KEPT_FP32_REASON = "accuracy budget: kept in FP32 so the plan meets it"
 EXACT_RANKING_S = 90   # re-lowering each layer alone: BERT-base's 85 took 32 s (Zen 4, 2 threads)
+TRIM_S = 60   # trying the kept layers back in reduced precision, one re-lowering each
 
 METRICS = ("cos", "l0", "l1", "l2", "linf")
 PRODUCTS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention")   # their arithmetic runs in the reduced type
@@ -177,11 +178,38 @@ def meet_budget(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyB
                             by_gain + [n for n in ranked if n not in fp32_alone])
         if again is not None and again[0] < found[0]:
             found = again
-    _, best, kept = found
+    kept, best = trimmed(g, lowered, relower, budget, batches, references, list(found[2]), found[1])
     log.info("Accuracy budget %s: %d of %d reduced-precision layers kept in FP32 (%s %.8g -> %.8g): %s",
              budget.words(), len(kept), len(reduced), budget.metric, score, best[1], ", ".join(kept))
     return best[0], BudgetReport(budget.text(), score, best[1], tuple(reduced), tuple(kept), alone, fp32_alone,
                                  *_described(best[0], reduced), checked_as=budget.checked_text())
+
+
+def trimmed(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyBudget, batches: list[Batch],
+            references: list[list[torch.Tensor]], kept: list[str],
+            best: tuple[Lowering, float]) -> tuple[list[str], tuple[Lowering, float]]:
+    """The search's kept layers less each one the budget holds without, the costliest first (its tactic's timed
+    cost in `lowered`; among equal costs the least sensitive first), until TRIM_S have passed. The search keeps a
+    prefix of one ranking, and a layer taken on the way may not be needed beside the later ones (a dynamo-exported
+    BERT-base with dynamic axes once kept 8 layers, 6 ms slower than its static export, which kept 6)."""
+    deadline = time.monotonic() + TRIM_S
+    returned = []
+    for name in sorted(reversed(kept), key=lambda n: -lowered.timed_ms.get(n, 0.0)):
+        if len(kept) == 1:   # without it the plan is the one that missed
+            break
+        if time.monotonic() > deadline:
+            log.info("Accuracy budget: trying kept layers back in reduced precision stopped after %d s", TRIM_S)
+            break
+        fewer = [n for n in kept if n != name]
+        trial = relower(keep_fp32(lowered.precisions, fewer))
+        trial_score = evaluate(g, trial, budget, batches, references)
+        if budget.met(trial_score):
+            kept, best = fewer, (trial, trial_score)
+            returned.append(name)
+    if returned:
+        log.info("Accuracy budget %s: the budget holds with %d of the search's layers back in reduced precision "
+                 "(costliest first): %s", budget.words(), len(returned), ", ".join(returned))
+    return kept, best
 
 
 def _described(lowered: Lowering, names: list[str]) -> tuple[dict, dict]:

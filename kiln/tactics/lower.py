@@ -81,6 +81,7 @@ class Lowering:
         self.strict_precision, self.pinned = strict_precision, dict(pinned or {})
         self.prefer_source = prefer_source
         self.picked: dict[str, str] = {}
+        self.timed_ms: dict[str, float] = {}   # node -> its chosen tactic's timed cost (kernel + overhead)
         self.node_layers: dict[str, tuple[int, int]] = {}   # node -> its layers' [start, end) in `layers`
         self.layers: list[Layer] = []
         self.weights: dict[str, np.ndarray] = {}
@@ -157,6 +158,7 @@ class Lowering:
         names = {t.name: runner_name(t.name, t.source, node.op_type) for t in found}
         choice = self.tuner.choose(node.name, view, found, have, names, self.dying_inputs(node), decision.granted,
                                    self.storage_guess(node, decision))
+        self.timed_ms[node.name] = choice.kernel_ms + choice.overhead_ms
         if reduced and reduced not in reduced_precisions(choice.tactic):
             fastest = min((t for t in found if reduced in reduced_precisions(t)),
                           key=lambda t: choice.timings_ms[t.name])

@@ -371,21 +371,54 @@ def test_when_the_harm_alone_misleads_each_layer_is_measured_relowered(caplog, b
     assert f"Accuracy budget l2:0.0005 (checked as l2:0.0004): {kept}" in caplog.text
 
 
-def test_the_exact_ranking_stops_at_its_time_limit(caplog, bf16_kernels, monkeypatch):
+@pytest.mark.parametrize("trim_s", [0, 60])
+def test_the_exact_ranking_stops_at_its_time_limit(caplog, bf16_kernels, monkeypatch, trim_s):
     """Re-lowering every layer of a large model could take minutes: past EXACT_RANKING_S the layers not yet measured
-    keep their harm-alone rank (here none is measured, so the misled search's answer stands)."""
+    keep their harm-alone rank (here none is measured, so the misled search keeps every small branch before the big
+    one). Trying each kept layer back in reduced precision then returns the small ones, within TRIM_S."""
     from kiln.planning import accuracy
 
     rank_big_last(monkeypatch)
     monkeypatch.setattr(accuracy, "EXACT_RANKING_S", 0)
+    monkeypatch.setattr(accuracy, "TRIM_S", trim_s)
     caplog.set_level(logging.INFO, logger="kiln.build")
     engine = kiln.build(many_branches(), bf16=True, precision_constraints="prefer", accuracy="l2:0.0005",
                         autotune=False)
     measured = f"0 of {reduced_count(bf16_kernels, 17)} layers measured re-lowered within 0 s"
     assert f"Accuracy budget: {measured}" in caplog.text
     kept = [l.name for l in engine.plan.layers if l.precision_reason.startswith("accuracy budget")]
-    # big ranked last: every small branch kept before it, correct but not the fewest
-    assert kept == ["big"] + [f"small{i}" for i in range(16)] and relative_l2_of(engine) < 5e-4
+    if trim_s:
+        assert kept == ["big"] and relative_l2_of(engine) < 5e-4
+        assert "the budget holds with 16 of the search's layers back in reduced precision" in caplog.text
+    else:   # correct but not the fewest
+        assert kept == ["big"] + [f"small{i}" for i in range(16)] and relative_l2_of(engine) < 5e-4
+        assert "trying kept layers back in reduced precision stopped after 0 s" in caplog.text
+
+
+def test_kept_layers_go_back_to_reduced_precision_costliest_first(monkeypatch):
+    """The search kept three layers; the budget holds with `needed` and either of the others, not with `needed`
+    alone. Trying the costliest first returns the 2 ms layer and keeps the 0.1 ms one."""
+    from types import SimpleNamespace
+
+    from kiln.planning import accuracy
+    from kiln.precision.policy import PrecisionDecision
+
+    names = ["needed", "cheap", "costly"]
+    lowered = SimpleNamespace(precisions={n: PrecisionDecision("BF16", "BF16") for n in names},
+                              timed_ms={"needed": 1.0, "cheap": 0.1, "costly": 2.0})
+
+    def relower(decisions):   # a "plan" is the set of layers it keeps in FP32
+        return frozenset(n for n, d in decisions.items() if d.granted == "FP32")
+    tried = []
+
+    def evaluate(g, kept_fp32, budget, batches, references):
+        tried.append(sorted(kept_fp32))
+        return 0.9995 if "needed" in kept_fp32 and kept_fp32 & {"cheap", "costly"} else 0.99
+    monkeypatch.setattr(accuracy, "evaluate", evaluate)
+    kept, (plan, score) = accuracy.trimmed(None, lowered, relower, AccuracyBudget.parse("cos:0.999"), [], [],
+                                           names, ("search's plan", 0.9997))
+    assert kept == ["needed", "cheap"] and plan == {"needed", "cheap"} and score == 0.9995
+    assert tried == [["cheap", "needed"], ["cheap"], ["needed"]]
 
 
 def relative_l2_of(engine) -> float:
