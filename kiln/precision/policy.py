@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -141,6 +142,14 @@ def requested(name: str, op_type: str, output_dtypes: Iterable, options: Precisi
     return "FP32"
 
 
+def allowed_floats(options: PrecisionOptions) -> tuple[str, ...]:
+    """The reduced float precisions the flags allow beside --int8, preferred first (as `requested` prefers them): a
+    layer INT8 cannot run (no scale, no kernel) falls back to one, as TensorRT's --int8 --fp16 does."""
+    if options.bf16 and not options.fp16:
+        return ("BF16",)
+    return ("FP16", "BF16") if options.fp16 and options.bf16 else ("FP16",) if options.fp16 else ()
+
+
 def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
     if want == got:
         return ""
@@ -148,10 +157,10 @@ def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
         why = f"this CPU has no native {want} arithmetic" if not support.get(want) else \
             f"kiln has no {want} kernel for {op_type}"
         return f"{why}; it runs in {got}"
-    if want == "INT8" and got == "FP32":
-        if op_type in INT8_CAPABLE:
-            return "no input scale: INT8 needs Q/DQ around the layer or calibration (--int8 --calib)"
-        return f"no INT8 kernel for {op_type}"
+    if want == "INT8" and got in ("FP32", *REDUCED_FLOATS):
+        why = "no input scale: INT8 needs Q/DQ around the layer or calibration (--int8 --calib)" \
+            if op_type in INT8_CAPABLE else f"no INT8 kernel for {op_type}"
+        return why if got == "FP32" else f"{why}; it runs in {got}, also allowed"
     if want == "FP32" and got == "INT8":
         return "the model's Q/DQ nodes fix this layer to INT8"
     return f"{want} is not available for {op_type}"
@@ -212,6 +221,8 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, native, OUTPUT_TAIL)
             continue
         got = want if want != native and native == "FP32" and kernel_offers(node, want) else native
+        if want == "INT8" and got == "FP32" and node.name not in tail:
+            got = next((p for p in allowed_floats(options) if kernel_offers(node, p)), got)
         why = reason(node.op_type, want, got, support)
         if why:
             if options.constraints == "obey" and want != "FP32":
@@ -219,7 +230,19 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
                                  f"{want}, which kiln cannot give: {why}")
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, got, why)
         decisions[node.name] = PrecisionDecision(want, got, why)
+    _warn_none_granted(decisions)
     return decisions
+
+
+def _warn_none_granted(decisions: dict[str, PrecisionDecision]) -> None:
+    """One warning per precision asked for and granted to no layer (`--int8` on a model without Q/DQ or --calib,
+    `--fp16` on a CPU without FP16 arithmetic), naming the commonest reason: the per-layer lines are info."""
+    for precision in ("INT8", "BF16", "FP16"):
+        asked = [d for d in decisions.values() if d.requested == precision]
+        if asked and not any(d.granted == precision for d in decisions.values()):
+            reasons = Counter(d.reason for d in asked if d.reason)
+            why = f": {reasons.most_common(1)[0][0]}" if reasons else ""
+            log.warning("%s was asked for by %d layer(s) and granted to none%s", precision, len(asked), why)
 
 
 def _warn_unmatched(nodes: list[Node], options: PrecisionOptions) -> None:

@@ -157,3 +157,41 @@ def test_an_openvino_region_joins_a_bf16_build_at_bf16_and_reports_what_each_lay
     strict = kiln.build(model, bf16=True, precision_constraints="prefer", tactic_sources="-onnxruntime")
     assert not any(l.inner for l in strict.plan.layers)
     assert "precision constraints ask for kiln's BF16 kernels" in caplog.text
+
+
+def half_quantized_net():
+    """conv1 between Q/DQ pairs (INT8 by the model), conv2 plain FP32: what --int8 --bf16 must split."""
+    h = helper.make_node
+    w1 = np.clip(np.round(rand((8, 4, 3, 3), 1) * 60), -127, 127).astype(np.int8)
+    nodes = [h("QuantizeLinear", ["x", "sx", "zx"], ["xq"], name="x_q"),
+             h("DequantizeLinear", ["xq", "sx", "zx"], ["xd"], name="x_dq"),
+             h("DequantizeLinear", ["w1q", "sw"], ["w1"], name="w1_dq"),
+             h("Conv", ["xd", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             h("Relu", ["c1"], ["r1"], name="relu1"),
+             h("Conv", ["r1", "w2", "b2"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
+    inits = [init("sx", np.array(0.02, np.float32)), helper.make_tensor("zx", TensorProto.INT8, [], [0]),
+             helper.make_tensor("w1q", TensorProto.INT8, list(w1.shape), w1.flatten().tolist()),
+             init("sw", np.array(0.005, np.float32)), init("b1", rand((8,), 2) * 0.1),
+             init("w2", rand((8, 8, 3, 3), 3) * 0.2), init("b2", rand((8,), 4) * 0.1)]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 12, 12])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 12, 12])], inits)
+
+
+@pytest.mark.parametrize("make, int8_layers", [(conv_gemm_net, 0), (half_quantized_net, 1)])
+def test_int8_with_bf16_runs_what_int8_cannot_in_bf16(make, int8_layers, caplog):
+    """TensorRT's --int8 --fp16: a layer INT8 cannot run (no Q/DQ scale, no --calib) falls back to the other
+    precision allowed, not to FP32, and says so."""
+    model = make()
+    engine = kiln.build(model, int8=True, bf16=True, precision_constraints="prefer", autotune=False)
+    convs = [l for l in engine.plan.layers if l.op_type in ("Conv", "QConv")]
+    assert sum(l.precision == "INT8" for l in convs) == int8_layers
+    fallen = [l for l in convs if l.precision != "INT8"]
+    assert fallen and all(l.precision == "BF16" and l.requested_precision == "INT8" for l in fallen)
+    assert all(l.precision_reason == "no input scale: INT8 needs Q/DQ around the layer or calibration "
+               "(--int8 --calib); it runs in BF16, also allowed" for l in fallen)
+    got, want = run_both(model, engine)
+    assert cosine(got, want) >= 0.999
+    plain = kiln.build(model, int8=True, precision_constraints="prefer", autotune=False)   # --int8 alone: FP32
+    assert {l.precision for l in plain.plan.layers if l.op_type == "Conv"} == {"FP32"}
+    granted_none = "INT8 was asked for by 2 layer(s) and granted to none: no input scale"   # one warning, not per layer
+    assert (granted_none in caplog.text) == (int8_layers == 0)
