@@ -26,17 +26,22 @@ CALIBRATION_BATCHES = 8
 VOCAB = 30522   # BERT's word pieces
 
 
-def build_model(name: str, workdir: Path, exporter: str = "legacy"):
+def build_model(name: str, workdir: Path, exporter: str = "legacy", dynamic: bool = False):
     """(torch model, feeds by input name, ONNX path) for one benchmark model; see the module docstring.
-    `exporter`: "legacy" (TorchScript, opset 17) or "dynamo" (torch.export, torch's default opset)."""
+    `exporter`: "legacy" (TorchScript, opset 17) or "dynamo" (torch.export, torch's default opset). `dynamic`: the
+    export's batch axis (and an encoder's sequence axis) symbolic, as deployment exports are; the feeds stay batch
+    1 (seq 128). ResNets (not -qat) and encoders only."""
     base = "bert-base" if name.startswith("bert-base") else name.partition("-")[0]
     suffix = name.removeprefix(base).removeprefix("-")
+    if dynamic and not (base in ("resnet18", "resnet50", "bert-base", "minilm") and suffix != "qat"):
+        raise SystemExit(f"'{name}' has no dynamic-axes export: --dynamic takes resnet18 and resnet50 (not -qat), "
+                         "bert-base and minilm")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if base in ("resnet18", "resnet50") and suffix in RESNET_SUFFIXES:
-            return _resnet(base, suffix, workdir / f"{name}.onnx", exporter)
+            return _resnet(base, suffix, workdir / f"{name}.onnx", exporter, dynamic)
         if base in ("bert-base", "minilm") and suffix in ENCODER_SUFFIXES:
-            return _encoder(base, suffix, workdir / f"{name}.onnx", exporter)
+            return _encoder(base, suffix, workdir / f"{name}.onnx", exporter, dynamic)
         if base == "yolov8n" and suffix in ("", "int8"):
             from tests.models import detectors
 
@@ -64,14 +69,14 @@ def _tensor(x: np.ndarray):
     return torch.from_numpy(x)
 
 
-def _resnet(base: str, suffix: str, path: Path, exporter: str):
+def _resnet(base: str, suffix: str, path: Path, exporter: str, dynamic: bool = False):
     import onnx
 
     from tests.models.nets import export, make
 
     model = make(base, seed=0)
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    export(model, _tensor(x), path, exporter)
+    export(model, _tensor(x), path, exporter, dynamic)
     feeds = {"input": x}
     if suffix == "int8":
         return model, feeds, quantize_qdq(path, x)
@@ -82,7 +87,7 @@ def _resnet(base: str, suffix: str, path: Path, exporter: str):
     return model, feeds, path
 
 
-def _encoder(base: str, suffix: str, path: Path, exporter: str):
+def _encoder(base: str, suffix: str, path: Path, exporter: str, dynamic: bool = False):
     from tests.models import encoders
 
     shape = dict(layers=12, hidden=768, heads=12, intermediate=3072) if base == "bert-base" else \
@@ -90,7 +95,8 @@ def _encoder(base: str, suffix: str, path: Path, exporter: str):
     model = encoders.make_bert(**shape, vocab=VOCAB, max_positions=512)
     feeds = encoders.inputs(model, batch=1, seq=128)
     feeds["attention_mask"][0, 108:] = 0
-    exported = encoders.export(model, feeds, path, exporter)
+    example = encoders.inputs(model, batch=2, seq=16) if dynamic else feeds   # torch.export specializes size 1
+    exported = encoders.export(model, example, path, exporter, dynamic=dynamic)
     if suffix == "int8":
         return model, feeds, quantize_dynamically(exported, path)
     if suffix == "qdq":

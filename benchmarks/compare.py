@@ -6,7 +6,9 @@ and torch.compile (with --compile; its first call takes minutes).
 
 Networks are built from torch code (tests/models/: ResNet-18/50 at 224x224, a BERT-base-shaped HF BertModel at
 seq 128, a YOLOv8n-shaped detector at 640x640; random weights, randomized BatchNorm statistics) and exported with
-the legacy exporter (--exporter dynamo: torch.export's) to a temporary folder. Every engine gets 5 warm-up runs;
+the legacy exporter (--exporter dynamo: torch.export's; --dynamic: batch and sequence axes symbolic, as deployment
+exports have them, kiln's build given a profile around the feeds' shapes) to a temporary folder. Every engine gets
+5 warm-up runs;
 then timed blocks of --runs inferences rotate through the engines --rounds times (the order shifting by one engine
 per round, an untimed inference opening each block), so drift hits all alike; medians are over all timed runs.
 Reported: median ms per engine, kiln's ratio to onnxruntime and to the best peer, kiln's build time
@@ -50,7 +52,8 @@ WARMUP = 5
 
 
 def flops(plan) -> float:
-    """Multiply-adds x2 of convolutions, matrix products and attention in a kiln plan (regions included)."""
+    """Multiply-adds x2 of convolutions, matrix products and attention in a kiln plan (regions included), at the
+    shapes its layers record (a dynamic plan's: its profile's opt point)."""
     total = 0.0
     for layer in [i for l in plan.layers for i in (l.inner or (l,))]:
         out = layer.outputs[0].dims if layer.outputs else ()
@@ -163,9 +166,10 @@ def bench(name: str, workdir: Path, args) -> dict:
     from kiln.trt.vocab import layer_type
 
     torch.set_num_threads(args.threads)
-    model, feeds, path = build_model(name, workdir, args.exporter)
+    model, feeds, path = build_model(name, workdir, args.exporter, args.dynamic)
+    shapes = profile_around(path, feeds) if args.dynamic else {}
     t0 = time.perf_counter()
-    engine = kiln.build(str(path), bf16=args.precision == "bf16")
+    engine = kiln.build(str(path), bf16=args.precision == "bf16", **shapes)
     build_s = time.perf_counter() - t0
     engine.save(workdir / f"{name}.kiln")
     t0 = time.perf_counter()
@@ -177,13 +181,13 @@ def bench(name: str, workdir: Path, args) -> dict:
                **peers(str(path), model, feeds, args.threads, args.compile, args.precision)}
     fp32_path = path.with_stem(next((path.stem.removesuffix(q) for q in QUANTIZED if path.stem.endswith(q)), path.stem))
     if args.precision != "fp32":   # kiln's own kernels only: no OpenVINO or onnxruntime region
-        own = kiln.build(str(path), bf16=args.precision == "bf16",
-                         tactic_sources="-openvino,-onnxruntime").create_execution_context()
+        own = kiln.build(str(path), bf16=args.precision == "bf16", tactic_sources="-openvino,-onnxruntime",
+                         **shapes).create_execution_context()
         runners["kiln own"] = lambda: own.execute(feeds)
     cosines = cosines_to_fp32(runners, fp32_reference(fp32_path, feeds, args.threads)) \
         if args.precision != "fp32" else {}
     if path.stem.endswith(QUANTIZED):   # INT8 vs kiln's own FP32 engine of the same network
-        fp32 = kiln.build(str(fp32_path)).create_execution_context()
+        fp32 = kiln.build(str(fp32_path), **shapes).create_execution_context()
         runners["kiln fp32"] = lambda: fp32.execute(feeds)
     samples = time_blocks(runners, args.rounds, args.runs)
     medians = {k: statistics.median(v) for k, v in samples.items()}
@@ -191,6 +195,20 @@ def bench(name: str, workdir: Path, args) -> dict:
     return {"name": name, "medians": medians, "build_s": build_s, "load_s": load_s, "bound_ms": bound_ms,
             "plan": plan_summary([layer_type(l) for l in engine.plan.layers]), "cosines": cosines,
             "bf16_layers": sum(i.precision == "BF16" for l in engine.plan.layers for i in (l.inner or (l,)))}
+
+
+def profile_around(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, str]:
+    """kiln.build's min/opt/max shapes for a model with symbolic axes: opt the feeds' shapes, min 1 and max 4x
+    opt in each symbolic axis (batch 1-4, sequence 1-512 around 128)."""
+    import onnx
+
+    symbolic = {i.name: [bool(d.dim_param) or not d.dim_value for d in i.type.tensor_type.shape.dim]
+                for i in onnx.load(str(path), load_external_data=False).graph.input}
+
+    def spec(scale) -> str:
+        return ",".join(f"{n}:" + "x".join(str(scale(d) if s else d) for d, s in zip(feeds[n].shape, symbolic[n]))
+                        for n in feeds)
+    return {"min_shapes": spec(lambda d: 1), "opt_shapes": spec(lambda d: d), "max_shapes": spec(lambda d: 4 * d)}
 
 
 def fp32_reference(fp32_path: Path, feeds: dict[str, np.ndarray], threads: int) -> np.ndarray:
@@ -268,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--exporter", choices=["legacy", "dynamo"], default="legacy",
                    help="how the networks are exported: torch.onnx's TorchScript exporter at opset 17 (default) or "
                         "torch.export's (dynamo=True) at torch's default opset")
+    p.add_argument("--dynamic", action="store_true",
+                   help="export with symbolic batch (and sequence) axes; kiln builds a profile around the feeds")
     p.add_argument("--no-record", action="store_true", help="do not append this run to the results CSV")
     p.add_argument("--results-csv", type=Path, default=RUNS_CSV, help=f"where to append the rows (default {RUNS_CSV})")
     p.add_argument("--run-id", default=None, help="run id in the CSV (default: the UTC start time)")
@@ -308,7 +328,8 @@ def main(argv=None) -> int:
               f"{m['kiln'] / m['onnxruntime']:>10.3f}{m['kiln'] / best:>11.3f}{m['kiln'] / max(r['bound_ms'], 1e-9):>12.2f}"
               f"{r['build_s']:>9.1f}{r['load_s']:>8.2f}")
     if not args.no_record:
-        note = args.note if args.exporter == "legacy" else "; ".join(filter(None, [args.note, "dynamo export"]))
+        note = "; ".join(filter(None, [args.note, "dynamo export" if args.exporter == "dynamo" else "",
+                                       "dynamic axes" if args.dynamic else ""]))
         rows = run_rows(results, run_id, cpu_text, args.threads, git_commit(ROOT), note)
         append_rows(rows, args.results_csv)
         print(f"\nrecorded run {run_id} ({len(rows)} row(s)) in {args.results_csv}")

@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -163,12 +164,12 @@ def test_bench_runs_kiln_and_its_peers_on_a_real_model(tmp_path, monkeypatch, pr
                         per_channel=True)
     model_path = tmp_path / "tiny_qdq.onnx" if precision == "int8" else path
     exporters = []
-    monkeypatch.setattr(compare, "build_model", lambda name, workdir, exporter: (exporters.append(exporter), model,
-                                                                                {"input": x.numpy()}, model_path)[1:])
+    monkeypatch.setattr(compare, "build_model", lambda name, workdir, exporter, dynamic: (
+        exporters.append((exporter, dynamic)), model, {"input": x.numpy()}, model_path)[1:])
     args = argparse.Namespace(threads=1, compile=False, rounds=1, runs=1, peak_gflops=100.0, precision=precision,
-                              exporter="dynamo")
+                              exporter="dynamo", dynamic=False)
     result = compare.bench("tiny", tmp_path, args)
-    assert exporters == ["dynamo"]   # --exporter reaches the export
+    assert exporters == [("dynamo", False)]   # --exporter and --dynamic reach the export
     peers = {"onnxruntime"} if precision == "int8" else {"onnxruntime", "torch eager"}   # torch runs FP32 only
     assert result["name"] == "tiny" and {"kiln"} | peers <= set(result["medians"])
     if precision != "fp32":   # kiln's own kernels beside kiln with every source; cosines to the FP32 network
@@ -261,3 +262,25 @@ def test_the_qat_model_has_qdq_only_before_products_and_its_fp32_network_beside_
         assert not onnx.numpy_helper.to_array(zero_point).any()
     with pytest.raises(SystemExit, match="-qdq after bert-base or minilm"):
         bench_models.build_model("resnet18-qdq", tmp_path)
+
+
+def test_a_dynamic_export_has_a_symbolic_batch_and_kiln_a_profile_around_the_feeds(tmp_path):
+    """--dynamic: the export's batch axis is symbolic, as deployment exports have it; kiln is built with a profile
+    from 1 to 4x the feeds' batch, opt at the feeds, where its compute bound is counted (ResNet-18: 3.6 GFLOP)."""
+    import onnx
+
+    import bench_models
+    import kiln
+
+    _, feeds, path = bench_models.build_model("resnet18", tmp_path, "legacy", dynamic=True)
+    batch = onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch.dim_param == "batch" and feeds["input"].shape == (1, 3, 224, 224)
+    shapes = compare.profile_around(path, feeds)
+    assert shapes == {"min_shapes": "input:1x3x224x224", "opt_shapes": "input:1x3x224x224",
+                      "max_shapes": "input:4x3x224x224"}
+    engine = kiln.build(str(path), autotune=False, **shapes)
+    assert engine.plan.inputs[0].dynamic == (0,) and compare.flops(engine.plan) == pytest.approx(3.63e9, rel=0.01)
+    x = np.random.default_rng(0).standard_normal((3, 3, 224, 224)).astype(np.float32)
+    assert engine.run({"input": x})["output"].shape == (3, 1000)
+    with pytest.raises(SystemExit, match="--dynamic takes resnet18 and resnet50"):
+        bench_models.build_model("yolov8n", tmp_path, "legacy", dynamic=True)

@@ -203,6 +203,8 @@ def trimmed(g: Graph, lowered: Lowering, relower: Relower, budget: AccuracyBudge
         fewer = [n for n in kept if n != name]
         trial = relower(keep_fp32(lowered.precisions, fewer))
         trial_score = evaluate(g, trial, budget, batches, references)
+        log.debug("Accuracy budget: %s back in reduced precision: %s %.8g (%s)", name, budget.metric, trial_score,
+                  "holds" if budget.met(trial_score) else "misses")
         if budget.met(trial_score):
             kept, best = fewer, (trial, trial_score)
             returned.append(name)

@@ -241,8 +241,14 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
             continue
         if reference is None:
             reference = outputs   # no onnxruntime reference: the first candidate (kiln's own kernels) is the judge
-        elif not (budget.met(budget.worst([budget.score(a, b) for a, b in zip(outputs, reference)])) if budget
-                  else _agree(outputs, reference, min_cosine=cosine_bar())):
+        elif budget is not None:
+            score = budget.worst([budget.score(a, b) for a, b in zip(outputs, reference)])
+            if not budget.met(score):
+                log.warning("The %s plan misses the accuracy budget %s on the timing input (%s %.6g against %s); "
+                            "leaving it out", name, budget.words(), budget.metric, score,
+                            "the original model in onnxruntime" if reference_fn else "kiln's kernels")
+                continue
+        elif not _agree(outputs, reference, min_cosine=cosine_bar()):
             log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
                         "the original model in onnxruntime" if reference_fn else "kiln's kernels")
             continue

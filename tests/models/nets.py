@@ -118,7 +118,7 @@ def make(name: str, seed: int = 0) -> ResNet:
     return model.eval()
 
 
-def export(model: nn.Module, x: torch.Tensor, path, exporter: str = "legacy") -> float:
+def export(model: nn.Module, x: torch.Tensor, path, exporter: str = "legacy", dynamic: bool = False) -> float:
     """Export `model` on example input `x` to `path` (input "input", output "output"); returns seconds taken.
 
     exporter="dynamo": torch.onnx.export(dynamo=True) at this torch's default opset (20 for torch 2.13); the
@@ -127,20 +127,24 @@ def export(model: nn.Module, x: torch.Tensor, path, exporter: str = "legacy") ->
     exporter="legacy": the TorchScript exporter, opset 17, do_constant_folding=False, so every BatchNormalization
         stays for kiln to fold; the pool is GlobalAveragePool and the flatten a single Flatten node (no
         Identity/Constant/Shape chains appear for these nets at opset 17). About 0.5-3 s.
+    dynamic=True: the batch axis of "input" and "output" is symbolic ("batch"): dynamic_axes for legacy, a
+        torch.export.Dim for dynamo; traced at batch 2 where `x` has 1 (torch.export specializes a size-1 dim).
     The file's IR version is capped at MAX_ORT_IR_VERSION so onnxruntime can read it.
     """
-    import onnx
-
     path = Path(path)
     t0 = time.perf_counter()
+    if dynamic and x.shape[0] == 1:
+        x = torch.cat([x, x])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
+            shapes = dict(dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},)) if dynamic else {}
             torch.onnx.export(model, (x,), str(path), dynamo=True, input_names=["input"], output_names=["output"],
-                              external_data=False, verbose=False)
+                              external_data=False, verbose=False, **shapes)
         elif exporter == "legacy":
+            axes = dict(dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}) if dynamic else {}
             torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, do_constant_folding=False,
-                              input_names=["input"], output_names=["output"])
+                              input_names=["input"], output_names=["output"], **axes)
         else:
             raise ValueError(f"unknown exporter {exporter!r}")
     seconds = time.perf_counter() - t0

@@ -4,6 +4,8 @@ ops'. Checked on OpenVINO itself for a quantize_static model's fully connected l
 OpenVINO's suffixes."""
 from __future__ import annotations
 
+import re
+
 import onnx
 import pytest
 from onnx import TensorProto, helper
@@ -105,3 +107,34 @@ def test_an_openvino_region_grants_what_its_execution_graph_ran(monkeypatch, tmp
     assert granted == {"conv": want[ran["Convolution"]], "fc": want[product]}, (granted, ran)
     denied = [r.getMessage() for r in caplog.records if "the OpenVINO region ran it in" in r.getMessage()]
     assert len(denied) == sum(g != "INT8" for g in granted.values()), denied
+
+
+def test_an_openvino_bf16_region_that_misses_the_budget_is_left_out_saying_so(monkeypatch, caplog):
+    """Under --bf16 an OpenVINO region runs bf16 and joins the plan race only if it meets the accuracy budget; one
+    that misses it is left out with its score (here its outputs are perturbed by 5%)."""
+    pytest.importorskip("openvino")
+    import torch
+
+    from kiln.tactics import openvino_source
+    from kiln.tactics.onednn_conv import bf16_available
+    from tests.precision.models import conv_net
+
+    if not bf16_available():
+        pytest.skip("this CPU has no native BF16 arithmetic: no BF16 layer, so no bf16 region races")
+    real = openvino_source.region_kernel
+
+    def perturbed(*args, **kwargs):
+        kernel = real(*args, **kwargs)
+
+        def run(xs):
+            return [y + 0.05 * y.abs().mean() * torch.randn(y.shape, generator=torch.Generator().manual_seed(0))
+                    for y in kernel(xs)]
+        run.runtime_precisions = kernel.runtime_precisions
+        return run
+    monkeypatch.setattr(openvino_source, "region_kernel", perturbed)
+    caplog.set_level("WARNING", logger="kiln.build")
+    engine = kiln.build(conv_net(), bf16=True, tactic_sources="-onnxruntime", avg_timing=1, min_timing=1)
+    assert re.search(r"The openvino plan misses the accuracy budget cos:0\.999 \(checked as cos:0\.9992\) on the "
+                     r"timing input \(cos 0\.9\d+ against the original model in onnxruntime\); leaving it out",
+                     caplog.text), caplog.text
+    assert not any(l.tactic_name == openvino_source.OPENVINO_REGION_TACTIC for l in engine.plan.layers)
