@@ -143,11 +143,12 @@ def requested(name: str, op_type: str, output_dtypes: Iterable, options: Precisi
 
 
 def allowed_floats(options: PrecisionOptions) -> tuple[str, ...]:
-    """The reduced float precisions the flags allow beside --int8, preferred first (as `requested` prefers them): a
-    layer INT8 cannot run (no scale, no kernel) falls back to one, as TensorRT's --int8 --fp16 does."""
-    if options.bf16 and not options.fp16:
-        return ("BF16",)
-    return ("FP16", "BF16") if options.fp16 and options.bf16 else ("FP16",) if options.fp16 else ()
+    """The reduced float precisions the flags allow, preferred first (as `requested` prefers them): a layer denied
+    the one it asked for (INT8 without a scale, FP16 on a CPU without FP16 arithmetic) falls back to another, as
+    TensorRT's builder picks among every precision its flags allow (--int8 --fp16)."""
+    if options.best:
+        return ("BF16", "FP16")
+    return tuple(p for p, flag in (("FP16", options.fp16), ("BF16", options.bf16)) if flag)
 
 
 def reason(op_type: str, want: str, got: str, support: dict[str, bool]) -> str:
@@ -221,8 +222,8 @@ def decide(nodes: Iterable[Node], options: PrecisionOptions, kernel_offers: Kern
             log.info("Layer %s: requested %s, granted %s: %s", node.name, want, native, OUTPUT_TAIL)
             continue
         got = want if want != native and native == "FP32" and kernel_offers(node, want) else native
-        if want == "INT8" and got == "FP32" and node.name not in tail:
-            got = next((p for p in allowed_floats(options) if kernel_offers(node, p)), got)
+        if want != "FP32" and got == "FP32" and node.name not in tail:
+            got = next((p for p in allowed_floats(options) if p != want and kernel_offers(node, p)), got)
         why = reason(node.op_type, want, got, support)
         if why:
             if options.constraints == "obey" and want != "FP32":

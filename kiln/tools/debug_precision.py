@@ -62,8 +62,11 @@ def debug_precision(model: str | os.PathLike | onnx.ModelProto, **build_options)
     if build_options.get("accuracy") == "off":
         raise ModelError("kiln debug precision needs an accuracy budget; drop --accuracy off")
     calibrated = bool(build_options.get("calibration"))
-    int8 = build_options.get("int8") or getattr(build_options.get("precision"), "int8", False)
-    if int8 and not calibrated:
+
+    def allowed(flag: str) -> bool:
+        return bool(build_options.get(flag) or getattr(build_options.get("precision"), flag, False))
+    floats = any(allowed(flag) for flag in ("bf16", "fp16", "best"))   # with --int8 --bf16 the BF16 layers are searched
+    if allowed("int8") and not calibrated and not floats:
         raise ModelError(NOT_CALIBRATED)
     if calibrated and not build_options.get("accuracy"):
         build_options["accuracy"] = DEFAULT_INT8_BUDGET

@@ -222,6 +222,19 @@ def test_debug_precision_names_the_onnx_nodes_to_keep_in_fp32(tmp_path):
     assert all(l["score_alone_fp32"] is None for l in doc["layers"])
 
 
+def test_debug_precision_with_int8_and_bf16_searches_the_bf16_layers_without_calibration(bf16_kernels):
+    """trtexec's habit --int8 --fp16: without --calib no layer gets INT8, each falls back to BF16, and the search
+    has BF16 layers to choose from (with --int8 alone it is an error: nothing to choose)."""
+    from kiln.tools.debug_precision import debug_precision
+
+    report = debug_precision(two_branch(), int8=True, bf16=True, precision_constraints="prefer",
+                             accuracy="l2:0.0005", autotune=False)
+    assert report.keep_fp32_nodes == ("big",)
+    assert [(v.layer, v.granted) for v in report.verdicts] == [("big", "FP32"), ("small + sum", "BF16")]
+    with pytest.raises(kiln.ModelError, match="--int8 needs calibration data"):
+        debug_precision(two_branch(), int8=True, autotune=False)
+
+
 def test_debug_precision_answers_when_an_external_region_wins_the_race(monkeypatch, bf16_kernels):
     """The whole-plan race may replace kiln's plan by one OpenVINO or onnxruntime region (ResNet-18 did, and
     `kiln debug precision` failed with a KeyError on the first layer): the answer comes from kiln's plan as the

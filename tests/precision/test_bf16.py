@@ -195,3 +195,13 @@ def test_int8_with_bf16_runs_what_int8_cannot_in_bf16(make, int8_layers, caplog)
     assert {l.precision for l in plain.plan.layers if l.op_type == "Conv"} == {"FP32"}
     granted_none = "INT8 was asked for by 2 layer(s) and granted to none: no input scale"   # one warning, not per layer
     assert (granted_none in caplog.text) == (int8_layers == 0)
+
+
+def test_fp16_with_bf16_takes_bf16_where_fp16_is_denied():
+    """--fp16 --bf16: FP16 is asked for (as trtexec's --fp16 wins); on a CPU without FP16 arithmetic the layer is
+    granted BF16, the other precision allowed, not FP32."""
+    engine = kiln.build(conv_gemm_net(), fp16=True, bf16=True, precision_constraints="prefer", autotune=False)
+    convs = [l for l in engine.plan.layers if l.op_type == "Conv"]
+    assert convs and all(l.requested_precision == "FP16" and l.precision in ("FP16", "BF16") for l in convs)
+    assert all(l.precision_reason == "this CPU has no native FP16 arithmetic; it runs in BF16"
+               for l in convs if l.precision == "BF16")
