@@ -8,9 +8,9 @@ Networks are built from torch code (tests/models/: ResNet-18/50 at 224x224, a BE
 seq 128, a YOLOv8n-shaped detector at 640x640; random weights, randomized BatchNorm statistics) and exported with
 the legacy exporter (--exporter dynamo: torch.export's; --dynamic: batch and sequence axes symbolic, as deployment
 exports have them, kiln's build given a profile around the feeds' shapes) to a temporary folder. Every engine gets
-5 warm-up runs;
-then timed blocks of --runs inferences rotate through the engines --rounds times (the order shifting by one engine
-per round, an untimed inference opening each block), so drift hits all alike; medians are over all timed runs.
+5 warm-up runs; then timed blocks of --runs inferences rotate through the engines --rounds times (the order
+shifting by one engine per round, an untimed inference opening each block), so drift hits all alike; medians are
+over all timed runs.
 Reported: median ms per engine, kiln's ratio to onnxruntime and to the best peer, kiln's build time
 (cold timing cache) and load time, and kiln's ratio to the compute lower bound (FLOPs / the best fp32 throughput
 measured at start-up on this machine with the same threads: a 1024^3 matrix product or a 3x3 oneDNN convolution).
