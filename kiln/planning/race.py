@@ -225,6 +225,7 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
     inputs = {v.name: random_input(v) for v in g.inputs}   # token ids within their embedding, masks as ones
     reference = _reference_outputs(reference_fn, inputs)
     cosine_bar = _cosine_bar(g, reference_fn, inputs, reference)
+    judge = "the original model in onnxruntime" if reference_fn else "kiln's kernels"
     runners = {}
     for name, (layers, weights) in candidates.items():
         key = plan_signature(layers)
@@ -245,12 +246,10 @@ def checked_runners(candidates: Candidates, g: Graph, tuner: Autotuner, referenc
             score = budget.worst([budget.score(a, b) for a, b in zip(outputs, reference)])
             if not budget.met(score):
                 log.warning("The %s plan misses the accuracy budget %s on the timing input (%s %.6g against %s); "
-                            "leaving it out", name, budget.words(), budget.metric, score,
-                            "the original model in onnxruntime" if reference_fn else "kiln's kernels")
+                            "leaving it out", name, budget.words(), budget.metric, score, judge)
                 continue
         elif not _agree(outputs, reference, min_cosine=cosine_bar()):
-            log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name,
-                        "the original model in onnxruntime" if reference_fn else "kiln's kernels")
+            log.warning("The %s plan's outputs differ from %s on the timing input; leaving it out", name, judge)
             continue
         runners[name] = (key, run, [])
     return runners
